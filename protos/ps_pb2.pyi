@@ -1,0 +1,219 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FP32: _ClassVar[DType]
+    FP16: _ClassVar[DType]
+    BF16: _ClassVar[DType]
+DTYPE_UNSPECIFIED: DType
+FP32: DType
+FP16: DType
+BF16: DType
+
+class Initializer(_message.Message):
+    __slots__ = ("kind", "a", "b", "seed", "state_init")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[Initializer.Kind]
+        ZEROS: _ClassVar[Initializer.Kind]
+        CONSTANT: _ClassVar[Initializer.Kind]
+        UNIFORM: _ClassVar[Initializer.Kind]
+        NORMAL: _ClassVar[Initializer.Kind]
+    KIND_UNSPECIFIED: Initializer.Kind
+    ZEROS: Initializer.Kind
+    CONSTANT: Initializer.Kind
+    UNIFORM: Initializer.Kind
+    NORMAL: Initializer.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    A_FIELD_NUMBER: _ClassVar[int]
+    B_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STATE_INIT_FIELD_NUMBER: _ClassVar[int]
+    kind: Initializer.Kind
+    a: float
+    b: float
+    seed: int
+    state_init: float
+    def __init__(self, kind: _Optional[_Union[Initializer.Kind, str]] = ..., a: _Optional[float] = ..., b: _Optional[float] = ..., seed: _Optional[int] = ..., state_init: _Optional[float] = ...) -> None: ...
+
+class TableSpec(_message.Message):
+    __slots__ = ("name", "dim", "state_width", "dtype", "initializer")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    STATE_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZER_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dim: int
+    state_width: int
+    dtype: DType
+    initializer: Initializer
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., state_width: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., initializer: _Optional[_Union[Initializer, _Mapping]] = ...) -> None: ...
+
+class TableInfo(_message.Message):
+    __slots__ = ("spec", "num_rows")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    spec: TableSpec
+    num_rows: int
+    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., num_rows: _Optional[int] = ...) -> None: ...
+
+class CreateTableRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: TableSpec
+    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ...) -> None: ...
+
+class CreateTableResponse(_message.Message):
+    __slots__ = ("table", "created")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    table: TableInfo
+    created: bool
+    def __init__(self, table: _Optional[_Union[TableInfo, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
+
+class DescribeTableRequest(_message.Message):
+    __slots__ = ("table",)
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    def __init__(self, table: _Optional[str] = ...) -> None: ...
+
+class ListTablesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListTablesResponse(_message.Message):
+    __slots__ = ("tables",)
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableInfo]
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ...) -> None: ...
+
+class DropTableRequest(_message.Message):
+    __slots__ = ("table", "missing_ok")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    MISSING_OK_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    missing_ok: bool
+    def __init__(self, table: _Optional[str] = ..., missing_ok: _Optional[bool] = ...) -> None: ...
+
+class DropTableResponse(_message.Message):
+    __slots__ = ("dropped", "rows_dropped")
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    dropped: bool
+    rows_dropped: int
+    def __init__(self, dropped: _Optional[bool] = ..., rows_dropped: _Optional[int] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("table", "ids")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: bytes
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
+
+class PullResponse(_message.Message):
+    __slots__ = ("rows", "missing", "num_missing")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    NUM_MISSING_FIELD_NUMBER: _ClassVar[int]
+    rows: bytes
+    missing: bytes
+    num_missing: int
+    def __init__(self, rows: _Optional[bytes] = ..., missing: _Optional[bytes] = ..., num_missing: _Optional[int] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("table", "ids", "rows")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: bytes
+    rows: bytes
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., rows: _Optional[bytes] = ...) -> None: ...
+
+class PushResponse(_message.Message):
+    __slots__ = ("rows_written",)
+    ROWS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    rows_written: int
+    def __init__(self, rows_written: _Optional[int] = ...) -> None: ...
+
+class DeleteRequest(_message.Message):
+    __slots__ = ("table", "ids")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: bytes
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
+
+class DeleteResponse(_message.Message):
+    __slots__ = ("rows_deleted",)
+    ROWS_DELETED_FIELD_NUMBER: _ClassVar[int]
+    rows_deleted: int
+    def __init__(self, rows_deleted: _Optional[int] = ...) -> None: ...
+
+class ExportRequest(_message.Message):
+    __slots__ = ("table", "rows_per_chunk")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_PER_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    rows_per_chunk: int
+    def __init__(self, table: _Optional[str] = ..., rows_per_chunk: _Optional[int] = ...) -> None: ...
+
+class RowChunk(_message.Message):
+    __slots__ = ("spec", "ids", "rows", "replace")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    spec: TableSpec
+    ids: bytes
+    rows: bytes
+    replace: bool
+    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., ids: _Optional[bytes] = ..., rows: _Optional[bytes] = ..., replace: _Optional[bool] = ...) -> None: ...
+
+class ImportResponse(_message.Message):
+    __slots__ = ("table", "rows_written")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    table: TableInfo
+    rows_written: int
+    def __init__(self, table: _Optional[_Union[TableInfo, _Mapping]] = ..., rows_written: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MethodStats(_message.Message):
+    __slots__ = ("method", "requests", "errors", "rows")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    requests: int
+    errors: int
+    rows: int
+    def __init__(self, method: _Optional[str] = ..., requests: _Optional[int] = ..., errors: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("backend", "version", "uptime_seconds", "tables", "methods")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    METHODS_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    version: str
+    uptime_seconds: float
+    tables: _containers.RepeatedCompositeFieldContainer[TableInfo]
+    methods: _containers.RepeatedCompositeFieldContainer[MethodStats]
+    def __init__(self, backend: _Optional[str] = ..., version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., methods: _Optional[_Iterable[_Union[MethodStats, _Mapping]]] = ...) -> None: ...

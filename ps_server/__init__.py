@@ -1,0 +1,1 @@
+"""The dynemb parameter server: a gRPC service over Redis or an embedded store, and its client."""

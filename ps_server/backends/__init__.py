@@ -1,0 +1,33 @@
+"""Stores behind the PS. `open_store(url)` picks one from a URL.
+
+    embedded:// (or empty)        in-process numpy store (the default)
+    redis://[user:pass@]host:port/db    standalone Redis
+    rediss://...                  the same over TLS
+    redis+cluster://host:port[,host:port...]  Redis Cluster (rediss+cluster:// for TLS)
+"""
+
+from __future__ import annotations
+
+from ps_server.backends.base import Store
+
+
+def open_store(url: str = "", *, namespace: str = "dynemb", **options) -> Store:
+    url = (url or "embedded://").strip()
+    scheme = url.split("://", 1)[0].lower() if "://" in url else url.lower()
+    if scheme in ("embedded", "memory"):
+        from ps_server.backends.embedded import EmbeddedStore
+
+        return EmbeddedStore()
+    if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix"):
+        from ps_server.backends.redis_store import RedisStore
+
+        return RedisStore.from_url(url, namespace=namespace, **options)
+    from ps_server.errors import InvalidArgument
+
+    raise InvalidArgument(
+        f"backend URL {url!r}: scheme {scheme!r} is not one of embedded://, redis://, rediss://, "
+        f"redis+cluster://, rediss+cluster://"
+    )
+
+
+__all__ = ["Store", "open_store"]

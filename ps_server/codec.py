@@ -1,0 +1,58 @@
+"""Packing ids, rows and missing-masks to and from the wire's little-endian bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ps_server.errors import InvalidArgument
+from ps_server.schema import TableSchema
+
+ID_DTYPE = np.dtype("<i8")
+
+
+def decode_ids(data: bytes, table: str = "") -> np.ndarray:
+    if len(data) % 8:
+        where = f" for table {table!r}" if table else ""
+        raise InvalidArgument(
+            f"ids{where} must be packed int64 (8 bytes each), got {len(data)} bytes, "
+            f"which is not a multiple of 8"
+        )
+    return np.frombuffer(data, dtype=ID_DTYPE)
+
+
+def encode_ids(ids) -> bytes:
+    return np.ascontiguousarray(ids, dtype=ID_DTYPE).tobytes()
+
+
+def decode_rows(data: bytes, schema: TableSchema, num_ids: int) -> np.ndarray:
+    expected = num_ids * schema.row_bytes
+    if len(data) != expected:
+        raise InvalidArgument(
+            f"rows for table {schema.name!r} must be {num_ids} ids x {schema.width} values "
+            f"(dim {schema.dim} + state {schema.state_width}) x {schema.np_dtype.itemsize} bytes "
+            f"= {expected} bytes, got {len(data)} bytes"
+            + (
+                f" (that is {len(data) / max(num_ids, 1) / schema.np_dtype.itemsize:g} values per row)"
+                if num_ids
+                else ""
+            )
+        )
+    return np.frombuffer(data, dtype=schema.np_dtype).reshape(num_ids, schema.width)
+
+
+def encode_rows(rows: np.ndarray, schema: TableSchema) -> bytes:
+    rows = np.asarray(rows)
+    if rows.ndim != 2 or rows.shape[1] != schema.width:
+        raise InvalidArgument(
+            f"rows for table {schema.name!r} must have shape (n, {schema.width}), got {rows.shape}"
+        )
+    return np.ascontiguousarray(rows, dtype=schema.np_dtype).tobytes()
+
+
+def encode_mask(mask: np.ndarray) -> bytes:
+    return np.packbits(np.asarray(mask, dtype=bool), bitorder="little").tobytes()
+
+
+def decode_mask(data: bytes, n: int) -> np.ndarray:
+    bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little", count=n)
+    return bits.astype(bool)

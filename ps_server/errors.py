@@ -1,0 +1,71 @@
+"""Errors the parameter server raises, each tied to the gRPC status it travels as.
+
+Backends and validation raise these; the service turns them into a status with the
+message intact, so the client sees exactly what was wrong.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class PSError(Exception):
+    """Base of every error the PS reports to a client."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(PSError, ValueError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class TableNotFound(PSError, KeyError):
+    code = grpc.StatusCode.NOT_FOUND
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else "table not found"
+
+
+class TableExists(PSError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class ResourceExhausted(PSError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class BackendUnavailable(PSError):
+    """The store behind the PS (Redis) is down or refused us; retrying may help."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Unauthenticated(PSError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class Unavailable(PSError):
+    """Raised by the client when a PS stayed unreachable through every retry."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+_BY_CODE = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: TableNotFound,
+    grpc.StatusCode.ALREADY_EXISTS: TableExists,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+}
+
+
+def from_rpc_error(err: grpc.RpcError, address: str = "") -> PSError:
+    """The client-side exception for a failed call, keeping the server's message."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    where = f" (PS {address})" if address else ""
+    cls = _BY_CODE.get(code, PSError)
+    exc = cls(f"{code.name}: {details}{where}")
+    exc.code = code
+    return exc

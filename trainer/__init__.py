@@ -1,0 +1,1 @@
+"""TorchRec training behind the ID transformer (later issues)."""
