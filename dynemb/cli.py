@@ -1,0 +1,44 @@
+"""The `dynemb` command: `dynemb ps ...` for the parameter server, `dynemb demo` for the main job."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dynemb import __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dynemb",
+        description="dynemb: dynamic-embedding training. Bounded device tables behind an ID "
+        "transformer, with every row kept in a parameter server (PS).",
+        epilog="Run `dynemb COMMAND --help` for each command's flags.",
+    )
+    parser.add_argument("--version", action="version", version=f"dynemb {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    from dynemb import demo
+    from ps_server import cli as ps_cli
+
+    ps_cli.add_parser(sub)
+    demo.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        from ps_server.errors import PSError
+
+        if isinstance(exc, PSError):  # a clear message is enough; no traceback
+            print(f"dynemb: error: {exc}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

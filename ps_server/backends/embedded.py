@@ -1,0 +1,157 @@
+"""The embedded store: every table in this process's memory, on numpy arrays.
+
+The default backend, for a single PS or for tests and demos: no Redis to run. Each
+table is an IdIndex (id → row number) and one 2-D array of rows that grows by
+doubling; deleted rows' numbers are reused. A lock per table keeps concurrent gRPC
+handlers apart. Nothing is written to disk: a restarted embedded PS starts empty
+(use the Redis backend where rows must outlive the PS process).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+
+from ps_server.backends.base import Store
+from ps_server.backends.id_index import IdIndex
+from ps_server.errors import TableExists, TableNotFound
+from ps_server.schema import TableSchema
+
+
+def last_occurrence(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct ids, position of each one's last occurrence): a repeated id's last row wins."""
+    rev = ids[::-1]
+    uniq, first_in_rev = np.unique(rev, return_index=True)
+    return uniq, len(ids) - 1 - first_in_rev
+
+
+class _Table:
+    def __init__(self, schema: TableSchema) -> None:
+        self.schema = schema
+        self.lock = threading.Lock()
+        self.index = IdIndex()
+        self.rows = np.zeros((16, schema.width), dtype=schema.np_dtype)
+        self.used = 0  # row numbers [0, used) were handed out at least once
+        self.free: list[np.ndarray] = []  # row numbers freed by deletes
+
+    def allocate(self, n: int) -> np.ndarray:
+        got = []
+        while n and self.free:
+            block = self.free.pop()
+            take, rest = block[:n], block[n:]
+            if len(rest):
+                self.free.append(rest)
+            got.append(take)
+            n -= len(take)
+        if n:
+            if self.used + n > len(self.rows):
+                cap = len(self.rows)
+                while cap < self.used + n:
+                    cap *= 2
+                grown = np.zeros((cap, self.schema.width), dtype=self.rows.dtype)
+                grown[: self.used] = self.rows[: self.used]
+                self.rows = grown
+            got.append(np.arange(self.used, self.used + n, dtype=np.int64))
+            self.used += n
+        return np.concatenate(got) if got else np.zeros(0, dtype=np.int64)
+
+
+class EmbeddedStore(Store):
+    kind = "embedded"
+
+    def __init__(self) -> None:
+        self._tables: dict[str, _Table] = {}
+        self._lock = threading.Lock()
+
+    def _table(self, name: str) -> _Table:
+        try:
+            return self._tables[name]
+        except KeyError:
+            raise TableNotFound(f"table {name!r} does not exist on this PS (embedded store)") from None
+
+    def create_table(self, schema: TableSchema) -> bool:
+        with self._lock:
+            have = self._tables.get(schema.name)
+            if have is None:
+                self._tables[schema.name] = _Table(schema)
+                return True
+        if have.schema != schema:
+            raise TableExists(
+                f"table {schema.name!r} already exists with another schema: "
+                f"stored {have.schema.to_dict()}, requested {schema.to_dict()}"
+            )
+        return False
+
+    def schema(self, table: str) -> TableSchema:
+        return self._table(table).schema
+
+    def list_tables(self) -> list[TableSchema]:
+        return [self._tables[name].schema for name in sorted(self._tables)]
+
+    def num_rows(self, table: str) -> int:
+        return len(self._table(table).index)
+
+    def drop_table(self, table: str) -> int | None:
+        with self._lock:
+            t = self._tables.pop(table, None)
+        return None if t is None else len(t.index)
+
+    def pull(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        t = self._table(table)
+        with t.lock:
+            where = t.index.lookup(ids)
+            found = where >= 0
+            rows = t.rows[np.where(found, where, 0)]
+        return rows, found
+
+    def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> int:
+        t = self._table(table)
+        if len(ids) == 0:
+            return 0
+        uniq, last = last_occurrence(ids)
+        with t.lock:
+            where = t.index.lookup(uniq)
+            new = where < 0
+            if new.any():
+                where[new] = t.allocate(int(new.sum()))
+                t.index.insert(uniq[new], where[new])
+            t.rows[where] = rows[last]
+        return len(ids)
+
+    def delete(self, table: str, ids: np.ndarray) -> int:
+        t = self._table(table)
+        with t.lock:
+            freed = t.index.remove(ids)
+            if len(freed):
+                t.free.append(freed)
+        return len(freed)
+
+    def clear(self, table: str) -> int:
+        t = self._table(table)
+        with t.lock:
+            n = len(t.index)
+            t.index.clear()
+            t.rows = np.zeros((16, t.schema.width), dtype=t.schema.np_dtype)
+            t.used = 0
+            t.free = []
+        return n
+
+    def export(self, table: str, rows_per_chunk: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        t = self._table(table)
+        with t.lock:
+            ids, _ = t.index.items()
+        ids.sort()
+        for start in range(0, len(ids), rows_per_chunk):
+            chunk = ids[start : start + rows_per_chunk]
+            # Look the chunk up again under the lock: rows pushed or deleted since the
+            # listing are exported as they are now, never as another id's row.
+            with t.lock:
+                where = t.index.lookup(chunk)
+                present = where >= 0
+                rows = t.rows[where[present]]
+            yield chunk[present], rows
+
+    def nbytes(self) -> int:
+        return sum(t.rows.nbytes + t.index.nbytes() for t in self._tables.values())

@@ -1,0 +1,421 @@
+"""PSClient: one object for one or many PS addresses; its methods are the protocol's verbs.
+
+    ps = PSClient(["ps-0:50051", "ps-1:50051"])
+    ps.create_table("user", dim=64, state_width=1)
+    got = ps.pull("user", ids)            # got.rows (n, 65), got.missing (n,) bool
+    ps.push("user", ids, got.rows)
+    fut = ps.push_async("user", ids, rows)  # a concurrent.futures.Future
+
+- Ids are sharded over the addresses by XXH64 of the id (stable: the same id always
+  goes to the same PS for a given address list), and each shard's part is cut into
+  chunks that fit under the message limit; all chunks go out at once.
+- UNAVAILABLE is retried with exponential backoff and jitter inside the call's
+  deadline. Every call is idempotent (push overwrites, delete of a deleted id is a
+  no-op, create of the same schema succeeds), so a retry never duplicates a write.
+- Row operations (pull, push, delete, import) of one client take effect in the order
+  they were called, sync or async: they run one after another on the client's own
+  lane, so a pull issued after a push always sees it, and a retried push can never
+  land after a later one.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos import ps_pb2, ps_pb2_grpc
+from ps_server import codec
+from ps_server.auth import bearer_metadata
+from ps_server.errors import InvalidArgument, PSError, from_rpc_error
+from ps_server.hashing import shard_of
+from ps_server.schema import Initializer, TableSchema
+from ps_server.service import MESSAGE_OVERHEAD
+
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 8  # tries in all, the first included
+    initial_backoff: float = 0.05
+    max_backoff: float = 2.0
+    multiplier: float = 2.0
+
+    def backoffs(self) -> Iterator[float]:
+        delay = self.initial_backoff
+        for _ in range(self.attempts - 1):
+            yield delay * random.uniform(0.5, 1.0)  # jitter: clients that failed together retry apart
+            delay = min(delay * self.multiplier, self.max_backoff)
+
+
+@dataclass(frozen=True)
+class TableInfo:
+    schema: TableSchema
+    num_rows: int
+
+    @classmethod
+    def from_proto(cls, msg: ps_pb2.TableInfo) -> "TableInfo":
+        return cls(TableSchema.from_proto(msg.spec), msg.num_rows)
+
+
+@dataclass
+class PullResult:
+    rows: np.ndarray  # (n, dim + state_width), the table's dtype (bf16 as uint16 bits)
+    missing: np.ndarray  # (n,) bool: never pushed, returned initialised
+    dim: int
+
+    @property
+    def embeddings(self) -> np.ndarray:
+        return self.rows[:, : self.dim]
+
+    @property
+    def state(self) -> np.ndarray:
+        return self.rows[:, self.dim :]
+
+
+class PSClient:
+    def __init__(
+        self,
+        addresses: str | Sequence[str],
+        *,
+        auth_token: str | None = None,
+        tls_ca: str | bytes | None = None,
+        tls: bool | None = None,
+        tls_server_name: str | None = None,
+        timeout: float = 60.0,
+        max_message_bytes: int = 64 << 20,
+        retry: RetryPolicy = RetryPolicy(),
+    ) -> None:
+        if isinstance(addresses, str):
+            addresses = [a.strip() for a in addresses.split(",") if a.strip()]
+        if not addresses:
+            raise InvalidArgument("PSClient needs at least one PS address (host:port)")
+        self.addresses = list(addresses)
+        self.timeout = timeout
+        self.max_message_bytes = max_message_bytes
+        self.retry = retry
+        self._metadata = bearer_metadata(auth_token)
+        options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        if tls_server_name:
+            options.append(("grpc.ssl_target_name_override", tls_server_name))
+        use_tls = tls if tls is not None else tls_ca is not None
+        creds = None
+        if use_tls:
+            if isinstance(tls_ca, str):
+                with open(tls_ca, "rb") as f:
+                    tls_ca = f.read()
+            creds = grpc.ssl_channel_credentials(root_certificates=tls_ca)
+        self._channels = [
+            grpc.secure_channel(a, creds, options=options) if creds else grpc.insecure_channel(a, options=options)
+            for a in self.addresses
+        ]
+        self._stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self._channels]
+        self._schemas: dict[str, TableSchema] = {}
+        self._schemas_lock = threading.Lock()
+        # One lane: row operations run in call order (see the module docstring).
+        self._lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynemb-ps-lane")
+
+    # -- plumbing ---------------------------------------------------------------
+
+    def _deadline(self, timeout: float | None) -> float:
+        return time.monotonic() + (self.timeout if timeout is None else timeout)
+
+    def _call(self, shard: int, method: str, request, deadline: float, first: Future | None = None):
+        """One unary RPC to one PS, retried on UNAVAILABLE within the deadline.
+
+        `first` is an attempt already sent (a grpc future), whose outcome counts as try one.
+        """
+        rpc = getattr(self._stubs[shard], method)
+        backoffs = self.retry.backoffs()
+        while True:
+            try:
+                if first is not None:
+                    attempt, first = first, None
+                    return attempt.result()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise PSError(
+                        f"DEADLINE_EXCEEDED: {method} to PS {self.addresses[shard]} did not succeed in time"
+                    )
+                return rpc(request, timeout=remaining, metadata=self._metadata)
+            except grpc.RpcError as err:
+                if err.code() in RETRYABLE:
+                    delay = next(backoffs, None)
+                    if delay is not None and time.monotonic() + delay < deadline:
+                        time.sleep(delay)
+                        continue
+                raise from_rpc_error(err, self.addresses[shard]) from None
+
+    def _fanout(self, method: str, calls: list[tuple[int, object]], deadline: float) -> list:
+        """Send every (shard, request) at once; return the responses in order."""
+        if len(calls) == 1:
+            shard, req = calls[0]
+            return [self._call(shard, method, req, deadline)]
+        sent = []
+        for shard, req in calls:
+            rpc = getattr(self._stubs[shard], method)
+            sent.append(rpc.future(req, timeout=max(deadline - time.monotonic(), 0.001), metadata=self._metadata))
+        return [self._call(shard, method, req, deadline, first=f) for (shard, req), f in zip(calls, sent)]
+
+    def _split(self, ids: np.ndarray, per_id_bytes: int) -> list[tuple[int, np.ndarray]]:
+        """(shard, positions into ids) pieces, each small enough for one message."""
+        per_msg = max(1, (self.max_message_bytes - MESSAGE_OVERHEAD) // per_id_bytes)
+        owner = shard_of(ids, len(self.addresses))
+        pieces = []
+        for shard in range(len(self.addresses)):
+            pos = np.flatnonzero(owner == shard) if len(self.addresses) > 1 else np.arange(len(ids))
+            for start in range(0, len(pos), per_msg):
+                pieces.append((shard, pos[start : start + per_msg]))
+        return pieces
+
+    def _on_lane(self, fn: Callable, *args) -> Future:
+        return self._lane.submit(fn, *args)
+
+    @staticmethod
+    def _ids(ids) -> np.ndarray:
+        if type(ids).__module__.startswith("torch"):  # a tensor; torch is not imported here
+            ids = ids.detach().cpu().numpy()
+        arr = np.asarray(ids)
+        if arr.ndim != 1:
+            raise InvalidArgument(f"ids must be one-dimensional, got shape {arr.shape}")
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise InvalidArgument(f"ids must be integers, got dtype {arr.dtype}")
+        return np.ascontiguousarray(arr, dtype=np.int64)
+
+    def schema(self, table: str, refresh: bool = False) -> TableSchema:
+        with self._schemas_lock:
+            have = self._schemas.get(table)
+        if have is None or refresh:
+            have = self.describe_table(table).schema
+        return have
+
+    def _remember(self, schema: TableSchema) -> None:
+        with self._schemas_lock:
+            self._schemas[schema.name] = schema
+
+    # -- tables -----------------------------------------------------------------
+
+    def create_table(
+        self,
+        name: str,
+        dim: int,
+        state_width: int = 0,
+        dtype: str = "fp32",
+        initializer: Initializer | None = None,
+        timeout: float | None = None,
+    ) -> TableInfo:
+        """Create the table on every PS; succeeds if it already exists with this schema."""
+        schema = TableSchema(name, dim, state_width, dtype, initializer or Initializer())
+        return self.create_table_from_schema(schema, timeout)
+
+    def create_table_from_schema(self, schema: TableSchema, timeout: float | None = None) -> TableInfo:
+        req = ps_pb2.CreateTableRequest(spec=schema.to_proto())
+        replies = self._fanout("CreateTable", [(s, req) for s in range(len(self.addresses))], self._deadline(timeout))
+        self._remember(schema)
+        return TableInfo(schema, sum(r.table.num_rows for r in replies))
+
+    def describe_table(self, name: str, timeout: float | None = None) -> TableInfo:
+        req = ps_pb2.DescribeTableRequest(table=name)
+        replies = self._fanout("DescribeTable", [(s, req) for s in range(len(self.addresses))], self._deadline(timeout))
+        info = TableInfo.from_proto(replies[0])
+        self._remember(info.schema)
+        return TableInfo(info.schema, sum(r.num_rows for r in replies))
+
+    def list_tables(self, timeout: float | None = None) -> list[TableInfo]:
+        replies = self._fanout(
+            "ListTables", [(s, ps_pb2.ListTablesRequest()) for s in range(len(self.addresses))], self._deadline(timeout)
+        )
+        merged: dict[str, TableInfo] = {}
+        for reply in replies:
+            for t in reply.tables:
+                info = TableInfo.from_proto(t)
+                prev = merged.get(info.schema.name)
+                merged[info.schema.name] = TableInfo(info.schema, info.num_rows + (prev.num_rows if prev else 0))
+        return [merged[k] for k in sorted(merged)]
+
+    def drop_table(self, name: str, missing_ok: bool = False, timeout: float | None = None) -> int:
+        """Drop the table on every PS; returns the rows dropped."""
+        req = ps_pb2.DropTableRequest(table=name, missing_ok=missing_ok)
+        replies = self._fanout("DropTable", [(s, req) for s in range(len(self.addresses))], self._deadline(timeout))
+        with self._schemas_lock:
+            self._schemas.pop(name, None)
+        return sum(r.rows_dropped for r in replies)
+
+    # -- rows -------------------------------------------------------------------
+
+    def pull(self, table: str, ids, timeout: float | None = None) -> PullResult:
+        return self.pull_async(table, ids, timeout).result()
+
+    def push(self, table: str, ids, rows, timeout: float | None = None) -> int:
+        return self.push_async(table, ids, rows, timeout).result()
+
+    def delete(self, table: str, ids, timeout: float | None = None) -> int:
+        return self.delete_async(table, ids, timeout).result()
+
+    def pull_async(self, table: str, ids, timeout: float | None = None) -> "Future[PullResult]":
+        ids = self._ids(ids)
+        return self._on_lane(self._pull, table, ids, self._deadline(timeout))
+
+    def push_async(self, table: str, ids, rows, timeout: float | None = None) -> "Future[int]":
+        ids = self._ids(ids)
+        rows = np.asarray(rows)
+        if rows.ndim != 2 or rows.shape[0] != len(ids):
+            raise InvalidArgument(f"push to {table!r}: rows must be ({len(ids)}, width), got shape {rows.shape}")
+        # Copy now: the caller may reuse its buffer before the push runs.
+        rows = np.array(rows, copy=True, order="C")
+        return self._on_lane(self._push, table, ids, rows, self._deadline(timeout))
+
+    def delete_async(self, table: str, ids, timeout: float | None = None) -> "Future[int]":
+        ids = self._ids(ids)
+        return self._on_lane(self._delete, table, ids, self._deadline(timeout))
+
+    def _pull(self, table: str, ids: np.ndarray, deadline: float) -> PullResult:
+        schema = self.schema(table)
+        rows = np.empty((len(ids), schema.width), dtype=schema.np_dtype)
+        missing = np.zeros(len(ids), dtype=bool)
+        if len(ids) == 0:
+            return PullResult(rows, missing, schema.dim)
+        pieces = self._split(ids, schema.row_bytes + 1)
+        calls = [(shard, ps_pb2.PullRequest(table=table, ids=codec.encode_ids(ids[pos]))) for shard, pos in pieces]
+        for (shard, pos), reply in zip(pieces, self._fanout("Pull", calls, deadline)):
+            if len(reply.rows) != len(pos) * schema.row_bytes:
+                # The table was re-created with another schema since we cached it.
+                self.schema(table, refresh=True)
+                raise PSError(f"table {table!r} changed schema during a pull; pull again")
+            rows[pos] = np.frombuffer(reply.rows, dtype=schema.np_dtype).reshape(len(pos), schema.width)
+            if reply.num_missing:
+                missing[pos] = codec.decode_mask(reply.missing, len(pos))
+        return PullResult(rows, missing, schema.dim)
+
+    def _push(self, table: str, ids: np.ndarray, rows: np.ndarray, deadline: float) -> int:
+        schema = self.schema(table)
+        if rows.shape[1] != schema.width:
+            raise InvalidArgument(
+                f"push to {table!r}: rows have {rows.shape[1]} values, the table's rows have "
+                f"{schema.width} (dim {schema.dim} + state {schema.state_width})"
+            )
+        if len(ids) == 0:
+            return 0
+        rows = np.ascontiguousarray(rows, dtype=schema.np_dtype)
+        pieces = self._split(ids, schema.row_bytes + 8)
+        calls = [
+            (shard, ps_pb2.PushRequest(table=table, ids=codec.encode_ids(ids[pos]), rows=rows[pos].tobytes()))
+            for shard, pos in pieces
+        ]
+        return sum(r.rows_written for r in self._fanout("Push", calls, deadline))
+
+    def _delete(self, table: str, ids: np.ndarray, deadline: float) -> int:
+        if len(ids) == 0:
+            return 0
+        pieces = self._split(ids, 8)
+        calls = [(shard, ps_pb2.DeleteRequest(table=table, ids=codec.encode_ids(ids[pos]))) for shard, pos in pieces]
+        return sum(r.rows_deleted for r in self._fanout("Delete", calls, deadline))
+
+    # -- whole tables -----------------------------------------------------------
+
+    def export(self, table: str, rows_per_chunk: int = 0, timeout: float | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Every (ids, rows) of the table, PS by PS, in chunks."""
+        schema = self.schema(table, refresh=True)
+        for shard, stub in enumerate(self._stubs):
+            req = ps_pb2.ExportRequest(table=table, rows_per_chunk=rows_per_chunk)
+            try:
+                for chunk in stub.Export(req, timeout=timeout or None, metadata=self._metadata):
+                    ids = codec.decode_ids(chunk.ids)
+                    if len(ids):
+                        yield ids, codec.decode_rows(chunk.rows, schema, len(ids))
+            except grpc.RpcError as err:
+                raise from_rpc_error(err, self.addresses[shard]) from None
+
+    def import_rows(
+        self,
+        schema: TableSchema,
+        chunks: Iterable[tuple[np.ndarray, np.ndarray]],
+        replace: bool = False,
+        timeout: float | None = None,
+    ) -> int:
+        """Create the table where absent and write every (ids, rows) chunk, each id to its PS.
+
+        With replace=True each PS first deletes the table's rows. Returns rows written.
+        """
+        return self._on_lane(self._import, schema, chunks, replace, timeout).result()
+
+    def _import(self, schema, chunks, replace, timeout) -> int:
+        per_msg = max(1, (self.max_message_bytes - MESSAGE_OVERHEAD) // (schema.row_bytes + 8))
+        n = len(self.addresses)
+        queues: list[list] = [[ps_pb2.RowChunk(spec=schema.to_proto(), replace=replace)] for _ in range(n)]
+
+        def batches():
+            for ids, rows in chunks:
+                ids = self._ids(ids)
+                rows = np.ascontiguousarray(rows, dtype=schema.np_dtype).reshape(len(ids), schema.width)
+                owner = shard_of(ids, n)
+                for shard in range(n):
+                    pos = np.flatnonzero(owner == shard)
+                    for start in range(0, len(pos), per_msg):
+                        p = pos[start : start + per_msg]
+                        yield shard, ps_pb2.RowChunk(ids=codec.encode_ids(ids[p]), rows=rows[p].tobytes())
+
+        # Import streams are not retried (a stream cannot be replayed from an iterator);
+        # chunks are buffered per PS so each PS gets one stream.
+        for shard, chunk in batches():
+            queues[shard].append(chunk)
+        written = 0
+        for shard, stub in enumerate(self._stubs):
+            try:
+                reply = stub.Import(iter(queues[shard]), timeout=timeout or None, metadata=self._metadata)
+            except grpc.RpcError as err:
+                raise from_rpc_error(err, self.addresses[shard]) from None
+            written += reply.rows_written
+        self._remember(schema)
+        return written
+
+    # -- service ----------------------------------------------------------------
+
+    def stats(self, timeout: float | None = None) -> list[ps_pb2.StatsResponse]:
+        return self._fanout(
+            "Stats", [(s, ps_pb2.StatsRequest()) for s in range(len(self.addresses))], self._deadline(timeout)
+        )
+
+    def health(self, timeout: float = 5.0) -> list[str]:
+        """Each PS's health status name (SERVING, NOT_SERVING...) or the error reaching it."""
+        out = []
+        for address, channel in zip(self.addresses, self._channels):
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+                out.append(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+            except grpc.RpcError as err:
+                out.append(f"{err.code().name}: {err.details()} ({address})")
+        return out
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Block until every PS answers health checks with SERVING."""
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self.health(timeout=max(0.1, min(2.0, deadline - time.monotonic())))
+            if all(s == "SERVING" for s in status):
+                return
+            if time.monotonic() > deadline:
+                raise PSError(f"PS not ready after {timeout}s: {dict(zip(self.addresses, status))}")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self._lane.shutdown(wait=True)
+        for c in self._channels:
+            c.close()
+
+    def __enter__(self) -> "PSClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

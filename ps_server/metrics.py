@@ -1,0 +1,40 @@
+"""Prometheus metrics of one PS, on a registry of its own (so tests can run several)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Latencies from 100 us (a small pull on the embedded store) to 30 s (a big import).
+LATENCY_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)
+
+
+class PSMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "dynemb_ps_requests", "RPCs handled, by method and final status code", ["method", "code"], registry=r
+        )
+        self.errors = Counter(
+            "dynemb_ps_errors", "RPCs that ended in an error, by method and status code", ["method", "code"], registry=r
+        )
+        self.rows = Counter("dynemb_ps_rows", "Rows pulled, pushed, deleted, exported or imported", ["method"], registry=r)
+        self.missing_rows = Counter(
+            "dynemb_ps_missing_rows", "Rows pulled that were never pushed (returned initialised)", registry=r
+        )
+        self.bytes = Counter(
+            "dynemb_ps_bytes", "Payload bytes of ids and rows, by method and direction (in|out)",
+            ["method", "direction"], registry=r,
+        )
+        self.latency = Histogram(
+            "dynemb_ps_request_seconds", "RPC handling time, by method", ["method"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.backend_latency = Histogram(
+            "dynemb_ps_backend_seconds", "Time spent in the store, by operation", ["op"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.inflight = Gauge("dynemb_ps_inflight_requests", "RPCs being handled now", registry=r)
+        self.serving = Gauge("dynemb_ps_serving", "1 while the PS accepts requests, 0 while draining", registry=r)
+        self.info = Gauge("dynemb_ps_info", "Constant 1, labelled with the backend and version", ["backend", "version"], registry=r)

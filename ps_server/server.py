@@ -1,0 +1,154 @@
+"""Run the PS: gRPC server with health, reflection, auth, TLS and a Prometheus endpoint.
+
+    server = PSServer(ServeConfig(address="127.0.0.1:0")).start()
+    ... server.port ...
+    server.stop()
+
+`dynemb ps serve` wraps this and drains on SIGTERM: health turns NOT_SERVING at once
+(so load balancers stop sending), new RPCs are refused, in-flight ones get up to
+`drain_seconds` to finish, then the process exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from dynemb import __version__
+from protos import ps_pb2, ps_pb2_grpc
+from ps_server.auth import TokenAuthInterceptor
+from ps_server.backends import Store, open_store
+from ps_server.errors import PSError
+from ps_server.metrics import PSMetrics
+from ps_server.service import ParameterServerService
+
+log = logging.getLogger("dynemb.ps")
+
+SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+
+
+@dataclass
+class ServeConfig:
+    """Everything `dynemb ps serve` takes (flags and DYNEMB_PS_* variables)."""
+
+    address: str = "0.0.0.0:50051"
+    backend: str = ""  # "" or embedded:// → the in-process store; redis://, rediss://, redis+cluster://
+    namespace: str = "dynemb"  # Redis key prefix, so several models share one Redis
+    max_message_bytes: int = 64 << 20
+    workers: int = 16
+    auth_token: str | None = None
+    tls_cert: str | None = None  # PEM file paths; both or neither
+    tls_key: str | None = None
+    metrics_port: int | None = 9090  # None: no /metrics endpoint; 0: any free port
+    metrics_address: str = "0.0.0.0"
+    drain_seconds: float = 30.0
+    # After SIGTERM, how long health says NOT_SERVING while requests are still taken,
+    # so load balancers and probes see it before the port closes.
+    not_serving_seconds: float = 1.0
+    redis_buckets: int = 4096  # hashes per new table (fixed per table once created)
+    backend_options: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("TLS needs both a certificate (--tls-cert) and its key (--tls-key)")
+        if self.max_message_bytes < 64 << 10:
+            raise ValueError(f"max message size {self.max_message_bytes} is below the 64 KiB minimum")
+        if self.workers < 1:
+            raise ValueError("workers must be >= 1")
+
+
+class PSServer:
+    def __init__(self, config: ServeConfig, store: Store | None = None) -> None:
+        self.config = config
+        self.metrics = PSMetrics()
+        if store is None:
+            options = dict(config.backend_options)
+            if config.backend and not config.backend.startswith(("embedded", "memory")):
+                options.setdefault("num_buckets", config.redis_buckets)
+            store = open_store(config.backend, namespace=config.namespace, **options)
+        self.store = store
+        self.health = health.HealthServicer()
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self._metrics_http = None
+        self._stopped = threading.Event()
+        interceptors = [TokenAuthInterceptor(config.auth_token)] if config.auth_token else []
+        opts = [
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        self._grpc = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="ps"),
+            interceptors=interceptors,
+            options=opts,
+        )
+        self.service = ParameterServerService(store, self.metrics, config.max_message_bytes)
+        ps_pb2_grpc.add_ParameterServerServicer_to_server(self.service, self._grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self._grpc,
+        )
+
+    def start(self) -> "PSServer":
+        cfg = self.config
+        try:
+            self.store.ping()
+        except PSError as exc:
+            # Start anyway: the PS reports UNAVAILABLE per request until the store is back.
+            log.warning("backend not reachable at start: %s", exc)
+        if cfg.tls_cert:
+            with open(cfg.tls_cert, "rb") as f:
+                cert = f.read()
+            with open(cfg.tls_key, "rb") as f:
+                key = f.read()
+            creds = grpc.ssl_server_credentials([(key, cert)])
+            self.port = self._grpc.add_secure_port(cfg.address, creds)
+        else:
+            self.port = self._grpc.add_insecure_port(cfg.address)
+        if not self.port:
+            raise OSError(f"could not listen on {cfg.address}")
+        if cfg.metrics_port is not None:
+            self._metrics_http, _ = start_http_server(cfg.metrics_port, cfg.metrics_address, registry=self.metrics.registry)
+            self.metrics_port = self._metrics_http.server_port
+        self._grpc.start()
+        self.metrics.info.labels(self.store.kind, __version__).set(1)
+        self.metrics.serving.set(1)
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "PS serving %s on port %d (%s backend, %s, auth %s)%s",
+            SERVICE_NAME, self.port, self.store.kind, "TLS" if cfg.tls_cert else "plaintext",
+            "on" if cfg.auth_token else "off",
+            f", metrics on :{self.metrics_port}/metrics" if self.metrics_port else "",
+        )
+        return self
+
+    def stop(self, grace: float | None = None) -> None:
+        """Drain: NOT_SERVING first, then refuse new RPCs and let in-flight ones finish."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        grace = self.config.drain_seconds if grace is None else grace
+        self.metrics.serving.set(0)
+        self.health.enter_graceful_shutdown()  # every service → NOT_SERVING
+        log.info("draining: NOT_SERVING, up to %.1fs for in-flight requests", grace)
+        if self.config.not_serving_seconds > 0:
+            time.sleep(min(self.config.not_serving_seconds, grace))
+        self._grpc.stop(grace).wait()
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+        self.store.close()
+        log.info("stopped")
+
+    def wait(self) -> None:
+        self._grpc.wait_for_termination()

@@ -1,0 +1,257 @@
+"""The ParameterServer gRPC service: validates each request, calls the store, reports.
+
+Every handler runs inside `_call`, which turns PSError into its gRPC status with the
+message intact, turns anything unexpected into INTERNAL (logged with its traceback),
+and records the request in the metrics. No request can take the server down, and
+a request that fails validation changes nothing stored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+
+from dynemb import __version__
+from protos import ps_pb2, ps_pb2_grpc
+from ps_server import codec
+from ps_server.backends.base import Store
+from ps_server.errors import InvalidArgument, PSError, ResourceExhausted, TableNotFound
+from ps_server.initializer import initial_rows
+from ps_server.metrics import PSMetrics
+from ps_server.schema import TableSchema, check_name
+
+log = logging.getLogger("dynemb.ps")
+
+# Room left in a message for everything but the packed ids and rows.
+MESSAGE_OVERHEAD = 4096
+DEFAULT_EXPORT_CHUNK_BYTES = 4 << 20
+
+
+class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
+    def __init__(self, store: Store, metrics: PSMetrics, max_message_bytes: int) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.max_message_bytes = max_message_bytes
+        self.started = time.time()
+
+    # -- plumbing ---------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _call(self, method: str, context: grpc.ServicerContext):
+        m = self.metrics
+        m.inflight.inc()
+        start = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            yield
+        except PSError as exc:
+            code = exc.code
+            context.abort(code, str(exc))
+        except Exception as exc:  # a bug or an unexpected store failure: report, keep serving
+            code = grpc.StatusCode.INTERNAL
+            log.exception("%s failed", method)
+            context.abort(code, f"{method} failed inside the PS: {type(exc).__name__}: {exc}")
+        finally:
+            m.inflight.dec()
+            m.latency.labels(method).observe(time.perf_counter() - start)
+            m.requests.labels(method, code.name).inc()
+            if code != grpc.StatusCode.OK:
+                m.errors.labels(method, code.name).inc()
+
+    @contextlib.contextmanager
+    def _backend(self, op: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.metrics.backend_latency.labels(op).observe(time.perf_counter() - start)
+
+    def _schema(self, table: str) -> TableSchema:
+        check_name(table)
+        with self._backend("schema"):
+            return self.store.schema(table)
+
+    def _info(self, schema: TableSchema) -> ps_pb2.TableInfo:
+        with self._backend("num_rows"):
+            n = self.store.num_rows(schema.name)
+        return ps_pb2.TableInfo(spec=schema.to_proto(), num_rows=n)
+
+    def _count(self, method: str, rows: int, nbytes_in: int, nbytes_out: int) -> None:
+        m = self.metrics
+        m.rows.labels(method).inc(rows)
+        if nbytes_in:
+            m.bytes.labels(method, "in").inc(nbytes_in)
+        if nbytes_out:
+            m.bytes.labels(method, "out").inc(nbytes_out)
+
+    # -- tables -----------------------------------------------------------------
+
+    def CreateTable(self, request, context):
+        with self._call("CreateTable", context):
+            if not request.HasField("spec"):
+                raise InvalidArgument("CreateTable needs a spec (name, dim, state_width, dtype)")
+            schema = TableSchema.from_proto(request.spec)
+            with self._backend("create_table"):
+                created = self.store.create_table(schema)
+            if created:
+                log.info("created table %s", schema.to_dict())
+            return ps_pb2.CreateTableResponse(table=self._info(schema), created=created)
+
+    def DescribeTable(self, request, context):
+        with self._call("DescribeTable", context):
+            return self._info(self._schema(request.table))
+
+    def ListTables(self, request, context):
+        with self._call("ListTables", context):
+            with self._backend("list_tables"):
+                schemas = self.store.list_tables()
+            return ps_pb2.ListTablesResponse(tables=[self._info(s) for s in schemas])
+
+    def DropTable(self, request, context):
+        with self._call("DropTable", context):
+            check_name(request.table)
+            with self._backend("drop_table"):
+                dropped = self.store.drop_table(request.table)
+            if dropped is None:
+                if request.missing_ok:
+                    return ps_pb2.DropTableResponse(dropped=False)
+                raise TableNotFound(f"table {request.table!r} does not exist, nothing to drop")
+            log.info("dropped table %s (%d rows)", request.table, dropped)
+            return ps_pb2.DropTableResponse(dropped=True, rows_dropped=dropped)
+
+    # -- rows -------------------------------------------------------------------
+
+    def Pull(self, request, context):
+        with self._call("Pull", context):
+            schema = self._schema(request.table)
+            ids = codec.decode_ids(request.ids, schema.name)
+            reply_bytes = len(ids) * schema.row_bytes + (len(ids) + 7) // 8 + MESSAGE_OVERHEAD
+            if reply_bytes > self.max_message_bytes:
+                raise ResourceExhausted(
+                    f"pull of {len(ids)} rows from table {schema.name!r} needs a {reply_bytes}-byte reply, "
+                    f"over this PS's max message size of {self.max_message_bytes} bytes; pull at most "
+                    f"{(self.max_message_bytes - MESSAGE_OVERHEAD) // (schema.row_bytes + 1)} ids per request"
+                )
+            with self._backend("pull"):
+                rows, found = self.store.pull(schema.name, ids)
+            missing = ~found
+            num_missing = int(missing.sum())
+            if num_missing:
+                if not rows.flags.writeable:
+                    rows = rows.copy()
+                rows[missing] = initial_rows(schema, ids[missing])
+            out = rows.tobytes()
+            self._count("Pull", len(ids), len(request.ids), len(out))
+            self.metrics.missing_rows.inc(num_missing)
+            return ps_pb2.PullResponse(rows=out, missing=codec.encode_mask(missing), num_missing=num_missing)
+
+    def Push(self, request, context):
+        with self._call("Push", context):
+            schema = self._schema(request.table)
+            ids = codec.decode_ids(request.ids, schema.name)
+            rows = codec.decode_rows(request.rows, schema, len(ids))
+            with self._backend("push"):
+                written = self.store.push(schema.name, ids, rows)
+            self._count("Push", written, len(request.ids) + len(request.rows), 0)
+            return ps_pb2.PushResponse(rows_written=written)
+
+    def Delete(self, request, context):
+        with self._call("Delete", context):
+            schema = self._schema(request.table)
+            ids = codec.decode_ids(request.ids, schema.name)
+            with self._backend("delete"):
+                deleted = self.store.delete(schema.name, ids)
+            self._count("Delete", deleted, len(request.ids), 0)
+            return ps_pb2.DeleteResponse(rows_deleted=deleted)
+
+    # -- whole tables -----------------------------------------------------------
+
+    def Export(self, request, context) -> Iterator[ps_pb2.RowChunk]:
+        with self._call("Export", context):
+            schema = self._schema(request.table)
+            fit = max(1, (self.max_message_bytes - MESSAGE_OVERHEAD) // (schema.row_bytes + 8))
+            default = max(1, DEFAULT_EXPORT_CHUNK_BYTES // (schema.row_bytes + 8))
+            per_chunk = min(request.rows_per_chunk or default, fit)
+            first = ps_pb2.RowChunk(spec=schema.to_proto())
+            total = 0
+            with self._backend("export"):
+                chunks = self.store.export(schema.name, per_chunk)
+            for ids, rows in chunks:
+                if first is not None:
+                    chunk, first = first, None
+                else:
+                    chunk = ps_pb2.RowChunk()
+                chunk.ids = codec.encode_ids(ids)
+                chunk.rows = np.ascontiguousarray(rows).tobytes()
+                total += len(ids)
+                self._count("Export", len(ids), 0, len(chunk.ids) + len(chunk.rows))
+                yield chunk
+            if first is not None:  # an empty table still tells its schema
+                yield first
+            log.info("exported table %s (%d rows)", schema.name, total)
+
+    def Import(self, request_iterator, context):
+        with self._call("Import", context):
+            schema = None
+            written = 0
+            for chunk in request_iterator:
+                if schema is None:
+                    if not chunk.HasField("spec"):
+                        raise InvalidArgument("the first chunk of an import must carry the table's spec")
+                    schema = TableSchema.from_proto(chunk.spec)
+                    with self._backend("create_table"):
+                        self.store.create_table(schema)
+                    if chunk.replace:
+                        with self._backend("clear"):
+                            self.store.clear(schema.name)
+                elif chunk.HasField("spec") and TableSchema.from_proto(chunk.spec) != schema:
+                    raise InvalidArgument(f"import into {schema.name!r}: a later chunk carries another spec")
+                ids = codec.decode_ids(chunk.ids, schema.name)
+                rows = codec.decode_rows(chunk.rows, schema, len(ids))
+                if len(ids):
+                    with self._backend("push"):
+                        written += self.store.push(schema.name, ids, rows)
+                self._count("Import", len(ids), len(chunk.ids) + len(chunk.rows), 0)
+            if schema is None:
+                raise InvalidArgument("import stream was empty: send at least one chunk with the table's spec")
+            log.info("imported %d rows into table %s", written, schema.name)
+            return ps_pb2.ImportResponse(table=self._info(schema), rows_written=written)
+
+    # -- stats ------------------------------------------------------------------
+
+    def Stats(self, request, context):
+        with self._call("Stats", context):
+            with self._backend("list_tables"):
+                schemas = self.store.list_tables()
+            methods = []
+            for metric in self.metrics.requests.collect():
+                per: dict[str, list[int]] = {}
+                for s in metric.samples:
+                    if not s.name.endswith("_total"):
+                        continue
+                    entry = per.setdefault(s.labels["method"], [0, 0])
+                    entry[0] += int(s.value)
+                    if s.labels["code"] != "OK":
+                        entry[1] += int(s.value)
+            rows = {
+                s.labels["method"]: int(s.value)
+                for metric in self.metrics.rows.collect()
+                for s in metric.samples
+                if s.name.endswith("_total")
+            }
+            for name in sorted(per):
+                methods.append(
+                    ps_pb2.MethodStats(method=name, requests=per[name][0], errors=per[name][1], rows=rows.get(name, 0))
+                )
+            return ps_pb2.StatsResponse(
+                backend=self.store.kind,
+                version=__version__,
+                uptime_seconds=time.time() - self.started,
+                tables=[self._info(s) for s in schemas],
+                methods=methods,
+            )
