@@ -92,6 +92,7 @@ class PSClient:
         tls_server_name: str | None = None,
         timeout: float = 60.0,
         max_message_bytes: int = 64 << 20,
+        chunk_bytes: int = 2 << 20,
         retry: RetryPolicy = RetryPolicy(),
     ) -> None:
         if isinstance(addresses, str):
@@ -101,6 +102,9 @@ class PSClient:
         self.addresses = list(addresses)
         self.timeout = timeout
         self.max_message_bytes = max_message_bytes
+        # Big batches go out as several messages of about this size at once: gRPC moves
+        # a few concurrent 2 MiB messages faster than one 8 MiB one (bench/ps_bench.py).
+        self.chunk_bytes = min(chunk_bytes, max_message_bytes)
         self.retry = retry
         self._metadata = bearer_metadata(auth_token)
         options = [
@@ -168,16 +172,22 @@ class PSClient:
             sent.append(rpc.future(req, timeout=max(deadline - time.monotonic(), 0.001), metadata=self._metadata))
         return [self._call(shard, method, req, deadline, first=f) for (shard, req), f in zip(calls, sent)]
 
-    def _split(self, ids: np.ndarray, per_id_bytes: int) -> list[tuple[int, np.ndarray]]:
-        """(shard, positions into ids) pieces, each small enough for one message."""
-        per_msg = max(1, (self.max_message_bytes - MESSAGE_OVERHEAD) // per_id_bytes)
-        owner = shard_of(ids, len(self.addresses))
+    def _split(self, ids: np.ndarray, per_id_bytes: int) -> tuple[np.ndarray | None, list[tuple[int, slice]]]:
+        """(order, pieces): ids[order] grouped by shard, cut into (shard, slice) pieces that
+        each fit one message. order is None when there is one PS (no reordering needed)."""
+        per_msg = max(1, (self.chunk_bytes - MESSAGE_OVERHEAD) // per_id_bytes)
+        n = len(self.addresses)
+        if n == 1:
+            order, bounds = None, [0, len(ids)]
+        else:
+            owner = shard_of(ids, n)
+            order = np.argsort(owner, kind="stable")
+            bounds = np.searchsorted(owner[order], np.arange(n + 1)).tolist()
         pieces = []
-        for shard in range(len(self.addresses)):
-            pos = np.flatnonzero(owner == shard) if len(self.addresses) > 1 else np.arange(len(ids))
-            for start in range(0, len(pos), per_msg):
-                pieces.append((shard, pos[start : start + per_msg]))
-        return pieces
+        for shard in range(n):
+            for start in range(bounds[shard], bounds[shard + 1], per_msg):
+                pieces.append((shard, slice(start, min(start + per_msg, bounds[shard + 1]))))
+        return order, pieces
 
     def _on_lane(self, fn: Callable, *args) -> Future:
         return self._lane.submit(fn, *args)
@@ -286,16 +296,22 @@ class PSClient:
         missing = np.zeros(len(ids), dtype=bool)
         if len(ids) == 0:
             return PullResult(rows, missing, schema.dim)
-        pieces = self._split(ids, schema.row_bytes + 1)
-        calls = [(shard, ps_pb2.PullRequest(table=table, ids=codec.encode_ids(ids[pos]))) for shard, pos in pieces]
-        for (shard, pos), reply in zip(pieces, self._fanout("Pull", calls, deadline)):
-            if len(reply.rows) != len(pos) * schema.row_bytes:
+        order, pieces = self._split(ids, schema.row_bytes + 1)
+        grouped = ids if order is None else ids[order]
+        calls = [(shard, ps_pb2.PullRequest(table=table, ids=grouped[sl].tobytes())) for shard, sl in pieces]
+        for (shard, sl), reply in zip(pieces, self._fanout("Pull", calls, deadline)):
+            n = sl.stop - sl.start
+            if len(reply.rows) != n * schema.row_bytes:
                 # The table was re-created with another schema since we cached it.
                 self.schema(table, refresh=True)
                 raise PSError(f"table {table!r} changed schema during a pull; pull again")
-            rows[pos] = np.frombuffer(reply.rows, dtype=schema.np_dtype).reshape(len(pos), schema.width)
+            rows[sl] = np.frombuffer(reply.rows, dtype=schema.np_dtype).reshape(n, schema.width)
             if reply.num_missing:
-                missing[pos] = codec.decode_mask(reply.missing, len(pos))
+                missing[sl] = codec.decode_mask(reply.missing, n)
+        if order is not None:  # back from shard order to the caller's order
+            unsorted_rows, unsorted_missing = np.empty_like(rows), np.empty_like(missing)
+            unsorted_rows[order], unsorted_missing[order] = rows, missing
+            rows, missing = unsorted_rows, unsorted_missing
         return PullResult(rows, missing, schema.dim)
 
     def _push(self, table: str, ids: np.ndarray, rows: np.ndarray, deadline: float) -> int:
@@ -307,19 +323,23 @@ class PSClient:
             )
         if len(ids) == 0:
             return 0
+        order, pieces = self._split(ids, schema.row_bytes + 8)
+        if order is not None:
+            ids, rows = ids[order], rows[order]
         rows = np.ascontiguousarray(rows, dtype=schema.np_dtype)
-        pieces = self._split(ids, schema.row_bytes + 8)
         calls = [
-            (shard, ps_pb2.PushRequest(table=table, ids=codec.encode_ids(ids[pos]), rows=rows[pos].tobytes()))
-            for shard, pos in pieces
+            (shard, ps_pb2.PushRequest(table=table, ids=ids[sl].tobytes(), rows=rows[sl].tobytes()))
+            for shard, sl in pieces
         ]
         return sum(r.rows_written for r in self._fanout("Push", calls, deadline))
 
     def _delete(self, table: str, ids: np.ndarray, deadline: float) -> int:
         if len(ids) == 0:
             return 0
-        pieces = self._split(ids, 8)
-        calls = [(shard, ps_pb2.DeleteRequest(table=table, ids=codec.encode_ids(ids[pos]))) for shard, pos in pieces]
+        order, pieces = self._split(ids, 8)
+        if order is not None:
+            ids = ids[order]
+        calls = [(shard, ps_pb2.DeleteRequest(table=table, ids=ids[sl].tobytes())) for shard, sl in pieces]
         return sum(r.rows_deleted for r in self._fanout("Delete", calls, deadline))
 
     # -- whole tables -----------------------------------------------------------

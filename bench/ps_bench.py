@@ -1,0 +1,181 @@
+"""PS throughput: pull and push rows/s through the PS, against baselines measured in the same run.
+
+    .venv/bin/python bench/ps_bench.py                 # the issue's setting: 1M rows, 16k-id batches
+    .venv/bin/python bench/ps_bench.py --rows 200000 --rounds 10   # quicker
+
+Rows are dim 64 + 64 optimizer-state floats (fp32, 512 bytes). Each batch is 16,384
+ids drawn uniformly from the stored ids; PS and baselines see the very same batches.
+
+- Redis backend: PS (client → gRPC → PS process → Redis) against raw redis-py with
+  hiredis doing the same work on the same data (HMGET / HSET of the same fields in
+  the same bucket hashes, one pipeline per batch, decoded into the same numpy array).
+  Goal: PS >= 0.75x raw.
+- Embedded backend: PS rows/s on loopback (goal 2M rows/s), next to the two things
+  that bound it, measured in the same run: the store alone in-process, and raw gRPC
+  moving the same bytes with no PS code (a server that returns a ready-made payload).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent import futures
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dynemb.local import LocalPS, LocalRedis  # noqa: E402
+from ps_server.backends.embedded import EmbeddedStore  # noqa: E402
+from ps_server.client import PSClient  # noqa: E402
+from ps_server.schema import TableSchema  # noqa: E402
+
+TABLE = "bench"
+
+
+def timed(fn, batches) -> float:
+    """rows/s of fn over the batches (best of the run's steady state: total rows / total time)."""
+    fn(batches[0])  # warm-up
+    start = time.perf_counter()
+    for b in batches:
+        fn(b)
+    return sum(len(b) for b in batches) / (time.perf_counter() - start)
+
+
+def load(ps: PSClient, schema: TableSchema, ids: np.ndarray, rng, desc: str) -> None:
+    step = 65536
+    for lo in tqdm(range(0, len(ids), step), desc=desc, unit="chunk", leave=False):
+        chunk = ids[lo : lo + step]
+        ps.push(schema.name, chunk, rng.random((len(chunk), schema.width), dtype=np.float32))
+
+
+def bench_redis(args, schema, ids, batches, rows) -> dict:
+    from bench.raw_redis import RawRedisRows
+
+    out = {}
+    with LocalRedis() as redis_proc, LocalPS("--backend", redis_proc.url, "--namespace", "bench",
+                                             "--log-level", "WARNING") as ps_proc:
+        rng = np.random.default_rng(1)
+        with PSClient(ps_proc.address) as ps:
+            ps.wait_ready()
+            ps.create_table_from_schema(schema)
+            load(ps, schema, ids, rng, "load 1/2: rows into Redis through the PS")
+            raw = RawRedisRows(redis_proc.url, "bench", schema)
+            # Same data, same answers: the baseline must read exactly what the PS reads.
+            assert np.array_equal(raw.pull(batches[0]), ps.pull(TABLE, batches[0]).rows)
+            out["ps_pull"] = timed(lambda b: ps.pull(TABLE, b), batches)
+            out["raw_pull"] = timed(raw.pull, batches)
+            out["ps_push"] = timed(lambda b: ps.push(TABLE, b, rows[: len(b)]), batches)
+            out["raw_push"] = timed(lambda b: raw.push(b, rows[: len(b)]), batches)
+            raw.close()
+    out["pull_ratio"] = out["ps_pull"] / out["raw_pull"]
+    out["push_ratio"] = out["ps_push"] / out["raw_push"]
+    return out
+
+
+def raw_grpc_rows_per_s(schema, batches, chunk_bytes: int) -> tuple[float, float]:
+    """Raw gRPC, no PS code: a server answering each call with a ready-made payload of
+    the size a pull reply has (and taking a push-sized request), the client sending the
+    same number of concurrent chunks as PSClient does."""
+    import grpc
+
+    rows_per_chunk = max(1, chunk_bytes // (schema.row_bytes + 8))
+    reply = b"\0" * (rows_per_chunk * schema.row_bytes)
+    opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+    server = grpc.server(futures.ThreadPoolExecutor(16), options=opts)
+    handlers = {
+        "Pull": grpc.unary_unary_rpc_method_handler(lambda req, ctx: reply),
+        "Push": grpc.unary_unary_rpc_method_handler(lambda req, ctx: b""),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("raw.Rows", handlers),))
+    # A separate process would be fairer still; in-process keeps this simple and if
+    # anything flatters the baseline (no second interpreter to schedule).
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=opts)
+    pull, push = channel.unary_unary("/raw.Rows/Pull"), channel.unary_unary("/raw.Rows/Push")
+    request_ids = b"\0" * (rows_per_chunk * 8)
+    request_rows = b"\0" * (rows_per_chunk * (schema.row_bytes + 8))
+
+    def fan(method, payload, n):
+        calls = [method.future(payload) for _ in range(-(-n // rows_per_chunk))]
+        for c in calls:
+            c.result()
+
+    pull_rate = timed(lambda b: fan(pull, request_ids, len(b)), batches)
+    push_rate = timed(lambda b: fan(push, request_rows, len(b)), batches)
+    channel.close()
+    server.stop(0)
+    return pull_rate, push_rate
+
+
+def bench_embedded(args, schema, ids, batches, rows) -> dict:
+    out = {}
+    with LocalPS("--log-level", "WARNING") as ps_proc:
+        rng = np.random.default_rng(2)
+        with PSClient(ps_proc.address) as ps:
+            ps.wait_ready()
+            ps.create_table_from_schema(schema)
+            load(ps, schema, ids, rng, "load 2/2: rows into the embedded PS")
+            out["ps_pull"] = timed(lambda b: ps.pull(TABLE, b), batches)
+            out["ps_push"] = timed(lambda b: ps.push(TABLE, b, rows[: len(b)]), batches)
+            chunk_bytes = ps.chunk_bytes
+    store = EmbeddedStore()
+    store.create_table(schema)
+    for lo in range(0, len(ids), 65536):
+        chunk = ids[lo : lo + 65536]
+        store.push(TABLE, chunk, rng.random((len(chunk), schema.width), dtype=np.float32))
+    out["store_pull"] = timed(lambda b: store.pull(TABLE, b), batches)
+    out["store_push"] = timed(lambda b: store.push(TABLE, b, rows[: len(b)]), batches)
+    out["raw_grpc_pull"], out["raw_grpc_push"] = raw_grpc_rows_per_s(schema, batches, chunk_bytes)
+    out["pull_vs_raw_grpc"] = out["ps_pull"] / out["raw_grpc_pull"]
+    out["push_vs_raw_grpc"] = out["ps_push"] / out["raw_grpc_push"]
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=1_000_000, help="rows stored [default %(default)s]")
+    parser.add_argument("--batch", type=int, default=16384, help="ids per pull/push [default %(default)s]")
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--state-width", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=20, help="timed batches per measurement [default %(default)s]")
+    parser.add_argument("--only", choices=("redis", "embedded"), help="run one part")
+    parser.add_argument("--json", type=Path, default=Path(__file__).parent / "out" / "ps_bench.json")
+    args = parser.parse_args(argv)
+
+    schema = TableSchema(TABLE, args.dim, args.state_width, "fp32")
+    rng = np.random.default_rng(0)
+    ids = rng.choice(1 << 62, size=args.rows, replace=False).astype(np.int64)
+    batches = [ids[rng.integers(0, len(ids), args.batch)] for _ in range(args.rounds)]
+    rows = rng.random((args.batch, schema.width), dtype=np.float32)
+    print(f"ps_bench: {args.rows:,} rows of {schema.width} fp32 ({schema.row_bytes} B), "
+          f"batches of {args.batch:,} ids, {args.rounds} timed batches each, {os.cpu_count()} CPUs")
+
+    results = {"config": vars(args) | {"json": str(args.json)}}
+    if args.only in (None, "redis"):
+        r = results["redis"] = bench_redis(args, schema, ids, batches, rows)
+        print("\nRedis backend (rows/s)          pull          push")
+        print(f"  PS (gRPC + PS + Redis)   {r['ps_pull']:>12,.0f}  {r['ps_push']:>12,.0f}")
+        print(f"  raw redis-py + hiredis   {r['raw_pull']:>12,.0f}  {r['raw_push']:>12,.0f}")
+        print(f"  ratio PS / raw           {r['pull_ratio']:>12.2f}  {r['push_ratio']:>12.2f}   (goal >= 0.75)")
+    if args.only in (None, "embedded"):
+        e = results["embedded"] = bench_embedded(args, schema, ids, batches, rows)
+        print("\nEmbedded backend (rows/s)       pull          push")
+        print(f"  PS on loopback           {e['ps_pull']:>12,.0f}  {e['ps_push']:>12,.0f}   (goal >= 2,000,000)")
+        print(f"  store alone, in-process  {e['store_pull']:>12,.0f}  {e['store_push']:>12,.0f}")
+        print(f"  raw gRPC, same bytes     {e['raw_grpc_pull']:>12,.0f}  {e['raw_grpc_push']:>12,.0f}")
+        print(f"  ratio PS / raw gRPC      {e['pull_vs_raw_grpc']:>12.2f}  {e['push_vs_raw_grpc']:>12.2f}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
