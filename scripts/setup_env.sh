@@ -15,13 +15,16 @@ VPY=.venv/bin/python
 stamp=.venv/.dynemb-installed
 want=$(cat pyproject.toml requirements/*.txt | sha1sum | cut -c1-16)
 if [ "$(cat $stamp 2>/dev/null)" != "$want" ]; then
-  echo "[setup] installing the pinned torch set and dynemb[test] (a few minutes the first time)"
-  $VPY -m pip install -q --disable-pip-version-check -U pip wheel setuptools 2>&1 | grep -v "^WARNING: Location" || true
+  echo "[setup] installing the pinned torch set and dynemb[test] (a few minutes the first time; log in .venv/setup.log)"
+  log=.venv/setup.log
+  pipi() { $VPY -m pip install -q --disable-pip-version-check "$@" >>"$log" 2>&1 || { cat "$log"; echo "[setup] pip install $* failed" >&2; exit 1; }; }
+  : > "$log"
+  pipi -U pip wheel setuptools
   # torch==2.13.0 is the CPU build on this machine's disk; see ../shared/DESIGN.md.
-  $VPY -m pip install -q --disable-pip-version-check -r requirements/torch.txt 2>&1 | grep -v "^WARNING: Location" || true
+  pipi -r requirements/torch.txt
   # torchrec's metadata asks for the CUDA fbgemm-gpu, which does not load on a CPU torch.
-  $VPY -m pip install -q --disable-pip-version-check --no-deps -r requirements/torchrec.txt 2>&1 | grep -v "^WARNING: Location" || true
-  $VPY -m pip install -q --disable-pip-version-check -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+  pipi --no-deps -r requirements/torchrec.txt
+  pipi -e ".[test]"
   $VPY -c "import torch, torchrec, grpc, redis, dynemb" >/dev/null
   echo "$want" > $stamp
 fi
