@@ -35,7 +35,7 @@ from protos import ps_pb2, ps_pb2_grpc
 from ps_server import codec
 from ps_server.auth import bearer_metadata
 from ps_server.errors import InvalidArgument, PSError, from_rpc_error
-from ps_server.hashing import shard_of
+from ps_server.hashing import ROW_HASH_SEED, shard_of, xxh64_ids
 from ps_server.schema import Initializer, TableSchema
 from ps_server.service import MESSAGE_OVERHEAD
 
@@ -174,19 +174,28 @@ class PSClient:
 
     def _split(self, ids: np.ndarray, per_id_bytes: int) -> tuple[np.ndarray | None, list[tuple[int, slice]]]:
         """(order, pieces): ids[order] grouped by shard, cut into (shard, slice) pieces that
-        each fit one message. order is None when there is one PS (no reordering needed)."""
+        each fit one message. order is None when no reordering is needed.
+
+        Within a shard, ids are ordered by their row hash before cutting, so each piece
+        maps to its own run of the Redis backend's buckets (see hashing.bucket_of)."""
         per_msg = max(1, (self.chunk_bytes - MESSAGE_OVERHEAD) // per_id_bytes)
         n = len(self.addresses)
+        if n == 1 and len(ids) <= per_msg:
+            return None, [(0, slice(0, len(ids)))]
+        row_hash = xxh64_ids(ids, ROW_HASH_SEED)
         if n == 1:
-            order, bounds = None, [0, len(ids)]
+            order, bounds = np.argsort(row_hash, kind="stable"), [0, len(ids)]
         else:
             owner = shard_of(ids, n)
-            order = np.argsort(owner, kind="stable")
+            order = np.lexsort((row_hash, owner))
             bounds = np.searchsorted(owner[order], np.arange(n + 1)).tolist()
         pieces = []
         for shard in range(n):
-            for start in range(bounds[shard], bounds[shard + 1], per_msg):
-                pieces.append((shard, slice(start, min(start + per_msg, bounds[shard + 1]))))
+            size = bounds[shard + 1] - bounds[shard]
+            parts = -(-size // per_msg)
+            for k in range(parts):  # equal parts rather than full ones and a runt
+                lo, hi = bounds[shard] + size * k // parts, bounds[shard] + size * (k + 1) // parts
+                pieces.append((shard, slice(lo, hi)))
         return order, pieces
 
     def _on_lane(self, fn: Callable, *args) -> Future:
@@ -323,7 +332,15 @@ class PSClient:
             )
         if len(ids) == 0:
             return 0
+        given = len(ids)
         order, pieces = self._split(ids, schema.row_bytes + 8)
+        if len(pieces) > 1:
+            # Pieces travel concurrently: an id repeated across two of them could land in
+            # either order, so keep only each id's last row (what one PS would keep).
+            uniq, last = codec.last_occurrence(ids)
+            if len(uniq) < len(ids):
+                ids, rows = ids[last], rows[last]
+                order, pieces = self._split(ids, schema.row_bytes + 8)
         if order is not None:
             ids, rows = ids[order], rows[order]
         rows = np.ascontiguousarray(rows, dtype=schema.np_dtype)
@@ -331,7 +348,8 @@ class PSClient:
             (shard, ps_pb2.PushRequest(table=table, ids=ids[sl].tobytes(), rows=rows[sl].tobytes()))
             for shard, sl in pieces
         ]
-        return sum(r.rows_written for r in self._fanout("Push", calls, deadline))
+        self._fanout("Push", calls, deadline)
+        return given  # every row given was written (a repeated id's last row)
 
     def _delete(self, table: str, ids: np.ndarray, deadline: float) -> int:
         if len(ids) == 0:

@@ -56,3 +56,10 @@ def encode_mask(mask: np.ndarray) -> bytes:
 def decode_mask(data: bytes, n: int) -> np.ndarray:
     bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little", count=n)
     return bits.astype(bool)
+
+
+def last_occurrence(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct ids, position of each one's last occurrence): a repeated id's last row wins."""
+    rev = ids[::-1]
+    uniq, first_in_rev = np.unique(rev, return_index=True)
+    return uniq, len(ids) - 1 - first_in_rev

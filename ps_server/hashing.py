@@ -38,6 +38,19 @@ def xxh64_ids(ids: np.ndarray, seed: int = 0) -> np.ndarray:
     return h
 
 
+# Seed of the hash that orders ids inside one PS: the Redis backend's bucket of an id is a
+# monotonic function of it (see bucket_of), so a client that cuts a batch into chunks
+# along this hash sends each chunk to a disjoint run of buckets (fewer Redis commands).
+ROW_HASH_SEED = 0x6479_6E65_6D62  # "dyn" "emb"; not 0, which shard_of uses
+
+
+def bucket_of(ids: np.ndarray, num_buckets: int) -> np.ndarray:
+    """The bucket of each id in [0, num_buckets): the top 32 bits of its row hash, scaled
+    (monotonic in the hash, so hash-ordered ids visit buckets in order)."""
+    h = xxh64_ids(ids, ROW_HASH_SEED) >> np.uint64(32)
+    return ((h * np.uint64(num_buckets)) >> np.uint64(32)).astype(np.intp)
+
+
 def shard_of(ids: np.ndarray, num_shards: int, seed: int = 0) -> np.ndarray:
     """Which of `num_shards` owns each id: a stable function of the id alone."""
     if num_shards == 1:

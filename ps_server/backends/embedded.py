@@ -16,15 +16,9 @@ import numpy as np
 
 from ps_server.backends.base import Store
 from ps_server.backends.id_index import IdIndex
+from ps_server.codec import last_occurrence
 from ps_server.errors import TableExists, TableNotFound
 from ps_server.schema import TableSchema
-
-
-def last_occurrence(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(distinct ids, position of each one's last occurrence): a repeated id's last row wins."""
-    rev = ids[::-1]
-    uniq, first_in_rev = np.unique(rev, return_index=True)
-    return uniq, len(ids) - 1 - first_in_rev
 
 
 class _Table:

@@ -1,0 +1,60 @@
+"""The baseline for bench/ps_bench.py: raw redis-py + hiredis reading and writing the PS's rows.
+
+The same work the PS does per batch, with nothing around it: hash the ids to their
+buckets, one pipeline of HMGET (pull) or HSET (push) per batch with one command per
+touched bucket, and the replies decoded into one numpy array. No gRPC, no PS
+process, no metadata read, no validation. It reads the very hashes the PS wrote.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import redis
+
+from ps_server.backends.redis_store import bucket_keys, bucket_of, meta_key
+from ps_server.schema import TableSchema
+
+
+class RawRedisRows:
+    def __init__(self, url: str, namespace: str, schema: TableSchema) -> None:
+        self.r = redis.Redis.from_url(url)
+        meta = json.loads(self.r.hget(meta_key(namespace), schema.name))
+        self.num_buckets = int(meta["num_buckets"])
+        self.keys = bucket_keys(namespace, schema.name, self.num_buckets)
+        self.schema = schema
+
+    def _grouped(self, ids: np.ndarray):
+        b = bucket_of(ids, self.num_buckets)
+        order = np.argsort(b, kind="stable")
+        sb = b[order]
+        starts = np.flatnonzero(np.r_[True, sb[1:] != sb[:-1]])
+        ends = np.r_[starts[1:], len(sb)]
+        fields = ids[order].astype("<i8").view("V8").tolist()
+        return order, sb[starts].tolist(), starts.tolist(), ends.tolist(), fields
+
+    def pull(self, ids: np.ndarray) -> np.ndarray:
+        s = self.schema
+        order, buckets, starts, ends, fields = self._grouped(ids)
+        pipe = self.r.pipeline(transaction=False)
+        for b, lo, hi in zip(buckets, starts, ends):
+            pipe.execute_command("HMGET", self.keys[b], *fields[lo:hi])
+        values = [v for reply in pipe.execute() for v in reply]
+        rows = np.empty((len(ids), s.width), dtype=s.np_dtype)
+        rows[order] = np.frombuffer(b"".join(values), dtype=s.np_dtype).reshape(len(ids), s.width)
+        return rows
+
+    def push(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        s = self.schema
+        order, buckets, starts, ends, fields = self._grouped(ids)
+        values = np.ascontiguousarray(rows[order], dtype=s.np_dtype).view(f"V{s.row_bytes}").ravel().tolist()
+        pipe = self.r.pipeline(transaction=False)
+        for b, lo, hi in zip(buckets, starts, ends):
+            args = [None] * (2 * (hi - lo))
+            args[0::2], args[1::2] = fields[lo:hi], values[lo:hi]
+            pipe.execute_command("HSET", self.keys[b], *args)
+        pipe.execute()
+
+    def close(self) -> None:
+        self.r.close()
