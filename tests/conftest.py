@@ -1,0 +1,161 @@
+"""Shared fixtures: real redis-server processes on free loopback ports (see redis_procs.py).
+
+Servers are started once per session, and lazily: a test run that needs no Redis starts none.
+Tests keep apart by namespace (`redis_namespace`), never by flushing a server.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import pytest
+
+from redis_procs import RedisClusterProcesses, RedisProcess, find_binary, make_tls_files
+
+
+@pytest.fixture(scope="session")
+def redis_binaries() -> tuple[str, str]:
+    """(redis-server, redis-cli); fails the test (never skips) when they are missing."""
+    try:
+        return find_binary("redis-server"), find_binary("redis-cli")
+    except FileNotFoundError as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def redis_server(redis_binaries):
+    """A plain standalone redis-server, also on a unix socket (`redis_server.unix_socket`)."""
+    proc = RedisProcess(unix_socket=True).start()
+    yield proc
+    proc.close()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server) -> str:
+    return redis_server.url
+
+
+@pytest.fixture
+def redis_namespace() -> str:
+    """A namespace no other test uses, so tests sharing a server never see each other's tables."""
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+@dataclass
+class AuthRedis:
+    """A server with `requirepass` (the default user) and an ACL user."""
+
+    proc: RedisProcess
+    user: str
+    password: str
+    default_password: str
+
+    @property
+    def address(self) -> str:
+        return self.proc.address
+
+    def url_for(self, user: str | None, password: str | None) -> str:
+        """redis://[user:password@]host:port/0 with the parts percent-encoded."""
+        from urllib.parse import quote
+
+        creds = ""
+        if password is not None:
+            creds = f"{quote(user or '', safe='')}:{quote(password, safe='')}@"
+        return f"redis://{creds}{self.address}/0"
+
+    @property
+    def url(self) -> str:
+        return self.url_for(self.user, self.password)
+
+
+@pytest.fixture(scope="session")
+def redis_auth(redis_binaries):
+    user, password, default_password = "dynemb_ps", "p@ss:w/rd-42", "default-secret"
+    proc = RedisProcess(
+        [f"requirepass {default_password}", f"user {user} on >{password} ~* &* +@all"],
+        client_kwargs={"username": user, "password": password},
+    ).start()
+    yield AuthRedis(proc, user, password, default_password)
+    proc.close()
+
+
+@dataclass
+class TlsRedis:
+    proc: RedisProcess
+    ca_file: str
+
+    @property
+    def url(self) -> str:
+        return self.proc.url  # rediss://127.0.0.1:port/0
+
+
+@pytest.fixture(scope="session")
+def redis_tls(redis_binaries, tmp_path_factory):
+    """A TLS-only server (no plain port) with a certificate from a throwaway CA (trustme)."""
+    files = make_tls_files(str(tmp_path_factory.mktemp("redis-tls")))
+    proc = RedisProcess(
+        [
+            f"tls-cert-file {files['cert']}",
+            f"tls-key-file {files['key']}",
+            f"tls-ca-cert-file {files['ca']}",
+            "tls-auth-clients no",
+        ],
+        tls=True,
+        client_kwargs={"ssl_ca_certs": files["ca"]},
+    ).start()
+    yield TlsRedis(proc, files["ca"])
+    proc.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(redis_binaries):
+    """A real 3-master Redis Cluster on loopback; `.url` is redis+cluster://h:p,h:p,h:p."""
+    cluster = RedisClusterProcesses(masters=3).start()
+    yield cluster
+    cluster.close()
+
+
+@dataclass
+class TlsAclCluster:
+    cluster: RedisClusterProcesses
+    ca_file: str
+    user: str
+    password: str
+
+    def url_for(self, user: str, password: str) -> str:
+        """rediss+cluster://user:password@h:p,h:p,h:p?ssl_ca_certs=CA (parts percent-encoded)."""
+        from urllib.parse import quote
+
+        creds = f"{quote(user, safe='')}:{quote(password, safe='')}"
+        nodes = ",".join(self.cluster.addresses)
+        return f"rediss+cluster://{creds}@{nodes}?ssl_ca_certs={quote(self.ca_file)}"
+
+    @property
+    def url(self) -> str:
+        return self.url_for(self.user, self.password)
+
+
+@pytest.fixture(scope="session")
+def redis_tls_cluster(redis_binaries, tmp_path_factory):
+    """A 3-master Cluster speaking TLS only (clients and cluster bus) that lets in one ACL user."""
+    files = make_tls_files(str(tmp_path_factory.mktemp("redis-tls-cluster")))
+    user, password = "dynemb_ps", "cl@ster:pw"
+    cluster = RedisClusterProcesses(masters=3, tls_files=files, acl=(user, password)).start()
+    yield TlsAclCluster(cluster, files["ca"], user, password)
+    cluster.close()
+
+
+@pytest.fixture
+def redis_process(redis_binaries):
+    """Factory for extra standalone servers a test may stop and restart; all stopped at its end."""
+    made: list[RedisProcess] = []
+
+    def make(config: list[str] = ()) -> RedisProcess:
+        proc = RedisProcess(config)
+        made.append(proc)
+        return proc.start()
+
+    yield make
+    for proc in made:
+        proc.close()

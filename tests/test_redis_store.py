@@ -1,0 +1,541 @@
+"""RedisStore against real redis-server processes: standalone, ACL/password, TLS, Cluster, down and back."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+
+import numpy as np
+import pytest
+import redis
+import xxhash
+
+from ps_server.backends import open_store, redis_store
+from ps_server.backends.redis_store import RedisStore, _split_cluster_url, bucket_of
+from ps_server.errors import BackendUnavailable, InvalidArgument, PSError, TableExists, TableNotFound
+from ps_server.hashing import ROW_HASH_SEED
+from ps_server.schema import DTYPES, Initializer, TableSchema
+
+I64 = np.iinfo(np.int64)
+# ids whose 8 bytes hold NULs, at the end too (bytes-typed numpy 'S8' would strip them)
+AWKWARD_IDS = np.array(
+    [0, 1, 256, 1 << 56, -1, -256, I64.min, I64.max, I64.min + 1, 1 << 32, 0xFF00, 2**31, -(2**31) - 1],
+    dtype=np.int64,
+)
+
+
+@pytest.fixture
+def store(redis_url, redis_namespace):
+    s = RedisStore.from_url(redis_url, namespace=redis_namespace)
+    yield s
+    s.close()
+
+
+def random_rows(rng, n: int, schema: TableSchema) -> np.ndarray:
+    if schema.dtype == "bf16":  # raw bit patterns, NaN and inf ones included
+        return rng.integers(0, 1 << 16, (n, schema.width), dtype=np.uint16)
+    return rng.standard_normal((n, schema.width)).astype(schema.np_dtype)
+
+
+def unique_ids(rng, n: int) -> np.ndarray:
+    ids = np.unique(rng.integers(I64.min, I64.max, n + n // 10 + 16, dtype=np.int64))
+    return rng.permutation(ids)[:n]
+
+
+def expected_bucket(i: int, num_buckets: int) -> int:
+    """The bucket from the xxhash package itself, not from the vectorised copy: the hash's
+    top 32 bits scaled to [0, num_buckets)."""
+    h = xxhash.xxh64_intdigest(int(i).to_bytes(8, "little", signed=True), seed=ROW_HASH_SEED)
+    return ((h >> 32) * num_buckets) >> 32
+
+
+# -- rows ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_round_trip_each_dtype(store, dtype):
+    rng = np.random.default_rng(1)
+    schema = TableSchema("emb", dim=8, state_width=3, dtype=dtype)
+    assert store.create_table(schema) is True
+    ids = unique_ids(rng, 3000)
+    rows = random_rows(rng, len(ids), schema)
+    assert store.push("emb", ids, rows) == len(ids)
+
+    order = rng.permutation(len(ids))
+    missing = np.setdiff1d(unique_ids(rng, 50), ids)
+    query = np.concatenate([ids[order], missing])
+    got, found = store.pull("emb", query)
+    assert got.dtype == DTYPES[dtype] and got.shape == (len(query), schema.width)
+    assert found[: len(ids)].all() and not found[len(ids) :].any()
+    # compare bits: NaN payloads and -0.0 must survive as they are
+    assert got[: len(ids)].tobytes() == rows[order].tobytes()
+    assert store.num_rows("emb") == len(ids)
+
+
+def test_binary_unsafe_ids(store):
+    schema = TableSchema("ids", dim=2)
+    store.create_table(schema)
+    rows = np.arange(len(AWKWARD_IDS) * 2, dtype=np.float32).reshape(-1, 2)
+    store.push("ids", AWKWARD_IDS, rows)
+    got, found = store.pull("ids", AWKWARD_IDS[::-1])
+    assert found.all()
+    np.testing.assert_array_equal(got, rows[::-1])
+    exported = np.concatenate([i for i, _ in store.export("ids", 5)])
+    assert sorted(exported.tolist()) == sorted(AWKWARD_IDS.tolist())
+    # a neighbour of each id (one bit apart) is a different row
+    _, found = store.pull("ids", AWKWARD_IDS ^ np.int64(2))
+    assert not found.any()
+
+
+def test_layout_in_redis(store, redis_url, redis_namespace):
+    ns, nb = redis_namespace, 64
+    store.num_buckets = nb
+    schema = TableSchema("lay.out-1", dim=4, state_width=2, dtype="fp16")
+    store.create_table(schema)
+    rng = np.random.default_rng(2)
+    ids = np.concatenate([AWKWARD_IDS, unique_ids(rng, 500)])
+    rows = random_rows(rng, len(ids), schema)
+    store.push(schema.name, ids, rows)
+
+    r = redis.Redis.from_url(redis_url)
+    keys = sorted(r.scan_iter(match=f"dn:{ns}:*".encode(), count=1000))
+    meta = f"dn:{ns}:tables".encode()
+    assert meta in keys and r.type(meta) == b"hash"
+    bucket_keys = [k for k in keys if k != meta]
+    pattern = re.compile(rb"^dn:" + ns.encode() + rb":lay\.out-1:r:\{lay\.out-1\.(\d+)\}$")
+    stored = {}
+    for key in bucket_keys:
+        m = pattern.match(key)
+        assert m, key
+        assert key.count(b"{") == 1 and key.count(b"}") == 1  # exactly one hash tag
+        assert r.type(key) == b"hash"  # no per-id string keys anywhere
+        bucket = int(m.group(1))
+        assert 0 <= bucket < nb
+        for field, value in r.hgetall(key).items():
+            assert len(field) == 8
+            i = int.from_bytes(field, "little", signed=True)
+            assert expected_bucket(i, nb) == bucket
+            stored[i] = value
+    assert len(bucket_keys) <= nb and len(bucket_keys) > nb // 2  # 513 ids cover most of 64 buckets
+    assert len(stored) == len(ids)
+    for i, row in zip(ids.tolist(), rows):
+        assert stored[i] == row.astype("<f2").tobytes()
+    r.close()
+
+
+def test_duplicates_in_one_push_last_wins(store):
+    store.create_table(TableSchema("dup", dim=3))
+    ids = np.array([7, 8, 7, 0, 7, 0], dtype=np.int64)
+    rows = np.arange(18, dtype=np.float32).reshape(6, 3)
+    assert store.push("dup", ids, rows) == 6
+    got, found = store.pull("dup", np.array([7, 8, 0], dtype=np.int64))
+    assert found.all()
+    np.testing.assert_array_equal(got, rows[[4, 1, 5]])
+    assert store.num_rows("dup") == 3
+    # the same id many times across a pipeline-sized batch
+    ids = np.full(5000, 42, dtype=np.int64)
+    rows = np.arange(5000 * 3, dtype=np.float32).reshape(5000, 3)
+    store.push("dup", ids, rows)
+    got, _ = store.pull("dup", np.array([42], dtype=np.int64))
+    np.testing.assert_array_equal(got[0], rows[-1])
+
+
+def test_batches_split_over_several_pipelines(store, monkeypatch):
+    monkeypatch.setattr(redis_store, "PIPELINE_MAX_IDS", 50)  # ~40 pipelines per 2000 ids
+    schema = TableSchema("split", dim=3)
+    store.num_buckets = 64
+    store.create_table(schema)
+    rng = np.random.default_rng(10)
+    ids = unique_ids(rng, 2000)
+    rows = random_rows(rng, 2000, schema)
+    dup_ids = np.concatenate([ids, ids[:100]])  # the repeats carry the rows that must win
+    dup_rows = np.concatenate([rows, rows[:100] + 1])
+    store.push("split", dup_ids, dup_rows)
+    got, found = store.pull("split", ids)
+    assert found.all()
+    np.testing.assert_array_equal(got[:100], rows[:100] + 1)
+    np.testing.assert_array_equal(got[100:], rows[100:])
+    assert store.num_rows("split") == 2000
+    assert store.delete("split", ids[:700]) == 700
+    assert sum(len(i) for i, _ in store.export("split", 64)) == 1300
+
+
+def test_foreign_data_is_an_error_not_garbage(store, redis_url, redis_namespace):
+    store.create_table(TableSchema("bad", dim=2))
+    ids = np.arange(200, dtype=np.int64)
+    store.push("bad", ids, np.ones((200, 2), np.float32))
+    r = redis.Redis.from_url(redis_url)
+    victim = int(bucket_of(ids[:1], store.num_buckets)[0])
+    key = f"dn:{redis_namespace}:bad:r:{{bad.{victim}}}".encode()
+    r.hset(key, ids[:1].tobytes(), b"\0" * 12)  # a 12-byte row in an 8-byte-row table
+    for call in (lambda: store.pull("bad", ids), lambda: list(store.export("bad", 50))):
+        with pytest.raises(PSError, match="wrong size"):
+            call()
+    r.delete(key)
+    r.set(key, b"not a hash")
+    with pytest.raises(PSError, match="WRONGTYPE"):
+        store.pull("bad", ids)
+    r.delete(key)
+    r.close()
+
+
+def test_delete_and_num_rows(store):
+    store.create_table(TableSchema("del", dim=2))
+    rng = np.random.default_rng(3)
+    ids = unique_ids(rng, 1000)
+    store.push("del", ids, random_rows(rng, 1000, store.schema("del")))
+    assert store.num_rows("del") == 1000
+    gone = ids[:300]
+    never = np.setdiff1d(unique_ids(rng, 20), ids)
+    assert store.delete("del", np.concatenate([gone, never, gone[:10]])) == 300
+    assert store.num_rows("del") == 700
+    assert store.delete("del", gone) == 0
+    _, found = store.pull("del", ids)
+    assert not found[:300].any() and found[300:].all()
+    assert store.delete("del", np.zeros(0, dtype=np.int64)) == 0
+
+
+def test_pull_and_push_empty_and_bad_input(store):
+    schema = TableSchema("e", dim=4, dtype="bf16")
+    store.create_table(schema)
+    rows, found = store.pull("e", np.zeros(0, dtype=np.int64))
+    assert rows.shape == (0, 4) and found.shape == (0,)
+    assert store.push("e", np.zeros(0, dtype=np.int64), np.zeros((0, 4), dtype=np.uint16)) == 0
+    with pytest.raises(InvalidArgument, match=r"shape \(2, 4\)"):
+        store.push("e", np.array([1, 2]), np.zeros((2, 5), dtype=np.uint16))
+    with pytest.raises(InvalidArgument, match="bf16"):  # floats are not bf16 bit patterns
+        store.push("e", np.array([1, 2]), np.zeros((2, 4), dtype=np.float32))
+    assert store.num_rows("e") == 0
+
+
+def test_export_every_row_once(store):
+    schema = TableSchema("exp", dim=5, state_width=1)
+    store.num_buckets = 128
+    store.create_table(schema)
+    rng = np.random.default_rng(4)
+    ids = unique_ids(rng, 2500)
+    rows = random_rows(rng, len(ids), schema)
+    store.push("exp", ids, rows)
+    for per_chunk in (1000, 37, 100_000):
+        chunks = list(store.export("exp", per_chunk))
+        assert all(0 < len(i) <= per_chunk and len(i) == len(r) for i, r in chunks)
+        got_ids = np.concatenate([i for i, _ in chunks])
+        got_rows = np.concatenate([r for _, r in chunks])
+        assert len(got_ids) == len(ids) and len(np.unique(got_ids)) == len(ids)
+        where = {i: k for k, i in enumerate(ids.tolist())}
+        np.testing.assert_array_equal(got_rows, rows[[where[i] for i in got_ids.tolist()]])
+    assert len(chunks) == 1
+    store.create_table(TableSchema("empty", dim=1))
+    assert list(store.export("empty", 10)) == []
+
+
+def test_clear_and_drop(store, redis_url, redis_namespace):
+    rng = np.random.default_rng(5)
+    for name in ("a", "b"):
+        schema = TableSchema(name, dim=2)
+        store.create_table(schema)
+        store.push(name, unique_ids(rng, 400), random_rows(rng, 400, schema))
+    assert store.clear("a") == 400
+    assert store.num_rows("a") == 0 and store.num_rows("b") == 400
+    assert store.schema("a") == TableSchema("a", dim=2)  # the table stays
+    assert store.clear("a") == 0
+
+    assert store.drop_table("b") == 400
+    assert store.drop_table("b") is None
+    assert [s.name for s in store.list_tables()] == ["a"]
+    with pytest.raises(TableNotFound):
+        store.num_rows("b")
+    r = redis.Redis.from_url(redis_url)
+    leftover = list(r.scan_iter(match=f"dn:{redis_namespace}:b:*".encode()))
+    assert leftover == []
+    r.close()
+    # a new table of the same name starts empty
+    store.create_table(TableSchema("b", dim=3))
+    assert store.num_rows("b") == 0
+
+
+def test_table_errors_name_what_is_wrong(store, redis_namespace):
+    schema = TableSchema("t1", dim=4, state_width=2, dtype="fp16", initializer=Initializer("uniform", -0.1, 0.1, 9))
+    assert store.create_table(schema) is True
+    assert store.create_table(schema) is False
+    other = TableSchema("t1", dim=8)
+    with pytest.raises(TableExists) as err:
+        store.create_table(other)
+    msg = str(err.value)
+    assert "'t1'" in msg and "'dim': 4" in msg and "'dim': 8" in msg and "fp16" in msg
+    for call in (
+        lambda: store.schema("nope"),
+        lambda: store.num_rows("nope"),
+        lambda: store.pull("nope", np.array([1])),
+        lambda: store.push("nope", np.array([1]), np.zeros((1, 4), np.float32)),
+        lambda: store.delete("nope", np.array([1])),
+        lambda: store.export("nope", 10),  # raises at the call, not at the first chunk
+        lambda: store.clear("nope"),
+    ):
+        with pytest.raises(TableNotFound) as err:
+            call()
+        assert "'nope'" in str(err.value) and redis_namespace in str(err.value)
+    assert store.drop_table("nope") is None
+
+
+def test_restart_finds_tables_and_rows(redis_url, redis_namespace):
+    rng = np.random.default_rng(6)
+    first = RedisStore.from_url(redis_url, namespace=redis_namespace, num_buckets=64)
+    schemas = [TableSchema("x", dim=3, dtype="bf16"), TableSchema("y", dim=2, state_width=2)]
+    data = {}
+    for s in schemas:
+        first.create_table(s)
+        ids = unique_ids(rng, 700)
+        data[s.name] = (ids, random_rows(rng, 700, s))
+        first.push(s.name, *data[s.name])
+    first.close()
+
+    # another PS process with another default bucket count: the tables keep their own
+    again = open_store(redis_url, namespace=redis_namespace, num_buckets=4096)
+    assert isinstance(again, RedisStore) and again.kind == "redis"
+    assert again.list_tables() == schemas
+    for s in schemas:
+        ids, rows = data[s.name]
+        assert again.num_rows(s.name) == 700
+        got, found = again.pull(s.name, ids)
+        assert found.all() and got.tobytes() == rows.tobytes()
+        assert again.create_table(s) is False
+    again.close()
+
+
+def test_namespaces_are_isolated(redis_url, redis_namespace):
+    a = RedisStore.from_url(redis_url, namespace=redis_namespace + "-a")
+    b = RedisStore.from_url(redis_url, namespace=redis_namespace + "-b")
+    a.create_table(TableSchema("same", dim=2))
+    b.create_table(TableSchema("same", dim=5))  # no clash: another namespace
+    ids = np.arange(100, dtype=np.int64)
+    a.push("same", ids, np.ones((100, 2), np.float32))
+    assert b.num_rows("same") == 0
+    _, found = b.pull("same", ids)
+    assert not found.any()
+    assert a.drop_table("same") == 100
+    assert b.schema("same").dim == 5 and a.list_tables() == []
+    a.close()
+    b.close()
+
+
+def test_concurrent_threads(store):
+    schema = TableSchema("mt", dim=4)
+    store.create_table(schema)
+    errors = []
+
+    def work(k: int) -> None:
+        try:
+            rng = np.random.default_rng(100 + k)
+            ids = np.arange(k * 10_000, k * 10_000 + 2000, dtype=np.int64)
+            rows = random_rows(rng, 2000, schema)
+            for _ in range(3):
+                store.push("mt", ids, rows)
+                got, found = store.pull("mt", ids)
+                assert found.all() and np.array_equal(got, rows)
+        except Exception as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert store.num_rows("mt") == 8 * 2000
+
+
+def test_unix_socket_url(redis_server, redis_namespace):
+    s = RedisStore.from_url(f"unix://{redis_server.unix_socket}?db=0", namespace=redis_namespace)
+    s.create_table(TableSchema("u", dim=1))
+    s.push("u", np.array([5]), np.array([[2.5]], np.float32))
+    got, found = s.pull("u", np.array([5, 6]))
+    assert found.tolist() == [True, False] and got[0, 0] == 2.5
+    s.close()
+
+
+# -- URLs and connections --------------------------------------------------------------------
+
+
+def test_bad_urls_and_options(redis_url):
+    with pytest.raises(InvalidArgument, match="scheme"):
+        open_store("mongodb://x")
+    with pytest.raises(InvalidArgument, match="no_such_option"):
+        RedisStore.from_url(redis_url, no_such_option=1)
+    with pytest.raises(InvalidArgument, match="namespace"):
+        RedisStore.from_url(redis_url, namespace="a:b")
+    with pytest.raises(InvalidArgument, match="host:port"):
+        RedisStore.from_url("redis+cluster://10.0.0.1")
+
+
+def test_cluster_url_parsing():
+    nodes, kw = _split_cluster_url(
+        "rediss+cluster://ps%40user:p%3Aw%2Fd@10.0.0.1:7000,[::1]:7001/0?ssl_cert_reqs=none&socket_keepalive=true"
+    )
+    assert nodes == [("10.0.0.1", 7000), ("::1", 7001)]
+    assert kw["username"] == "ps@user" and kw["password"] == "p:w/d"
+    assert kw["ssl"] is True and kw["ssl_cert_reqs"] == "none" and kw["socket_keepalive"] is True
+    assert "host" not in kw and "db" not in kw
+    nodes, kw = _split_cluster_url("redis+cluster://a:1")
+    assert nodes == [("a", 1)] and "ssl" not in kw and "password" not in kw
+    with pytest.raises(InvalidArgument, match="database 0"):
+        _split_cluster_url("redis+cluster://a:1/3")
+
+
+def test_acl_user_and_password(redis_auth, redis_namespace):
+    s = RedisStore.from_url(redis_auth.url, namespace=redis_namespace)
+    s.ping()
+    s.create_table(TableSchema("acl", dim=2))
+    s.push("acl", np.array([1, 2]), np.ones((2, 2), np.float32))
+    assert s.num_rows("acl") == 2
+    s.close()
+    # requirepass: the default user, password only
+    s = RedisStore.from_url(redis_auth.url_for("", redis_auth.default_password), namespace=redis_namespace)
+    assert s.num_rows("acl") == 2
+    s.close()
+
+
+@pytest.mark.parametrize("case", ["wrong password", "unknown user", "no password"])
+def test_refused_authentication(redis_auth, redis_namespace, case):
+    wrong = "not-the-password"
+    url = {
+        "wrong password": redis_auth.url_for(redis_auth.user, wrong),
+        "unknown user": redis_auth.url_for("nobody", wrong),
+        "no password": redis_auth.url_for(None, None),
+    }[case]
+    s = RedisStore.from_url(url, namespace=redis_namespace)
+    for call in (s.ping, lambda: s.create_table(TableSchema("z", dim=1)), lambda: s.pull("z", np.array([1]))):
+        with pytest.raises(BackendUnavailable) as err:
+            call()
+        msg = str(err.value)
+        assert "authentication" in msg and redis_auth.address in msg
+        assert wrong not in msg and redis_auth.password not in msg
+    s.close()
+
+
+def test_tls(redis_tls, redis_namespace):
+    for s in (
+        RedisStore.from_url(f"{redis_tls.url}?ssl_ca_certs={redis_tls.ca_file}", namespace=redis_namespace),
+        RedisStore.from_url(redis_tls.url, namespace=redis_namespace, ssl_ca_certs=redis_tls.ca_file),
+    ):
+        s.create_table(TableSchema("tls", dim=16, dtype="fp16"))
+        rng = np.random.default_rng(7)
+        ids = unique_ids(rng, 2000)
+        rows = random_rows(rng, 2000, s.schema("tls"))
+        s.push("tls", ids, rows)
+        got, found = s.pull("tls", ids)
+        assert found.all() and got.tobytes() == rows.tobytes()
+        s.close()
+    # without the CA the server's certificate is not trusted
+    untrusting = RedisStore.from_url(redis_tls.url, namespace=redis_namespace)
+    with pytest.raises(BackendUnavailable) as err:
+        untrusting.ping()
+    assert redis_tls.proc.address in str(err.value) and "CERTIFICATE_VERIFY_FAILED" in str(err.value)
+    untrusting.close()
+    # and plain redis:// to a TLS port gets no answer it understands
+    plain = RedisStore.from_url(
+        redis_tls.url.replace("rediss://", "redis://"), namespace=redis_namespace, socket_timeout=1.0, retries=0
+    )
+    with pytest.raises(BackendUnavailable):
+        plain.ping()
+    plain.close()
+
+
+def test_redis_down_then_back(redis_process, redis_namespace):
+    proc = redis_process()
+    s = RedisStore.from_url(proc.url, namespace=redis_namespace, socket_timeout=2.0)
+    s.create_table(TableSchema("d", dim=2))
+    ids = np.arange(500, dtype=np.int64)
+    rows = np.random.default_rng(8).random((500, 2), dtype=np.float32)
+    s.push("d", ids, rows)
+    proc.client().save()  # so the restarted server loads the rows again
+    proc.stop()
+
+    for call in (s.ping, lambda: s.pull("d", ids), lambda: s.push("d", ids, rows), lambda: s.num_rows("d")):
+        with pytest.raises(BackendUnavailable) as err:
+            call()
+        assert proc.address in str(err.value)
+
+    proc.start()
+    s.ping()
+    got, found = s.pull("d", ids)
+    assert found.all() and np.array_equal(got, rows)
+    s.push("d", ids[:10], rows[:10] + 1)
+    assert s.num_rows("d") == 500
+    np.testing.assert_array_equal(s.pull("d", ids[:10])[0], rows[:10] + 1)
+    s.close()
+
+
+def test_redis_hung_times_out(redis_process, redis_namespace):
+    proc = redis_process()
+    s = RedisStore.from_url(proc.url, namespace=redis_namespace, socket_timeout=0.3, retries=0)
+    s.create_table(TableSchema("h", dim=2))
+    os.kill(proc.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(BackendUnavailable, match="Timeout") as err:
+            s.pull("h", np.arange(10))
+        assert proc.address in str(err.value)
+    finally:
+        os.kill(proc.proc.pid, signal.SIGCONT)
+    assert s.num_rows("h") == 0  # the connection that timed out was dropped, a new one works
+    s.close()
+
+
+# -- Cluster ---------------------------------------------------------------------------------
+
+
+@pytest.mark.cluster
+def test_cluster_round_trip_spread_over_masters(redis_cluster, redis_namespace):
+    s = open_store(redis_cluster.url, namespace=redis_namespace)
+    assert isinstance(s, RedisStore) and s.kind == "redis-cluster"
+    schema = TableSchema("clu", dim=8, state_width=8)
+    assert s.create_table(schema) is True
+    rng = np.random.default_rng(9)
+    ids = np.unique(np.concatenate([AWKWARD_IDS, unique_ids(rng, 20_000)]))  # sorted
+    rows = random_rows(rng, len(ids), schema)
+    s.push("clu", ids, rows)
+    assert s.num_rows("clu") == len(ids)
+    query = rng.permutation(ids)
+    got, found = s.pull("clu", query)
+    assert found.all()
+    np.testing.assert_array_equal(got, rows[np.searchsorted(ids, query)])
+
+    per_node = {}
+    for node in redis_cluster.nodes:
+        c = node.client()
+        per_node[node.address] = len(list(c.scan_iter(match=f"dn:{redis_namespace}:clu:r:*".encode(), count=1000)))
+        c.close()
+    assert all(n > 0 for n in per_node.values()), per_node
+    # one key per touched bucket, each on exactly one node
+    assert sum(per_node.values()) == len({expected_bucket(i, 4096) for i in ids.tolist()})
+
+    assert s.delete("clu", ids[:1000]) == 1000
+    exported = np.concatenate([i for i, _ in s.export("clu", 3000)])
+    assert sorted(exported.tolist()) == sorted(ids[1000:].tolist())
+    assert s.clear("clu") == len(ids) - 1000
+    assert s.drop_table("clu") == 0 and s.list_tables() == []
+    s.close()
+
+
+@pytest.mark.cluster
+def test_cluster_over_tls_with_acl_user(redis_tls_cluster, redis_namespace):
+    s = RedisStore.from_url(redis_tls_cluster.url, namespace=redis_namespace)
+    assert s.kind == "redis-cluster"
+    schema = TableSchema("sec", dim=4, dtype="bf16")
+    s.create_table(schema)
+    rng = np.random.default_rng(11)
+    ids = unique_ids(rng, 3000)
+    rows = random_rows(rng, 3000, schema)
+    s.push("sec", ids, rows)
+    got, found = s.pull("sec", ids)
+    assert found.all() and got.tobytes() == rows.tobytes()
+    assert s.num_rows("sec") == 3000
+    s.close()
+
+    wrong = "not-the-password"
+    with pytest.raises(BackendUnavailable) as err:
+        RedisStore.from_url(redis_tls_cluster.url_for(redis_tls_cluster.user, wrong), namespace=redis_namespace)
+    msg = str(err.value)
+    assert "authentication" in msg and redis_tls_cluster.cluster.addresses[0] in msg and wrong not in msg
