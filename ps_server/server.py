@@ -23,12 +23,12 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from dynemb import __version__
-from protos import ps_pb2, ps_pb2_grpc
+from protos import ps_pb2
 from ps_server.auth import TokenAuthInterceptor
 from ps_server.backends import Store, open_store
 from ps_server.errors import PSError
 from ps_server.metrics import PSMetrics
-from ps_server.service import ParameterServerService
+from ps_server.service import ParameterServerService, add_to_server
 
 log = logging.getLogger("dynemb.ps")
 
@@ -92,7 +92,7 @@ class PSServer:
             options=opts,
         )
         self.service = ParameterServerService(store, self.metrics, config.max_message_bytes)
-        ps_pb2_grpc.add_ParameterServerServicer_to_server(self.service, self._grpc)
+        add_to_server(self.service, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),

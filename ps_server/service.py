@@ -24,12 +24,42 @@ from ps_server.errors import InvalidArgument, PSError, ResourceExhausted, TableN
 from ps_server.initializer import initial_rows
 from ps_server.metrics import PSMetrics
 from ps_server.schema import TableSchema, check_name
+from ps_server.wire import encode_pull_response
 
 log = logging.getLogger("dynemb.ps")
 
 # Room left in a message for everything but the packed ids and rows.
 MESSAGE_OVERHEAD = 4096
 DEFAULT_EXPORT_CHUNK_BYTES = 4 << 20
+
+
+def _serialize(message_type):
+    def serialize(message) -> bytes:
+        return message if isinstance(message, bytes) else message_type.SerializeToString(message)
+
+    return serialize
+
+
+def add_to_server(servicer: "ParameterServerService", server: grpc.Server) -> None:
+    """Register the service like the generated add_..._to_server, except that a handler may
+    return an already serialized reply (bytes), as Pull does."""
+    factories = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    service = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
+    handlers = {}
+    for method in service.methods:
+        request_type = getattr(ps_pb2, method.input_type.name)
+        response_type = getattr(ps_pb2, method.output_type.name)
+        handlers[method.name] = factories[(method.client_streaming, method.server_streaming)](
+            getattr(servicer, method.name),
+            request_deserializer=request_type.FromString,
+            response_serializer=_serialize(response_type),
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
 class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
@@ -145,10 +175,10 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 if not rows.flags.writeable:
                     rows = rows.copy()
                 rows[missing] = initial_rows(schema, ids[missing])
-            out = rows.tobytes()
-            self._count("Pull", len(ids), len(request.ids), len(out))
+            reply = encode_pull_response(rows, codec.encode_mask(missing), num_missing)
+            self._count("Pull", len(ids), len(request.ids), rows.nbytes)
             self.metrics.missing_rows.inc(num_missing)
-            return ps_pb2.PullResponse(rows=out, missing=codec.encode_mask(missing), num_missing=num_missing)
+            return reply
 
     def Push(self, request, context):
         with self._call("Push", context):
