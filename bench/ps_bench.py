@@ -30,7 +30,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dynemb.local import LocalPS, LocalRedis  # noqa: E402
+from dynemb.local import LocalPS  # noqa: E402
+from dynemb.local_redis import RedisProcess  # noqa: E402
 from ps_server.backends.embedded import EmbeddedStore  # noqa: E402
 from ps_server.client import PSClient  # noqa: E402
 from ps_server.schema import TableSchema  # noqa: E402
@@ -58,7 +59,7 @@ def bench_redis(args, schema, ids, batches, rows) -> dict:
     from bench.raw_redis import RawRedisRows
 
     out = {}
-    with LocalRedis() as redis_proc, LocalPS("--backend", redis_proc.url, "--namespace", "bench",
+    with RedisProcess() as redis_proc, LocalPS("--backend", redis_proc.url, "--namespace", "bench",
                                              "--log-level", "WARNING") as ps_proc:
         rng = np.random.default_rng(1)
         with PSClient(ps_proc.address) as ps:

@@ -1,7 +1,5 @@
-"""Local processes for benchmarks, demos and tests: a redis-server and a PS (`dynemb ps serve`).
-
-Both run as real child processes on free loopback ports and stop when the object is
-closed (or its `with` block ends).
+"""A local PS (`dynemb ps serve`) in a child process on a free port, for benchmarks, demos
+and tests; it stops when closed (or its `with` block ends). Redis: dynemb/local_redis.py.
 """
 
 from __future__ import annotations
@@ -9,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,69 +14,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def redis_server_binary() -> str:
-    """DYNEMB_REDIS_SERVER, else the repo's .bin/redis-server (scripts/setup_env.sh), else PATH."""
-    for candidate in (os.environ.get("DYNEMB_REDIS_SERVER"), str(REPO / ".bin" / "redis-server"), shutil.which("redis-server")):
-        if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    raise FileNotFoundError("no redis-server found: run scripts/setup_env.sh, or set DYNEMB_REDIS_SERVER")
-
-
-class LocalRedis:
-    """A throwaway redis-server: no persistence, its own temp dir."""
-
-    def __init__(self, port: int | None = None, extra_args: tuple[str, ...] = ()) -> None:
-        self.port = port or free_port()
-        self.dir = tempfile.mkdtemp(prefix="dynemb-redis-")
-        self.extra_args = extra_args
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self, timeout: float = 10.0) -> "LocalRedis":
-        import redis
-
-        args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", self.dir, *self.extra_args]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server on port {self.port} did not start") from None
-                time.sleep(0.05)
-        client.close()
-        return self
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
-        self.proc = None
-
-    def close(self) -> None:
-        self.stop()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> "LocalRedis":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class LocalPS:
