@@ -159,3 +159,4 @@ def redis_process(redis_binaries):
     yield make
     for proc in made:
         proc.close()
+from ps_procs import embedded_client, embedded_ps, make_ps  # noqa: E402,F401

@@ -1,0 +1,37 @@
+"""PS subprocess fixtures: `dynemb ps serve` started through the CLI, as operators run it."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynemb.local import LocalPS
+from ps_server.client import PSClient
+
+
+@pytest.fixture
+def make_ps():
+    """Factory: make_ps(*serve_flags, env=...) -> a started LocalPS; all stopped at the test's end."""
+    made: list[LocalPS] = []
+
+    def make(*args: str, env: dict | None = None, start: bool = True) -> LocalPS:
+        ps = LocalPS("--log-level", "INFO", *args, env=env)
+        made.append(ps)
+        return ps.start() if start else ps
+
+    yield make
+    for ps in made:
+        ps.close()
+
+
+@pytest.fixture(scope="module")
+def embedded_ps():
+    """One embedded-store PS shared by a module's tests (each test uses its own table names)."""
+    ps = LocalPS("--log-level", "INFO").start()
+    yield ps
+    ps.close()
+
+
+@pytest.fixture
+def embedded_client(embedded_ps):
+    with PSClient(embedded_ps.address, timeout=30) as client:
+        yield client

@@ -1,0 +1,162 @@
+"""Rows through real PS processes: every dtype, both backends, many shards, chunking, export/import, restart."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dynemb.local import LocalPS
+from ps_server.client import PSClient
+from ps_server.hashing import shard_of
+from ps_server.schema import Initializer, TableSchema
+
+DTYPES = {"fp32": np.float32, "fp16": np.float16}
+
+
+def random_rows(rng, schema: TableSchema, n: int) -> np.ndarray:
+    if schema.dtype == "bf16":  # bf16 travels as its 16 raw bits
+        return rng.integers(0, 1 << 16, (n, schema.width), dtype=np.uint16)
+    return rng.standard_normal((n, schema.width)).astype(DTYPES[schema.dtype])
+
+
+def round_trip(ps: PSClient, table: str, dtype: str, n: int = 3000, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    init = Initializer("uniform", -0.1, 0.1, seed=5, state_init=0.5)
+    info = ps.create_table(table, dim=12, state_width=3, dtype=dtype, initializer=init)
+    assert info.num_rows == 0 and info.schema.dtype == dtype
+    ids = rng.choice(1 << 62, n, replace=False).astype(np.int64) - (1 << 61)
+    ids[:4] = [0, -1, 256, (1 << 63) - 1]  # bytes that end in zeros, the sign bit, the extremes
+
+    fresh = ps.pull(table, ids)
+    assert fresh.missing.all()
+    again = ps.pull(table, ids[::-1])
+    assert np.array_equal(again.rows[::-1], fresh.rows), "missing rows must initialise the same each pull"
+    assert fresh.rows.dtype == info.schema.np_dtype and fresh.rows.shape == (n, 15)
+    if dtype != "bf16":
+        assert np.all(np.abs(fresh.embeddings.astype(np.float32)) <= 0.1)
+        assert np.all(fresh.state == np.asarray(0.5, dtype=fresh.rows.dtype))
+
+    rows = random_rows(rng, info.schema, n)
+    assert ps.push(table, ids, rows) == n
+    got = ps.pull(table, ids)
+    assert not got.missing.any()
+    assert np.array_equal(got.rows, rows)
+    mixed = np.concatenate([ids[:10], np.array([123456789, 987654321], dtype=np.int64)])
+    got = ps.pull(table, mixed)
+    assert got.missing.tolist() == [False] * 10 + [True, True]
+    assert np.array_equal(got.rows[:10], rows[:10])
+    assert ps.describe_table(table).num_rows == n
+    assert ps.delete(table, np.concatenate([ids[:100], [424242]])) == 100
+    assert ps.pull(table, ids[:100]).missing.all()
+    assert np.array_equal(ps.pull(table, ids[100:]).rows, rows[100:])
+    assert ps.describe_table(table).num_rows == n - 100
+    assert table in [t.schema.name for t in ps.list_tables()]
+    assert ps.drop_table(table) == n - 100
+    assert table not in [t.schema.name for t in ps.list_tables()]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+def test_round_trip_embedded(embedded_client, dtype):
+    round_trip(embedded_client, f"rt_{dtype}", dtype)
+
+
+@pytest.fixture(scope="module")
+def redis_ps(redis_url):
+    ps = LocalPS("--backend", redis_url, "--namespace", "rows_tests").start()
+    yield ps
+    ps.close()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+def test_round_trip_redis(redis_ps, dtype):
+    with PSClient(redis_ps.address) as ps:
+        round_trip(ps, f"rt_{dtype}", dtype, seed=1)
+
+
+def test_round_trip_redis_cluster(redis_cluster, make_ps):
+    ps_proc = make_ps("--backend", redis_cluster.url, "--namespace", "cl")
+    with PSClient(ps_proc.address) as ps:
+        assert ps.stats()[0].backend == "redis-cluster"
+        round_trip(ps, "rt_cluster", "fp32", n=20000, seed=2)
+
+
+def test_repeated_id_in_a_push_keeps_its_last_row(embedded_client):
+    embedded_client.create_table("dups", dim=2)
+    ids = np.array([7, 8, 7, 9, 7], dtype=np.int64)
+    rows = np.arange(10, dtype=np.float32).reshape(5, 2)
+    embedded_client.push("dups", ids, rows)
+    assert np.array_equal(embedded_client.pull("dups", [7, 8, 9]).rows, rows[[4, 1, 3]])
+
+
+def test_many_shards_each_ps_holds_its_own_ids(make_ps):
+    procs = [make_ps() for _ in range(3)]
+    addresses = [p.address for p in procs]
+    rng = np.random.default_rng(3)
+    ids = rng.choice(1 << 50, 50000, replace=False).astype(np.int64)
+    rows = rng.standard_normal((len(ids), 8)).astype(np.float32)
+    with PSClient(addresses, chunk_bytes=256 << 10) as ps:
+        ps.create_table("sharded", dim=6, state_width=2)
+        assert ps.push("sharded", ids, rows) == len(ids)
+        got = ps.pull("sharded", ids)
+        assert np.array_equal(got.rows, rows) and not got.missing.any()
+        assert ps.describe_table("sharded").num_rows == len(ids)
+        exported = list(ps.export("sharded"))
+    owner = shard_of(ids, 3)
+    for shard, address in enumerate(addresses):
+        with PSClient(address) as one:
+            mine = ids[owner == shard]
+            assert one.describe_table("sharded").num_rows == len(mine) > 0
+            assert not one.pull("sharded", mine[:50]).missing.any()
+            assert one.pull("sharded", ids[owner != shard][:50]).missing.all()
+    all_ids = np.concatenate([i for i, _ in exported])
+    assert sorted(all_ids.tolist()) == sorted(ids.tolist())
+
+
+def test_small_messages_are_chunked(make_ps):
+    proc = make_ps("--max-message-mb", "0.25")
+    rng = np.random.default_rng(4)
+    ids = np.arange(20000, dtype=np.int64) * 3
+    rows = rng.standard_normal((len(ids), 32)).astype(np.float32)  # 2.5 MiB in all, ten times the limit
+    with PSClient(proc.address, max_message_bytes=256 << 10) as ps:
+        ps.create_table("chunked", dim=32)
+        ps.push("chunked", ids, rows)
+        assert np.array_equal(ps.pull("chunked", ids).rows, rows)
+        assert sum(len(i) for i, _ in ps.export("chunked")) == len(ids)
+
+
+def test_export_then_import_reproduces_every_row(embedded_client, make_ps):
+    rng = np.random.default_rng(5)
+    ids = rng.choice(1 << 40, 7000, replace=False).astype(np.int64)
+    rows = rng.standard_normal((len(ids), 5)).astype(np.float32)
+    embedded_client.create_table("exp", dim=4, state_width=1, initializer=Initializer("constant", 2.0))
+    embedded_client.push("exp", ids, rows)
+    chunks = list(embedded_client.export("exp", rows_per_chunk=1000))
+    assert all(len(i) <= 1000 for i, _ in chunks) and sum(len(i) for i, _ in chunks) == len(ids)
+    schema = embedded_client.schema("exp")
+
+    other = make_ps()
+    with PSClient(other.address) as target:
+        assert target.import_rows(schema, chunks) == len(ids)
+        assert target.schema("exp", refresh=True) == schema
+        assert np.array_equal(target.pull("exp", ids).rows, rows)
+        # replace=True first deletes what the table held
+        target.push("exp", [1, 2, 3], np.ones((3, 5), np.float32))
+        assert target.import_rows(schema, chunks[:2], replace=True) == sum(len(i) for i, _ in chunks[:2])
+        assert target.describe_table("exp").num_rows == sum(len(i) for i, _ in chunks[:2])
+        assert target.pull("exp", [1]).missing.all()
+
+
+def test_restarted_ps_finds_tables_and_rows_in_redis(redis_url, redis_namespace, make_ps):
+    rng = np.random.default_rng(6)
+    ids = rng.choice(1 << 40, 5000, replace=False).astype(np.int64)
+    rows = rng.standard_normal((len(ids), 9)).astype(np.float32)
+    first = make_ps("--backend", redis_url, "--namespace", redis_namespace)
+    with PSClient(first.address) as ps:
+        ps.create_table("kept", dim=8, state_width=1, initializer=Initializer("normal", 0, 0.01, seed=3))
+        ps.push("kept", ids, rows)
+    assert first.stop() == 0
+    second = make_ps("--backend", redis_url, "--namespace", redis_namespace, "--redis-buckets", "64")
+    with PSClient(second.address) as ps:
+        info = ps.describe_table("kept")
+        assert info.num_rows == len(ids) and info.schema.initializer.kind == "normal"
+        assert np.array_equal(ps.pull("kept", ids).rows, rows)
