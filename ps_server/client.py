@@ -93,7 +93,7 @@ class PSClient:
         tls_server_name: str | None = None,
         timeout: float = 60.0,
         max_message_bytes: int = 64 << 20,
-        chunk_bytes: int = 2 << 20,
+        chunk_bytes: int = 16 << 20,
         retry: RetryPolicy = RetryPolicy(),
     ) -> None:
         if isinstance(addresses, str):
@@ -103,8 +103,8 @@ class PSClient:
         self.addresses = list(addresses)
         self.timeout = timeout
         self.max_message_bytes = max_message_bytes
-        # Big batches go out as several messages of about this size at once: gRPC moves
-        # a few concurrent 2 MiB messages faster than one 8 MiB one (bench/ps_bench.py).
+        # Batches bigger than this go out as several messages at once. Fewer, bigger
+        # messages won on 2 cores once replies were built with one copy (bench/RESULTS.md).
         self.chunk_bytes = min(chunk_bytes, max_message_bytes)
         self.retry = retry
         self._metadata = bearer_metadata(auth_token)
