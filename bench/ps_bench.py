@@ -126,6 +126,19 @@ def bench_embedded(args, schema, ids, batches, rows) -> dict:
             out["ps_pull"] = timed(lambda b: ps.pull(TABLE, b), batches)
             out["ps_push"] = timed(lambda b: ps.push(TABLE, b, rows[: len(b)]), batches)
             chunk_bytes = ps.chunk_bytes
+    if args.shards > 1:
+        # The same batches over several embedded PS processes on this host (client-side sharding).
+        procs = [LocalPS("--log-level", "WARNING").start() for _ in range(args.shards)]
+        try:
+            with PSClient([p.address for p in procs]) as ps:
+                ps.wait_ready()
+                ps.create_table_from_schema(schema)
+                load(ps, schema, ids, rng, f"load: rows into {args.shards} embedded PS shards")
+                out["sharded_pull"] = timed(lambda b: ps.pull(TABLE, b), batches)
+                out["sharded_push"] = timed(lambda b: ps.push(TABLE, b, rows[: len(b)]), batches)
+        finally:
+            for p in procs:
+                p.close()
     store = EmbeddedStore()
     store.create_table(schema)
     for lo in range(0, len(ids), 65536):
@@ -146,6 +159,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--state-width", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=20, help="timed batches per measurement [default %(default)s]")
+    parser.add_argument("--shards", type=int, default=1,
+                        help="also run the embedded part over this many PS processes [default %(default)s: no]")
     parser.add_argument("--only", choices=("redis", "embedded"), help="run one part")
     parser.add_argument("--json", type=Path, default=Path(__file__).parent / "out" / "ps_bench.json")
     args = parser.parse_args(argv)
@@ -169,6 +184,8 @@ def main(argv=None) -> int:
         e = results["embedded"] = bench_embedded(args, schema, ids, batches, rows)
         print("\nEmbedded backend (rows/s)       pull          push")
         print(f"  PS on loopback           {e['ps_pull']:>12,.0f}  {e['ps_push']:>12,.0f}   (goal >= 2,000,000)")
+        if "sharded_pull" in e:
+            print(f"  PS, {args.shards} shards on loopback {e['sharded_pull']:>10,.0f}  {e['sharded_push']:>12,.0f}")
         print(f"  store alone, in-process  {e['store_pull']:>12,.0f}  {e['store_push']:>12,.0f}")
         print(f"  raw gRPC, same bytes     {e['raw_grpc_pull']:>12,.0f}  {e['raw_grpc_push']:>12,.0f}")
         print(f"  ratio PS / raw gRPC      {e['pull_vs_raw_grpc']:>12.2f}  {e['push_vs_raw_grpc']:>12.2f}")
