@@ -64,6 +64,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="host:port to listen on; port 0 picks a free one [env DYNEMB_PS_ADDRESS, default %(default)s]")
     serve.add_argument("--backend", default=_env("DYNEMB_PS_BACKEND", ""),
                        help="where rows live: embedded:// (the default: in this process, lost on exit), "
+                       "embedded:///DIR (saved to DIR on shutdown, loaded at start), "
                        "redis://[user:pass@]host:port/db, rediss://... (TLS), redis+cluster://host:port[,host:port] "
                        "[env DYNEMB_PS_BACKEND]")
     serve.add_argument("--namespace", default=_env("DYNEMB_NAMESPACE", "dynemb"),

@@ -160,3 +160,32 @@ def test_restarted_ps_finds_tables_and_rows_in_redis(redis_url, redis_namespace,
         info = ps.describe_table("kept")
         assert info.num_rows == len(ids) and info.schema.initializer.kind == "normal"
         assert np.array_equal(ps.pull("kept", ids).rows, rows)
+
+
+def test_embedded_store_with_a_directory_survives_a_graceful_restart(make_ps, tmp_path):
+    backend = f"embedded://{tmp_path}/tables"
+    rng = np.random.default_rng(7)
+    ids = rng.choice(1 << 40, 3000, replace=False).astype(np.int64)
+    first = make_ps("--backend", backend)
+    with PSClient(first.address) as ps:
+        ps.create_table("kept32", dim=4, state_width=2, initializer=Initializer("uniform", -1, 1, seed=4))
+        ps.create_table("kept_bf16", dim=3, dtype="bf16")
+        ps.create_table("empty", dim=2)
+        ps.create_table("dropped", dim=2)
+        rows32 = rng.standard_normal((len(ids), 6)).astype(np.float32)
+        rows16 = rng.integers(0, 1 << 16, (len(ids), 3), dtype=np.uint16)
+        ps.push("kept32", ids, rows32)
+        ps.push("kept_bf16", ids, rows16)
+        ps.push("dropped", [1], np.ones((1, 2), np.float32))
+        ps.delete("kept32", ids[:10])
+        ps.drop_table("dropped")
+    assert first.stop() == 0
+    second = make_ps("--backend", backend)
+    with PSClient(second.address) as ps:
+        assert [t.schema.name for t in ps.list_tables()] == ["empty", "kept32", "kept_bf16"]
+        assert ps.describe_table("kept32").schema.initializer.seed == 4
+        got = ps.pull("kept32", ids)
+        assert got.missing[:10].all() and not got.missing[10:].any()
+        assert np.array_equal(got.rows[10:], rows32[10:])
+        assert np.array_equal(ps.pull("kept_bf16", ids).rows, rows16)
+        assert ps.describe_table("empty").num_rows == 0

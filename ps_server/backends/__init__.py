@@ -1,6 +1,7 @@
 """Stores behind the PS. `open_store(url)` picks one from a URL.
 
-    embedded:// (or empty)        in-process numpy store (the default)
+    embedded:// (or empty)        in-process numpy store (the default); rows gone when the PS exits
+    embedded:///path/to/dir       the same, saved to dir on shutdown and loaded from it at start
     redis://[user:pass@]host:port/db    standalone Redis
     rediss://...                  the same over TLS
     redis+cluster://host:port[,host:port...]  Redis Cluster (rediss+cluster:// for TLS)
@@ -17,7 +18,8 @@ def open_store(url: str = "", *, namespace: str = "dynemb", **options) -> Store:
     if scheme in ("embedded", "memory"):
         from ps_server.backends.embedded import EmbeddedStore
 
-        return EmbeddedStore()
+        path = url.split("://", 1)[1] if "://" in url else ""
+        return EmbeddedStore(path or None)
     if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix"):
         from ps_server.backends.redis_store import RedisStore
 

@@ -3,14 +3,23 @@
 The default backend, for a single PS or for tests and demos: no Redis to run. Each
 table is an IdIndex (id → row number) and one 2-D array of rows that grows by
 doubling; deleted rows' numbers are reused. A lock per table keeps concurrent gRPC
-handlers apart. Nothing is written to disk: a restarted embedded PS starts empty
-(use the Redis backend where rows must outlive the PS process).
+handlers apart.
+
+Without a directory nothing is written to disk: a restarted PS starts empty. With one
+(`embedded:///dir`), `close()` (the PS's drain on SIGTERM) saves each table to
+`dir/<table>.safetensors` (ids, rows, and the schema in the metadata) and a new store
+loads them, so a graceful restart keeps every row; a crash loses what changed since
+the last save. Use the Redis backend where every write must be durable at once.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 
@@ -52,12 +61,60 @@ class _Table:
         return np.concatenate(got) if got else np.zeros(0, dtype=np.int64)
 
 
+log = logging.getLogger("dynemb.ps")
+SNAPSHOT_SUFFIX = ".safetensors"
+
+
 class EmbeddedStore(Store):
     kind = "embedded"
 
-    def __init__(self) -> None:
+    def __init__(self, directory: str | None = None) -> None:
         self._tables: dict[str, _Table] = {}
         self._lock = threading.Lock()
+        self.directory = Path(directory) if directory else None
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._load()
+
+    def _load(self) -> None:
+        from safetensors import safe_open  # only with a directory
+        from safetensors.numpy import load_file
+
+        for path in sorted(self.directory.glob(f"*{SNAPSHOT_SUFFIX}")):
+            with safe_open(str(path), framework="numpy") as f:
+                schema = TableSchema.from_dict(json.loads(f.metadata()["schema"]))
+            tensors = load_file(str(path))
+            self.create_table(schema)
+            if len(tensors["ids"]):
+                self.push(schema.name, tensors["ids"], tensors["rows"])
+            log.info("loaded table %s (%d rows) from %s", schema.name, len(tensors["ids"]), path)
+
+    def save(self) -> None:
+        """Write every table to the directory (each file replaced atomically)."""
+        if self.directory is None:
+            return
+        from safetensors.numpy import save_file
+
+        for name in list(self._tables):
+            t = self._tables.get(name)
+            if t is None:
+                continue
+            with t.lock:
+                ids, where = t.index.items()
+                rows = t.rows[where]
+            order = np.argsort(ids)
+            tmp = self.directory / f".{name}{SNAPSHOT_SUFFIX}.tmp"
+            save_file({"ids": ids[order], "rows": np.ascontiguousarray(rows[order])}, str(tmp),
+                      metadata={"schema": json.dumps(t.schema.to_dict())})
+            os.replace(tmp, self.directory / f"{name}{SNAPSHOT_SUFFIX}")
+        # a dropped table must not come back at the next start
+        for path in self.directory.glob(f"*{SNAPSHOT_SUFFIX}"):
+            if path.name[: -len(SNAPSHOT_SUFFIX)] not in self._tables:
+                path.unlink()
+        log.info("saved %d tables to %s", len(self._tables), self.directory)
+
+    def close(self) -> None:
+        self.save()
 
     def _table(self, name: str) -> _Table:
         try:
