@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import queue
 import random
 import threading
 import time
@@ -391,32 +392,52 @@ class PSClient:
         return self._on_lane(self._import, schema, chunks, replace, timeout).result()
 
     def _import(self, schema, chunks, replace, timeout) -> int:
-        per_msg = max(1, (self.max_message_bytes - MESSAGE_OVERHEAD) // (schema.row_bytes + 8))
+        per_msg = max(1, (self.chunk_bytes - MESSAGE_OVERHEAD) // (schema.row_bytes + 8))
         n = len(self.addresses)
-        queues: list[list] = [[ps_pb2.RowChunk(spec=schema.to_proto(), replace=replace)] for _ in range(n)]
+        # One stream per PS, fed through a small queue each, so a table of any size is
+        # imported without holding it in memory. Streams are not retried: an iterator
+        # cannot be replayed (re-run the import; with replace=True it is idempotent).
+        queues = [queue.Queue(maxsize=4) for _ in range(n)]
+        done = object()
 
-        def batches():
+        def stream(q):
+            yield ps_pb2.RowChunk(spec=schema.to_proto(), replace=replace)
+            while (chunk := q.get()) is not done:
+                yield chunk
+
+        calls = [
+            stub.Import.future(stream(q), timeout=timeout or None, metadata=self._metadata)
+            for stub, q in zip(self._stubs, queues)
+        ]
+
+        def put(shard: int, item) -> None:
+            while True:  # a stream that failed stops reading: don't wait on it forever
+                try:
+                    queues[shard].put(item, timeout=0.1)
+                    return
+                except queue.Full:
+                    if calls[shard].done():
+                        return
+
+        try:
             for ids, rows in chunks:
                 ids = self._ids(ids)
                 rows = np.ascontiguousarray(rows, dtype=schema.np_dtype).reshape(len(ids), schema.width)
                 owner = shard_of(ids, n)
                 for shard in range(n):
-                    pos = np.flatnonzero(owner == shard)
+                    pos = np.flatnonzero(owner == shard) if n > 1 else np.arange(len(ids))
                     for start in range(0, len(pos), per_msg):
                         p = pos[start : start + per_msg]
-                        yield shard, ps_pb2.RowChunk(ids=codec.encode_ids(ids[p]), rows=rows[p].tobytes())
-
-        # Import streams are not retried (a stream cannot be replayed from an iterator);
-        # chunks are buffered per PS so each PS gets one stream.
-        for shard, chunk in batches():
-            queues[shard].append(chunk)
+                        put(shard, ps_pb2.RowChunk(ids=codec.encode_ids(ids[p]), rows=rows[p].tobytes()))
+        finally:
+            for shard in range(n):
+                put(shard, done)
         written = 0
-        for shard, stub in enumerate(self._stubs):
+        for shard, call in enumerate(calls):
             try:
-                reply = stub.Import(iter(queues[shard]), timeout=timeout or None, metadata=self._metadata)
+                written += call.result().rows_written
             except grpc.RpcError as err:
                 raise from_rpc_error(err, self.addresses[shard]) from None
-            written += reply.rows_written
         self._remember(schema)
         return written
 

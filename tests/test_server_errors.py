@@ -152,3 +152,13 @@ def test_redis_refuses_auth(redis_auth, make_ps):
         ps.push("t", [1], np.ones((1, 2), np.float32))
         assert not ps.pull("t", [1]).missing.any()
 
+
+
+def test_import_into_a_table_of_another_schema_fails_cleanly(stored):
+    ps, _, table, ids, rows = stored
+    from ps_server.schema import TableSchema
+
+    clash = TableSchema(table, dim=5, state_width=2)
+    chunks = [(ids + 1000, np.ones((len(ids), 7), np.float32))] * 50  # more than the stream queue holds
+    with pytest.raises(TableExists, match="another schema"):
+        ps.import_rows(clash, iter(chunks))

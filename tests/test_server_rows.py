@@ -101,11 +101,15 @@ def test_many_shards_each_ps_holds_its_own_ids(make_ps):
         assert np.array_equal(got.rows, rows) and not got.missing.any()
         assert ps.describe_table("sharded").num_rows == len(ids)
         exported = list(ps.export("sharded"))
+        copy = TableSchema("sharded_copy", 6, 2)
+        assert ps.import_rows(copy, exported) == len(ids)  # one stream per PS, each id to its owner
+        assert np.array_equal(ps.pull("sharded_copy", ids).rows, rows)
     owner = shard_of(ids, 3)
     for shard, address in enumerate(addresses):
         with PSClient(address) as one:
             mine = ids[owner == shard]
             assert one.describe_table("sharded").num_rows == len(mine) > 0
+            assert one.describe_table("sharded_copy").num_rows == len(mine)
             assert not one.pull("sharded", mine[:50]).missing.any()
             assert one.pull("sharded", ids[owner != shard][:50]).missing.all()
     all_ids = np.concatenate([i for i, _ in exported])
