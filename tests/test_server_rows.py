@@ -193,3 +193,35 @@ def test_embedded_store_with_a_directory_survives_a_graceful_restart(make_ps, tm
         assert np.array_equal(got.rows[10:], rows32[10:])
         assert np.array_equal(ps.pull("kept_bf16", ids).rows, rows16)
         assert ps.describe_table("empty").num_rows == 0
+
+
+@pytest.mark.parametrize("backend", ["embedded", "redis"])
+def test_concurrent_clients_keep_their_rows_apart(backend, embedded_ps, redis_ps):
+    import threading
+
+    address = embedded_ps.address if backend == "embedded" else redis_ps.address
+    with PSClient(address) as ps:
+        ps.create_table("conc", dim=7, state_width=1)
+    errors: list[BaseException] = []
+
+    def worker(k: int) -> None:
+        try:
+            rng = np.random.default_rng(k)
+            ids = np.arange(k * 100_000, k * 100_000 + 3000, dtype=np.int64)
+            with PSClient(address) as ps:
+                for step in range(5):
+                    rows = rng.standard_normal((len(ids), 8)).astype(np.float32)
+                    ps.push("conc", ids, rows)
+                    got = ps.pull("conc", ids)
+                    assert np.array_equal(got.rows, rows), f"worker {k} step {step} read another's rows"
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    with PSClient(address) as ps:
+        assert ps.describe_table("conc").num_rows == 6 * 3000
