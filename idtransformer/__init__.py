@@ -1,1 +1,1 @@
-"""ID transformer: global IDs to slots of a bounded table (issue 3)."""
+"""ID transformer: global IDs to slots of a bounded table (issue 3, in progress: admission.py so far)."""
