@@ -202,7 +202,9 @@ class IDTransformer:
         n = min(n_movable, max(short, int(self.policy.evict_fraction * self.capacity)))
         scores = self.policy.scores(self.last_access, self.freq, self.step)
         scores = torch.where(movable, scores, torch.iinfo(torch.int64).max)
-        victims = torch.topk(scores, n, largest=False).indices
+        # a stable sort, not topk: ties (a batch shares one last_access) go to the lowest slot,
+        # so CPU and CUDA pick the same victims
+        victims = torch.sort(scores, stable=True).indices[:n]
         evicted = self.slot_id[victims]
         self.map.remove_at(self.map.find(evicted))
         self._tombstones += n

@@ -1,0 +1,124 @@
+"""ID transformer throughput and hit rate against TorchRec's MCHManagedCollisionModule.
+
+    .venv/bin/python bench/idtransformer_bench.py                     # CPU, the issue's setting
+    python3 bench/idtransformer_bench.py --device cuda                # on a GPU machine
+
+A Zipf(1.05) stream over 10^8 distinct IDs (rank r → a fixed scrambled 62-bit ID), batches
+of 262,144, capacity 10^6. Both sides first see --warmup batches (the table fills and
+eviction starts), then the same --batches timed batches. MCH: DistanceLFU eviction,
+eviction_interval 10 (its eviction cost is inside its timing, as ours is).
+
+Printed: IDs/s of each and the ratio (goal >= 10x MCH), hit rate of each (share of the
+batch's IDs already resident before the batch; goal >= MCH's), resident bytes per ID
+(goal <= 32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from idtransformer.policy import EvictionPolicy  # noqa: E402
+from idtransformer.transformer import IDTransformer  # noqa: E402
+
+
+def zipf_batches(n_batches: int, batch: int, universe: int, seed: int) -> list[torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n_batches):
+        rank = (rng.zipf(1.05, batch) % universe).astype(np.uint64)
+        with np.errstate(over="ignore"):  # scramble: rank → a fixed 62-bit ID
+            ids = (rank * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(2)
+        out.append(torch.from_numpy(ids.astype(np.int64)))
+    return out
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_ours(args, batches, device) -> dict:
+    t = IDTransformer(args.capacity, EvictionPolicy("hybrid", evict_fraction=args.evict_fraction), device=device)
+    hits = total = 0
+    elapsed = 0.0
+    for k, b in enumerate(tqdm(batches, desc="idtransformer", unit="batch", leave=False)):
+        x = b.to(device)
+        sync(device)
+        start = time.perf_counter()
+        out = t.transform(x)
+        sync(device)
+        if k >= args.warmup:
+            elapsed += time.perf_counter() - start
+            admitted = torch.isin(x, out.admitted_ids)
+            hits += int((~admitted).sum())
+            total += x.numel()
+    state_bytes = sum(
+        v.numel() * v.element_size()
+        for v in (t.map.keys, t.map.values, t.slot_id, t.occupied, t.last_access, t.freq, t.pins)
+    )
+    return {"ids_per_s": total / elapsed, "hit_rate": hits / total, "bytes_per_id": state_bytes / len(t),
+            "resident": len(t)}
+
+
+def run_mch(args, batches, device) -> dict:
+    from torchrec.modules.mc_modules import DistanceLFU_EvictionPolicy, MCHManagedCollisionModule
+    from torchrec.sparse.jagged_tensor import JaggedTensor
+
+    mch = MCHManagedCollisionModule(
+        zch_size=args.capacity, device=device, eviction_policy=DistanceLFU_EvictionPolicy(),
+        eviction_interval=10, input_hash_size=(1 << 63) - 1,
+    )
+    mch.train()
+    hits = total = 0
+    elapsed = 0.0
+    for k, b in enumerate(tqdm(batches, desc="MCH", unit="batch", leave=False)):
+        x = b.to(device)
+        resident = torch.isin(x, mch._mch_sorted_raw_ids)  # before this batch
+        sync(device)
+        start = time.perf_counter()
+        features = {"f": JaggedTensor(values=x, lengths=torch.ones(x.numel(), dtype=torch.int64, device=device))}
+        mch.remap(mch.profile(features))
+        sync(device)
+        if k >= args.warmup:
+            elapsed += time.perf_counter() - start
+            hits += int(resident.sum())
+            total += x.numel()
+    return {"ids_per_s": total / elapsed, "hit_rate": hits / total}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--capacity", type=int, default=1_000_000)
+    p.add_argument("--batch", type=int, default=262_144)
+    p.add_argument("--universe", type=int, default=10**8)
+    p.add_argument("--warmup", type=int, default=20, help="batches before timing [default %(default)s]")
+    p.add_argument("--batches", type=int, default=20, help="timed batches [default %(default)s]")
+    p.add_argument("--evict-fraction", type=float, default=0.05)
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    batches = zipf_batches(args.warmup + args.batches, args.batch, args.universe, seed=0)
+    print(f"idtransformer_bench: Zipf(1.05) over {args.universe:,} IDs, batches of {args.batch:,}, capacity "
+          f"{args.capacity:,}, {args.warmup} warm-up + {args.batches} timed batches, device {device}, "
+          f"{torch.get_num_threads()} CPU threads")
+    ours = run_ours(args, batches, device)
+    mch = run_mch(args, batches, device)
+    print(f"  idtransformer (hybrid)   {ours['ids_per_s']:>14,.0f} IDs/s   hit rate {ours['hit_rate']:.4f}   "
+          f"{ours['bytes_per_id']:.1f} bytes per resident ID ({ours['resident']:,} resident)")
+    print(f"  MCH (DistanceLFU, 10)    {mch['ids_per_s']:>14,.0f} IDs/s   hit rate {mch['hit_rate']:.4f}")
+    print(f"  ratio IDs/s ours / MCH   {ours['ids_per_s'] / mch['ids_per_s']:>14.2f}   (goal >= 10; hit rate >= MCH's; "
+          f"<= 32 bytes per ID)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
