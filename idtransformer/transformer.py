@@ -41,6 +41,16 @@ class TransformResult:
     rejected_ids: torch.Tensor  # seen, but below the admission threshold: no slot yet
 
 
+def _lowest(scores: torch.Tensor, n: int) -> torch.Tensor:
+    """Indices of the n lowest scores, ties going to the lowest index (so CPU and CUDA agree;
+    topk's tie order differs between them). A k-th-value cut is O(capacity), a sort is not."""
+    kth = torch.kthvalue(scores, n).values
+    below = scores < kth
+    at = scores == kth
+    take_at = at & (torch.cumsum(at, 0) <= n - below.sum())
+    return torch.nonzero(below | take_at).squeeze(1)
+
+
 class SlotMap:
     """id → slot, open addressing with linear probing on two int64 tensors (keys, values)."""
 
@@ -202,9 +212,7 @@ class IDTransformer:
         n = min(n_movable, max(short, int(self.policy.evict_fraction * self.capacity)))
         scores = self.policy.scores(self.last_access, self.freq, self.step)
         scores = torch.where(movable, scores, torch.iinfo(torch.int64).max)
-        # a stable sort, not topk: ties (a batch shares one last_access) go to the lowest slot,
-        # so CPU and CUDA pick the same victims
-        victims = torch.sort(scores, stable=True).indices[:n]
+        victims = _lowest(scores, n)
         evicted = self.slot_id[victims]
         self.map.remove_at(self.map.find(evicted))
         self._tombstones += n
