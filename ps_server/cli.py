@@ -231,8 +231,13 @@ def cmd_drop(args) -> int:
 def cmd_pull(args) -> int:
     with _client(args) as ps:
         got = ps.pull(args.table, np.array(args.ids, dtype=np.int64))
+        rows = got.rows
+        if ps.schema(args.table).dtype == "bf16":  # rows travel as bf16 bit patterns: print the values
+            from ps_server.initializer import bf16_bits_to_float
+
+            rows = bf16_bits_to_float(rows)
     with np.printoptions(precision=4, suppress=True, linewidth=120, threshold=24, edgeitems=4):
-        for i, row, miss in zip(args.ids, got.rows, got.missing):
+        for i, row, miss in zip(args.ids, rows, got.missing):
             print(f"{i}: {'(missing) ' if miss else ''}{row}")
     return 0
 

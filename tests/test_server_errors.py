@@ -122,20 +122,28 @@ def test_oversized_messages(make_ps):
 
 
 def test_redis_down_then_back(redis_process, make_ps):
-    redis_proc = redis_process()
+    # an append-only file, so what was stored before the outage is there again after it
+    redis_proc = redis_process(["appendonly yes", "appendfsync always"])
     proc = make_ps("--backend", redis_proc.url, "--namespace", "down")
     no_retry = RetryPolicy(attempts=1)
+    ids = np.arange(50, dtype=np.int64)
+    rows = np.random.default_rng(1).standard_normal((50, 2)).astype(np.float32)
     with PSClient(proc.address, retry=no_retry, timeout=20) as ps:
         ps.create_table("t", dim=2)
-        ps.push("t", [1, 2], np.ones((2, 2), np.float32))
+        ps.push("t", ids, rows)
         redis_proc.stop()
-        with pytest.raises(Unavailable) as info:
-            ps.pull("t", [1, 2])
-        assert info.value.code == grpc.StatusCode.UNAVAILABLE
-        assert redis_proc.address in str(info.value) and "Redis" in str(info.value)
+        for attempt in (lambda: ps.pull("t", ids), lambda: ps.push("t", ids, rows + 1),
+                        lambda: ps.describe_table("t"), lambda: ps.create_table("t2", dim=2)):
+            with pytest.raises(Unavailable) as info:
+                attempt()
+            assert info.value.code == grpc.StatusCode.UNAVAILABLE
+            assert redis_proc.address in str(info.value) and "Redis" in str(info.value)
         assert ps.health() == ["SERVING"]  # the PS itself is alive
-        redis_proc.start()  # same port; nothing was persisted, so the table is gone
-        ps.create_table("t", dim=2)
+        redis_proc.start()  # same port and directory: the append-only file is loaded again
+        assert ps.describe_table("t").num_rows == 50
+        got = ps.pull("t", ids)  # the push during the outage changed nothing
+        assert np.array_equal(got.rows, rows) and not got.missing.any()
+        assert [t.schema.name for t in ps.list_tables()] == ["t"]
         ps.push("t", [3], np.full((1, 2), 3.0, np.float32))
         assert ps.pull("t", [3]).rows.tolist() == [[3.0, 3.0]]
 

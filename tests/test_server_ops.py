@@ -99,8 +99,15 @@ def test_sigterm_drains_in_flight_requests(make_ps):
     health = health_pb2_grpc.HealthStub(channel)
     in_flight = stub.Import.future(chunks(), timeout=60)
     deadline = time.monotonic() + 10
-    while "created table" not in proc.log() and time.monotonic() < deadline:  # the first chunk arrived
+    written = 0
+    while written < 1000 and time.monotonic() < deadline:  # the first chunk arrived and was written
+        try:
+            written = stub.DescribeTable(ps_pb2.DescribeTableRequest(table="drain"), timeout=2).num_rows
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.NOT_FOUND
         time.sleep(0.05)
+    assert written == 1000 and not in_flight.done()
+    sent_at = time.monotonic()
     proc.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 3
     status = None
@@ -114,6 +121,7 @@ def test_sigterm_drains_in_flight_requests(make_ps):
     reply = in_flight.result(timeout=30)
     assert reply.rows_written == 3000 and reply.table.num_rows == 3000
     assert proc.proc.wait(30) == 0
+    assert time.monotonic() - sent_at < 30  # within --drain-seconds
     assert "draining" in proc.log()
     channel.close()
 
@@ -195,7 +203,14 @@ def test_cli(embedded_ps):
     assert out.returncode == 0 and "cli_t" in out.stdout and "dim=3" in out.stdout
     out = dynemb("ps", "pull", "cli_t", "7", "8", *at)
     assert out.returncode == 0 and out.stdout.count("(missing)") == 2 and "0.5" in out.stdout
-    assert "cli_t" in dynemb("ps", "tables", *at).stdout
+    # bf16 rows travel as bit patterns; the CLI prints their values
+    out = dynemb("ps", "create-table", "cli_b16", "--dim", "2", "--state-width", "1", "--dtype", "bf16",
+                 "--init", "constant", "--init-a", "0.5", "--state-init", "0.25", *at)
+    assert out.returncode == 0 and "dtype=bf16" in out.stdout
+    out = dynemb("ps", "pull", "cli_b16", "3", *at)
+    assert out.returncode == 0 and "[0.5  0.5  0.25]" in out.stdout and "16128" not in out.stdout
+    tables = dynemb("ps", "tables", *at).stdout
+    assert "cli_t " in tables and "cli_b16 " in tables
     assert json.loads(dynemb("ps", "describe", "cli_t", *at).stdout)["dim"] == 3
     stats = json.loads(dynemb("ps", "stats", *at).stdout)
     assert stats["backend"] == "embedded"
