@@ -421,6 +421,8 @@ class PSClient:
 
         try:
             for ids, rows in chunks:
+                if any(call.done() for call in calls):  # a stream ended before its last chunk: it failed
+                    break
                 ids = self._ids(ids)
                 rows = np.ascontiguousarray(rows, dtype=schema.np_dtype).reshape(len(ids), schema.width)
                 owner = shard_of(ids, n)

@@ -14,7 +14,8 @@ def make_ps():
     made: list[LocalPS] = []
 
     def make(*args: str, env: dict | None = None, start: bool = True) -> LocalPS:
-        ps = LocalPS("--log-level", "INFO", *args, env=env)
+        # no NOT_SERVING pause on stop (a test that wants one passes --not-serving-seconds itself)
+        ps = LocalPS("--log-level", "INFO", "--not-serving-seconds", "0", *args, env=env)
         made.append(ps)
         return ps.start() if start else ps
 
@@ -26,7 +27,7 @@ def make_ps():
 @pytest.fixture(scope="module")
 def embedded_ps():
     """One embedded-store PS shared by a module's tests (each test uses its own table names)."""
-    ps = LocalPS("--log-level", "INFO").start()
+    ps = LocalPS("--log-level", "INFO", "--not-serving-seconds", "0").start()
     yield ps
     ps.close()
 

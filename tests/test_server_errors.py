@@ -167,6 +167,14 @@ def test_import_into_a_table_of_another_schema_fails_cleanly(stored):
     from ps_server.schema import TableSchema
 
     clash = TableSchema(table, dim=5, state_width=2)
-    chunks = [(ids + 1000, np.ones((len(ids), 7), np.float32))] * 50  # more than the stream queue holds
+    drawn = []
+
+    def chunks():  # more than the stream queue holds
+        for k in range(50):
+            drawn.append(k)
+            yield ids + 1000 * (k + 1), np.ones((len(ids), 7), np.float32)
+
     with pytest.raises(TableExists, match="another schema"):
-        ps.import_rows(clash, iter(chunks))
+        ps.import_rows(clash, chunks())
+    assert len(drawn) < 50  # the failed stream stopped the import; the rest was never read
+    assert ps.describe_table(table).num_rows == len(ids)
