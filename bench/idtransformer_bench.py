@@ -47,7 +47,8 @@ def sync(device: torch.device) -> None:
 
 
 def run_ours(args, batches, device) -> dict:
-    t = IDTransformer(args.capacity, EvictionPolicy("hybrid", evict_fraction=args.evict_fraction), device=device)
+    t = IDTransformer(args.capacity, EvictionPolicy("hybrid", evict_fraction=args.evict_fraction), device=device,
+                      backend=args.backend)
     hits = total = 0
     elapsed = 0.0
     for k, b in enumerate(tqdm(batches, desc="idtransformer", unit="batch", leave=False)):
@@ -61,11 +62,7 @@ def run_ours(args, batches, device) -> dict:
             admitted = torch.isin(x, out.admitted_ids)
             hits += int((~admitted).sum())
             total += x.numel()
-    state_bytes = sum(
-        v.numel() * v.element_size()
-        for v in (t.map.keys, t.map.values, t.slot_id, t.occupied, t.last_access, t.freq, t.pins)
-    )
-    return {"ids_per_s": total / elapsed, "hit_rate": hits / total, "bytes_per_id": state_bytes / len(t),
+    return {"ids_per_s": total / elapsed, "hit_rate": hits / total, "bytes_per_id": t.nbytes / len(t),
             "resident": len(t)}
 
 
@@ -104,6 +101,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=20, help="batches before timing [default %(default)s]")
     p.add_argument("--batches", type=int, default=20, help="timed batches [default %(default)s]")
     p.add_argument("--evict-fraction", type=float, default=0.05)
+    p.add_argument("--backend", default="auto", choices=["auto", "kernel", "torch"],
+                   help="slot map: the compiled CPU kernel, torch ops, or auto (kernel on CPU) [default %(default)s]")
+    p.add_argument("--skip-mch", action="store_true", help="time only ours (no ratio)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     batches = zipf_batches(args.warmup + args.batches, args.batch, args.universe, seed=0)
@@ -111,9 +111,11 @@ def main(argv=None) -> int:
           f"{args.capacity:,}, {args.warmup} warm-up + {args.batches} timed batches, device {device}, "
           f"{torch.get_num_threads()} CPU threads")
     ours = run_ours(args, batches, device)
-    mch = run_mch(args, batches, device)
     print(f"  idtransformer (hybrid)   {ours['ids_per_s']:>14,.0f} IDs/s   hit rate {ours['hit_rate']:.4f}   "
           f"{ours['bytes_per_id']:.1f} bytes per resident ID ({ours['resident']:,} resident)")
+    if args.skip_mch:
+        return 0
+    mch = run_mch(args, batches, device)
     print(f"  MCH (DistanceLFU, 10)    {mch['ids_per_s']:>14,.0f} IDs/s   hit rate {mch['hit_rate']:.4f}")
     print(f"  ratio IDs/s ours / MCH   {ours['ids_per_s'] / mch['ids_per_s']:>14.2f}   (goal >= 10; hit rate >= MCH's; "
           f"<= 32 bytes per ID)")

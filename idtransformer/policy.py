@@ -10,8 +10,9 @@ logarithmic counter in [0, 255]).
           longest idle. freq grows logarithmically (below), so a handful of hits does not
           pin an ID for ever, but it never decays: an ID that was hot once stays.
 - hybrid: like LFU, with freq decayed by idle time first, as Redis's LFU does:
-          decayed = max(freq - idle_steps // decay_steps, 0). A once-hot ID that went cold
-          loses a point every `decay_steps` idle steps and is eventually evicted.
+          decayed = max(freq - idle_steps // decay_steps, 0), applied when scoring and stored
+          when the ID is seen again. A once-hot ID that went cold loses a point every
+          `decay_steps` idle steps and is eventually evicted.
 - TTL (with any of them): an ID idle for more than `ttl_steps` scores below every live one
   (the most idle first), so expired IDs are evicted before any other.
 
@@ -55,7 +56,8 @@ class EvictionPolicy:
             raise ValueError(f"decay_steps must be >= 1, got {self.decay_steps}")
 
     def scores(self, last_access: torch.Tensor, freq: torch.Tensor, step: int) -> torch.Tensor:
-        """int64 eviction score per slot (lowest evicted first); see the module doc."""
+        """int64 eviction score per slot (lowest evicted first); see the module doc.
+        last_access: int32 or int64 steps; freq: uint8."""
         last = last_access.to(torch.int64)
         idle = step - last
         if self.kind == "lru":
@@ -70,11 +72,13 @@ class EvictionPolicy:
             score = torch.where(expired, last - (1 << 62), score)
         return score
 
-    def bump(self, freq: torch.Tensor, hits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        """freq after a batch that saw each ID `hits` times: +1 with probability
-        1 - (1 - p)^hits, p = 1 / ((freq - initial_freq) * log_factor + 1)."""
-        f = freq.to(torch.float32)
+    def bump(self, freq: torch.Tensor, hits: torch.Tensor, draw: torch.Tensor) -> torch.Tensor:
+        """freq after a batch that saw each ID `hits` times: +1 if draw (uniform [0, 1), one
+        per ID) < 1 - (1 - p)^hits, p = 1 / ((freq - initial_freq) * log_factor + 1).
+        (The CPU kernel flips a coin per sighting instead, as Redis does per access.)"""
+        f = freq.to(torch.float64)
         p = 1.0 / ((f - self.initial_freq).clamp(min=0) * self.log_factor + 1.0)
-        p_batch = 1.0 - (1.0 - p) ** hits.to(torch.float32)
-        draw = torch.rand(freq.shape, generator=generator, device=freq.device)
+        h = hits.to(torch.float64)
+        # (1 - p)^h as the kernel computes it (exactly so for h == 1)
+        p_batch = torch.where(h == 1, 1.0 - (1.0 - p), 1.0 - torch.exp(h * torch.log1p(-p)))
         return torch.where((draw < p_batch) & (freq < MAX_FREQ), freq + 1, freq)

@@ -12,9 +12,14 @@ distinct IDs than the table holds is refused. When the table is full, a fraction
 (policy.evict_fraction) is freed at once, lowest policy scores first (see policy.py),
 never a slot the current batch uses or one pinned by a batch still in flight.
 
-This version is written in vectorised torch ops (one implementation for CPU and CUDA);
-its probe rounds compact the pending IDs, which costs a device sync per round on CUDA.
-A compiled kernel for speed is the next step (issue 3's benchmark).
+State per slot, one 16-byte record: the ID it holds (int64) and a `meta` word: last access
+step (int32, -1 = free), log frequency counter (uint8), pin count (uint8), and 16 bits the
+kernel uses within a call; `slot_id`, `last_access`, `freq` and `pins` are views of it.
+Plus the id → slot map (slot_map.py), 16 bytes per slot: 32 bytes per slot in all.
+
+Two backends with identical results (the tests compare them call by call): on CPU a
+compiled kernel (csrc/slot_map.cpp) does a batch in two passes (lookup, then admit); the
+torch-ops version (for CUDA, or backend="torch") does the same in vectorised rounds.
 """
 
 from __future__ import annotations
@@ -24,11 +29,13 @@ from dataclasses import dataclass
 import torch
 
 from idtransformer.admission import CountMinSketch
-from idtransformer.hashing import xxh64
 from idtransformer.policy import EvictionPolicy
+from idtransformer.slot_map import COIN_SEED, MAP_SEED, coin, make_slot_map
 
-EMPTY, DELETED = -1, -2
-_MAP_SEED = 0x51_07
+FREE = -1
+_MAX_PINS = 255
+_MAX_HITS = 0xFFFF  # the kernel counts a batch's sightings of an ID in 16 bits
+_KIND_CODE = {"lru": 0, "lfu": 1, "hybrid": 2}
 
 
 @dataclass
@@ -51,58 +58,6 @@ def _lowest(scores: torch.Tensor, n: int) -> torch.Tensor:
     return torch.nonzero(below | take_at).squeeze(1)
 
 
-class SlotMap:
-    """id → slot, open addressing with linear probing on two int64 tensors (keys, values)."""
-
-    def __init__(self, size: int, device: torch.device) -> None:
-        self.size = 1 << max(4, (size - 1).bit_length())
-        self.mask = self.size - 1
-        self.keys = torch.zeros(self.size, dtype=torch.int64, device=device)
-        self.values = torch.full((self.size,), EMPTY, dtype=torch.int64, device=device)
-
-    def _home(self, ids: torch.Tensor) -> torch.Tensor:
-        return xxh64(ids, _MAP_SEED) & self.mask
-
-    def find(self, ids: torch.Tensor) -> torch.Tensor:
-        """Position of each id in the map, or -1."""
-        found = torch.full_like(ids, -1)
-        pos = self._home(ids)
-        pending = torch.arange(len(ids), device=ids.device)
-        while pending.numel():
-            p = pos[pending]
-            v = self.values[p]
-            hit = (v >= 0) & (self.keys[p] == ids[pending])
-            found[pending[hit]] = p[hit]
-            go_on = ~hit & (v != EMPTY)
-            pending = pending[go_on]
-            pos[pending] = (p[go_on] + 1) & self.mask
-        return found
-
-    def insert(self, ids: torch.Tensor, values: torch.Tensor) -> None:
-        """Add distinct ids that are not present."""
-        pos = self._home(ids)
-        pending = torch.arange(len(ids), device=ids.device)
-        while pending.numel():
-            p = pos[pending]
-            free = self.values[p] < 0
-            cand, cand_pos = pending[free], p[free]
-            # several new ids may want one free position: the first in sorted order takes it
-            sorted_pos, order = torch.sort(cand_pos, stable=True)
-            first = torch.ones_like(sorted_pos, dtype=torch.bool)
-            first[1:] = sorted_pos[1:] != sorted_pos[:-1]
-            winner, at = cand[order[first]], sorted_pos[first]
-            self.keys[at] = ids[winner]
-            self.values[at] = values[winner]
-            placed = torch.zeros(len(ids), dtype=torch.bool, device=ids.device)
-            placed[winner] = True
-            left = ~placed[pending]
-            pending = pending[left]
-            pos[pending] = (p[left] + 1) & self.mask
-
-    def remove_at(self, positions: torch.Tensor) -> None:
-        self.values[positions] = DELETED
-
-
 class IDTransformer:
     def __init__(
         self,
@@ -112,96 +67,137 @@ class IDTransformer:
         sketch_width: int = 1 << 20,
         sketch_depth: int = 4,
         device: torch.device | str = "cpu",
-        seed: int = 0,
+        backend: str = "auto",
     ) -> None:
+        """backend: "auto" (the compiled kernel on CPU, torch ops elsewhere), "kernel" or "torch"."""
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         if admit_threshold < 1:
             raise ValueError(f"admit_threshold must be >= 1, got {admit_threshold}")
         self.capacity, self.policy, self.admit_threshold = capacity, policy, admit_threshold
-        self.device = torch.device(device)
-        dev = self.device
-        self.map = SlotMap(2 * capacity, dev)  # at most half full of live IDs
-        self.slot_id = torch.zeros(capacity, dtype=torch.int64, device=dev)
-        self.occupied = torch.zeros(capacity, dtype=torch.bool, device=dev)
-        self.last_access = torch.zeros(capacity, dtype=torch.int64, device=dev)
-        self.freq = torch.zeros(capacity, dtype=torch.uint8, device=dev)
-        self.pins = torch.zeros(capacity, dtype=torch.int32, device=dev)
+        self.device = dev = torch.device(device)
+        if backend == "auto":
+            backend = "kernel" if dev.type == "cpu" else "torch"
+        self.backend = backend
+        # one 16-byte record per slot: (id, meta); the rest are views of it (little-endian
+        # meta: bytes 0-3 last access, 4 freq, 5 pins)
+        if backend == "kernel":  # read at random: on 2 MiB pages (see the kernel's huge_empty)
+            from idtransformer.kernel import ops
+
+            self.records = ops().huge_empty([capacity, 2], torch.int64).zero_()
+        else:
+            self.records = torch.zeros(capacity, 2, dtype=torch.int64, device=dev)
+        self.slot_id = self.records[:, 0]
+        self.meta = self.records[:, 1]
+        self.meta.fill_(0xFFFFFFFF)  # last access -1: free
+        self.last_access = self.records.view(torch.int32)[:, 2]
+        self.freq = self.records.view(torch.uint8)[:, 12]
+        self.pins = self.records.view(torch.uint8)[:, 13]
+        self.map = make_slot_map(capacity, self.records, backend)
         self.sketch = CountMinSketch(sketch_width, sketch_depth, dev) if admit_threshold > 1 else None
-        self.generator = torch.Generator(device=dev).manual_seed(seed)
         self.step = 0
-        self._tombstones = 0
+        self.resident = 0
 
     def __len__(self) -> int:
-        return int(self.occupied.sum())
+        return self.resident
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of per-slot state, map included (the admission sketch is fixed-size, apart)."""
+        return self.records.numel() * 8 + self.map.nbytes
 
     # -- the batched call --------------------------------------------------------
 
     def transform(self, ids: torch.Tensor, pin: bool = False) -> TransformResult:
         if ids.dtype != torch.int64:
             raise TypeError(f"ids must be an int64 tensor, got {ids.dtype}")
+        if self.step >= (1 << 31) - 1:
+            raise OverflowError("the transformer's step counter is at 2^31 - 1 (last_access is int32)")
         flat = ids.reshape(-1).to(self.device)
-        uniq, inverse, counts = torch.unique(flat, return_inverse=True, return_counts=True)
-        if len(uniq) > self.capacity:
-            raise ValueError(
-                f"batch has {len(uniq)} distinct IDs but the table holds {self.capacity}: "
-                f"use a larger capacity or smaller batches"
+        if flat.numel() > self.capacity:  # only then can it hold too many distinct IDs
+            distinct = torch.unique(flat).numel()
+            if distinct > self.capacity:
+                raise ValueError(
+                    f"batch has {distinct} distinct IDs but the table holds {self.capacity}: "
+                    f"use a larger capacity or smaller batches"
+                )
+        # 1. Hits get their slot and a touch (last_access = step marks them in use); the k-th
+        #    distinct missing ID (in order of first sighting) gets -(k + 2) for now.
+        slots, new_ids, new_counts = self._lookup(flat)
+        try:
+            # 2. Admission.
+            if self.sketch is not None and len(new_ids):
+                admit = self.sketch.add(new_ids, new_counts) >= self.admit_threshold
+            else:
+                admit = torch.ones_like(new_ids, dtype=torch.bool)
+            # 3. Room (eviction), slots for the admitted, placeholders replaced.
+            admitted, admitted_slots, evicted_ids, evicted_slots = self._admit(slots, new_ids, admit)
+            self.resident += len(admitted) - len(evicted_ids)
+            if pin:
+                self._pin(slots)
+        finally:
+            # even a batch refused for want of room was seen: its resident IDs were touched
+            self.step += 1
+        return TransformResult(slots.reshape(ids.shape), admitted, admitted_slots, evicted_ids, evicted_slots,
+                               new_ids[~admit])
+
+    def _lookup(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        p = self.policy
+        if self.backend == "kernel":
+            return self.map.ops.lookup(
+                self.map.entries, self.records, flat, self.step, MAP_SEED, COIN_SEED,
+                -1.0 if p.kind == "lru" else p.log_factor, p.initial_freq, p.decay_steps if p.kind == "hybrid" else 0,
             )
-        step = self.step
-        slots = self.slot_of_positions(self.map.find(uniq))
+        uniq, inverse, counts = torch.unique(flat, return_inverse=True, return_counts=True)
+        slots = self.map.find(uniq)
         hit = slots >= 0
-        hit_slots = slots[hit]
-        self.last_access[hit_slots] = step
-        self.freq[hit_slots] = self.policy.bump(self.freq[hit_slots], counts[hit], self.generator)
+        s = slots[hit]
+        if p.kind != "lru":
+            f = self.freq[s]
+            if p.kind == "hybrid":
+                idle = self.step - self.last_access[s].to(torch.int64)
+                f = (f.to(torch.int64) - idle // p.decay_steps).clamp(min=0).to(torch.uint8)
+            self.freq[s] = p.bump(f, counts[hit].clamp(max=_MAX_HITS), coin(uniq[hit], self.step))
+        self.last_access[s] = self.step
+        # the missing in order of first sighting, as the kernel's single pass meets them
+        n = flat.numel()
+        first = torch.full_like(uniq, n).scatter_reduce_(0, inverse, torch.arange(n, device=flat.device), "amin")
+        missing = torch.nonzero(~hit).squeeze(1)
+        missing = missing[torch.argsort(first[missing])]
+        k = torch.empty_like(uniq)
+        k[missing] = torch.arange(len(missing), device=flat.device)
+        slots = torch.where(hit, slots, -(k + 2))
+        return slots[inverse], uniq[missing], counts[missing].to(torch.int32)
 
-        missing, missing_counts = uniq[~hit], counts[~hit]
-        if self.sketch is not None and len(missing):
-            admit = self.sketch.add(missing, missing_counts) >= self.admit_threshold
-        else:
-            admit = torch.ones_like(missing, dtype=torch.bool)
-        new_ids = missing[admit]
-        in_use = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
-        in_use[hit_slots] = True
-        evicted_ids, evicted_slots = self._make_room(len(new_ids), in_use)
+    def _admit(self, slots: torch.Tensor, new_ids: torch.Tensor, admit: torch.Tensor):
+        p = self.policy
+        evict_min = int(p.evict_fraction * self.capacity)
+        if self.backend == "kernel":
+            return self.map.ops.admit(
+                self.map.entries, self.records, slots, new_ids, admit, self.step, self.resident, MAP_SEED,
+                _KIND_CODE[p.kind], -1 if p.ttl_steps is None else p.ttl_steps, p.decay_steps, p.initial_freq,
+                evict_min,
+            )
+        admitted = new_ids[admit]
+        evicted_ids, evicted_slots = self._make_room(len(admitted), evict_min)
+        free = torch.nonzero(self.last_access == FREE).squeeze(1)[: len(admitted)]
+        self.slot_id[free] = admitted
+        self.map.insert(admitted, free)
+        self.last_access[free] = self.step
+        self.freq[free] = p.initial_freq
+        new_slots = torch.full_like(new_ids, -1)
+        new_slots[admit] = free
+        if len(new_ids):
+            slots.copy_(torch.where(slots < 0, new_slots[(-(slots + 2)).clamp(min=0)], slots))
+        return admitted, free, evicted_ids, evicted_slots
 
-        free = torch.nonzero(~self.occupied).squeeze(1)[: len(new_ids)]
-        self._rehash_if_needed(len(new_ids))
-        self.map.insert(new_ids, free)
-        self.slot_id[free] = new_ids
-        self.occupied[free] = True
-        self.last_access[free] = step
-        self.freq[free] = self.policy.initial_freq
-
-        missing_slots = torch.full_like(missing, -1)
-        missing_slots[admit] = free
-        slots[~hit] = missing_slots
-        out = slots[inverse].reshape(ids.shape)
-        if pin:
-            held = slots[slots >= 0]
-            self.pins[held] += 1
-        self.step += 1
-        return TransformResult(out, new_ids, free, evicted_ids, evicted_slots, missing[~admit])
-
-    def slot_of_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        slots = torch.full_like(positions, -1)
-        ok = positions >= 0
-        slots[ok] = self.map.values[positions[ok]]
-        return slots
-
-    def release(self, slots: torch.Tensor) -> None:
-        """Unpin the slots of a batch transformed with pin=True (its distinct slots once)."""
-        held = torch.unique(slots.reshape(-1).to(self.device))
-        held = held[held >= 0]
-        if bool((self.pins[held] <= 0).any()):
-            raise ValueError("release of slots that are not pinned (released twice?)")
-        self.pins[held] -= 1
-
-    def _make_room(self, need: int, in_use: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        free = self.capacity - int(self.occupied.sum())
+    def _make_room(self, need: int, evict_min: int) -> tuple[torch.Tensor, torch.Tensor]:
+        free = self.capacity - self.resident
         if need <= free:
             empty = torch.zeros(0, dtype=torch.int64, device=self.device)
             return empty, empty
-        movable = self.occupied & ~in_use & (self.pins == 0)
+        # not movable: free slots, slots this batch uses (touched at this step), pinned slots
+        movable = (self.last_access != FREE) & (self.last_access != self.step) & (self.pins == 0)
         n_movable = int(movable.sum())
         short = need - free
         if n_movable < short:
@@ -209,51 +205,52 @@ class IDTransformer:
                 f"no room: {need} new IDs, {free} free slots, and only {n_movable} slots that are "
                 f"neither used by this batch nor pinned by one in flight (release finished batches)"
             )
-        n = min(n_movable, max(short, int(self.policy.evict_fraction * self.capacity)))
         scores = self.policy.scores(self.last_access, self.freq, self.step)
         scores = torch.where(movable, scores, torch.iinfo(torch.int64).max)
-        victims = _lowest(scores, n)
+        return self._evict(_lowest(scores, min(n_movable, max(short, evict_min))))
+
+    def _evict(self, victims: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         evicted = self.slot_id[victims]
-        self.map.remove_at(self.map.find(evicted))
-        self._tombstones += n
-        self.occupied[victims] = False
+        self.map.erase(evicted, victims)
+        self.last_access[victims] = FREE
         return evicted, victims
 
-    def _rehash_if_needed(self, incoming: int) -> None:
-        # Tombstones lengthen probe chains; rebuild once live + dead fill 3/4 of the map.
-        if int(self.occupied.sum()) + incoming + self._tombstones <= 3 * self.map.size // 4:
-            return
-        slots = torch.nonzero(self.occupied).squeeze(1)
-        self.map = SlotMap(self.map.size, self.device)
-        self.map.insert(self.slot_id[slots], slots)
-        self._tombstones = 0
+    def _pin(self, slots: torch.Tensor) -> None:
+        held = torch.unique(slots[slots >= 0])
+        if bool((self.pins[held] == _MAX_PINS).any()):
+            raise RuntimeError(f"a slot is pinned by {_MAX_PINS} batches in flight: release finished batches")
+        self.pins[held] += 1
+
+    def release(self, slots: torch.Tensor) -> None:
+        """Unpin the slots of a batch transformed with pin=True (its distinct slots once)."""
+        held = torch.unique(slots.reshape(-1).to(self.device))
+        held = held[held >= 0]
+        if bool((self.pins[held] == 0).any()):
+            raise ValueError("release of slots that are not pinned (released twice?)")
+        self.pins[held] -= 1
 
     def expire(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Evict now every unpinned ID idle longer than policy.ttl_steps: (ids, slots)."""
         if self.policy.ttl_steps is None:
             raise ValueError("this transformer's policy has no ttl_steps")
-        idle = self.step - self.last_access
-        gone = self.occupied & (idle > self.policy.ttl_steps) & (self.pins == 0)
-        victims = torch.nonzero(gone).squeeze(1)
-        evicted = self.slot_id[victims]
-        self.map.remove_at(self.map.find(evicted))
-        self._tombstones += len(victims)
-        self.occupied[victims] = False
-        return evicted, victims
+        idle = self.step - self.last_access.to(torch.int64)
+        gone = (self.last_access != FREE) & (idle > self.policy.ttl_steps) & (self.pins == 0)
+        evicted = self._evict(torch.nonzero(gone).squeeze(1))
+        self.resident -= len(evicted[0])
+        return evicted
 
     # -- state -------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        slots = torch.nonzero(self.occupied).squeeze(1)
+        slots = torch.nonzero(self.last_access != FREE).squeeze(1)
         state = {
             "capacity": self.capacity,
             "step": self.step,
             "slots": slots.cpu(),
             "ids": self.slot_id[slots].cpu(),
-            "last_access": self.last_access.cpu(),
-            "freq": self.freq.cpu(),
-            "pins": self.pins.cpu(),
-            "generator": self.generator.get_state(),
+            "last_access": self.last_access.cpu().clone(),
+            "freq": self.freq.cpu().clone(),
+            "pins": self.pins.cpu().clone(),
         }
         if self.sketch is not None:
             state["sketch"] = self.sketch.state_dict()
@@ -263,17 +260,16 @@ class IDTransformer:
         if state["capacity"] != self.capacity:
             raise ValueError(f"state is of a table of {state['capacity']} slots, this one has {self.capacity}")
         dev = self.device
-        self.step = int(state["step"])
-        self.occupied.zero_()
         slots, ids = state["slots"].to(dev), state["ids"].to(dev)
-        self.occupied[slots] = True
+        self.step = int(state["step"])
+        self.slot_id.zero_()
         self.slot_id[slots] = ids
+        self.meta.zero_()
         self.last_access.copy_(state["last_access"].to(dev))
         self.freq.copy_(state["freq"].to(dev))
         self.pins.copy_(state["pins"].to(dev))
-        self.generator.set_state(state["generator"])
-        self.map = SlotMap(self.map.size, dev)
+        self.resident = len(slots)
+        self.map = make_slot_map(self.capacity, self.records, self.backend)
         self.map.insert(ids, slots)
-        self._tombstones = 0
         if self.sketch is not None:
             self.sketch.load_state_dict(state["sketch"])

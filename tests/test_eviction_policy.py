@@ -47,13 +47,13 @@ def test_log_counter_grows_slower_as_it_grows():
     gen = torch.Generator().manual_seed(0)
     freq = torch.full((20000,), 5, dtype=torch.uint8)
     for _ in range(200):
-        freq = policy.bump(freq, torch.ones(20000, dtype=torch.int32), gen)
+        freq = policy.bump(freq, torch.ones(20000, dtype=torch.int32), torch.rand(20000, generator=gen))
     grown = freq.float().mean().item() - 5
     # with p = 1/(10 c + 1) after c increments, 200 hits give c with 5 c^2 ~ 200: about 6
     assert 4 < grown < 9
-    many = policy.bump(torch.full((4,), 5, dtype=torch.uint8), torch.full((4,), 1000), gen)
+    many = policy.bump(torch.full((4,), 5, dtype=torch.uint8), torch.full((4,), 1000), torch.rand(4, generator=gen))
     assert torch.all(many == 6)  # a batch adds at most one point
-    top = policy.bump(torch.full((4,), MAX_FREQ, dtype=torch.uint8), torch.full((4,), 10**6), gen)
+    top = policy.bump(torch.full((4,), MAX_FREQ, dtype=torch.uint8), torch.full((4,), 10**6), torch.rand(4, generator=gen))
     assert torch.all(top == MAX_FREQ)
 
 

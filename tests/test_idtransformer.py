@@ -11,6 +11,9 @@ from hypothesis import strategies as st
 from idtransformer.policy import EvictionPolicy
 from idtransformer.transformer import IDTransformer
 
+# the compiled CPU kernel and the torch-ops map (the CUDA path) must both pass everything
+BACKENDS = pytest.mark.parametrize("backend", ["kernel", "torch"])
+
 
 class Reference:
     """What must hold whatever the policy: who is resident where, and every eviction reported once."""
@@ -45,8 +48,9 @@ ID = st.integers(-(1 << 63), (1 << 63) - 1) | st.integers(0, 40)
     threshold=st.integers(1, 3),
     ttl=st.none() | st.integers(1, 5),
 )
-def test_invariants_on_random_streams(batches, kind, threshold, ttl):
-    t = IDTransformer(capacity=16, policy=EvictionPolicy(kind, evict_fraction=0.25, ttl_steps=ttl),
+@BACKENDS
+def test_invariants_on_random_streams(backend, batches, kind, threshold, ttl):
+    t = IDTransformer(backend=backend, capacity=16, policy=EvictionPolicy(kind, evict_fraction=0.25, ttl_steps=ttl),
                       admit_threshold=threshold, sketch_width=1 << 12)
     ref, seen = Reference(), {}
     for batch in batches:
@@ -59,16 +63,18 @@ def test_invariants_on_random_streams(batches, kind, threshold, ttl):
         assert len(t) == len(ref.where) <= 16
 
 
-def test_batch_larger_than_the_table_is_refused():
-    t = IDTransformer(capacity=4)
+@BACKENDS
+def test_batch_larger_than_the_table_is_refused(backend):
+    t = IDTransformer(backend=backend, capacity=4)
     with pytest.raises(ValueError, match="5 distinct IDs but the table holds 4"):
         t.transform(torch.arange(5))
     out = t.transform(torch.tensor([1, 1, 2, 2, 3, 4, 4]))  # 4 distinct: fine
     assert out.slots.unique().numel() == 4 and (out.slots >= 0).all()
 
 
-def test_lru_evicts_the_longest_idle_in_batches():
-    t = IDTransformer(capacity=4, policy=EvictionPolicy("lru", evict_fraction=0.5))
+@BACKENDS
+def test_lru_evicts_the_longest_idle_in_batches(backend):
+    t = IDTransformer(backend=backend, capacity=4, policy=EvictionPolicy("lru", evict_fraction=0.5))
     for i in (10, 11, 12, 13):
         t.transform(torch.tensor([i]))
     t.transform(torch.tensor([10, 12]))  # 11 and 13 are now the longest idle
@@ -77,8 +83,9 @@ def test_lru_evicts_the_longest_idle_in_batches():
     assert len(t) == 3
 
 
-def test_lfu_keeps_the_frequent():
-    t = IDTransformer(capacity=3, policy=EvictionPolicy("lfu", evict_fraction=0.34, log_factor=0, initial_freq=0))
+@BACKENDS
+def test_lfu_keeps_the_frequent(backend):
+    t = IDTransformer(backend=backend, capacity=3, policy=EvictionPolicy("lfu", evict_fraction=0.34, log_factor=0, initial_freq=0))
     t.transform(torch.tensor([1, 2, 3]))
     for _ in range(5):
         t.transform(torch.tensor([1, 3]))  # log_factor 0: every hit counts
@@ -86,8 +93,9 @@ def test_lfu_keeps_the_frequent():
     assert t.transform(torch.tensor([4])).evicted_ids.tolist() == [2]  # most recent, least frequent
 
 
-def test_pinned_and_in_use_slots_survive():
-    t = IDTransformer(capacity=4, policy=EvictionPolicy("lru", evict_fraction=1.0))
+@BACKENDS
+def test_pinned_and_in_use_slots_survive(backend):
+    t = IDTransformer(backend=backend, capacity=4, policy=EvictionPolicy("lru", evict_fraction=1.0))
     held = t.transform(torch.tensor([1, 2]), pin=True)
     t.transform(torch.tensor([3, 4]))
     out = t.transform(torch.tensor([5, 6]))
@@ -101,8 +109,9 @@ def test_pinned_and_in_use_slots_survive():
         t.release(held.slots)
 
 
-def test_admission_threshold():
-    t = IDTransformer(capacity=8, admit_threshold=3, sketch_width=1 << 12)
+@BACKENDS
+def test_admission_threshold(backend):
+    t = IDTransformer(backend=backend, capacity=8, admit_threshold=3, sketch_width=1 << 12)
     out = t.transform(torch.tensor([7, 8, 8]))
     assert out.slots.tolist() == [-1, -1, -1] and sorted(out.rejected_ids.tolist()) == [7, 8]
     out = t.transform(torch.tensor([7, 8]))
@@ -110,8 +119,9 @@ def test_admission_threshold():
     assert t.transform(torch.tensor([7])).admitted_ids.tolist() == [7]
 
 
-def test_ttl_expires_idle_ids():
-    t = IDTransformer(capacity=8, policy=EvictionPolicy("lru", ttl_steps=2))
+@BACKENDS
+def test_ttl_expires_idle_ids(backend):
+    t = IDTransformer(backend=backend, capacity=8, policy=EvictionPolicy("lru", ttl_steps=2))
     t.transform(torch.tensor([1, 2]))
     t.transform(torch.tensor([2]))
     t.transform(torch.tensor([3]))
@@ -120,9 +130,10 @@ def test_ttl_expires_idle_ids():
     assert sorted(ids.tolist()) == [1, 2] and len(t) == 1
 
 
-def test_state_round_trip_gives_the_same_output():
+@BACKENDS
+def test_state_round_trip_gives_the_same_output(backend):
     def make():
-        return IDTransformer(capacity=32, policy=EvictionPolicy("hybrid", evict_fraction=0.25),
+        return IDTransformer(backend=backend, capacity=32, policy=EvictionPolicy("hybrid", evict_fraction=0.25),
                              admit_threshold=2, sketch_width=1 << 12)
 
     gen = torch.Generator().manual_seed(1)
@@ -136,3 +147,78 @@ def test_state_round_trip_gives_the_same_output():
         x, y = a.transform(batch), b_.transform(batch)
         assert torch.equal(x.slots, y.slots)
         assert torch.equal(x.evicted_ids.sort().values, y.evicted_ids.sort().values)
+
+
+def _same(a, b, what):
+    assert torch.equal(a, b), f"{what}: kernel {a.tolist()[:20]} != torch {b.tolist()[:20]}"
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    kind=st.sampled_from(["lru", "lfu", "hybrid"]),
+    threshold=st.integers(1, 3),
+    ttl=st.none() | st.integers(1, 6),
+    fraction=st.sampled_from([0.05, 0.3, 1.0]),
+)
+def test_kernel_and_torch_backends_agree_call_by_call(seed, kind, threshold, ttl, fraction):
+    """The compiled CPU kernel and the torch-ops version (the CUDA path) give identical slots,
+    admissions, evictions and state on the same stream: skewed ids, repeats, pins, releases,
+    TTL expiry."""
+    policy = EvictionPolicy(kind, evict_fraction=fraction, ttl_steps=ttl, log_factor=1.0, decay_steps=3)
+    make = lambda backend: IDTransformer(capacity=64, policy=policy, admit_threshold=threshold,  # noqa: E731
+                                         sketch_width=1 << 10, backend=backend)
+    k, t = make("kernel"), make("torch")
+    gen = torch.Generator().manual_seed(seed)
+    held = []
+    for step in range(40):
+        size = int(torch.randint(1, 90, (1,), generator=gen))
+        ids = (torch.rand(size, generator=gen) ** 3 * 200).long() - 20  # skewed, some negative
+        pin = step % 3 == 0
+        outcomes = []
+        for side in (k, t):
+            try:
+                outcomes.append(side.transform(ids, pin=pin))
+            except RuntimeError as e:  # no room: pinned batches hold too much; both must say so
+                outcomes.append(str(e))
+        a, b = outcomes
+        if isinstance(a, str) or isinstance(b, str):
+            assert a == b and "no room" in a
+            continue
+        for field in ("slots", "admitted_ids", "admitted_slots", "evicted_ids", "evicted_slots"):
+            _same(getattr(a, field), getattr(b, field), f"step {step} {field}")
+        _same(a.rejected_ids.sort().values, b.rejected_ids.sort().values, f"step {step} rejected")
+        if pin:
+            held.append(a.slots)
+        if len(held) > 2:
+            s = held.pop(0)
+            k.release(s)
+            t.release(s)
+        if ttl is not None and step % 7 == 6:
+            for x, y in zip(k.expire(), t.expire()):
+                _same(x, y, f"step {step} expire")
+        _same(k.records, t.records, f"step {step} records (ids, last access, counters, pins)")
+    ks, ts = k.state_dict(), t.state_dict()
+    for key in ("slots", "ids", "last_access", "freq", "pins"):
+        _same(ks[key], ts[key], f"state {key}")
+
+
+@BACKENDS
+def test_a_large_stream_keeps_the_map_consistent(backend):
+    """Thousands of admissions and evictions through chains that wrap around the map's end:
+    every resident ID is found at its slot, evicted ones are gone."""
+    t = IDTransformer(capacity=500, policy=EvictionPolicy("hybrid", evict_fraction=0.1), backend=backend)
+    gen = torch.Generator().manual_seed(7)
+    resident: dict[int, int] = {}
+    for _ in range(60):
+        ids = torch.randint(-(1 << 62), 1 << 62, (300,), generator=gen)
+        ids[:100] = torch.randint(0, 400, (100,), generator=gen)  # some come back
+        out = t.transform(ids)
+        for i in out.evicted_ids.tolist():
+            del resident[i]
+        resident.update(zip(out.admitted_ids.tolist(), out.admitted_slots.tolist()))
+    ids = torch.tensor(list(resident))
+    assert t.map.find(ids).tolist() == list(resident.values())
+    gone = torch.randint(1 << 62, (1 << 63) - 1, (1000,), generator=gen)
+    assert (t.map.find(gone) == -1).all()
+    assert len(t) == len(resident)

@@ -1,0 +1,541 @@
+// CPU kernel of the ID transformer (see ../transformer.py and ../slot_map.py).
+//
+// Written by hand because no library does it: TorchRec's MCH keeps sorted arrays (a binary
+// search per ID, a re-sort per eviction), HierarchicalKV is CUDA-only and places keys by
+// bucket (the slot is its own position, so capacity is not exact and eviction is
+// bucket-local), std::unordered_map costs ~40 bytes per entry plus a heap node.
+//
+// Per slot, one 16-byte record {int64 id; int64 meta}: meta bits 0-31 the last access step
+// (int32, -1 = free), 32-39 the log frequency counter, 40-47 the pin count, 48-63 a count
+// of this batch's sightings (zero between calls). A hit reads one record line.
+//
+// The map: open addressing, linear probing, 8-byte entries {uint32 tag; int32 slot} (slot
+// -1: empty) at most half full: 16 bytes per slot, and a probe rarely leaves its cache
+// line. With h = fmix64(id ^ seed), tag = h >> 32 and home = (tag * size) >> 32, so an
+// entry's home follows from its tag: deletion shifts later chain members back (no
+// tombstones) without reading their IDs. A tag match is confirmed on the slot's record
+// (its id), which a hit reads anyway.
+//
+// The kernel follows the torch-ops version in slot_map.py/transformer.py step for step
+// (same hash, same coin flips, same victim order, same free-slot order), so the two give
+// identical results; the tests hold them to it.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include <sys/mman.h>
+
+namespace dynemb {
+namespace {
+
+constexpr int32_t kEmpty = -1;
+constexpr int32_t kFree = -1;
+constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ULL;
+
+inline uint64_t fmix64(uint64_t x) {  // MurmurHash3's finaliser: a full 64-bit avalanche
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdULL;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ULL;
+  x ^= x >> 33;
+  return x;
+}
+
+struct Entry {
+  uint32_t tag;
+  int32_t slot;
+};
+static_assert(sizeof(Entry) == 8, "slot map entries are 8 bytes");
+
+struct Record {
+  int64_t id;
+  int64_t meta;
+};
+static_assert(sizeof(Record) == 16, "slot records are 16 bytes");
+
+Record* records_of(const at::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.is_contiguous() && t.dim() == 2 &&
+                  t.size(1) == 2,
+              "slot records must be a contiguous CPU int64 tensor of shape (capacity, 2)");
+  return reinterpret_cast<Record*>(t.data_ptr<int64_t>());
+}
+
+struct Map {
+  Entry* e;
+  uint64_t size;
+  uint64_t seed;
+  const Record* rec;
+
+  Map(const at::Tensor& entries, const at::Tensor& records, int64_t seed_) {
+    TORCH_CHECK(entries.device().is_cpu() && entries.scalar_type() == at::kInt && entries.is_contiguous() &&
+                    entries.numel() % 2 == 0 && entries.numel() > 0,
+                "slot map entries must be a contiguous CPU int32 tensor of 2 * size elements");
+    e = reinterpret_cast<Entry*>(entries.data_ptr<int32_t>());
+    size = uint64_t(entries.numel() / 2);
+    TORCH_CHECK(size < (uint64_t(1) << 31), "slot map size must be below 2^31");
+    seed = uint64_t(seed_);
+    rec = records_of(records);
+  }
+
+  inline uint32_t tag(int64_t id) const { return uint32_t(fmix64(uint64_t(id) ^ seed) >> 32); }
+  inline uint64_t home_of_tag(uint32_t t) const { return (uint64_t(t) * size) >> 32; }
+  inline uint64_t next(uint64_t p) const { return p + 1 == size ? 0 : p + 1; }
+  inline void prefetch(int64_t id) const { __builtin_prefetch(&e[home_of_tag(tag(id))]); }
+
+  // First entry from p on whose tag is t, or the empty entry that ends the chain.
+  inline uint64_t scan(uint64_t p, uint32_t t) const {
+    while (e[p].slot != kEmpty && e[p].tag != t) p = next(p);
+    return p;
+  }
+  // Position of id's entry, or the empty entry that ends its chain.
+  inline uint64_t probe(int64_t id) const {
+    const uint32_t t = tag(id);
+    uint64_t p = scan(home_of_tag(t), t);
+    while (e[p].slot != kEmpty && rec[e[p].slot].id != id) p = scan(next(p), t);
+    return p;
+  }
+
+  void put(int64_t id, int32_t slot) {
+    const uint32_t t = tag(id);
+    uint64_t p = home_of_tag(t);
+    while (e[p].slot != kEmpty) p = next(p);  // the caller knows id is absent
+    e[p] = Entry{t, slot};
+  }
+
+  // Remove the entry of the ID held in `slot`.
+  void erase_slot(int64_t id, int32_t slot) {
+    const uint32_t t = tag(id);
+    uint64_t i = home_of_tag(t);
+    while (e[i].slot != slot) {
+      TORCH_CHECK(e[i].slot != kEmpty, "slot map: id ", id, " (slot ", slot, ") is not in the map");
+      i = next(i);
+    }
+    // Backward-shift deletion: pull later members of the chain into the hole unless that
+    // would move one before its home.
+    uint64_t j = i;
+    while (true) {
+      j = next(j);
+      if (e[j].slot == kEmpty) break;
+      const uint64_t h = home_of_tag(e[j].tag);
+      const bool stays = (i <= j) ? (i < h && h <= j) : (i < h || h <= j);
+      if (stays) continue;
+      e[i] = e[j];
+      i = j;
+    }
+    e[i].slot = kEmpty;
+  }
+};
+
+// meta word accessors
+inline int32_t last_of(int64_t m) { return int32_t(uint32_t(uint64_t(m))); }
+inline uint32_t freq_of(int64_t m) { return uint32_t(uint64_t(m) >> 32) & 0xFF; }
+inline uint32_t pins_of(int64_t m) { return uint32_t(uint64_t(m) >> 40) & 0xFF; }
+inline uint32_t hits_of(int64_t m) { return uint32_t(uint64_t(m) >> 48); }
+inline int64_t make_meta(int32_t last, uint32_t freq, uint32_t pins, uint32_t hits) {
+  return int64_t(uint64_t(uint32_t(last)) | uint64_t(freq) << 32 | uint64_t(pins) << 40 | uint64_t(hits) << 48);
+}
+
+at::Tensor flat_ids(const at::Tensor& ids) {
+  TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong, "ids must be a CPU int64 tensor");
+  return ids.contiguous().view({-1});
+}
+
+
+// An uninitialised CPU tensor on 2 MiB-aligned memory advised to use 2 MiB pages. The map,
+// the records and the batch set are read at random: with 4 KiB pages nearly every access
+// also misses the TLB, which costs as much as the cache miss itself. (torch's allocator
+// aligns to 64 bytes, so only part of a tensor would get huge pages, a different part each
+// run.)
+at::Tensor huge_empty(at::IntArrayRef size, at::ScalarType dtype) {
+  constexpr size_t kHuge = size_t(2) << 20;
+  int64_t numel = 1;
+  for (int64_t d : size) numel *= d;
+  const size_t nbytes = std::max<size_t>(size_t(numel) * at::elementSize(dtype), 1);
+  const size_t rounded = (nbytes + kHuge - 1) & ~(kHuge - 1);
+  void* p = std::aligned_alloc(kHuge, rounded);
+  TORCH_CHECK(p != nullptr, "out of memory allocating ", rounded, " bytes");
+  madvise(p, rounded, MADV_HUGEPAGE);  // a hint: without it the memory works, only slower
+  return at::from_blob(p, size, [](void* q) { std::free(q); }, at::TensorOptions().dtype(dtype));
+}
+
+
+// Uniform [0, 1) per (id, step): the log counter's coin, the same as slot_map.coin.
+inline double coin(int64_t id, int64_t step, uint64_t seed) {
+  uint64_t r = fmix64(uint64_t(id) * kGolden ^ ((uint64_t(step) << 32) ^ seed));
+  return double(r >> 11) * 0x1.0p-53;
+}
+
+// One pass over a batch. A resident ID gets its slot; on its first sighting in the batch its
+// counter is decayed (hybrid: idle steps / decay_steps points) and last access set to step;
+// after the pass each resident ID seen is bumped once with probability 1 - (1 - p)^hits,
+// p = 1 / ((freq - initial_freq) * log_factor + 1) (policy.bump). A missing ID gets -(k + 2),
+// k its index among the batch's distinct missing IDs in order of first sighting.
+// decay_steps 0: no decay; log_factor < 0: no counter (LRU).
+// Returns (slots, new_ids, new_counts).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lookup(const at::Tensor& entries, const at::Tensor& records,
+                                                       const at::Tensor& ids_in, int64_t step, int64_t map_seed,
+                                                       int64_t coin_seed, double log_factor, int64_t initial_freq,
+                                                       int64_t decay_steps) {
+  Map map(entries, records, map_seed);
+  Record* rec = records_of(records);
+  TORCH_CHECK(decay_steps >= 0, "decay_steps must be >= 0 (0: no decay)");
+  at::Tensor ids = flat_ids(ids_in);
+  const int64_t n = ids.numel();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const int32_t now = int32_t(step);
+
+  at::Tensor slots = at::empty({n}, ids.options());
+  int64_t* out = slots.data_ptr<int64_t>();
+
+  // The batch's misses are de-duplicated in a small set of their own (sized by the batch,
+  // not the table), so the main map only ever holds resident IDs. Its entries carry the ID,
+  // so a probe is one access, prefetched along with the main map's.
+  struct Pending {
+    int64_t id;
+    int32_t k;      // index among the new IDs
+    uint32_t call;  // the call that wrote it: entries of earlier calls count as empty
+  };
+  uint64_t set_size = 16;
+  while (set_size < uint64_t(2 * n)) set_size <<= 1;
+  const uint64_t set_mask = set_size - 1;
+  // kept between calls (a fresh one would page-fault in every call); cleared below
+  static thread_local at::Tensor set_storage;
+  static thread_local uint32_t call = 0;
+  if (!set_storage.defined() || set_storage.numel() < int64_t(set_size * 2) || ++call == 0) {
+    set_storage = huge_empty({int64_t(set_size * 2)}, at::kLong);
+    std::fill_n(reinterpret_cast<Pending*>(set_storage.data_ptr<int64_t>()), set_size, Pending{0, 0, 0});
+    call = 1;
+  }
+  Pending* set = reinterpret_cast<Pending*>(set_storage.data_ptr<int64_t>());
+  auto set_home = [&](int64_t x) { return (fmix64(uint64_t(x) ^ kGolden) >> 7) & set_mask; };
+  std::vector<int64_t> new_ids;
+  std::vector<int32_t> new_counts;
+  std::vector<int32_t> touched;  // resident slots seen in this batch
+  new_ids.reserve(size_t(n));
+  new_counts.reserve(size_t(n));
+
+  // Software pipeline: the map entry of ID i + kFar is prefetched; ID i + kNear is scanned
+  // for its tag (the entry is in cache by then) and the candidate slot's record, or its
+  // pending-set entry, prefetched; ID i is confirmed on its record and processed. Nothing
+  // in the map changes during the pass, so early scans stay valid.
+  constexpr int64_t kFar = 24, kNear = 12, kRing = 16;
+  std::array<int32_t, kRing> ring{};
+  auto candidate = [&](int64_t j) {
+    const uint32_t t = map.tag(id[j]);
+    const int32_t c = map.e[map.scan(map.home_of_tag(t), t)].slot;
+    ring[j % kRing] = c;
+    if (c >= 0) __builtin_prefetch(&rec[c], 1);
+    else __builtin_prefetch(&set[set_home(id[j])], 1);
+  };
+  for (int64_t j = 0; j < std::min(n, kFar); ++j) map.prefetch(id[j]);
+  for (int64_t j = 0; j < std::min(n, kNear); ++j) candidate(j);
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + kFar < n) map.prefetch(id[i + kFar]);
+    if (i + kNear < n) candidate(i + kNear);
+    const int64_t x = id[i];
+    int32_t s = ring[i % kRing];
+    if (s >= 0 && rec[s].id != x) s = map.e[map.probe(x)].slot;  // a tag shared by two IDs: rare
+    if (s >= 0) {
+      out[i] = s;
+      const int64_t m = rec[s].meta;
+      if (last_of(m) != now) {  // first sighting in this batch
+        uint32_t f = freq_of(m);
+        if (decay_steps > 0) {
+          const int64_t idle = int64_t(now) - last_of(m);
+          if (idle > 0) f = uint32_t(std::max<int64_t>(int64_t(f) - idle / decay_steps, 0));
+        }
+        rec[s].meta = make_meta(now, f, pins_of(m), 1);
+        touched.push_back(s);
+      } else if (hits_of(m) < 0xFFFF) {
+        rec[s].meta = m + (int64_t(1) << 48);
+      }
+      continue;
+    }
+    uint64_t q = set_home(x);
+    while (set[q].call == call && set[q].id != x) q = (q + 1) & set_mask;
+    if (set[q].call != call) {
+      set[q] = Pending{x, int32_t(new_ids.size()), call};
+      new_ids.push_back(x);
+      new_counts.push_back(0);
+    }
+    ++new_counts[size_t(set[q].k)];
+    out[i] = -(int64_t(set[q].k) + 2);
+  }
+  // the counter's bump, once per resident ID seen, and the scratch count cleared
+  for (int32_t s : touched) {
+    const int64_t m = rec[s].meta;
+    uint32_t f = freq_of(m);
+    if (log_factor >= 0 && f < 255) {
+      // as policy.bump computes it, without pow (slow for a base near 1)
+      const double p = 1.0 / (double(std::max<int64_t>(int64_t(f) - initial_freq, 0)) * log_factor + 1.0);
+      const uint32_t h = hits_of(m);
+      const double p_batch = h == 1 ? 1.0 - (1.0 - p) : 1.0 - std::exp(double(h) * std::log1p(-p));
+      if (coin(rec[s].id, step, uint64_t(coin_seed)) < p_batch) ++f;
+    }
+    rec[s].meta = make_meta(last_of(m), f, pins_of(m), 0);
+  }
+  at::Tensor new_ids_t = at::empty({int64_t(new_ids.size())}, ids.options());
+  std::memcpy(new_ids_t.data_ptr<int64_t>(), new_ids.data(), new_ids.size() * sizeof(int64_t));
+  at::Tensor counts_t = at::empty({int64_t(new_counts.size())}, ids.options().dtype(at::kInt));
+  std::memcpy(counts_t.data_ptr<int32_t>(), new_counts.data(), new_counts.size() * sizeof(int32_t));
+  return {slots, new_ids_t, counts_t};
+}
+
+// Eviction key of a slot: (primary << 32) | last access, lowest first; kNotMovable for a
+// free slot, one this batch uses (touched at this step) or a pinned one. primary is 0 for
+// an ID past the TTL (those go first, the most idle first), else 1 for LRU and 1 + counter
+// for LFU (the hybrid's counter decayed by idle time): policy.scores' order.
+constexpr uint64_t kNotMovable = ~uint64_t(0);
+
+struct Scorer {
+  int32_t now;
+  int64_t kind;  // 0 lru, 1 lfu, 2 hybrid
+  int64_t ttl;   // -1: none
+  int64_t decay_steps;
+  double inv_decay;
+
+  Scorer(int32_t now_, int64_t kind_, int64_t ttl_, int64_t decay_steps_)
+      : now(now_), kind(kind_), ttl(ttl_), decay_steps(std::max<int64_t>(decay_steps_, 1)),
+        inv_decay(1.0 / double(std::max<int64_t>(decay_steps_, 1))) {}
+
+  // idle / decay_steps without an integer division (tens of cycles, a million times):
+  // the reciprocal's estimate corrected by one step either way.
+  inline int64_t decay_points(int64_t idle) const {
+    int64_t q = int64_t(double(idle) * inv_decay);
+    if ((q + 1) * decay_steps <= idle) ++q;
+    else if (q * decay_steps > idle) --q;
+    return q;
+  }
+
+  inline uint64_t key(int64_t m) const {
+    const int32_t last = last_of(m);
+    if (last == kFree || last == now || pins_of(m) != 0) return kNotMovable;
+    const int64_t idle = int64_t(now) - last;
+    uint64_t primary;
+    if (ttl >= 0 && idle > ttl) {
+      primary = 0;
+    } else if (kind == 0) {
+      primary = 1;
+    } else {
+      int64_t f = freq_of(m);
+      if (kind == 2) f = std::max<int64_t>(f - decay_points(idle), 0);
+      primary = uint64_t(1 + f);
+    }
+    return primary << 32 | uint32_t(last);
+  }
+};
+
+// The victims: the n = min(movable, max(need - free, evict_min)) lowest keys, ascending by
+// slot, ties to the lowest slot (as transformer._lowest). A selection by counting rather
+// than a sort: pass 1 computes every key and counts the primaries (257 values) to find the
+// primary P at the cut; pass 2 counts, among keys with primary P, how long each was idle
+// (last access is the rest of the key; idle >= 65536 shares one bucket, settled by sorting
+// that bucket if the cut falls in it); pass 3 collects.
+std::vector<int64_t> select_victims(const Record* rec, int64_t C, const Scorer& sc, int64_t need, int64_t free,
+                                    int64_t evict_min) {
+  static thread_local std::vector<uint64_t> keys_storage;  // kept: a fresh one page-faults
+  keys_storage.resize(size_t(C));
+  uint64_t* keys = keys_storage.data();
+  constexpr int64_t kGrain = 1 << 16;
+  const int64_t chunks = (C + kGrain - 1) / kGrain;
+  std::vector<std::array<int64_t, 258>> part(static_cast<size_t>(chunks));
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      auto& h = part[size_t(c)];
+      h.fill(0);
+      for (int64_t s = c * kGrain; s < std::min(C, (c + 1) * kGrain); ++s) {
+        const uint64_t k = sc.key(rec[s].meta);
+        keys[s] = k;
+        ++h[k == kNotMovable ? 257 : size_t(k >> 32)];
+      }
+    }
+  });
+  std::array<int64_t, 258> hist{};
+  for (const auto& h : part)
+    for (size_t i = 0; i < hist.size(); ++i) hist[i] += h[i];
+  const int64_t n_movable = C - hist[257];
+  const int64_t short_by = need - free;
+  TORCH_CHECK(n_movable >= short_by, "no room: ", need, " new IDs, ", free, " free slots, and only ", n_movable,
+              " slots that are neither used by this batch nor pinned by one in flight (release finished batches)");
+  const int64_t n = std::min(n_movable, std::max(short_by, evict_min));
+
+  uint64_t primary = 0;
+  int64_t r = n;  // still to take once every key of a lower primary is taken
+  while (r > hist[primary]) r -= hist[primary++];
+
+  // pass 2: idle - 1 of the keys at the cut primary (idle >= 1: this step's keys are not movable)
+  constexpr int64_t kOver = 65535;
+  std::vector<int64_t> by_idle(size_t(kOver + 1), 0);
+  for (int64_t s = 0; s < C; ++s) {
+    const uint64_t k = keys[s];
+    if (k != kNotMovable && (k >> 32) == primary)
+      ++by_idle[size_t(std::min<int64_t>(int64_t(sc.now) - int32_t(uint32_t(k)) - 1, kOver))];
+  }
+  uint64_t cut;
+  int64_t take_at_cut;
+  int64_t b = kOver;  // the most idle first: they have the lowest keys
+  while (r > by_idle[size_t(b)]) r -= by_idle[size_t(b--)];
+  if (b < kOver) {
+    cut = primary << 32 | uint32_t(int64_t(sc.now) - 1 - b);
+    take_at_cut = r;
+  } else {  // the cut is among the long idle: order those exactly
+    std::vector<std::pair<uint64_t, int64_t>> over;
+    for (int64_t s = 0; s < C; ++s) {
+      const uint64_t k = keys[s];
+      if (k != kNotMovable && (k >> 32) == primary && int64_t(sc.now) - int32_t(uint32_t(k)) - 1 >= kOver)
+        over.emplace_back(k, s);
+    }
+    std::sort(over.begin(), over.end());
+    cut = over[size_t(r - 1)].first;
+    take_at_cut = 0;
+    for (int64_t i = 0; i < r; ++i) take_at_cut += over[size_t(i)].first == cut;
+  }
+  std::vector<int64_t> out;
+  out.reserve(size_t(n));
+  for (int64_t s = 0; s < C; ++s) {
+    const uint64_t k = keys[s];
+    if (k < cut || (k == cut && take_at_cut-- > 0)) out.push_back(s);
+  }
+  return out;
+}
+
+at::Tensor to_tensor(const std::vector<int64_t>& v, const at::TensorOptions& opt) {
+  at::Tensor t = at::empty({int64_t(v.size())}, opt);
+  if (!v.empty()) std::memcpy(t.data_ptr<int64_t>(), v.data(), v.size() * sizeof(int64_t));
+  return t;
+}
+
+// Second half of a batch, after lookup and admission: make room for the admitted new IDs
+// (evicting, when the table is short, max(short, evict_min) movable slots, lowest keys
+// first), give them the lowest free slots in order, and write their slots over the
+// -(k + 2) placeholders in `slots`. Returns (admitted_ids, admitted_slots, evicted_ids,
+// evicted_slots).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> admit(
+    const at::Tensor& entries, const at::Tensor& records, const at::Tensor& slots_t, const at::Tensor& new_ids_t,
+    const at::Tensor& admit_t, int64_t step, int64_t resident, int64_t map_seed, int64_t kind, int64_t ttl,
+    int64_t decay_steps, int64_t initial_freq, int64_t evict_min) {
+  Map map(entries, records, map_seed);
+  Record* rec = records_of(records);
+  TORCH_CHECK(slots_t.scalar_type() == at::kLong && slots_t.is_contiguous(), "slots must be contiguous int64");
+  TORCH_CHECK(admit_t.scalar_type() == at::kBool && admit_t.numel() == new_ids_t.numel(),
+              "admit must be a bool tensor, one per new id");
+  TORCH_CHECK(kind >= 0 && kind <= 2 && (kind != 2 || decay_steps >= 1), "bad policy kind or decay_steps");
+  at::Tensor new_ids = flat_ids(new_ids_t);
+  at::Tensor admit_c = admit_t.contiguous();
+  const int64_t C = records.size(0);
+  const int64_t* nid = new_ids.data_ptr<int64_t>();
+  const bool* ok = admit_c.data_ptr<bool>();
+  const int64_t n_new = new_ids.numel();
+  const int32_t now = int32_t(step);
+  int64_t need = 0;
+  for (int64_t k = 0; k < n_new; ++k) need += ok[k];
+
+  std::vector<int64_t> victims, victim_ids;
+  const int64_t free = C - resident;
+  if (need > free) {
+    victims = select_victims(rec, C, Scorer(now, kind, ttl, decay_steps), need, free, evict_min);
+    const int64_t nv = int64_t(victims.size());
+    victim_ids.resize(size_t(nv));
+    for (int64_t i = 0; i < nv; ++i) {
+      if (i + 8 < nv) map.prefetch(rec[victims[size_t(i + 8)]].id);
+      const int64_t v = victims[size_t(i)];
+      victim_ids[size_t(i)] = rec[v].id;
+      map.erase_slot(rec[v].id, int32_t(v));
+      rec[v].meta = int64_t(uint64_t(rec[v].meta) | 0xFFFFFFFFULL);  // last access -1: free
+    }
+  }
+  std::vector<int64_t> admitted, admitted_slots;
+  admitted.reserve(size_t(need));
+  admitted_slots.reserve(size_t(need));
+  std::vector<int64_t> new_slot(size_t(n_new), -1);
+  int64_t s = 0;
+  for (int64_t k = 0; k < n_new; ++k) {
+    if (!ok[k]) continue;
+    while (last_of(rec[s].meta) != kFree) ++s;  // need <= free slots now, so this stops
+    admitted.push_back(nid[k]);
+    admitted_slots.push_back(s);
+    new_slot[size_t(k)] = s;
+    ++s;
+  }
+  for (size_t k = 0; k < admitted.size(); ++k) {
+    if (k + 8 < admitted.size()) map.prefetch(admitted[k + 8]);
+    const int64_t slot = admitted_slots[k];
+    rec[slot].id = admitted[k];
+    rec[slot].meta = make_meta(now, uint32_t(initial_freq), 0, 0);
+    map.put(admitted[k], int32_t(slot));
+  }
+  int64_t* out = slots_t.data_ptr<int64_t>();
+  for (int64_t i = 0; i < slots_t.numel(); ++i)
+    if (out[i] < 0) out[i] = new_slot[size_t(-(out[i] + 2))];
+  auto opt = slots_t.options();
+  return {to_tensor(admitted, opt), to_tensor(admitted_slots, opt), to_tensor(victim_ids, opt), to_tensor(victims, opt)};
+}
+
+// The slot of each id, -1 where it is not in the map.
+at::Tensor find(const at::Tensor& entries, const at::Tensor& records, const at::Tensor& ids_in, int64_t map_seed) {
+  Map map(entries, records, map_seed);
+  at::Tensor ids = flat_ids(ids_in);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  at::Tensor slots = at::empty({ids.numel()}, ids.options());
+  int64_t* out = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ids.numel(); ++i) out[i] = map.e[map.probe(id[i])].slot;
+  return slots;
+}
+
+// Enter the IDs held in `slots` (per their records) into the map; none may be there yet.
+void insert(const at::Tensor& entries, const at::Tensor& records, const at::Tensor& slots_in, int64_t map_seed) {
+  Map map(entries, records, map_seed);
+  at::Tensor slots = slots_in.to(at::kLong).contiguous().view({-1});
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < slots.numel(); ++i) {
+    TORCH_CHECK(sl[i] >= 0 && sl[i] < records.size(0), "insert: slot ", sl[i], " out of range");
+    map.put(map.rec[sl[i]].id, int32_t(sl[i]));
+  }
+}
+
+// Remove the IDs held in `slots` (per their records) from the map.
+void erase(const at::Tensor& entries, const at::Tensor& records, const at::Tensor& slots_in, int64_t map_seed) {
+  Map map(entries, records, map_seed);
+  at::Tensor slots = slots_in.to(at::kLong).contiguous().view({-1});
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < slots.numel(); ++i) {
+    TORCH_CHECK(sl[i] >= 0 && sl[i] < records.size(0), "erase: slot ", sl[i], " out of range");
+    map.erase_slot(map.rec[sl[i]].id, int32_t(sl[i]));
+  }
+}
+
+
+}  // namespace
+}  // namespace dynemb
+
+TORCH_LIBRARY(dynemb_idt, m) {
+  m.def(
+      "lookup(Tensor entries, Tensor(a!) records, Tensor ids, int step, int map_seed, int coin_seed, "
+      "float log_factor, int initial_freq, int decay_steps) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "admit(Tensor(a!) entries, Tensor(b!) records, Tensor(c!) slots, Tensor new_ids, Tensor admit, int step, "
+      "int resident, int map_seed, int kind, int ttl, int decay_steps, int initial_freq, int evict_min) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("huge_empty(int[] size, ScalarType dtype) -> Tensor", dynemb::huge_empty);
+  m.def("find(Tensor entries, Tensor records, Tensor ids, int map_seed) -> Tensor");
+  m.def("insert(Tensor(a!) entries, Tensor records, Tensor slots, int map_seed) -> ()");
+  m.def("erase(Tensor(a!) entries, Tensor records, Tensor slots, int map_seed) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(dynemb_idt, CPU, m) {
+  m.impl("lookup", dynemb::lookup);
+  m.impl("admit", dynemb::admit);
+  m.impl("find", dynemb::find);
+  m.impl("insert", dynemb::insert);
+  m.impl("erase", dynemb::erase);
+}
