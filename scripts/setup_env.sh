@@ -29,6 +29,15 @@ if [ "$(cat $stamp 2>/dev/null)" != "$want" ]; then
   echo "$want" > $stamp
 fi
 
+# The ID transformer's CPU kernel is C++ built by torch's extension builder (cached under
+# ~/.cache/torch_extensions; rebuilt only when its source changes): it needs a compiler.
+if ! command -v g++ >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "[setup] installing g++ (for the ID transformer's kernel)"
+  apt-get -q update >/dev/null 2>&1 || true
+  DEBIAN_FRONTEND=noninteractive apt-get -q install -y g++ >/dev/null
+fi
+$VPY -c "from idtransformer.kernel import ops; ops()" || { echo "[setup] building the ID transformer's kernel failed" >&2; exit 1; }
+
 # redis-server: Debian's 7.0 build (TLS-capable) unpacked under .bin/redis; apt-get
 # download needs no root when its lists and cache point at a folder of ours.
 if [ ! -x .bin/redis-server ]; then
