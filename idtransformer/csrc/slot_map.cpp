@@ -228,7 +228,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lookup(const at::Tensor& entries,
   // for its tag (the entry is in cache by then) and the candidate slot's record, or its
   // pending-set entry, prefetched; ID i is confirmed on its record and processed. Nothing
   // in the map changes during the pass, so early scans stay valid.
-  constexpr int64_t kFar = 24, kNear = 12, kRing = 16;
+  constexpr int64_t kFar = 16, kNear = 8, kRing = 16;
   std::array<int32_t, kRing> ring{};
   auto candidate = [&](int64_t j) {
     const uint32_t t = map.tag(id[j]);
