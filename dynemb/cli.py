@@ -19,8 +19,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     from dynemb import demo
     from ps_server import cli as ps_cli
+    from trainer import cli as train_cli
 
     ps_cli.add_parser(sub)
+    train_cli.add_parser(sub)
     demo.add_parser(sub)
     return parser
 

@@ -1,0 +1,65 @@
+"""`dynemb train` and `python -m trainer` (what torchrun runs): the DLRM training job."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+DESCRIPTION = """Train a DLRM (13 dense, 26 sparse features) with dynamic embedding tables: each
+table keeps --capacity-fraction of its IDs on the device and every row in the parameter
+server. One process:   dynemb train --steps 300
+Several ranks:          torchrun --nproc_per_node 2 -m trainer --steps 300
+Data: synthetic Criteo-like batches (default) or --source FILE.tsv in Criteo format.
+Prints the loss as it goes and the held-out AUC and log-loss at the end."""
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("train", help="train a DLRM with dynamic embedding tables", description=DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    configure(p)
+    return p
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    from trainer.config import add_arguments
+
+    add_arguments(p)
+    p.add_argument("--result-json", help="also write the final figures (and every step's loss) to this file")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from trainer.config import from_args
+    from trainer.train import train
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        cfg = from_args(args)
+    except (ValueError, OSError) as e:
+        print(f"dynemb train: error: {e}", file=sys.stderr)
+        return 2
+    result = train(cfg)
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        tail = result.losses[-cfg.log_every:] or [float("nan")]
+        print(f"steps {len(result.losses)}  final loss {sum(tail) / len(tail):.4f}  "
+              f"eval AUC {result.auc:.4f}  eval log-loss {result.logloss:.4f}  "
+              f"{result.samples_per_second:,.0f} samples/s"
+              + (f"  hit rate {result.hit_rate:.3f}" if cfg.table.dynamic else ""))
+    if args.result_json:
+        path = args.result_json.replace("{rank}", str(rank))
+        with open(path, "w") as f:
+            json.dump({"losses": result.losses, "auc": result.auc, "logloss": result.logloss,
+                       "samples_per_second": result.samples_per_second, "hit_rate": result.hit_rate}, f)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    configure(p)
+    args = p.parse_args(argv)
+    return args.func(args)

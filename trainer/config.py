@@ -1,0 +1,133 @@
+"""Training configuration: dataclasses, read from flags or a YAML/JSON file (flags win).
+
+    dynemb train --config run.yaml --steps 500
+    torchrun --nproc_per_node 2 -m trainer --optimizer adagrad --capacity-fraction 0.1
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+
+
+def optimizer_state_width(optimizer: str, dim: int) -> int:
+    """Floats of optimizer state per row, stored after the embedding in a PS row."""
+    return {"sgd": 0, "adagrad": dim, "rowwise_adagrad": 1, "adam": 2 * dim}[optimizer]
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"  # "synthetic" or a Criteo TSV file / folder of them
+    num_dense: int = 13
+    num_sparse: int = 26
+    universe: int = 100_000  # synthetic: distinct IDs per sparse feature
+    zipf: float = 1.05  # synthetic: skew of the ID draw
+    ids_per_feature: int = 1  # synthetic: IDs per sample and feature (bag size)
+    eval_fraction: float = 0.1  # TSV: share of lines held out for evaluation
+    data_seed: int = 0  # synthetic: which stream of batches
+
+
+@dataclass
+class TableConfig:
+    """Dynamic-table settings, the same for every sparse feature's table."""
+
+    dim: int = 16
+    capacity_fraction: float = 0.1  # device rows, as a share of the ID universe
+    capacity: int = 0  # device rows per table across all ranks (overrides the fraction)
+    policy: str = "hybrid"  # lru | lfu | hybrid
+    evict_fraction: float = 0.05
+    admit_threshold: int = 1
+    ttl_steps: int = 0  # 0: no TTL
+    init_scale: float = 0.0  # uniform(-s, s) for never-seen IDs; 0: 1/sqrt(dim)
+    dynamic: bool = True  # False: plain TorchRec tables holding the whole universe
+
+
+@dataclass
+class TrainConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    table: TableConfig = field(default_factory=TableConfig)
+    optimizer: str = "rowwise_adagrad"
+    lr: float = 0.05
+    dense_lr: float = 0.05
+    batch_size: int = 512
+    steps: int = 300
+    eval_batches: int = 20
+    dense_arch: list[int] = field(default_factory=lambda: [64, 16])
+    over_arch: list[int] = field(default_factory=lambda: [64, 32, 1])
+    pipeline: bool = True  # TrainPipelineSparseDist: next batch's transform/pull overlaps
+    ps: str = ""  # PS address(es), comma-separated; "" = embedded store (a local PS when multi-rank)
+    ps_table_prefix: str = "dynemb_"
+    metrics_port: int = 0  # rank r serves /metrics on metrics_port + r; 0: off
+    seed: int = 0
+    log_every: int = 20
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer {self.optimizer!r} is not one of {OPTIMIZERS}")
+        if self.batch_size < 1 or self.steps < 0:
+            raise ValueError("batch_size must be >= 1 and steps >= 0")
+        if self.dense_arch[-1] != self.table.dim:
+            raise ValueError(f"dense_arch must end at the embedding dim {self.table.dim}, got {self.dense_arch}")
+
+
+# -- flags and files --------------------------------------------------------------
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _fields(cls) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if f.name not in ("data", "table")]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML or JSON file with any of the settings below (flags override it)")
+    for group, cls in (("training", TrainConfig), ("data", DataConfig), ("tables", TableConfig)):
+        g = p.add_argument_group(group)
+        for f in _fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            kind = type(default)
+            if kind is bool:
+                g.add_argument(_flag(f.name), dest=f"{group}.{f.name}", action=argparse.BooleanOptionalAction,
+                               default=None, help=f"[default {default}]")
+            elif kind is list:
+                g.add_argument(_flag(f.name), dest=f"{group}.{f.name}", default=None,
+                               help=f"comma-separated sizes [default {','.join(map(str, default))}]")
+            else:
+                g.add_argument(_flag(f.name), dest=f"{group}.{f.name}", type=kind, default=None,
+                               help=f"[default {default}]")
+
+
+def _read_file(path: str) -> dict:
+    text = Path(path).read_text()
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+
+        return yaml.safe_load(text) or {}
+    return json.loads(text)
+
+
+def from_args(args: argparse.Namespace) -> TrainConfig:
+    raw = _read_file(args.config) if args.config else {}
+    data = dict(raw.pop("data", {}) or {})
+    table = dict(raw.pop("table", {}) or {})
+    train = raw
+    for key, value in vars(args).items():
+        if value is None or "." not in key:
+            continue
+        group, name = key.split(".", 1)
+        if isinstance(value, str) and name in ("dense_arch", "over_arch"):
+            value = [int(v) for v in value.split(",")]
+        {"training": train, "data": data, "tables": table}[group][name] = value
+    for name, d, cls in (("file", train, TrainConfig), ("data", data, DataConfig), ("table", table, TableConfig)):
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown {name} settings: {sorted(unknown)}")
+    return TrainConfig(data=DataConfig(**data), table=TableConfig(**table), **train)

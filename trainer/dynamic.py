@@ -1,0 +1,177 @@
+"""Dynamic tables: a batch of global IDs in, the same batch over device rows out.
+
+For every table, a ShardedIDTransformer maps the batch's IDs to rows of the table (each
+rank owning the IDs that hash to it and a block of rows, matching TorchRec's row-wise
+sharding). On the owner, in batched tensor ops (one gather and one scatter per table and
+step): the rows of evicted IDs, with their optimizer state, are read from the TBE and pushed
+to the PS first (their rows are about to be reused), then the rows of admitted IDs are
+pulled (a never-seen ID comes back initialised by the table's initializer) and written in.
+The batch's slots are pinned until `release_oldest()` says the batch is through backward and
+the optimizer step, so a batch in flight never has a row pushed or reused under it.
+
+    tables = DynamicTables(find_tables(model), specs, store, metrics)
+    for batch in tables.wrap(batches):   # transform + pull/push as each batch is fetched
+        ...train on batch...
+        tables.release_oldest()
+    tables.flush()                       # push every resident row (checkpoints, tests)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from idtransformer.policy import EvictionPolicy
+from idtransformer.sharded import ShardedIDTransformer
+from ps_server.schema import TableSchema
+from trainer.metrics import TrainerMetrics
+from trainer.row_store import RowStore
+from trainer.table_rows import TableRows
+
+
+@dataclass
+class DynamicTableSpec:
+    name: str  # the TorchRec table's name
+    features: list[str]  # the KJT keys it serves
+    ps_schema: TableSchema  # its PS table (name, dim, state width, initializer)
+    policy: EvictionPolicy
+    admit_threshold: int = 1
+
+
+class DynamicTables:
+    def __init__(self, rows: dict[str, TableRows], specs: list[DynamicTableSpec], store: RowStore,
+                 metrics: TrainerMetrics | None = None, group: dist.ProcessGroup | None = None) -> None:
+        self.specs = {s.name: s for s in specs}
+        self.store, self.metrics, self.group = store, metrics, group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.rows: dict[str, TableRows] = {}
+        self.transformers: dict[str, ShardedIDTransformer] = {}
+        self.feature_table: dict[str, str] = {}
+        for spec in specs:
+            r = rows[spec.name]
+            if r.state_width != spec.ps_schema.state_width or r.dim != spec.ps_schema.dim:
+                raise ValueError(
+                    f"table {spec.name}: the model's rows are {r.dim} wide with {r.state_width} optimizer values, "
+                    f"its PS table {spec.ps_schema.name} {spec.ps_schema.dim} and {spec.ps_schema.state_width}"
+                )
+            t = ShardedIDTransformer(r.local_rows, spec.policy, spec.admit_threshold, group=group)
+            if t.offset != r.row_offset:
+                raise ValueError(
+                    f"table {spec.name}: rank {self.rank} holds rows from {r.row_offset}, but its ID owner block "
+                    f"starts at {t.offset}: the table needs row-wise sharding with {r.local_rows} rows per rank"
+                )
+            self.rows[spec.name], self.transformers[spec.name] = r, t
+            for f in spec.features:
+                self.feature_table[f] = spec.name
+            store.create_table(spec.ps_schema)
+        self.in_flight: deque[list] = deque()
+        self.last_hit_rate = 0.0
+
+    # -- one batch ------------------------------------------------------------------
+
+    def transform(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """Collective: every rank calls it with its own batch, in the same order."""
+        values, lengths = kjt.values(), kjt.lengths()
+        bounds = kjt.offset_per_key()
+        new_values = values.clone()
+        keep = None
+        held = []
+        looked = hit = 0
+        for name, t in self.transformers.items():  # every rank visits the tables in one order
+            segments = [(bounds[i], bounds[i + 1]) for i, k in enumerate(kjt.keys()) if self.feature_table.get(k) == name]
+            ids = torch.cat([values[a:b] for a, b in segments]) if segments else values[:0]
+            out = t.transform(ids, pin=True)
+            held.append((t, out))
+            self._move_rows(name, out.owned)
+            at = 0
+            for a, b in segments:
+                new_values[a:b] = out.slots[at : at + b - a]
+                at += b - a
+            owned = out.owned
+            looked += len(owned.slots)
+            hit += len(owned.slots) - int(torch.isin(owned.slots, owned.admitted_slots).sum()) - int((owned.slots < 0).sum())
+            if self.metrics is not None:
+                self._count(name, owned)
+            if bool((out.slots < 0).any()):
+                keep = torch.ones_like(values, dtype=torch.bool) if keep is None else keep
+                at = 0
+                for a, b in segments:
+                    keep[a:b] = out.slots[at : at + b - a] >= 0
+                    at += b - a
+        self.in_flight.append(held)
+        self.last_hit_rate = hit / max(looked, 1)
+        if keep is None:
+            return KeyedJaggedTensor(keys=kjt.keys(), values=new_values, lengths=lengths, weights=kjt.weights_or_none())
+        # IDs not admitted yet (below the admission threshold) are left out of their bags
+        segment = torch.repeat_interleave(torch.arange(len(lengths)), lengths.long())
+        dropped = torch.zeros(len(lengths), dtype=torch.int64).index_add_(0, segment, (~keep).long())
+        weights = kjt.weights_or_none()
+        return KeyedJaggedTensor(keys=kjt.keys(), values=new_values[keep], lengths=(lengths.long() - dropped).to(lengths.dtype),
+                                 weights=None if weights is None else weights[keep])
+
+    def _move_rows(self, name: str, owned) -> None:
+        spec, rows = self.specs[name], self.rows[name]
+        table = spec.ps_schema.name
+        if len(owned.evicted_ids):  # first: their rows are about to be reused
+            local = owned.evicted_slots - rows.row_offset
+            self.store.push(table, owned.evicted_ids.numpy(), rows.read(local).numpy())
+            if self.metrics is not None:
+                self.metrics.ps_latency.labels("push", self.metrics.rank).observe(self.store.push_seconds)
+        if len(owned.admitted_ids):
+            pulled = self.store.pull(table, owned.admitted_ids.numpy())
+            rows.write(owned.admitted_slots - rows.row_offset, torch.from_numpy(np.ascontiguousarray(pulled, np.float32)))
+            if self.metrics is not None:
+                self.metrics.ps_latency.labels("pull", self.metrics.rank).observe(self.store.pull_seconds)
+
+    def _count(self, name: str, owned) -> None:
+        m, labels = self.metrics, (name, self.metrics.rank)
+        n = len(owned.slots)
+        new = int(torch.isin(owned.slots, owned.admitted_slots).sum()) if len(owned.admitted_slots) else 0
+        rejected = int((owned.slots < 0).sum())
+        m.lookups.labels(*labels).inc(n)
+        m.hits.labels(*labels).inc(n - new - rejected)
+        m.misses.labels(*labels).inc(new + rejected)
+        m.admissions.labels(*labels).inc(len(owned.admitted_ids))
+        m.evictions.labels(*labels).inc(len(owned.evicted_ids))
+        m.rejections.labels(*labels).inc(len(owned.rejected_ids))
+        m.rows_pulled.labels(*labels).inc(len(owned.admitted_ids))
+        m.rows_pushed.labels(*labels).inc(len(owned.evicted_ids))
+        t = self.transformers[name]
+        m.occupancy.labels(*labels).set(len(t.local) / t.capacity_per_rank)
+
+    def release_oldest(self) -> None:
+        """The oldest batch in flight is through backward and the optimizer step."""
+        for t, out in self.in_flight.popleft():
+            t.release(out)
+
+    def wrap(self, batches: Iterator[Batch]) -> Iterator[Batch]:
+        for batch in batches:
+            yield Batch(batch.dense_features, self.transform(batch.sparse_features), batch.labels)
+
+    # -- whole tables ------------------------------------------------------------------
+
+    def flush(self) -> int:
+        """Push every resident row (with its optimizer state) to the PS; rows stay resident."""
+        pushed = 0
+        for name, t in self.transformers.items():
+            local = t.local
+            slots = torch.nonzero(local.last_access != -1).squeeze(1)
+            if len(slots):
+                ids = local.slot_id[slots]
+                self.store.push(self.specs[name].ps_schema.name, ids.numpy(), self.rows[name].read(slots).numpy())
+                pushed += len(slots)
+        return pushed
+
+    def resident(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, table rows) resident on this rank for a table."""
+        local = self.transformers[name].local
+        slots = torch.nonzero(local.last_access != -1).squeeze(1)
+        return local.slot_id[slots], slots + self.rows[name].row_offset

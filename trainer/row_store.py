@@ -1,0 +1,81 @@
+"""The parameter server as the trainer sees it: create a table, pull rows, push rows.
+
+- RemoteRowStore: the gRPC PS (one or many addresses) through ps_server.client.PSClient.
+- LocalRowStore: the embedded store inside the trainer's own process (one process only; no
+  gRPC in the way), rows of never-pushed IDs initialised exactly as the PS does.
+Both return float32 rows of width dim + optimizer-state width.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ps_server.backends.embedded import EmbeddedStore
+from ps_server.client import PSClient
+from ps_server.initializer import initial_rows
+from ps_server.schema import TableSchema
+
+
+class RowStore:
+    def __init__(self) -> None:
+        self.pull_seconds = 0.0
+        self.push_seconds = 0.0
+
+    def create_table(self, schema: TableSchema) -> None:
+        raise NotImplementedError
+
+    def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
+        start = time.perf_counter()
+        rows = self._pull(table, ids)
+        self.pull_seconds = time.perf_counter() - start
+        return rows
+
+    def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
+        start = time.perf_counter()
+        self._push(table, ids, rows)
+        self.push_seconds = time.perf_counter() - start
+
+    def close(self) -> None:
+        pass
+
+
+class LocalRowStore(RowStore):
+    def __init__(self, store: EmbeddedStore | None = None) -> None:
+        super().__init__()
+        self.store = store or EmbeddedStore()
+
+    def create_table(self, schema: TableSchema) -> None:
+        self.store.create_table(schema)
+
+    def _pull(self, table: str, ids: np.ndarray) -> np.ndarray:
+        rows, found = self.store.pull(table, ids)
+        if not found.all():
+            rows[~found] = initial_rows(self.store.schema(table), ids[~found])
+        return rows
+
+    def _push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
+        self.store.push(table, ids, np.ascontiguousarray(rows, dtype=np.float32))
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class RemoteRowStore(RowStore):
+    def __init__(self, addresses: str, **client_args) -> None:
+        super().__init__()
+        self.client = PSClient([a.strip() for a in addresses.split(",") if a.strip()], **client_args)
+        self.client.wait_ready()
+
+    def create_table(self, schema: TableSchema) -> None:
+        self.client.create_table_from_schema(schema)
+
+    def _pull(self, table: str, ids: np.ndarray) -> np.ndarray:
+        return self.client.pull(table, ids).rows
+
+    def _push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
+        self.client.push(table, ids, np.ascontiguousarray(rows, dtype=np.float32))
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,220 @@
+"""The training job: read top to bottom.
+
+    dynemb train --steps 300                      # one process, embedded PS in-process
+    torchrun --nproc_per_node 2 -m trainer ...    # N ranks (gloo on CPU); a local PS is started
+                                                  # on rank 0 unless --ps names one
+
+1. torch.distributed up (a one-process group when not under torchrun);
+2. the PS: --ps addresses, or the embedded store (in-process for one rank, a local PS
+   process otherwise);
+3. the DLRM under DistributedModelParallel (model.py), dynamic tables in front of it
+   (dynamic.py) unless --no-dynamic;
+4. the loop: TrainPipelineSparseDist (batch i+1's transform, PS pull and input
+   distribution happen while batch i trains), or a plain loop with --no-pipeline;
+5. evaluation: AUC and log-loss over held-out batches, all ranks together.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from contextlib import closing
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from idtransformer.policy import EvictionPolicy
+from trainer.config import TrainConfig
+from trainer.data import SyntheticCriteo, criteo_tsv_batches
+from trainer.dynamic import DynamicTables, DynamicTableSpec
+from trainer.metrics import TrainerMetrics
+from trainer.model import Built, build
+from trainer.row_store import LocalRowStore, RemoteRowStore, RowStore
+
+log = logging.getLogger("dynemb.trainer")
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)  # this rank's loss per step
+    auc: float = float("nan")
+    logloss: float = float("nan")
+    samples_per_second: float = 0.0
+    hit_rate: float = float("nan")
+
+
+def _free_port() -> int:
+    with closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> bool:
+    """Join torchrun's group, or make a one-process one. True if this call created it."""
+    if dist.is_initialized():
+        return False
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    return True
+
+
+def open_row_store(cfg: TrainConfig) -> tuple[RowStore, object]:
+    """(store, local PS process or None)."""
+    if cfg.ps:
+        return RemoteRowStore(cfg.ps), None
+    if dist.get_world_size() == 1:
+        return LocalRowStore(), None
+    from dynemb.local import LocalPS
+
+    ps = LocalPS("--log-level", "WARNING").start() if dist.get_rank() == 0 else None
+    address = [ps.address if ps else None]
+    dist.broadcast_object_list(address, src=0)
+    return RemoteRowStore(address[0]), ps
+
+
+def make_dynamic(cfg: TrainConfig, built: Built, store: RowStore, metrics: TrainerMetrics) -> DynamicTables:
+    from trainer.table_rows import find_tables
+
+    t = cfg.table
+    policy = EvictionPolicy(t.policy, evict_fraction=t.evict_fraction, ttl_steps=t.ttl_steps or None)
+    specs = [
+        DynamicTableSpec(name, [feature], built.schemas[name], policy, t.admit_threshold)
+        for name, feature in zip(built.table_names, built.features)
+    ]
+    return DynamicTables(find_tables(built.model), specs, store, metrics)
+
+
+def batches(cfg: TrainConfig, split: int):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if cfg.data.source == "synthetic":
+        data = SyntheticCriteo(cfg.data, cfg.batch_size, rank, world)
+        return data.train_batches() if split == 0 else data.eval_batches(cfg.eval_batches)
+    return criteo_tsv_batches(cfg.data, cfg.batch_size, rank, world, split)
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    created = init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store, local_ps = open_row_store(cfg)
+    metrics = TrainerMetrics(rank)
+    if cfg.metrics_port:
+        metrics.serve(cfg.metrics_port + rank)
+    try:
+        built = build(cfg)
+        dynamic = make_dynamic(cfg, built, store, metrics) if cfg.table.dynamic else None
+        result = _loop(cfg, built, dynamic, metrics)
+        result.auc, result.logloss = evaluate(cfg, built, dynamic)
+        if dynamic is not None:
+            dynamic.flush()  # the PS holds every row the job has trained
+        return result
+    finally:
+        store.close()
+        if local_ps is not None:
+            dist.barrier()
+            local_ps.close()
+        if created:
+            dist.destroy_process_group()
+
+
+def _loop(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None, metrics: TrainerMetrics) -> TrainResult:
+    rank = dist.get_rank()
+    result = TrainResult()
+    data = iter(batches(cfg, split=0))
+    if dynamic is not None:
+        data = dynamic.wrap(data)
+    limited = (b for _, b in zip(range(cfg.steps), data))
+    model, optimizer = built.model, built.optimizer
+    model.train()
+    if cfg.pipeline:
+        from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+        pipeline = TrainPipelineSparseDist(model, optimizer, torch.device("cpu"))
+
+        def step() -> torch.Tensor:
+            return pipeline.progress(limited)[0]  # DLRMTrain's output: (loss, logits, labels)
+    else:
+
+        def step() -> torch.Tensor:
+            batch = next(limited)
+            optimizer.zero_grad()
+            loss, _ = model(batch)
+            loss.backward()
+            optimizer.step()
+            return loss
+
+    bar = tqdm(total=cfg.steps, desc=f"train (rank {rank})", unit="step", disable=not cfg.progress or rank != 0)
+    start, window = time.perf_counter(), []
+    for k in range(cfg.steps):
+        try:
+            loss = step()
+        except StopIteration:
+            break
+        if dynamic is not None:
+            dynamic.release_oldest()
+        result.losses.append(float(loss.detach()))
+        window.append(result.losses[-1])
+        metrics.steps.labels(metrics.rank).inc()
+        metrics.samples.labels(metrics.rank).inc(cfg.batch_size)
+        if (k + 1) % cfg.log_every == 0 or k + 1 == cfg.steps:
+            elapsed = time.perf_counter() - start
+            rate = (k + 1) * cfg.batch_size * dist.get_world_size() / elapsed
+            metrics.samples_per_second.labels(metrics.rank).set(rate / dist.get_world_size())
+            metrics.loss.labels(metrics.rank).set(float(np.mean(window)))
+            post = {"loss": f"{np.mean(window):.4f}", "samples/s": f"{rate:,.0f}"}
+            if dynamic is not None:
+                post["hit"] = f"{dynamic.last_hit_rate:.3f}"
+            bar.set_postfix(post)
+            window = []
+        bar.update(1)
+    bar.close()
+    if cfg.pipeline:
+        pipeline.detach()  # the model's own forward back, for evaluation
+    elapsed = time.perf_counter() - start
+    result.samples_per_second = len(result.losses) * cfg.batch_size * dist.get_world_size() / max(elapsed, 1e-9)
+    if dynamic is not None:
+        result.hit_rate = dynamic.last_hit_rate
+        while dynamic.in_flight:  # batches the pipeline fetched but the step limit cut off
+            dynamic.release_oldest()
+    return result
+
+
+@torch.no_grad()
+def evaluate(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None) -> tuple[float, float]:
+    """AUC and log-loss over every rank's held-out batches."""
+    from torchmetrics.functional.classification import binary_auroc
+
+    model = built.model
+    model.eval()
+    logits, labels = [], []
+    data = batches(cfg, split=1)
+    if dynamic is not None:
+        data = dynamic.wrap(data)
+    for batch in data:
+        _, (_, logit, label) = model(batch)
+        logits.append(logit.reshape(-1))
+        labels.append(label.reshape(-1))
+        if dynamic is not None:
+            dynamic.release_oldest()
+    model.train()
+    local = torch.stack([torch.cat(logits), torch.cat(labels)]) if logits else torch.zeros(2, 0)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([local.shape[1]]))
+    width = int(max(s.item() for s in sizes))
+    padded = torch.zeros(2, width)
+    padded[:, : local.shape[1]] = local
+    gathered = [torch.zeros(2, width) for _ in sizes]
+    dist.all_gather(gathered, padded)
+    every = torch.cat([g[:, : int(s.item())] for g, s in zip(gathered, sizes)], dim=1)
+    if every.shape[1] == 0:
+        return float("nan"), float("nan")
+    logit, label = every[0], every[1]
+    auc = float(binary_auroc(torch.sigmoid(logit), label.long()))
+    logloss = float(torch.nn.functional.binary_cross_entropy_with_logits(logit, label))
+    return auc, logloss
