@@ -46,6 +46,9 @@ class TrainResult:
     logloss: float = float("nan")
     samples_per_second: float = 0.0
     hit_rate: float = float("nan")
+    # with train(..., collect_tables=True): this rank's block of every table after training,
+    # {name: (first row, rows (n, dim + state width))}; dynamic tables read back from the PS
+    tables: dict = field(default_factory=dict)
 
 
 def _free_port() -> int:
@@ -99,7 +102,7 @@ def batches(cfg: TrainConfig, split: int):
     return criteo_tsv_batches(cfg.data, cfg.batch_size, rank, world, split)
 
 
-def train(cfg: TrainConfig) -> TrainResult:
+def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
     created = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     store, local_ps = open_row_store(cfg)
@@ -113,6 +116,8 @@ def train(cfg: TrainConfig) -> TrainResult:
         result.auc, result.logloss = evaluate(cfg, built, dynamic)
         if dynamic is not None:
             dynamic.flush()  # the PS holds every row the job has trained
+        if collect_tables:
+            result.tables = _collect_tables(built, dynamic, store)
         return result
     finally:
         store.close()
@@ -183,6 +188,21 @@ def _loop(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None, metrics
         while dynamic.in_flight:  # batches the pipeline fetched but the step limit cut off
             dynamic.release_oldest()
     return result
+
+
+def _collect_tables(built: Built, dynamic: DynamicTables | None, store: RowStore) -> dict:
+    from trainer.table_rows import find_tables
+
+    out = {}
+    for name, r in find_tables(built.model).items():
+        if dynamic is None:
+            out[name] = (r.row_offset, r.read(torch.arange(r.local_rows)).numpy())
+        else:  # the same block of IDs, as the PS has them (IDs are < the universe here)
+            block = -(-built.model_rows_full // dist.get_world_size())
+            first = dist.get_rank() * block
+            ids = np.arange(first, min(first + block, built.model_rows_full), dtype=np.int64)
+            out[name] = (first, store.pull(built.schemas[name].name, ids))
+    return out
 
 
 @torch.no_grad()
