@@ -3,6 +3,8 @@ the PS, trains exactly like the same model with full tables."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -12,7 +14,7 @@ from trainer.train import train
 
 def config(optimizer: str, dynamic: bool, **extra) -> TrainConfig:
     return TrainConfig(
-        data=DataConfig(num_sparse=6, universe=3000, zipf=1.1, ids_per_feature=2),
+        data=DataConfig(num_sparse=6, universe=6000, zipf=1.1, ids_per_feature=2),
         table=TableConfig(dim=8, capacity_fraction=0.1, dynamic=dynamic, evict_fraction=0.1),
         optimizer=optimizer, lr=0.1, dense_lr=0.05, batch_size=48, steps=100, eval_batches=2,
         dense_arch=[16, 8], over_arch=[16, 1], progress=False, **extra,
@@ -33,3 +35,26 @@ def test_dynamic_tables_train_exactly_like_full_ones(optimizer, pipeline):
         dfirst, drows = dyn.tables[name]
         assert first == dfirst and rows.shape == drows.shape
         np.testing.assert_allclose(drows, rows, rtol=0, atol=1e-6, err_msg=f"table {name}")
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
+def test_two_torchrun_ranks_train_exactly_like_full_tables(optimizer, tmp_path):
+    """2 gloo ranks under torchrun: row-wise shards, IDs owned by the rank holding their rows,
+    a local PS process started by rank 0; each rank's losses and its block of every table
+    equal the full model's."""
+    from test_sharded_idtransformer import torchrun
+
+    worker = Path(__file__).parent / "dist" / "trainer_exact_worker.py"
+    run = torchrun(2, worker, str(tmp_path), optimizer, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    for rank in range(2):
+        got = np.load(tmp_path / f"rank{rank}.npz")
+        diff = np.abs(got["full_losses"] - got["dyn_losses"])
+        assert len(diff) == 100 and diff.max() <= 1e-6, f"rank {rank}: losses part by {diff.max():.3g}"
+        assert got["hit_rate"] < 1.0
+        tables = [k[5:] for k in got.files if k.startswith("full_") and not k.endswith(("_first", "losses"))]
+        assert len(tables) == 6
+        for name in tables:
+            assert got[f"full_{name}_first"] == got[f"dyn_{name}_first"]
+            np.testing.assert_allclose(got[f"dyn_{name}"], got[f"full_{name}"], rtol=0, atol=1e-6,
+                                       err_msg=f"rank {rank} table {name}")

@@ -121,8 +121,9 @@ def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
         return result
     finally:
         store.close()
-        if local_ps is not None:
+        if not cfg.ps and dist.get_world_size() > 1:  # every rank done with rank 0's local PS
             dist.barrier()
+        if local_ps is not None:
             local_ps.close()
         if created:
             dist.destroy_process_group()
