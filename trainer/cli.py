@@ -31,11 +31,23 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run)
 
 
+def quiet_library_warnings() -> None:
+    """TorchRec, torchmetrics and torch.fx warn about their own deprecations on every run;
+    they say nothing a user of this job can act on, and they bury the progress bar."""
+    import warnings
+
+    for category in (FutureWarning, DeprecationWarning, UserWarning):
+        warnings.filterwarnings("ignore", category=category)
+    for name in ("torchrec", "torch.fx", "torch.distributed", "torch.fx._symbolic_trace"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def run(args: argparse.Namespace) -> int:
     from trainer.config import from_args
     from trainer.train import train
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    quiet_library_warnings()
     try:
         cfg = from_args(args)
     except (ValueError, OSError) as e:

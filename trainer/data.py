@@ -102,7 +102,7 @@ def parse_criteo_line(line: str, num_dense: int = 13, num_sparse: int = 26, wher
         raise ValueError(f"{where}: {e}") from None
     if label not in (0.0, 1.0):
         raise ValueError(f"{where}: label must be 0 or 1, got {cols[0]!r}")
-    ids = [_signed(xxhash.xxh64_intdigest(f"{i}:{c}")) if c else None for i, c in enumerate(cats)]
+    ids = [_signed(xxhash.xxh64_intdigest(f"{i}:{c}".encode())) if c else None for i, c in enumerate(cats)]
     return label, dense, ids
 
 

@@ -1,0 +1,145 @@
+"""Trainer pieces: configuration from flags and files, Criteo TSV reading, per-rank metrics."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+
+from trainer.config import DataConfig, TableConfig, TrainConfig, add_arguments, from_args
+from trainer.data import SyntheticCriteo, criteo_tsv_batches, parse_criteo_line
+
+
+def parse(*argv: str) -> TrainConfig:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return from_args(p.parse_args(list(argv)))
+
+
+def test_flags_override_a_yaml_file(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("optimizer: adagrad\nsteps: 7\ndata:\n  universe: 5000\ntable:\n  dim: 8\n  policy: lru\n"
+                 "dense_arch: [32, 8]\n")
+    cfg = parse("--config", str(f), "--steps", "9", "--capacity-fraction", "0.2", "--no-pipeline")
+    assert (cfg.optimizer, cfg.steps, cfg.data.universe, cfg.table.dim, cfg.table.policy) == ("adagrad", 9, 5000, 8, "lru")
+    assert cfg.table.capacity_fraction == 0.2 and cfg.pipeline is False and cfg.dense_arch == [32, 8]
+    j = tmp_path / "run.json"
+    j.write_text(json.dumps({"lr": 0.5, "data": {"zipf": 1.3}}))
+    cfg = parse("--config", str(j), "--over-arch", "8,1")
+    assert cfg.lr == 0.5 and cfg.data.zipf == 1.3 and cfg.over_arch == [8, 1]
+
+
+@pytest.mark.parametrize("text,message", [
+    ("stepz: 3\n", "unknown file settings"),
+    ("table:\n  dims: 3\n", "unknown table settings"),
+    ("optimizer: lamb\n", "optimizer 'lamb' is not one of"),
+    ("table:\n  dim: 32\n", "dense_arch must end at the embedding dim 32"),
+])
+def test_bad_settings_are_named(tmp_path, text, message):
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        parse("--config", str(f))
+
+
+def _line(label="1", dense=None, cats=None) -> str:
+    dense = dense if dense is not None else [str(i) for i in range(13)]
+    cats = cats if cats is not None else [f"{i:08x}" for i in range(26)]
+    return "\t".join([label, *dense, *cats]) + "\n"
+
+
+def test_criteo_tsv_lines_become_batches(tmp_path):
+    lines = [_line(str(i % 2), cats=[f"{(i * 31 + j) % 7:08x}" if j != 3 else "" for j in range(26)])
+             for i in range(10)]
+    lines[4] = _line("0", dense=[""] * 13)  # missing dense values read as 0
+    f = tmp_path / "day_0.tsv"
+    f.write_text("".join(lines))
+    cfg = DataConfig(source=str(f), eval_fraction=0.0)
+    got = list(criteo_tsv_batches(cfg, batch_size=4))
+    assert [len(b.labels) for b in got] == [4, 4, 2]
+    b = got[0]
+    assert b.labels.tolist() == [0.0, 1.0, 0.0, 1.0]
+    assert torch.allclose(b.dense_features[1], torch.log1p(torch.arange(13, dtype=torch.float32)))
+    kjt = b.sparse_features
+    assert kjt.keys()[:2] == ["cat_0", "cat_1"] and kjt.lengths().shape == (26 * 4,)
+    assert kjt.lengths().view(26, 4)[3].tolist() == [0, 0, 0, 0]  # column 3 is empty everywhere
+    # the same hex in the same column is the same ID; in another column a different one
+    label, dense, ids = parse_criteo_line(_line(cats=["0000abcd"] * 26))
+    assert ids[0] != ids[1] and parse_criteo_line(_line(cats=["0000abcd"] * 26))[2] == ids
+    assert np.all(np.array(got[1].dense_features[0]) == 0.0)  # line 5 had no dense values
+    # two ranks split the lines, and held-out lines are apart from training ones
+    r0 = sum(len(b.labels) for b in criteo_tsv_batches(cfg, 4, rank=0, world_size=2))
+    r1 = sum(len(b.labels) for b in criteo_tsv_batches(cfg, 4, rank=1, world_size=2))
+    assert (r0, r1) == (5, 5)
+    held = DataConfig(source=str(f), eval_fraction=0.5)
+    train_n = sum(len(b.labels) for b in criteo_tsv_batches(held, 4, split=0))
+    eval_n = sum(len(b.labels) for b in criteo_tsv_batches(held, 4, split=1))
+    assert (train_n, eval_n) == (5, 5)
+
+
+@pytest.mark.parametrize("line,message", [
+    ("1\t2\t3\n", "expected 40 tab-separated columns, got 3"),
+    (_line(label="2"), "label must be 0 or 1"),
+    (_line(dense=["x"] * 13), "invalid literal"),
+    (_line(cats=["zz"] * 26), "invalid literal for int"),
+])
+def test_malformed_tsv_lines_are_named(tmp_path, line, message):
+    f = tmp_path / "bad.tsv"
+    f.write_text(_line() + line)
+    with pytest.raises(ValueError, match=f"bad.tsv:2: .*{message}"):
+        list(criteo_tsv_batches(DataConfig(source=str(f), eval_fraction=0.0), 8))
+    skipped = list(criteo_tsv_batches(DataConfig(source=str(f), eval_fraction=0.0), 8, skip_bad_lines=True))
+    assert sum(len(b.labels) for b in skipped) == 1
+
+
+def test_synthetic_batches_are_reproducible_and_learnable():
+    data = SyntheticCriteo(DataConfig(universe=1000), batch_size=256, rank=1, world_size=2)
+    a, b = data.batch(5), data.batch(5)
+    assert torch.equal(a.sparse_features.values(), b.sparse_features.values()) and torch.equal(a.labels, b.labels)
+    other = SyntheticCriteo(DataConfig(universe=1000), batch_size=256, rank=0, world_size=2).batch(5)
+    assert not torch.equal(a.sparse_features.values(), other.sparse_features.values())
+    assert 0.2 < float(a.labels.mean()) < 0.8
+    assert int(a.sparse_features.values().max()) < 1000
+
+
+def test_training_serves_metrics_per_rank():
+    """A short run with --metrics-port: the rank's /metrics has the dynamic-table counters."""
+    import socket
+    import threading
+
+    from trainer.train import train
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = TrainConfig(data=DataConfig(num_sparse=3, universe=2000), table=TableConfig(dim=8),
+                      batch_size=64, steps=30, eval_batches=1, dense_arch=[8], over_arch=[8, 1],
+                      progress=False, metrics_port=port)
+    scraped: list[str] = []
+
+    def scrape():  # while the job runs (the server stops with the process, not the job)
+        import time
+
+        for _ in range(200):
+            try:
+                scraped.append(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode())
+                return
+            except OSError:
+                time.sleep(0.05)
+
+    t = threading.Thread(target=scrape)
+    t.start()
+    result = train(cfg)
+    t.join()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+    assert len(result.losses) == 30 and scraped
+    for name in ("dynemb_trainer_lookups_total", "dynemb_trainer_hits_total", "dynemb_trainer_admissions_total",
+                 "dynemb_trainer_rows_pulled_total", "dynemb_trainer_table_occupancy_ratio"):
+        assert f'{name}{{rank="0",table="t_0"}}' in text, name
+    lookups = float(text.split('dynemb_trainer_lookups_total{rank="0",table="t_0"} ')[1].split()[0])
+    assert lookups == 64 * 30 + 64 * 1  # every ID of 30 training and 1 eval batch
+    assert 'dynemb_trainer_steps_total{rank="0"} 30.0' in text
