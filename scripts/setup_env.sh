@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Make .venv with the pinned torch set, dynemb and its test tools, and a redis-server
 # (7.x with TLS, unpacked from Debian's packages without root) under .bin/.
-# Idempotent: a second run only checks. Used by scripts/demo.sh and scripts/test.sh.
+# Idempotent: a second run only checks. Used by scripts/train.sh and scripts/test.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
