@@ -12,7 +12,8 @@ An ID's owner is xxh64(id) % world_size, the same function the PS client shards 
 is no coordinator: each rank sends every ID of its batch to the owner (one all_to_all for
 the counts, one for the IDs), each owner maps all the IDs it received in one batched call
 (the requests of rank 0 first, then rank 1, ...; an ID asked for by several ranks gets one
-slot), and the slots travel back the same way. The slots an owner hands out are rows of its
+slot), and the slots travel back the same way. transform_tables does this for many tables
+in the same three exchanges; on one rank there is nothing to exchange. The slots an owner hands out are rows of its
 own block, so with TorchRec's row-wise sharding (equal contiguous blocks) the row of an ID
 lives on the rank that owns the ID. Works with any torch.distributed backend that has
 all_to_all (gloo on CPU, NCCL on CUDA).
@@ -55,47 +56,9 @@ class ShardedIDTransformer:
         self.local = IDTransformer(capacity_per_rank, policy, admit_threshold, device=device, **kwargs)
         self.device = self.local.device
 
-    def _exchange(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
-        recv = torch.empty(sum(recv_counts), dtype=send.dtype, device=send.device)
-        dist.all_to_all_single(recv, send, recv_counts, send_counts, group=self.group)
-        return recv
-
     def transform(self, ids: torch.Tensor, pin: bool = False) -> ShardedTransformResult:
         """Collective. ids: this rank's batch (int64, any shape)."""
-        if ids.dtype != torch.int64:
-            raise TypeError(f"ids must be an int64 tensor, got {ids.dtype}")
-        flat = ids.reshape(-1).to(self.device)
-        owner = owner_of(flat, self.world_size)
-        order = torch.argsort(owner, stable=True)  # grouped by owner, batch order kept within
-        send_counts_t = torch.bincount(owner, minlength=self.world_size)
-        recv_counts_t = torch.empty_like(send_counts_t)
-        dist.all_to_all_single(recv_counts_t, send_counts_t, group=self.group)
-        send_counts, recv_counts = send_counts_t.tolist(), recv_counts_t.tolist()
-
-        received = self._exchange(flat[order], send_counts, recv_counts)
-        # A refused batch (too many distinct IDs, no room) must not leave the other ranks
-        # waiting in the next collective: the error travels with the answer (slot -2).
-        error = None
-        try:
-            owned = self.local.transform(received, pin=pin)
-            local_slots = owned.slots
-        except (ValueError, RuntimeError) as e:
-            error = e
-            owned = None
-            local_slots = torch.full_like(received, -2)
-        rows = torch.where(local_slots >= 0, local_slots + self.offset, local_slots)
-        answered = self._exchange(rows, recv_counts, send_counts)
-        if error is not None:
-            raise error
-        if bool((answered == -2).any()):
-            raise RuntimeError("the owner of some of this batch's IDs refused the batch (see that rank's error)")
-        slots = torch.empty_like(flat)
-        slots[order] = answered
-        owned.slots = rows
-        owned.admitted_slots = owned.admitted_slots + self.offset
-        owned.evicted_slots = owned.evicted_slots + self.offset
-        pinned = torch.unique(local_slots[local_slots >= 0]) if pin else None
-        return ShardedTransformResult(slots.reshape(ids.shape), owned, pinned)
+        return transform_tables([self], [ids], pin)[0]
 
     def release(self, result: ShardedTransformResult) -> None:
         """Unpin what this rank pinned for a batch (local: no communication)."""
@@ -117,3 +80,89 @@ class ShardedIDTransformer:
                 f"of {self.world_size} (a different world size needs a re-shard: export and re-import)"
             )
         self.local.load_state_dict(state["local"])
+
+
+def _exchange(send: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:
+    recv = torch.empty(sum(recv_counts), dtype=send.dtype, device=send.device)
+    dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group)
+    return recv
+
+
+def transform_tables(tables: list[ShardedIDTransformer], ids: list[torch.Tensor],
+                     pin: bool = False) -> list[ShardedTransformResult]:
+    """Collective: transform one batch of IDs per table, for all tables in one exchange (one
+    all_to_all of counts, one of IDs, one of rows, whatever the number of tables). Every
+    rank passes the same tables in the same order (the same group)."""
+    if not tables:
+        return []
+    first = tables[0]
+    group, world, device = first.group, first.world_size, first.device
+    for t, x in zip(tables, ids):
+        if x.dtype != torch.int64:
+            raise TypeError(f"ids must be an int64 tensor, got {x.dtype}")
+    flats = [x.reshape(-1).to(device) for x in ids]
+    if world == 1:  # nothing to exchange
+        return [_answer_local(t, f, pin, x.shape) for t, f, x in zip(tables, flats, ids)]
+
+    # send layout: for each destination rank, table 0's IDs it owns, then table 1's, ...
+    n_tables = len(tables)
+    owners = [owner_of(f, world) for f in flats]
+    dest_table = torch.cat([o * n_tables + k for k, o in enumerate(owners)])  # (dest, table) bucket
+    order = torch.argsort(dest_table, stable=True)
+    send = torch.cat(flats)[order]
+    counts = torch.bincount(dest_table, minlength=world * n_tables)  # (dest, table)
+    recv_counts_t = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts_t, counts, group=group)  # now (source, table)
+    send_per_rank = counts.view(world, n_tables).sum(1).tolist()
+    recv_matrix = recv_counts_t.view(world, n_tables)
+    recv_per_rank = recv_matrix.sum(1).tolist()
+    received = _exchange(send, send_per_rank, recv_per_rank, group)
+
+    # per table, the requests of rank 0 first, then rank 1, ...
+    starts = torch.cumsum(recv_counts_t, 0) - recv_counts_t
+    pieces = [[(int(starts[s * n_tables + k]), int(recv_matrix[s, k])) for s in range(world)] for k in range(n_tables)]
+    answers = torch.empty_like(received)
+    owned_results: list[TransformResult | None] = []
+    error: Exception | None = None
+    for k, t in enumerate(tables):
+        mine = torch.cat([received[a : a + n] for a, n in pieces[k]]) if pieces[k] else received[:0]
+        try:
+            out = t.local.transform(mine, pin=pin)
+            local = out.slots
+        except (ValueError, RuntimeError) as e:  # answer anyway, or the other ranks would hang
+            error = error or e
+            out, local = None, torch.full_like(mine, -2)
+        rows = torch.where(local >= 0, local + t.offset, local)
+        at = 0
+        for a, n in pieces[k]:
+            answers[a : a + n] = rows[at : at + n]
+            at += n
+        if out is not None:
+            out.slots = rows
+            out.admitted_slots = out.admitted_slots + t.offset
+            out.evicted_slots = out.evicted_slots + t.offset
+        owned_results.append((out, local))
+    answered = _exchange(answers, recv_per_rank, send_per_rank, group)
+    if error is not None:
+        raise error
+    if bool((answered == -2).any()):
+        raise RuntimeError("the owner of some of this batch's IDs refused the batch (see that rank's error)")
+    flat_slots = torch.empty_like(answered)
+    flat_slots[order] = answered
+    results, at = [], 0
+    for (out, local), f, x in zip(owned_results, flats, ids):
+        slots = flat_slots[at : at + len(f)]
+        at += len(f)
+        pinned = torch.unique(local[local >= 0]) if pin else None
+        results.append(ShardedTransformResult(slots.reshape(x.shape), out, pinned))
+    return results
+
+
+def _answer_local(t: ShardedIDTransformer, flat: torch.Tensor, pin: bool, shape) -> ShardedTransformResult:
+    out = t.local.transform(flat, pin=pin)
+    local = out.slots
+    out.slots = torch.where(local >= 0, local + t.offset, local)
+    out.admitted_slots = out.admitted_slots + t.offset
+    out.evicted_slots = out.evicted_slots + t.offset
+    pinned = torch.unique(local[local >= 0]) if pin else None
+    return ShardedTransformResult(out.slots.reshape(shape), out, pinned)

@@ -29,7 +29,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from idtransformer.policy import EvictionPolicy
-from idtransformer.sharded import ShardedIDTransformer
+from idtransformer.sharded import ShardedIDTransformer, transform_tables
 from ps_server.schema import TableSchema
 from trainer.metrics import TrainerMetrics
 from trainer.row_store import RowStore
@@ -81,32 +81,33 @@ class DynamicTables:
         """Collective: every rank calls it with its own batch, in the same order."""
         values, lengths = kjt.values(), kjt.lengths()
         bounds = kjt.offset_per_key()
+        names = list(self.transformers)  # every rank lists the tables in one order
+        segments = {
+            name: [(bounds[i], bounds[i + 1]) for i, k in enumerate(kjt.keys()) if self.feature_table.get(k) == name]
+            for name in names
+        }
+        ids = [torch.cat([values[a:b] for a, b in segments[n]]) if segments[n] else values[:0] for n in names]
+        results = transform_tables([self.transformers[n] for n in names], ids, pin=True)
+        self.in_flight.append(list(zip([self.transformers[n] for n in names], results)))
+
         new_values = values.clone()
         keep = None
-        held = []
         looked = hit = 0
-        for name, t in self.transformers.items():  # every rank visits the tables in one order
-            segments = [(bounds[i], bounds[i + 1]) for i, k in enumerate(kjt.keys()) if self.feature_table.get(k) == name]
-            ids = torch.cat([values[a:b] for a, b in segments]) if segments else values[:0]
-            out = t.transform(ids, pin=True)
-            held.append((t, out))
+        for name, out in zip(names, results):
             self._move_rows(name, out.owned)
             at = 0
-            for a, b in segments:
+            for a, b in segments[name]:
                 new_values[a:b] = out.slots[at : at + b - a]
                 at += b - a
-            owned = out.owned
-            looked += len(owned.slots)
-            hit += len(owned.slots) - int(torch.isin(owned.slots, owned.admitted_slots).sum()) - int((owned.slots < 0).sum())
-            if self.metrics is not None:
-                self._count(name, owned)
+            n, new, rejected = self._count(name, out.owned)
+            looked += n
+            hit += n - new - rejected
             if bool((out.slots < 0).any()):
                 keep = torch.ones_like(values, dtype=torch.bool) if keep is None else keep
                 at = 0
-                for a, b in segments:
+                for a, b in segments[name]:
                     keep[a:b] = out.slots[at : at + b - a] >= 0
                     at += b - a
-        self.in_flight.append(held)
         self.last_hit_rate = hit / max(looked, 1)
         if keep is None:
             return KeyedJaggedTensor(keys=kjt.keys(), values=new_values, lengths=lengths, weights=kjt.weights_or_none())
@@ -114,7 +115,8 @@ class DynamicTables:
         segment = torch.repeat_interleave(torch.arange(len(lengths)), lengths.long())
         dropped = torch.zeros(len(lengths), dtype=torch.int64).index_add_(0, segment, (~keep).long())
         weights = kjt.weights_or_none()
-        return KeyedJaggedTensor(keys=kjt.keys(), values=new_values[keep], lengths=(lengths.long() - dropped).to(lengths.dtype),
+        return KeyedJaggedTensor(keys=kjt.keys(), values=new_values[keep],
+                                 lengths=(lengths.long() - dropped).to(lengths.dtype),
                                  weights=None if weights is None else weights[keep])
 
     def _move_rows(self, name: str, owned) -> None:
@@ -131,21 +133,24 @@ class DynamicTables:
             if self.metrics is not None:
                 self.metrics.ps_latency.labels("pull", self.metrics.rank).observe(self.store.pull_seconds)
 
-    def _count(self, name: str, owned) -> None:
-        m, labels = self.metrics, (name, self.metrics.rank)
+    def _count(self, name: str, owned) -> tuple[int, int, int]:
+        """(looked up, new, rejected) among the IDs this rank owns; metrics updated."""
         n = len(owned.slots)
         new = int(torch.isin(owned.slots, owned.admitted_slots).sum()) if len(owned.admitted_slots) else 0
         rejected = int((owned.slots < 0).sum())
-        m.lookups.labels(*labels).inc(n)
-        m.hits.labels(*labels).inc(n - new - rejected)
-        m.misses.labels(*labels).inc(new + rejected)
-        m.admissions.labels(*labels).inc(len(owned.admitted_ids))
-        m.evictions.labels(*labels).inc(len(owned.evicted_ids))
-        m.rejections.labels(*labels).inc(len(owned.rejected_ids))
-        m.rows_pulled.labels(*labels).inc(len(owned.admitted_ids))
-        m.rows_pushed.labels(*labels).inc(len(owned.evicted_ids))
-        t = self.transformers[name]
-        m.occupancy.labels(*labels).set(len(t.local) / t.capacity_per_rank)
+        if self.metrics is not None:
+            m, labels = self.metrics, (name, self.metrics.rank)
+            m.lookups.labels(*labels).inc(n)
+            m.hits.labels(*labels).inc(n - new - rejected)
+            m.misses.labels(*labels).inc(new + rejected)
+            m.admissions.labels(*labels).inc(len(owned.admitted_ids))
+            m.evictions.labels(*labels).inc(len(owned.evicted_ids))
+            m.rejections.labels(*labels).inc(len(owned.rejected_ids))
+            m.rows_pulled.labels(*labels).inc(len(owned.admitted_ids))
+            m.rows_pushed.labels(*labels).inc(len(owned.evicted_ids))
+            t = self.transformers[name]
+            m.occupancy.labels(*labels).set(len(t.local) / t.capacity_per_rank)
+        return n, new, rejected
 
     def release_oldest(self) -> None:
         """The oldest batch in flight is through backward and the optimizer step."""
