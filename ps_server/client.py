@@ -12,10 +12,11 @@
 - UNAVAILABLE is retried with exponential backoff and jitter inside the call's
   deadline. Every call is idempotent (push overwrites, delete of a deleted id is a
   no-op, create of the same schema succeeds), so a retry never duplicates a write.
-- Row operations (pull, push, delete, import) of one client take effect in the order
-  they were called, sync or async: they run one after another on the client's own
-  lane, so a pull issued after a push always sees it, and a retried push can never
-  land after a later one.
+- Row operations (pull, push, delete, import) of one client on one table take effect in
+  the order they were called, sync or async: they run one after another on that table's
+  lane, so a pull issued after a push always sees it, and a retried push can never land
+  after a later one. Different tables use different lanes (`lanes`, by a hash of the
+  name), so a trainer's pushes and pulls of many tables are in flight together.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import queue
 import random
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -96,6 +98,7 @@ class PSClient:
         max_message_bytes: int = 64 << 20,
         chunk_bytes: int = 16 << 20,
         retry: RetryPolicy = RetryPolicy(),
+        lanes: int = 8,
     ) -> None:
         if isinstance(addresses, str):
             addresses = [a.strip() for a in addresses.split(",") if a.strip()]
@@ -136,8 +139,10 @@ class PSClient:
             )
         self._schemas: dict[str, TableSchema] = {}
         self._schemas_lock = threading.Lock()
-        # One lane: row operations run in call order (see the module docstring).
-        self._lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynemb-ps-lane")
+        # One lane per table (by hash): a table's row operations run in call order (see the
+        # module docstring); different tables' overlap.
+        self._lanes = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"dynemb-ps-lane{k}")
+                       for k in range(max(1, lanes))]
 
     # -- plumbing ---------------------------------------------------------------
 
@@ -207,8 +212,8 @@ class PSClient:
                 pieces.append((shard, slice(lo, hi)))
         return order, pieces
 
-    def _on_lane(self, fn: Callable, *args) -> Future:
-        return self._lane.submit(fn, *args)
+    def _on_lane(self, table: str, fn: Callable, *args) -> Future:
+        return self._lanes[zlib.crc32(table.encode()) % len(self._lanes)].submit(fn, *args)
 
     @staticmethod
     def _ids(ids) -> np.ndarray:
@@ -293,7 +298,7 @@ class PSClient:
 
     def pull_async(self, table: str, ids, timeout: float | None = None) -> "Future[PullResult]":
         ids = self._ids(ids)
-        return self._on_lane(self._pull, table, ids, self._deadline(timeout))
+        return self._on_lane(table, self._pull, table, ids, self._deadline(timeout))
 
     def push_async(self, table: str, ids, rows, timeout: float | None = None) -> "Future[int]":
         ids = self._ids(ids)
@@ -302,11 +307,11 @@ class PSClient:
             raise InvalidArgument(f"push to {table!r}: rows must be ({len(ids)}, width), got shape {rows.shape}")
         # Copy now: the caller may reuse its buffer before the push runs.
         rows = np.array(rows, copy=True, order="C")
-        return self._on_lane(self._push, table, ids, rows, self._deadline(timeout))
+        return self._on_lane(table, self._push, table, ids, rows, self._deadline(timeout))
 
     def delete_async(self, table: str, ids, timeout: float | None = None) -> "Future[int]":
         ids = self._ids(ids)
-        return self._on_lane(self._delete, table, ids, self._deadline(timeout))
+        return self._on_lane(table, self._delete, table, ids, self._deadline(timeout))
 
     def _pull(self, table: str, ids: np.ndarray, deadline: float) -> PullResult:
         schema = self.schema(table)
@@ -389,7 +394,7 @@ class PSClient:
 
         With replace=True each PS first deletes the table's rows. Returns rows written.
         """
-        return self._on_lane(self._import, schema, chunks, replace, timeout).result()
+        return self._on_lane(schema.name, self._import, schema, chunks, replace, timeout).result()
 
     def _import(self, schema, chunks, replace, timeout) -> int:
         per_msg = max(1, (self.chunk_bytes - MESSAGE_OVERHEAD) // (schema.row_bytes + 8))
@@ -473,7 +478,8 @@ class PSClient:
             time.sleep(0.1)
 
     def close(self) -> None:
-        self._lane.shutdown(wait=True)
+        for lane in self._lanes:
+            lane.shutdown(wait=True)
         for c in self._channels:
             c.close()
 

@@ -18,6 +18,7 @@ the optimizer step, so a batch in flight never has a row pushed or reused under 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -90,11 +91,11 @@ class DynamicTables:
         results = transform_tables([self.transformers[n] for n in names], ids, pin=True)
         self.in_flight.append(list(zip([self.transformers[n] for n in names], results)))
 
+        self._move_rows([(name, out.owned) for name, out in zip(names, results)])
         new_values = values.clone()
         keep = None
         looked = hit = 0
         for name, out in zip(names, results):
-            self._move_rows(name, out.owned)
             at = 0
             for a, b in segments[name]:
                 new_values[a:b] = out.slots[at : at + b - a]
@@ -119,19 +120,26 @@ class DynamicTables:
                                  lengths=(lengths.long() - dropped).to(lengths.dtype),
                                  weights=None if weights is None else weights[keep])
 
-    def _move_rows(self, name: str, owned) -> None:
-        spec, rows = self.specs[name], self.rows[name]
-        table = spec.ps_schema.name
-        if len(owned.evicted_ids):  # first: their rows are about to be reused
-            local = owned.evicted_slots - rows.row_offset
-            self.store.push(table, owned.evicted_ids.numpy(), rows.read(local).numpy())
-            if self.metrics is not None:
-                self.metrics.ps_latency.labels("push", self.metrics.rank).observe(self.store.push_seconds)
-        if len(owned.admitted_ids):
-            pulled = self.store.pull(table, owned.admitted_ids.numpy())
-            rows.write(owned.admitted_slots - rows.row_offset, torch.from_numpy(np.ascontiguousarray(pulled, np.float32)))
-            if self.metrics is not None:
-                self.metrics.ps_latency.labels("pull", self.metrics.rank).observe(self.store.pull_seconds)
+    def _move_rows(self, owned: list[tuple[str, object]]) -> None:
+        """Evicted rows out, then admitted rows in, every table's calls in flight together."""
+        start = time.perf_counter()
+        pushes = []
+        for name, o in owned:  # first: their rows are about to be reused
+            if len(o.evicted_ids):
+                rows = self.rows[name]
+                data = rows.read(o.evicted_slots - rows.row_offset).numpy()
+                pushes.append(self.store.push_async(self.specs[name].ps_schema.name, o.evicted_ids.numpy(), data))
+        pulls = [
+            (name, o, self.store.pull_async(self.specs[name].ps_schema.name, o.admitted_ids.numpy()))
+            for name, o in owned if len(o.admitted_ids)
+        ]
+        for name, o, fut in pulls:
+            rows = self.rows[name]
+            rows.write(o.admitted_slots - rows.row_offset, torch.from_numpy(np.ascontiguousarray(fut.result(), np.float32)))
+        for fut in pushes:
+            fut.result()  # a failed push fails the step: its rows must not be lost silently
+        if self.metrics is not None:
+            self.metrics.ps_latency.labels("pull_push", self.metrics.rank).observe(time.perf_counter() - start)
 
     def _count(self, name: str, owned) -> tuple[int, int, int]:
         """(looked up, new, rejected) among the IDs this rank owns; metrics updated."""

@@ -3,12 +3,15 @@
 - RemoteRowStore: the gRPC PS (one or many addresses) through ps_server.client.PSClient.
 - LocalRowStore: the embedded store inside the trainer's own process (one process only; no
   gRPC in the way), rows of never-pushed IDs initialised exactly as the PS does.
-Both return float32 rows of width dim + optimizer-state width.
+Both return float32 rows of width dim + optimizer-state width. The *_async verbs return
+futures: the remote store keeps many tables' calls in flight at once (one client lane per
+table keeps each table's calls in order); the local one runs them at once.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 
 import numpy as np
 
@@ -37,8 +40,23 @@ class RowStore:
         self._push(table, ids, rows)
         self.push_seconds = time.perf_counter() - start
 
+    def push_async(self, table: str, ids: np.ndarray, rows: np.ndarray) -> Future:
+        return _done(self.push, table, ids, rows)
+
+    def pull_async(self, table: str, ids: np.ndarray) -> Future:
+        return _done(self.pull, table, ids)
+
     def close(self) -> None:
         pass
+
+
+def _done(fn, *args) -> Future:
+    f: Future = Future()
+    try:
+        f.set_result(fn(*args))
+    except Exception as e:  # noqa: BLE001 - handed to the caller through the future
+        f.set_exception(e)
+    return f
 
 
 class LocalRowStore(RowStore):
@@ -76,6 +94,15 @@ class RemoteRowStore(RowStore):
 
     def _push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
         self.client.push(table, ids, np.ascontiguousarray(rows, dtype=np.float32))
+
+    def push_async(self, table: str, ids: np.ndarray, rows: np.ndarray) -> Future:
+        return self.client.push_async(table, ids, np.ascontiguousarray(rows, dtype=np.float32))
+
+    def pull_async(self, table: str, ids: np.ndarray) -> Future:
+        fut: Future = Future()
+        inner = self.client.pull_async(table, ids)
+        inner.add_done_callback(lambda f: fut.set_exception(f.exception()) if f.exception() else fut.set_result(f.result().rows))
+        return fut
 
     def close(self) -> None:
         self.client.close()
