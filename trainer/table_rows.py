@@ -51,12 +51,14 @@ class TableRows:
 
 
 def find_tables(model: nn.Module) -> dict[str, TableRows]:
-    """Every fused-kernel table of the sharded embedding modules inside `model`, by name."""
+    """Every fused-kernel table of the sharded embedding modules (EmbeddingBagCollection and
+    EmbeddingCollection) inside `model`, by name."""
+    from torchrec.distributed.embedding import ShardedEmbeddingCollection
     from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 
     found: dict[str, TableRows] = {}
     for module in model.modules():
-        if not isinstance(module, ShardedEmbeddingBagCollection):
+        if not isinstance(module, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)):
             continue
         for lookup in module._lookups:
             lookup = getattr(lookup, "module", lookup)  # a DDP-wrapped lookup (data-parallel tables)
