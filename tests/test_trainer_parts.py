@@ -143,3 +143,52 @@ def test_training_serves_metrics_per_rank():
     lookups = float(text.split('dynemb_trainer_lookups_total{rank="0",table="t_0"} ')[1].split()[0])
     assert lookups == 64 * 30 + 64 * 1  # every ID of 30 training and 1 eval batch
     assert 'dynemb_trainer_steps_total{rank="0"} 30.0' in text
+
+
+def test_adam_on_cpu_is_refused_with_the_reason():
+    """FBGEMM's CPU kernels have no Adam (its TBE asserts SGD/Adagrad/row-wise Adagrad on CPU)."""
+    from trainer.train import train
+
+    cfg = TrainConfig(data=DataConfig(num_sparse=2, universe=100), table=TableConfig(dim=8), optimizer="adam",
+                      steps=1, dense_arch=[8], over_arch=[8, 1], progress=False)
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU machine Adam runs")  # never on CI (CPU): the refusal is what is tested there
+    with pytest.raises(ValueError, match="no Adam on CPU"):
+        train(cfg)
+
+
+def test_dynemb_train_on_a_criteo_tsv_file(tmp_path):
+    """The CLI end to end on Criteo-format lines: trains, evaluates the held-out lines, and
+    writes its figures."""
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(0)
+    lines = []
+    for _ in range(800):
+        cats = [f"{int(rng.zipf(1.3)) % 300:08x}" if rng.random() > 0.1 else "" for _ in range(26)]
+        label = str(int(int(cats[0] or "0", 16) % 3 == 0))  # learnable from the first column
+        lines.append(_line(label, dense=[str(int(rng.integers(0, 50))) for _ in range(13)], cats=cats))
+    f = tmp_path / "day_0.tsv"
+    f.write_text("".join(lines))
+    out = tmp_path / "result.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "trainer", "--source", str(f), "--batch-size", "64", "--steps", "12",
+         "--capacity", "200", "--dim", "8", "--dense-arch", "16,8", "--eval-fraction", "0.2",
+         "--no-progress", "--result-json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "eval AUC" in run.stdout
+    got = json.loads(out.read_text())
+    assert len(got["losses"]) == 10  # 640 training lines make 10 batches of 64: the data ran out first
+    assert 0.0 <= got["auc"] <= 1.0 and got["hit_rate"] < 1.0
+
+
+def test_train_cli_names_bad_settings():
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "trainer", "--optimizer", "lamb"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2 and "optimizer 'lamb' is not one of" in run.stderr
