@@ -16,6 +16,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the process that started it dies, even by SIGKILL (Linux
+    prctl PR_SET_PDEATHSIG), so a killed trainer or test leaves no PS behind."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 class LocalPS:
     """`dynemb ps serve` in a child process on a free port; `address` once started."""
 
@@ -37,7 +47,8 @@ class LocalPS:
         cmd = [sys.executable, "-m", "dynemb.cli", "ps", "serve", "--address", "127.0.0.1:0",
                "--metrics-port", "0", "--metrics-address", "127.0.0.1", "--port-file", port_file, *self.args]
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO,
+                                     preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout
         while not os.path.exists(port_file):
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -138,9 +138,7 @@ def transform_tables(tables: list[ShardedIDTransformer], ids: list[torch.Tensor]
             answers[a : a + n] = rows[at : at + n]
             at += n
         if out is not None:
-            out.slots = rows
-            out.admitted_slots = out.admitted_slots + t.offset
-            out.evicted_slots = out.evicted_slots + t.offset
+            _to_table_rows(t, out)
         owned_results.append((out, local))
     answered = _exchange(answers, recv_per_rank, send_per_rank, group)
     if error is not None:
@@ -158,11 +156,15 @@ def transform_tables(tables: list[ShardedIDTransformer], ids: list[torch.Tensor]
     return results
 
 
-def _answer_local(t: ShardedIDTransformer, flat: torch.Tensor, pin: bool, shape) -> ShardedTransformResult:
-    out = t.local.transform(flat, pin=pin)
-    local = out.slots
-    out.slots = torch.where(local >= 0, local + t.offset, local)
+def _to_table_rows(t: ShardedIDTransformer, out: TransformResult) -> None:
+    """The owner's local slots as rows of the whole table (its block starts at t.offset)."""
+    out.slots = torch.where(out.slots >= 0, out.slots + t.offset, out.slots)
     out.admitted_slots = out.admitted_slots + t.offset
     out.evicted_slots = out.evicted_slots + t.offset
-    pinned = torch.unique(local[local >= 0]) if pin else None
+
+
+def _answer_local(t: ShardedIDTransformer, flat: torch.Tensor, pin: bool, shape) -> ShardedTransformResult:
+    out = t.local.transform(flat, pin=pin)
+    pinned = torch.unique(out.slots[out.slots >= 0]) if pin else None
+    _to_table_rows(t, out)
     return ShardedTransformResult(out.slots.reshape(shape), out, pinned)

@@ -78,6 +78,41 @@ class TrainConfig:
 
 # -- flags and files --------------------------------------------------------------
 
+HELP = {
+    "source": "'synthetic', or a Criteo TSV file or folder of *.tsv/*.txt files",
+    "num_dense": "dense features per sample",
+    "num_sparse": "sparse features per sample (one table each)",
+    "universe": "synthetic: distinct IDs per feature (also the rows of a full table)",
+    "zipf": "synthetic: Zipf exponent of the ID draw",
+    "ids_per_feature": "synthetic: IDs per sample and feature (bag size)",
+    "eval_fraction": "TSV: share of lines held out for evaluation",
+    "data_seed": "synthetic: which stream of batches",
+    "dim": "embedding dimension",
+    "capacity_fraction": "device rows per table, as a share of the universe",
+    "capacity": "device rows per table across all ranks (overrides --capacity-fraction)",
+    "policy": "eviction: lru, lfu or hybrid (LFU with decay, Redis-style)",
+    "evict_fraction": "share of a rank's rows freed at once when its table is full",
+    "admit_threshold": "sightings before an ID gets a row (1: at once)",
+    "ttl_steps": "IDs idle longer than this many steps go first (0: no TTL)",
+    "init_scale": "never-seen IDs start uniform(-s, s); 0 means 1/sqrt(dim)",
+    "dynamic": "dynamic tables over the PS (--no-dynamic: plain full TorchRec tables)",
+    "optimizer": "sgd, adagrad, rowwise_adagrad (fused into backward), adam (GPU only)",
+    "lr": "learning rate of the embedding tables",
+    "dense_lr": "learning rate of the dense layers",
+    "batch_size": "samples per step and rank",
+    "steps": "training steps",
+    "eval_batches": "held-out batches per rank for AUC and log-loss",
+    "dense_arch": "bottom MLP sizes, comma-separated; the last must equal --dim",
+    "over_arch": "top MLP sizes, comma-separated; the last is 1",
+    "pipeline": "TrainPipelineSparseDist: the next batch's transform, pull and input dist overlap",
+    "ps": "PS address(es) host:port, comma-separated; empty: the embedded store",
+    "ps_table_prefix": "prefix of the PS table names (several jobs can share one PS)",
+    "metrics_port": "rank r serves Prometheus /metrics on this port + r (0: off)",
+    "seed": "seed of the model and the tables' initializers",
+    "log_every": "steps between progress-bar updates",
+    "progress": "show the progress bar (rank 0)",
+}
+
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
@@ -94,15 +129,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         for f in _fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             kind = type(default)
+            text = HELP.get(f.name, "")
+            dest = f"{group}.{f.name}"
             if kind is bool:
-                g.add_argument(_flag(f.name), dest=f"{group}.{f.name}", action=argparse.BooleanOptionalAction,
-                               default=None, help=f"[default {default}]")
+                g.add_argument(_flag(f.name), dest=dest, action=argparse.BooleanOptionalAction, default=None,
+                               help=f"{text} [default {default}]")
             elif kind is list:
-                g.add_argument(_flag(f.name), dest=f"{group}.{f.name}", default=None,
-                               help=f"comma-separated sizes [default {','.join(map(str, default))}]")
+                g.add_argument(_flag(f.name), dest=dest, default=None, metavar="N,N,...",
+                               help=f"{text} [default {','.join(map(str, default))}]")
             else:
-                g.add_argument(_flag(f.name), dest=f"{group}.{f.name}", type=kind, default=None,
-                               help=f"[default {default}]")
+                g.add_argument(_flag(f.name), dest=dest, type=kind, default=None, metavar=f.name.upper(),
+                               help=f"{text} [default {default!r}]" if kind is str else f"{text} [default {default}]")
 
 
 def _read_file(path: str) -> dict:
