@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 EMPTY, DELETED = -1, -2
+WINDOW = 8  # torch version: map entries looked at per probe round
 MAP_SEED = 0x51_07
 COIN_SEED = 0xC0_1E
 _FMIX = (0xFF51AFD7ED558CCD - (1 << 64), 0xC4CEB9FE1A85EC53 - (1 << 64))
@@ -92,20 +93,27 @@ class TorchSlotMap:
     def nbytes(self) -> int:
         return self.keys.numel() * 8 + self.vals.numel() * 4
 
+    def _window(self, start: torch.Tensor) -> torch.Tensor:
+        """(n, WINDOW) positions from each start on, wrapping at the end."""
+        return torch.remainder(start.unsqueeze(1) + torch.arange(WINDOW, device=start.device), self.size)
+
     def _positions(self, ids: torch.Tensor) -> torch.Tensor:
-        """Position of each id in the map, or -1."""
+        """Position of each id in the map, or -1. Each round looks at WINDOW consecutive
+        entries per pending id, so a chain takes few rounds (each a host sync on CUDA)."""
         found = torch.full_like(ids, -1)
-        pos = home(ids, self.size)
+        start = home(ids, self.size)
         pending = torch.arange(len(ids), device=ids.device)
         while pending.numel():
-            p = pos[pending]
-            v = self.vals[p]
-            hit = (v >= 0) & (self.keys[p] == ids[pending])
-            found[pending[hit]] = p[hit]
-            go_on = ~hit & (v != EMPTY)
-            pending = pending[go_on]
-            nxt = p[go_on] + 1
-            pos[pending] = torch.where(nxt == self.size, 0, nxt)
+            window = self._window(start[pending])
+            v = self.vals[window]
+            match = (v >= 0) & (self.keys[window] == ids[pending].unsqueeze(1))
+            stop = match | (v == EMPTY)  # linear probing ends at the first empty entry
+            stopped = stop.any(1)
+            first = torch.argmax(stop.to(torch.int8), dim=1, keepdim=True)  # the first True
+            hit = stopped & match.gather(1, first).squeeze(1)
+            found[pending[hit]] = window.gather(1, first).squeeze(1)[hit]
+            start[pending] = start[pending] + WINDOW
+            pending = pending[~stopped]
         return found
 
     def find(self, ids: torch.Tensor) -> torch.Tensor:
@@ -115,27 +123,28 @@ class TorchSlotMap:
     def insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         if self.live + len(ids) + self.tombstones > (self.size * 7) // 8:
             self._rebuild()
-        pos = home(ids, self.size)
+        start = home(ids, self.size)
         pending = torch.arange(len(ids), device=ids.device)
         slots = slots.to(torch.int32)
         while pending.numel():
-            p = pos[pending]
-            free = self.vals[p] < 0
-            cand, cand_pos = pending[free], p[free]
+            window = self._window(start[pending])
+            free = self.vals[window] < 0
+            has = free.any(1)
+            first = torch.argmax(free.to(torch.int8), dim=1, keepdim=True)
+            cand, cand_pos = pending[has], window.gather(1, first).squeeze(1)[has]
             # several new ids may want one free position: the first in sorted order takes it
             sorted_pos, order = torch.sort(cand_pos, stable=True)
-            first = torch.ones_like(sorted_pos, dtype=torch.bool)
-            first[1:] = sorted_pos[1:] != sorted_pos[:-1]
-            winner, at = cand[order[first]], sorted_pos[first]
+            lead = torch.ones_like(sorted_pos, dtype=torch.bool)
+            lead[1:] = sorted_pos[1:] != sorted_pos[:-1]
+            winner, at = cand[order[lead]], sorted_pos[lead]
             self.tombstones -= int((self.vals[at] == DELETED).sum())
             self.keys[at] = ids[winner]
             self.vals[at] = slots[winner]
             placed = torch.zeros(len(ids), dtype=torch.bool, device=ids.device)
             placed[winner] = True
-            left = ~placed[pending]
-            pending = pending[left]
-            nxt = p[left] + 1
-            pos[pending] = torch.where(nxt == self.size, 0, nxt)
+            # no free entry in the window: look further; lost a race: look again from the same start
+            start[pending[~has]] += WINDOW
+            pending = pending[~placed[pending]]
         self.live += len(ids)
 
     def erase(self, ids: torch.Tensor, slots: torch.Tensor | None = None) -> None:
