@@ -46,6 +46,7 @@ class TransformResult:
     evicted_ids: torch.Tensor
     evicted_slots: torch.Tensor
     rejected_ids: torch.Tensor  # seen, but below the admission threshold: no slot yet
+    hits: int = 0  # how many of the batch's IDs (occurrences) were resident before the call
 
 
 def _lowest(scores: torch.Tensor, n: int) -> torch.Tensor:
@@ -124,6 +125,7 @@ class IDTransformer:
         # 1. Hits get their slot and a touch (last_access = step marks them in use); the k-th
         #    distinct missing ID (in order of first sighting) gets -(k + 2) for now.
         slots, new_ids, new_counts = self._lookup(flat)
+        hits = int((slots >= 0).sum())
         try:
             # 2. Admission.
             if self.sketch is not None and len(new_ids):
@@ -139,7 +141,7 @@ class IDTransformer:
             # even a batch refused for want of room was seen: its resident IDs were touched
             self.step += 1
         return TransformResult(slots.reshape(ids.shape), admitted, admitted_slots, evicted_ids, evicted_slots,
-                               new_ids[~admit])
+                               new_ids[~admit], hits)
 
     def _lookup(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         p = self.policy

@@ -22,6 +22,7 @@ class Reference:
         self.where: dict[int, int] = {}
 
     def check(self, batch: list[int], out, pinned: set[int]) -> None:
+        assert out.hits == sum(i in self.where for i in batch), "hits are the sightings of resident IDs"
         evicted = out.evicted_ids.tolist()
         assert len(evicted) == len(set(evicted)), "an ID evicted twice in one call"
         for i, s in zip(evicted, out.evicted_slots.tolist()):

@@ -74,6 +74,12 @@ class DynamicTables:
                 self.feature_table[f] = spec.name
             store.create_table(spec.ps_schema)
         self.in_flight: deque[list] = deque()
+        # the metrics' labelled children, looked up once rather than per table and step
+        names = ("lookups", "hits", "misses", "admissions", "evictions", "rejections", "rows_pulled", "rows_pushed",
+                 "occupancy")
+        self._children = {} if metrics is None else {
+            t: {k: getattr(metrics, k).labels(t, metrics.rank) for k in names} for t in self.transformers
+        }
         self.last_hit_rate = 0.0
 
     # -- one batch ------------------------------------------------------------------
@@ -144,20 +150,20 @@ class DynamicTables:
     def _count(self, name: str, owned) -> tuple[int, int, int]:
         """(looked up, new, rejected) among the IDs this rank owns; metrics updated."""
         n = len(owned.slots)
-        new = int(torch.isin(owned.slots, owned.admitted_slots).sum()) if len(owned.admitted_slots) else 0
-        rejected = int((owned.slots < 0).sum())
+        rejected = int((owned.slots < 0).sum()) if len(owned.rejected_ids) else 0
+        new = n - owned.hits - rejected
         if self.metrics is not None:
-            m, labels = self.metrics, (name, self.metrics.rank)
-            m.lookups.labels(*labels).inc(n)
-            m.hits.labels(*labels).inc(n - new - rejected)
-            m.misses.labels(*labels).inc(new + rejected)
-            m.admissions.labels(*labels).inc(len(owned.admitted_ids))
-            m.evictions.labels(*labels).inc(len(owned.evicted_ids))
-            m.rejections.labels(*labels).inc(len(owned.rejected_ids))
-            m.rows_pulled.labels(*labels).inc(len(owned.admitted_ids))
-            m.rows_pushed.labels(*labels).inc(len(owned.evicted_ids))
+            m = self._children[name]
+            m["lookups"].inc(n)
+            m["hits"].inc(owned.hits)
+            m["misses"].inc(new + rejected)
+            m["admissions"].inc(len(owned.admitted_ids))
+            m["evictions"].inc(len(owned.evicted_ids))
+            m["rejections"].inc(len(owned.rejected_ids))
+            m["rows_pulled"].inc(len(owned.admitted_ids))
+            m["rows_pushed"].inc(len(owned.evicted_ids))
             t = self.transformers[name]
-            m.occupancy.labels(*labels).set(len(t.local) / t.capacity_per_rank)
+            m["occupancy"].set(len(t.local) / t.capacity_per_rank)
         return n, new, rejected
 
     def release_oldest(self) -> None:
