@@ -139,11 +139,11 @@ class DynamicTables:
             (name, o, self.store.pull_async(self.specs[name].ps_schema.name, o.admitted_ids.numpy()))
             for name, o in owned if len(o.admitted_ids)
         ]
+        for fut in pushes:  # on the PS before their rows are overwritten; a failed push fails the step
+            fut.result()
         for name, o, fut in pulls:
             rows = self.rows[name]
             rows.write(o.admitted_slots - rows.row_offset, torch.from_numpy(np.ascontiguousarray(fut.result(), np.float32)))
-        for fut in pushes:
-            fut.result()  # a failed push fails the step: its rows must not be lost silently
         if self.metrics is not None:
             self.metrics.ps_latency.labels("pull_push", self.metrics.rank).observe(time.perf_counter() - start)
 
