@@ -1,0 +1,108 @@
+"""Run by torchrun from tests/test_sharded_idtransformer.py: every rank checks the sharded
+ID transformer against a single-process model of what its owner share must do."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from idtransformer.hashing import owner_of  # noqa: E402
+from idtransformer.policy import EvictionPolicy  # noqa: E402
+from idtransformer.sharded import ShardedIDTransformer, transform_tables  # noqa: E402
+from idtransformer.transformer import IDTransformer  # noqa: E402
+
+CAPACITY = 48
+
+
+def _owned_by_me(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """What the owner `rank` receives of every rank's batch, in rank order."""
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([len(batch)]))
+    width = int(max(s.item() for s in sizes))
+    padded = torch.zeros(width, dtype=torch.int64)
+    padded[: len(batch)] = batch
+    everyone = [torch.empty(width, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(everyone, padded)
+    return torch.cat([b[: int(s.item())][owner_of(b[: int(s.item())], world) == rank] for b, s in zip(everyone, sizes)])
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    policy = EvictionPolicy(sys.argv[1] if len(sys.argv) > 1 else "hybrid", evict_fraction=0.25)
+    sharded = ShardedIDTransformer(CAPACITY, policy, admit_threshold=2, sketch_width=1 << 10)
+    model = IDTransformer(CAPACITY, policy, admit_threshold=2, sketch_width=1 << 10)  # this rank's share
+    # a second table, transformed in the same exchange (transform_tables), with its own model
+    other = ShardedIDTransformer(CAPACITY // 2, EvictionPolicy("lfu", evict_fraction=0.5))
+    other_model = IDTransformer(CAPACITY // 2, EvictionPolicy("lfu", evict_fraction=0.5))
+    gen = torch.Generator().manual_seed(1000 + rank)
+    in_flight = []
+    for step in range(30):
+        size = int(torch.randint(1, 40, (1,), generator=gen))
+        batch = (torch.rand(size, generator=gen) ** 2 * 150).long() * 7919 - 300  # overlaps across ranks
+        if step % 3 == 2:
+            out = sharded.transform(batch, pin=step % 2 == 0)
+        else:
+            other_batch = batch[: size // 2 + 1] * 3 + 1
+            out, other_out = transform_tables([sharded, other], [batch, other_batch], pin=step % 2 == 0)
+            expect_other = other_model.transform(_owned_by_me(other_batch, rank, world), pin=step % 2 == 0)
+            assert torch.equal(other_out.owned.evicted_ids, expect_other.evicted_ids), step
+            half = (CAPACITY // 2) * rank
+            assert torch.equal(other_out.owned.slots, torch.where(expect_other.slots >= 0, expect_other.slots + half, -1))
+            if other_out.pinned is not None:
+                other.release(other_out)
+                other_model.release(expect_other.slots)
+
+        # what every rank sent, to model this rank's share and check the answers
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(sizes, torch.tensor([size]))
+        width = int(max(s.item() for s in sizes))
+        padded = torch.full((width,), 0, dtype=torch.int64)
+        padded[:size] = batch
+        everyone = [torch.empty(width, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(everyone, padded)
+        batches = [b[: int(s.item())] for b, s in zip(everyone, sizes)]
+        got = [torch.empty(width, dtype=torch.int64) for _ in range(world)]
+        padded_slots = torch.full((width,), -9, dtype=torch.int64)
+        padded_slots[:size] = out.slots
+        dist.all_gather(got, padded_slots)
+
+        mine = torch.cat([b[owner_of(b, world) == rank] for b in batches])
+        expect = model.transform(mine, pin=step % 2 == 0)
+        offset = rank * CAPACITY
+        assert torch.equal(out.owned.slots, torch.where(expect.slots >= 0, expect.slots + offset, -1)), step
+        assert torch.equal(out.owned.admitted_ids, expect.admitted_ids), step
+        assert torch.equal(out.owned.admitted_slots, expect.admitted_slots + offset), step
+        assert torch.equal(out.owned.evicted_ids, expect.evicted_ids), step
+        assert torch.equal(out.owned.evicted_slots, expect.evicted_slots + offset), step
+
+        # every rank's answer: a row in the owner's block, one row per ID, one ID per row
+        where: dict[int, int] = {}
+        for b, s in zip(batches, got):
+            s = s[: len(b)]
+            owners = owner_of(b, world)
+            admitted = s >= 0
+            assert torch.equal(s[admitted] // CAPACITY, owners[admitted]), f"step {step}: row outside owner's block"
+            for i, row in zip(b.tolist(), s.tolist()):
+                if row >= 0:
+                    assert where.setdefault(i, row) == row, f"step {step}: id {i} got two rows"
+        assert len(set(where.values())) == len(where), f"step {step}: two ids share a row"
+
+        if out.pinned is not None:
+            in_flight.append((out, expect))
+        if len(in_flight) > 1:
+            done, done_expect = in_flight.pop(0)
+            sharded.release(done)
+            model.release(done_expect.slots)
+    assert torch.equal(sharded.local.records, model.records)
+    print(f"OK rank {rank} of {world}: {len(sharded.local)} resident", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

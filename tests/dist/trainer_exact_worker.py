@@ -1,0 +1,39 @@
+"""Run by torchrun from tests/test_trainer_exact.py: the full and the dynamic model on every
+rank, one after the other; each rank saves its losses and table blocks to OUT/rank{r}.npz."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from test_trainer_exact import config  # noqa: E402
+
+from trainer.train import train  # noqa: E402
+
+
+def main() -> None:
+    out, optimizer = sys.argv[1], sys.argv[2]
+    import faulthandler
+    faulthandler.dump_traceback_later(50, exit=True)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    full = train(config(optimizer, dynamic=False), collect_tables=True)
+    dyn = train(config(optimizer, dynamic=True), collect_tables=True)
+    arrays = {"full_losses": np.array(full.losses), "dyn_losses": np.array(dyn.losses),
+              "hit_rate": np.array(dyn.hit_rate)}
+    for name, (first, rows) in full.tables.items():
+        arrays[f"full_{name}"], arrays[f"full_{name}_first"] = rows, np.array(first)
+        dfirst, drows = dyn.tables[name]
+        arrays[f"dyn_{name}"], arrays[f"dyn_{name}_first"] = drows, np.array(dfirst)
+    np.savez(os.path.join(out, f"rank{rank}.npz"), **arrays)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
