@@ -195,3 +195,38 @@ def test_train_cli_names_bad_settings():
     run = subprocess.run([sys.executable, "-m", "trainer", "--optimizer", "lamb"], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 2 and "optimizer 'lamb' is not one of" in run.stderr
+
+
+def test_per_table_settings_from_a_file(tmp_path):
+    import torch.distributed as dist
+
+    from trainer.model import build
+    from trainer.table_rows import find_tables
+    from trainer.train import init_distributed, make_dynamic
+    from trainer.row_store import LocalRowStore
+
+    f = tmp_path / "run.yaml"
+    f.write_text("data: {num_sparse: 3, universe: 1000}\ntable: {dim: 8, capacity_fraction: 0.1}\n"
+                 "dense_arch: [8]\nover_arch: [8, 1]\n"
+                 "tables:\n  t_1: {capacity: 40, policy: lru, admit_threshold: 2}\n  t_2: {init_scale: 0.5}\n")
+    cfg = parse("--config", str(f))
+    assert cfg.table_config("t_1").policy == "lru" and cfg.table_config("t_0").policy == "hybrid"
+    created = init_distributed()
+    try:
+        built = build(cfg)
+        rows = {name: r.local_rows for name, r in find_tables(built.model).items()}
+        assert rows == {"t_0": 100, "t_1": 40, "t_2": 100}
+        assert built.schemas["t_2"].initializer.b == 0.5 and built.schemas["t_0"].initializer.b == pytest.approx(8 ** -0.5)
+        dyn = make_dynamic(cfg, built, LocalRowStore(), __import__("trainer.metrics").metrics.TrainerMetrics(0))
+        assert dyn.specs["t_1"].policy.kind == "lru" and dyn.specs["t_1"].admit_threshold == 2
+        assert dyn.specs["t_0"].policy.kind == "hybrid" and dyn.specs["t_0"].admit_threshold == 1
+    finally:
+        if created:
+            dist.destroy_process_group()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data: {num_sparse: 3}\ntables: {t_9: {capacity: 5}}\n")
+    with pytest.raises(ValueError, match="no table 't_9'"):
+        parse("--config", str(bad))
+    bad.write_text("data: {num_sparse: 3}\ntables: {t_0: {dim: 5}}\n")
+    with pytest.raises(ValueError, match=r"tables.t_0: \['dim'\] cannot be set per table"):
+        parse("--config", str(bad))

@@ -66,6 +66,9 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 20
     progress: bool = True
+    # per-table settings over `table`, by table name (t_0 ... t_{num_sparse-1}); file only:
+    #   tables: {t_3: {capacity: 50000, policy: lru}, t_7: {admit_threshold: 2}}
+    tables: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -74,6 +77,18 @@ class TrainConfig:
             raise ValueError("batch_size must be >= 1 and steps >= 0")
         if self.dense_arch[-1] != self.table.dim:
             raise ValueError(f"dense_arch must end at the embedding dim {self.table.dim}, got {self.dense_arch}")
+        names = {f"t_{i}" for i in range(self.data.num_sparse)}
+        per_table = {f.name for f in dataclasses.fields(TableConfig)} - {"dim", "dynamic"}
+        for name, over in self.tables.items():
+            if name not in names:
+                raise ValueError(f"tables: no table {name!r} (the tables are t_0 ... t_{self.data.num_sparse - 1})")
+            bad = set(over) - per_table
+            if bad:
+                raise ValueError(f"tables.{name}: {sorted(bad)} cannot be set per table (only {sorted(per_table)})")
+
+    def table_config(self, name: str) -> TableConfig:
+        """The settings of one table: `table` with that table's entries in `tables` over it."""
+        return dataclasses.replace(self.table, **self.tables.get(name, {}))
 
 
 # -- flags and files --------------------------------------------------------------
@@ -119,7 +134,7 @@ def _flag(name: str) -> str:
 
 
 def _fields(cls) -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(cls) if f.name not in ("data", "table")]
+    return [f for f in dataclasses.fields(cls) if f.name not in ("data", "table", "tables")]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

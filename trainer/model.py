@@ -66,18 +66,19 @@ def _dense_optimizer(cfg: TrainConfig):
     return lambda params: torch.optim.Adagrad(params, lr=cfg.dense_lr)
 
 
-def table_rows_total(cfg: TrainConfig, world_size: int) -> int:
-    """Rows of each table across all ranks: the universe for a full table; for a dynamic one
-    the capacity, rounded up to equal blocks per rank."""
-    if not cfg.table.dynamic:
+def table_rows_total(cfg: TrainConfig, world_size: int, name: str) -> int:
+    """Rows of a table across all ranks: the universe for a full table; for a dynamic one
+    its capacity, rounded up to equal blocks per rank."""
+    t = cfg.table_config(name)
+    if not t.dynamic:
         return cfg.data.universe
-    cap = cfg.table.capacity or math.ceil(cfg.data.universe * cfg.table.capacity_fraction)
+    cap = t.capacity or math.ceil(cfg.data.universe * t.capacity_fraction)
     per_rank = max(1, math.ceil(cap / world_size))
     return per_rank * world_size
 
 
 def ps_schema(cfg: TrainConfig, feature: int) -> TableSchema:
-    scale = cfg.table.init_scale or 1.0 / math.sqrt(cfg.table.dim)
+    scale = cfg.table_config(f"t_{feature}").init_scale or 1.0 / math.sqrt(cfg.table.dim)
     return TableSchema(
         name=f"{cfg.ps_table_prefix}t_{feature}",
         dim=cfg.table.dim,
@@ -100,9 +101,9 @@ class Built:
 def build(cfg: TrainConfig, device: torch.device = torch.device("cpu")) -> Built:
     world = dist.get_world_size()
     features = feature_names(cfg.data.num_sparse)
-    rows = table_rows_total(cfg, world)
     tables = [
-        EmbeddingBagConfig(name=f"t_{i}", embedding_dim=cfg.table.dim, num_embeddings=rows, feature_names=[f])
+        EmbeddingBagConfig(name=f"t_{i}", embedding_dim=cfg.table.dim,
+                           num_embeddings=table_rows_total(cfg, world, f"t_{i}"), feature_names=[f])
         for i, f in enumerate(features)
     ]
     torch.manual_seed(cfg.seed)  # the dense layers start alike in every run of this config

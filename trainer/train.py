@@ -85,12 +85,11 @@ def open_row_store(cfg: TrainConfig) -> tuple[RowStore, object]:
 def make_dynamic(cfg: TrainConfig, built: Built, store: RowStore, metrics: TrainerMetrics) -> DynamicTables:
     from trainer.table_rows import find_tables
 
-    t = cfg.table
-    policy = EvictionPolicy(t.policy, evict_fraction=t.evict_fraction, ttl_steps=t.ttl_steps or None)
-    specs = [
-        DynamicTableSpec(name, [feature], built.schemas[name], policy, t.admit_threshold)
-        for name, feature in zip(built.table_names, built.features)
-    ]
+    specs = []
+    for name, feature in zip(built.table_names, built.features):
+        t = cfg.table_config(name)
+        policy = EvictionPolicy(t.policy, evict_fraction=t.evict_fraction, ttl_steps=t.ttl_steps or None)
+        specs.append(DynamicTableSpec(name, [feature], built.schemas[name], policy, t.admit_threshold))
     return DynamicTables(find_tables(built.model), specs, store, metrics)
 
 
