@@ -46,7 +46,9 @@ class TransformResult:
     evicted_ids: torch.Tensor
     evicted_slots: torch.Tensor
     rejected_ids: torch.Tensor  # seen, but below the admission threshold: no slot yet
-    hits: int = 0  # how many of the batch's IDs (occurrences) were resident before the call
+    # how many of the batch's IDs (sightings) were resident before the call: a 0-dim tensor
+    # on the transformer's device (int() it when needed; on CUDA that is a sync)
+    hits: torch.Tensor | int = 0
 
 
 def _lowest(scores: torch.Tensor, n: int) -> torch.Tensor:
@@ -125,7 +127,7 @@ class IDTransformer:
         # 1. Hits get their slot and a touch (last_access = step marks them in use); the k-th
         #    distinct missing ID (in order of first sighting) gets -(k + 2) for now.
         slots, new_ids, new_counts = self._lookup(flat)
-        hits = int((slots >= 0).sum())
+        hits = (slots >= 0).sum()
         try:
             # 2. Admission.
             if self.sketch is not None and len(new_ids):

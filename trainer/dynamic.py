@@ -151,11 +151,12 @@ class DynamicTables:
         """(looked up, new, rejected) among the IDs this rank owns; metrics updated."""
         n = len(owned.slots)
         rejected = int((owned.slots < 0).sum()) if len(owned.rejected_ids) else 0
-        new = n - owned.hits - rejected
+        hits = int(owned.hits)
+        new = n - hits - rejected
         if self.metrics is not None:
             m = self._children[name]
             m["lookups"].inc(n)
-            m["hits"].inc(owned.hits)
+            m["hits"].inc(hits)
             m["misses"].inc(new + rejected)
             m["admissions"].inc(len(owned.admitted_ids))
             m["evictions"].inc(len(owned.evicted_ids))
