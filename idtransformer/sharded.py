@@ -64,7 +64,7 @@ class ShardedIDTransformer:
         """Unpin what this rank pinned for a batch (local: no communication)."""
         if result.pinned is None:
             raise ValueError("this batch was not transformed with pin=True")
-        self.local.release(result.pinned)
+        self.local.release(result.pinned, distinct=True)
         result.pinned = None
 
     def owns(self, rows: torch.Tensor) -> torch.Tensor:
@@ -151,7 +151,7 @@ def transform_tables(tables: list[ShardedIDTransformer], ids: list[torch.Tensor]
     for (out, local), f, x in zip(owned_results, flats, ids):
         slots = flat_slots[at : at + len(f)]
         at += len(f)
-        pinned = torch.unique(local[local >= 0]) if pin else None
+        pinned = out.distinct_slots if pin and out is not None else None
         results.append(ShardedTransformResult(slots.reshape(x.shape), out, pinned))
     return results
 
@@ -165,6 +165,6 @@ def _to_table_rows(t: ShardedIDTransformer, out: TransformResult) -> None:
 
 def _answer_local(t: ShardedIDTransformer, flat: torch.Tensor, pin: bool, shape) -> ShardedTransformResult:
     out = t.local.transform(flat, pin=pin)
-    pinned = torch.unique(out.slots[out.slots >= 0]) if pin else None
+    pinned = out.distinct_slots if pin else None
     _to_table_rows(t, out)
     return ShardedTransformResult(out.slots.reshape(shape), out, pinned)

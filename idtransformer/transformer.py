@@ -49,6 +49,8 @@ class TransformResult:
     # how many of the batch's IDs (sightings) were resident before the call: a 0-dim tensor
     # on the transformer's device (int() it when needed; on CUDA that is a sync)
     hits: torch.Tensor | int = 0
+    # every slot the batch uses, once (resident ones seen, then the admitted): what pin holds
+    distinct_slots: torch.Tensor | None = None
 
 
 def _lowest(scores: torch.Tensor, n: int) -> torch.Tensor:
@@ -126,7 +128,7 @@ class IDTransformer:
                 )
         # 1. Hits get their slot and a touch (last_access = step marks them in use); the k-th
         #    distinct missing ID (in order of first sighting) gets -(k + 2) for now.
-        slots, new_ids, new_counts = self._lookup(flat)
+        slots, new_ids, new_counts, seen = self._lookup(flat)
         hits = (slots >= 0).sum()
         try:
             # 2. Admission.
@@ -137,13 +139,14 @@ class IDTransformer:
             # 3. Room (eviction), slots for the admitted, placeholders replaced.
             admitted, admitted_slots, evicted_ids, evicted_slots = self._admit(slots, new_ids, admit)
             self.resident += len(admitted) - len(evicted_ids)
+            distinct = torch.cat([seen, admitted_slots])
             if pin:
-                self._pin(slots)
+                self._pin(distinct)
         finally:
             # even a batch refused for want of room was seen: its resident IDs were touched
             self.step += 1
         return TransformResult(slots.reshape(ids.shape), admitted, admitted_slots, evicted_ids, evicted_slots,
-                               new_ids[~admit], hits)
+                               new_ids[~admit], hits, distinct)
 
     def _lookup(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         p = self.policy
@@ -163,6 +166,7 @@ class IDTransformer:
                 f = (f.to(torch.int64) - idle // p.decay_steps).clamp(min=0).to(torch.uint8)
             self.freq[s] = p.bump(f, counts[hit].clamp(max=_MAX_HITS), coin(uniq[hit], self.step))
         self.last_access[s] = self.step
+        seen = s.clone()
         # the missing in order of first sighting, as the kernel's single pass meets them
         n = flat.numel()
         first = torch.full_like(uniq, n).scatter_reduce_(0, inverse, torch.arange(n, device=flat.device), "amin")
@@ -171,7 +175,7 @@ class IDTransformer:
         k = torch.empty_like(uniq)
         k[missing] = torch.arange(len(missing), device=flat.device)
         slots = torch.where(hit, slots, -(k + 2))
-        return slots[inverse], uniq[missing], counts[missing].to(torch.int32)
+        return slots[inverse], uniq[missing], counts[missing].to(torch.int32), seen
 
     def _admit(self, slots: torch.Tensor, new_ids: torch.Tensor, admit: torch.Tensor):
         p = self.policy
@@ -219,16 +223,19 @@ class IDTransformer:
         self.last_access[victims] = FREE
         return evicted, victims
 
-    def _pin(self, slots: torch.Tensor) -> None:
-        held = torch.unique(slots[slots >= 0])
+    def _pin(self, held: torch.Tensor) -> None:
+        """held: distinct slots."""
         if bool((self.pins[held] == _MAX_PINS).any()):
             raise RuntimeError(f"a slot is pinned by {_MAX_PINS} batches in flight: release finished batches")
         self.pins[held] += 1
 
-    def release(self, slots: torch.Tensor) -> None:
-        """Unpin the slots of a batch transformed with pin=True (its distinct slots once)."""
-        held = torch.unique(slots.reshape(-1).to(self.device))
-        held = held[held >= 0]
+    def release(self, slots: torch.Tensor, distinct: bool = False) -> None:
+        """Unpin the slots of a batch transformed with pin=True: its slots (each distinct one
+        is released once), or its result's distinct_slots with distinct=True."""
+        held = slots.reshape(-1).to(self.device)
+        if not distinct:
+            held = torch.unique(held)
+            held = held[held >= 0]
         if bool((self.pins[held] == 0).any()):
             raise ValueError("release of slots that are not pinned (released twice?)")
         self.pins[held] -= 1

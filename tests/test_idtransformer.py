@@ -23,6 +23,8 @@ class Reference:
 
     def check(self, batch: list[int], out, pinned: set[int]) -> None:
         assert out.hits == sum(i in self.where for i in batch), "hits are the sightings of resident IDs"
+        used = sorted({s for s in out.slots.tolist() if s >= 0})
+        assert sorted(out.distinct_slots.tolist()) == used, "distinct_slots: each slot the batch uses, once"
         evicted = out.evicted_ids.tolist()
         assert len(evicted) == len(set(evicted)), "an ID evicted twice in one call"
         for i, s in zip(evicted, out.evicted_slots.tolist()):

@@ -181,8 +181,8 @@ inline double coin(int64_t id, int64_t step, uint64_t seed) {
 // p = 1 / ((freq - initial_freq) * log_factor + 1) (policy.bump). A missing ID gets -(k + 2),
 // k its index among the batch's distinct missing IDs in order of first sighting.
 // decay_steps 0: no decay; log_factor < 0: no counter (LRU).
-// Returns (slots, new_ids, new_counts).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> lookup(const at::Tensor& entries, const at::Tensor& records,
+// Returns (slots, new_ids, new_counts, the distinct resident slots seen).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lookup(const at::Tensor& entries, const at::Tensor& records,
                                                        const at::Tensor& ids_in, int64_t step, int64_t map_seed,
                                                        int64_t coin_seed, double log_factor, int64_t initial_freq,
                                                        int64_t decay_steps) {
@@ -288,7 +288,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lookup(const at::Tensor& entries,
   std::memcpy(new_ids_t.data_ptr<int64_t>(), new_ids.data(), new_ids.size() * sizeof(int64_t));
   at::Tensor counts_t = at::empty({int64_t(new_counts.size())}, ids.options().dtype(at::kInt));
   std::memcpy(counts_t.data_ptr<int32_t>(), new_counts.data(), new_counts.size() * sizeof(int32_t));
-  return {slots, new_ids_t, counts_t};
+  at::Tensor touched_t = at::empty({int64_t(touched.size())}, ids.options());
+  std::copy(touched.begin(), touched.end(), touched_t.data_ptr<int64_t>());
+  return {slots, new_ids_t, counts_t, touched_t};
 }
 
 // Eviction key of a slot: (primary << 32) | last access, lowest first; kNotMovable for a
@@ -521,7 +523,7 @@ void erase(const at::Tensor& entries, const at::Tensor& records, const at::Tenso
 TORCH_LIBRARY(dynemb_idt, m) {
   m.def(
       "lookup(Tensor entries, Tensor(a!) records, Tensor ids, int step, int map_seed, int coin_seed, "
-      "float log_factor, int initial_freq, int decay_steps) -> (Tensor, Tensor, Tensor)");
+      "float log_factor, int initial_freq, int decay_steps) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "admit(Tensor(a!) entries, Tensor(b!) records, Tensor(c!) slots, Tensor new_ids, Tensor admit, int step, "
       "int resident, int map_seed, int kind, int ttl, int decay_steps, int initial_freq, int evict_min) "
