@@ -108,14 +108,12 @@ def test_synthetic_batches_are_reproducible_and_learnable():
 
 def test_training_serves_metrics_per_rank():
     """A short run with --metrics-port: the rank's /metrics has the dynamic-table counters."""
-    import socket
     import threading
 
+    from dynemb.local_redis import free_port
     from trainer.train import train
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cfg = TrainConfig(data=DataConfig(num_sparse=3, universe=2000), table=TableConfig(dim=8),
                       batch_size=64, steps=30, eval_batches=1, dense_arch=[8], over_arch=[8, 1],
                       progress=False, metrics_port=port)
@@ -148,14 +146,13 @@ def test_training_serves_metrics_per_rank():
     assert 'dynemb_trainer_steps_total{rank="0"} 30.0' in text
 
 
-def test_adam_on_cpu_is_refused_with_the_reason():
+def test_adam_on_cpu_is_refused_with_the_reason(monkeypatch):
     """FBGEMM's CPU kernels have no Adam (its TBE asserts SGD/Adagrad/row-wise Adagrad on CPU)."""
     from trainer.train import train
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU machine, wherever this runs
     cfg = TrainConfig(data=DataConfig(num_sparse=2, universe=100), table=TableConfig(dim=8), optimizer="adam",
                       steps=1, dense_arch=[8], over_arch=[8, 1], progress=False)
-    if torch.cuda.is_available():
-        pytest.skip("on a GPU machine Adam runs")  # never on CI (CPU): the refusal is what is tested there
     with pytest.raises(ValueError, match="no Adam on CPU"):
         train(cfg)
 
