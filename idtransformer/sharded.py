@@ -67,9 +67,6 @@ class ShardedIDTransformer:
         self.local.release(result.pinned, distinct=True)
         result.pinned = None
 
-    def owns(self, rows: torch.Tensor) -> torch.Tensor:
-        return (rows >= self.offset) & (rows < self.offset + self.capacity_per_rank)
-
     def state_dict(self) -> dict:
         return {"rank": self.rank, "world_size": self.world_size, "local": self.local.state_dict()}
 

@@ -89,34 +89,27 @@ class DynamicTables:
         values, lengths = kjt.values(), kjt.lengths()
         bounds = kjt.offset_per_key()
         names = list(self.transformers)  # every rank lists the tables in one order
-        segments = {
-            name: [(bounds[i], bounds[i + 1]) for i, k in enumerate(kjt.keys()) if self.feature_table.get(k) == name]
+        # where each table's IDs sit in the KJT's values (its features' segments)
+        where = {
+            name: torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i, k in enumerate(kjt.keys())
+                             if self.feature_table.get(k) == name] or [torch.zeros(0, dtype=torch.int64)])
             for name in names
         }
-        ids = [torch.cat([values[a:b] for a, b in segments[n]]) if segments[n] else values[:0] for n in names]
-        results = transform_tables([self.transformers[n] for n in names], ids, pin=True)
+        results = transform_tables([self.transformers[n] for n in names], [values[where[n]] for n in names], pin=True)
         self.in_flight.append(list(zip([self.transformers[n] for n in names], results)))
 
         self._move_rows([(name, out.owned) for name, out in zip(names, results)])
         new_values = values.clone()
-        keep = None
+        keep = torch.ones_like(values, dtype=torch.bool)  # features of no dynamic table keep their IDs
         looked = hit = 0
         for name, out in zip(names, results):
-            at = 0
-            for a, b in segments[name]:
-                new_values[a:b] = out.slots[at : at + b - a]
-                at += b - a
-            n, new, rejected = self._count(name, out.owned)
+            new_values[where[name]] = out.slots
+            keep[where[name]] = out.slots >= 0
+            n, hits = self._count(name, out.owned)
             looked += n
-            hit += n - new - rejected
-            if bool((out.slots < 0).any()):
-                keep = torch.ones_like(values, dtype=torch.bool) if keep is None else keep
-                at = 0
-                for a, b in segments[name]:
-                    keep[a:b] = out.slots[at : at + b - a] >= 0
-                    at += b - a
+            hit += hits
         self.last_hit_rate = hit / max(looked, 1)
-        if keep is None:
+        if bool(keep.all()):
             return KeyedJaggedTensor(keys=kjt.keys(), values=new_values, lengths=lengths, weights=kjt.weights_or_none())
         # IDs not admitted yet (below the admission threshold) are left out of their bags
         segment = torch.repeat_interleave(torch.arange(len(lengths)), lengths.long())
@@ -147,8 +140,8 @@ class DynamicTables:
         if self.metrics is not None:
             self.metrics.ps_latency.labels("pull_push", self.metrics.rank).observe(time.perf_counter() - start)
 
-    def _count(self, name: str, owned) -> tuple[int, int, int]:
-        """(looked up, new, rejected) among the IDs this rank owns; metrics updated."""
+    def _count(self, name: str, owned) -> tuple[int, int]:
+        """(looked up, hits) among the IDs this rank owns; metrics updated."""
         n = len(owned.slots)
         rejected = int((owned.slots < 0).sum()) if len(owned.rejected_ids) else 0
         hits = int(owned.hits)
@@ -165,7 +158,7 @@ class DynamicTables:
             m["rows_pushed"].inc(len(owned.evicted_ids))
             t = self.transformers[name]
             m["occupancy"].set(len(t.local) / t.capacity_per_rank)
-        return n, new, rejected
+        return n, hits
 
     def release_oldest(self) -> None:
         """The oldest batch in flight is through backward and the optimizer step."""
@@ -189,9 +182,3 @@ class DynamicTables:
                 self.store.push(self.specs[name].ps_schema.name, ids.numpy(), self.rows[name].read(slots).numpy())
                 pushed += len(slots)
         return pushed
-
-    def resident(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids, table rows) resident on this rank for a table."""
-        local = self.transformers[name].local
-        slots = torch.nonzero(local.last_access != -1).squeeze(1)
-        return local.slot_id[slots], slots + self.rows[name].row_offset

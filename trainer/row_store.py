@@ -10,7 +10,6 @@ table keeps each table's calls in order); the local one runs them at once.
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future
 
 import numpy as np
@@ -22,23 +21,14 @@ from ps_server.schema import TableSchema
 
 
 class RowStore:
-    def __init__(self) -> None:
-        self.pull_seconds = 0.0
-        self.push_seconds = 0.0
-
     def create_table(self, schema: TableSchema) -> None:
         raise NotImplementedError
 
     def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
-        start = time.perf_counter()
-        rows = self._pull(table, ids)
-        self.pull_seconds = time.perf_counter() - start
-        return rows
+        raise NotImplementedError
 
     def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
-        start = time.perf_counter()
-        self._push(table, ids, rows)
-        self.push_seconds = time.perf_counter() - start
+        raise NotImplementedError
 
     def push_async(self, table: str, ids: np.ndarray, rows: np.ndarray) -> Future:
         return _done(self.push, table, ids, rows)
@@ -61,19 +51,18 @@ def _done(fn, *args) -> Future:
 
 class LocalRowStore(RowStore):
     def __init__(self, store: EmbeddedStore | None = None) -> None:
-        super().__init__()
         self.store = store or EmbeddedStore()
 
     def create_table(self, schema: TableSchema) -> None:
         self.store.create_table(schema)
 
-    def _pull(self, table: str, ids: np.ndarray) -> np.ndarray:
+    def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
         rows, found = self.store.pull(table, ids)
         if not found.all():
             rows[~found] = initial_rows(self.store.schema(table), ids[~found])
         return rows
 
-    def _push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
+    def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
         self.store.push(table, ids, np.ascontiguousarray(rows, dtype=np.float32))
 
     def close(self) -> None:
@@ -82,17 +71,16 @@ class LocalRowStore(RowStore):
 
 class RemoteRowStore(RowStore):
     def __init__(self, addresses: str, **client_args) -> None:
-        super().__init__()
         self.client = PSClient([a.strip() for a in addresses.split(",") if a.strip()], **client_args)
         self.client.wait_ready()
 
     def create_table(self, schema: TableSchema) -> None:
         self.client.create_table_from_schema(schema)
 
-    def _pull(self, table: str, ids: np.ndarray) -> np.ndarray:
+    def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
         return self.client.pull(table, ids).rows
 
-    def _push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
+    def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
         self.client.push(table, ids, np.ascontiguousarray(rows, dtype=np.float32))
 
     def push_async(self, table: str, ids: np.ndarray, rows: np.ndarray) -> Future:

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
-from contextlib import closing
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,13 +26,16 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from dynemb.local_redis import free_port
 from idtransformer.policy import EvictionPolicy
+from trainer.collectives import all_gather_ragged
 from trainer.config import TrainConfig
 from trainer.data import SyntheticCriteo, criteo_tsv_batches
 from trainer.dynamic import DynamicTables, DynamicTableSpec
 from trainer.metrics import TrainerMetrics
 from trainer.model import Built, build
 from trainer.row_store import LocalRowStore, RemoteRowStore, RowStore
+from trainer.table_rows import find_tables
 
 log = logging.getLogger("dynemb.trainer")
 
@@ -51,12 +52,6 @@ class TrainResult:
     tables: dict = field(default_factory=dict)
 
 
-def _free_port() -> int:
-    with closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed() -> bool:
     """Join torchrun's group, or make a one-process one. True if this call created it."""
     if dist.is_initialized():
@@ -64,7 +59,7 @@ def init_distributed() -> bool:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group("gloo")
     else:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     return True
 
 
@@ -83,8 +78,6 @@ def open_row_store(cfg: TrainConfig) -> tuple[RowStore, object]:
 
 
 def make_dynamic(cfg: TrainConfig, built: Built, store: RowStore, metrics: TrainerMetrics) -> DynamicTables:
-    from trainer.table_rows import find_tables
-
     specs = []
     for name, feature in zip(built.table_names, built.features):
         t = cfg.table_config(name)
@@ -191,8 +184,6 @@ def _loop(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None, metrics
 
 
 def _collect_tables(built: Built, dynamic: DynamicTables | None, store: RowStore) -> dict:
-    from trainer.table_rows import find_tables
-
     out = {}
     for name, r in find_tables(built.model).items():
         if dynamic is None:
@@ -224,14 +215,7 @@ def evaluate(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None) -> t
             dynamic.release_oldest()
     model.train()
     local = torch.stack([torch.cat(logits), torch.cat(labels)]) if logits else torch.zeros(2, 0)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, torch.tensor([local.shape[1]]))
-    width = int(max(s.item() for s in sizes))
-    padded = torch.zeros(2, width)
-    padded[:, : local.shape[1]] = local
-    gathered = [torch.zeros(2, width) for _ in sizes]
-    dist.all_gather(gathered, padded)
-    every = torch.cat([g[:, : int(s.item())] for g, s in zip(gathered, sizes)], dim=1)
+    every = torch.cat(all_gather_ragged(local), dim=1)
     if every.shape[1] == 0:
         return float("nan"), float("nan")
     logit, label = every[0], every[1]

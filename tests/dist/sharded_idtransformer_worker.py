@@ -15,20 +15,14 @@ from idtransformer.hashing import owner_of  # noqa: E402
 from idtransformer.policy import EvictionPolicy  # noqa: E402
 from idtransformer.sharded import ShardedIDTransformer, transform_tables  # noqa: E402
 from idtransformer.transformer import IDTransformer  # noqa: E402
+from trainer.collectives import all_gather_ragged  # noqa: E402
 
 CAPACITY = 48
 
 
 def _owned_by_me(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """What the owner `rank` receives of every rank's batch, in rank order."""
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([len(batch)]))
-    width = int(max(s.item() for s in sizes))
-    padded = torch.zeros(width, dtype=torch.int64)
-    padded[: len(batch)] = batch
-    everyone = [torch.empty(width, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(everyone, padded)
-    return torch.cat([b[: int(s.item())][owner_of(b[: int(s.item())], world) == rank] for b, s in zip(everyone, sizes)])
+    return torch.cat([b[owner_of(b, world) == rank] for b in all_gather_ragged(batch)])
 
 
 def main() -> None:
@@ -59,18 +53,8 @@ def main() -> None:
                 other_model.release(expect_other.slots)
 
         # what every rank sent, to model this rank's share and check the answers
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-        dist.all_gather(sizes, torch.tensor([size]))
-        width = int(max(s.item() for s in sizes))
-        padded = torch.full((width,), 0, dtype=torch.int64)
-        padded[:size] = batch
-        everyone = [torch.empty(width, dtype=torch.int64) for _ in range(world)]
-        dist.all_gather(everyone, padded)
-        batches = [b[: int(s.item())] for b, s in zip(everyone, sizes)]
-        got = [torch.empty(width, dtype=torch.int64) for _ in range(world)]
-        padded_slots = torch.full((width,), -9, dtype=torch.int64)
-        padded_slots[:size] = out.slots
-        dist.all_gather(got, padded_slots)
+        batches = all_gather_ragged(batch)
+        got = all_gather_ragged(out.slots)
 
         mine = torch.cat([b[owner_of(b, world) == rank] for b in batches])
         expect = model.transform(mine, pin=step % 2 == 0)
@@ -84,7 +68,6 @@ def main() -> None:
         # every rank's answer: a row in the owner's block, one row per ID, one ID per row
         where: dict[int, int] = {}
         for b, s in zip(batches, got):
-            s = s[: len(b)]
             owners = owner_of(b, world)
             admitted = s >= 0
             assert torch.equal(s[admitted] // CAPACITY, owners[admitted]), f"step {step}: row outside owner's block"
