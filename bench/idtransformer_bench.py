@@ -61,8 +61,25 @@ def run_ours(args, batches, device) -> dict:
             elapsed += time.perf_counter() - start
             hits += int((~torch.isin(x, out.admitted_ids) & (out.slots.reshape(-1) >= 0)).sum())
             total += x.numel()
-    return {"ids_per_s": total / elapsed, "hit_rate": hits / total, "bytes_per_id": t.nbytes / len(t),
-            "resident": len(t)}
+    result = {"ids_per_s": total / elapsed, "hit_rate": hits / total, "bytes_per_id": t.nbytes / len(t),
+              "resident": len(t)}
+    if device.type == "cuda":
+        result["syncs"] = count_syncs(lambda: t.transform(batches[-1].to(device)))
+    return result
+
+
+def count_syncs(fn) -> int:
+    """Host-device synchronisations during fn(), as torch's sync debug mode reports them."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def run_mch(args, batches, device) -> dict:
@@ -81,7 +98,9 @@ def run_mch(args, batches, device) -> dict:
         resident = torch.isin(x, mch._mch_sorted_raw_ids)  # before this batch
         sync(device)
         start = time.perf_counter()
-        features = {"f": JaggedTensor(values=x, lengths=torch.ones(x.numel(), dtype=torch.int64, device=device))}
+        # offsets given, so no fbgemm cumsum op is needed (the CPU fbgemm build has none for CUDA)
+        ones = torch.ones(x.numel(), dtype=torch.int64, device=device)
+        features = {"f": JaggedTensor(values=x, lengths=ones, offsets=torch.arange(x.numel() + 1, device=device))}
         mch.remap(mch.profile(features))
         sync(device)
         if k >= args.warmup:
@@ -114,6 +133,8 @@ def main(argv=None) -> int:
     ours = run_ours(args, batches, device)
     print(f"  idtransformer (hybrid)   {ours['ids_per_s']:>14,.0f} IDs/s   hit rate {ours['hit_rate']:.4f}   "
           f"{ours['bytes_per_id']:.1f} bytes per resident ID ({ours['resident']:,} resident)")
+    if "syncs" in ours:
+        print(f"  host syncs in one batch's transform: {ours['syncs']}")
     if args.skip_mch:
         return 0
     mch = run_mch(args, batches, device)

@@ -1,22 +1,20 @@
-"""The ID transformer's id → slot map: open addressing with linear probing.
-
-An ID's home position is fastrange(fmix64(id ^ seed) >> 32, size), computed here in torch
-ops exactly as the kernel computes it. Two implementations of one small API (find,
-insert, erase), 16 bytes per slot each:
-- KernelSlotMap (CPU): 8-byte entries {tag, slot} at most half full, used by the compiled
-  kernel (csrc/slot_map.cpp), which also runs the transformer's two per-batch passes
-  (lookup, admit) over them.
-- TorchSlotMap (CUDA, or CPU for reference): 12-byte entries (int64 keys, int32 vals
-  tensors) at most 3/4 full; vectorised rounds of torch ops, one probe step per round for
-  every pending ID; deletion leaves tombstones, rebuilt away when they pile up.
+"""The ID transformer's id → slot map. Two implementations of one small API (find,
+insert, erase), at most 16 bytes per slot each:
+- KernelSlotMap (CPU): open addressing with linear probing, 8-byte entries {tag, slot} at
+  most half full, used by the compiled kernel (csrc/slot_map.cpp), which also runs the
+  transformer's two per-batch passes (lookup, admit) over them. An ID's home position is
+  fastrange(fmix64(id ^ seed) >> 32, size); `home` computes it in torch ops, as the kernel does.
+- SortedSlotMap (CUDA, or CPU for reference): the resident ids sorted, with their slots;
+  bulk torch ops (searchsorted, merge, compaction), no host round-trips.
+Which map holds the ids does not change a transformer's results (slots, admissions,
+evictions): the tests hold both backends to identical ones.
 """
 
 from __future__ import annotations
 
 import torch
 
-EMPTY, DELETED = -1, -2
-WINDOW = 8  # torch version: map entries looked at per probe round
+EMPTY = -1
 MAP_SEED = 0x51_07
 COIN_SEED = 0xC0_1E
 _FMIX = (0xFF51AFD7ED558CCD - (1 << 64), 0xC4CEB9FE1A85EC53 - (1 << 64))
@@ -78,90 +76,64 @@ class KernelSlotMap:
         self.ops.erase(self.entries, self.records, slots, MAP_SEED)
 
 
-class TorchSlotMap:
-    """The torch-ops map: keys (int64) and vals (int32 slot; -1 empty, -2 deleted) tensors;
-    deletion leaves tombstones, rebuilt away when they pile up."""
+class SortedSlotMap:
+    """The torch-ops map: the resident ids in ascending order (int64) and their slots (int32)
+    alongside. A batch's lookups are one searchsorted; an insert merges the sorted new ids in
+    (two searchsorteds and a scatter); an erase compacts with a prefix sum. Every step is a
+    fixed number of bulk ops whatever the ids collide on, and none needs the host: on CUDA
+    that is what matters (a probing hash map in torch ops needs a round, with a host sync,
+    per probe step). 12 bytes per resident id."""
+
+    _TOP = torch.iinfo(torch.int64).max
 
     def __init__(self, capacity: int, device: torch.device) -> None:
-        self.size = map_size(capacity, load=0.75)
-        self.keys = torch.zeros(self.size, dtype=torch.int64, device=device)
-        self.vals = torch.full((self.size,), EMPTY, dtype=torch.int32, device=device)
-        self.live = 0
-        self.tombstones = 0
+        self.keys = torch.empty(0, dtype=torch.int64, device=device)
+        self.vals = torch.empty(0, dtype=torch.int32, device=device)
 
     @property
     def nbytes(self) -> int:
         return self.keys.numel() * 8 + self.vals.numel() * 4
 
-    def _window(self, start: torch.Tensor) -> torch.Tensor:
-        """(n, WINDOW) positions from each start on, wrapping at the end."""
-        return torch.remainder(start.unsqueeze(1) + torch.arange(WINDOW, device=start.device), self.size)
-
-    def _positions(self, ids: torch.Tensor) -> torch.Tensor:
-        """Position of each id in the map, or -1. Each round looks at WINDOW consecutive
-        entries per pending id, so a chain takes few rounds (each a host sync on CUDA)."""
-        found = torch.full_like(ids, -1)
-        start = home(ids, self.size)
-        pending = torch.arange(len(ids), device=ids.device)
-        while pending.numel():
-            window = self._window(start[pending])
-            v = self.vals[window]
-            match = (v >= 0) & (self.keys[window] == ids[pending].unsqueeze(1))
-            stop = match | (v == EMPTY)  # linear probing ends at the first empty entry
-            stopped = stop.any(1)
-            first = torch.argmax(stop.to(torch.int8), dim=1, keepdim=True)  # the first True
-            hit = stopped & match.gather(1, first).squeeze(1)
-            found[pending[hit]] = window.gather(1, first).squeeze(1)[hit]
-            start[pending] = start[pending] + WINDOW
-            pending = pending[~stopped]
-        return found
+    def _at(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(position in keys clamped to a valid one, whether the id is there)."""
+        pos = torch.searchsorted(self.keys, ids).clamp_(max=self.keys.numel() - 1)
+        return pos, self.keys[pos] == ids
 
     def find(self, ids: torch.Tensor) -> torch.Tensor:
-        pos = self._positions(ids)
-        return torch.where(pos >= 0, self.vals[pos.clamp(min=0)].to(torch.int64), -1)
+        if self.keys.numel() == 0:
+            return torch.full_like(ids, -1)
+        pos, there = self._at(ids)
+        return torch.where(there, self.vals[pos].to(torch.int64), -1)
 
     def insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        if self.live + len(ids) + self.tombstones > (self.size * 7) // 8:
-            self._rebuild()
-        start = home(ids, self.size)
-        pending = torch.arange(len(ids), device=ids.device)
-        slots = slots.to(torch.int32)
-        while pending.numel():
-            window = self._window(start[pending])
-            free = self.vals[window] < 0
-            has = free.any(1)
-            first = torch.argmax(free.to(torch.int8), dim=1, keepdim=True)
-            cand, cand_pos = pending[has], window.gather(1, first).squeeze(1)[has]
-            # several new ids may want one free position: the first in sorted order takes it
-            sorted_pos, order = torch.sort(cand_pos, stable=True)
-            lead = torch.ones_like(sorted_pos, dtype=torch.bool)
-            lead[1:] = sorted_pos[1:] != sorted_pos[:-1]
-            winner, at = cand[order[lead]], sorted_pos[lead]
-            self.tombstones -= int((self.vals[at] == DELETED).sum())
-            self.keys[at] = ids[winner]
-            self.vals[at] = slots[winner]
-            placed = torch.zeros(len(ids), dtype=torch.bool, device=ids.device)
-            placed[winner] = True
-            # no free entry in the window: look further; lost a race: look again from the same start
-            start[pending[~has]] += WINDOW
-            pending = pending[~placed[pending]]
-        self.live += len(ids)
+        """Enter ids (absent, distinct) at slots."""
+        if ids.numel() == 0:
+            return
+        new, order = torch.sort(ids)
+        n_old, n_new = self.keys.numel(), new.numel()
+        # where each lands in the merged order: its rank in its own list plus how many of
+        # the other list come before it
+        at_new = torch.searchsorted(self.keys, new) + torch.arange(n_new, device=new.device)
+        at_old = torch.searchsorted(new, self.keys) + torch.arange(n_old, device=new.device)
+        keys = torch.empty(n_old + n_new, dtype=torch.int64, device=new.device)
+        vals = torch.empty(n_old + n_new, dtype=torch.int32, device=new.device)
+        keys[at_old], vals[at_old] = self.keys, self.vals
+        keys[at_new], vals[at_new] = new, slots[order].to(torch.int32)
+        self.keys, self.vals = keys, vals
 
     def erase(self, ids: torch.Tensor, slots: torch.Tensor | None = None) -> None:
-        pos = self._positions(ids)
-        if bool((pos < 0).any()):
-            raise KeyError("erase of ids that are not in the slot map")
-        self.vals[pos] = DELETED
-        self.live -= len(ids)
-        self.tombstones += len(ids)
-
-    def _rebuild(self) -> None:
-        # Tombstones lengthen probe chains: re-insert the live entries into a clean map.
-        live = torch.nonzero(self.vals >= 0).squeeze(1)
-        ids, slots = self.keys[live].clone(), self.vals[live].clone()
-        self.vals.fill_(EMPTY)
-        self.live = self.tombstones = 0
-        self.insert(ids, slots)
+        """Remove ids; all must be present (the transformer erases what its records hold)."""
+        if ids.numel() == 0:
+            return
+        pos, _ = self._at(ids)
+        keep = torch.ones_like(self.keys, dtype=torch.bool)
+        keep[pos] = False
+        n = self.keys.numel() - ids.numel()  # known on the host: no sync for the compaction
+        # kept entries go to their rank among the kept, erased ones to a spare last place
+        dest = torch.where(keep, torch.cumsum(keep, 0) - 1, n)
+        keys = torch.empty(n + 1, dtype=torch.int64, device=ids.device).scatter_(0, dest, self.keys)
+        vals = torch.empty(n + 1, dtype=torch.int32, device=ids.device).scatter_(0, dest, self.vals)
+        self.keys, self.vals = keys[:n], vals[:n]
 
 
 def coin(ids: torch.Tensor, step: int) -> torch.Tensor:
@@ -174,5 +146,5 @@ def make_slot_map(capacity: int, records: torch.Tensor, backend: str) -> KernelS
     if backend == "kernel":
         return KernelSlotMap(capacity, records)
     if backend == "torch":
-        return TorchSlotMap(capacity, records.device)
+        return SortedSlotMap(capacity, records.device)
     raise ValueError(f"slot map backend {backend!r} is not one of 'kernel', 'torch'")

@@ -11,8 +11,18 @@ from hypothesis import strategies as st
 from idtransformer.policy import EvictionPolicy
 from idtransformer.transformer import IDTransformer
 
-# the compiled CPU kernel and the torch-ops map (the CUDA path) must both pass everything
-BACKENDS = pytest.mark.parametrize("backend", ["kernel", "torch"])
+# the compiled CPU kernel and the torch-ops map must both pass everything; where a GPU is
+# present (not in CI: run them on one with `pytest tests/test_idtransformer.py`), the torch
+# ops on CUDA too
+SIDES = ["kernel", "torch"] + (["cuda"] if torch.cuda.is_available() else [])
+BACKENDS = pytest.mark.parametrize("backend", SIDES)
+
+
+def make(backend: str, **kw) -> IDTransformer:
+    """backend: "kernel", "torch" (both on CPU) or "cuda" (the torch ops on the GPU)."""
+    if backend == "cuda":
+        return IDTransformer(backend="torch", device="cuda", **kw)
+    return IDTransformer(backend=backend, **kw)
 
 
 class Reference:
@@ -53,7 +63,7 @@ ID = st.integers(-(1 << 63), (1 << 63) - 1) | st.integers(0, 40)
 )
 @BACKENDS
 def test_invariants_on_random_streams(backend, batches, kind, threshold, ttl):
-    t = IDTransformer(backend=backend, capacity=16, policy=EvictionPolicy(kind, evict_fraction=0.25, ttl_steps=ttl),
+    t = make(backend, capacity=16, policy=EvictionPolicy(kind, evict_fraction=0.25, ttl_steps=ttl),
                       admit_threshold=threshold, sketch_width=1 << 12)
     ref, seen = Reference(), {}
     for batch in batches:
@@ -68,7 +78,7 @@ def test_invariants_on_random_streams(backend, batches, kind, threshold, ttl):
 
 @BACKENDS
 def test_batch_larger_than_the_table_is_refused(backend):
-    t = IDTransformer(backend=backend, capacity=4)
+    t = make(backend, capacity=4)
     with pytest.raises(ValueError, match="5 distinct IDs but the table holds 4"):
         t.transform(torch.arange(5))
     out = t.transform(torch.tensor([1, 1, 2, 2, 3, 4, 4]))  # 4 distinct: fine
@@ -77,7 +87,7 @@ def test_batch_larger_than_the_table_is_refused(backend):
 
 @BACKENDS
 def test_lru_evicts_the_longest_idle_in_batches(backend):
-    t = IDTransformer(backend=backend, capacity=4, policy=EvictionPolicy("lru", evict_fraction=0.5))
+    t = make(backend, capacity=4, policy=EvictionPolicy("lru", evict_fraction=0.5))
     for i in (10, 11, 12, 13):
         t.transform(torch.tensor([i]))
     t.transform(torch.tensor([10, 12]))  # 11 and 13 are now the longest idle
@@ -88,7 +98,7 @@ def test_lru_evicts_the_longest_idle_in_batches(backend):
 
 @BACKENDS
 def test_lfu_keeps_the_frequent(backend):
-    t = IDTransformer(backend=backend, capacity=3, policy=EvictionPolicy("lfu", evict_fraction=0.34, log_factor=0, initial_freq=0))
+    t = make(backend, capacity=3, policy=EvictionPolicy("lfu", evict_fraction=0.34, log_factor=0, initial_freq=0))
     t.transform(torch.tensor([1, 2, 3]))
     for _ in range(5):
         t.transform(torch.tensor([1, 3]))  # log_factor 0: every hit counts
@@ -98,7 +108,7 @@ def test_lfu_keeps_the_frequent(backend):
 
 @BACKENDS
 def test_pinned_and_in_use_slots_survive(backend):
-    t = IDTransformer(backend=backend, capacity=4, policy=EvictionPolicy("lru", evict_fraction=1.0))
+    t = make(backend, capacity=4, policy=EvictionPolicy("lru", evict_fraction=1.0))
     held = t.transform(torch.tensor([1, 2]), pin=True)
     t.transform(torch.tensor([3, 4]))
     out = t.transform(torch.tensor([5, 6]))
@@ -114,7 +124,7 @@ def test_pinned_and_in_use_slots_survive(backend):
 
 @BACKENDS
 def test_admission_threshold(backend):
-    t = IDTransformer(backend=backend, capacity=8, admit_threshold=3, sketch_width=1 << 12)
+    t = make(backend, capacity=8, admit_threshold=3, sketch_width=1 << 12)
     out = t.transform(torch.tensor([7, 8, 8]))
     assert out.slots.tolist() == [-1, -1, -1] and sorted(out.rejected_ids.tolist()) == [7, 8]
     out = t.transform(torch.tensor([7, 8]))
@@ -124,7 +134,7 @@ def test_admission_threshold(backend):
 
 @BACKENDS
 def test_ttl_expires_idle_ids(backend):
-    t = IDTransformer(backend=backend, capacity=8, policy=EvictionPolicy("lru", ttl_steps=2))
+    t = make(backend, capacity=8, policy=EvictionPolicy("lru", ttl_steps=2))
     t.transform(torch.tensor([1, 2]))
     t.transform(torch.tensor([2]))
     t.transform(torch.tensor([3]))
@@ -135,16 +145,16 @@ def test_ttl_expires_idle_ids(backend):
 
 @BACKENDS
 def test_state_round_trip_gives_the_same_output(backend):
-    def make():
-        return IDTransformer(backend=backend, capacity=32, policy=EvictionPolicy("hybrid", evict_fraction=0.25),
-                             admit_threshold=2, sketch_width=1 << 12)
+    def fresh():
+        return make(backend, capacity=32, policy=EvictionPolicy("hybrid", evict_fraction=0.25),
+                    admit_threshold=2, sketch_width=1 << 12)
 
     gen = torch.Generator().manual_seed(1)
     stream = [torch.randint(0, 60, (20,), generator=gen) for _ in range(30)]
-    a = make()
+    a = fresh()
     for b in stream[:15]:
         a.transform(b)
-    b_ = make()
+    b_ = fresh()
     b_.load_state_dict(a.state_dict())
     for batch in stream[15:]:
         x, y = a.transform(batch), b_.transform(batch)
@@ -153,10 +163,12 @@ def test_state_round_trip_gives_the_same_output(backend):
 
 
 def _same(a, b, what):
-    assert torch.equal(a, b), f"{what}: kernel {a.tolist()[:20]} != torch {b.tolist()[:20]}"
+    b = b.cpu()
+    assert torch.equal(a, b), f"{what}: kernel {a.tolist()[:20]} != torch ops {b.tolist()[:20]}"
 
 
 @settings(max_examples=25, deadline=None)
+@pytest.mark.parametrize("other", SIDES[1:])
 @given(
     seed=st.integers(0, 2**31),
     kind=st.sampled_from(["lru", "lfu", "hybrid"]),
@@ -164,14 +176,13 @@ def _same(a, b, what):
     ttl=st.none() | st.integers(1, 6),
     fraction=st.sampled_from([0.05, 0.3, 1.0]),
 )
-def test_kernel_and_torch_backends_agree_call_by_call(seed, kind, threshold, ttl, fraction):
+def test_kernel_and_torch_backends_agree_call_by_call(other, seed, kind, threshold, ttl, fraction):
     """The compiled CPU kernel and the torch-ops version (the CUDA path) give identical slots,
     admissions, evictions and state on the same stream: skewed ids, repeats, pins, releases,
     TTL expiry."""
     policy = EvictionPolicy(kind, evict_fraction=fraction, ttl_steps=ttl, log_factor=1.0, decay_steps=3)
-    make = lambda backend: IDTransformer(capacity=64, policy=policy, admit_threshold=threshold,  # noqa: E731
-                                         sketch_width=1 << 10, backend=backend)
-    k, t = make("kernel"), make("torch")
+    k, t = (make(side, capacity=64, policy=policy, admit_threshold=threshold, sketch_width=1 << 10)
+            for side in ("kernel", other))
     gen = torch.Generator().manual_seed(seed)
     held = []
     for step in range(40):
@@ -210,7 +221,7 @@ def test_kernel_and_torch_backends_agree_call_by_call(seed, kind, threshold, ttl
 def test_a_large_stream_keeps_the_map_consistent(backend):
     """Thousands of admissions and evictions through chains that wrap around the map's end:
     every resident ID is found at its slot, evicted ones are gone."""
-    t = IDTransformer(capacity=500, policy=EvictionPolicy("hybrid", evict_fraction=0.1), backend=backend)
+    t = make(backend, capacity=500, policy=EvictionPolicy("hybrid", evict_fraction=0.1))
     gen = torch.Generator().manual_seed(7)
     resident: dict[int, int] = {}
     for _ in range(60):
@@ -221,7 +232,7 @@ def test_a_large_stream_keeps_the_map_consistent(backend):
             del resident[i]
         resident.update(zip(out.admitted_ids.tolist(), out.admitted_slots.tolist()))
     ids = torch.tensor(list(resident))
-    assert t.map.find(ids).tolist() == list(resident.values())
+    assert t.map.find(ids.to(t.device)).tolist() == list(resident.values())
     gone = torch.randint(1 << 62, (1 << 63) - 1, (1000,), generator=gen)
-    assert (t.map.find(gone) == -1).all()
+    assert (t.map.find(gone.to(t.device)) == -1).all()
     assert len(t) == len(resident)

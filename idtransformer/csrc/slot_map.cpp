@@ -343,8 +343,11 @@ struct Scorer {
 // primary P at the cut; pass 2 counts, among keys with primary P, how long each was idle
 // (last access is the rest of the key; idle >= 65536 shares one bucket, settled by sorting
 // that bucket if the cut falls in it); pass 3 collects.
+// Too few movable slots: returns nothing and sets *short_of_room to how many there are (the
+// caller raises: no C++ exception crosses into Python on this path, which has crashed where
+// the extension's and torch's C++ runtimes differ).
 std::vector<int64_t> select_victims(const Record* rec, int64_t C, const Scorer& sc, int64_t need, int64_t free,
-                                    int64_t evict_min) {
+                                    int64_t evict_min, int64_t* short_of_room) {
   static thread_local std::vector<uint64_t> keys_storage;  // kept: a fresh one page-faults
   keys_storage.resize(size_t(C));
   uint64_t* keys = keys_storage.data();
@@ -367,8 +370,10 @@ std::vector<int64_t> select_victims(const Record* rec, int64_t C, const Scorer& 
     for (size_t i = 0; i < hist.size(); ++i) hist[i] += h[i];
   const int64_t n_movable = C - hist[257];
   const int64_t short_by = need - free;
-  TORCH_CHECK(n_movable >= short_by, "no room: ", need, " new IDs, ", free, " free slots, and only ", n_movable,
-              " slots that are neither used by this batch nor pinned by one in flight (release finished batches)");
+  if (n_movable < short_by) {
+    *short_of_room = n_movable;
+    return {};
+  }
   const int64_t n = std::min(n_movable, std::max(short_by, evict_min));
 
   uint64_t primary = 0;
@@ -421,8 +426,9 @@ at::Tensor to_tensor(const std::vector<int64_t>& v, const at::TensorOptions& opt
 // (evicting, when the table is short, max(short, evict_min) movable slots, lowest keys
 // first), give them the lowest free slots in order, and write their slots over the
 // -(k + 2) placeholders in `slots`. Returns (admitted_ids, admitted_slots, evicted_ids,
-// evicted_slots).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> admit(
+// evicted_slots, movable): movable is -1, or, when there was no room (nothing changed), how
+// many slots could have been evicted.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> admit(
     const at::Tensor& entries, const at::Tensor& records, const at::Tensor& slots_t, const at::Tensor& new_ids_t,
     const at::Tensor& admit_t, int64_t step, int64_t resident, int64_t map_seed, int64_t kind, int64_t ttl,
     int64_t decay_steps, int64_t initial_freq, int64_t evict_min) {
@@ -445,7 +451,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> admit(
   std::vector<int64_t> victims, victim_ids;
   const int64_t free = C - resident;
   if (need > free) {
-    victims = select_victims(rec, C, Scorer(now, kind, ttl, decay_steps), need, free, evict_min);
+    int64_t movable = -1;
+    victims = select_victims(rec, C, Scorer(now, kind, ttl, decay_steps), need, free, evict_min, &movable);
+    if (movable >= 0) {
+      at::Tensor none = at::empty({0}, slots_t.options());
+      return {none, none, none, none, movable};
+    }
     const int64_t nv = int64_t(victims.size());
     victim_ids.resize(size_t(nv));
     for (int64_t i = 0; i < nv; ++i) {
@@ -480,7 +491,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> admit(
   for (int64_t i = 0; i < slots_t.numel(); ++i)
     if (out[i] < 0) out[i] = new_slot[size_t(-(out[i] + 2))];
   auto opt = slots_t.options();
-  return {to_tensor(admitted, opt), to_tensor(admitted_slots, opt), to_tensor(victim_ids, opt), to_tensor(victims, opt)};
+  return {to_tensor(admitted, opt), to_tensor(admitted_slots, opt), to_tensor(victim_ids, opt), to_tensor(victims, opt),
+          -1};
 }
 
 // The slot of each id, -1 where it is not in the map.
@@ -527,7 +539,7 @@ TORCH_LIBRARY(dynemb_idt, m) {
   m.def(
       "admit(Tensor(a!) entries, Tensor(b!) records, Tensor(c!) slots, Tensor new_ids, Tensor admit, int step, "
       "int resident, int map_seed, int kind, int ttl, int decay_steps, int initial_freq, int evict_min) "
-      "-> (Tensor, Tensor, Tensor, Tensor)");
+      "-> (Tensor, Tensor, Tensor, Tensor, int)");
   m.def("huge_empty(int[] size, ScalarType dtype) -> Tensor", dynemb::huge_empty);
   m.def("find(Tensor entries, Tensor records, Tensor ids, int map_seed) -> Tensor");
   m.def("insert(Tensor(a!) entries, Tensor records, Tensor slots, int map_seed) -> ()");
