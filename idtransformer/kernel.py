@@ -1,12 +1,14 @@
 """Build (once per machine, ~20 s, cached by torch) and load the CPU slot-map kernel.
 
-The kernel (csrc/slot_map.cpp) registers torch ops under `torch.ops.dynemb_idt`; it is
+The kernel (csrc/slot_map.cpp) registers torch ops under `torch.ops.dynemb_idt` (whatever
+the build's name, which carries a hash of the source); it is
 compiled with torch's own extension builder so its flags and ABI match the installed torch.
 Set DYNEMB_VERBOSE_BUILD=1 to see the compiler's output.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from pathlib import Path
@@ -25,9 +27,12 @@ def ops():
         if not _loaded:
             from torch.utils import cpp_extension
 
+            # one build folder per source version: checkouts of different versions on one
+            # machine (branches, worktrees, upgrades) never load each other's build
+            digest = hashlib.sha1(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
             try:
                 cpp_extension.load(
-                    name="dynemb_idt",
+                    name=f"dynemb_idt_{digest}",
                     sources=[str(SOURCE)],
                     extra_cflags=["-O3"],
                     is_python_module=False,

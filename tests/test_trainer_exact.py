@@ -21,7 +21,7 @@ def config(optimizer: str, dynamic: bool, **extra) -> TrainConfig:
     )
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
 @pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "plain"])
 def test_dynamic_tables_train_exactly_like_full_ones(optimizer, pipeline):
     full = train(config(optimizer, dynamic=False, pipeline=pipeline), collect_tables=True)
@@ -37,7 +37,7 @@ def test_dynamic_tables_train_exactly_like_full_ones(optimizer, pipeline):
         np.testing.assert_allclose(drows, rows, rtol=0, atol=1e-6, err_msg=f"table {name}")
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
 def test_two_torchrun_ranks_train_exactly_like_full_tables(optimizer, tmp_path):
     """2 gloo ranks under torchrun: row-wise shards, IDs owned by the rank holding their rows,
     a local PS process started by rank 0; each rank's losses and its block of every table

@@ -146,15 +146,59 @@ def test_training_serves_metrics_per_rank():
     assert 'dynemb_trainer_steps_total{rank="0"} 30.0' in text
 
 
-def test_adam_on_cpu_is_refused_with_the_reason(monkeypatch):
-    """FBGEMM's CPU kernels have no Adam (its TBE asserts SGD/Adagrad/row-wise Adagrad on CPU)."""
-    from trainer.train import train
+def test_row_sparse_adam_is_lazy_adam_on_fbgemm_cpu_tables():
+    """trainer/sparse_adam.py on a real FBGEMM CPU TBE (two tables, one looked up by two
+    features, repeated rows) against Adam written out with autograd: the rows a batch used
+    move as Adam moves them, the others stay, moments included."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU machine, wherever this runs
-    cfg = TrainConfig(data=DataConfig(num_sparse=2, universe=100), table=TableConfig(dim=8), optimizer="adam",
-                      steps=1, dense_arch=[8], over_arch=[8, 1], progress=False)
-    with pytest.raises(ValueError, match="no Adam on CPU"):
-        train(cfg)
+    from trainer.sparse_adam import RowSparseAdam
+
+    rows, dim, batch, lr = (12, 7), 4, 5, 0.05
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(r, dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for r in rows], feature_table_map=[0, 1, 1],
+        optimizer=EmbOptimType.EXACT_SGD, learning_rate=1.0)
+    gen = torch.Generator().manual_seed(3)
+    for w in tbe.split_embedding_weights():
+        w.copy_(torch.randn(w.shape, generator=gen))
+    ref = [w.detach().clone() for w in tbe.split_embedding_weights()]
+    ref_m, ref_v = [torch.zeros_like(w) for w in ref], [torch.zeros_like(w) for w in ref]
+    adam = RowSparseAdam([tbe], lr=lr, eps=1e-8)
+    fmap = [0, 1, 1]
+    for step in range(1, 5):
+        lengths = torch.randint(0, 4, (3 * batch,), generator=gen)
+        idx = torch.cat([torch.randint(0, rows[fmap[k // batch]], (int(n),), generator=gen)
+                         for k, n in enumerate(lengths)])
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        upstream = torch.randn(batch, 3 * dim, generator=gen)
+        (tbe(idx, offsets) * upstream).sum().backward()
+        adam.step()
+        # the reference: pooled sums through autograd, then lazy Adam on the rows used
+        leaves = [w.clone().requires_grad_() for w in ref]
+        out = torch.zeros(batch, 3 * dim)
+        for k in range(3 * batch):
+            f, b = divmod(k, batch)
+            bag = idx[offsets[k]:offsets[k + 1]]
+            if len(bag):
+                out[b, f * dim:(f + 1) * dim] = out[b, f * dim:(f + 1) * dim] + leaves[fmap[f]][bag].sum(0)
+        (out * upstream).sum().backward()
+        for t in range(2):
+            used = torch.unique(torch.cat([idx[offsets[f * batch]:offsets[(f + 1) * batch]]
+                                           for f in range(3) if fmap[f] == t]))
+            g = leaves[t].grad[used]
+            ref_m[t][used] = 0.9 * ref_m[t][used] + 0.1 * g
+            ref_v[t][used] = 0.999 * ref_v[t][used] + 0.001 * g * g
+            mh, vh = ref_m[t][used] / (1 - 0.9**step), ref_v[t][used] / (1 - 0.999**step)
+            ref[t][used] = ref[t][used] - lr * mh / (vh.sqrt() + 1e-8)
+    got = tbe.split_embedding_weights()
+    for t in range(2):
+        torch.testing.assert_close(got[t], ref[t], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(adam.tables[0].m[t], ref_m[t], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(adam.tables[0].v[t], ref_v[t], rtol=1e-5, atol=1e-9)
+    assert adam.iter == 4
 
 
 def test_dynemb_train_on_a_criteo_tsv_file(tmp_path):

@@ -111,7 +111,7 @@ HELP = {
     "ttl_steps": "IDs idle longer than this many steps go first (0: no TTL)",
     "init_scale": "never-seen IDs start uniform(-s, s); 0 means 1/sqrt(dim)",
     "dynamic": "dynamic tables over the PS (--no-dynamic: plain full TorchRec tables)",
-    "optimizer": "sgd, adagrad, rowwise_adagrad (fused into backward), adam (GPU only)",
+    "optimizer": "sgd, adagrad, rowwise_adagrad, adam (fused into backward; Adam on CPU through trainer/sparse_adam.py)",
     "lr": "learning rate of the embedding tables",
     "dense_lr": "learning rate of the dense layers",
     "batch_size": "samples per step and rank",

@@ -31,6 +31,7 @@ from ps_server.initializer import initial_rows
 from ps_server.schema import Initializer, TableSchema
 from trainer.config import TrainConfig, optimizer_state_width
 from trainer.data import feature_names
+from trainer.sparse_adam import RowSparseAdam, TrainedOptimizer, fused_tbes
 from trainer.table_rows import find_tables
 
 
@@ -43,19 +44,18 @@ class RowWiseSharder(EmbeddingBagCollectionSharder):
         return types if ShardingType.ROW_WISE.value in types else [*types, ShardingType.ROW_WISE.value]
 
 
-def _sparse_optimizer(cfg: TrainConfig):
+def _sparse_optimizer(cfg: TrainConfig, device: torch.device):
     if cfg.optimizer == "sgd":
         return torch.optim.SGD, {"lr": cfg.lr}
     if cfg.optimizer == "adagrad":
         return torch.optim.Adagrad, {"lr": cfg.lr, "eps": 1e-8}
     if cfg.optimizer == "rowwise_adagrad":
         return RowWiseAdagrad, {"lr": cfg.lr, "eps": 1e-8}
-    # FBGEMM's CPU TBE has no Adam (its constructor asserts EXACT_SGD / EXACT_ADAGRAD /
-    # EXACT_ROWWISE_ADAGRAD on CPU); on CUDA it does.
-    if not torch.cuda.is_available():
-        raise ValueError("optimizer 'adam': FBGEMM's fused embedding kernels have no Adam on CPU "
-                         "(sgd, adagrad and rowwise_adagrad run here; adam needs a GPU)")
-    return torch.optim.Adam, {"lr": cfg.lr, "eps": 1e-8}
+    if device.type == "cuda":
+        return torch.optim.Adam, {"lr": cfg.lr, "eps": 1e-8}
+    # FBGEMM's CPU TBE has no Adam: the tables run exact SGD at learning rate 1 and
+    # RowSparseAdam turns that into Adam (see trainer/sparse_adam.py)
+    return torch.optim.SGD, {"lr": 1.0}
 
 
 def _dense_optimizer(cfg: TrainConfig):
@@ -91,7 +91,7 @@ def ps_schema(cfg: TrainConfig, feature: int) -> TableSchema:
 @dataclass
 class Built:
     model: DistributedModelParallel
-    optimizer: CombinedOptimizer
+    optimizer: TrainedOptimizer  # TorchRec's CombinedOptimizer, plus RowSparseAdam for Adam on CPU
     table_names: list[str]
     features: list[str]
     schemas: dict[str, TableSchema]  # by TorchRec table name
@@ -113,7 +113,7 @@ def build(cfg: TrainConfig, device: torch.device = torch.device("cpu")) -> Built
         dense_arch_layer_sizes=cfg.dense_arch, over_arch_layer_sizes=cfg.over_arch, dense_device=device,
     )
     train_model = DLRMTrain(dlrm)
-    opt_class, opt_args = _sparse_optimizer(cfg)
+    opt_class, opt_args = _sparse_optimizer(cfg, device)
     apply_optimizer_in_backward(opt_class, train_model.model.sparse_arch.parameters(), opt_args)
 
     constraints = {
@@ -128,7 +128,10 @@ def build(cfg: TrainConfig, device: torch.device = torch.device("cpu")) -> Built
     plan = planner.collective_plan(train_model, sharders, dist.GroupMember.WORLD)
     model = DistributedModelParallel(train_model, device=device, plan=plan, sharders=sharders)
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())), _dense_optimizer(cfg))
-    optimizer = CombinedOptimizer([model.fused_optimizer, dense])
+    sparse_adam = None
+    if cfg.optimizer == "adam" and device.type == "cpu":
+        sparse_adam = RowSparseAdam(fused_tbes(model), lr=cfg.lr, eps=1e-8)
+    optimizer = TrainedOptimizer(CombinedOptimizer([model.fused_optimizer, dense]), sparse_adam)
 
     schemas = {t.name: ps_schema(cfg, i) for i, t in enumerate(tables)}
     if not cfg.table.dynamic:  # every ID's row starts as the PS would hand it out

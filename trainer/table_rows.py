@@ -6,7 +6,7 @@ an FBGEMM TBE (SplitTableBatchedEmbeddingBagsCodegen); `split_embedding_weights(
 one table, this rank's weight view (local_rows, dim), its optimizer-state views and where
 its block starts in the table (row-wise sharding: one contiguous block per rank). A PS row
 is the embedding followed by the optimizer state flattened (Adagrad: dim momentum values;
-row-wise Adagrad: one; SGD: none).
+row-wise Adagrad: one; Adam: m then v, dim each; SGD: none).
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def find_tables(model: nn.Module) -> dict[str, TableRows]:
                 if tbe is None or not hasattr(tbe, "split_optimizer_states"):
                     raise TypeError(f"table group {emb.config.embedding_names} does not use the FUSED compute kernel")
                 weights = tbe.split_embedding_weights()
-                states = tbe.split_optimizer_states()
+                adam = getattr(tbe, "dynemb_adam", None)  # Adam on CPU: trainer/sparse_adam.py
+                states = adam.states if adam is not None else tbe.split_optimizer_states()
                 for k, table in enumerate(emb.config.embedding_tables):
                     offset = table.local_metadata.shard_offsets[0] if table.local_metadata is not None else 0
                     st = [s if s.dim() == 2 else s.view(-1, 1) for s in (states[k] if k < len(states) else [])]

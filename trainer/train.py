@@ -108,6 +108,8 @@ def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
         result.auc, result.logloss = evaluate(cfg, built, dynamic)
         if dynamic is not None:
             dynamic.flush()  # the PS holds every row the job has trained
+            if world > 1:  # ... from every rank, before any rank reads rows back
+                dist.barrier()
         if collect_tables:
             result.tables = _collect_tables(built, dynamic, store)
         return result
