@@ -36,7 +36,8 @@ if ! command -v g++ >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev
   apt-get -q update >/dev/null 2>&1 || true
   DEBIAN_FRONTEND=noninteractive apt-get -q install -y g++ >/dev/null
 fi
-$VPY -c "from idtransformer.kernel import ops; ops()" || { echo "[setup] building the ID transformer's kernel failed" >&2; exit 1; }
+echo "[setup] building (or finding) the ID transformer's kernel"
+timeout 1200 $VPY -c "from idtransformer.kernel import ops; ops()" || { echo "[setup] building the ID transformer's kernel failed" >&2; exit 1; }
 
 # redis-server: Debian's 7.0 build (TLS-capable) unpacked under .bin/redis; apt-get
 # download needs no root when its lists and cache point at a folder of ours.
