@@ -16,8 +16,8 @@ def config(optimizer: str, dynamic: bool, **extra) -> TrainConfig:
     return TrainConfig(
         data=DataConfig(num_sparse=6, universe=6000, zipf=1.1, ids_per_feature=2),
         table=TableConfig(dim=8, capacity_fraction=0.1, dynamic=dynamic, evict_fraction=0.1),
-        optimizer=optimizer, lr=0.1, dense_lr=0.05, batch_size=48, steps=100, eval_batches=2,
-        dense_arch=[16, 8], over_arch=[16, 1], progress=False, **extra,
+        optimizer=optimizer, lr=0.1, dense_lr=0.05, batch_size=48, eval_batches=2,
+        dense_arch=[16, 8], over_arch=[16, 1], progress=False, **({"steps": 100} | extra),
     )
 
 

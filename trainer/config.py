@@ -64,6 +64,12 @@ class TrainConfig:
     ps_table_prefix: str = "dynemb_"
     metrics_port: int = 0  # rank r serves /metrics on metrics_port + r; 0: off
     seed: int = 0
+    checkpoint_dir: str = ""  # where checkpoints go (step-NNNNNNNN/ folders); "" = none
+    checkpoint_every: int = 0  # steps between checkpoints (0: only with --checkpoint-at-end)
+    checkpoint_full_every: int = 1  # every k-th checkpoint is full, the others incremental
+    checkpoint_keep: int = 3  # newest checkpoints kept (plus what their chains need)
+    checkpoint_at_end: bool = False
+    resume: str = ""  # a checkpoint folder, or "latest" (in checkpoint_dir)
     log_every: int = 20
     progress: bool = True
     # per-table settings over `table`, by table name (t_0 ... t_{num_sparse-1}); file only:
@@ -75,6 +81,12 @@ class TrainConfig:
             raise ValueError(f"optimizer {self.optimizer!r} is not one of {OPTIMIZERS}")
         if self.batch_size < 1 or self.steps < 0:
             raise ValueError("batch_size must be >= 1 and steps >= 0")
+        if (self.checkpoint_every or self.checkpoint_at_end) and not self.checkpoint_dir:
+            raise ValueError("checkpoint_every / checkpoint_at_end need checkpoint_dir")
+        if self.resume == "latest" and not self.checkpoint_dir:
+            raise ValueError("resume 'latest' needs checkpoint_dir")
+        if self.checkpoint_every < 0 or self.checkpoint_full_every < 1 or self.checkpoint_keep < 1:
+            raise ValueError("checkpoint_every must be >= 0, checkpoint_full_every and checkpoint_keep >= 1")
         if self.dense_arch[-1] != self.table.dim:
             raise ValueError(f"dense_arch must end at the embedding dim {self.table.dim}, got {self.dense_arch}")
         names = {f"t_{i}" for i in range(self.data.num_sparse)}
@@ -124,6 +136,12 @@ HELP = {
     "ps_table_prefix": "prefix of the PS table names (several jobs can share one PS)",
     "metrics_port": "rank r serves Prometheus /metrics on this port + r (0: off)",
     "seed": "seed of the model and the tables' initializers",
+    "checkpoint_dir": "folder for checkpoints (one step-NNNNNNNN/ folder each; shared by all ranks)",
+    "checkpoint_every": "steps between checkpoints (0: none during training)",
+    "checkpoint_full_every": "every k-th checkpoint holds every row; the ones between only rows changed since the last",
+    "checkpoint_keep": "newest checkpoints to keep (older ones go, unless a kept one builds on them)",
+    "checkpoint_at_end": "also checkpoint after the last step",
+    "resume": "continue from a checkpoint: its folder, or 'latest' in --checkpoint-dir",
     "log_every": "steps between progress-bar updates",
     "progress": "show the progress bar (rank 0)",
 }

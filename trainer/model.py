@@ -96,6 +96,7 @@ class Built:
     features: list[str]
     schemas: dict[str, TableSchema]  # by TorchRec table name
     model_rows_full: int  # the ID universe: rows of a full table
+    dense_optimizer: KeyedOptimizerWrapper = None  # the dense layers' part of `optimizer`
 
 
 def build(cfg: TrainConfig, device: torch.device = torch.device("cpu")) -> Built:
@@ -138,7 +139,7 @@ def build(cfg: TrainConfig, device: torch.device = torch.device("cpu")) -> Built
         for name, r in find_tables(model).items():
             ids = torch.arange(r.row_offset, r.row_offset + r.local_rows)
             r.write(torch.arange(r.local_rows), torch.from_numpy(initial_rows(schemas[name], ids.numpy())))
-    return Built(model, optimizer, [t.name for t in tables], features, schemas, cfg.data.universe)
+    return Built(model, optimizer, [t.name for t in tables], features, schemas, cfg.data.universe, dense)
 
 
 def dense_parameters(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ table keeps each table's calls in order); the local one runs them at once.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 
 import numpy as np
@@ -28,6 +29,14 @@ class RowStore:
         raise NotImplementedError
 
     def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def export(self, table: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Every (ids, rows) the table holds, in chunks."""
+        raise NotImplementedError
+
+    def replace(self, schema: TableSchema, chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
+        """The table (created where absent) holds exactly the rows of `chunks` afterwards."""
         raise NotImplementedError
 
     def push_async(self, table: str, ids: np.ndarray, rows: np.ndarray) -> Future:
@@ -65,6 +74,15 @@ class LocalRowStore(RowStore):
     def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
         self.store.push(table, ids, np.ascontiguousarray(rows, dtype=np.float32))
 
+    def export(self, table: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        return self.store.export(table, 1 << 16)
+
+    def replace(self, schema: TableSchema, chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
+        self.store.create_table(schema)
+        self.store.clear(schema.name)
+        for ids, rows in chunks:
+            self.push(schema.name, ids, rows)
+
     def close(self) -> None:
         self.store.close()
 
@@ -85,6 +103,12 @@ class RemoteRowStore(RowStore):
 
     def push_async(self, table: str, ids: np.ndarray, rows: np.ndarray) -> Future:
         return self.client.push_async(table, ids, np.ascontiguousarray(rows, dtype=np.float32))
+
+    def export(self, table: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        return self.client.export(table)
+
+    def replace(self, schema: TableSchema, chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
+        self.client.import_rows(schema, chunks, replace=True)
 
     def pull_async(self, table: str, ids: np.ndarray) -> Future:
         fut: Future = Future()

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -28,6 +29,7 @@ from tqdm import tqdm
 
 from dynemb.local_redis import free_port
 from idtransformer.policy import EvictionPolicy
+from trainer.checkpoint import Checkpointer
 from trainer.collectives import all_gather_ragged
 from trainer.config import TrainConfig
 from trainer.data import SyntheticCriteo, criteo_tsv_batches
@@ -86,12 +88,13 @@ def make_dynamic(cfg: TrainConfig, built: Built, store: RowStore, metrics: Train
     return DynamicTables(find_tables(built.model), specs, store, metrics)
 
 
-def batches(cfg: TrainConfig, split: int):
+def batches(cfg: TrainConfig, split: int, start: int = 0):
+    """This rank's batches of a split (0: training, from batch `start` on; 1: held out)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if cfg.data.source == "synthetic":
         data = SyntheticCriteo(cfg.data, cfg.batch_size, rank, world)
-        return data.train_batches() if split == 0 else data.eval_batches(cfg.eval_batches)
-    return criteo_tsv_batches(cfg.data, cfg.batch_size, rank, world, split)
+        return data.train_batches(start) if split == 0 else data.eval_batches(cfg.eval_batches)
+    return itertools.islice(criteo_tsv_batches(cfg.data, cfg.batch_size, rank, world, split), start, None)
 
 
 def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
@@ -104,7 +107,11 @@ def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
     try:
         built = build(cfg)
         dynamic = make_dynamic(cfg, built, store, metrics) if cfg.table.dynamic else None
-        result = _loop(cfg, built, dynamic, metrics)
+        ckpt = Checkpointer(cfg, built, dynamic, store) if cfg.checkpoint_dir or cfg.resume else None
+        first_step = ckpt.restore(cfg.resume) if cfg.resume else 0
+        result = _loop(cfg, built, dynamic, metrics, ckpt, first_step)
+        if cfg.checkpoint_at_end and result.losses:
+            ckpt.save(first_step + len(result.losses))
         result.auc, result.logloss = evaluate(cfg, built, dynamic)
         if dynamic is not None:
             dynamic.flush()  # the PS holds every row the job has trained
@@ -123,35 +130,50 @@ def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
             dist.destroy_process_group()
 
 
-def _loop(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None, metrics: TrainerMetrics) -> TrainResult:
+def _loop(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None, metrics: TrainerMetrics,
+          ckpt: Checkpointer | None = None, first_step: int = 0) -> TrainResult:
+    """Steps first_step .. cfg.steps - 1. With checkpoints, in segments that end at each
+    checkpoint step: the pipeline drains there (no batch in flight) and a fresh one starts."""
     rank = dist.get_rank()
     result = TrainResult()
-    data = iter(batches(cfg, split=0))
+    data = iter(batches(cfg, split=0, start=first_step))
+    if ckpt is not None:
+        data = ckpt.tap(data)  # the global IDs each batch touches (incremental checkpoints)
     if dynamic is not None:
         data = dynamic.wrap(data)
-    limited = (b for _, b in zip(range(cfg.steps), data))
     model, optimizer = built.model, built.optimizer
     model.train()
-    if cfg.pipeline:
+    every = cfg.checkpoint_every if ckpt is not None else 0
+    pipeline = None
+
+    def segment(end: int):
+        """The batches up to step `end`, and the function that trains one of them."""
+        nonlocal pipeline
+        limited = (b for _, b in zip(range(end - k), data))
+        if not cfg.pipeline:
+
+            def plain() -> torch.Tensor:
+                batch = next(limited)
+                optimizer.zero_grad()
+                loss, _ = model(batch)
+                loss.backward()
+                optimizer.step()
+                return loss
+
+            return plain
         from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
+        if pipeline is not None:
+            pipeline.detach()
         pipeline = TrainPipelineSparseDist(model, optimizer, torch.device("cpu"))
+        return lambda: pipeline.progress(limited)[0]  # DLRMTrain's output: (loss, logits, labels)
 
-        def step() -> torch.Tensor:
-            return pipeline.progress(limited)[0]  # DLRMTrain's output: (loss, logits, labels)
-    else:
-
-        def step() -> torch.Tensor:
-            batch = next(limited)
-            optimizer.zero_grad()
-            loss, _ = model(batch)
-            loss.backward()
-            optimizer.step()
-            return loss
-
-    bar = tqdm(total=cfg.steps, desc=f"train (rank {rank})", unit="step", disable=not cfg.progress or rank != 0)
+    bar = tqdm(total=cfg.steps, initial=first_step, desc=f"train (rank {rank})", unit="step",
+               disable=not cfg.progress or rank != 0)
     start, window = time.perf_counter(), []
-    for k in range(cfg.steps):
+    k = first_step
+    step = segment(_next_boundary(k, every, cfg.steps))
+    while k < cfg.steps:
         try:
             loss = step()
         except StopIteration:
@@ -164,7 +186,7 @@ def _loop(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None, metrics
         metrics.samples.labels(metrics.rank).inc(cfg.batch_size)
         if (k + 1) % cfg.log_every == 0 or k + 1 == cfg.steps:
             elapsed = time.perf_counter() - start
-            rate = (k + 1) * cfg.batch_size * dist.get_world_size() / elapsed
+            rate = len(result.losses) * cfg.batch_size * dist.get_world_size() / elapsed
             metrics.samples_per_second.labels(metrics.rank).set(rate / dist.get_world_size())
             metrics.loss.labels(metrics.rank).set(float(np.mean(window)))
             post = {"loss": f"{np.mean(window):.4f}", "samples/s": f"{rate:,.0f}"}
@@ -173,6 +195,10 @@ def _loop(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None, metrics
             bar.set_postfix(post)
             window = []
         bar.update(1)
+        k += 1
+        if every and k % every == 0 and k < cfg.steps:  # drained: the segment ended here
+            ckpt.save(k)
+            step = segment(_next_boundary(k, every, cfg.steps))
     bar.close()
     if cfg.pipeline:
         pipeline.detach()  # the model's own forward back, for evaluation
@@ -183,6 +209,10 @@ def _loop(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None, metrics
         while dynamic.in_flight:  # batches the pipeline fetched but the step limit cut off
             dynamic.release_oldest()
     return result
+
+
+def _next_boundary(k: int, every: int, steps: int) -> int:
+    return min(steps, (k // every + 1) * every) if every else steps
 
 
 def _collect_tables(built: Built, dynamic: DynamicTables | None, store: RowStore) -> dict:

@@ -1,0 +1,327 @@
+"""Checkpoints of a training job, consistent across all ranks and the PS, taken at a step
+boundary (no batch in flight), and restore that continues training exactly.
+
+    <checkpoint_dir>/step-00000100/
+        manifest.json          written last, by rank 0: step, world size, kind, parent, the
+                               config, and the sha256 of every file below
+        dense.pt               dense parameters and the dense optimizer's state (rank 0; DDP
+                               keeps them equal on every rank)
+        rank-00000.pt ...      per rank: its ID transformers' state, the row-sparse Adam step
+        tables/<table>/        rows with their optimizer state, as table files
+                               (trainer/table_files.py):
+                               dynamic tables: the PS table, flushed first (rank 0 writes it)
+                               full tables: tables/<table>/rank-00000/ ... each rank its block
+
+A full checkpoint holds every row; an incremental one (--checkpoint-full-every k > 1) only
+the rows of IDs the training touched since the previous checkpoint (its `parent`); restore
+applies the chain from the last full one on. The dense part is small and saved whole each
+time. torch.save rather than torch.distributed.checkpoint for it: DCP loads into tensors that
+already exist, and a fresh job's optimizer creates its state only at its first step.
+
+All ranks call save() and restore() together; the folder must be one all ranks see (a shared
+filesystem when ranks are on several machines).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from dynemb.errors import UserError
+from trainer.config import TrainConfig
+from trainer.model import Built, dense_parameters
+from trainer.row_store import RowStore
+from trainer.table_files import TableReader, TableWriter
+from trainer.table_rows import find_tables
+
+FORMAT = "dynemb.checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(UserError, ValueError):
+    """A checkpoint that cannot be used: missing, corrupt, or not of this job."""
+
+
+def step_folder(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(4 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _files_under(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file())
+
+
+def read_manifest(folder: str | os.PathLike) -> dict:
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{folder}: no {MANIFEST} (not a checkpoint, or one cut short)")
+    try:
+        doc = json.loads(path.read_text())
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if doc.get("format") != FORMAT or doc.get("version") != VERSION:
+        raise CheckpointError(f"{path}: format {doc.get('format')!r} version {doc.get('version')!r}, "
+                              f"expected {FORMAT!r} version {VERSION}")
+    return doc
+
+
+def verify(folder: str | os.PathLike, progress: bool = False) -> dict:
+    """The manifest, after checking every file it lists against its sha256."""
+    folder = Path(folder)
+    doc = read_manifest(folder)
+    for rel, digest in tqdm(sorted(doc["files"].items()), desc=f"verify {folder.name}", unit="file",
+                            disable=not progress):
+        path = folder / rel
+        if not path.is_file():
+            raise CheckpointError(f"{path}: listed in {MANIFEST} but missing")
+        if _sha256(path) != digest:
+            raise CheckpointError(f"{path}: sha256 differs from {MANIFEST} (corrupt or changed)")
+    return doc
+
+
+def checkpoints(root: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints under root, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.name.startswith("step-") and (p / MANIFEST).is_file())
+
+
+def chain(folder: str | os.PathLike) -> list[Path]:
+    """The checkpoints to apply, the last full one first, ending with `folder`."""
+    out = [Path(folder)]
+    while (parent := read_manifest(out[0]).get("parent")) is not None:
+        out.insert(0, out[0].parent / parent)
+        if len(out) > 10_000:
+            raise CheckpointError(f"{folder}: parent chain does not end in a full checkpoint")
+    return out
+
+
+class Checkpointer:
+    """Saves a job's checkpoints and restores one; tracks the IDs touched between checkpoints
+    (for incremental ones)."""
+
+    def __init__(self, cfg: TrainConfig, built: Built, dynamic, store: RowStore) -> None:
+        self.cfg, self.built, self.dynamic, self.store = cfg, built, dynamic, store
+        self.root = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.saved = 0  # checkpoints this job wrote (full every checkpoint_full_every)
+        self.last: str | None = None  # the newest checkpoint's folder name, the next one's parent
+        self.touched: dict[str, list[np.ndarray]] = {name: [] for name in built.table_names}
+
+    # -- between checkpoints ------------------------------------------------------
+
+    def tap(self, batches):
+        """The training batches, unchanged; with incremental checkpoints their IDs (global,
+        before any transform) are noted on the way."""
+        for batch in batches:
+            if self.cfg.checkpoint_full_every > 1:
+                kjt = batch.sparse_features
+                for key, name in zip(self.built.features, self.built.table_names):
+                    self.touched[name].append(np.unique(kjt[key].values().numpy()))
+            yield batch
+
+    def _touched_everywhere(self) -> dict[str, np.ndarray]:
+        """Per table, every ID any rank touched since the last checkpoint."""
+        mine = {n: np.unique(np.concatenate(v)) if v else np.zeros(0, np.int64) for n, v in self.touched.items()}
+        every = [None] * self.world
+        dist.all_gather_object(every, mine)
+        return {n: np.unique(np.concatenate([e[n] for e in every])).astype(np.int64) for n in mine}
+
+    # -- save ---------------------------------------------------------------------
+
+    def save(self, step: int) -> Path:
+        """Collective, at a step boundary: every rank calls it after the same step."""
+        full = self.last is None or self.saved % self.cfg.checkpoint_full_every == 0
+        touched = None if full else self._touched_everywhere()
+        final = self.root / step_folder(step)
+        work = self.root / (step_folder(step) + ".partial")
+        if self.rank == 0:
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir(parents=True)
+        dist.barrier()
+        if self.dynamic is not None:
+            self.dynamic.flush()
+            dist.barrier()  # every rank's rows are on the PS
+        self._save_tables(work, touched)
+        self._save_rank(work / f"rank-{self.rank:05d}.pt")
+        if self.rank == 0:
+            self._save_dense(work / "dense.pt")
+        dist.barrier()
+        if self.rank == 0:
+            manifest = {
+                "format": FORMAT, "version": VERSION, "step": step, "world_size": self.world,
+                "kind": "full" if full else "incremental", "parent": None if full else self.last,
+                "dynamic": self.dynamic is not None, "optimizer": self.cfg.optimizer,
+                "tables": {n: self.built.schemas[n].to_dict() for n in self.built.table_names},
+                "config": dataclasses.asdict(self.cfg),
+                "files": {str(p.relative_to(work)): _sha256(p) for p in _files_under(work)},
+            }
+            tmp = work / f".{MANIFEST}.tmp"
+            tmp.write_text(json.dumps(manifest, indent=2, default=str) + "\n")
+            os.replace(tmp, work / MANIFEST)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(work, final)
+            self._retain()
+        dist.barrier()
+        self.saved += 1
+        self.last = final.name
+        self.touched = {name: [] for name in self.touched}
+        return final
+
+    def _save_tables(self, work: Path, touched: dict[str, np.ndarray] | None) -> None:
+        names = self.built.table_names
+        if self.dynamic is not None:
+            if self.rank != 0:
+                return
+            for name in tqdm(names, desc="checkpoint: tables", unit="table", disable=not self.cfg.progress):
+                schema = self.built.schemas[name]
+                with TableWriter(work / "tables" / name, schema, source={"kind": "checkpoint"}) as w:
+                    if touched is None:
+                        chunks = self.store.export(schema.name)
+                    else:
+                        ids = touched[name]
+                        chunks = [(ids, self.store.pull(schema.name, ids))] if len(ids) else []
+                    for ids, rows in chunks:
+                        rows = np.asarray(rows, dtype=schema.np_dtype)
+                        w.write(ids, rows[:, : schema.dim], rows[:, schema.dim:])
+            return
+        for name, r in find_tables(self.built.model).items():
+            schema = self.built.schemas[name]
+            local = torch.arange(r.local_rows)
+            if touched is not None:  # this rank's rows among the touched IDs
+                ids = torch.from_numpy(touched[name])
+                local = (ids[(ids >= r.row_offset) & (ids < r.row_offset + r.local_rows)] - r.row_offset).long()
+            rows = r.read(local).numpy().astype(schema.np_dtype)
+            with TableWriter(work / "tables" / name / f"rank-{self.rank:05d}", schema,
+                             source={"kind": "checkpoint", "rank": self.rank}) as w:
+                w.write(local.numpy() + r.row_offset, rows[:, : schema.dim], rows[:, schema.dim:])
+
+    def _save_rank(self, path: Path) -> None:
+        state: dict = {"rank": self.rank}
+        if self.dynamic is not None:
+            state["transformers"] = {n: t.local.state_dict() for n, t in self.dynamic.transformers.items()}
+        adam = self.built.optimizer.sparse_adam
+        if adam is not None:
+            state["sparse_adam"] = adam.state_dict()
+        torch.save(state, path)
+
+    def _save_dense(self, path: Path) -> None:
+        params = {k: v.detach().clone() for k, v in dense_parameters(self.built.model).items()}
+        torch.save({"parameters": params, "optimizer": self.built.dense_optimizer.state_dict()}, path)
+
+    def _retain(self) -> None:
+        """Keep the newest checkpoint_keep checkpoints and every one their chains build on."""
+        have = checkpoints(self.root)
+        keep: set[Path] = set()
+        for c in have[-self.cfg.checkpoint_keep:]:
+            keep.update(chain(c))
+        for c in have:
+            if c not in keep:
+                shutil.rmtree(c, ignore_errors=True)
+
+    # -- restore ------------------------------------------------------------------
+
+    def resolve(self, which: str) -> Path:
+        if which == "latest":
+            have = checkpoints(self.root)
+            if not have:
+                raise CheckpointError(f"resume latest: no checkpoint in {self.root}")
+            return have[-1]
+        return Path(which)
+
+    def restore(self, which: str) -> int:
+        """Collective: load the checkpoint (a folder or "latest") into the model, the PS and
+        the ID transformers; returns its step, where training goes on."""
+        folder = self.resolve(which)
+        problem = [None]
+        if self.rank == 0:  # check everything before anything changes; all ranks stop alike
+            try:
+                links = chain(folder)
+                docs = [verify(c, progress=self.cfg.progress) for c in links]
+                self._check_fits(folder, docs[-1])
+            except (CheckpointError, OSError) as exc:
+                problem = [str(exc)]
+        dist.broadcast_object_list(problem, src=0)
+        if problem[0] is not None:
+            raise CheckpointError(problem[0])
+        links = chain(folder)
+        doc = read_manifest(folder)
+        self._restore_tables(links)
+        rank_state = torch.load(folder / f"rank-{self.rank:05d}.pt", weights_only=False)
+        if self.dynamic is not None:
+            for name, t in self.dynamic.transformers.items():
+                t.local.load_state_dict(rank_state["transformers"][name])
+            self._pull_resident()
+        if self.built.optimizer.sparse_adam is not None:
+            self.built.optimizer.sparse_adam.load_state_dict(rank_state["sparse_adam"])
+        dense = torch.load(folder / "dense.pt", weights_only=False)
+        with torch.no_grad():
+            for k, p in dense_parameters(self.built.model).items():
+                p.copy_(dense["parameters"][k])
+        self.built.dense_optimizer.init_state()  # its state is made lazily: make it, then overwrite
+        self.built.dense_optimizer.load_state_dict(dense["optimizer"])
+        self.last = folder.name
+        dist.barrier()
+        return int(doc["step"])
+
+    def _check_fits(self, folder: Path, doc: dict) -> None:
+        if doc["world_size"] != self.world:
+            raise CheckpointError(f"{folder}: written by {doc['world_size']} ranks, this job has {self.world} "
+                                  f"(restoring onto another number of ranks is not supported yet)")
+        if doc["dynamic"] != (self.dynamic is not None):
+            raise CheckpointError(f"{folder}: {'dynamic' if doc['dynamic'] else 'full'} tables, this job's are "
+                                  f"{'dynamic' if self.dynamic is not None else 'full'}")
+        if doc["optimizer"] != self.cfg.optimizer:
+            raise CheckpointError(f"{folder}: optimizer {doc['optimizer']}, this job's is {self.cfg.optimizer}")
+        want = {n: self.built.schemas[n].to_dict() for n in self.built.table_names}
+        if doc["tables"] != want:
+            differ = sorted(set(want) ^ set(doc["tables"])) or [n for n in want if want[n] != doc["tables"][n]]
+            raise CheckpointError(f"{folder}: its tables differ from this job's ({', '.join(differ[:5])})")
+
+    def _restore_tables(self, links: list[Path]) -> None:
+        names = self.built.table_names
+        if self.dynamic is not None:
+            if self.rank == 0:
+                for name in tqdm(names, desc="restore: tables", unit="table", disable=not self.cfg.progress):
+                    schema = self.built.schemas[name]
+                    base, *deltas = [TableReader(c / "tables" / name) for c in links]
+                    self.store.replace(schema, ((ids, np.concatenate([e, s], axis=1))
+                                                for ids, e, s in base.chunks(verify=False)))
+                    for delta in deltas:
+                        for ids, e, s in delta.chunks(verify=False):
+                            self.store.push(schema.name, ids, np.concatenate([e, s], axis=1))
+            dist.barrier()  # the PS holds the checkpoint's rows before any rank pulls
+            return
+        for name, r in find_tables(self.built.model).items():
+            for c in links:
+                for ids, e, s in TableReader(c / "tables" / name / f"rank-{self.rank:05d}").chunks(verify=False):
+                    local = torch.from_numpy(ids - r.row_offset)
+                    r.write(local, torch.from_numpy(np.concatenate([e, s], axis=1)).float())
+
+    def _pull_resident(self) -> None:
+        """The rows of the IDs the restored transformers hold, from the PS into their slots."""
+        for name, t in self.dynamic.transformers.items():
+            local = t.local
+            slots = torch.nonzero(local.last_access != -1).squeeze(1)
+            if len(slots):
+                ids = local.slot_id[slots].numpy()
+                rows = self.store.pull(self.built.schemas[name].name, ids)
+                self.dynamic.rows[name].write(slots, torch.from_numpy(np.asarray(rows, dtype=np.float32)))
