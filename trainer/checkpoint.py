@@ -1,16 +1,11 @@
 """Checkpoints of a training job, consistent across all ranks and the PS, taken at a step
-boundary (no batch in flight), and restore that continues training exactly.
+boundary (no batch in flight), and restore that continues training exactly. The folder
+layout, manifest and chains are trainer/checkpoint_format.py's.
 
-    <checkpoint_dir>/step-00000100/
-        manifest.json          written last, by rank 0: step, world size, kind, parent, the
-                               config, and the sha256 of every file below
-        dense.pt               dense parameters and the dense optimizer's state (rank 0; DDP
-                               keeps them equal on every rank)
-        rank-00000.pt ...      per rank: its ID transformers' state, the row-sparse Adam step
-        tables/<table>/        rows with their optimizer state, as table files
-                               (trainer/table_files.py):
-                               dynamic tables: the PS table, flushed first (rank 0 writes it)
-                               full tables: tables/<table>/rank-00000/ ... each rank its block
+What goes in: dynamic tables' rows from the PS (flushed first; rank 0 writes them), full
+tables' rows per rank, each rank's ID transformers and row-sparse Adam step, and the dense
+parameters with their optimizer (rank 0; DDP keeps them equal on every rank). The data
+position is the step: batches(start=step) resumes the stream there.
 
 A full checkpoint holds every row; an incremental one (--checkpoint-full-every k > 1) only
 the rows of IDs the training touched since the previous checkpoint (its `parent`); restore
@@ -25,9 +20,6 @@ filesystem when ranks are on several machines).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import os
 import shutil
 from pathlib import Path
 
@@ -36,83 +28,13 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from dynemb.errors import UserError
 from trainer.config import TrainConfig
 from trainer.model import Built, dense_parameters
 from trainer.row_store import RowStore
+from trainer.checkpoint_format import (FORMAT, VERSION, CheckpointError, chain, checkpoints,
+                                       files_digest, read_manifest, step_folder, verify, write_manifest)
 from trainer.table_files import TableReader, TableWriter
 from trainer.table_rows import find_tables
-
-FORMAT = "dynemb.checkpoint"
-VERSION = 1
-MANIFEST = "manifest.json"
-
-
-class CheckpointError(UserError, ValueError):
-    """A checkpoint that cannot be used: missing, corrupt, or not of this job."""
-
-
-def step_folder(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(4 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _files_under(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file())
-
-
-def read_manifest(folder: str | os.PathLike) -> dict:
-    path = Path(folder) / MANIFEST
-    if not path.is_file():
-        raise CheckpointError(f"{folder}: no {MANIFEST} (not a checkpoint, or one cut short)")
-    try:
-        doc = json.loads(path.read_text())
-    except ValueError as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
-    if doc.get("format") != FORMAT or doc.get("version") != VERSION:
-        raise CheckpointError(f"{path}: format {doc.get('format')!r} version {doc.get('version')!r}, "
-                              f"expected {FORMAT!r} version {VERSION}")
-    return doc
-
-
-def verify(folder: str | os.PathLike, progress: bool = False) -> dict:
-    """The manifest, after checking every file it lists against its sha256."""
-    folder = Path(folder)
-    doc = read_manifest(folder)
-    for rel, digest in tqdm(sorted(doc["files"].items()), desc=f"verify {folder.name}", unit="file",
-                            disable=not progress):
-        path = folder / rel
-        if not path.is_file():
-            raise CheckpointError(f"{path}: listed in {MANIFEST} but missing")
-        if _sha256(path) != digest:
-            raise CheckpointError(f"{path}: sha256 differs from {MANIFEST} (corrupt or changed)")
-    return doc
-
-
-def checkpoints(root: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints under root, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if p.name.startswith("step-") and (p / MANIFEST).is_file())
-
-
-def chain(folder: str | os.PathLike) -> list[Path]:
-    """The checkpoints to apply, the last full one first, ending with `folder`."""
-    out = [Path(folder)]
-    while (parent := read_manifest(out[0]).get("parent")) is not None:
-        out.insert(0, out[0].parent / parent)
-        if len(out) > 10_000:
-            raise CheckpointError(f"{folder}: parent chain does not end in a full checkpoint")
-    return out
-
 
 class Checkpointer:
     """Saves a job's checkpoints and restores one; tracks the IDs touched between checkpoints
@@ -172,13 +94,9 @@ class Checkpointer:
                 "dynamic": self.dynamic is not None, "optimizer": self.cfg.optimizer,
                 "tables": {n: self.built.schemas[n].to_dict() for n in self.built.table_names},
                 "config": dataclasses.asdict(self.cfg),
-                "files": {str(p.relative_to(work)): _sha256(p) for p in _files_under(work)},
+                "files": files_digest(work),
             }
-            tmp = work / f".{MANIFEST}.tmp"
-            tmp.write_text(json.dumps(manifest, indent=2, default=str) + "\n")
-            os.replace(tmp, work / MANIFEST)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(work, final)
+            write_manifest(work, manifest, final)
             self._retain()
         dist.barrier()
         self.saved += 1
@@ -283,6 +201,9 @@ class Checkpointer:
         return int(doc["step"])
 
     def _check_fits(self, folder: Path, doc: dict) -> None:
+        if doc.get("config") is None:
+            raise CheckpointError(f"{folder}: holds PS tables only (made by `dynemb checkpoint save`), not a "
+                                  f"training job's state; put them on a PS with `dynemb checkpoint restore`")
         if doc["world_size"] != self.world:
             raise CheckpointError(f"{folder}: written by {doc['world_size']} ranks, this job has {self.world} "
                                   f"(restoring onto another number of ranks is not supported yet)")

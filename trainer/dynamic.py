@@ -18,6 +18,8 @@ the optimizer step, so a batch in flight never has a row pushed or reused under 
 
 from __future__ import annotations
 
+from array import array
+
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -81,6 +83,7 @@ class DynamicTables:
             t: {k: getattr(metrics, k).labels(t, metrics.rank) for k in names} for t in self.transformers
         }
         self.last_hit_rate = 0.0
+        self.hit_rates = array("d")  # per transformed batch, in order (8 bytes a step)
 
     # -- one batch ------------------------------------------------------------------
 
@@ -109,6 +112,7 @@ class DynamicTables:
             looked += n
             hit += hits
         self.last_hit_rate = hit / max(looked, 1)
+        self.hit_rates.append(self.last_hit_rate)
         if bool(keep.all()):
             return KeyedJaggedTensor(keys=kjt.keys(), values=new_values, lengths=lengths, weights=kjt.weights_or_none())
         # IDs not admitted yet (below the admission threshold) are left out of their bags

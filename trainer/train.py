@@ -49,6 +49,7 @@ class TrainResult:
     logloss: float = float("nan")
     samples_per_second: float = 0.0
     hit_rate: float = float("nan")
+    hit_rates: list[float] = field(default_factory=list)  # dynamic tables: this rank's, per batch
     # with train(..., collect_tables=True): this rank's block of every table after training,
     # {name: (first row, rows (n, dim + state width))}; dynamic tables read back from the PS
     tables: dict = field(default_factory=dict)
@@ -206,6 +207,7 @@ def _loop(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None, metrics
     result.samples_per_second = len(result.losses) * cfg.batch_size * dist.get_world_size() / max(elapsed, 1e-9)
     if dynamic is not None:
         result.hit_rate = dynamic.last_hit_rate
+        result.hit_rates = list(dynamic.hit_rates[: len(result.losses)])  # not the ones fetched ahead
         while dynamic.in_flight:  # batches the pipeline fetched but the step limit cut off
             dynamic.release_oldest()
     return result

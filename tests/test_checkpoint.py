@@ -1,0 +1,140 @@
+"""Checkpoint and restore of a training job: a job resumed from a checkpoint (full or the end
+of an incremental chain, dynamic tables over a fresh PS or full tables) continues exactly as
+the job that was not stopped; bad checkpoints are refused with the problem named."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from test_trainer_exact import config
+from trainer.checkpoint_format import MANIFEST, CheckpointError, checkpoints, read_manifest
+from trainer.train import train
+
+STEPS = 40
+
+
+def run(tmp: Path, optimizer: str, dynamic: bool, **extra):
+    return train(config(optimizer, dynamic=dynamic, steps=STEPS, **extra), collect_tables=True)
+
+
+def assert_same_tables(a, b):
+    assert a.tables.keys() == b.tables.keys() and a.tables
+    for name, (first, rows) in a.tables.items():
+        assert b.tables[name][0] == first
+        np.testing.assert_array_equal(b.tables[name][1], rows, err_msg=f"table {name}")
+
+
+@pytest.mark.parametrize("optimizer,dynamic,resume_at,pipeline", [
+    ("adagrad", True, 20, True),           # incremental step 20 on full step 10
+    ("adam", True, 30, True),              # a full one; Adam's moments and step count
+    ("sgd", True, 20, False),              # the plain (unpipelined) loop
+    ("rowwise_adagrad", False, 20, True),  # full tables, per-rank files, incremental
+    ("adam", False, 30, True),
+], ids=["adagrad-dynamic-incremental", "adam-dynamic-full", "sgd-dynamic-plain", "rowwise-full-tables-incremental",
+        "adam-full-tables"])
+def test_a_resumed_job_continues_exactly(tmp_path, optimizer, dynamic, resume_at, pipeline):
+    ck = tmp_path / "ck"
+    first = run(tmp_path, optimizer, dynamic, pipeline=pipeline, checkpoint_dir=str(ck), checkpoint_every=10,
+                checkpoint_full_every=2)
+    assert [c.name for c in checkpoints(ck)] == ["step-00000010", "step-00000020", "step-00000030"]
+    kinds = [read_manifest(c)["kind"] for c in checkpoints(ck)]
+    assert kinds == ["full", "incremental", "full"]
+    # the resumed job starts a fresh PS: every row it has comes from the checkpoint
+    resumed = run(tmp_path, optimizer, dynamic, pipeline=pipeline,
+                  resume=str(ck / f"step-{resume_at:08d}"))
+    assert len(resumed.losses) == STEPS - resume_at
+    np.testing.assert_array_equal(resumed.losses, first.losses[resume_at:])
+    assert resumed.auc == first.auc and resumed.logloss == first.logloss
+    if dynamic:  # the ID transformers came back as they were: same hits, batch by batch
+        assert len(resumed.hit_rates) == STEPS - resume_at
+        np.testing.assert_array_equal(resumed.hit_rates, first.hit_rates[resume_at:])
+        assert min(first.hit_rates) < 1.0
+    assert_same_tables(first, resumed)
+
+
+def test_checkpointing_does_not_change_training_and_latest_resumes(tmp_path):
+    ck = tmp_path / "ck"
+    plain = run(tmp_path, "adagrad", True)
+    saved = run(tmp_path, "adagrad", True, checkpoint_dir=str(ck), checkpoint_every=15, checkpoint_at_end=True)
+    np.testing.assert_array_equal(saved.losses, plain.losses)
+    assert [c.name for c in checkpoints(ck)] == ["step-00000015", "step-00000030", "step-00000040"]
+    # latest = step 40 = the end: nothing left to train, the same model evaluated
+    again = run(tmp_path, "adagrad", True, checkpoint_dir=str(ck), resume="latest")
+    assert again.losses == [] and again.auc == plain.auc
+    assert_same_tables(plain, again)
+
+
+def test_retention_keeps_the_newest_and_what_they_build_on(tmp_path):
+    ck = tmp_path / "ck"
+    run(tmp_path, "sgd", True, checkpoint_dir=str(ck), checkpoint_every=5, checkpoint_full_every=3,
+        checkpoint_keep=2)
+    # saved at 5 (full) 10 (inc) 15 (inc) 20 (full) 25 (inc) 30 (inc) 35 (full); keep 30, 35
+    # and 30's chain (20, 25)
+    assert [c.name for c in checkpoints(ck)] == [f"step-{s:08d}" for s in (20, 25, 30, 35)]
+    assert read_manifest(ck / "step-00000030")["parent"] == "step-00000025"
+    assert not list(ck.glob("*.partial"))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """One job's checkpoints (dynamic tables, adagrad): step 10 full, 20 incremental."""
+    ck = tmp_path_factory.mktemp("saved") / "ck"
+    train(config("adagrad", dynamic=True, steps=20, checkpoint_dir=str(ck), checkpoint_every=10,
+                 checkpoint_full_every=2, checkpoint_at_end=True))
+    return ck
+
+
+@pytest.fixture
+def copy_of(saved, tmp_path):
+    shutil.copytree(saved, tmp_path / "ck")
+    return tmp_path / "ck"
+
+
+def resume_error(ck: Path, which: str, **extra) -> str:
+    with pytest.raises(CheckpointError) as err:
+        train(config(extra.pop("optimizer", "adagrad"), dynamic=extra.pop("dynamic", True), steps=30,
+                     checkpoint_dir=str(ck), resume=which, **extra))
+    return str(err.value)
+
+
+def test_a_corrupt_table_shard_is_named(copy_of):
+    shard = sorted((copy_of / "step-00000010" / "tables" / "t_3").glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    # resuming step 20 reads step 10 too (its base): the bad file there is found first
+    msg = resume_error(copy_of, str(copy_of / "step-00000020"))
+    assert str(shard) in msg and "sha256 differs" in msg
+
+
+def test_a_missing_file_a_missing_parent_and_a_cut_manifest_are_named(copy_of):
+    (copy_of / "step-00000020" / "rank-00000.pt").unlink()
+    msg = resume_error(copy_of, "latest")
+    assert "rank-00000.pt: listed in manifest.json but missing" in msg
+    shutil.rmtree(copy_of / "step-00000010")
+    msg = resume_error(copy_of, str(copy_of / "step-00000020"))
+    assert "builds on step-00000010, which is not in" in msg
+    (copy_of / "step-00000020" / MANIFEST).write_text('{"format": "dynemb.checkpoint", "vers')
+    msg = resume_error(copy_of, str(copy_of / "step-00000020"))
+    assert "manifest.json: not valid JSON" in msg
+    msg = resume_error(copy_of, str(copy_of / "nowhere"))
+    assert "no manifest.json" in msg
+
+
+def test_a_checkpoint_of_another_job_is_refused(copy_of):
+    latest = str(copy_of / "step-00000020")
+    assert "optimizer adagrad, this job's is sgd" in resume_error(copy_of, latest, optimizer="sgd")
+    assert "dynamic tables, this job's are full" in resume_error(copy_of, latest, dynamic=False)
+    doc = json.loads((copy_of / "step-00000020" / MANIFEST).read_text())
+    doc["world_size"] = 4
+    (copy_of / "step-00000020" / MANIFEST).write_text(json.dumps(doc))
+    assert "written by 4 ranks, this job has 1" in resume_error(copy_of, latest)
+
+
+def test_resume_latest_with_no_checkpoint_says_so(tmp_path):
+    assert "no checkpoint in" in resume_error(tmp_path / "empty", "latest")
