@@ -44,9 +44,11 @@ def test_a_resumed_job_continues_exactly(tmp_path, optimizer, dynamic, resume_at
     assert [c.name for c in checkpoints(ck)] == ["step-00000010", "step-00000020", "step-00000030"]
     kinds = [read_manifest(c)["kind"] for c in checkpoints(ck)]
     assert kinds == ["full", "incremental", "full"]
-    # the resumed job starts a fresh PS: every row it has comes from the checkpoint
-    resumed = run(tmp_path, optimizer, dynamic, pipeline=pipeline,
-                  resume=str(ck / f"step-{resume_at:08d}"))
+    # the resumed job starts a fresh PS: every row it has comes from the checkpoint. Same
+    # checkpoint flags (another folder): its pipeline drains where the first job's did, so
+    # the ID transformers see the same pins (the losses match either way; the hits need it)
+    resumed = run(tmp_path, optimizer, dynamic, pipeline=pipeline, checkpoint_dir=str(tmp_path / "ck2"),
+                  checkpoint_every=10, resume=str(ck / f"step-{resume_at:08d}"))
     assert len(resumed.losses) == STEPS - resume_at
     np.testing.assert_array_equal(resumed.losses, first.losses[resume_at:])
     assert resumed.auc == first.auc and resumed.logloss == first.logloss
@@ -138,3 +140,30 @@ def test_a_checkpoint_of_another_job_is_refused(copy_of):
 
 def test_resume_latest_with_no_checkpoint_says_so(tmp_path):
     assert "no checkpoint in" in resume_error(tmp_path / "empty", "latest")
+
+
+@pytest.mark.parametrize("optimizer,tables", [("adam", "dynamic"), ("rowwise_adagrad", "full")])
+def test_two_torchrun_ranks_resume_exactly(tmp_path, optimizer, tables):
+    """2 gloo ranks: each rank's losses, hit rates and block of every table after resuming from
+    an incremental checkpoint equal the uninterrupted job's."""
+    from test_sharded_idtransformer import torchrun
+
+    worker = Path(__file__).parent / "dist" / "checkpoint_worker.py"
+    done = torchrun(2, worker, str(tmp_path), optimizer, tables, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    saved = checkpoints(tmp_path / "ck")
+    assert [read_manifest(c)["world_size"] for c in saved] == [2, 2, 2]
+    if tables == "full":  # each rank wrote its own block of every table
+        assert sorted(p.name for p in (saved[0] / "tables" / "t_0").iterdir()) == ["rank-00000", "rank-00001"]
+    for rank in range(2):
+        got = np.load(tmp_path / f"rank{rank}.npz")
+        assert len(got["resumed_losses"]) == STEPS - 20
+        np.testing.assert_array_equal(got["resumed_losses"], got["first_losses"][20:], err_msg=f"rank {rank}")
+        np.testing.assert_array_equal(got["resumed_hit_rates"], got["first_hit_rates"][20:], err_msg=f"rank {rank}")
+        assert got["resumed_auc"] == got["first_auc"]
+        names = [k[len("first_table_"):] for k in got.files if k.startswith("first_table_")]
+        assert len(names) == 6
+        for name in names:
+            assert got[f"resumed_first_{name}"] == got[f"first_first_{name}"]
+            np.testing.assert_array_equal(got[f"resumed_table_{name}"], got[f"first_table_{name}"],
+                                          err_msg=f"rank {rank} table {name}")

@@ -20,7 +20,7 @@ from trainer.train import train  # noqa: E402
 def main() -> None:
     out, optimizer = sys.argv[1], sys.argv[2]
     import faulthandler
-    faulthandler.dump_traceback_later(50, exit=True)
+    faulthandler.dump_traceback_later(500, exit=True)  # a hung collective prints its stacks
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     full = train(config(optimizer, dynamic=False), collect_tables=True)
