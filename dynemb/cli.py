@@ -19,10 +19,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     from dynemb import demo
     from ps_server import cli as ps_cli
+    from trainer import checkpoint_cli
     from trainer import cli as train_cli
 
     ps_cli.add_parser(sub)
     train_cli.add_parser(sub)
+    checkpoint_cli.add_parser(sub)
     demo.add_parser(sub)
     return parser
 
@@ -34,9 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
+        from dynemb.errors import UserError
         from ps_server.errors import PSError
 
-        if isinstance(exc, PSError):  # a clear message is enough; no traceback
+        if isinstance(exc, (PSError, UserError)):  # a clear message is enough; no traceback
             print(f"dynemb: error: {exc}", file=sys.stderr)
             return 1
         raise

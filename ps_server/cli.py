@@ -98,11 +98,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     def client_parser(name: str, help: str) -> argparse.ArgumentParser:
         p = ps_sub.add_parser(name, help=help, description=help, epilog=CLIENT_EPILOG,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-        p.add_argument("--ps", default=_env("DYNEMB_PS", "localhost:50051"),
-                       help="PS address(es), comma-separated [env DYNEMB_PS, default %(default)s]")
-        p.add_argument("--auth-token", default=_env("DYNEMB_PS_AUTH_TOKEN"), help="[env DYNEMB_PS_AUTH_TOKEN]")
-        p.add_argument("--tls-ca", default=_env("DYNEMB_PS_TLS_CA"), help="CA certificate (PEM) to reach a TLS PS [env DYNEMB_PS_TLS_CA]")
-        p.add_argument("--timeout", type=float, default=30.0, help="seconds per call [default %(default)s]")
+        add_client_flags(p)
         return p
 
     p = client_parser("tables", "list the tables with their schemas and row counts")
@@ -181,7 +177,19 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def _client(args):
+def add_client_flags(p: argparse.ArgumentParser, ps_default: str | None = "localhost:50051") -> None:
+    """--ps, --auth-token, --tls-ca, --timeout: how a command reaches running PSs."""
+    default = _env("DYNEMB_PS", ps_default)
+    p.add_argument("--ps", default=default,
+                   help="PS address(es), comma-separated [env DYNEMB_PS"
+                   + (", default %(default)s]" if default else "]"))
+    p.add_argument("--auth-token", default=_env("DYNEMB_PS_AUTH_TOKEN"), help="[env DYNEMB_PS_AUTH_TOKEN]")
+    p.add_argument("--tls-ca", default=_env("DYNEMB_PS_TLS_CA"), help="CA certificate (PEM) to reach a TLS PS [env DYNEMB_PS_TLS_CA]")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds per call [default %(default)s]")
+
+
+def client_from_args(args):
+    """A PSClient for the flags of add_client_flags."""
     from ps_server.client import PSClient
 
     return PSClient(args.ps, auth_token=args.auth_token, tls_ca=args.tls_ca, timeout=args.timeout)
@@ -195,7 +203,7 @@ def _table_line(info) -> str:
 
 
 def cmd_tables(args) -> int:
-    with _client(args) as ps:
+    with client_from_args(args) as ps:
         tables = ps.list_tables()
     for info in tables:
         print(_table_line(info))
@@ -208,28 +216,28 @@ def cmd_create_table(args) -> int:
     from ps_server.schema import Initializer
 
     init = Initializer(args.init, args.init_a, args.init_b, args.init_seed, args.state_init)
-    with _client(args) as ps:
+    with client_from_args(args) as ps:
         info = ps.create_table(args.table, args.dim, args.state_width, args.dtype, init)
     print(_table_line(info))
     return 0
 
 
 def cmd_describe(args) -> int:
-    with _client(args) as ps:
+    with client_from_args(args) as ps:
         print(json.dumps({**ps.describe_table(args.table).schema.to_dict(),
                           "num_rows": ps.describe_table(args.table).num_rows}, indent=2))
     return 0
 
 
 def cmd_drop(args) -> int:
-    with _client(args) as ps:
+    with client_from_args(args) as ps:
         n = ps.drop_table(args.table, missing_ok=args.missing_ok)
     print(f"dropped {args.table} ({n} rows)")
     return 0
 
 
 def cmd_pull(args) -> int:
-    with _client(args) as ps:
+    with client_from_args(args) as ps:
         got = ps.pull(args.table, np.array(args.ids, dtype=np.int64))
         rows = got.rows
         if ps.schema(args.table).dtype == "bf16":  # rows travel as bf16 bit patterns: print the values
@@ -245,14 +253,14 @@ def cmd_pull(args) -> int:
 def cmd_stats(args) -> int:
     from google.protobuf import json_format
 
-    with _client(args) as ps:
+    with client_from_args(args) as ps:
         for address, reply in zip(ps.addresses, ps.stats()):
             print(json.dumps({"address": address, **json_format.MessageToDict(reply)}, indent=2))
     return 0
 
 
 def cmd_health(args) -> int:
-    with _client(args) as ps:
+    with client_from_args(args) as ps:
         status = ps.health(timeout=args.timeout)
         for address, s in zip(ps.addresses, status):
             print(f"{address}: {s}")

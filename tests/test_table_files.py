@@ -1,0 +1,264 @@
+"""Portable table files (trainer/table_files.py) and `dynemb checkpoint export|import`, against
+real PS processes: embedded → files → Redis-backed, bit for bit; corrupt, truncated and missing
+shards, bad manifests and schema clashes refused before anything is written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+import pytest
+
+from dynemb.local import REPO, LocalPS
+from ps_server.client import PSClient
+from ps_server.errors import TableNotFound
+from ps_server.schema import Initializer, TableSchema
+from trainer.table_files import (
+    MANIFEST,
+    Manifest,
+    TableFileError,
+    TableReader,
+    TableWriter,
+    export_table,
+    import_table,
+)
+
+
+@pytest.fixture(scope="module")
+def redis_ps(redis_url):
+    ps = LocalPS("--backend", redis_url, "--namespace", f"tf{uuid.uuid4().hex[:8]}").start()
+    yield ps
+    ps.close()
+
+
+@pytest.fixture
+def redis_client(redis_ps):
+    with PSClient(redis_ps.address, timeout=30) as client:
+        yield client
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:8]}"
+
+
+def fill(ps: PSClient, name: str, dtype: str, n: int, dim: int = 6, state_width: int = 6, seed: int = 0):
+    """A table of n rows whose values are arbitrary bit patterns (NaNs, infinities, -0 included)."""
+    rng = np.random.default_rng(seed)
+    schema = TableSchema(name, dim, state_width, dtype, Initializer("normal", 0.0, 0.02, seed=7, state_init=0.1))
+    ps.create_table_from_schema(schema)
+    ids = rng.choice(1 << 62, n, replace=False).astype(np.int64) - (1 << 61)
+    bits = rng.integers(0, np.iinfo(np.uint32).max, (n, schema.width), dtype=np.uint32, endpoint=True)
+    rows = bits.view(np.float32) if dtype == "fp32" else bits.astype(np.uint16)
+    rows = rows.view(schema.np_dtype) if dtype != "fp32" else rows
+    ps.push(name, ids, rows)
+    return schema, ids, rows
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+def test_embedded_to_files_to_redis_bit_for_bit(embedded_client, redis_client, tmp_path, dtype):
+    name = unique(f"rt_{dtype}")
+    schema, ids, rows = fill(embedded_client, name, dtype, n=1000, seed=len(dtype))
+    manifest = export_table(embedded_client, name, tmp_path / name, rows_per_shard=300, progress=False)
+    assert [s.rows for s in manifest.shards] == [300, 300, 300, 100]
+    assert manifest.schema == schema and manifest.num_rows == 1000
+    doc = json.loads((tmp_path / name / MANIFEST).read_text())
+    assert doc["format"] == "dynemb.table" and doc["version"] == 1 and doc["schema"] == schema.to_dict()
+    assert sorted(os.listdir(tmp_path / name)) == [f"part-0000{k}.safetensors" for k in range(4)] + [MANIFEST]
+
+    reader = TableReader(tmp_path / name)
+    got = [np.concatenate(parts) for parts in zip(*reader.chunks(chunk_rows=128))]
+    order = np.argsort(got[0])
+    expect = np.argsort(ids)
+    assert np.array_equal(got[0][order], ids[expect])
+    assert same_bits(np.concatenate([got[1], got[2]], axis=1)[order], rows[expect])
+
+    assert import_table(redis_client, tmp_path / name, progress=False) == 1000
+    assert redis_client.describe_table(name).schema == schema
+    assert redis_client.describe_table(name).num_rows == 1000
+    pulled = redis_client.pull(name, ids)
+    assert not pulled.missing.any()
+    assert same_bits(pulled.rows, rows)
+
+
+def test_writer_rolls_shards_and_reader_gives_back_every_row(tmp_path):
+    schema = TableSchema("w", dim=3, state_width=1)
+    rng = np.random.default_rng(0)
+    chunks = [(np.arange(k, k + n), rng.standard_normal((n, 3)).astype(np.float32),
+               rng.standard_normal((n, 1)).astype(np.float32)) for k, n in ((0, 7), (7, 5), (12, 13), (25, 0))]
+    with TableWriter(tmp_path / "w", schema, rows_per_shard=10) as w:
+        for c in chunks:
+            w.write(*c)
+    m = Manifest.read(tmp_path / "w")
+    assert [s.rows for s in m.shards] == [10, 10, 5] and m.num_rows == 25
+    out = [np.concatenate(p) for p in zip(*TableReader(tmp_path / "w").chunks(chunk_rows=4))]
+    for got, want in zip(out, (np.concatenate(p) for p in zip(*chunks))):
+        assert np.array_equal(got, want)
+
+    with pytest.raises(TableFileError, match="already holds table files"):
+        TableWriter(tmp_path / "w", schema)
+    w = TableWriter(tmp_path / "w", schema, overwrite=True)
+    with pytest.raises(TableFileError, match=r"embeddings must have shape \(2, 3\), got \(2, 4\)"):
+        w.write([1, 2], np.zeros((2, 4), np.float32), np.zeros((2, 1), np.float32))
+    with pytest.raises(TableFileError, match="state must be float32 .* got float64"):
+        w.write([1, 2], np.zeros((2, 3), np.float32), np.zeros((2, 1)))
+    assert not (tmp_path / "w" / MANIFEST).exists(), "an overwrite removes the old manifest first"
+
+
+def test_a_writer_that_fails_leaves_no_manifest(tmp_path):
+    schema = TableSchema("f", dim=2)
+    with pytest.raises(RuntimeError):
+        with TableWriter(tmp_path / "f", schema, rows_per_shard=2) as w:
+            w.write([1, 2, 3], np.ones((3, 2), np.float32))
+            raise RuntimeError("export cut short")
+    assert (tmp_path / "f" / "part-00000.safetensors").exists()
+    with pytest.raises(TableFileError, match="table.json: missing"):
+        TableReader(tmp_path / "f")
+
+
+@pytest.fixture(scope="module")
+def exported(embedded_ps, tmp_path_factory):
+    """A 3-shard table folder exported from the embedded PS (copied per test before damage)."""
+    folder = tmp_path_factory.mktemp("exported") / "src"
+    with PSClient(embedded_ps.address) as ps:
+        name = unique("src")
+        fill(ps, name, "fp32", n=90, dim=4, state_width=1)
+        export_table(ps, name, folder, rows_per_shard=30, progress=False)
+    return folder
+
+
+@pytest.fixture
+def copy_of(exported, tmp_path):
+    import shutil
+
+    dst = tmp_path / "copy"
+    shutil.copytree(exported, dst)
+    return dst
+
+
+def assert_nothing_written(ps: PSClient, table: str) -> None:
+    with pytest.raises(TableNotFound):
+        ps.describe_table(table)
+
+
+def test_corrupt_shard_is_named_and_nothing_is_written(redis_client, copy_of):
+    path = copy_of / "part-00002.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x40  # one flipped bit in the last shard's values
+    path.write_bytes(bytes(data))
+    table = unique("corrupt")
+    with pytest.raises(TableFileError, match=r"part-00002\.safetensors: sha256 is [0-9a-f]{64}, table\.json says"):
+        import_table(redis_client, copy_of, table=table, progress=False)
+    assert_nothing_written(redis_client, table)
+
+
+def test_truncated_and_missing_shards(redis_client, copy_of):
+    path = copy_of / "part-00001.safetensors"
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(size - 100)
+    table = unique("trunc")
+    with pytest.raises(TableFileError, match=rf"part-00001\.safetensors: sha256 .* corrupt or truncated \({size - 100} bytes\)"):
+        import_table(redis_client, copy_of, table=table, progress=False)
+    path.unlink()
+    with pytest.raises(TableFileError, match=r"part-00001\.safetensors: missing \(listed in .*table\.json\)"):
+        import_table(redis_client, copy_of, table=table, progress=False)
+    assert_nothing_written(redis_client, table)
+
+
+def test_a_shard_with_the_right_checksum_but_wrong_tensors(copy_of):
+    from safetensors.numpy import save_file
+
+    from trainer.table_files import _sha256
+
+    path = copy_of / "part-00000.safetensors"
+    save_file({"ids": np.arange(30), "embeddings": np.zeros((30, 5), np.float32),
+               "state": np.zeros((30, 1), np.float32)}, str(path))
+    doc = json.loads((copy_of / MANIFEST).read_text())
+    doc["shards"][0]["sha256"] = _sha256(path)
+    (copy_of / MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(TableFileError, match=r"part-00000\.safetensors: tensor 'embeddings' is F32 \[30, 5\], "
+                                             r"expected F32 \[30, 4\]"):
+        TableReader(copy_of).verify()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.update(version=2), "format version 2 is not one this dynemb reads"),
+    (lambda d: d.update(format="other"), "field 'format' is 'other', expected 'dynemb.table'"),
+    (lambda d: d.pop("num_rows"), "field 'num_rows' is missing"),
+    (lambda d: d.update(num_rows=91), "num_rows is 91 but the shards hold 90 rows"),
+    (lambda d: d["schema"].update(dim=0), "field 'schema' is not a valid table schema: .*dim must be"),
+    (lambda d: d["shards"][0].update(file="../x.safetensors"), r"shards\[0\]\.file must be a name like"),
+])
+def test_bad_manifests_are_named(copy_of, edit, message):
+    doc = json.loads((copy_of / MANIFEST).read_text())
+    edit(doc)
+    (copy_of / MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(TableFileError, match=message):
+        TableReader(copy_of)
+
+
+def test_not_json(copy_of):
+    (copy_of / MANIFEST).write_text("{oops")
+    with pytest.raises(TableFileError, match="table.json: not valid JSON"):
+        TableReader(copy_of)
+
+
+def test_schema_clash_with_an_existing_table_writes_nothing(redis_client, copy_of):
+    table = unique("clash")
+    redis_client.create_table(table, dim=4, state_width=4)  # the files have state_width 1
+    redis_client.push(table, [1], np.ones((1, 8), np.float32))
+    with pytest.raises(TableFileError, match=rf"table '{table}' exists on the PS with another schema "
+                                             r"\(PS vs files: state_width 4 vs 1; initializer"):
+        import_table(redis_client, copy_of, table=table, replace=True, progress=False)
+    assert redis_client.describe_table(table).num_rows == 1
+    assert np.array_equal(redis_client.pull(table, [1]).rows, np.ones((1, 8), np.float32))
+
+
+def dynemb(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dynemb.cli", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+
+
+def test_cli_export_import_end_to_end(embedded_client, redis_ps, redis_client, tmp_path, copy_of):
+    a, b = unique("cli_a"), unique("cli_b")
+    _, ids_a, rows_a = fill(embedded_client, a, "fp32", n=50, seed=1)
+    _, ids_b, rows_b = fill(embedded_client, b, "fp16", n=20, dim=3, state_width=0, seed=2)
+    out = tmp_path / "out"
+    ps = embedded_client.addresses[0]
+    res = dynemb("checkpoint", "export", "--ps", ps, "--table", a, "--table", b, "--out", str(out),
+                 "--rows-per-shard", "16", "--quiet")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == [f"exported {a}: 50 rows in 4 shard(s) -> {out / a}",
+                                       f"exported {b}: 20 rows in 2 shard(s) -> {out / b}"]
+
+    res = dynemb("checkpoint", "import", str(out), "--ps", redis_ps.address, "--quiet")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == [f"imported {out / a} -> table {a}: 50 rows",
+                                       f"imported {out / b} -> table {b}: 20 rows"]
+    assert same_bits(redis_client.pull(a, ids_a).rows, rows_a)
+    assert same_bits(redis_client.pull(b, ids_b).rows, rows_b)
+
+    renamed = unique("cli_renamed")
+    res = dynemb("checkpoint", "import", str(out), "--table", b, "--as", renamed, "--ps", redis_ps.address)
+    assert res.returncode == 0, res.stderr
+    assert "import " + renamed in res.stderr  # the progress bar
+    assert same_bits(redis_client.pull(renamed, ids_b).rows, rows_b)
+
+    (copy_of / "part-00001.safetensors").write_bytes(b"not a shard")
+    res = dynemb("checkpoint", "import", str(copy_of), "--as", unique("bad"), "--ps", redis_ps.address)
+    assert res.returncode == 1
+    assert res.stderr.strip().splitlines()[-1].startswith(f"dynemb: error: {copy_of / 'part-00001.safetensors'}: sha256 is")
+    assert "Traceback" not in res.stderr
+
+    res = dynemb("checkpoint", "import", str(out), "--as", "x", "--ps", redis_ps.address)
+    assert res.returncode == 1 and "--as names one table, but 2 would be imported" in res.stderr
+    res = dynemb("checkpoint", "export", "--ps", ps, "--table", "no_such_table", "--out", str(tmp_path / "none"))
+    assert res.returncode == 1 and "NOT_FOUND" in res.stderr and not (tmp_path / "none").exists()
