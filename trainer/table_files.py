@@ -165,6 +165,14 @@ class Manifest:
         return cls(schema, num_rows, shards, doc.get("source") or {})
 
 
+def existing_files(folder: str | os.PathLike) -> list[Path]:
+    """The table files (manifest, shards) a folder already holds."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return [p for p in folder.iterdir() if p.name == MANIFEST or _SHARD_NAME.match(p.name)]
+
+
 class TableWriter:
     """Write a table folder from chunks of (ids, embeddings, state); shards roll every
     rows_per_shard rows and table.json is written by close() (or at the end of `with`)."""
@@ -183,7 +191,7 @@ class TableWriter:
         self._pending_rows = 0
         self._shards: list[Shard] = []
         self._closed = False
-        old = self._existing()
+        old = existing_files(self.folder)
         if old and not overwrite:
             raise TableFileError(f"{self.folder}: already holds table files ({', '.join(p.name for p in old[:3])}"
                                  f"{'...' if len(old) > 3 else ''}); choose an empty folder or overwrite")
@@ -191,11 +199,6 @@ class TableWriter:
         for p in sorted(old, key=lambda p: p.name != MANIFEST):
             p.unlink()
         self.folder.mkdir(parents=True, exist_ok=True)
-
-    def _existing(self) -> list[Path]:
-        if not self.folder.is_dir():
-            return []
-        return [p for p in self.folder.iterdir() if p.name == MANIFEST or _SHARD_NAME.match(p.name)]
 
     def write(self, ids, embeddings, state=None) -> None:
         if self._closed:

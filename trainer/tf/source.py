@@ -39,6 +39,10 @@ class Rows:
     read: Callable[[int, int], np.ndarray]  # rows [lo, hi)
     verify: Callable[[], None]  # checksums; raises CheckpointError
     missing: Callable[[int, int], np.ndarray] | None = None  # rows absent (key-aligned slots)
+    parts: tuple[str, ...] = ()  # every tensor read (default: the label)
+
+    def __post_init__(self) -> None:
+        self.parts = self.parts or (self.label,)
 
     @property
     def num_rows(self) -> int:
@@ -77,7 +81,8 @@ def concat_rows(parts: list[Rows], label: str) -> Rows:
         for p in parts:
             p.verify()
 
-    return Rows(label, parts[0].dtype, (int(bounds[-1]), *parts[0].shape[1:]), read, verify)
+    return Rows(label, parts[0].dtype, (int(bounds[-1]), *parts[0].shape[1:]), read, verify,
+                parts=tuple(n for p in parts for n in p.parts))
 
 
 class Source:

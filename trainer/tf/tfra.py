@@ -68,8 +68,7 @@ def _table_rows(bundle: Bundle, table: str, shards: dict[int, dict[str, str]]) -
         if len(kinfo.shape) != 1 or len(vinfo.shape) != 2 or kinfo.shape[0] != vinfo.shape[0]:
             raise CheckpointError(f"TFRA table {table!r}: shard {k + 1} has keys {list(kinfo.shape)} and values "
                                   f"{list(vinfo.shape)}; expected (n,) and (n, dim)")
-    keys.label = " + ".join(shards[k]["keys"] for k in sorted(shards))
-    values.label = " + ".join(shards[k]["values"] for k in sorted(shards))
+    keys.label, values.label = f"{table} keys", f"{table} ({len(shards)} shards)"
     return keys, values
 
 
@@ -106,8 +105,8 @@ def _aligned(primary_keys: Rows, keys: Rows, values: Rows) -> Rows:
         keys.verify()
         values.verify()
 
-    return Rows(f"{values.label} (matched by key)", values.dtype, (primary_keys.num_rows, *values.shape[1:]),
-                read, verify, missing)
+    return Rows(f"{values.label[:-1]}, matched by key)", values.dtype, (primary_keys.num_rows, *values.shape[1:]),
+                read, verify, missing, parts=keys.parts + values.parts)
 
 
 def find(bundle: Bundle, infos: dict[str, TensorInfo]) -> dict[str, Table]:
