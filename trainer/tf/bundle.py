@@ -263,6 +263,8 @@ class Bundle:
 
     def read_rows(self, name: str, lo: int, hi: int) -> np.ndarray:
         """Rows [lo, hi) along the first dimension, slices assembled (a copy, host order)."""
+        if self.entry(name).dtype == STRING and self.entry(name).shape.dim:
+            return self.read(name)[lo:hi]
         _, np_dtype, shape = self._numeric(name)
         if not shape:
             raise CheckpointError(f"{self.prefix}: tensor {name!r} is a scalar; it has no rows")

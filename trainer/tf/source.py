@@ -170,7 +170,10 @@ def _latest_in(folder: str) -> str | None:
     if not m:
         raise CheckpointError(f"{state}: no model_checkpoint_path line")
     path = m.group(1)
-    return path if os.path.isabs(path) else os.path.join(folder, path)
+    if not os.path.isabs(path):
+        return os.path.join(folder, path)
+    # an absolute path from where the checkpoint was written: the folder may have moved since
+    return path if os.path.isfile(path + ".index") else os.path.join(folder, os.path.basename(path))
 
 
 def open_source(path: str) -> Source:

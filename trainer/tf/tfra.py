@@ -68,7 +68,8 @@ def _table_rows(bundle: Bundle, table: str, shards: dict[int, dict[str, str]]) -
         if len(kinfo.shape) != 1 or len(vinfo.shape) != 2 or kinfo.shape[0] != vinfo.shape[0]:
             raise CheckpointError(f"TFRA table {table!r}: shard {k + 1} has keys {list(kinfo.shape)} and values "
                                   f"{list(vinfo.shape)}; expected (n,) and (n, dim)")
-    keys.label, values.label = f"{table} keys", f"{table} ({len(shards)} shards)"
+    count = f"{len(shards)} shard{'s' if len(shards) > 1 else ''}"
+    keys.label, values.label = f"{table} keys", f"{table} ({count})"
     return keys, values
 
 
@@ -124,5 +125,6 @@ def find(bundle: Bundle, infos: dict[str, TensorInfo]) -> dict[str, Table]:
             continue
         keys, values = parts[name]
         slots = {slot: _aligned(keys, *parts[s]) for s, (owner, slot) in slot_of.items() if owner == name}
-        tables[name] = Table(name, values, keys=keys, slots=slots, kind=f"TFRA table ({len(shards)} shards)")
+        count = f"{len(shards)} shard{'s' if len(shards) > 1 else ''}"
+        tables[name] = Table(name, values, keys=keys, slots=slots, kind=f"TFRA table ({count})")
     return tables
