@@ -150,7 +150,7 @@ def _keras_model(optimizer, known):
         var = model.get_layer(name).embeddings
         var.assign(k.array())
         index = paths.index(var.path)
-        for slot, values in k.slots.items():
+        for slot in k.slots:
             lists = {"accumulator": "_accumulators", "m": "_momentums", "v": "_velocities"}
             getattr(optimizer, lists[slot])[index].assign(k.slot(slot))
     return model

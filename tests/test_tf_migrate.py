@@ -23,7 +23,7 @@ from ps_server.errors import TableNotFound
 from ps_server.initializer import float_to_bf16_bits
 from ps_server.schema import Initializer
 from tf_fixture_values import FIXTURES, Known
-from trainer.table_files import MANIFEST, TableReader
+from trainer.table_files import TableReader
 from trainer.tf import migrate
 from trainer.tf.bundle import Bundle
 from trainer.tf.errors import CheckpointError

@@ -279,7 +279,7 @@ class TableReader:
         schema's widths and dtype. Raises TableFileError naming the first bad file."""
         from tqdm import tqdm
 
-        with tqdm(total=self.num_rows, unit="row", unit_scale=True, desc=f"verify {self.schema.name}",
+        with tqdm(total=self.num_rows, unit="row", desc=f"verify {self.schema.name}",
                   disable=not progress, leave=False) as bar:
             for shard in self.manifest.shards:
                 self._check_shard(shard)
@@ -378,7 +378,7 @@ def export_table(client, table: str, folder: str | os.PathLike, *, rows_per_shar
     schema = info.schema
     source = {"kind": "ps", "addresses": list(client.addresses)}
     with TableWriter(folder, schema, rows_per_shard=rows_per_shard, source=source, overwrite=overwrite) as w, \
-            tqdm(total=info.num_rows, unit="row", unit_scale=True, desc=f"export {table}", disable=not progress) as bar:
+            tqdm(total=info.num_rows, unit="row", desc=f"export {table}", disable=not progress) as bar:
         for ids, rows in client.export(table, rows_per_chunk=rows_per_chunk):
             w.write(ids, rows[:, : schema.dim], rows[:, schema.dim:])
             bar.update(len(ids))
@@ -399,7 +399,7 @@ def import_table(client, folder: str | os.PathLike, table: str | None = None, re
     if verify:
         reader.verify(progress=progress)
     check_no_conflict(client, schema, str(reader.folder / MANIFEST))
-    with tqdm(total=reader.num_rows, unit="row", unit_scale=True, desc=f"import {schema.name}",
+    with tqdm(total=reader.num_rows, unit="row", desc=f"import {schema.name}",
               disable=not progress) as bar:
         def rows():
             for ids, emb, st in reader.chunks(chunk_rows, verify=False):

@@ -22,7 +22,6 @@ import math
 import os
 import struct
 from dataclasses import dataclass
-from functools import cached_property
 
 import google_crc32c
 import numpy as np
@@ -200,14 +199,14 @@ class Bundle:
                 raise CheckpointError(f"{self.index_path}: slice {ext} of partitioned tensor {name!r} is listed "
                                       f"but has no entry: the index is corrupt")
             pieces.append((self._slice_entries[key], ext))
-        stored = sum(math.prod(self._piece_shape(p, shape, ext)) for p, ext in pieces)
+        stored = sum(math.prod(self._piece_shape(shape, ext)) for _, ext in pieces)
         if stored != math.prod(shape):
             raise CheckpointError(f"{self.index_path}: the slices of {name!r} hold {stored} values, its shape "
                                   f"{list(shape)} has {math.prod(shape)}")
         return pieces
 
     @staticmethod
-    def _piece_shape(entry, shape, ext) -> tuple[int, ...]:
+    def _piece_shape(shape, ext) -> tuple[int, ...]:
         return tuple(n if length < 0 else length for n, (_, length) in zip(shape, ext))
 
     def _numeric(self, name: str) -> tuple[str, np.dtype, tuple[int, ...]]:
@@ -271,7 +270,7 @@ class Bundle:
         lo, hi = max(0, lo), min(hi, shape[0])
         out = np.empty((max(0, hi - lo), *shape[1:]), dtype=np_dtype)
         for entry, ext in self._pieces(name):
-            piece_shape = shape if ext is None else self._piece_shape(entry, shape, ext)
+            piece_shape = shape if ext is None else self._piece_shape(shape, ext)
             self._check_piece_size(entry, piece_shape, np_dtype, name)
             start = 0 if ext is None else ext[0][0]
             a, b = max(lo, start), min(hi, start + piece_shape[0])
@@ -309,8 +308,3 @@ class Bundle:
         if pos > len(buf):
             raise CheckpointError(f"{where}: its strings run past its {len(buf)} bytes: the file is corrupt")
         return values, crc
-
-    @cached_property
-    def total_bytes(self) -> int:
-        return sum(os.path.getsize(self.data_path(s)) for s in range(self.num_shards)
-                   if os.path.exists(self.data_path(s)))

@@ -161,7 +161,7 @@ def read_vocab(path: str, kind: str, rows: int, table: str) -> np.ndarray:
 
 
 def _check_distinct(ids: np.ndarray, what: str) -> None:
-    uniq, first, counts = np.unique(ids, return_index=True, return_counts=True)
+    uniq, counts = np.unique(ids, return_counts=True)
     if len(uniq) != len(ids):
         dup = uniq[counts > 1][0]
         rows = np.flatnonzero(ids == dup)[:2]
@@ -176,6 +176,7 @@ def _ids_of(spec: TableSpec, table: Table) -> np.ndarray | None:
         if spec.vocab or spec.offset:
             raise CheckpointError(f"--table {spec.table}: {table.name!r} is a TFRA table whose keys are the ids; "
                                   f"offset and vocab apply to plain tensors")
+        table.keys.verify()  # checked before use: a corrupt key must not read as a duplicate
         keys = table.keys.read(0, n)
         if table.keys.dtype == "string":
             ids = token_ids([bytes(k) for k in keys])
@@ -327,7 +328,7 @@ def to_ps(client, plans: list[Plan], replace: bool = False, progress: bool = Tru
 
     written = {}
     for p in plans:
-        with tqdm(total=p.num_rows, unit="row", unit_scale=True, desc=f"migrate {p.schema.name}",
+        with tqdm(total=p.num_rows, unit="row", desc=f"migrate {p.schema.name}",
                   disable=not progress) as bar:
             def rows(p=p, bar=bar):
                 for ids, emb, state in chunks(p, chunk_rows):
@@ -358,7 +359,7 @@ def to_files(out: str | os.PathLike, plans: list[Plan], source: Source, *, rows_
                           f"row index + {p.spec.offset}")}
         with TableWriter(folders[p.schema.name], p.schema, rows_per_shard=rows_per_shard, source=origin,
                          overwrite=overwrite) as w, \
-                tqdm(total=p.num_rows, unit="row", unit_scale=True, desc=f"migrate {p.schema.name}",
+                tqdm(total=p.num_rows, unit="row", desc=f"migrate {p.schema.name}",
                      disable=not progress) as bar:
             for ids, emb, state in chunks(p, chunk_rows):
                 w.write(ids, emb, state)
