@@ -150,7 +150,7 @@ class Manifest:
         shards = []
         for k, entry in enumerate(need("shards", list)):
             where = f"{path}: shards[{k}]"
-            if not isinstance(entry, dict) or set(entry) < {"file", "rows", "sha256"}:
+            if not isinstance(entry, dict) or not {"file", "rows", "sha256"} <= set(entry):
                 raise TableFileError(f"{where} must be an object with file, rows and sha256, got {entry!r}")
             if not isinstance(entry["file"], str) or not _SHARD_NAME.match(entry["file"]):
                 raise TableFileError(f"{where}.file must be a name like part-00000.safetensors, got {entry['file']!r}")
