@@ -1,4 +1,4 @@
-"""The `dynemb` command: `dynemb ps ...` for the parameter server, `dynemb demo` for the main job."""
+"""The `dynemb` command: `ps` (parameter server), `train`, `checkpoint` (table files), `tf` (TensorFlow migration), `demo`."""
 
 from __future__ import annotations
 
@@ -21,10 +21,12 @@ def build_parser() -> argparse.ArgumentParser:
     from ps_server import cli as ps_cli
     from trainer import checkpoint_cli
     from trainer import cli as train_cli
+    from trainer.tf import cli as tf_cli
 
     ps_cli.add_parser(sub)
     train_cli.add_parser(sub)
     checkpoint_cli.add_parser(sub)
+    tf_cli.add_parser(sub)
     demo.add_parser(sub)
     return parser
 

@@ -1,6 +1,8 @@
-"""Regenerate protos/ps_pb2.py, ps_pb2_grpc.py and ps_pb2.pyi from protos/ps.proto.
+"""Regenerate the Python code of the protos: ps_pb2.py, ps_pb2_grpc.py and ps_pb2.pyi from
+protos/ps.proto (the PS wire format), tf_bundle_pb2.py and .pyi from protos/tf_bundle.proto
+(TensorFlow's checkpoint records, read by trainer/tf/bundle.py).
 
-    python -m protos.generate            # write them beside ps.proto
+    python -m protos.generate            # write them beside the .proto files
     python -m protos.generate --out DIR  # write them under DIR/protos/ (the test compares)
 
 Run from the repository root; needs grpcio-tools (in the `test` extra), pinned to the
@@ -15,8 +17,13 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# proto → (generated files, whether it has a gRPC service)
+PROTOS = {
+    "protos/ps.proto": (("ps_pb2.py", "ps_pb2_grpc.py", "ps_pb2.pyi"), True),
+    "protos/tf_bundle.proto": (("tf_bundle_pb2.py", "tf_bundle_pb2.pyi"), False),
+}
 PROTO = "protos/ps.proto"
-GENERATED = ("ps_pb2.py", "ps_pb2_grpc.py", "ps_pb2.pyi")
+GENERATED = tuple(name for names, _ in PROTOS.values() for name in names)
 
 
 def generate(out_dir: Path) -> list[Path]:
@@ -25,18 +32,15 @@ def generate(out_dir: Path) -> list[Path]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     include = os.path.join(os.path.dirname(grpc_tools.__file__), "_proto")
-    args = [
-        "protoc",
-        f"-I{ROOT}",
-        f"-I{include}",
-        f"--python_out={out_dir}",
-        f"--pyi_out={out_dir}",
-        f"--grpc_python_out={out_dir}",
-        str(ROOT / PROTO),
-    ]
-    if protoc.main(args) != 0:
-        raise RuntimeError(f"protoc failed on {PROTO}")
-    return [out_dir / "protos" / name for name in GENERATED]
+    written = []
+    for proto, (names, grpc) in PROTOS.items():
+        args = ["protoc", f"-I{ROOT}", f"-I{include}", f"--python_out={out_dir}", f"--pyi_out={out_dir}"]
+        if grpc:
+            args.append(f"--grpc_python_out={out_dir}")
+        if protoc.main([*args, str(ROOT / proto)]) != 0:
+            raise RuntimeError(f"protoc failed on {proto}")
+        written += [out_dir / "protos" / name for name in names]
+    return written
 
 
 def main(argv: list[str] | None = None) -> int:

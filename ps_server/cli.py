@@ -177,12 +177,13 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def add_client_flags(p: argparse.ArgumentParser, ps_default: str | None = "localhost:50051") -> None:
-    """--ps, --auth-token, --tls-ca, --timeout: how a command reaches running PSs."""
+def add_client_flags(p: argparse.ArgumentParser, ps_default: str | None = "localhost:50051", ps_group=None) -> None:
+    """--ps, --auth-token, --tls-ca, --timeout: how a command reaches running PSs (--ps goes
+    into ps_group where given, e.g. a mutually exclusive group)."""
     default = _env("DYNEMB_PS", ps_default)
-    p.add_argument("--ps", default=default,
-                   help="PS address(es), comma-separated [env DYNEMB_PS"
-                   + (", default %(default)s]" if default else "]"))
+    (ps_group or p).add_argument("--ps", default=default,
+                                 help="PS address(es), comma-separated [env DYNEMB_PS"
+                                 + (", default %(default)s]" if default else "]"))
     p.add_argument("--auth-token", default=_env("DYNEMB_PS_AUTH_TOKEN"), help="[env DYNEMB_PS_AUTH_TOKEN]")
     p.add_argument("--tls-ca", default=_env("DYNEMB_PS_TLS_CA"), help="CA certificate (PEM) to reach a TLS PS [env DYNEMB_PS_TLS_CA]")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per call [default %(default)s]")

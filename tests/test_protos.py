@@ -1,4 +1,4 @@
-"""The checked-in generated code (protos/ps_pb2*.py, .pyi) is exactly what protos/ps.proto generates."""
+"""The checked-in generated code (protos/*_pb2*.py, .pyi) is exactly what protos/*.proto generate."""
 
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ from protos import generate, ps_pb2
 
 def test_checked_in_generated_code_matches_the_proto(tmp_path):
     paths = generate.generate(tmp_path)
-    assert sorted(p.name for p in paths) == ["ps_pb2.py", "ps_pb2.pyi", "ps_pb2_grpc.py"]
+    assert sorted(p.name for p in paths) == ["ps_pb2.py", "ps_pb2.pyi", "ps_pb2_grpc.py",
+                                             "tf_bundle_pb2.py", "tf_bundle_pb2.pyi"]
     for path in paths:
         checked_in = generate.ROOT / "protos" / path.name
         fresh, kept = path.read_bytes(), checked_in.read_bytes()
         assert fresh, f"protoc wrote an empty {path.name}"
         assert fresh == kept, (
-            f"{checked_in} differs from what protos/ps.proto generates: run `python -m protos.generate`"
+            f"{checked_in} differs from what its .proto generates: run `python -m protos.generate`"
         )
 
 

@@ -196,6 +196,7 @@ def test_a_shard_with_the_right_checksum_but_wrong_tensors(copy_of):
     (lambda d: d.update(num_rows=91), "num_rows is 91 but the shards hold 90 rows"),
     (lambda d: d["schema"].update(dim=0), "field 'schema' is not a valid table schema: .*dim must be"),
     (lambda d: d["shards"][0].update(file="../x.safetensors"), r"shards\[0\]\.file must be a name like"),
+    (lambda d: d["shards"][1].pop("sha256"), r"shards\[1\] must be an object with file, rows and sha256"),
 ])
 def test_bad_manifests_are_named(copy_of, edit, message):
     doc = json.loads((copy_of / MANIFEST).read_text())

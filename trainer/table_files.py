@@ -150,7 +150,7 @@ class Manifest:
         shards = []
         for k, entry in enumerate(need("shards", list)):
             where = f"{path}: shards[{k}]"
-            if not isinstance(entry, dict) or set(entry) < {"file", "rows", "sha256"}:
+            if not isinstance(entry, dict) or not {"file", "rows", "sha256"} <= set(entry):
                 raise TableFileError(f"{where} must be an object with file, rows and sha256, got {entry!r}")
             if not isinstance(entry["file"], str) or not _SHARD_NAME.match(entry["file"]):
                 raise TableFileError(f"{where}.file must be a name like part-00000.safetensors, got {entry['file']!r}")
@@ -163,6 +163,14 @@ class Manifest:
             raise TableFileError(f"{path}: num_rows is {num_rows} but the shards hold "
                                  f"{sum(s.rows for s in shards)} rows")
         return cls(schema, num_rows, shards, doc.get("source") or {})
+
+
+def existing_files(folder: str | os.PathLike) -> list[Path]:
+    """The table files (manifest, shards) a folder already holds."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return [p for p in folder.iterdir() if p.name == MANIFEST or _SHARD_NAME.match(p.name)]
 
 
 class TableWriter:
@@ -183,7 +191,7 @@ class TableWriter:
         self._pending_rows = 0
         self._shards: list[Shard] = []
         self._closed = False
-        old = self._existing()
+        old = existing_files(self.folder)
         if old and not overwrite:
             raise TableFileError(f"{self.folder}: already holds table files ({', '.join(p.name for p in old[:3])}"
                                  f"{'...' if len(old) > 3 else ''}); choose an empty folder or overwrite")
@@ -191,11 +199,6 @@ class TableWriter:
         for p in sorted(old, key=lambda p: p.name != MANIFEST):
             p.unlink()
         self.folder.mkdir(parents=True, exist_ok=True)
-
-    def _existing(self) -> list[Path]:
-        if not self.folder.is_dir():
-            return []
-        return [p for p in self.folder.iterdir() if p.name == MANIFEST or _SHARD_NAME.match(p.name)]
 
     def write(self, ids, embeddings, state=None) -> None:
         if self._closed:
@@ -276,7 +279,7 @@ class TableReader:
         schema's widths and dtype. Raises TableFileError naming the first bad file."""
         from tqdm import tqdm
 
-        with tqdm(total=self.num_rows, unit="row", unit_scale=True, desc=f"verify {self.schema.name}",
+        with tqdm(total=self.num_rows, unit="row", desc=f"verify {self.schema.name}",
                   disable=not progress, leave=False) as bar:
             for shard in self.manifest.shards:
                 self._check_shard(shard)
@@ -375,7 +378,7 @@ def export_table(client, table: str, folder: str | os.PathLike, *, rows_per_shar
     schema = info.schema
     source = {"kind": "ps", "addresses": list(client.addresses)}
     with TableWriter(folder, schema, rows_per_shard=rows_per_shard, source=source, overwrite=overwrite) as w, \
-            tqdm(total=info.num_rows, unit="row", unit_scale=True, desc=f"export {table}", disable=not progress) as bar:
+            tqdm(total=info.num_rows, unit="row", desc=f"export {table}", disable=not progress) as bar:
         for ids, rows in client.export(table, rows_per_chunk=rows_per_chunk):
             w.write(ids, rows[:, : schema.dim], rows[:, schema.dim:])
             bar.update(len(ids))
@@ -396,7 +399,7 @@ def import_table(client, folder: str | os.PathLike, table: str | None = None, re
     if verify:
         reader.verify(progress=progress)
     check_no_conflict(client, schema, str(reader.folder / MANIFEST))
-    with tqdm(total=reader.num_rows, unit="row", unit_scale=True, desc=f"import {schema.name}",
+    with tqdm(total=reader.num_rows, unit="row", desc=f"import {schema.name}",
               disable=not progress) as bar:
         def rows():
             for ids, emb, st in reader.chunks(chunk_rows, verify=False):
