@@ -97,7 +97,7 @@ if [ ! -x .bin/prometheus ] || [ ! -x .bin/promtool ] || [ ! -x .bin/redis_expor
     ln -sf prom/usr/bin/prometheus-redis-exporter .bin/redis_exporter
   fi
 fi
-[ -x .bin/prometheus ] && .bin/prometheus --version 2>&1 | head -1 | sed 's/^/[setup] /'
+if [ -x .bin/prometheus ]; then .bin/prometheus --version 2>&1 | head -1 | sed 's/^/[setup] /'; fi
 
 # systemd-analyze (to verify deploy/systemd's unit): the machine's, else Debian's systemd
 # installed (as root) or, without root, unpacked under .bin/systemd with the libraries it needs.
