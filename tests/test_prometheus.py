@@ -194,7 +194,7 @@ def test_ps_counts_the_rows_the_trainers_moved_per_table(stack):
     prom, _ = stack
     ps_pulled = prom.values('dynemb_ps_rows_total{job="dynemb-ps", method="Pull"}', "table")
     trainer_pulled = prom.values("sum by (table) (dynemb_trainer_rows_pulled_total)", "table")
-    assert ps_pulled == {(f"dynemb_t_{t},"[:-1],): trainer_pulled[(f"t_{t}",)] for t in range(TABLES)}
+    assert ps_pulled == {(f"dynemb_t_{t}",): trainer_pulled[(f"t_{t}",)] for t in range(TABLES)}
     pushed = prom.values('dynemb_ps_rows_total{job="dynemb-ps", method="Push"}', "table")
     evicted = prom.values("sum by (table) (dynemb_trainer_evictions_total)", "table")
     for t in range(TABLES):  # evictions, then the final flush of every resident row
