@@ -1,4 +1,7 @@
-"""Prometheus metrics of one PS, on a registry of its own (so tests can run several)."""
+"""Prometheus metrics of one PS, on a registry of its own (so tests can run several).
+
+Every metric is listed, with its labels and meaning, in docs/metrics.md; the names follow
+Prometheus' conventions (counters are exposed with `_total`, times in seconds)."""
 
 from __future__ import annotations
 
@@ -20,9 +23,13 @@ class PSMetrics:
         self.errors = Counter(
             "dynemb_ps_errors", "RPCs that ended in an error, by method and status code", ["method", "code"], registry=r
         )
-        self.rows = Counter("dynemb_ps_rows", "Rows pulled, pushed, deleted, exported or imported", ["method"], registry=r)
+        self.rows = Counter(
+            "dynemb_ps_rows", "Rows pulled, pushed, deleted, exported or imported, by method and table",
+            ["method", "table"], registry=r,
+        )
         self.missing_rows = Counter(
-            "dynemb_ps_missing_rows", "Rows pulled that were never pushed (returned initialised)", registry=r
+            "dynemb_ps_missing_rows", "Rows pulled that were never pushed (returned initialised), by table",
+            ["table"], registry=r,
         )
         self.bytes = Counter(
             "dynemb_ps_bytes", "Payload bytes of ids and rows, by method and direction (in|out)",

@@ -111,9 +111,9 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             n = self.store.num_rows(schema.name)
         return ps_pb2.TableInfo(spec=schema.to_proto(), num_rows=n)
 
-    def _count(self, method: str, rows: int, nbytes_in: int, nbytes_out: int) -> None:
+    def _count(self, method: str, table: str, rows: int, nbytes_in: int, nbytes_out: int) -> None:
         m = self.metrics
-        m.rows.labels(method).inc(rows)
+        m.rows.labels(method, table).inc(rows)
         if nbytes_in:
             m.bytes.labels(method, "in").inc(nbytes_in)
         if nbytes_out:
@@ -176,8 +176,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                     rows = rows.copy()
                 rows[missing] = initial_rows(schema, ids[missing])
             reply = encode_pull_response(rows, codec.encode_mask(missing), num_missing)
-            self._count("Pull", len(ids), len(request.ids), rows.nbytes)
-            self.metrics.missing_rows.inc(num_missing)
+            self._count("Pull", schema.name, len(ids), len(request.ids), rows.nbytes)
+            self.metrics.missing_rows.labels(schema.name).inc(num_missing)
             return reply
 
     def Push(self, request, context):
@@ -187,7 +187,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             rows = codec.decode_rows(request.rows, schema, len(ids))
             with self._backend("push"):
                 written = self.store.push(schema.name, ids, rows)
-            self._count("Push", written, len(request.ids) + len(request.rows), 0)
+            self._count("Push", schema.name, written, len(request.ids) + len(request.rows), 0)
             return ps_pb2.PushResponse(rows_written=written)
 
     def Delete(self, request, context):
@@ -196,7 +196,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             ids = codec.decode_ids(request.ids, schema.name)
             with self._backend("delete"):
                 deleted = self.store.delete(schema.name, ids)
-            self._count("Delete", deleted, len(request.ids), 0)
+            self._count("Delete", schema.name, deleted, len(request.ids), 0)
             return ps_pb2.DeleteResponse(rows_deleted=deleted)
 
     # -- whole tables -----------------------------------------------------------
@@ -219,7 +219,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 chunk.ids = codec.encode_ids(ids)
                 chunk.rows = np.ascontiguousarray(rows).tobytes()
                 total += len(ids)
-                self._count("Export", len(ids), 0, len(chunk.ids) + len(chunk.rows))
+                self._count("Export", schema.name, len(ids), 0, len(chunk.ids) + len(chunk.rows))
                 yield chunk
             if first is not None:  # an empty table still tells its schema
                 yield first
@@ -246,7 +246,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 if len(ids):
                     with self._backend("push"):
                         written += self.store.push(schema.name, ids, rows)
-                self._count("Import", len(ids), len(chunk.ids) + len(chunk.rows), 0)
+                self._count("Import", schema.name, len(ids), len(chunk.ids) + len(chunk.rows), 0)
             if schema is None:
                 raise InvalidArgument("import stream was empty: send at least one chunk with the table's spec")
             log.info("imported %d rows into table %s", written, schema.name)
@@ -268,12 +268,11 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                     entry[0] += int(s.value)
                     if s.labels["code"] != "OK":
                         entry[1] += int(s.value)
-            rows = {
-                s.labels["method"]: int(s.value)
-                for metric in self.metrics.rows.collect()
-                for s in metric.samples
-                if s.name.endswith("_total")
-            }
+            rows: dict[str, int] = {}  # per method, over all tables
+            for metric in self.metrics.rows.collect():
+                for s in metric.samples:
+                    if s.name.endswith("_total"):
+                        rows[s.labels["method"]] = rows.get(s.labels["method"], 0) + int(s.value)
             for name in sorted(per):
                 methods.append(
                     ps_pb2.MethodStats(method=name, requests=per[name][0], errors=per[name][1], rows=rows.get(name, 0))

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Make .venv with the pinned torch set, dynemb and its test tools, and a redis-server
-# (7.x with TLS, unpacked from Debian's packages without root) under .bin/.
+# Make .venv with the pinned torch set, dynemb and its test tools, and under .bin/ a
+# redis-server (7.x with TLS), prometheus and promtool, redis_exporter, all unpacked from
+# Debian's packages without root.
 # Idempotent: a second run only checks. Used by scripts/train.sh and scripts/test.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,16 +40,26 @@ fi
 echo "[setup] building (or finding) the ID transformer's kernel"
 timeout 1200 $VPY -c "from idtransformer.kernel import ops; ops()" || { echo "[setup] building the ID transformer's kernel failed" >&2; exit 1; }
 
-# redis-server: Debian's 7.0 build (TLS-capable) unpacked under .bin/redis; apt-get
-# download needs no root when its lists and cache point at a folder of ours.
-if [ ! -x .bin/redis-server ]; then
-  mkdir -p .bin/apt/lists/partial .bin/apt/cache/archives/partial .bin/debs .bin/redis
-  if command -v apt-get >/dev/null; then
-    echo "[setup] fetching redis-server 7 from Debian into .bin/"
-    aptopts=(-q -o Dir::State::Lists="$ROOT/.bin/apt/lists" -o Dir::Cache="$ROOT/.bin/apt/cache" -o Debug::NoLocking=1)
+# Debian packages are fetched with `apt-get download`, which needs no root when its lists
+# and cache point at a folder of ours, and unpacked with dpkg -x (nothing is installed).
+aptopts=(-q -o Dir::State::Lists="$ROOT/.bin/apt/lists" -o Dir::Cache="$ROOT/.bin/apt/cache" -o Debug::NoLocking=1)
+apt_lists_fresh=
+fetch_debs() {  # fetch_debs DIR PACKAGE...: the .deb files into DIR (no error if apt is missing)
+  local dir=$1; shift
+  mkdir -p .bin/apt/lists/partial .bin/apt/cache/archives/partial "$dir"
+  command -v apt-get >/dev/null || return 0
+  if [ -z "$apt_lists_fresh" ]; then
     apt-get "${aptopts[@]}" update >/dev/null 2>&1 || true
-    (cd .bin/debs && apt-get "${aptopts[@]}" download redis-tools libjemalloc2 liblzf1 >/dev/null 2>&1) || true
+    apt_lists_fresh=1
   fi
+  (cd "$dir" && apt-get "${aptopts[@]}" download "$@" >/dev/null 2>&1) || true
+}
+
+# redis-server: Debian's 7.0 build (TLS-capable) unpacked under .bin/redis.
+if [ ! -x .bin/redis-server ]; then
+  mkdir -p .bin/redis
+  echo "[setup] fetching redis-server 7 from Debian into .bin/"
+  fetch_debs .bin/debs redis-tools libjemalloc2 liblzf1
   if ls .bin/debs/redis-tools_*.deb >/dev/null 2>&1; then
     for f in .bin/debs/*.deb; do dpkg -x "$f" .bin/redis; done
     # Debian's redis-server is redis-check-rdb under another name (it picks its role from argv[0]).
@@ -70,3 +81,43 @@ WRAP
   fi
 fi
 .bin/redis-server --version | sed 's/^/[setup] /'
+
+# Prometheus 2.42 with promtool, and redis_exporter: Debian's builds (Go binaries needing only
+# libc), for the tests of deploy/ (a real Prometheus scraping a PS and trainer ranks).
+if [ ! -x .bin/prometheus ] || [ ! -x .bin/promtool ] || [ ! -x .bin/redis_exporter ]; then
+  echo "[setup] fetching prometheus, promtool and redis_exporter from Debian into .bin/"
+  rm -rf .bin/prom-debs && fetch_debs .bin/prom-debs prometheus prometheus-redis-exporter
+  if ! ls .bin/prom-debs/prometheus_*.deb .bin/prom-debs/prometheus-redis-exporter_*.deb >/dev/null 2>&1; then
+    # the deploy tests then fail, naming what is missing; everything else still runs
+    echo "[setup] WARNING: could not fetch Debian's prometheus and prometheus-redis-exporter (apt-get download)" >&2
+  else
+    mkdir -p .bin/prom
+    for f in .bin/prom-debs/*.deb; do dpkg -x "$f" .bin/prom; done
+    ln -sf prom/usr/bin/prometheus .bin/prometheus
+    ln -sf prom/usr/bin/promtool .bin/promtool
+    ln -sf prom/usr/bin/prometheus-redis-exporter .bin/redis_exporter
+  fi
+fi
+if [ -x .bin/prometheus ]; then .bin/prometheus --version 2>&1 | head -1 | sed 's/^/[setup] /'; fi
+
+# systemd-analyze (to verify deploy/systemd's unit): the machine's, else Debian's systemd
+# installed (as root) or, without root, unpacked under .bin/systemd with the libraries it needs.
+if ! command -v systemd-analyze >/dev/null && [ ! -x .bin/systemd-analyze ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "[setup] installing systemd (for systemd-analyze)"
+    apt-get -q update >/dev/null 2>&1 || true
+    DEBIAN_FRONTEND=noninteractive apt-get -q install -y --no-install-recommends systemd >/dev/null
+  else
+    echo "[setup] fetching systemd-analyze from Debian into .bin/"
+    fetch_debs .bin/systemd-debs systemd libsystemd-shared libseccomp2 libkmod2 libip4tc2 libapparmor1 \
+      libcryptsetup12 libfdisk1 libp11-kit0 libaudit1 libcap-ng0 libacl1
+    mkdir -p .bin/systemd
+    for f in .bin/systemd-debs/*.deb; do dpkg -x "$f" .bin/systemd; done
+    cat > .bin/systemd-analyze <<WRAP
+#!/usr/bin/env bash
+export LD_LIBRARY_PATH="$ROOT/.bin/systemd/usr/lib/x86_64-linux-gnu/systemd:$ROOT/.bin/systemd/usr/lib/x86_64-linux-gnu:$ROOT/.bin/systemd/lib/x86_64-linux-gnu\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
+exec "$ROOT/.bin/systemd/usr/bin/systemd-analyze" "\$@"
+WRAP
+    chmod +x .bin/systemd-analyze
+  fi
+fi

@@ -145,9 +145,9 @@ def test_metrics(make_ps):
     assert m['dynemb_ps_requests_total{code="OK",method="Pull"}'] == 3
     assert m['dynemb_ps_requests_total{code="NOT_FOUND",method="DescribeTable"}'] == 1
     assert m['dynemb_ps_errors_total{code="NOT_FOUND",method="DescribeTable"}'] == 1
-    assert m['dynemb_ps_rows_total{method="Pull"}'] == 3000
-    assert m['dynemb_ps_rows_total{method="Push"}'] == 500
-    assert m["dynemb_ps_missing_rows_total"] == 1500
+    assert m['dynemb_ps_rows_total{method="Pull",table="m"}'] == 3000
+    assert m['dynemb_ps_rows_total{method="Push",table="m"}'] == 500
+    assert m['dynemb_ps_missing_rows_total{table="m"}'] == 1500
     assert m['dynemb_ps_bytes_total{direction="out",method="Pull"}'] == 3000 * 16
     assert m['dynemb_ps_bytes_total{direction="in",method="Push"}'] == 500 * (8 + 16)
     assert m['dynemb_ps_request_seconds_count{method="Pull"}'] == 3

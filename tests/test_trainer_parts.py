@@ -144,6 +144,9 @@ def test_training_serves_metrics_per_rank():
     misses = float(text.split('dynemb_trainer_misses_total{rank="0",table="t_0"} ')[1].split()[0])
     assert hits + misses == lookups and hits > 0 and misses > 0
     assert 'dynemb_trainer_steps_total{rank="0"} 30.0' in text
+    # one pull per step that admitted IDs, timed per table and direction
+    pulls = float(text.split('dynemb_trainer_ps_request_seconds_count{op="pull",rank="0",table="t_0"} ')[1].split()[0])
+    assert 1 <= pulls <= 31
 
 
 def test_row_sparse_adam_is_lazy_adam_on_fbgemm_cpu_tables():

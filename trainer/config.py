@@ -62,7 +62,10 @@ class TrainConfig:
     pipeline: bool = True  # TrainPipelineSparseDist: next batch's transform/pull overlaps
     ps: str = ""  # PS address(es), comma-separated; "" = embedded store (a local PS when multi-rank)
     ps_table_prefix: str = "dynemb_"
-    metrics_port: int = 0  # rank r serves /metrics on metrics_port + r; 0: off
+    ps_tls_ca: str = ""  # CA certificate (PEM) of a TLS PS; the auth token comes from DYNEMB_PS_AUTH_TOKEN
+    metrics_port: int = 0  # each rank serves /metrics on metrics_port + its local rank; 0: off
+    metrics_address: str = "127.0.0.1"  # 0.0.0.0 where Prometheus scrapes from another host or pod
+    metrics_linger_seconds: float = 0.0  # keep /metrics up this long after the job, for a last scrape
     seed: int = 0
     checkpoint_dir: str = ""  # where checkpoints go (step-NNNNNNNN/ folders); "" = none
     checkpoint_every: int = 0  # steps between checkpoints (0: only with --checkpoint-at-end)
@@ -87,6 +90,9 @@ class TrainConfig:
             raise ValueError("resume 'latest' needs checkpoint_dir")
         if self.checkpoint_every < 0 or self.checkpoint_full_every < 1 or self.checkpoint_keep < 1:
             raise ValueError("checkpoint_every must be >= 0, checkpoint_full_every and checkpoint_keep >= 1")
+        if not 0 <= self.metrics_port < 65536 or self.metrics_linger_seconds < 0:
+            raise ValueError(f"metrics_port must be in [0, 65535] (got {self.metrics_port}) and "
+                             f"metrics_linger_seconds >= 0 (got {self.metrics_linger_seconds})")
         if self.dense_arch[-1] != self.table.dim:
             raise ValueError(f"dense_arch must end at the embedding dim {self.table.dim}, got {self.dense_arch}")
         names = {f"t_{i}" for i in range(self.data.num_sparse)}
@@ -134,7 +140,11 @@ HELP = {
     "pipeline": "TrainPipelineSparseDist: the next batch's transform, pull and input dist overlap",
     "ps": "PS address(es) host:port, comma-separated; empty: the embedded store",
     "ps_table_prefix": "prefix of the PS table names (several jobs can share one PS)",
-    "metrics_port": "rank r serves Prometheus /metrics on this port + r (0: off)",
+    "ps_tls_ca": "CA certificate (PEM) to reach a TLS PS; a PS that wants a token gets env DYNEMB_PS_AUTH_TOKEN",
+    "metrics_port": "each rank serves Prometheus /metrics on this port + its local rank "
+                    "(its rank within the machine or pod, env LOCAL_RANK; 0: off)",
+    "metrics_address": "address of the ranks' /metrics endpoints (0.0.0.0: reachable from other hosts and pods)",
+    "metrics_linger_seconds": "keep /metrics up this long after training, so Prometheus scrapes the final counts",
     "seed": "seed of the model and the tables' initializers",
     "checkpoint_dir": "folder for checkpoints (one step-NNNNNNNN/ folder each; shared by all ranks)",
     "checkpoint_every": "steps between checkpoints (0: none during training)",

@@ -80,7 +80,9 @@ class DynamicTables:
         names = ("lookups", "hits", "misses", "admissions", "evictions", "rejections", "rows_pulled", "rows_pushed",
                  "occupancy")
         self._children = {} if metrics is None else {
-            t: {k: getattr(metrics, k).labels(t, metrics.rank) for k in names} for t in self.transformers
+            t: {**{k: getattr(metrics, k).labels(t, metrics.rank) for k in names},
+                **{op: metrics.ps_latency.labels(op, t, metrics.rank) for op in ("pull", "push")}}
+            for t in self.transformers
         }
         self.last_hit_rate = 0.0
         self.hit_rates = array("d")  # per transformed batch, in order (8 bytes a step)
@@ -125,24 +127,34 @@ class DynamicTables:
 
     def _move_rows(self, owned: list[tuple[str, object]]) -> None:
         """Evicted rows out, then admitted rows in, every table's calls in flight together."""
-        start = time.perf_counter()
         pushes = []
         for name, o in owned:  # first: their rows are about to be reused
             if len(o.evicted_ids):
                 rows = self.rows[name]
                 data = rows.read(o.evicted_slots - rows.row_offset).numpy()
-                pushes.append(self.store.push_async(self.specs[name].ps_schema.name, o.evicted_ids.numpy(), data))
-        pulls = [
-            (name, o, self.store.pull_async(self.specs[name].ps_schema.name, o.admitted_ids.numpy()))
-            for name, o in owned if len(o.admitted_ids)
-        ]
+                start = time.perf_counter()
+                fut = self.store.push_async(self.specs[name].ps_schema.name, o.evicted_ids.numpy(), data)
+                pushes.append(self._timed(fut, name, "push", start))
+        pulls = []
+        for name, o in owned:
+            if len(o.admitted_ids):
+                start = time.perf_counter()
+                fut = self.store.pull_async(self.specs[name].ps_schema.name, o.admitted_ids.numpy())
+                pulls.append((name, o, self._timed(fut, name, "pull", start)))
         for fut in pushes:  # on the PS before their rows are overwritten; a failed push fails the step
             fut.result()
         for name, o, fut in pulls:
             rows = self.rows[name]
             rows.write(o.admitted_slots - rows.row_offset, torch.from_numpy(np.ascontiguousarray(fut.result(), np.float32)))
+
+    def _timed(self, fut, table: str, op: str, start: float):
+        """Observe the call's time (from `start` to its reply) when it completes, in whichever
+        thread completes it: the calls overlap, so one timer around them all would say nothing
+        per table or per direction."""
         if self.metrics is not None:
-            self.metrics.ps_latency.labels("pull_push", self.metrics.rank).observe(time.perf_counter() - start)
+            histogram = self._children[table][op]
+            fut.add_done_callback(lambda _, h=histogram, t0=start: h.observe(time.perf_counter() - t0))
+        return fut
 
     def _count(self, name: str, owned) -> tuple[int, int]:
         """(looked up, hits) among the IDs this rank owns; metrics updated."""

@@ -69,7 +69,8 @@ def init_distributed() -> bool:
 def open_row_store(cfg: TrainConfig) -> tuple[RowStore, object]:
     """(store, local PS process or None)."""
     if cfg.ps:
-        return RemoteRowStore(cfg.ps), None
+        return RemoteRowStore(cfg.ps, auth_token=os.environ.get("DYNEMB_PS_AUTH_TOKEN") or None,
+                              tls_ca=cfg.ps_tls_ca or None), None
     if dist.get_world_size() == 1:
         return LocalRowStore(), None
     from dynemb.local import LocalPS
@@ -77,7 +78,8 @@ def open_row_store(cfg: TrainConfig) -> tuple[RowStore, object]:
     ps = LocalPS("--log-level", "WARNING").start() if dist.get_rank() == 0 else None
     address = [ps.address if ps else None]
     dist.broadcast_object_list(address, src=0)
-    return RemoteRowStore(address[0]), ps
+    # the local PS inherits this process's environment, DYNEMB_PS_AUTH_TOKEN included
+    return RemoteRowStore(address[0], auth_token=os.environ.get("DYNEMB_PS_AUTH_TOKEN") or None), ps
 
 
 def make_dynamic(cfg: TrainConfig, built: Built, store: RowStore, metrics: TrainerMetrics) -> DynamicTables:
@@ -103,8 +105,8 @@ def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
     rank, world = dist.get_rank(), dist.get_world_size()
     store, local_ps = open_row_store(cfg)
     metrics = TrainerMetrics(rank)
-    if cfg.metrics_port:
-        metrics.serve(cfg.metrics_port + rank)
+    if cfg.metrics_port:  # + local rank: every machine's (or pod's) ranks serve on the same ports
+        metrics.serve(cfg.metrics_port + int(os.environ.get("LOCAL_RANK", "0")), cfg.metrics_address)
     try:
         built = build(cfg)
         dynamic = make_dynamic(cfg, built, store, metrics) if cfg.table.dynamic else None
@@ -120,6 +122,8 @@ def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
                 dist.barrier()
         if collect_tables:
             result.tables = _collect_tables(built, dynamic, store)
+        if cfg.metrics_port and cfg.metrics_linger_seconds:
+            time.sleep(cfg.metrics_linger_seconds)  # the final counts stay up for Prometheus' next scrape
         return result
     finally:
         store.close()

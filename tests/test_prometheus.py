@@ -1,0 +1,244 @@
+"""A real Prometheus (Debian's 2.42, from .bin/) with deploy/prometheus's own config and rules,
+but second-long intervals and this test's targets, scrapes a running PS (`dynemb ps serve`
+over Redis, with the auth token and TLS the Kubernetes manifests use), both ranks of a torchrun
+trainer (`-m trainer --metrics-port`) that trains through that PS, and redis_exporter beside
+the Redis (run with deploy/k8s's redis.conf). PromQL through Prometheus' HTTP API then returns
+the trainer's hit and eviction counters per table and rank, the PS's rows per table, the
+recorded series, the Redis memory limit, and data for the dashboard's panels."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deploy_files import DEPLOY, dashboard_exprs, redis_conf_lines, tool
+from dynemb.local import LocalPS, _die_with_parent
+from dynemb.local_redis import RedisProcess, free_port, make_tls_files
+
+STEPS, BATCH, TABLES, RANKS = 40, 64, 3, 2
+TOKEN = "prometheus-test-token"
+
+
+def free_port_pair() -> int:
+    """p with p and p + 1 free: rank with local rank l serves on metrics_port + l."""
+    while True:
+        p = free_port()
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+
+
+class Prometheus:
+    def __init__(self, workdir: Path, targets: dict[str, list[str]]) -> None:
+        """deploy/prometheus copied to workdir, with 1 s intervals and these targets per job."""
+        shutil.copytree(DEPLOY / "prometheus", workdir / "prometheus")
+        config_path = workdir / "prometheus" / "prometheus.yml"
+        config = yaml.safe_load(config_path.read_text())
+        config["global"].update(scrape_interval="1s", evaluation_interval="1s")
+        config_path.write_text(yaml.safe_dump(config))
+        for job in config["scrape_configs"]:
+            for sd in job["file_sd_configs"]:
+                for name in sd["files"]:
+                    (config_path.parent / name).write_text(yaml.safe_dump([{"targets": targets[job["job_name"]]}]))
+        self.port = free_port()
+        self.log = open(workdir / "prometheus.log", "wb")
+        self.proc = subprocess.Popen(
+            [tool("prometheus"), f"--config.file={config_path}", f"--storage.tsdb.path={workdir / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{self.port}"],
+            stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=2)
+                return
+            except OSError:
+                assert self.proc.poll() is None and time.monotonic() < deadline, self.log_text()
+                time.sleep(0.1)
+
+    def log_text(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")[-4000:]
+
+    def query(self, promql: str) -> list[dict]:
+        url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+        reply = json.loads(urllib.request.urlopen(url, timeout=10).read())
+        assert reply["status"] == "success", (promql, reply)
+        return reply["data"]["result"]
+
+    def values(self, promql: str, *labels: str) -> dict[tuple, float]:
+        return {tuple(r["metric"].get(k) for k in labels): float(r["value"][1]) for r in self.query(promql)}
+
+    def targets(self) -> list[dict]:
+        url = f"http://127.0.0.1:{self.port}/api/v1/targets"
+        return json.loads(urllib.request.urlopen(url, timeout=10).read())["data"]["activeTargets"]
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, redis_binaries):
+    """Redis (deploy/k8s's redis.conf) + redis_exporter + a TLS, token-checking PS over it +
+    Prometheus, then a 2-rank torchrun trainer through the PS. Yields while the trainer's
+    /metrics linger after its last step."""
+    work = tmp_path_factory.mktemp("prometheus")
+    conf = [line for line in redis_conf_lines((DEPLOY / "k8s" / "redis" / "redis.conf").read_text())
+            if line.split()[0] not in ("port", "bind", "dir")]
+    redis = RedisProcess(conf).start()
+    procs: list = []
+    try:
+        exporter_port = free_port()
+        exporter_log = open(work / "redis_exporter.log", "wb")
+        procs.append(subprocess.Popen(
+            [tool("redis_exporter"), f"--redis.addr=redis://{redis.address}",
+             f"--web.listen-address=127.0.0.1:{exporter_port}"],
+            stdout=exporter_log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent))
+        tls = make_tls_files(str(work))
+        ps = LocalPS("--backend", redis.url, "--namespace", "promtest", "--tls-cert", tls["cert"],
+                     "--tls-key", tls["key"], "--not-serving-seconds", "0", env={"DYNEMB_PS_AUTH_TOKEN": TOKEN}).start()
+        procs.append(ps)
+        metrics_port = free_port_pair()
+        prom = Prometheus(work, {
+            "dynemb-ps": [f"127.0.0.1:{ps.metrics_port}"],
+            "dynemb-trainer": [f"127.0.0.1:{metrics_port + r}" for r in range(RANKS)],
+            "redis": [f"127.0.0.1:{exporter_port}"],
+        })
+        procs.append(prom)
+        trainer_log = open(work / "trainer.log", "wb")
+        trainer = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}", "-m",
+             "trainer", "--ps", f"localhost:{ps.port}", "--ps-tls-ca", tls["ca"], "--num-sparse", str(TABLES),
+             "--universe", "2000", "--capacity-fraction", "0.25", "--dim", "8", "--dense-arch", "8", "--over-arch", "8,1", "--batch-size",
+             str(BATCH), "--steps", str(STEPS), "--eval-batches", "1", "--no-progress",
+             "--metrics-port", str(metrics_port), "--metrics-linger-seconds", "12"],
+            stdout=trainer_log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "DYNEMB_PS_AUTH_TOKEN": TOKEN})
+        procs.append(trainer)
+
+        def trainer_output() -> str:
+            return (work / "trainer.log").read_text(errors="replace")[-6000:]
+
+        # wait until Prometheus has scraped both ranks' last steps, then until the evaluation
+        # batch and the final flush have been counted too (nothing moves for 3 s; the ranks'
+        # /metrics linger 12 s after the job)
+        deadline = time.monotonic() + 150
+        moving = "sum(dynemb_trainer_lookups_total) + sum(dynemb_ps_rows_total)"
+        last, still_since = None, time.monotonic()
+        while True:
+            done = prom.values("dynemb_trainer_steps_total", "rank")
+            now = prom.values(moving)
+            if now != last:
+                last, still_since = now, time.monotonic()
+            if done == {(str(r),): STEPS for r in range(RANKS)} and time.monotonic() - still_since > 3:
+                break
+            assert trainer.poll() is None, f"trainer exited ({trainer.returncode}):\n{trainer_output()}"
+            assert time.monotonic() < deadline, f"Prometheus saw {done}\n{trainer_output()}\n{prom.log_text()}"
+            time.sleep(0.5)
+        yield prom, ps
+        assert trainer.wait(60) == 0, trainer_output()
+    finally:
+        for p in reversed(procs):
+            if isinstance(p, subprocess.Popen):
+                if p.poll() is None:
+                    p.terminate()
+                    p.wait(30)
+            else:
+                p.close()
+        redis.close()
+
+
+def test_every_target_is_up(stack):
+    prom, _ = stack
+    health = {(t["labels"]["job"], t["labels"]["instance"]): t["health"] for t in prom.targets()}
+    assert sorted({job for job, _ in health}) == ["dynemb-ps", "dynemb-trainer", "redis"]
+    assert sum(job == "dynemb-trainer" for job, _ in health) == RANKS
+    assert set(health.values()) == {"up"}, health
+
+
+def test_trainer_hit_and_eviction_counters_per_table_and_rank(stack):
+    prom, _ = stack
+    keys = {(f"t_{t}", str(r)) for t in range(TABLES) for r in range(RANKS)}
+    for name in ("dynemb_trainer_hits_total", "dynemb_trainer_evictions_total", "dynemb_trainer_admissions_total"):
+        got = prom.values(f'{name}{{job="dynemb-trainer"}}', "table", "rank")
+        assert set(got) == keys, (name, got)
+        assert all(v > 0 for v in got.values()), (name, got)
+    # every ID of every rank's batches is looked up once, by the rank that owns it
+    lookups = prom.values('sum by (table) (dynemb_trainer_lookups_total{job="dynemb-trainer"})', "table")
+    assert lookups == {(f"t_{t}",): RANKS * BATCH * (STEPS + 1) for t in range(TABLES)}
+    hits = prom.values("sum by (table) (dynemb_trainer_hits_total)", "table")
+    misses = prom.values("sum by (table) (dynemb_trainer_misses_total)", "table")
+    assert {k: hits[k] + misses[k] for k in hits} == lookups
+    latency = prom.values('dynemb_trainer_ps_request_seconds_count{op="pull"}', "table", "rank")
+    assert set(latency) == keys and all(v > 0 for v in latency.values())
+
+
+def test_ps_counts_the_rows_the_trainers_moved_per_table(stack):
+    prom, _ = stack
+    ps_pulled = prom.values('dynemb_ps_rows_total{job="dynemb-ps", method="Pull"}', "table")
+    trainer_pulled = prom.values("sum by (table) (dynemb_trainer_rows_pulled_total)", "table")
+    assert ps_pulled == {(f"dynemb_t_{t}",): trainer_pulled[(f"t_{t}",)] for t in range(TABLES)}
+    pushed = prom.values('dynemb_ps_rows_total{job="dynemb-ps", method="Push"}', "table")
+    evicted = prom.values("sum by (table) (dynemb_trainer_evictions_total)", "table")
+    for t in range(TABLES):  # evictions, then the final flush of every resident row
+        assert pushed[(f"dynemb_t_{t}",)] > evicted[(f"t_{t}",)] > 0
+    assert prom.values('up{job="dynemb-ps"}', "job") == {("dynemb-ps",): 1.0}
+    assert prom.values("dynemb_ps_serving", "job") == {("dynemb-ps",): 1.0}
+
+
+def test_recording_rules_evaluate_on_real_data(stack):
+    prom, _ = stack
+    hit = prom.values("table:dynemb_trainer_hit_ratio:rate5m", "table")
+    assert set(hit) == {(f"t_{t}",) for t in range(TABLES)} and all(0 < v < 1 for v in hit.values()), hit
+    per_rank = prom.values("table_rank:dynemb_trainer_hit_ratio:rate5m", "table", "rank")
+    assert len(per_rank) == TABLES * RANKS
+    evictions = prom.values("table:dynemb_trainer_evictions:rate5m", "table")
+    assert len(evictions) == TABLES and all(v > 0 for v in evictions.values())
+    p99 = prom.values("method:dynemb_ps_request_seconds:p99_5m", "method")
+    assert 0 < p99[("Pull",)] < 30 and 0 < p99[("Push",)] < 30
+    trainer_p99 = prom.values("op_table:dynemb_trainer_ps_request_seconds:p99_5m", "op", "table")
+    assert {op for op, _ in trainer_p99} == {"pull", "push"}
+
+
+def test_redis_exporter_reports_the_deployed_maxmemory(stack):
+    """The Redis alert's metrics are real: redis_exporter's names, with deploy/k8s's maxmemory."""
+    prom, _ = stack
+    conf = dict(line.split(None, 1) for line in redis_conf_lines((DEPLOY / "k8s/redis/redis.conf").read_text()))
+    amount = conf["maxmemory"].lower()
+    units = {"gb": 1 << 30, "mb": 1 << 20, "kb": 1 << 10}
+    maxmemory = int(amount[:-2]) * units[amount[-2:]] if amount[-2:] in units else int(amount)
+    assert prom.values('redis_memory_max_bytes{job="redis"}', "job") == {("redis",): float(maxmemory)}
+    assert prom.values('redis_up{job="redis"}', "job") == {("redis",): 1.0}
+    used = prom.values('redis_memory_used_bytes{job="redis"} / (redis_memory_max_bytes{job="redis"} > 0)', "job")
+    assert 0 < used[("redis",)] < 0.9  # the alert's expression, not firing
+
+
+def test_every_dashboard_query_runs_and_shows_data(stack):
+    """Each panel's PromQL, its variables set to 'All', parses and (but for PS errors, of which
+    there were none) returns series."""
+    prom, _ = stack
+    empty = []
+    for title, expr in dashboard_exprs():
+        promql = expr.replace("$__rate_interval", "1m")
+        for variable in ("$table", "$rank", "$ps"):
+            promql = promql.replace(variable, ".*")
+        if not prom.query(promql):
+            empty.append(title)
+    assert set(empty) <= {"PS errors /s"}, empty
