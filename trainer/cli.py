@@ -57,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0:
         tail = result.losses[-cfg.log_every:] or [float("nan")]
-        print(f"steps {len(result.losses)}  final loss {sum(tail) / len(tail):.4f}  "
+        resumed = f" (resumed at step {result.first_step})" if result.first_step else ""
+        print(f"steps {len(result.losses)}{resumed}  final loss {sum(tail) / len(tail):.4f}  "
               f"eval AUC {result.auc:.4f}  eval log-loss {result.logloss:.4f}  "
               f"{result.samples_per_second:,.0f} samples/s"
               + (f"  hit rate {result.hit_rate:.3f}" if cfg.table.dynamic else ""))

@@ -45,6 +45,7 @@ log = logging.getLogger("dynemb.trainer")
 @dataclass
 class TrainResult:
     losses: list[float] = field(default_factory=list)  # this rank's loss per step
+    first_step: int = 0  # the step the job began at (> 0 when resumed from a checkpoint)
     auc: float = float("nan")
     logloss: float = float("nan")
     samples_per_second: float = 0.0
@@ -113,6 +114,7 @@ def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
         ckpt = Checkpointer(cfg, built, dynamic, store) if cfg.checkpoint_dir or cfg.resume else None
         first_step = ckpt.restore(cfg.resume) if cfg.resume else 0
         result = _loop(cfg, built, dynamic, metrics, ckpt, first_step)
+        result.first_step = first_step
         if cfg.checkpoint_at_end and result.losses:
             ckpt.save(first_step + len(result.losses))
         result.auc, result.logloss = evaluate(cfg, built, dynamic)
