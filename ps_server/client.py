@@ -10,7 +10,8 @@
   goes to the same PS for a given address list), and each shard's part is cut into
   chunks that fit under the message limit; all chunks go out at once.
 - UNAVAILABLE is retried with exponential backoff and jitter inside the call's
-  deadline. Every call is idempotent (push overwrites, delete of a deleted id is a
+  deadline; with RetryPolicy.attempt_timeout, so is a try that took longer than that (a
+  PS that hangs, paused or cut off, is tried again rather than waited on to the end). Every call is idempotent (push overwrites, delete of a deleted id is a
   no-op, create of the same schema succeeds), so a retry never duplicates a write.
 - Row operations (pull, push, delete, import) of one client on one table take effect in
   the order they were called, sync or async: they run one after another on that table's
@@ -21,6 +22,7 @@
 
 from __future__ import annotations
 
+import logging
 import queue
 import random
 import threading
@@ -43,19 +45,24 @@ from ps_server.schema import Initializer, TableSchema
 from ps_server.service import MESSAGE_OVERHEAD
 from ps_server.wire import encode_push_request
 
+log = logging.getLogger("dynemb.ps.client")
+
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
 
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    attempts: int = 8  # tries in all, the first included
+    attempts: int | None = 8  # tries in all, the first included; None: as many as the deadline allows
     initial_backoff: float = 0.05
     max_backoff: float = 2.0
     multiplier: float = 2.0
+    attempt_timeout: float | None = None  # seconds one try may take; None: the call's whole deadline
 
     def backoffs(self) -> Iterator[float]:
         delay = self.initial_backoff
-        for _ in range(self.attempts - 1):
+        tries = 1
+        while self.attempts is None or tries < self.attempts:
+            tries += 1
             yield delay * random.uniform(0.5, 1.0)  # jitter: clients that failed together retry apart
             delay = min(delay * self.multiplier, self.max_backoff)
 
@@ -149,28 +156,41 @@ class PSClient:
     def _deadline(self, timeout: float | None) -> float:
         return time.monotonic() + (self.timeout if timeout is None else timeout)
 
+    def _attempt_timeout(self, deadline: float) -> float:
+        remaining = max(deadline - time.monotonic(), 0.001)
+        return remaining if self.retry.attempt_timeout is None else min(remaining, self.retry.attempt_timeout)
+
     def _call(self, shard: int, method: str, request, deadline: float, first: Future | None = None):
-        """One unary RPC to one PS, retried on UNAVAILABLE within the deadline.
+        """One unary RPC to one PS, retried on UNAVAILABLE (and on a try that ran past
+        retry.attempt_timeout) within the deadline.
 
         `first` is an attempt already sent (a grpc future), whose outcome counts as try one.
         """
         rpc = getattr(self._stubs[shard], method)
         backoffs = self.retry.backoffs()
+        retried = False
         while True:
             try:
                 if first is not None:
                     attempt, first = first, None
                     return attempt.result()
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if deadline - time.monotonic() <= 0:
                     raise PSError(
                         f"DEADLINE_EXCEEDED: {method} to PS {self.addresses[shard]} did not succeed in time"
                     )
-                return rpc(request, timeout=remaining, metadata=self._metadata)
+                return rpc(request, timeout=self._attempt_timeout(deadline), metadata=self._metadata)
             except grpc.RpcError as err:
-                if err.code() in RETRYABLE:
+                code = err.code()
+                retry = code in RETRYABLE or (
+                    code == grpc.StatusCode.DEADLINE_EXCEEDED and self.retry.attempt_timeout is not None
+                    and time.monotonic() < deadline)  # the try's own limit, not the call's
+                if retry:
                     delay = next(backoffs, None)
                     if delay is not None and time.monotonic() + delay < deadline:
+                        if not retried:  # once per call: an outage is one line per call, not per try
+                            retried = True
+                            log.warning("%s to PS %s: %s; retrying for up to %.0f s", method,
+                                        self.addresses[shard], code.name, deadline - time.monotonic())
                         time.sleep(delay)
                         continue
                 raise from_rpc_error(err, self.addresses[shard]) from None
@@ -183,7 +203,7 @@ class PSClient:
         sent = []
         for shard, req in calls:
             rpc = getattr(self._stubs[shard], method)
-            sent.append(rpc.future(req, timeout=max(deadline - time.monotonic(), 0.001), metadata=self._metadata))
+            sent.append(rpc.future(req, timeout=self._attempt_timeout(deadline), metadata=self._metadata))
         return [self._call(shard, method, req, deadline, first=f) for (shard, req), f in zip(calls, sent)]
 
     def _split(self, ids: np.ndarray, per_id_bytes: int) -> tuple[np.ndarray | None, list[tuple[int, slice]]]:

@@ -63,6 +63,8 @@ class TrainConfig:
     ps: str = ""  # PS address(es), comma-separated; "" = embedded store (a local PS when multi-rank)
     ps_table_prefix: str = "dynemb_"
     ps_tls_ca: str = ""  # CA certificate (PEM) of a TLS PS; the auth token comes from DYNEMB_PS_AUTH_TOKEN
+    ps_timeout_seconds: float = 600.0  # how long one pull/push keeps retrying an unreachable PS
+    ps_attempt_seconds: float = 30.0  # how long one try may take before it is abandoned and retried
     metrics_port: int = 0  # each rank serves /metrics on metrics_port + its local rank; 0: off
     metrics_address: str = "127.0.0.1"  # 0.0.0.0 where Prometheus scrapes from another host or pod
     metrics_linger_seconds: float = 0.0  # keep /metrics up this long after the job, for a last scrape
@@ -90,6 +92,8 @@ class TrainConfig:
             raise ValueError("resume 'latest' needs checkpoint_dir")
         if self.checkpoint_every < 0 or self.checkpoint_full_every < 1 or self.checkpoint_keep < 1:
             raise ValueError("checkpoint_every must be >= 0, checkpoint_full_every and checkpoint_keep >= 1")
+        if self.ps_timeout_seconds <= 0 or self.ps_attempt_seconds <= 0:
+            raise ValueError("ps_timeout_seconds and ps_attempt_seconds must be > 0")
         if not 0 <= self.metrics_port < 65536 or self.metrics_linger_seconds < 0:
             raise ValueError(f"metrics_port must be in [0, 65535] (got {self.metrics_port}) and "
                              f"metrics_linger_seconds >= 0 (got {self.metrics_linger_seconds})")
@@ -141,6 +145,10 @@ HELP = {
     "ps": "PS address(es) host:port, comma-separated; empty: the embedded store",
     "ps_table_prefix": "prefix of the PS table names (several jobs can share one PS)",
     "ps_tls_ca": "CA certificate (PEM) to reach a TLS PS; a PS that wants a token gets env DYNEMB_PS_AUTH_TOKEN",
+    "ps_timeout_seconds": "how long a pull or push keeps retrying a PS that is down, restarting or unreachable "
+                          "before the step fails (retries are safe: every PS call is idempotent)",
+    "ps_attempt_seconds": "how long one try of a PS call may take before it is abandoned and retried "
+                          "(a paused or cut-off PS is not waited on to the end)",
     "metrics_port": "each rank serves Prometheus /metrics on this port + its local rank "
                     "(its rank within the machine or pod, env LOCAL_RANK; 0: off)",
     "metrics_address": "address of the ranks' /metrics endpoints (0.0.0.0: reachable from other hosts and pods)",

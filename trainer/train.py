@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from dynemb.local_redis import free_port
 from idtransformer.policy import EvictionPolicy
+from ps_server.client import RetryPolicy
 from trainer.checkpoint import Checkpointer
 from trainer.collectives import all_gather_ragged
 from trainer.config import TrainConfig
@@ -69,9 +70,13 @@ def init_distributed() -> bool:
 
 def open_row_store(cfg: TrainConfig) -> tuple[RowStore, object]:
     """(store, local PS process or None)."""
+    # every PS call is idempotent, so a PS that is down or hangs is simply tried again, for
+    # up to ps_timeout_seconds, each try given ps_attempt_seconds
+    client_args = dict(timeout=cfg.ps_timeout_seconds,
+                       retry=RetryPolicy(attempts=None, max_backoff=5.0, attempt_timeout=cfg.ps_attempt_seconds),
+                       auth_token=os.environ.get("DYNEMB_PS_AUTH_TOKEN") or None)
     if cfg.ps:
-        return RemoteRowStore(cfg.ps, auth_token=os.environ.get("DYNEMB_PS_AUTH_TOKEN") or None,
-                              tls_ca=cfg.ps_tls_ca or None), None
+        return RemoteRowStore(cfg.ps, tls_ca=cfg.ps_tls_ca or None, **client_args), None
     if dist.get_world_size() == 1:
         return LocalRowStore(), None
     from dynemb.local import LocalPS
@@ -80,7 +85,7 @@ def open_row_store(cfg: TrainConfig) -> tuple[RowStore, object]:
     address = [ps.address if ps else None]
     dist.broadcast_object_list(address, src=0)
     # the local PS inherits this process's environment, DYNEMB_PS_AUTH_TOKEN included
-    return RemoteRowStore(address[0], auth_token=os.environ.get("DYNEMB_PS_AUTH_TOKEN") or None), ps
+    return RemoteRowStore(address[0], **client_args), ps
 
 
 def make_dynamic(cfg: TrainConfig, built: Built, store: RowStore, metrics: TrainerMetrics) -> DynamicTables:

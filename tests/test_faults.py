@@ -1,0 +1,124 @@
+"""Faults injected into real processes during training: a PS killed with SIGKILL and started
+again on its address, a PS paused (SIGSTOP) past the trainer's per-try deadline. The trainer
+retries, carries on, and ends with the same losses and the same PS tables, bit for bit, as a
+run of the same seed without the fault: no acknowledged push is lost, no stale one wins."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from dynemb.local import REPO, LocalPS
+from ps_server.client import PSClient
+
+STEPS = 120
+TRAIN = ["--steps", str(STEPS), "--num-sparse", "4", "--universe", "4000", "--ids-per-feature", "2",
+         "--dim", "8", "--capacity-fraction", "0.1", "--evict-fraction", "0.1", "--batch-size", "48",
+         "--dense-arch", "16,8", "--over-arch", "16,1", "--eval-batches", "2", "--optimizer", "adagrad",
+         "--no-progress", "--ps-attempt-seconds", "1", "--ps-timeout-seconds", "120"]
+
+
+def start_training(ps: LocalPS, out, prefix: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "dynemb.cli", "train", "--ps", ps.address, "--ps-table-prefix", prefix,
+         "--result-json", str(out / f"{prefix}.json"), *TRAIN],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def tables_of(address: str, prefix: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Every table of the job, sorted by id: {name without prefix: (ids, rows)}."""
+    out = {}
+    with PSClient(address, timeout=60) as client:
+        for info in client.list_tables():
+            name = info.schema.name
+            if name.startswith(prefix):
+                chunks = list(client.export(name))
+                ids = np.concatenate([c[0] for c in chunks])
+                rows = np.concatenate([c[1] for c in chunks])
+                order = np.argsort(ids)
+                out[name[len(prefix):]] = (ids[order], rows[order])
+    return out
+
+
+def pushed_rows(address: str) -> int:
+    with PSClient(address, timeout=5) as client:
+        return sum(int(t.num_rows) for t in client.list_tables())
+
+
+def wait_for_rows(ps: LocalPS, job: subprocess.Popen, at_least: int, timeout: float = 120) -> None:
+    """Until the job has pushed rows (it is mid-training, its tables evicting)."""
+    deadline = time.monotonic() + timeout
+    while pushed_rows(ps.address) < at_least:
+        assert job.poll() is None, f"training ended before the fault: {job.communicate()[1][-3000:]}"
+        assert time.monotonic() < deadline, "training pushed no rows in time"
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def redis_ps(redis_url):
+    """A PS over Redis (rows outlive the PS process); stopped at the end."""
+    namespace = f"faults{uuid.uuid4().hex[:8]}"
+    made: list[LocalPS] = []
+
+    def make(*extra: str) -> LocalPS:
+        ps = LocalPS("--backend", redis_url, "--namespace", namespace, "--not-serving-seconds", "0", *extra).start()
+        made.append(ps)
+        return ps
+
+    yield make
+    for ps in made:
+        ps.close()
+
+
+def finish(job: subprocess.Popen) -> str:
+    out, err = job.communicate(timeout=600)
+    assert job.returncode == 0, err[-4000:]
+    return err
+
+
+def compare_with_unfaulted(tmp_path, ps: LocalPS, faulted: str) -> None:
+    clean = start_training(ps, tmp_path, "clean_")
+    finish(clean)
+    got = json.loads((tmp_path / f"{faulted}.json").read_text())
+    want = json.loads((tmp_path / "clean_.json").read_text())
+    assert len(got["losses"]) == STEPS
+    assert got["losses"] == want["losses"] and got["auc"] == want["auc"]
+    a, b = tables_of(ps.address, faulted), tables_of(ps.address, "clean_")
+    assert a.keys() == b.keys() and len(a) == 4
+    for name in a:
+        np.testing.assert_array_equal(a[name][0], b[name][0], err_msg=f"ids of {name}")
+        np.testing.assert_array_equal(a[name][1], b[name][1], err_msg=f"rows of {name}")
+
+
+def test_a_ps_killed_mid_training_and_restarted_loses_nothing(redis_ps, tmp_path):
+    ps = redis_ps()
+    port = ps.port
+    job = start_training(ps, tmp_path, "killed_")
+    wait_for_rows(ps, job, at_least=200)
+    ps.stop(signal.SIGKILL)
+    time.sleep(3)  # the trainer's calls fail (UNAVAILABLE) and back off meanwhile
+    assert job.poll() is None, "the trainer gave up while the PS was down"
+    ps = redis_ps("--address", f"127.0.0.1:{port}")  # the same address, the same Redis
+    err = finish(job)
+    assert "UNAVAILABLE; retrying" in err  # it did see the outage
+    compare_with_unfaulted(tmp_path, ps, "killed_")
+
+
+def test_a_paused_ps_past_the_try_deadline_loses_nothing(redis_ps, tmp_path):
+    ps = redis_ps()
+    job = start_training(ps, tmp_path, "paused_")
+    wait_for_rows(ps, job, at_least=200)
+    os.kill(ps.proc.pid, signal.SIGSTOP)
+    time.sleep(4)  # > --ps-attempt-seconds 1: tries are abandoned and sent again
+    os.kill(ps.proc.pid, signal.SIGCONT)
+    err = finish(job)
+    assert "DEADLINE_EXCEEDED; retrying" in err
+    compare_with_unfaulted(tmp_path, ps, "paused_")
