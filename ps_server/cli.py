@@ -60,8 +60,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Run a long-lived PS: gRPC service (with health checking and reflection) "
         "over the embedded store or Redis, and a Prometheus /metrics endpoint.",
     )
-    serve.add_argument("--address", default=_env("DYNEMB_PS_ADDRESS", "0.0.0.0:50051"),
-                       help="host:port to listen on; port 0 picks a free one [env DYNEMB_PS_ADDRESS, default %(default)s]")
+    serve.add_argument("--address", default=_env("DYNEMB_PS_ADDRESS", "127.0.0.1:50051"),
+                       help="host:port to listen on; port 0 picks a free one. The default takes calls from this machine "
+                       "only: listening on every interface (0.0.0.0:50051, e.g. in a pod) is a choice you make "
+                       "[env DYNEMB_PS_ADDRESS, default %(default)s]")
     serve.add_argument("--backend", default=_env("DYNEMB_PS_BACKEND", ""),
                        help="where rows live: embedded:// (the default: in this process, lost on exit), "
                        "embedded:///DIR (saved to DIR on shutdown, loaded at start), "
@@ -81,8 +83,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--metrics-port", type=int, default=_env("DYNEMB_PS_METRICS_PORT", 9090, int),
                        help="port of the Prometheus /metrics endpoint; -1 turns it off, 0 picks a free one "
                        "[env DYNEMB_PS_METRICS_PORT, default %(default)s]")
-    serve.add_argument("--metrics-address", default=_env("DYNEMB_PS_METRICS_ADDRESS", "0.0.0.0"),
-                       help="address of the /metrics endpoint [env DYNEMB_PS_METRICS_ADDRESS, default %(default)s]")
+    serve.add_argument("--metrics-address", default=_env("DYNEMB_PS_METRICS_ADDRESS", "127.0.0.1"),
+                       help="address of the /metrics endpoint (0.0.0.0: every interface) [env DYNEMB_PS_METRICS_ADDRESS, default %(default)s]")
     serve.add_argument("--drain-seconds", type=float, default=_env("DYNEMB_PS_DRAIN_SECONDS", 30.0, float),
                        help="on SIGTERM, how long in-flight requests may take [env DYNEMB_PS_DRAIN_SECONDS, default %(default)s]")
     serve.add_argument("--not-serving-seconds", type=float, default=_env("DYNEMB_PS_NOT_SERVING_SECONDS", 1.0, float),

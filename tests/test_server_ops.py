@@ -227,3 +227,15 @@ def test_demo_runs():
     out = dynemb("demo", "--rows", "20000")
     assert out.returncode == 0, out.stderr
     assert "pulled 20000 rows (20000 missing" in out.stdout and "holds 20000 rows" in out.stdout
+
+
+def test_the_ps_listens_on_loopback_unless_told_otherwise(monkeypatch):
+    """Nothing outside the machine reaches a PS started without --address (or its env var)."""
+    from dynemb.cli import build_parser
+
+    for var in ("DYNEMB_PS_ADDRESS", "DYNEMB_PS_METRICS_ADDRESS"):
+        monkeypatch.delenv(var, raising=False)
+    args = build_parser().parse_args(["ps", "serve"])
+    assert args.address == "127.0.0.1:50051" and args.metrics_address == "127.0.0.1"
+    monkeypatch.setenv("DYNEMB_PS_ADDRESS", "0.0.0.0:50051")
+    assert build_parser().parse_args(["ps", "serve"]).address == "0.0.0.0:50051"
