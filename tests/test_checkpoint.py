@@ -167,3 +167,49 @@ def test_two_torchrun_ranks_resume_exactly(tmp_path, optimizer, tables):
             assert got[f"resumed_first_{name}"] == got[f"first_first_{name}"]
             np.testing.assert_array_equal(got[f"resumed_table_{name}"], got[f"first_table_{name}"],
                                           err_msg=f"rank {rank} table {name}")
+
+
+def test_a_full_disk_fails_the_save_clearly_and_keeps_the_last_checkpoint(tmp_path):
+    """A file-size limit (RLIMIT_FSIZE: writes fail with EFBIG, as on a full disk) that the
+    step-10 checkpoint fits under and the step-20 one does not."""
+    import resource
+    import subprocess
+    import sys
+
+    from dynemb.local import REPO
+    from trainer.checkpoint_format import verify
+
+    flags = ["--steps", "30", "--num-sparse", "6", "--universe", "6000", "--ids-per-feature", "2", "--dim", "8",
+             "--capacity-fraction", "0.1", "--evict-fraction", "0.1", "--batch-size", "48", "--dense-arch", "16,8",
+             "--over-arch", "16,1", "--eval-batches", "2", "--optimizer", "adagrad", "--no-progress",
+             "--checkpoint-every", "10"]
+
+    def dynemb_train(ck: Path, *extra: str, limit: int | None = None) -> subprocess.CompletedProcess:
+        def cap() -> None:
+            if limit is not None:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        return subprocess.run([sys.executable, "-m", "dynemb.cli", "train", *flags, "--checkpoint-dir", str(ck),
+                               *extra], cwd=REPO, capture_output=True, text=True, timeout=600, preexec_fn=cap)
+
+    def biggest(folder: Path) -> int:
+        return max(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+    probe = tmp_path / "probe"
+    done = dynemb_train(probe, "--result-json", str(tmp_path / "probe.json"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    small, large = biggest(probe / "step-00000010"), biggest(probe / "step-00000020")
+    assert small < large
+
+    ck = tmp_path / "ck"
+    done = dynemb_train(ck, limit=(small + large) // 2)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("dynemb: error: checkpoint at step 20 could not be written (rank 0: "), last
+    assert "File too large" in last and f"the last one, {ck / 'step-00000010'}, is intact" in last
+    assert sorted(p.name for p in ck.iterdir()) == ["step-00000010"]  # no half-written folder
+    verify(ck / "step-00000010")
+
+    done = dynemb_train(ck, "--resume", "latest", "--result-json", str(tmp_path / "resumed.json"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    want = json.loads((tmp_path / "probe.json").read_text())["losses"][10:]
+    assert json.loads((tmp_path / "resumed.json").read_text())["losses"] == want

@@ -20,6 +20,7 @@ filesystem when ranks are on several machines).
 from __future__ import annotations
 
 import dataclasses
+import io
 import shutil
 from pathlib import Path
 
@@ -75,34 +76,64 @@ class Checkpointer:
         touched = None if full else self._touched_everywhere()
         final = self.root / step_folder(step)
         work = self.root / (step_folder(step) + ".partial")
-        if self.rank == 0:
-            shutil.rmtree(work, ignore_errors=True)
-            work.mkdir(parents=True)
-        dist.barrier()
+
+        def prepare() -> None:
+            if self.rank == 0:
+                shutil.rmtree(work, ignore_errors=True)
+                work.mkdir(parents=True)
+
+        self._agree(step, work, prepare)
         if self.dynamic is not None:
             self.dynamic.flush()
             dist.barrier()  # every rank's rows are on the PS
-        self._save_tables(work, touched)
-        self._save_rank(work / f"rank-{self.rank:05d}.pt")
-        if self.rank == 0:
-            self._save_dense(work / "dense.pt")
-        dist.barrier()
-        if self.rank == 0:
-            manifest = {
-                "format": FORMAT, "version": VERSION, "step": step, "world_size": self.world,
-                "kind": "full" if full else "incremental", "parent": None if full else self.last,
-                "dynamic": self.dynamic is not None, "optimizer": self.cfg.optimizer,
-                "tables": {n: self.built.schemas[n].to_dict() for n in self.built.table_names},
-                "config": dataclasses.asdict(self.cfg),
-                "files": files_digest(work),
-            }
-            write_manifest(work, manifest, final)
-            self._retain()
-        dist.barrier()
+
+        def write_parts() -> None:
+            self._save_tables(work, touched)
+            self._save_rank(work / f"rank-{self.rank:05d}.pt")
+            if self.rank == 0:
+                self._save_dense(work / "dense.pt")
+
+        self._agree(step, work, write_parts)
+
+        def publish() -> None:
+            if self.rank == 0:
+                manifest = {
+                    "format": FORMAT, "version": VERSION, "step": step, "world_size": self.world,
+                    "kind": "full" if full else "incremental", "parent": None if full else self.last,
+                    "dynamic": self.dynamic is not None, "optimizer": self.cfg.optimizer,
+                    "tables": {n: self.built.schemas[n].to_dict() for n in self.built.table_names},
+                    "config": dataclasses.asdict(self.cfg),
+                    "files": files_digest(work),
+                }
+                write_manifest(work, manifest, final)
+                self._retain()
+
+        self._agree(step, work, publish)
         self.saved += 1
         self.last = final.name
         self.touched = {name: [] for name in self.touched}
         return final
+
+    def _agree(self, step: int, work: Path, part) -> None:
+        """Run this rank's part of a save; if it failed to write on any rank (disk full, no
+        permission, ...), every rank raises the same CheckpointError and the half-written
+        folder goes. Collective: no rank is left waiting at a barrier for one that failed."""
+        try:
+            part()
+            mine = None
+        except OSError as exc:
+            where = f"{exc.filename}: " if exc.filename else ""
+            mine = f"rank {self.rank}: {where}{exc.strerror or exc}"
+        except Exception as exc:  # noqa: BLE001 - whatever it is, every rank must hear of it
+            mine = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        every = [None] * self.world
+        dist.all_gather_object(every, mine)
+        problems = [p for p in every if p is not None]
+        if problems:
+            if self.rank == 0:
+                shutil.rmtree(work, ignore_errors=True)
+            kept = f"the last one, {self.root / self.last}, is intact" if self.last else "no earlier one exists"
+            raise CheckpointError(f"checkpoint at step {step} could not be written ({'; '.join(problems)}); {kept}")
 
     def _save_tables(self, work: Path, touched: dict[str, np.ndarray] | None) -> None:
         names = self.built.table_names
@@ -139,11 +170,11 @@ class Checkpointer:
         adam = self.built.optimizer.sparse_adam
         if adam is not None:
             state["sparse_adam"] = adam.state_dict()
-        torch.save(state, path)
+        _save_torch(state, path)
 
     def _save_dense(self, path: Path) -> None:
         params = {k: v.detach().clone() for k, v in dense_parameters(self.built.model).items()}
-        torch.save({"parameters": params, "optimizer": self.built.dense_optimizer.state_dict()}, path)
+        _save_torch({"parameters": params, "optimizer": self.built.dense_optimizer.state_dict()}, path)
 
     def _retain(self) -> None:
         """Keep the newest checkpoint_keep checkpoints and every one their chains build on."""
@@ -246,3 +277,15 @@ class Checkpointer:
                 ids = local.slot_id[slots].numpy()
                 rows = self.store.pull(self.built.schemas[name].name, ids)
                 self.dynamic.rows[name].write(slots, torch.from_numpy(np.asarray(rows, dtype=np.float32)))
+
+
+def _save_torch(obj, path: Path) -> None:
+    """torch.save through memory: its own writer reports a full disk as "basic_ios::clear:
+    iostream error"; Python's names the file and the reason."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    try:
+        with open(path, "wb") as f:
+            f.write(buf.getbuffer())
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from None

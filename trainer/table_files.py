@@ -229,10 +229,13 @@ class TableWriter:
         ids, emb, st = (np.concatenate([p[k] for p in self._pending]) for k in range(3))
         name = shard_name(len(self._shards))
         path = self.folder / name
-        save_file({"ids": np.ascontiguousarray(ids[:rows]), "embeddings": np.ascontiguousarray(emb[:rows]),
-                   "state": np.ascontiguousarray(st[:rows])}, str(path),
-                  metadata={"format": FORMAT, "version": str(VERSION), "table": self.schema.name,
-                            "dtype": self.schema.dtype})
+        try:
+            save_file({"ids": np.ascontiguousarray(ids[:rows]), "embeddings": np.ascontiguousarray(emb[:rows]),
+                       "state": np.ascontiguousarray(st[:rows])}, str(path),
+                      metadata={"format": FORMAT, "version": str(VERSION), "table": self.schema.name,
+                                "dtype": self.schema.dtype})
+        except Exception as exc:  # SafetensorError: an I/O error (disk full...) arrives as its text only
+            raise OSError(f"{path}: could not write the shard ({exc})") from exc
         self._shards.append(Shard(name, rows, _sha256(path)))
         rest = len(ids) - rows
         self._pending = [(ids[rows:], emb[rows:], st[rows:])] if rest else []
