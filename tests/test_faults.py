@@ -1,7 +1,9 @@
 """Faults injected into real processes during training: a PS killed with SIGKILL and started
 again on its address, a PS paused (SIGSTOP) past the trainer's per-try deadline. The trainer
 retries, carries on, and ends with the same losses and the same PS tables, bit for bit, as a
-run of the same seed without the fault: no acknowledged push is lost, no stale one wins."""
+run of the same seed without the fault: no acknowledged push is lost, no stale one wins.
+A torchrun rank killed with SIGKILL stops the job; resumed from its last checkpoint, the job
+ends with the losses and tables of an unfaulted run."""
 
 from __future__ import annotations
 
@@ -122,3 +124,93 @@ def test_a_paused_ps_past_the_try_deadline_loses_nothing(redis_ps, tmp_path):
     err = finish(job)
     assert "DEADLINE_EXCEEDED; retrying" in err
     compare_with_unfaulted(tmp_path, ps, "paused_")
+
+
+# -- a trainer rank killed ---------------------------------------------------------
+
+RANKED = ["--steps", "60", "--num-sparse", "4", "--universe", "4000", "--ids-per-feature", "2", "--dim", "8",
+          "--capacity-fraction", "0.1", "--evict-fraction", "0.1", "--batch-size", "32", "--dense-arch", "16,8",
+          "--over-arch", "16,1", "--eval-batches", "2", "--optimizer", "adam", "--no-progress",
+          "--checkpoint-every", "10", "--checkpoint-at-end"]
+
+
+def torchrun_training(ck, out, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "trainer",
+         *RANKED, "--checkpoint-dir", str(ck), "--result-json", str(out / "rank{rank}.json"), *extra],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def rank_pid(launcher: int, local_rank: int) -> int | None:
+    """The pid of a torchrun worker, by its LOCAL_RANK (read from /proc)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != launcher:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if f"LOCAL_RANK={local_rank}".encode() in env:
+            return int(entry)
+    return None
+
+
+def final_tables(folder) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    from trainer.table_files import TableReader
+
+    out = {}
+    for table in sorted((folder / "tables").iterdir()):
+        ids, emb, state = (np.concatenate(parts) for parts in zip(*TableReader(table).chunks()))
+        order = np.argsort(ids)
+        out[table.name] = (ids[order], emb[order], state[order])
+    return out
+
+
+def test_a_killed_rank_stops_the_job_and_a_restart_from_the_checkpoint_ends_the_same(tmp_path):
+    from trainer.checkpoint_format import checkpoints, read_manifest
+
+    (tmp_path / "clean").mkdir()
+    (tmp_path / "faulted").mkdir()
+    clean = torchrun_training(tmp_path / "clean" / "ck", tmp_path / "clean")
+    out, err = clean.communicate(timeout=600)
+    assert clean.returncode == 0, err[-4000:]
+
+    ck = tmp_path / "faulted" / "ck"
+    job = torchrun_training(ck, tmp_path / "faulted")
+    deadline = time.monotonic() + 300
+    while not checkpoints(ck):  # killed after its first checkpoint, mid-training
+        assert job.poll() is None, job.communicate()[1][-4000:]
+        assert time.monotonic() < deadline, "no checkpoint in time"
+        time.sleep(0.2)
+    victim = rank_pid(job.pid, 1)
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    out, err = job.communicate(timeout=300)  # torchrun stops the other rank and exits: no hang
+    assert job.returncode != 0
+    assert "SIGKILL" in err or "Signal 9" in err, err[-3000:]
+    saved = checkpoints(ck)
+    assert saved
+    at = read_manifest(saved[-1])["step"]
+    assert at < 60  # it did not get to the end
+
+    resumed = torchrun_training(ck, tmp_path / "faulted", "--resume", "latest")
+    out, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-4000:]
+    assert f"resumed at step {at}" in out + err
+    for rank in range(2):
+        want = json.loads((tmp_path / "clean" / f"rank{rank}.json").read_text())
+        got = json.loads((tmp_path / "faulted" / f"rank{rank}.json").read_text())
+        assert got["losses"] == want["losses"][at:], f"rank {rank}"
+        assert got["auc"] == want["auc"]
+    a = final_tables(tmp_path / "clean" / "ck" / "step-00000060")
+    b = final_tables(ck / "step-00000060")
+    assert a.keys() == b.keys() and len(a) == 4
+    for name in a:
+        for x, y in zip(a[name], b[name]):
+            np.testing.assert_array_equal(x, y, err_msg=f"table {name}")
