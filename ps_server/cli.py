@@ -93,6 +93,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--redis-buckets", type=int, default=_env("DYNEMB_PS_REDIS_BUCKETS", 4096, int),
                        help="Redis hashes per new table (fixed once a table exists) "
                        "[env DYNEMB_PS_REDIS_BUCKETS, default %(default)s]")
+    serve.add_argument("--backend-check-seconds", type=float, default=_env("DYNEMB_PS_BACKEND_CHECK_SECONDS", 1.0, float),
+                       help="how often to ping the store; while it does not answer, health says NOT_SERVING "
+                       "[env DYNEMB_PS_BACKEND_CHECK_SECONDS, default %(default)s]")
     serve.add_argument("--port-file", help="write the bound port here once serving (for scripts and tests)")
     serve.add_argument("--log-level", default=_env("DYNEMB_LOG_LEVEL", "INFO"), help="[env DYNEMB_LOG_LEVEL, default %(default)s]")
     serve.set_defaults(func=cmd_serve)
@@ -156,6 +159,7 @@ def cmd_serve(args) -> int:
             drain_seconds=args.drain_seconds,
             not_serving_seconds=args.not_serving_seconds,
             redis_buckets=args.redis_buckets,
+            backend_check_seconds=args.backend_check_seconds,
         )
         server = PSServer(config).start()
     except Exception as exc:  # bad flags or an unusable port: say so, exit non-zero

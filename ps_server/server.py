@@ -26,7 +26,7 @@ from dynemb import __version__
 from protos import ps_pb2
 from ps_server.auth import TokenAuthInterceptor
 from ps_server.backends import Store, open_store
-from ps_server.errors import PSError
+from ps_server.backend_watch import BackendWatch
 from ps_server.metrics import PSMetrics
 from ps_server.service import ParameterServerService, add_to_server
 
@@ -54,6 +54,7 @@ class ServeConfig:
     # so load balancers and probes see it before the port closes.
     not_serving_seconds: float = 1.0
     redis_buckets: int = 4096  # hashes per new table (fixed per table once created)
+    backend_check_seconds: float = 1.0  # how often health re-checks that the store answers
     backend_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -63,6 +64,8 @@ class ServeConfig:
             raise ValueError(f"max message size {self.max_message_bytes} is below the 64 KiB minimum")
         if self.workers < 1:
             raise ValueError("workers must be >= 1")
+        if self.backend_check_seconds <= 0:
+            raise ValueError(f"backend check interval must be > 0 seconds, got {self.backend_check_seconds}")
 
 
 class PSServer:
@@ -76,6 +79,7 @@ class PSServer:
             store = open_store(config.backend, namespace=config.namespace, **options)
         self.store = store
         self.health = health.HealthServicer()
+        self.backend_watch = BackendWatch(store, config.backend_check_seconds, self._backend_changed)
         self.port: int | None = None
         self.metrics_port: int | None = None
         self._metrics_http = None
@@ -101,11 +105,6 @@ class PSServer:
 
     def start(self) -> "PSServer":
         cfg = self.config
-        try:
-            self.store.ping()
-        except PSError as exc:
-            # Start anyway: the PS reports UNAVAILABLE per request until the store is back.
-            log.warning("backend not reachable at start: %s", exc)
         if cfg.tls_cert:
             with open(cfg.tls_cert, "rb") as f:
                 cert = f.read()
@@ -123,8 +122,9 @@ class PSServer:
         self._grpc.start()
         self.metrics.info.labels(self.store.kind, __version__).set(1)
         self.metrics.serving.set(1)
-        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        # Start even when the store is away: NOT_SERVING (and UNAVAILABLE per request) until it is back.
+        self.backend_watch.check()
+        self.backend_watch.start()
         log.info(
             "PS serving %s on port %d (%s backend, %s, auth %s)%s",
             SERVICE_NAME, self.port, self.store.kind, "TLS" if cfg.tls_cert else "plaintext",
@@ -138,6 +138,7 @@ class PSServer:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        self.backend_watch.stop()
         grace = self.config.drain_seconds if grace is None else grace
         self.metrics.serving.set(0)
         self.health.enter_graceful_shutdown()  # every service → NOT_SERVING
@@ -149,6 +150,13 @@ class PSServer:
             self._metrics_http.shutdown()
         self.store.close()
         log.info("stopped")
+
+    def _backend_changed(self, up: bool) -> None:
+        self.metrics.backend_up.set(1 if up else 0)
+        status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+        if not self._stopped.is_set():  # a draining PS stays NOT_SERVING
+            self.health.set("", status)
+            self.health.set(SERVICE_NAME, status)
 
     def wait(self) -> None:
         self._grpc.wait_for_termination()

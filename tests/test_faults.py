@@ -2,6 +2,8 @@
 again on its address, a PS paused (SIGSTOP) past the trainer's per-try deadline. The trainer
 retries, carries on, and ends with the same losses and the same PS tables, bit for bit, as a
 run of the same seed without the fault: no acknowledged push is lost, no stale one wins.
+Redis itself restarted (AOF on) mid-training: the PS says NOT_SERVING meanwhile, recovers by
+itself, and the tables are again those of an unfaulted run.
 A torchrun rank killed with SIGKILL stops the job; resumed from its last checkpoint, the job
 ends with the losses and tables of an unfaulted run."""
 
@@ -19,6 +21,7 @@ import numpy as np
 import pytest
 
 from dynemb.local import REPO, LocalPS
+from dynemb.local_redis import RedisProcess
 from ps_server.client import PSClient
 
 STEPS = 120
@@ -125,6 +128,42 @@ def test_a_paused_ps_past_the_try_deadline_loses_nothing(redis_ps, tmp_path):
     assert "DEADLINE_EXCEEDED; retrying" in err
     compare_with_unfaulted(tmp_path, ps, "paused_")
 
+
+
+def health_of(ps: LocalPS) -> str:
+    with PSClient(ps.address, timeout=5) as client:
+        return client.health(timeout=2)[0]
+
+
+def wait_for_health(ps: LocalPS, want: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while (got := health_of(ps)) != want:
+        assert time.monotonic() < deadline, f"PS health stayed {got}, expected {want}"
+        time.sleep(0.1)
+
+
+def test_redis_restarted_mid_training_loses_nothing(tmp_path):
+    """Redis as the docs set it up for production: AOF on, fsync every second. A restart
+    (SIGTERM: Redis writes its AOF out and exits) while trainers push."""
+    store = RedisProcess(["appendonly yes", "appendfsync everysec"]).start()
+    ps = LocalPS("--backend", store.url, "--namespace", "aof", "--not-serving-seconds", "0",
+                 "--backend-check-seconds", "0.2")
+    try:
+        ps.start()
+        job = start_training(ps, tmp_path, "redis_")
+        wait_for_rows(ps, job, at_least=200)
+        store.stop()
+        wait_for_health(ps, "NOT_SERVING")  # probes see the PS cannot serve
+        time.sleep(2)  # the trainer's calls fail (UNAVAILABLE) and back off meanwhile
+        assert job.poll() is None, "the trainer gave up while Redis was down"
+        store.start()  # the same port and folder: the AOF is loaded again
+        wait_for_health(ps, "SERVING")  # by itself
+        err = finish(job)
+        assert "UNAVAILABLE; retrying" in err
+        compare_with_unfaulted(tmp_path, ps, "redis_")
+    finally:
+        ps.close()
+        store.close()
 
 # -- a trainer rank killed ---------------------------------------------------------
 

@@ -3,6 +3,9 @@ server still serving, and nothing stored changed."""
 
 from __future__ import annotations
 
+import time
+import urllib.request
+
 import grpc
 import numpy as np
 import pytest
@@ -121,10 +124,21 @@ def test_oversized_messages(make_ps):
         channel.close()
 
 
+def wait_for_health(ps: PSClient, want: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (got := ps.health()) != [want]:
+        assert time.monotonic() < deadline, f"health stayed {got}, expected {want}"
+        time.sleep(0.1)
+
+
+def metrics_text(proc) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10).read().decode()
+
+
 def test_redis_down_then_back(redis_process, make_ps):
     # an append-only file, so what was stored before the outage is there again after it
     redis_proc = redis_process(["appendonly yes", "appendfsync always"])
-    proc = make_ps("--backend", redis_proc.url, "--namespace", "down")
+    proc = make_ps("--backend", redis_proc.url, "--namespace", "down", "--backend-check-seconds", "0.2")
     no_retry = RetryPolicy(attempts=1)
     ids = np.arange(50, dtype=np.int64)
     rows = np.random.default_rng(1).standard_normal((50, 2)).astype(np.float32)
@@ -138,8 +152,12 @@ def test_redis_down_then_back(redis_process, make_ps):
                 attempt()
             assert info.value.code == grpc.StatusCode.UNAVAILABLE
             assert redis_proc.address in str(info.value) and "Redis" in str(info.value)
-        assert ps.health() == ["SERVING"]  # the PS itself is alive
+        # the PS itself is alive, and says its store is away
+        wait_for_health(ps, "NOT_SERVING")
+        assert "dynemb_ps_backend_up 0.0" in metrics_text(proc)
         redis_proc.start()  # same port and directory: the append-only file is loaded again
+        wait_for_health(ps, "SERVING")  # by itself
+        assert "dynemb_ps_backend_up 1.0" in metrics_text(proc)
         assert ps.describe_table("t").num_rows == 50
         got = ps.pull("t", ids)  # the push during the outage changed nothing
         assert np.array_equal(got.rows, rows) and not got.missing.any()
