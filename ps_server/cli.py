@@ -188,7 +188,8 @@ def add_client_flags(p: argparse.ArgumentParser, ps_default: str | None = "local
     into ps_group where given, e.g. a mutually exclusive group)."""
     default = _env("DYNEMB_PS", ps_default)
     (ps_group or p).add_argument("--ps", default=default,
-                                 help="PS address(es), comma-separated [env DYNEMB_PS"
+                                 help="PS address(es), comma-separated shards; 'a:50051|b:50051' = replicas of one shard "
+                                 "over the same Redis [env DYNEMB_PS"
                                  + (", default %(default)s]" if default else "]"))
     p.add_argument("--auth-token", default=_env("DYNEMB_PS_AUTH_TOKEN"), help="[env DYNEMB_PS_AUTH_TOKEN]")
     p.add_argument("--tls-ca", default=_env("DYNEMB_PS_TLS_CA"), help="CA certificate (PEM) to reach a TLS PS [env DYNEMB_PS_TLS_CA]")

@@ -41,6 +41,7 @@ from ps_server import codec
 from ps_server.auth import bearer_metadata
 from ps_server.errors import InvalidArgument, PSError, from_rpc_error
 from ps_server.hashing import ROW_HASH_SEED, shard_of, xxh64_ids
+from ps_server.replicas import channel_target
 from ps_server.schema import Initializer, TableSchema
 from ps_server.service import MESSAGE_OVERHEAD
 from ps_server.wire import encode_push_request
@@ -132,10 +133,7 @@ class PSClient:
                 with open(tls_ca, "rb") as f:
                     tls_ca = f.read()
             creds = grpc.ssl_channel_credentials(root_certificates=tls_ca)
-        self._channels = [
-            grpc.secure_channel(a, creds, options=options) if creds else grpc.insecure_channel(a, options=options)
-            for a in self.addresses
-        ]
+        self._channels = [self._channel(a, creds, options, tls_server_name) for a in self.addresses]
         self._stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self._channels]
         # Push goes out pre-serialized (ps_server/wire.py): the same RPC, one copy fewer.
         for stub, channel in zip(self._stubs, self._channels):
@@ -152,6 +150,16 @@ class PSClient:
                        for k in range(max(1, lanes))]
 
     # -- plumbing ---------------------------------------------------------------
+
+    @staticmethod
+    def _channel(address: str, creds, options: list, tls_server_name: str | None) -> grpc.Channel:
+        """One shard's channel; `a|b` (replicas, see replicas.py) fails over between them."""
+        target, authority = channel_target(address)
+        if authority is not None and creds is not None and not tls_server_name:
+            options = [*options, ("grpc.ssl_target_name_override", authority)]
+        if creds is not None:
+            return grpc.secure_channel(target, creds, options=options)
+        return grpc.insecure_channel(target, options=options)
 
     def _deadline(self, timeout: float | None) -> float:
         return time.monotonic() + (self.timeout if timeout is None else timeout)

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 
 import numpy as np
@@ -31,9 +32,10 @@ TRAIN = ["--steps", str(STEPS), "--num-sparse", "4", "--universe", "4000", "--id
          "--no-progress", "--ps-attempt-seconds", "1", "--ps-timeout-seconds", "120"]
 
 
-def start_training(ps: LocalPS, out, prefix: str) -> subprocess.Popen:
+def start_training(ps: LocalPS, out, prefix: str, target: str | None = None) -> subprocess.Popen:
+    """The job, on `ps` (or on `target`, a --ps value)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "dynemb.cli", "train", "--ps", ps.address, "--ps-table-prefix", prefix,
+        [sys.executable, "-m", "dynemb.cli", "train", "--ps", target or ps.address, "--ps-table-prefix", prefix,
          "--result-json", str(out / f"{prefix}.json"), *TRAIN],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -56,6 +58,12 @@ def tables_of(address: str, prefix: str) -> dict[str, tuple[np.ndarray, np.ndarr
 def pushed_rows(address: str) -> int:
     with PSClient(address, timeout=5) as client:
         return sum(int(t.num_rows) for t in client.list_tables())
+
+
+def pushes_served(ps: LocalPS) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{ps.metrics_port}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith('dynemb_ps_requests_total{code="OK",method="Push"}'))
 
 
 def wait_for_rows(ps: LocalPS, job: subprocess.Popen, at_least: int, timeout: float = 120) -> None:
@@ -128,6 +136,19 @@ def test_a_paused_ps_past_the_try_deadline_loses_nothing(redis_ps, tmp_path):
     assert "DEADLINE_EXCEEDED; retrying" in err
     compare_with_unfaulted(tmp_path, ps, "paused_")
 
+
+
+def test_a_ps_replica_killed_mid_training_fails_over_to_another(redis_ps, tmp_path):
+    first, second = redis_ps(), redis_ps()  # two PS processes over the same Redis and namespace
+    replicas = f"{first.address}|{second.address}"
+    job = start_training(first, tmp_path, "replica_", target=replicas)
+    wait_for_rows(first, job, at_least=200)
+    served_before = pushes_served(second)
+    first.stop(signal.SIGKILL)  # and not started again
+    err = finish(job)
+    assert "UNAVAILABLE; retrying" in err
+    assert pushes_served(second) > served_before  # the rest of the job went to the other replica
+    compare_with_unfaulted(tmp_path, second, "replica_")
 
 
 def health_of(ps: LocalPS) -> str:
