@@ -40,6 +40,12 @@ class BackendUnavailable(PSError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class Abandoned(PSError):
+    """The client gave up on the call (deadline passed, cancelled) before it was written."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 class Unauthenticated(PSError):
     code = grpc.StatusCode.UNAUTHENTICATED
 

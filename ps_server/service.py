@@ -20,7 +20,7 @@ from dynemb import __version__
 from protos import ps_pb2, ps_pb2_grpc
 from ps_server import codec
 from ps_server.backends.base import Store
-from ps_server.errors import InvalidArgument, PSError, ResourceExhausted, TableNotFound
+from ps_server.errors import Abandoned, InvalidArgument, PSError, ResourceExhausted, TableNotFound
 from ps_server.initializer import initial_rows
 from ps_server.metrics import PSMetrics
 from ps_server.schema import TableSchema, check_name
@@ -92,6 +92,17 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             m.requests.labels(method, code.name).inc()
             if code != grpc.StatusCode.OK:
                 m.errors.labels(method, code.name).inc()
+
+    @staticmethod
+    def _still_wanted(context: grpc.ServicerContext, what: str) -> None:
+        """A write whose caller has given up is not applied: the client has sent it again, maybe
+        to another replica, and may have sent newer rows for the same ids since; applying the
+        old one now would put stale rows back. gRPC itself drops a request whose deadline passed
+        before its handler started (all workers busy, the PS paused); this covers the time the
+        handler spent on it since (decoding a big batch). A write already in the store's hands
+        when the deadline passes still lands: see the README's note on replicas."""
+        if not context.is_active():
+            raise Abandoned(f"{what} not written: the client gave up on it (deadline passed or cancelled)")
 
     @contextlib.contextmanager
     def _backend(self, op: str):
@@ -185,6 +196,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             schema = self._schema(request.table)
             ids = codec.decode_ids(request.ids, schema.name)
             rows = codec.decode_rows(request.rows, schema, len(ids))
+            self._still_wanted(context, "push")
             with self._backend("push"):
                 written = self.store.push(schema.name, ids, rows)
             self._count("Push", schema.name, written, len(request.ids) + len(request.rows), 0)
@@ -194,6 +206,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         with self._call("Delete", context):
             schema = self._schema(request.table)
             ids = codec.decode_ids(request.ids, schema.name)
+            self._still_wanted(context, "delete")
             with self._backend("delete"):
                 deleted = self.store.delete(schema.name, ids)
             self._count("Delete", schema.name, deleted, len(request.ids), 0)

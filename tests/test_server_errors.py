@@ -196,3 +196,39 @@ def test_import_into_a_table_of_another_schema_fails_cleanly(stored):
         ps.import_rows(clash, chunks())
     assert len(drawn) < 50  # the failed stream stopped the import; the rest was never read
     assert ps.describe_table(table).num_rows == len(ids)
+
+
+
+def test_a_push_the_client_gave_up_on_is_not_applied_late(make_ps):
+    """A push that waited in the PS past its deadline (every worker busy, or the PS paused) is
+    not written when its turn comes: the client has sent it again, maybe to another replica,
+    and maybe newer rows for the same ids since."""
+    import queue
+    import threading
+
+    proc = make_ps("--workers", "1")
+    ids = np.arange(20, dtype=np.int64)
+    with PSClient(proc.address, retry=RetryPolicy(attempts=1), timeout=30) as ps:
+        ps.create_table("late", dim=2)
+        ps.push("late", ids, np.zeros((20, 2), np.float32))
+        channel = grpc.insecure_channel(proc.address)
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        # an Import stream held open keeps the PS's only worker busy
+        held: queue.Queue = queue.Queue()
+
+        def chunks():
+            yield ps_pb2.RowChunk(spec=ps_pb2.TableSpec(name="other", dim=2, dtype=ps_pb2.FP32))
+            held.get()
+
+        importing = threading.Thread(target=lambda: stub.Import(chunks(), timeout=30), daemon=True)
+        importing.start()
+        time.sleep(0.5)
+        stale = ps_pb2.PushRequest(table="late", ids=ids.tobytes(), rows=np.ones((20, 2), np.float32).tobytes())
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Push(stale, timeout=0.5)  # waits for the worker past its deadline
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        held.put(None)
+        importing.join(30)
+        time.sleep(0.5)  # the stale push has had its turn by now
+        assert ps.pull("late", ids).rows.tolist() == [[0.0, 0.0]] * 20
+        channel.close()
