@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from idtransformer.hashing import owner_of
+from idtransformer.ids import as_int64_ids
 from idtransformer.policy import EvictionPolicy
 from idtransformer.transformer import IDTransformer, TransformResult
 
@@ -94,9 +95,7 @@ def transform_tables(tables: list[ShardedIDTransformer], ids: list[torch.Tensor]
         return []
     first = tables[0]
     group, world, device = first.group, first.world_size, first.device
-    for t, x in zip(tables, ids):
-        if x.dtype != torch.int64:
-            raise TypeError(f"ids must be an int64 tensor, got {x.dtype}")
+    ids = [as_int64_ids(x) for x in ids]
     flats = [x.reshape(-1).to(device) for x in ids]
     if world == 1:  # nothing to exchange
         return [_answer_local(t, f, pin, x.shape) for t, f, x in zip(tables, flats, ids)]

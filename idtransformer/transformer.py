@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from idtransformer.admission import CountMinSketch
+from idtransformer.ids import as_int64_ids
 from idtransformer.policy import EvictionPolicy
 from idtransformer.slot_map import COIN_SEED, MAP_SEED, coin, make_slot_map
 
@@ -56,8 +57,16 @@ class TransformResult:
     distinct_slots: torch.Tensor | None = None
 
 
-def _no_room(need: int, free: int, movable: int) -> RuntimeError:
-    return RuntimeError(
+class TooManyIDs(ValueError):
+    """A batch with more distinct IDs than the table has slots: it cannot be placed at all."""
+
+
+class NoRoom(RuntimeError):
+    """Not enough slots free or evictable for a batch's new IDs (the rest are in use or pinned)."""
+
+
+def _no_room(need: int, free: int, movable: int) -> NoRoom:
+    return NoRoom(
         f"no room: {need} new IDs, {free} free slots, and only {movable} slots that are "
         f"neither used by this batch nor pinned by one in flight (release finished batches)"
     )
@@ -127,15 +136,14 @@ class IDTransformer:
     # -- the batched call --------------------------------------------------------
 
     def transform(self, ids: torch.Tensor, pin: bool = False) -> TransformResult:
-        if ids.dtype != torch.int64:
-            raise TypeError(f"ids must be an int64 tensor, got {ids.dtype}")
+        ids = as_int64_ids(ids)
         if self.step >= (1 << 31) - 1:
             raise OverflowError("the transformer's step counter is at 2^31 - 1 (last_access is int32)")
         flat = ids.reshape(-1).to(self.device)
         if flat.numel() > self.capacity:  # only then can it hold too many distinct IDs
             distinct = torch.unique(flat).numel()
             if distinct > self.capacity:
-                raise ValueError(
+                raise TooManyIDs(
                     f"batch has {distinct} distinct IDs but the table holds {self.capacity}: "
                     f"use a larger capacity or smaller batches"
                 )

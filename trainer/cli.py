@@ -43,7 +43,9 @@ def quiet_library_warnings() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from idtransformer.transformer import NoRoom, TooManyIDs
     from trainer.config import from_args
+    from trainer.data import BadLine
     from trainer.train import train
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -53,8 +55,17 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"dynemb train: error: {e}", file=sys.stderr)
         return 2
-    result = train(cfg)
     rank = int(os.environ.get("RANK", "0"))
+    try:
+        result = train(cfg)
+    except BadLine as e:
+        print(f"dynemb train: error: rank {rank}: malformed training data: {e} "
+              f"(--skip-bad-lines skips such lines)", file=sys.stderr)
+        return 1
+    except (TooManyIDs, NoRoom) as e:
+        print(f"dynemb train: error: rank {rank}: a batch does not fit its table: {e} "
+              f"(raise --capacity / --capacity-fraction, or lower --batch-size)", file=sys.stderr)
+        return 1
     if rank == 0:
         tail = result.losses[-cfg.log_every:] or [float("nan")]
         resumed = f" (resumed at step {result.first_step})" if result.first_step else ""

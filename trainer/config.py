@@ -29,6 +29,7 @@ class DataConfig:
     zipf: float = 1.05  # synthetic: skew of the ID draw
     ids_per_feature: int = 1  # synthetic: IDs per sample and feature (bag size)
     eval_fraction: float = 0.1  # TSV: share of lines held out for evaluation
+    skip_bad_lines: bool = False  # TSV: skip malformed lines (logged, counted) instead of stopping
     data_seed: int = 0  # synthetic: which stream of batches
 
 
@@ -123,6 +124,8 @@ HELP = {
     "zipf": "synthetic: Zipf exponent of the ID draw",
     "ids_per_feature": "synthetic: IDs per sample and feature (bag size)",
     "eval_fraction": "TSV: share of lines held out for evaluation",
+    "skip_bad_lines": "TSV: skip a malformed line (each logged with file, line and reason; counted at the end) "
+                      "instead of stopping the job",
     "data_seed": "synthetic: which stream of batches",
     "dim": "embedding dimension",
     "capacity_fraction": "device rows per table, as a share of the universe",

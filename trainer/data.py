@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,11 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from trainer.config import DataConfig
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+log = logging.getLogger("dynemb.train")
+
+
+class BadLine(ValueError):
+    """A malformed line of training data; the message names file, line and problem."""
 
 
 def feature_names(num_sparse: int) -> list[str]:
@@ -90,7 +96,7 @@ def parse_criteo_line(line: str, num_dense: int = 13, num_sparse: int = 26, wher
     """(label, dense list, ids list with None for missing). Raises ValueError naming the line."""
     cols = line.rstrip("\n").split("\t")
     if len(cols) != 1 + num_dense + num_sparse:
-        raise ValueError(f"{where}: expected {1 + num_dense + num_sparse} tab-separated columns, got {len(cols)}")
+        raise BadLine(f"{where}: expected {1 + num_dense + num_sparse} tab-separated columns, got {len(cols)}")
     try:
         label = float(cols[0])
         dense = [np.log1p(max(int(c), 0)) if c else 0.0 for c in cols[1 : 1 + num_dense]]
@@ -99,24 +105,28 @@ def parse_criteo_line(line: str, num_dense: int = 13, num_sparse: int = 26, wher
             if c:
                 int(c, 16)  # must be hex
     except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
+        raise BadLine(f"{where}: {e}") from None
     if label not in (0.0, 1.0):
-        raise ValueError(f"{where}: label must be 0 or 1, got {cols[0]!r}")
+        raise BadLine(f"{where}: label must be 0 or 1, got {cols[0]!r}")
     ids = [_signed(xxhash.xxh64_intdigest(f"{i}:{c}".encode())) if c else None for i, c in enumerate(cats)]
     return label, dense, ids
 
 
 def criteo_tsv_batches(cfg: DataConfig, batch_size: int, rank: int = 0, world_size: int = 1,
-                       split: int = 0, skip_bad_lines: bool = False) -> Iterator[Batch]:
+                       split: int = 0, skip_bad_lines: bool | None = None) -> Iterator[Batch]:
     """Batches of this rank's lines (split 0: training lines, 1: the held-out ones), once over
-    the files. A malformed line raises ValueError naming file and line (or is skipped and
-    counted with skip_bad_lines)."""
+    the files. A malformed line raises BadLine naming file and line, or, with skip_bad_lines
+    (default: cfg.skip_bad_lines), is logged and skipped, and the count logged at the end."""
+    skip = cfg.skip_bad_lines if skip_bad_lines is None else skip_bad_lines
+    skipped = 0
     keys = feature_names(cfg.num_sparse)
     every = max(1, round(1 / cfg.eval_fraction)) if cfg.eval_fraction > 0 else 0
     rows: list[tuple] = []
     sample = 0
     for path in _tsv_files(cfg.source):
-        with open(path) as f:
+        # undecodable bytes become U+FFFD, so such a line fails as a malformed line (named) and
+        # not as a UnicodeDecodeError of the whole file
+        with open(path, encoding="utf-8", errors="replace") as f:
             for n, line in enumerate(f, 1):
                 held_out = every and n % every == 0
                 if (split == 1) != bool(held_out):
@@ -124,15 +134,20 @@ def criteo_tsv_batches(cfg: DataConfig, batch_size: int, rank: int = 0, world_si
                 if sample % world_size == rank:
                     try:
                         rows.append(parse_criteo_line(line, cfg.num_dense, cfg.num_sparse, f"{path}:{n}"))
-                    except ValueError:
-                        if not skip_bad_lines:
+                    except BadLine as exc:
+                        if not skip:
                             raise
+                        skipped += 1
+                        if skipped <= 20:  # a file of garbage must not flood the log
+                            log.warning("skipping a malformed line: %s", exc)
                 sample += 1
                 if len(rows) == batch_size:
                     yield _tsv_batch(rows, keys)
                     rows = []
     if rows:
         yield _tsv_batch(rows, keys)
+    if skipped:
+        log.warning("rank %d skipped %d malformed line(s) of %s", rank, skipped, cfg.source)
 
 
 def _tsv_batch(rows: list[tuple], keys: list[str]) -> Batch:
