@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from dynemb import __version__
@@ -37,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args) or 0
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # the reader went away (`dynemb ... | head`): not an error of ours; stop quietly, and keep
+        # Python from complaining again when it flushes stdout at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # what a shell reports for a process ended by SIGPIPE
     except Exception as exc:
         from dynemb.errors import UserError
         from ps_server.errors import PSError

@@ -5,6 +5,7 @@ onto another backend bit for bit; corrupt files and schema clashes named, nothin
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -55,6 +56,17 @@ def test_inspect_lists_and_describes_checkpoints(job):
     assert len([line for line in out.splitlines() if " dynemb_t_" in line]) == len(tables)
     assert out.splitlines()[-2:] == [f"verified step-00000010: {count_files(ck / 'step-00000010')} files, sha256 match",
                                      f"verified step-00000020: {count_files(ck / 'step-00000020')} files, sha256 match"]
+
+
+def test_a_reader_that_goes_away_ends_inspect_quietly(job):
+    """`dynemb checkpoint inspect ... | head -1`: the pipe closes before the output is written."""
+    ck, _ = job
+    read, write = os.pipe()
+    os.close(read)  # nobody will read: every write fails with EPIPE
+    res = subprocess.run([sys.executable, "-m", "dynemb.cli", "checkpoint", "inspect", str(ck / "step-00000020")],
+                         stdout=write, stderr=subprocess.PIPE, text=True, cwd=REPO, timeout=300)
+    os.close(write)
+    assert res.returncode == 141 and "Traceback" not in res.stderr and "BrokenPipe" not in res.stderr, res.stderr
 
 
 def count_files(folder) -> int:
