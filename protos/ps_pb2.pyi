@@ -146,6 +146,30 @@ class PushResponse(_message.Message):
     rows_written: int
     def __init__(self, rows_written: _Optional[int] = ...) -> None: ...
 
+class PullManyRequest(_message.Message):
+    __slots__ = ("pulls",)
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    pulls: _containers.RepeatedCompositeFieldContainer[PullRequest]
+    def __init__(self, pulls: _Optional[_Iterable[_Union[PullRequest, _Mapping]]] = ...) -> None: ...
+
+class PullManyResponse(_message.Message):
+    __slots__ = ("pulls",)
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    pulls: _containers.RepeatedCompositeFieldContainer[PullResponse]
+    def __init__(self, pulls: _Optional[_Iterable[_Union[PullResponse, _Mapping]]] = ...) -> None: ...
+
+class PushManyRequest(_message.Message):
+    __slots__ = ("pushes",)
+    PUSHES_FIELD_NUMBER: _ClassVar[int]
+    pushes: _containers.RepeatedCompositeFieldContainer[PushRequest]
+    def __init__(self, pushes: _Optional[_Iterable[_Union[PushRequest, _Mapping]]] = ...) -> None: ...
+
+class PushManyResponse(_message.Message):
+    __slots__ = ("pushes",)
+    PUSHES_FIELD_NUMBER: _ClassVar[int]
+    pushes: _containers.RepeatedCompositeFieldContainer[PushResponse]
+    def __init__(self, pushes: _Optional[_Iterable[_Union[PushResponse, _Mapping]]] = ...) -> None: ...
+
 class DeleteRequest(_message.Message):
     __slots__ = ("table", "ids")
     TABLE_FIELD_NUMBER: _ClassVar[int]

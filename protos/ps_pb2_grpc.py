@@ -69,6 +69,16 @@ class ParameterServerStub:
                 request_serializer=protos_dot_ps__pb2.DeleteRequest.SerializeToString,
                 response_deserializer=protos_dot_ps__pb2.DeleteResponse.FromString,
                 _registered_method=True)
+        self.PullMany = channel.unary_unary(
+                '/dynemb.ps.v1.ParameterServer/PullMany',
+                request_serializer=protos_dot_ps__pb2.PullManyRequest.SerializeToString,
+                response_deserializer=protos_dot_ps__pb2.PullManyResponse.FromString,
+                _registered_method=True)
+        self.PushMany = channel.unary_unary(
+                '/dynemb.ps.v1.ParameterServer/PushMany',
+                request_serializer=protos_dot_ps__pb2.PushManyRequest.SerializeToString,
+                response_deserializer=protos_dot_ps__pb2.PushManyResponse.FromString,
+                _registered_method=True)
         self.Export = channel.unary_stream(
                 '/dynemb.ps.v1.ParameterServer/Export',
                 request_serializer=protos_dot_ps__pb2.ExportRequest.SerializeToString,
@@ -131,6 +141,18 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullMany(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushMany(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Export(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -186,6 +208,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Delete,
                     request_deserializer=protos_dot_ps__pb2.DeleteRequest.FromString,
                     response_serializer=protos_dot_ps__pb2.DeleteResponse.SerializeToString,
+            ),
+            'PullMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullMany,
+                    request_deserializer=protos_dot_ps__pb2.PullManyRequest.FromString,
+                    response_serializer=protos_dot_ps__pb2.PullManyResponse.SerializeToString,
+            ),
+            'PushMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushMany,
+                    request_deserializer=protos_dot_ps__pb2.PushManyRequest.FromString,
+                    response_serializer=protos_dot_ps__pb2.PushManyResponse.SerializeToString,
             ),
             'Export': grpc.unary_stream_rpc_method_handler(
                     servicer.Export,
@@ -392,6 +424,60 @@ class ParameterServer:
             '/dynemb.ps.v1.ParameterServer/Delete',
             protos_dot_ps__pb2.DeleteRequest.SerializeToString,
             protos_dot_ps__pb2.DeleteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dynemb.ps.v1.ParameterServer/PullMany',
+            protos_dot_ps__pb2.PullManyRequest.SerializeToString,
+            protos_dot_ps__pb2.PullManyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dynemb.ps.v1.ParameterServer/PushMany',
+            protos_dot_ps__pb2.PushManyRequest.SerializeToString,
+            protos_dot_ps__pb2.PushManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -18,6 +18,9 @@
   lane, so a pull issued after a push always sees it, and a retried push can never land
   after a later one. Different tables use different lanes (`lanes`, by a hash of the
   name), so a trainer's pushes and pulls of many tables are in flight together.
+- pull_many / push_many move several tables' rows in one call per PS (a trainer's step is
+  then two calls, not two per table); they keep the same order with every other call on
+  their tables.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import random
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -44,7 +47,7 @@ from ps_server.hashing import ROW_HASH_SEED, shard_of, xxh64_ids
 from ps_server.replicas import channel_target
 from ps_server.schema import Initializer, TableSchema
 from ps_server.service import MESSAGE_OVERHEAD
-from ps_server.wire import encode_push_request
+from ps_server.wire import encode_push_many_request, encode_push_request, push_request_parts
 
 log = logging.getLogger("dynemb.ps.client")
 
@@ -142,12 +145,20 @@ class PSClient:
                 request_serializer=bytes,
                 response_deserializer=ps_pb2.PushResponse.FromString,
             )
+            stub.PushMany = channel.unary_unary(
+                "/dynemb.ps.v1.ParameterServer/PushMany",
+                request_serializer=bytes,
+                response_deserializer=ps_pb2.PushManyResponse.FromString,
+            )
         self._schemas: dict[str, TableSchema] = {}
         self._schemas_lock = threading.Lock()
         # One lane per table (by hash): a table's row operations run in call order (see the
         # module docstring); different tables' overlap.
         self._lanes = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"dynemb-ps-lane{k}")
                        for k in range(max(1, lanes))]
+        # Calls on several tables at once (pull_many, push_many) run here, in call order, each
+        # holding the lanes of its tables meanwhile (see _on_lanes).
+        self._many_lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynemb-ps-many")
 
     # -- plumbing ---------------------------------------------------------------
 
@@ -240,8 +251,37 @@ class PSClient:
                 pieces.append((shard, slice(lo, hi)))
         return order, pieces
 
+    def _lane_of(self, table: str) -> ThreadPoolExecutor:
+        return self._lanes[zlib.crc32(table.encode()) % len(self._lanes)]
+
     def _on_lane(self, table: str, fn: Callable, *args) -> Future:
-        return self._lanes[zlib.crc32(table.encode()) % len(self._lanes)].submit(fn, *args)
+        return self._lane_of(table).submit(fn, *args)
+
+    def _on_lanes(self, tables: Iterable[str], fn: Callable, *args) -> Future:
+        """Run fn after every call already made on these tables and before any made after:
+        each lane involved gets a gate that opens once the calls before it are done and
+        stays shut (holding the calls after it) until fn is done. Every wait is on something
+        submitted earlier, so nothing can wait on itself."""
+        lanes = {id(lane): lane for lane in map(self._lane_of, tables)}.values()
+        done = threading.Event()
+        arrived = [threading.Event() for _ in lanes]
+
+        def gate(here: threading.Event) -> None:
+            here.set()  # the calls before it on this lane are done
+            done.wait()
+
+        for lane, here in zip(lanes, arrived):
+            lane.submit(gate, here)
+
+        def run():
+            try:
+                for here in arrived:
+                    here.wait()
+                return fn(*args)
+            finally:
+                done.set()
+
+        return self._many_lane.submit(run)
 
     @staticmethod
     def _ids(ids) -> np.ndarray:
@@ -341,6 +381,84 @@ class PSClient:
         ids = self._ids(ids)
         return self._on_lane(table, self._delete, table, ids, self._deadline(timeout))
 
+    def pull_many(self, ids_by_table: Mapping[str, object], timeout: float | None = None) -> dict[str, PullResult]:
+        """Several tables' pulls in one call per PS: {table: ids} -> {table: PullResult}."""
+        return self.pull_many_async(ids_by_table, timeout).result()
+
+    def push_many(self, rows_by_table: Mapping[str, tuple[object, object]], timeout: float | None = None) -> int:
+        """Several tables' pushes in one call per PS: {table: (ids, rows)}; rows written."""
+        return self.push_many_async(rows_by_table, timeout).result()
+
+    def pull_many_async(self, ids_by_table: Mapping[str, object],
+                        timeout: float | None = None) -> "Future[dict[str, PullResult]]":
+        wanted = {table: self._ids(ids) for table, ids in ids_by_table.items()}
+        return self._on_lanes(wanted, self._pull_many, wanted, self._deadline(timeout))
+
+    def push_many_async(self, rows_by_table: Mapping[str, tuple[object, object]],
+                        timeout: float | None = None) -> "Future[int]":
+        given = {}
+        for table, (ids, rows) in rows_by_table.items():
+            ids, rows = self._ids(ids), np.asarray(rows)
+            if rows.ndim != 2 or rows.shape[0] != len(ids):
+                raise InvalidArgument(f"push to {table!r}: rows must be ({len(ids)}, width), got shape {rows.shape}")
+            given[table] = (ids, np.array(rows, copy=True, order="C"))  # the caller may reuse its buffer
+        return self._on_lanes(given, self._push_many, given, self._deadline(timeout))
+
+    def _packed(self, pieces: list[tuple[int, int, object]]) -> list[tuple[int, list]]:
+        """(shard, bytes, item) pieces → (shard, [item, ...]) messages of at most chunk_bytes
+        each (a piece already fits one message alone: _split cut it so)."""
+        messages: list[tuple[int, list]] = []
+        open_msg: dict[int, tuple[int, list]] = {}
+        for shard, nbytes, item in pieces:
+            size, items = open_msg.get(shard, (MESSAGE_OVERHEAD, None))
+            if items is None or size + nbytes > self.chunk_bytes:
+                items = []
+                messages.append((shard, items))
+                size = MESSAGE_OVERHEAD
+            items.append(item)
+            open_msg[shard] = (size + nbytes, items)
+        return messages
+
+    def _pull_many(self, wanted: dict[str, np.ndarray], deadline: float) -> dict[str, PullResult]:
+        out, pieces = {}, []
+        for table, ids in wanted.items():
+            schema = self.schema(table)
+            out[table] = PullResult(np.empty((len(ids), schema.width), dtype=schema.np_dtype),
+                                    np.zeros(len(ids), dtype=bool), schema.dim)
+            if len(ids) == 0:
+                continue
+            order, cuts = self._split(ids, schema.row_bytes + 1)
+            grouped = ids if order is None else ids[order]
+            for shard, sl in cuts:
+                dest = sl if order is None else order[sl]
+                pieces.append((shard, (sl.stop - sl.start) * (schema.row_bytes + 9),
+                               (table, schema, dest, grouped[sl])))
+        messages = self._packed(pieces)
+        calls = [(shard, ps_pb2.PullManyRequest(pulls=[ps_pb2.PullRequest(table=t, ids=i.tobytes())
+                                                       for t, _, _, i in items]))
+                 for shard, items in messages]
+        for (shard, items), reply in zip(messages, self._fanout("PullMany", calls, deadline)):
+            for (table, schema, dest, ids), got in zip(items, reply.pulls):
+                n = len(ids)
+                if len(got.rows) != n * schema.row_bytes:
+                    self.schema(table, refresh=True)
+                    raise PSError(f"table {table!r} changed schema during a pull; pull again")
+                out[table].rows[dest] = np.frombuffer(got.rows, dtype=schema.np_dtype).reshape(n, schema.width)
+                if got.num_missing:
+                    out[table].missing[dest] = codec.decode_mask(got.missing, n)
+        return out
+
+    def _push_many(self, given: dict[str, tuple[np.ndarray, np.ndarray]], deadline: float) -> int:
+        pieces, total = [], 0
+        for table, (ids, rows) in given.items():
+            schema, cut = self._push_pieces(table, ids, rows)
+            total += len(ids)
+            pieces += [(shard, len(i) * (schema.row_bytes + 8), push_request_parts(table, i, r)) for shard, i, r in cut]
+        messages = self._packed(pieces)
+        calls = [(shard, encode_push_many_request(items)) for shard, items in messages]
+        self._fanout("PushMany", calls, deadline)
+        return total  # every row given was written (a repeated id's last row)
+
     def _pull(self, table: str, ids: np.ndarray, deadline: float) -> PullResult:
         schema = self.schema(table)
         rows = np.empty((len(ids), schema.width), dtype=schema.np_dtype)
@@ -363,6 +481,12 @@ class PSClient:
         return PullResult(rows, missing, schema.dim)
 
     def _push(self, table: str, ids: np.ndarray, rows: np.ndarray, deadline: float) -> int:
+        _, cut = self._push_pieces(table, ids, rows)
+        self._fanout("Push", [(shard, encode_push_request(table, i, r)) for shard, i, r in cut], deadline)
+        return len(ids)  # every row given was written (a repeated id's last row)
+
+    def _push_pieces(self, table: str, ids: np.ndarray, rows: np.ndarray) -> tuple[TableSchema, list]:
+        """(schema, [(shard, ids, rows)]): the push cut by shard and under the message limit."""
         schema = self.schema(table)
         if rows.shape[1] != schema.width:
             raise InvalidArgument(
@@ -370,8 +494,7 @@ class PSClient:
                 f"{schema.width} (dim {schema.dim} + state {schema.state_width})"
             )
         if len(ids) == 0:
-            return 0
-        given = len(ids)
+            return schema, []
         order, pieces = self._split(ids, schema.row_bytes + 8)
         if len(pieces) > 1:
             # Pieces travel concurrently: an id repeated across two of them could land in
@@ -383,9 +506,7 @@ class PSClient:
         if order is not None:
             ids, rows = ids[order], rows[order]
         rows = np.ascontiguousarray(rows, dtype=schema.np_dtype)
-        calls = [(shard, encode_push_request(table, ids[sl], rows[sl])) for shard, sl in pieces]
-        self._fanout("Push", calls, deadline)
-        return given  # every row given was written (a repeated id's last row)
+        return schema, [(shard, ids[sl], rows[sl]) for shard, sl in pieces]
 
     def _delete(self, table: str, ids: np.ndarray, deadline: float) -> int:
         if len(ids) == 0:
@@ -506,6 +627,7 @@ class PSClient:
             time.sleep(0.1)
 
     def close(self) -> None:
+        self._many_lane.shutdown(wait=True)
         for lane in self._lanes:
             lane.shutdown(wait=True)
         for c in self._channels:

@@ -24,7 +24,7 @@ from ps_server.errors import Abandoned, InvalidArgument, PSError, ResourceExhaus
 from ps_server.initializer import initial_rows
 from ps_server.metrics import PSMetrics
 from ps_server.schema import TableSchema, check_name
-from ps_server.wire import encode_pull_response
+from ps_server.wire import encode_pull_many_response, encode_pull_response, pull_response_parts
 
 log = logging.getLogger("dynemb.ps")
 
@@ -171,25 +171,41 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         with self._call("Pull", context):
             schema = self._schema(request.table)
             ids = codec.decode_ids(request.ids, schema.name)
-            reply_bytes = len(ids) * schema.row_bytes + (len(ids) + 7) // 8 + MESSAGE_OVERHEAD
-            if reply_bytes > self.max_message_bytes:
-                raise ResourceExhausted(
-                    f"pull of {len(ids)} rows from table {schema.name!r} needs a {reply_bytes}-byte reply, "
-                    f"over this PS's max message size of {self.max_message_bytes} bytes; pull at most "
-                    f"{(self.max_message_bytes - MESSAGE_OVERHEAD) // (schema.row_bytes + 1)} ids per request"
-                )
-            with self._backend("pull"):
-                rows, found = self.store.pull(schema.name, ids)
-            missing = ~found
-            num_missing = int(missing.sum())
-            if num_missing:
-                if not rows.flags.writeable:
-                    rows = rows.copy()
-                rows[missing] = initial_rows(schema, ids[missing])
-            reply = encode_pull_response(rows, codec.encode_mask(missing), num_missing)
-            self._count("Pull", schema.name, len(ids), len(request.ids), rows.nbytes)
-            self.metrics.missing_rows.labels(schema.name).inc(num_missing)
-            return reply
+            self._check_reply_size("pull", [(schema, ids)])
+            return encode_pull_response(*self._pull_rows(schema, ids, len(request.ids)))
+
+    def PullMany(self, request, context):
+        with self._call("PullMany", context):
+            # every entry checked before any is read
+            plans = [(self._schema(p.table), p) for p in request.pulls]
+            plans = [(schema, codec.decode_ids(p.ids, schema.name), len(p.ids)) for schema, p in plans]
+            self._check_reply_size("pull of several tables", [(schema, ids) for schema, ids, _ in plans])
+            return encode_pull_many_response([pull_response_parts(*self._pull_rows(*plan)) for plan in plans])
+
+    def _check_reply_size(self, what: str, plans: list[tuple[TableSchema, np.ndarray]]) -> None:
+        reply_bytes = MESSAGE_OVERHEAD + sum(len(ids) * s.row_bytes + (len(ids) + 7) // 8 + 16 for s, ids in plans)
+        if reply_bytes > self.max_message_bytes:
+            n = sum(len(ids) for _, ids in plans)
+            row_bytes = max(s.row_bytes for s, _ in plans)
+            raise ResourceExhausted(
+                f"{what} of {n} rows from table {', '.join(repr(s.name) for s, _ in plans)} needs a "
+                f"{reply_bytes}-byte reply, over this PS's max message size of {self.max_message_bytes} bytes; "
+                f"pull at most {(self.max_message_bytes - MESSAGE_OVERHEAD) // (row_bytes + 1)} ids per request"
+            )
+
+    def _pull_rows(self, schema: TableSchema, ids: np.ndarray, nbytes_in: int) -> tuple[np.ndarray, bytes, int]:
+        """(rows with the missing ones initialised, missing bitmap, how many missing)."""
+        with self._backend("pull"):
+            rows, found = self.store.pull(schema.name, ids)
+        missing = ~found
+        num_missing = int(missing.sum())
+        if num_missing:
+            if not rows.flags.writeable:
+                rows = rows.copy()
+            rows[missing] = initial_rows(schema, ids[missing])
+        self._count("Pull", schema.name, len(ids), nbytes_in, rows.nbytes)
+        self.metrics.missing_rows.labels(schema.name).inc(num_missing)
+        return rows, codec.encode_mask(missing), num_missing
 
     def Push(self, request, context):
         with self._call("Push", context):
@@ -197,10 +213,25 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             ids = codec.decode_ids(request.ids, schema.name)
             rows = codec.decode_rows(request.rows, schema, len(ids))
             self._still_wanted(context, "push")
-            with self._backend("push"):
-                written = self.store.push(schema.name, ids, rows)
-            self._count("Push", schema.name, written, len(request.ids) + len(request.rows), 0)
-            return ps_pb2.PushResponse(rows_written=written)
+            return ps_pb2.PushResponse(rows_written=self._push_rows(schema, ids, rows))
+
+    def PushMany(self, request, context):
+        with self._call("PushMany", context):
+            # every entry checked before any is written: a bad one writes nothing
+            plans = []
+            for p in request.pushes:
+                schema = self._schema(p.table)
+                ids = codec.decode_ids(p.ids, schema.name)
+                plans.append((schema, ids, codec.decode_rows(p.rows, schema, len(ids))))
+            self._still_wanted(context, "push")
+            return ps_pb2.PushManyResponse(
+                pushes=[ps_pb2.PushResponse(rows_written=self._push_rows(*plan)) for plan in plans])
+
+    def _push_rows(self, schema: TableSchema, ids: np.ndarray, rows: np.ndarray) -> int:
+        with self._backend("push"):
+            written = self.store.push(schema.name, ids, rows)
+        self._count("Push", schema.name, written, ids.nbytes + rows.nbytes, 0)
+        return written
 
     def Delete(self, request, context):
         with self._call("Delete", context):

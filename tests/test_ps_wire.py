@@ -39,3 +39,24 @@ def test_non_contiguous_rows_are_written_in_row_order():
     rows = np.arange(40, dtype=np.float32).reshape(8, 5)[::2]  # a strided view
     parsed = ps_pb2.PullResponse.FromString(encode_pull_response(rows, b"", 0))
     assert np.array_equal(np.frombuffer(parsed.rows, np.float32).reshape(4, 5), rows)
+
+
+def test_many_table_messages_are_byte_identical_to_generated():
+    from ps_server.wire import (encode_pull_many_response, encode_push_many_request, pull_response_parts,
+                                push_request_parts)
+
+    rng = np.random.default_rng(7)
+    pulls, pushes = [], []
+    for n in (0, 1, 300, 200_000):  # the last one's length needs a 3-byte varint
+        rows = rng.random((n, 4)).astype("<f4")
+        missing = np.packbits(rng.random(n) < 0.5, bitorder="little").tobytes()
+        pulls.append((rows, missing, n // 3))
+        pushes.append((f"t{n}", rng.integers(-(1 << 62), 1 << 62, n), rows))
+    got = encode_pull_many_response([pull_response_parts(*p) for p in pulls])
+    want = ps_pb2.PullManyResponse(pulls=[ps_pb2.PullResponse(rows=r.tobytes(), missing=m, num_missing=k)
+                                          for r, m, k in pulls]).SerializeToString()
+    assert got == want
+    got = encode_push_many_request([push_request_parts(*p) for p in pushes])
+    want = ps_pb2.PushManyRequest(pushes=[ps_pb2.PushRequest(table=t, ids=i.astype("<i8").tobytes(), rows=r.tobytes())
+                                          for t, i, r in pushes]).SerializeToString()
+    assert got == want

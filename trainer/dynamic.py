@@ -126,34 +126,35 @@ class DynamicTables:
                                  weights=None if weights is None else weights[keep])
 
     def _move_rows(self, owned: list[tuple[str, object]]) -> None:
-        """Evicted rows out, then admitted rows in, every table's calls in flight together."""
-        pushes = []
+        """Evicted rows out, then admitted rows in: every table's rows in one push and one pull
+        (one call per PS each, not one per table)."""
+        evicted = {}
         for name, o in owned:  # first: their rows are about to be reused
             if len(o.evicted_ids):
                 rows = self.rows[name]
                 data = rows.read(o.evicted_slots - rows.row_offset).numpy()
-                start = time.perf_counter()
-                fut = self.store.push_async(self.specs[name].ps_schema.name, o.evicted_ids.numpy(), data)
-                pushes.append(self._timed(fut, name, "push", start))
-        pulls = []
-        for name, o in owned:
-            if len(o.admitted_ids):
-                start = time.perf_counter()
-                fut = self.store.pull_async(self.specs[name].ps_schema.name, o.admitted_ids.numpy())
-                pulls.append((name, o, self._timed(fut, name, "pull", start)))
-        for fut in pushes:  # on the PS before their rows are overwritten; a failed push fails the step
-            fut.result()
-        for name, o, fut in pulls:
-            rows = self.rows[name]
-            rows.write(o.admitted_slots - rows.row_offset, torch.from_numpy(np.ascontiguousarray(fut.result(), np.float32)))
+                evicted[self.specs[name].ps_schema.name] = (o.evicted_ids.numpy(), data)
+        admitted = {self.specs[name].ps_schema.name: (name, o) for name, o in owned if len(o.admitted_ids)}
+        start = time.perf_counter()
+        push = self._timed(self.store.push_many_async(evicted), [n for n, o in owned if len(o.evicted_ids)],
+                           "push", start) if evicted else None
+        pull = self._timed(self.store.pull_many_async({t: o.admitted_ids.numpy() for t, (_, o) in admitted.items()}),
+                           [name for name, _ in admitted.values()], "pull", start) if admitted else None
+        if push is not None:  # on the PS before their rows are overwritten; a failed push fails the step
+            push.result()
+        if pull is not None:
+            for table, got in pull.result().items():
+                name, o = admitted[table]
+                rows = self.rows[name]
+                rows.write(o.admitted_slots - rows.row_offset, torch.from_numpy(np.ascontiguousarray(got, np.float32)))
 
-    def _timed(self, fut, table: str, op: str, start: float):
-        """Observe the call's time (from `start` to its reply) when it completes, in whichever
-        thread completes it: the calls overlap, so one timer around them all would say nothing
-        per table or per direction."""
+    def _timed(self, fut, tables: list[str], op: str, start: float):
+        """Observe the call's time (from `start` to its reply) for each of its tables when it
+        completes, in whichever thread completes it: the push and the pull overlap, so one
+        timer around both would say nothing per direction."""
         if self.metrics is not None:
-            histogram = self._children[table][op]
-            fut.add_done_callback(lambda _, h=histogram, t0=start: h.observe(time.perf_counter() - t0))
+            histograms = [self._children[t][op] for t in tables]
+            fut.add_done_callback(lambda _, hs=histograms, t0=start: [h.observe(time.perf_counter() - t0) for h in hs])
         return fut
 
     def _count(self, name: str, owned) -> tuple[int, int]:

@@ -45,6 +45,18 @@ class RowStore:
     def pull_async(self, table: str, ids: np.ndarray) -> Future:
         return _done(self.pull, table, ids)
 
+    def push_many_async(self, rows_by_table: dict[str, tuple[np.ndarray, np.ndarray]]) -> Future:
+        """Several tables' pushes at once (the remote store: one call per PS)."""
+        def push_all() -> None:
+            for table, (ids, rows) in rows_by_table.items():
+                self.push(table, ids, rows)
+
+        return _done(push_all)
+
+    def pull_many_async(self, ids_by_table: dict[str, np.ndarray]) -> Future:
+        """{table: rows} of several tables' pulls at once."""
+        return _done(lambda: {t: self.pull(t, ids) for t, ids in ids_by_table.items()})
+
     def close(self) -> None:
         pass
 
@@ -56,6 +68,20 @@ def _done(fn, *args) -> Future:
     except Exception as e:  # noqa: BLE001 - handed to the caller through the future
         f.set_exception(e)
     return f
+
+
+def _then(inner: Future, fn) -> Future:
+    """A future of fn(inner's result), or of inner's exception."""
+    fut: Future = Future()
+
+    def finish(f: Future) -> None:
+        if f.exception() is not None:
+            fut.set_exception(f.exception())
+        else:
+            fut.set_result(fn(f.result()))
+
+    inner.add_done_callback(finish)
+    return fut
 
 
 class LocalRowStore(RowStore):
@@ -111,10 +137,14 @@ class RemoteRowStore(RowStore):
         self.client.import_rows(schema, chunks, replace=True)
 
     def pull_async(self, table: str, ids: np.ndarray) -> Future:
-        fut: Future = Future()
-        inner = self.client.pull_async(table, ids)
-        inner.add_done_callback(lambda f: fut.set_exception(f.exception()) if f.exception() else fut.set_result(f.result().rows))
-        return fut
+        return _then(self.client.pull_async(table, ids), lambda got: got.rows)
+
+    def push_many_async(self, rows_by_table: dict[str, tuple[np.ndarray, np.ndarray]]) -> Future:
+        return self.client.push_many_async(
+            {t: (ids, np.ascontiguousarray(rows, dtype=np.float32)) for t, (ids, rows) in rows_by_table.items()})
+
+    def pull_many_async(self, ids_by_table: dict[str, np.ndarray]) -> Future:
+        return _then(self.client.pull_many_async(ids_by_table), lambda got: {t: r.rows for t, r in got.items()})
 
     def close(self) -> None:
         self.client.close()
