@@ -68,9 +68,10 @@ ROWS = [
              "{{op}}")]),
         ("PS errors /s", "reqps", [
             (f"sum by (method, code) (rate(dynemb_ps_errors_total{{{P}}}[{RATE}]))", "{{method}} {{code}}")]),
-        ("PS up, serving, in flight", "short", [
+        ("PS up, serving, store reachable, in flight", "short", [
             (f"up{{{P}}}", "up {{instance}}"),
             (f"dynemb_ps_serving{{{P}}}", "serving {{instance}}"),
+            (f"dynemb_ps_backend_up{{{P}}}", "store reachable {{instance}}"),
             (f"dynemb_ps_inflight_requests{{{P}}}", "in flight {{instance}}")]),
     ]),
     ("Redis", [
