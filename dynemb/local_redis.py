@@ -62,6 +62,10 @@ class RedisProcess:
         self.tls = tls
         self.dir = tempfile.mkdtemp(prefix="dynemb-redis-test-")
         self.config = list(config)
+        keys = {line.split()[0] for line in self.config if line.split()}
+        if "cluster-enabled" in keys and "cluster-port" not in keys:
+            # a cluster node's bus defaults to port + 10000, which may be taken or past 65535
+            self.config.append(f"cluster-port {free_port()}")
         # also listen on <dir>/redis.sock (a short path: sun_path holds ~107 bytes)
         self.unix_socket = os.path.join(self.dir, "redis.sock") if unix_socket else None
         if self.unix_socket:
