@@ -26,7 +26,9 @@ from deploy_files import DEPLOY, dashboard_exprs, redis_conf_lines, tool
 from dynemb.local import LocalPS, _die_with_parent
 from dynemb.local_redis import RedisProcess, free_port, make_tls_files
 
-STEPS, BATCH, TABLES, RANKS = 40, 64, 3, 2
+# enough steps that Prometheus (1 s scrapes) sees the counters move: rate() needs two samples
+# that differ, and 40 steps ran in well under a second
+STEPS, BATCH, TABLES, RANKS = 600, 64, 3, 2
 TOKEN = "prometheus-test-token"
 
 
@@ -142,12 +144,15 @@ def stack(tmp_path_factory, redis_binaries):
         deadline = time.monotonic() + 150
         moving = "sum(dynemb_trainer_lookups_total) + sum(dynemb_ps_rows_total)"
         last, still_since = None, time.monotonic()
+        mid_training = False  # the rate rules need a sample taken while the counters moved
         while True:
             done = prom.values("dynemb_trainer_steps_total", "rank")
+            mid_training |= any(0 < v < STEPS for v in done.values())
             now = prom.values(moving)
             if now != last:
                 last, still_since = now, time.monotonic()
             if done == {(str(r),): STEPS for r in range(RANKS)} and time.monotonic() - still_since > 3:
+                assert mid_training, "training ended before Prometheus scraped it once: raise STEPS"
                 break
             assert trainer.poll() is None, f"trainer exited ({trainer.returncode}):\n{trainer_output()}"
             assert time.monotonic() < deadline, f"Prometheus saw {done}\n{trainer_output()}\n{prom.log_text()}"
