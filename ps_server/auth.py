@@ -1,7 +1,9 @@
 """Shared-token authentication: every RPC must carry `authorization: Bearer <token>`.
 
-The health service stays open so load balancers and kubelet probes, which carry no
-token, can still check the PS.
+Server reflection needs the token too (it describes the service to whoever asks). Health
+checking stays open by default, so load balancers and kubelet probes, which carry no token,
+can still check the PS; `open_health=False` (`--auth-health`) closes it as well.
+The token is never logged: a refusal names what was missing, not what was sent.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, open_health: bool = True, on_deny=None) -> None:
+        """on_deny(method): told of each refused call (the PS counts them in its metrics)."""
         if not token:
             raise ValueError("auth token must not be empty")
         self._expected = f"Bearer {token}".encode()
+        self._open_prefix = OPEN_METHODS_PREFIX if open_health else None
+        self._on_deny = on_deny
 
         def deny(request, context):
             context.abort(
@@ -33,7 +38,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         self._deny = deny
 
     def intercept_service(self, continuation, handler_call_details):
-        if handler_call_details.method.startswith(OPEN_METHODS_PREFIX):
+        if self._open_prefix and handler_call_details.method.startswith(self._open_prefix):
             return continuation(handler_call_details)
         for key, value in handler_call_details.invocation_metadata or ():
             if key == "authorization":
@@ -44,6 +49,8 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
+        if self._on_deny is not None:
+            self._on_deny(handler_call_details.method.rsplit("/", 1)[-1])
         # Answer in the shape the method expects (unary or streaming request).
         if handler.request_streaming and handler.response_streaming:
             return grpc.stream_stream_rpc_method_handler(lambda it, ctx: self._deny(None, ctx))

@@ -48,6 +48,17 @@ def _env(name: str, default=None, cast=str):
         raise SystemExit(f"environment variable {name}={value!r} is not a valid {cast.__name__}") from None
 
 
+def _flag(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(value)
+
+
+_flag.__name__ = "boolean (1/0, true/false, yes/no, on/off)"
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     ps = sub.add_parser("ps", help="parameter server: serve, or manage tables on running ones")
     ps_sub = ps.add_subparsers(dest="ps_command", metavar="COMMAND", required=True)
@@ -76,10 +87,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--workers", type=int, default=_env("DYNEMB_PS_WORKERS", 16, int),
                        help="request-handling threads [env DYNEMB_PS_WORKERS, default %(default)s]")
     serve.add_argument("--auth-token", default=_env("DYNEMB_PS_AUTH_TOKEN"),
-                       help="require 'authorization: Bearer TOKEN' on every call but health checks "
+                       help="require 'authorization: Bearer TOKEN' on every call (server reflection too; health "
+                       "checks too with --auth-health). Prefer the variable: a flag shows in `ps` "
                        "[env DYNEMB_PS_AUTH_TOKEN]")
+    serve.add_argument("--auth-health", action="store_true", default=_env("DYNEMB_PS_AUTH_HEALTH", False, _flag),
+                       help="health checks need the token too (off by default so kubelet and load-balancer "
+                       "probes, which send none, work) [env DYNEMB_PS_AUTH_HEALTH=1]")
     serve.add_argument("--tls-cert", default=_env("DYNEMB_PS_TLS_CERT"), help="PEM certificate: serve TLS [env DYNEMB_PS_TLS_CERT]")
     serve.add_argument("--tls-key", default=_env("DYNEMB_PS_TLS_KEY"), help="PEM private key of --tls-cert [env DYNEMB_PS_TLS_KEY]")
+    serve.add_argument("--tls-client-ca", default=_env("DYNEMB_PS_TLS_CLIENT_CA"),
+                       help="mutual TLS: accept only clients whose certificate this CA (PEM) signed "
+                       "[env DYNEMB_PS_TLS_CLIENT_CA]")
     serve.add_argument("--metrics-port", type=int, default=_env("DYNEMB_PS_METRICS_PORT", 9090, int),
                        help="port of the Prometheus /metrics endpoint; -1 turns it off, 0 picks a free one "
                        "[env DYNEMB_PS_METRICS_PORT, default %(default)s]")
@@ -152,8 +170,10 @@ def cmd_serve(args) -> int:
             max_message_bytes=int(args.max_message_mb * (1 << 20)),
             workers=args.workers,
             auth_token=args.auth_token or None,
+            auth_health=args.auth_health,
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
+            tls_client_ca=args.tls_client_ca,
             metrics_port=None if args.metrics_port < 0 else args.metrics_port,
             metrics_address=args.metrics_address,
             drain_seconds=args.drain_seconds,
@@ -193,6 +213,10 @@ def add_client_flags(p: argparse.ArgumentParser, ps_default: str | None = "local
                                  + (", default %(default)s]" if default else "]"))
     p.add_argument("--auth-token", default=_env("DYNEMB_PS_AUTH_TOKEN"), help="[env DYNEMB_PS_AUTH_TOKEN]")
     p.add_argument("--tls-ca", default=_env("DYNEMB_PS_TLS_CA"), help="CA certificate (PEM) to reach a TLS PS [env DYNEMB_PS_TLS_CA]")
+    p.add_argument("--tls-cert", default=_env("DYNEMB_PS_CLIENT_CERT"),
+                   help="this client's certificate (PEM), for a PS that wants mutual TLS [env DYNEMB_PS_CLIENT_CERT]")
+    p.add_argument("--tls-key", default=_env("DYNEMB_PS_CLIENT_KEY"),
+                   help="private key (PEM) of --tls-cert [env DYNEMB_PS_CLIENT_KEY]")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per call [default %(default)s]")
 
 
@@ -200,7 +224,8 @@ def client_from_args(args):
     """A PSClient for the flags of add_client_flags."""
     from ps_server.client import PSClient
 
-    return PSClient(args.ps, auth_token=args.auth_token, tls_ca=args.tls_ca, timeout=args.timeout)
+    return PSClient(args.ps, auth_token=args.auth_token, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                    tls_key=args.tls_key, timeout=args.timeout)
 
 
 def _table_line(info) -> str:

@@ -96,6 +96,17 @@ class PullResult:
         return self.rows[:, self.dim :]
 
 
+def _pem(value: str | bytes | None) -> bytes | None:
+    """PEM bytes, read from the file when given a path."""
+    if isinstance(value, str):
+        try:
+            with open(value, "rb") as f:
+                return f.read()
+        except OSError as exc:
+            raise InvalidArgument(f"cannot read TLS file {value}: {exc.strerror}") from None
+    return value
+
+
 class PSClient:
     def __init__(
         self,
@@ -105,6 +116,8 @@ class PSClient:
         tls_ca: str | bytes | None = None,
         tls: bool | None = None,
         tls_server_name: str | None = None,
+        tls_cert: str | bytes | None = None,
+        tls_key: str | bytes | None = None,
         timeout: float = 60.0,
         max_message_bytes: int = 64 << 20,
         chunk_bytes: int = 16 << 20,
@@ -129,13 +142,18 @@ class PSClient:
         ]
         if tls_server_name:
             options.append(("grpc.ssl_target_name_override", tls_server_name))
-        use_tls = tls if tls is not None else tls_ca is not None
+        if bool(tls_cert) != bool(tls_key):
+            raise InvalidArgument("a client certificate (tls_cert) needs its private key (tls_key), and the other way round")
+        use_tls = tls if tls is not None else (tls_ca is not None or tls_cert is not None)
+        self._tls_hint = None
+        if use_tls:
+            self._tls_hint = ("over TLS: check that the PS's certificate is signed by the CA given (tls_ca) and names "
+                              "the address used, and whether the PS wants a client certificate (mutual TLS: "
+                              + ("is this one signed by the CA it trusts?)" if tls_cert else "give tls_cert and tls_key)"))
         creds = None
         if use_tls:
-            if isinstance(tls_ca, str):
-                with open(tls_ca, "rb") as f:
-                    tls_ca = f.read()
-            creds = grpc.ssl_channel_credentials(root_certificates=tls_ca)
+            creds = grpc.ssl_channel_credentials(root_certificates=_pem(tls_ca), private_key=_pem(tls_key),
+                                                 certificate_chain=_pem(tls_cert))
         self._channels = [self._channel(a, creds, options, tls_server_name) for a in self.addresses]
         self._stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self._channels]
         # Push goes out pre-serialized (ps_server/wire.py): the same RPC, one copy fewer.
@@ -171,6 +189,13 @@ class PSClient:
         if creds is not None:
             return grpc.secure_channel(target, creds, options=options)
         return grpc.insecure_channel(target, options=options)
+
+    def _error(self, err: grpc.RpcError, shard: int) -> PSError:
+        exc = from_rpc_error(err, self.addresses[shard])
+        # a failed TLS handshake reaches gRPC's Python side as a bare "socket closed"
+        if self._tls_hint and err.code() == grpc.StatusCode.UNAVAILABLE:
+            exc.args = (f"{exc.args[0]}; {self._tls_hint}",)
+        return exc
 
     def _deadline(self, timeout: float | None) -> float:
         return time.monotonic() + (self.timeout if timeout is None else timeout)
@@ -212,7 +237,7 @@ class PSClient:
                                         self.addresses[shard], code.name, deadline - time.monotonic())
                         time.sleep(delay)
                         continue
-                raise from_rpc_error(err, self.addresses[shard]) from None
+                raise self._error(err, shard) from None
 
     def _fanout(self, method: str, calls: list[tuple[int, object]], deadline: float) -> list:
         """Send every (shard, request) at once; return the responses in order."""
@@ -530,7 +555,7 @@ class PSClient:
                     if len(ids):
                         yield ids, codec.decode_rows(chunk.rows, schema, len(ids))
             except grpc.RpcError as err:
-                raise from_rpc_error(err, self.addresses[shard]) from None
+                raise self._error(err, shard) from None
 
     def import_rows(
         self,
@@ -593,7 +618,7 @@ class PSClient:
             try:
                 written += call.result().rows_written
             except grpc.RpcError as err:
-                raise from_rpc_error(err, self.addresses[shard]) from None
+                raise self._error(err, shard) from None
         self._remember(schema)
         return written
 

@@ -44,9 +44,11 @@ class ServeConfig:
     namespace: str = "dynemb"  # Redis key prefix, so several models share one Redis
     max_message_bytes: int = 64 << 20
     workers: int = 16
-    auth_token: str | None = None
+    auth_token: str | None = field(default=None, repr=False)  # never in a repr, so never in a log
+    auth_health: bool = False  # health checks need the token too (default: open, for probes)
     tls_cert: str | None = None  # PEM file paths; both or neither
     tls_key: str | None = None
+    tls_client_ca: str | None = None  # mutual TLS: clients must show a certificate this CA signed
     metrics_port: int | None = 9090  # None: no /metrics endpoint; 0: any free port
     metrics_address: str = "0.0.0.0"
     drain_seconds: float = 30.0
@@ -60,6 +62,10 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("TLS needs both a certificate (--tls-cert) and its key (--tls-key)")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("mutual TLS (--tls-client-ca) needs the PS's own certificate and key (--tls-cert, --tls-key)")
+        if self.auth_health and not self.auth_token:
+            raise ValueError("--auth-health closes health checks to callers without the token: set --auth-token")
         if self.max_message_bytes < 64 << 10:
             raise ValueError(f"max message size {self.max_message_bytes} is below the 64 KiB minimum")
         if self.workers < 1:
@@ -84,7 +90,9 @@ class PSServer:
         self.metrics_port: int | None = None
         self._metrics_http = None
         self._stopped = threading.Event()
-        interceptors = [TokenAuthInterceptor(config.auth_token)] if config.auth_token else []
+        interceptors = ([TokenAuthInterceptor(config.auth_token, open_health=not config.auth_health,
+                                              on_deny=self._count_refusal)]
+                        if config.auth_token else [])
         opts = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
@@ -110,7 +118,12 @@ class PSServer:
                 cert = f.read()
             with open(cfg.tls_key, "rb") as f:
                 key = f.read()
-            creds = grpc.ssl_server_credentials([(key, cert)])
+            client_ca = None
+            if cfg.tls_client_ca:
+                with open(cfg.tls_client_ca, "rb") as f:
+                    client_ca = f.read()
+            creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
+                                                require_client_auth=client_ca is not None)
             self.port = self._grpc.add_secure_port(cfg.address, creds)
         else:
             self.port = self._grpc.add_insecure_port(cfg.address)
@@ -127,7 +140,8 @@ class PSServer:
         self.backend_watch.start()
         log.info(
             "PS serving %s on port %d (%s backend, %s, auth %s)%s",
-            SERVICE_NAME, self.port, self.store.kind, "TLS" if cfg.tls_cert else "plaintext",
+            SERVICE_NAME, self.port, self.store.kind,
+            ("mutual TLS" if cfg.tls_client_ca else "TLS") if cfg.tls_cert else "plaintext",
             "on" if cfg.auth_token else "off",
             f", metrics on :{self.metrics_port}/metrics" if self.metrics_port else "",
         )
@@ -150,6 +164,10 @@ class PSServer:
             self._metrics_http.shutdown()
         self.store.close()
         log.info("stopped")
+
+    def _count_refusal(self, method: str) -> None:
+        self.metrics.requests.labels(method, "UNAUTHENTICATED").inc()
+        self.metrics.errors.labels(method, "UNAUTHENTICATED").inc()
 
     def _backend_changed(self, up: bool) -> None:
         self.metrics.backend_up.set(1 if up else 0)

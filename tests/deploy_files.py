@@ -120,7 +120,7 @@ def cli_env_names(*command: str) -> set[str]:
     run = subprocess.run([tool("dynemb"), *command, "--help"], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "COLUMNS": "200"})
     assert run.returncode == 0, run.stderr
-    return set(re.findall(r"env (DYNEMB_[A-Z_]+)", run.stdout))
+    return set(re.findall(r"env\s+(DYNEMB_[A-Z_]+)", run.stdout))  # a long help may wrap after "env"
 
 
 def redis_conf_lines(text: str) -> list[str]:

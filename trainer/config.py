@@ -64,6 +64,8 @@ class TrainConfig:
     ps: str = ""  # PS address(es), comma-separated; "" = embedded store (a local PS when multi-rank)
     ps_table_prefix: str = "dynemb_"
     ps_tls_ca: str = ""  # CA certificate (PEM) of a TLS PS; the auth token comes from DYNEMB_PS_AUTH_TOKEN
+    ps_tls_cert: str = ""  # this trainer's certificate and key (PEM), for a PS that wants mutual TLS
+    ps_tls_key: str = ""
     ps_timeout_seconds: float = 600.0  # how long one pull/push keeps retrying an unreachable PS
     ps_attempt_seconds: float = 30.0  # how long one try may take before it is abandoned and retried
     metrics_port: int = 0  # each rank serves /metrics on metrics_port + its local rank; 0: off
@@ -148,6 +150,8 @@ HELP = {
     "ps": "PS address(es) host:port, comma-separated; empty: the embedded store",
     "ps_table_prefix": "prefix of the PS table names (several jobs can share one PS)",
     "ps_tls_ca": "CA certificate (PEM) to reach a TLS PS; a PS that wants a token gets env DYNEMB_PS_AUTH_TOKEN",
+    "ps_tls_cert": "client certificate (PEM) for a PS that wants mutual TLS (--tls-client-ca)",
+    "ps_tls_key": "private key (PEM) of --ps-tls-cert",
     "ps_timeout_seconds": "how long a pull or push keeps retrying a PS that is down, restarting or unreachable "
                           "before the step fails (retries are safe: every PS call is idempotent)",
     "ps_attempt_seconds": "how long one try of a PS call may take before it is abandoned and retried "

@@ -76,7 +76,8 @@ def open_row_store(cfg: TrainConfig) -> tuple[RowStore, object]:
                        retry=RetryPolicy(attempts=None, max_backoff=5.0, attempt_timeout=cfg.ps_attempt_seconds),
                        auth_token=os.environ.get("DYNEMB_PS_AUTH_TOKEN") or None)
     if cfg.ps:
-        return RemoteRowStore(cfg.ps, tls_ca=cfg.ps_tls_ca or None, **client_args), None
+        return RemoteRowStore(cfg.ps, tls_ca=cfg.ps_tls_ca or None, tls_cert=cfg.ps_tls_cert or None,
+                              tls_key=cfg.ps_tls_key or None, **client_args), None
     if dist.get_world_size() == 1:
         return LocalRowStore(), None
     from dynemb.local import LocalPS
