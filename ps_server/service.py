@@ -40,9 +40,48 @@ def _serialize(message_type):
     return serialize
 
 
+class _Undecodable:
+    """A request whose bytes do not parse as its message type."""
+
+    def __init__(self, type_name: str, error: Exception) -> None:
+        self.message = f"request is not a valid {type_name}: {error}"
+
+
+def _deserializer(message_type):
+    # gRPC answers a deserializer's exception with INTERNAL "Exception deserializing request!";
+    # a client that sent garbage should hear INVALID_ARGUMENT and why, so the handler decides.
+    def deserialize(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except Exception as exc:  # noqa: BLE001 - DecodeError, or a RuntimeError from upb
+            return _Undecodable(message_type.DESCRIPTOR.name, exc)
+
+    return deserialize
+
+
+def _checked(handler, client_streaming: bool):
+    """The handler, refusing undecodable requests with INVALID_ARGUMENT."""
+    if client_streaming:
+        def run(requests, context):
+            def each():
+                for request in requests:
+                    if isinstance(request, _Undecodable):
+                        raise InvalidArgument(request.message)  # inside the handler's _call
+                    yield request
+            return handler(each(), context)
+        return run
+
+    def run_one(request, context):
+        if isinstance(request, _Undecodable):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        return handler(request, context)
+    return run_one
+
+
 def add_to_server(servicer: "ParameterServerService", server: grpc.Server) -> None:
     """Register the service like the generated add_..._to_server, except that a handler may
-    return an already serialized reply (bytes), as Pull does."""
+    return an already serialized reply (bytes), as Pull does, and a request that does not
+    parse gets INVALID_ARGUMENT rather than gRPC's INTERNAL."""
     factories = {
         (False, False): grpc.unary_unary_rpc_method_handler,
         (False, True): grpc.unary_stream_rpc_method_handler,
@@ -55,8 +94,8 @@ def add_to_server(servicer: "ParameterServerService", server: grpc.Server) -> No
         request_type = getattr(ps_pb2, method.input_type.name)
         response_type = getattr(ps_pb2, method.output_type.name)
         handlers[method.name] = factories[(method.client_streaming, method.server_streaming)](
-            getattr(servicer, method.name),
-            request_deserializer=request_type.FromString,
+            _checked(getattr(servicer, method.name), method.client_streaming),
+            request_deserializer=_deserializer(request_type),
             response_serializer=_serialize(response_type),
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

@@ -232,3 +232,24 @@ def test_a_push_the_client_gave_up_on_is_not_applied_late(make_ps):
         time.sleep(0.5)  # the stale push has had its turn by now
         assert ps.pull("late", ids).rows.tolist() == [[0.0, 0.0]] * 20
         channel.close()
+
+
+def test_bytes_that_parse_as_no_message_get_invalid_argument(make_ps):
+    """gRPC would answer INTERNAL ("Exception deserializing request!"); the PS says what is wrong."""
+    proc = make_ps()
+    channel = grpc.insecure_channel(proc.address)
+    ident = lambda b: b  # noqa: E731
+    garbage = b"\x12\xff\xff\xff\xff\x0fxy"  # field 2, a length far past the end
+    pull = channel.unary_unary("/dynemb.ps.v1.ParameterServer/Pull", request_serializer=ident, response_deserializer=ident)
+    with pytest.raises(grpc.RpcError) as info:
+        pull(garbage, timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid PullRequest" in info.value.details()
+    imp = channel.stream_unary("/dynemb.ps.v1.ParameterServer/Import", request_serializer=ident, response_deserializer=ident)
+    first = ps_pb2.RowChunk(spec=ps_pb2.TableSpec(name="imp", dim=2, dtype=ps_pb2.FP32)).SerializeToString()
+    with pytest.raises(grpc.RpcError) as info:
+        imp(iter([first, garbage]), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a valid RowChunk" in info.value.details()
+    with PSClient(proc.address) as ps:
+        assert ps.health() == ["SERVING"]
+    channel.close()
