@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from dynemb.local import LocalPS
 from protos import ps_pb2
 from ps_server.client import PSClient
+from ps_server.wire import _varint
 
 SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
 PATH = {m.name: f"/{SERVICE.full_name}/{m.name}" for m in SERVICE.methods}
@@ -34,13 +35,7 @@ EXAMPLES, PER_EXAMPLE = 220, 50  # 11,000 requests per backend
 
 
 def varint(n: int) -> bytes:
-    n &= (1 << 64) - 1  # negative numbers as protobuf writes int64: ten bytes
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
+    return _varint(n & ((1 << 64) - 1))  # a negative number as protobuf writes an int64: ten bytes
 
 
 def field(number: int, wire_type: int, payload: bytes | int) -> bytes:
