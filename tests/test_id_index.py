@@ -20,6 +20,7 @@ ops = st.lists(
         st.tuples(st.just("insert"), st.lists(keys, max_size=60)),
         st.tuples(st.just("remove"), st.lists(keys, max_size=60)),
         st.tuples(st.just("lookup"), st.lists(keys, max_size=60)),
+        st.tuples(st.just("lookup_or_insert"), st.lists(keys, max_size=60)),
         st.tuples(st.just("clear"), st.just([])),
     ),
     max_size=50,
@@ -55,6 +56,20 @@ def test_behaves_like_a_dict(sequence, capacity):
             assert sorted(removed.tolist()) == sorted(want)
         elif op == "lookup":
             assert index.lookup(arr).tolist() == [model.get(k, -1) for k in ks]
+        elif op == "lookup_or_insert":  # the store's push: distinct ids, absent ones get new values
+            distinct = np.array(list(dict.fromkeys(ks)), dtype=np.int64)
+            start = next_value
+
+            def allocate(k: int) -> np.ndarray:
+                return np.arange(start, start + k, dtype=np.int64)
+
+            want = []
+            for k in distinct.tolist():
+                if k not in model:
+                    model[k] = next_value
+                    next_value += 1
+                want.append(model[k])
+            assert index.lookup_or_insert(distinct, allocate).tolist() == want
         else:
             index.clear()
             model.clear()

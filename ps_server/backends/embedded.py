@@ -163,11 +163,7 @@ class EmbeddedStore(Store):
             return 0
         uniq, last = last_occurrence(ids)
         with t.lock:
-            where = t.index.lookup(uniq)
-            new = where < 0
-            if new.any():
-                where[new] = t.allocate(int(new.sum()))
-                t.index.insert(uniq[new], where[new])
+            where = t.index.lookup_or_insert(uniq, t.allocate)
             t.rows[where] = rows[last]
         return len(ids)
 
