@@ -1,22 +1,35 @@
-"""Load test of one PS over Redis: many concurrent clients pulling and pushing for a while.
+"""Load test of ONE parameter server over Redis: many clients pulling and pushing at once.
 
-    .venv/bin/python bench/ps_load.py                    # 64 clients, 60 s (the release check)
-    .venv/bin/python bench/ps_load.py --soak             # the same checks for an hour (release testing)
-    .venv/bin/python bench/ps_load.py --clients 8 --seconds 10 --ids 20000   # a quick look
+    .venv/bin/python bench/ps_load.py                  # 64 clients for 60 s (redis-server + PS started here)
+    .venv/bin/python bench/ps_load.py --soak           # release soak: the same for 1 hour, progress every minute
+    .venv/bin/python bench/ps_load.py --clients 8 --duration 10          # a quick look
+    .venv/bin/python bench/ps_load.py --redis redis://10.0.0.5:6379/0    # your Redis; a PS is started here on it
+    .venv/bin/python bench/ps_load.py --ps 10.0.0.7:50051 --redis redis://10.0.0.5:6379/0 \\
+        --ps-metrics http://10.0.0.7:9090/metrics     # a running PS (add --ps-pid PID when it runs on this machine)
 
-It starts a redis-server and `dynemb ps serve` over it (or uses --redis URL), fills a table of
---ids rows (dim 64 + 64 optimizer-state floats by default) so that Redis holds every row before
-timing starts, then runs --clients clients, each pulling or pushing (half and half) batches of
---batch random ids as fast as it can. Printed: requests/s and rows/s, p50/p99/max latency per
-method, errors by status code, and the PS's RSS and Redis' used_memory sampled every second.
+What happens:
+ 1. Unless --ps is given, a redis-server (on a free port; no persistence) and a PS over it
+    are started as child processes (redis-server: DYNEMB_REDIS_SERVER, .bin/ or PATH).
+ 2. A table (--table, rows of --dim embedding + --state-width optimizer-state floats) is
+    created and every id of the id space (--id-space random 62-bit ids) is written: the
+    prefill. From then on no request adds a row, so Redis memory has no reason to grow.
+ 3. --clients clients (each its own PSClient, one call in flight at a time) pull or push
+    batches of --batch ids drawn uniformly from the id space, for --duration seconds.
+    An id's row is a fixed function of the id, so every pull is checked value for value.
+ 4. Every --sample-seconds the PS's RSS and Redis's used_memory are sampled.
+ 5. Printed: a table of requests, rows/s and p50/p99/max latency per method, the memory
+    figures, PASS or FAIL lines, and last one JSON line (also written to --json).
 
-Pass/fail (exit 1 with the reason): any error; PS RSS or Redis used_memory growing by more than
---max-growth between the end of the warm-up (--warmup, a share of the run) and the end: a PS that
-serves a fixed working set must not keep growing.
+It fails (exit 1, each reason on a FAIL line) when any call failed (counted by gRPC status
+code; a pull with wrong or missing values counts as an error too), the PS's /metrics
+counted errors, the table's row count changed, or memory grew past the limits after
+warm-up: the median of the samples in the last 10% of the run against the median of the
+10% ending at warm-up's end (--warmup-fraction of the run), over --max-rss-growth (PS) or
+--max-redis-growth (Redis). Exit 2: bad arguments or a part that did not start.
 
-Clients are threads spread over --procs processes (each its own PSClient, so its own channel):
-on a small machine 64 clients as 64 processes would measure the operating system's scheduler
-rather than the PS, while threads in one process would be limited by that process's GIL.
+Soak for a release: run `bench/ps_load.py --soak` on a machine like production's and keep
+its output; it must end in PASS. The same checks hold over the hour; a progress line comes
+every --report-seconds (60 under --soak) so a stall or a climb in memory shows as it happens.
 """
 
 from __future__ import annotations
@@ -25,235 +38,405 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import sys
 import threading
 import time
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import psutil
+import redis
+from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-TABLE = "load"
+from bench.load_clients import COUNTER_SLOTS, ERRORS, PULLS, PUSHES, ROWS, LoadSpec, client_process, expected_rows  # noqa: E402
+from bench.load_observe import MemorySampler, growth, ps_error_counts  # noqa: E402
+from dynemb.local import LocalPS  # noqa: E402
+from dynemb.local_redis import RedisProcess  # noqa: E402
+from ps_server.client import PSClient  # noqa: E402
+from ps_server.errors import PSError  # noqa: E402
+from ps_server.schema import TableSchema  # noqa: E402
 
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
-# -- the clients (in worker processes) ------------------------------------------------
+MiB = 1 << 20
+PREFILL_CHUNK = 16384
+PATTERNS = 4096  # distinct row values; an id's row is patterns[id % PATTERNS]
 
 
-def client_loop(address: str, ids: int, batch: int, width: int, stop_at: float, seed: int, out: dict) -> None:
-    import grpc
+class SetupError(Exception):
+    """A part of the run could not be set up; the message says which and why (exit 2)."""
 
-    from ps_server.client import PSClient, RetryPolicy
-    from ps_server.errors import PSError
 
-    rng = np.random.default_rng(seed)
-    rows = rng.standard_normal((batch, width)).astype(np.float32)
-    lat = {"pull": [], "push": []}
-    errors: dict[str, int] = {}
-    n_rows = 0
-    # no retries: a load test must see every failure, not hide it behind a retry
-    with PSClient(address, timeout=30, retry=RetryPolicy(attempts=1)) as ps:
-        while (now := time.monotonic()) < stop_at:
-            batch_ids = rng.integers(0, ids, batch)
-            op = "pull" if rng.random() < 0.5 else "push"
+@dataclass
+class Target:
+    address: str
+    ps_pid: int | None
+    redis_url: str | None
+    metrics_url: str | None
+    describe: str
+    local_ps: LocalPS | None = None  # the PS started here, for its log
+
+
+def parse_args(argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    load = p.add_argument_group("load")
+    load.add_argument("--clients", type=int, default=64, help="concurrent clients [default %(default)s]")
+    load.add_argument("--duration", type=float, help="seconds of load [default 60; 3600 with --soak]")
+    load.add_argument("--soak", action="store_true",
+                      help="release soak: 1 hour unless --duration, memory sampled every 10 s, a progress line a minute")
+    # Threads in a few processes, not a process per client: a client's own work per call is
+    # small next to the PS's (which issues one Redis command per touched bucket, ~1,000 per
+    # batch of 1,024), and 64 processes would take the 2 cores' time from the PS being
+    # measured. More than one process keeps the clients' GIL from adding to the latencies.
+    load.add_argument("--procs", type=int, default=2,
+                      help="client processes the clients are spread over, as threads [default %(default)s]")
+    load.add_argument("--batch", type=int, default=1024, help="ids per pull or push [default %(default)s]")
+    load.add_argument("--pull-fraction", type=float, default=0.5,
+                      help="share of calls that are pulls, the rest pushes [default %(default)s]")
+    load.add_argument("--id-space", type=int, default=250_000,
+                      help="distinct ids the batches draw from, all written before the run [default %(default)s]")
+    load.add_argument("--dim", type=int, default=64, help="embedding floats per row [default %(default)s]")
+    load.add_argument("--state-width", type=int, default=64,
+                      help="optimizer-state floats per row [default %(default)s]")
+    load.add_argument("--timeout", type=float, default=30.0,
+                      help="seconds one call may take before it counts as DEADLINE_EXCEEDED [default %(default)s]")
+    load.add_argument("--seed", type=int, default=0)
+
+    checks = p.add_argument_group("memory checks")
+    checks.add_argument("--warmup-fraction", type=float, default=0.2,
+                        help="leading share of the run that memory may grow in [default %(default)s]")
+    checks.add_argument("--max-rss-growth", type=float, default=0.10,
+                        help="most the PS's RSS may grow after warm-up, as a ratio [default %(default)s]")
+    checks.add_argument("--max-redis-growth", type=float, default=0.10,
+                        help="most Redis used_memory may grow after warm-up, as a ratio [default %(default)s]")
+    checks.add_argument("--sample-seconds", type=float, help="memory sampling interval [default 1; 10 with --soak]")
+    checks.add_argument("--report-seconds", type=float,
+                        help="a progress line this often [default: a sixth of the run, at least 10 s; 60 with --soak]")
+
+    where = p.add_argument_group("what to load (default: a redis-server and a PS started here)")
+    where.add_argument("--ps", metavar="HOST:PORT", help="a running PS to load instead of starting one")
+    where.add_argument("--ps-pid", type=int, help="with --ps on this machine: its process id, to sample its RSS")
+    where.add_argument("--ps-metrics", metavar="URL", help="with --ps: its /metrics URL, to read its own error count")
+    where.add_argument("--redis", metavar="URL",
+                       help="redis://[user:pass@]host:port/db or rediss://...: the Redis to sample (with --ps) "
+                            "or to start the PS on (without); a standalone server")
+    where.add_argument("--namespace", default="ps_load",
+                       help="Redis key prefix of a PS started here [default %(default)s]")
+    where.add_argument("--table", default="ps_load", help="table to create and load [default %(default)s]")
+    where.add_argument("--keep-table", action="store_true", help="leave the table in place at the end")
+    p.add_argument("--json", type=Path, default=Path(__file__).parent / "out" / "ps_load.json",
+                   help="also write the result here [default %(default)s]")
+    args = p.parse_args(argv)
+
+    args.duration = args.duration if args.duration is not None else (3600.0 if args.soak else 60.0)
+    args.sample_seconds = args.sample_seconds or (10.0 if args.soak else 1.0)
+    args.report_seconds = args.report_seconds or (60.0 if args.soak else max(10.0, args.duration / 6))
+    for name in ("clients", "procs", "batch", "id_space", "dim"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.state_width < 0:
+        p.error(f"--state-width must be 0 or more, got {args.state_width}")
+    for name in ("duration", "timeout", "sample_seconds", "report_seconds"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not 0.0 <= args.pull_fraction <= 1.0:
+        p.error(f"--pull-fraction must be between 0 and 1, got {args.pull_fraction}")
+    if not 0.0 < args.warmup_fraction < 1.0:
+        p.error(f"--warmup-fraction must be between 0 and 1 (both excluded), got {args.warmup_fraction}")
+    if args.sample_seconds > args.duration * (1 - args.warmup_fraction) / 2:
+        p.error(f"--sample-seconds {args.sample_seconds} leaves fewer than 2 samples after warm-up "
+                f"of a {args.duration:g} s run")
+    if args.procs > args.clients:
+        p.error(f"--procs {args.procs} is more than --clients {args.clients}")
+    if args.ps is None and (args.ps_pid or args.ps_metrics):
+        p.error("--ps-pid and --ps-metrics describe a running PS: give its address with --ps")
+    if args.redis and not args.redis.startswith(("redis://", "rediss://", "unix://")):
+        p.error(f"--redis must be a standalone server's redis://, rediss:// or unix:// URL, got {args.redis!r}")
+    return args
+
+
+def attach(args, stack: ExitStack) -> Target:
+    """The PS to load: the one given, or one started here (over the Redis given, or one started here)."""
+    if args.ps:
+        if args.ps_pid:
             try:
-                if op == "pull":
-                    ps.pull(TABLE, batch_ids)
-                else:
-                    ps.push(TABLE, batch_ids, rows)
-                lat[op].append((now, time.monotonic() - now))
-                n_rows += batch
-            except PSError as exc:
-                code = getattr(exc, "code", grpc.StatusCode.UNKNOWN)
-                errors[code.name] = errors.get(code.name, 0) + 1
-    out.update(lat=lat, errors=errors, rows=n_rows)
-
-
-def worker(address: str, clients: int, first_seed: int, args: dict, stop_at: float, queue) -> None:
-    results = [dict() for _ in range(clients)]
-    threads = [threading.Thread(target=client_loop, args=(address, args["ids"], args["batch"], args["width"], stop_at,
-                                                          first_seed + k, results[k]))
-               for k in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    queue.put(results)
-
-
-# -- the run --------------------------------------------------------------------------
-
-
-def percentiles(samples: list[float]) -> dict:
-    if not samples:
-        return {"n": 0, "p50_ms": None, "p99_ms": None, "max_ms": None}
-    a = np.array(samples) * 1e3
-    return {"n": len(a), "p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)),
-            "max_ms": float(a.max())}
-
-
-def fill(address: str, ids: int, width: int, quiet: bool = False) -> None:
-    from tqdm import tqdm
-
-    from ps_server.client import PSClient
-
-    rng = np.random.default_rng(0)
-    with PSClient(address, timeout=120) as ps:
-        ps.create_table(TABLE, dim=width // 2, state_width=width - width // 2)
-        step = 16384
-        for lo in tqdm(range(0, ids, step), desc="filling", unit="batch", leave=False, disable=quiet):
-            chunk = np.arange(lo, min(lo + step, ids))
-            ps.push(TABLE, chunk, rng.standard_normal((len(chunk), width)).astype(np.float32))
-
-
-def run(args) -> dict:
-    from tqdm import tqdm
-
-    from dynemb.local import LocalPS
-    from dynemb.local_redis import RedisProcess
-
-    redis_proc = None
-    if args.redis:
-        redis_url = args.redis
-    else:
-        redis_proc = RedisProcess(["maxmemory 0"]).start()
-        redis_url = redis_proc.url
-    ps = LocalPS("--backend", redis_url, "--namespace", f"load{os.getpid()}", "--workers", str(args.ps_workers),
-                 "--not-serving-seconds", "0").start()
-    import redis as redis_py
-
-    redis_client = redis_py.Redis.from_url(redis_url)
+                psutil.Process(args.ps_pid)
+            except psutil.NoSuchProcess:
+                raise SetupError(f"--ps-pid {args.ps_pid}: no such process on this machine") from None
+        return Target(args.ps, args.ps_pid, args.redis, args.ps_metrics, f"the PS at {args.ps}")
+    redis_url = args.redis
+    if redis_url is None:
+        try:
+            redis_url = stack.enter_context(RedisProcess()).url
+        except (FileNotFoundError, RuntimeError) as exc:
+            raise SetupError(f"could not start redis-server: {exc}") from None
+    ps = LocalPS("--backend", redis_url, "--namespace", args.namespace, "--log-level", "WARNING",
+                 "--not-serving-seconds", "0")
     try:
-        fill(ps.address, args.ids, args.width, args.no_progress)
-        procs = max(1, min(args.procs, args.clients))
-        share = [args.clients // procs + (k < args.clients % procs) for k in range(procs)]
-        ctx = mp.get_context("spawn")  # a fresh interpreter: gRPC does not survive fork
-        queue = ctx.Queue()
-        start = time.monotonic() + 3.0  # the workers' start-up is not timed
-        stop_at = start + args.seconds
-        workers = [ctx.Process(target=worker, args=(ps.address, n, 1000 * k, vars(args), stop_at, queue))
-                   for k, n in enumerate(share)]
-        for w in workers:
-            w.start()
-        samples = []  # (t, ps rss, redis used_memory)
-        warm_end = start + args.warmup * args.seconds
-        last_line = time.monotonic()
-        with tqdm(total=int(args.seconds), desc=f"{args.clients} clients", disable=args.no_progress,
-                  bar_format="{desc}: {n}/{total} s |{bar}| {remaining} left") as bar:
-            while (now := time.monotonic()) < stop_at:
-                if now >= start:
-                    samples.append((now, rss_bytes(ps.proc.pid), int(redis_client.info("memory")["used_memory"])))
-                    bar.n = min(int(now - start), int(args.seconds))
-                    bar.refresh()
-                if args.soak and now - last_line > 60:  # a soak run leaves a trail in its log
-                    last_line = now
-                    _, rss, used = samples[-1] if samples else (0, 0, 0)
-                    tqdm.write(f"[{time.strftime('%H:%M:%S')}] PS RSS {rss / 2**20:.1f} MiB, "
-                               f"Redis used_memory {used / 2**20:.1f} MiB")
-                time.sleep(1.0)
-        results = [r for _ in workers for r in queue.get(timeout=120)]
-        for w in workers:
-            w.join(60)
-        if ps.proc.poll() is not None:
-            raise RuntimeError(f"the PS died under load:\n{ps.log()[-3000:]}")
-    finally:
-        redis_client.close()
-        ps.close()
-        if redis_proc is not None:
-            redis_proc.close()
-
-    def timed(op: str) -> list[float]:  # latencies of calls started after the warm-up
-        return [d for r in results for t, d in r["lat"][op] if t >= warm_end]
-
-    errors: dict[str, int] = {}
-    for r in results:
-        for code, n in r["errors"].items():
-            errors[code] = errors.get(code, 0) + n
-    requests = sum(len(r["lat"]["pull"]) + len(r["lat"]["push"]) for r in results)
-    rows = sum(r["rows"] for r in results)
-    after_warmup = [s for s in samples if s[0] >= warm_end] or samples[-1:]
-    growth = {
-        "ps_rss": after_warmup[-1][1] / after_warmup[0][1] - 1,
-        "redis_used_memory": after_warmup[-1][2] / after_warmup[0][2] - 1,
-    }
-    return {
-        "clients": args.clients, "seconds": args.seconds, "batch": args.batch, "ids": args.ids,
-        "row_bytes": 4 * args.width, "requests": requests, "requests_per_s": requests / args.seconds,
-        "rows_per_s": rows / args.seconds, "errors": errors,
-        "pull": percentiles(timed("pull")), "push": percentiles(timed("push")),
-        "ps_rss_mib": [after_warmup[0][1] / 2**20, after_warmup[-1][1] / 2**20],
-        "redis_used_memory_mib": [after_warmup[0][2] / 2**20, after_warmup[-1][2] / 2**20],
-        "growth": growth,
-    }
+        stack.enter_context(ps)
+    except RuntimeError as exc:
+        raise SetupError(str(exc)) from None
+    return Target(ps.address, ps.proc.pid, redis_url, f"http://127.0.0.1:{ps.metrics_port}/metrics",
+                  f"a PS started here ({ps.address}, pid {ps.proc.pid}) over {redis_url}", ps)
 
 
-def report(r: dict, max_growth: float) -> list[str]:
-    """Print the figures; return the reasons it failed (none: it passed)."""
-    print(f"ps_load: {r['clients']} clients, {r['seconds']:.0f} s, batches of {r['batch']} ids of {r['row_bytes']} B "
-          f"over {r['ids']:,} stored rows, one PS over Redis")
-    print(f"  {'':<6} {'calls':>9} {'p50 ms':>9} {'p99 ms':>9} {'max ms':>9}")
-    for op in ("pull", "push"):
-        p = r[op]
-        if p["n"]:
-            print(f"  {op:<6} {p['n']:>9,} {p['p50_ms']:>9.2f} {p['p99_ms']:>9.2f} {p['max_ms']:>9.2f}")
-    print(f"  {r['requests_per_s']:,.0f} requests/s, {r['rows_per_s']:,.0f} rows/s, errors: {r['errors'] or 'none'}")
-    print(f"  PS RSS {r['ps_rss_mib'][0]:.1f} -> {r['ps_rss_mib'][1]:.1f} MiB ({r['growth']['ps_rss']:+.1%}); "
-          f"Redis used_memory {r['redis_used_memory_mib'][0]:.1f} -> {r['redis_used_memory_mib'][1]:.1f} MiB "
-          f"({r['growth']['redis_used_memory']:+.1%}), from the end of the warm-up to the end")
-    failed = []
-    if r["errors"]:
-        failed.append(f"{sum(r['errors'].values())} calls failed: {r['errors']}")
-    for name, g in r["growth"].items():
-        if g > max_growth:
-            failed.append(f"{name} grew {g:.1%} after the warm-up (limit {max_growth:.0%})")
-    if not r["pull"]["n"] or not r["push"]["n"]:
-        failed.append("no pull or no push completed after the warm-up")
-    return failed
+def prefill(client: PSClient, table: str, ids: np.ndarray, patterns: np.ndarray) -> None:
+    for lo in tqdm(range(0, len(ids), PREFILL_CHUNK), desc="prefill: every id of the id space", unit="chunk",
+                   leave=False):
+        chunk = ids[lo : lo + PREFILL_CHUNK]
+        client.push(table, chunk, expected_rows(patterns, chunk), timeout=600)
+
+
+def live_totals(live) -> np.ndarray:
+    """[pulls, pushes, rows, errors] so far, over every client."""
+    return np.frombuffer(live, dtype=np.int64).reshape(-1, COUNTER_SLOTS).sum(axis=0)
+
+
+def run_load(args, spec: LoadSpec, sampler: MemorySampler) -> tuple[list[dict], list[str], dict]:
+    """Start the client processes and watch the run. Returns their results, any setup errors,
+    and the CPU seconds the PS and Redis used during it."""
+    ctx = mp.get_context("spawn")  # not fork: gRPC's threads do not survive a fork
+    live = ctx.Array("q", args.clients * COUNTER_SLOTS, lock=False)  # each slot has one writer
+    barrier = ctx.Barrier(args.procs + 1)
+    results = ctx.Queue()
+    bounds = np.linspace(0, args.clients, args.procs + 1).astype(int)
+    procs = [ctx.Process(target=client_process, args=(int(lo), int(hi - lo), spec, live, barrier, results),
+                         daemon=True, name=f"ps-load-clients-{k}")
+             for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]
+    for proc in procs:
+        proc.start()
+    try:
+        barrier.wait(timeout=300)
+    except threading.BrokenBarrierError:
+        got = collect(results, len(procs), timeout=30)
+        for proc in procs:
+            proc.join(10)
+        return [], [r["setup_error"] for r in got if "setup_error" in r] or ["client processes did not start"], {}
+    t0, cpu_at_start = time.monotonic(), sampler.cpu_seconds()
+    sampler.sample(0.0)
+    last_report, last_totals = 0.0, live_totals(live)
+    bar_format = "{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s [{elapsed}<{remaining}{postfix}]"
+    with tqdm(total=args.duration, desc="load", bar_format=bar_format) as bar:
+        next_at = args.sample_seconds
+        while next_at <= args.duration + 1e-9:
+            time.sleep(max(0.0, t0 + next_at - time.monotonic()))
+            t = time.monotonic() - t0
+            sampler.sample(t)
+            totals = live_totals(live)
+            bar.update(min(t, args.duration) - bar.n)
+            bar.set_postfix_str(f"{(totals[PULLS] + totals[PUSHES]) / t:.1f} req/s, errors {totals[ERRORS]}, "
+                                f"PS RSS {mib(sampler.ps_rss[-1])}", refresh=False)
+            if t - last_report >= args.report_seconds - 1e-6:
+                d, span = totals - last_totals, t - last_report
+                tqdm.write(f"[{t:6.0f}/{args.duration:.0f} s] {(d[PULLS] + d[PUSHES]) / span:,.1f} req/s, "
+                           f"{d[ROWS] / span:,.0f} rows/s in the last {span:.0f} s; errors {totals[ERRORS]}; "
+                           f"PS RSS {mib(sampler.ps_rss[-1])}; Redis used_memory {mib(sampler.redis_used[-1])}",
+                           file=sys.stdout)
+                sys.stdout.flush()
+                last_report, last_totals = t, totals
+            next_at += args.sample_seconds
+    got = collect(results, len(procs), timeout=args.timeout + 120)  # before join: a full pipe blocks exit
+    cpu = {k: (v - cpu_at_start[k] if v is not None else None) for k, v in sampler.cpu_seconds().items()}
+    for proc in procs:
+        proc.join(30)
+    errors = [r["setup_error"] for r in got if "setup_error" in r]
+    if len(got) < len(procs):
+        errors.append(f"{len(procs) - len(got)} client process(es) died without a result (exit codes "
+                      f"{[p.exitcode for p in procs]})")
+    return [r for r in got if "setup_error" not in r], errors, cpu
+
+
+def collect(results, n: int, timeout: float) -> list[dict]:
+    """Up to n results from the client processes, waiting at most `timeout` seconds in all."""
+    deadline, got = time.monotonic() + timeout, []
+    while len(got) < n:
+        try:
+            got.append(results.get(timeout=max(0.1, deadline - time.monotonic())))
+        except queue.Empty:
+            break
+    return got
+
+
+def latency_row(lat: np.ndarray) -> dict:
+    if len(lat) == 0:
+        return {"count": 0, "p50_ms": None, "p99_ms": None, "max_ms": None}
+    p50, p99 = np.percentile(lat, [50, 99]) * 1000
+    return {"count": int(len(lat)), "p50_ms": round(float(p50), 3), "p99_ms": round(float(p99), 3),
+            "max_ms": round(float(lat.max() * 1000), 3)}
+
+
+def mib(x: float) -> str:
+    return "n/a" if np.isnan(x) else f"{x / MiB:,.1f} MiB"
+
+
+def ms(x) -> str:
+    return "-" if x is None else f"{x:,.1f}"
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--clients", type=int, default=64, help="concurrent clients [default %(default)s]")
-    p.add_argument("--seconds", type=float, default=None, help="how long they run [default 60; 3600 with --soak]")
-    p.add_argument("--soak", action="store_true", help="the long release-testing run: an hour unless --seconds, "
-                                                       "a memory line every minute")
-    p.add_argument("--batch", type=int, default=256, help="ids per pull or push [default %(default)s]")
-    p.add_argument("--ids", type=int, default=200_000, help="rows stored (ids drawn from 0..N-1) [default %(default)s]")
-    p.add_argument("--width", type=int, default=128, help="floats per row: dim + optimizer state [default %(default)s]")
-    p.add_argument("--procs", type=int, default=max(2, os.cpu_count() or 2),
-                   help="client processes the clients are spread over [default %(default)s]")
-    p.add_argument("--ps-workers", type=int, default=16, help="the PS's request threads [default %(default)s]")
-    p.add_argument("--warmup", type=float, default=0.2, help="share of the run before memory and latency count "
-                                                             "[default %(default)s]")
-    p.add_argument("--max-growth", type=float, default=0.10, help="largest memory growth after the warm-up that "
-                                                                  "passes [default %(default)s]")
-    p.add_argument("--redis", help="an existing Redis URL (default: start a redis-server)")
-    p.add_argument("--json", help="also write the figures to this file")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = p.parse_args(argv)
-    if args.seconds is None:
-        args.seconds = 3600.0 if args.soak else 60.0
-    if args.clients < 1 or args.seconds <= 0 or args.batch < 1 or args.ids < 1 or args.width < 2:
-        p.error("--clients, --seconds, --batch and --ids must be positive, --width at least 2")
-    result = run(args)
-    failed = report(result, args.max_growth)
-    result["failed"] = failed
-    line = json.dumps(result)
-    print("JSON " + line)
-    if args.json:
-        Path(args.json).write_text(line + "\n")
-    for reason in failed:
-        print(f"ps_load: FAILED: {reason}", file=sys.stderr)
-    return 1 if failed else 0
+    args = parse_args(argv)
+    schema = TableSchema(args.table, args.dim, args.state_width, "fp32")
+    rng = np.random.default_rng(args.seed)
+    ids = rng.choice(1 << 62, size=args.id_space, replace=False).astype(np.int64)
+    patterns = rng.random((PATTERNS, schema.width), dtype=np.float32)
+    with ExitStack() as stack:
+        try:
+            target = attach(args, stack)
+            client = stack.enter_context(PSClient(target.address, timeout=60))
+            client.wait_ready(timeout=30)
+            client.create_table_from_schema(schema)
+            prefill(client, args.table, ids, patterns)
+            rows_before = client.describe_table(args.table).num_rows
+            sampler = MemorySampler(target.ps_pid, target.redis_url)
+            stack.callback(sampler.close)
+            sampler.sample(0.0)  # reaches both now, so a wrong --redis or --ps-pid fails before the run
+            sampler.reset()
+            ps_errors_before = ps_error_counts(target.metrics_url) if target.metrics_url else None
+        except (SetupError, PSError, OSError, ValueError, redis.RedisError, psutil.Error) as exc:
+            print(f"ps_load: setup failed: {exc}", file=sys.stderr)
+            return 2
+        print(f"ps_load: {args.clients} clients in {args.procs} process{'es' if args.procs > 1 else ''} for "
+              f"{args.duration:g} s against {target.describe}; batches of {args.batch:,} ids, {args.pull_fraction:.0%} pulls; rows of "
+              f"{args.dim} + {args.state_width} fp32 ({schema.row_bytes} B); {rows_before:,} rows stored "
+              f"(id space {args.id_space:,}, prefilled); {os.cpu_count()} CPUs", flush=True)
+        spec = LoadSpec(target.address, args.table, ids, patterns, args.batch, args.pull_fraction,
+                        args.timeout, args.duration, args.seed)
+        failures: list[str] = []
+        try:
+            results, setup_errors, cpu = run_load(args, spec, sampler)
+        except psutil.NoSuchProcess:
+            log = target.local_ps.log()[-3000:] if target.local_ps else ""
+            print(f"FAIL: the PS process {target.ps_pid} exited during the run\n{log}")
+            return 1
+        failures += [f"client processes: {e}" for e in setup_errors]
+        try:
+            rows_after = client.describe_table(args.table).num_rows
+            ps_errors_after = ps_error_counts(target.metrics_url) if target.metrics_url else None
+            if not args.keep_table:
+                client.drop_table(args.table)
+        except (PSError, OSError) as exc:
+            failures.append(f"the PS did not answer after the run: {exc}")
+            rows_after, ps_errors_after = None, None
+        cpu["clients"] = sum(r["cpu_seconds"] for r in results)
+        summary = summarize(args, target, schema, results, sampler, cpu, rows_before, rows_after,
+                            ps_errors_before, ps_errors_after, failures)
+    print_summary(args, summary)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary), flush=True)
+    return 0 if summary["ok"] else 1
+
+
+def summarize(args, target, schema, results, sampler, cpu, rows_before, rows_after,
+              ps_errors_before, ps_errors_after, failures) -> dict:
+    lat = {m: np.concatenate([r["latencies"][m] for r in results]) if results else np.array([])
+           for m in ("pull", "push")}
+    errors_by_method: dict[str, dict[str, int]] = {"pull": {}, "push": {}}
+    first_error: dict[str, str] = {}
+    for r in results:
+        for (method, code), n in r["errors"].items():
+            errors_by_method[method][code] = errors_by_method[method].get(code, 0) + n
+        for code, msg in r["first_error"].items():
+            first_error.setdefault(code, msg)
+    errors: dict[str, int] = {}
+    for per in errors_by_method.values():
+        for code, n in per.items():
+            errors[code] = errors.get(code, 0) + n
+    span = (max(r["ended"] for r in results) - min(r["started"] for r in results)) if results else 0.0
+    requests = {m: len(lat[m]) for m in lat}
+    total = sum(requests.values())
+    rows = total * args.batch
+
+    warmup_end = args.warmup_fraction * args.duration
+    window = max(0.1 * args.duration, args.sample_seconds)
+    memory = {}
+    for name, values, limit in (("ps_rss", sampler.ps_rss, args.max_rss_growth),
+                                ("redis_used_memory", sampler.redis_used, args.max_redis_growth)):
+        if not values or np.isnan(values[0]):
+            memory[name] = None
+            continue
+        g = growth(sampler.times, values, warmup_end, args.duration, window)
+        memory[name] = g.as_json() | {"limit": limit}
+        if g.ratio > limit:
+            what = "the PS's RSS" if name == "ps_rss" else "Redis used_memory"
+            failures.append(f"{what} grew {g.ratio:+.1%} after warm-up ({g.at_warmup_end / MiB:,.1f} -> "
+                            f"{g.at_end / MiB:,.1f} MiB), over the limit of {limit:.0%}")
+
+    if errors:
+        detail = "; ".join(f"{code} x{n} (first: {first_error.get(code, '')[:200]})" for code, n in errors.items())
+        failures.append(f"{sum(errors.values()):,} calls failed: {detail}")
+    if results and total == 0:
+        failures.append("no call completed in the run")
+    server_errors = None
+    if ps_errors_before is not None and ps_errors_after is not None:
+        server_errors = {c: int(n - ps_errors_before.get(c, 0)) for c, n in ps_errors_after.items()
+                         if n - ps_errors_before.get(c, 0) > 0}
+        if server_errors:
+            failures.append(f"the PS's /metrics counted errors during the run: {server_errors}")
+    if rows_after is not None and rows_after != rows_before:
+        failures.append(f"the table held {rows_before:,} rows before the run and {rows_after:,} after; "
+                        "no call of the run adds a row")
+    return {
+        "bench": "ps_load",
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "target": target.describe,
+        "row_bytes": schema.row_bytes,
+        "cpus": os.cpu_count(),
+        "seconds": round(span, 3),
+        "requests": requests | {"all": total},
+        "requests_per_s": round(total / span, 2) if span else 0.0,
+        "rows_per_s": round(rows / span, 1) if span else 0.0,
+        "latency_ms": {m: latency_row(lat[m]) for m in ("pull", "push")} | {"all": latency_row(
+            np.concatenate([lat["pull"], lat["push"]]))},
+        "errors": errors,
+        "errors_total": sum(errors.values()),
+        "errors_by_method": errors_by_method,
+        "ps_metrics_errors": server_errors,
+        "rows_stored": {"before": rows_before, "after": rows_after},
+        "memory": memory,
+        "memory_samples": len(sampler.times),
+        "cpu_seconds": {k: (None if v is None else round(v, 2)) for k, v in cpu.items()},
+        "ok": not failures,
+        "failures": failures,
+    }
+
+
+def print_summary(args, s: dict) -> None:
+    span = s["seconds"] or float("nan")
+    print(f"\n{'method':<8}{'requests':>10}{'req/s':>10}{'rows/s':>12}{'p50 ms':>10}{'p99 ms':>10}"
+          f"{'max ms':>10}{'errors':>8}")
+    for m in ("pull", "push", "all"):
+        n, lat = s["requests"][m], s["latency_ms"][m]
+        errs = s["errors_total"] if m == "all" else sum(s["errors_by_method"][m].values())
+        print(f"{m:<8}{n:>10,}{n / span:>10,.1f}{n * args.batch / span:>12,.0f}{ms(lat['p50_ms']):>10}"
+              f"{ms(lat['p99_ms']):>10}{ms(lat['max_ms']):>10}{errs:>8,}")
+    window = max(0.1 * args.duration, args.sample_seconds)
+    print(f"\nmemory: median over {window:g} s ending at warm-up's end ({args.warmup_fraction:.0%} of the run) "
+          f"and at the run's end; {s['memory_samples']} samples")
+    print(f"{'':<20}{'warm-up end':>14}{'end':>12}{'peak':>12}{'growth':>9}{'limit':>8}")
+    for name, label in (("ps_rss", "PS RSS"), ("redis_used_memory", "Redis used_memory")):
+        g = s["memory"][name]
+        if g is None:
+            print(f"{label:<20}  not measured" + (" (give --ps-pid)" if name == "ps_rss" else " (give --redis)"))
+            continue
+        print(f"{label:<20}{g['at_warmup_end_bytes'] / MiB:>10,.1f} MiB{g['at_end_bytes'] / MiB:>8,.1f} MiB"
+              f"{g['peak_bytes'] / MiB:>8,.1f} MiB{g['growth']:>+9.1%}{g['limit']:>8.0%}")
+    cpu = s["cpu_seconds"]
+    print("CPU seconds in the run: " + ", ".join(f"{k} {'n/a' if v is None else format(v, '.1f')}"
+                                                for k, v in (("PS", cpu.get("ps")), ("Redis", cpu.get("redis")),
+                                                             ("clients", cpu.get("clients"))))
+          + f" (of {s['seconds'] * s['cpus']:.0f} on {s['cpus']} CPUs)")
+    server = s["ps_metrics_errors"]
+    print(f"PS /metrics errors during the run: {'not read (give --ps-metrics)' if server is None else sum(server.values())}")
+    print(f"rows stored: {s['rows_stored']['before']:,} before, "
+          f"{'?' if s['rows_stored']['after'] is None else format(s['rows_stored']['after'], ',')} after")
+    for f in s["failures"]:
+        print(f"FAIL: {f}")
+    if s["ok"]:
+        print(f"PASS: {s['requests']['all']:,} calls in {s['seconds']:.1f} s, no errors, memory steady")
 
 
 if __name__ == "__main__":
