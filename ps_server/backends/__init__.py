@@ -27,9 +27,18 @@ def open_store(url: str = "", *, namespace: str = "dynemb", **options) -> Store:
     from ps_server.errors import InvalidArgument
 
     raise InvalidArgument(
-        f"backend URL {url!r}: scheme {scheme!r} is not one of embedded://, redis://, rediss://, "
+        f"backend URL {_without_password(url)!r}: scheme {scheme!r} is not one of embedded://, redis://, rediss://, "
         f"redis+cluster://, rediss+cluster://"
     )
+
+
+def _without_password(url: str) -> str:
+    """The URL for a message: a password in it (scheme://user:password@host) becomes ***."""
+    head, sep, rest = url.partition("://")
+    userinfo, at, hosts = rest.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    return f"{head}{sep}{userinfo.split(':', 1)[0]}:***@{hosts}"
 
 
 __all__ = ["Store", "open_store"]
