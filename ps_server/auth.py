@@ -48,7 +48,9 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
                 break
         handler = continuation(handler_call_details)
         if handler is None:
-            return None
+            # an unknown method is refused like a known one: without the token, nobody
+            # learns which methods exist
+            return grpc.unary_unary_rpc_method_handler(self._deny)
         if self._on_deny is not None:
             self._on_deny(handler_call_details.method.rsplit("/", 1)[-1])
         # Answer in the shape the method expects (unary or streaming request).

@@ -634,7 +634,9 @@ class PSClient:
         out = []
         for address, channel in zip(self.addresses, self._channels):
             try:
-                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+                # with the token: a PS run with --auth-health wants it on health checks too
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout,
+                                                                  metadata=self._metadata)
                 out.append(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
             except grpc.RpcError as err:
                 out.append(f"{err.code().name}: {err.details()} ({address})")

@@ -78,7 +78,17 @@ def test_every_rpc_needs_the_token(make_ps, auth_health):
         assert reflection_code(channel, metadata) == grpc.StatusCode.UNAUTHENTICATED
         want = grpc.StatusCode.UNAUTHENTICATED if auth_health else grpc.StatusCode.OK
         assert health_code(channel, metadata) == want
+    unknown = channel.unary_unary(f"/{SERVICE.full_name}/NoSuchMethod")
+    with pytest.raises(grpc.RpcError) as info:  # no hint of which methods exist
+        unknown(b"", timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     good = (("authorization", f"Bearer {TOKEN}"),)
+    with PSClient(proc.address, auth_token=TOKEN) as ps:  # the client's own health check sends the token
+        assert ps.health() == ["SERVING"]
+        ps.wait_ready(timeout=10)
+    with pytest.raises(grpc.RpcError) as info:
+        unknown(b"", timeout=10, metadata=good)
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
     codes = every_ps_rpc(channel, good)  # empty requests: refused for what they lack, not for the token
     assert grpc.StatusCode.UNAUTHENTICATED not in codes.values() and codes["ListTables"] == grpc.StatusCode.OK
     assert reflection_code(channel, good) == grpc.StatusCode.OK
@@ -91,6 +101,14 @@ def test_auth_health_without_a_token_is_refused_at_start():
                           "--metrics-port", "-1", "--auth-health"], capture_output=True, text=True, cwd=REPO, timeout=60,
                          env={"PATH": "/usr/bin:/bin"})
     assert run.returncode == 2 and "--auth-health" in run.stderr and "--auth-token" in run.stderr
+
+
+def test_a_password_in_a_bad_backend_url_is_not_echoed():
+    run = subprocess.run([sys.executable, "-m", "dynemb.cli", "ps", "serve", "--address", "127.0.0.1:0",
+                          "--metrics-port", "-1", "--backend", "rediz://admin:hunter2pw@redis:6379/0"],
+                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert run.returncode == 2 and "rediz" in run.stderr and "admin:***@redis" in run.stderr
+    assert "hunter2pw" not in run.stderr + run.stdout
 
 
 def test_tokens_never_reach_logs_or_metrics(make_ps, redis_auth, tmp_path):
