@@ -40,6 +40,19 @@ def decode_rows(data: bytes, schema: TableSchema, num_ids: int) -> np.ndarray:
     return np.frombuffer(data, dtype=schema.np_dtype).reshape(num_ids, schema.width)
 
 
+def rows_for_table(rows: np.ndarray, schema: TableSchema, n: int) -> np.ndarray:
+    """rows as a contiguous (n, width) array of the table's dtype, or InvalidArgument. Stores
+    check rows against the table as they find it: it may have been dropped and re-created
+    with another schema since the service decoded them (an import stream outlives that)."""
+    rows = np.asarray(rows)
+    if rows.shape != (n, schema.width):
+        raise InvalidArgument(f"rows for table {schema.name!r} must have shape ({n}, {schema.width}), got {rows.shape}")
+    # bf16 is raw uint16 bits: a float array cast to it would be silent garbage
+    if rows.dtype != schema.np_dtype and (schema.dtype == "bf16" or rows.dtype.kind != "f"):
+        raise InvalidArgument(f"rows for {schema.dtype} table {schema.name!r} cannot be {rows.dtype}")
+    return np.ascontiguousarray(rows, dtype=schema.np_dtype)
+
+
 def encode_rows(rows: np.ndarray, schema: TableSchema) -> bytes:
     rows = np.asarray(rows)
     if rows.ndim != 2 or rows.shape[1] != schema.width:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -30,14 +31,23 @@ _PROTO_INIT = {
 _INIT_FROM_PROTO = {v: k for k, v in _PROTO_INIT.items()}
 _INIT_FROM_PROTO[ps_pb2.Initializer.KIND_UNSPECIFIED] = "zeros"
 
-NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}")  # the whole name (fullmatch: `$` lets "t\n" through)
 MAX_ROW_WIDTH = 1 << 16
+SHOWN_NAME_CHARS = 64
+
+
+def shown(name) -> str:
+    """A name as an error message quotes it: a hostile one may be megabytes, and a status
+    message over the client's metadata limit (16 KiB) never arrives at all."""
+    if isinstance(name, str) and len(name) > SHOWN_NAME_CHARS:
+        return f"{name[:SHOWN_NAME_CHARS]!r}... ({len(name)} characters)"
+    return repr(name)
 
 
 def check_name(name: str, what: str = "table name") -> str:
-    if not isinstance(name, str) or not NAME_RE.match(name):
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise InvalidArgument(
-            f"{what} {name!r} is not valid: use 1 to 128 of the characters A-Z a-z 0-9 _ . -"
+            f"{what} {shown(name)} is not valid: use 1 to 128 of the characters A-Z a-z 0-9 _ . -"
         )
     return name
 
@@ -55,6 +65,10 @@ class Initializer:
     def __post_init__(self) -> None:
         if self.kind not in INITIALIZERS:
             raise InvalidArgument(f"initializer kind {self.kind!r} is not one of {INITIALIZERS}")
+        # NaN would also make a schema unequal to itself: a table could never be re-created
+        bad = {k: v for k, v in (("a", self.a), ("b", self.b), ("state_init", self.state_init)) if not math.isfinite(v)}
+        if bad:
+            raise InvalidArgument(f"initializer values must be finite numbers, got {bad}")
         if self.kind == "uniform" and not self.b > self.a:
             raise InvalidArgument(f"uniform initializer needs b > a, got a={self.a} b={self.b}")
         if self.kind == "normal" and not self.b >= 0:
@@ -125,7 +139,7 @@ class TableSchema:
         dtype = _DTYPE_FROM_PROTO.get(msg.dtype)
         if dtype is None:
             raise InvalidArgument(
-                f"table {msg.name!r}: dtype must be FP32, FP16 or BF16 (got enum value {msg.dtype})"
+                f"table {shown(msg.name)}: dtype must be FP32, FP16 or BF16 (got enum value {msg.dtype})"
             )
         return cls(
             name=msg.name,

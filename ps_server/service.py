@@ -2,8 +2,9 @@
 
 Every handler runs inside `_call`, which turns PSError into its gRPC status with the
 message intact, turns anything unexpected into INTERNAL (logged with its traceback),
-and records the request in the metrics. No request can take the server down, and
-a request that fails validation changes nothing stored.
+and records the request in the metrics. Requests arrive as bytes and are decoded here,
+so bytes that are no valid message get INVALID_ARGUMENT too. No request can take the
+server down, and a request that fails validation changes nothing stored.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from dynemb import __version__
 from protos import ps_pb2, ps_pb2_grpc
@@ -40,48 +42,41 @@ def _serialize(message_type):
     return serialize
 
 
-class _Undecodable:
-    """A request whose bytes do not parse as its message type."""
+def _undecodable(method: str, request_type, data: bytes) -> InvalidArgument:
+    return InvalidArgument(
+        f"{method}: the request ({len(data)} bytes) is not a valid {request_type.DESCRIPTOR.full_name} message "
+        f"(corrupt bytes, or a client built from another protos/ps.proto)"
+    )
 
-    def __init__(self, type_name: str, error: Exception) -> None:
-        self.message = f"request is not a valid {type_name}: {error}"
 
+def _decoding(servicer: "ParameterServerService", name: str, handler, request_type, streaming: bool):
+    """`handler` taking the request as bytes: grpc's own decoding step would answer bytes that
+    are no valid message with INTERNAL "Exception deserializing request!"."""
+    if streaming:
+        def decoded(chunks):
+            for data in chunks:
+                try:
+                    yield request_type.FromString(data)
+                except DecodeError:
+                    raise _undecodable(name, request_type, data) from None  # inside the handler's _call
 
-def _deserializer(message_type):
-    # gRPC answers a deserializer's exception with INTERNAL "Exception deserializing request!";
-    # a client that sent garbage should hear INVALID_ARGUMENT and why, so the handler decides.
-    def deserialize(data: bytes):
+        return lambda chunks, context: handler(decoded(chunks), context)
+
+    def handle(data, context):
         try:
-            return message_type.FromString(data)
-        except Exception as exc:  # noqa: BLE001 - DecodeError, or a RuntimeError from upb
-            return _Undecodable(message_type.DESCRIPTOR.name, exc)
-
-    return deserialize
-
-
-def _checked(handler, client_streaming: bool):
-    """The handler, refusing undecodable requests with INVALID_ARGUMENT."""
-    if client_streaming:
-        def run(requests, context):
-            def each():
-                for request in requests:
-                    if isinstance(request, _Undecodable):
-                        raise InvalidArgument(request.message)  # inside the handler's _call
-                    yield request
-            return handler(each(), context)
-        return run
-
-    def run_one(request, context):
-        if isinstance(request, _Undecodable):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            request = request_type.FromString(data)
+        except DecodeError:
+            with servicer._call(name, context):  # answered and counted like any refused request
+                raise _undecodable(name, request_type, data) from None
         return handler(request, context)
-    return run_one
+
+    return handle
 
 
 def add_to_server(servicer: "ParameterServerService", server: grpc.Server) -> None:
-    """Register the service like the generated add_..._to_server, except that a handler may
-    return an already serialized reply (bytes), as Pull does, and a request that does not
-    parse gets INVALID_ARGUMENT rather than gRPC's INTERNAL."""
+    """Register the service like the generated add_..._to_server, except that requests are
+    decoded by the handler (see _decoding) and a handler may return an already serialized
+    reply (bytes), as Pull does."""
     factories = {
         (False, False): grpc.unary_unary_rpc_method_handler,
         (False, True): grpc.unary_stream_rpc_method_handler,
@@ -93,10 +88,10 @@ def add_to_server(servicer: "ParameterServerService", server: grpc.Server) -> No
     for method in service.methods:
         request_type = getattr(ps_pb2, method.input_type.name)
         response_type = getattr(ps_pb2, method.output_type.name)
+        handler = _decoding(servicer, method.name, getattr(servicer, method.name), request_type,
+                            method.client_streaming)
         handlers[method.name] = factories[(method.client_streaming, method.server_streaming)](
-            _checked(getattr(servicer, method.name), method.client_streaming),
-            request_deserializer=_deserializer(request_type),
-            response_serializer=_serialize(response_type),
+            handler, request_deserializer=None, response_serializer=_serialize(response_type)
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
@@ -121,6 +116,16 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         except PSError as exc:
             code = exc.code
             context.abort(code, str(exc))
+        except GeneratorExit:  # a reply stream (Export) the client stopped reading
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except grpc.RpcError:
+            # Only a request stream (Import) raises this: the client cancelled or its deadline
+            # passed mid-stream. No one is left to answer and it is no fault of the PS, so no
+            # INTERNAL; grpc knows its own error and ends the call quietly.
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if context.time_remaining() <= 0 else grpc.StatusCode.CANCELLED
+            log.info("%s: the client went away mid-stream (%s)", method, code.name)
+            raise
         except Exception as exc:  # a bug or an unexpected store failure: report, keep serving
             code = grpc.StatusCode.INTERNAL
             log.exception("%s failed", method)
@@ -313,19 +318,21 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             schema = None
             written = 0
             for chunk in request_iterator:
-                if schema is None:
+                first = schema is None
+                if first:
                     if not chunk.HasField("spec"):
                         raise InvalidArgument("the first chunk of an import must carry the table's spec")
                     schema = TableSchema.from_proto(chunk.spec)
+                elif chunk.HasField("spec") and TableSchema.from_proto(chunk.spec) != schema:
+                    raise InvalidArgument(f"import into {schema.name!r}: a later chunk carries another spec")
+                ids = codec.decode_ids(chunk.ids, schema.name)
+                rows = codec.decode_rows(chunk.rows, schema, len(ids))
+                if first:  # only once the first chunk checked out: a refused import clears nothing
                     with self._backend("create_table"):
                         self.store.create_table(schema)
                     if chunk.replace:
                         with self._backend("clear"):
                             self.store.clear(schema.name)
-                elif chunk.HasField("spec") and TableSchema.from_proto(chunk.spec) != schema:
-                    raise InvalidArgument(f"import into {schema.name!r}: a later chunk carries another spec")
-                ids = codec.decode_ids(chunk.ids, schema.name)
-                rows = codec.decode_rows(chunk.rows, schema, len(ids))
                 if len(ids):
                     with self._backend("push"):
                         written += self.store.push(schema.name, ids, rows)

@@ -25,7 +25,7 @@ import numpy as np
 
 from ps_server.backends.base import Store
 from ps_server.backends.id_index import IdIndex
-from ps_server.codec import last_occurrence
+from ps_server.codec import last_occurrence, rows_for_table
 from ps_server.errors import TableExists, TableNotFound
 from ps_server.schema import TableSchema
 
@@ -162,6 +162,7 @@ class EmbeddedStore(Store):
         if len(ids) == 0:
             return 0
         uniq, last = last_occurrence(ids)
+        rows = rows_for_table(rows, t.schema, len(ids))
         with t.lock:
             where = t.index.lookup_or_insert(uniq, t.allocate)
             t.rows[where] = rows[last]

@@ -39,6 +39,7 @@ from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from ps_server.backends.base import Store
+from ps_server.codec import rows_for_table
 from ps_server.errors import (
     BackendUnavailable,
     InvalidArgument,
@@ -383,7 +384,7 @@ class RedisStore(Store):
         meta = self._meta(table)
         schema, keys = meta.schema, meta.keys
         ids = _as_ids(ids)
-        rows = _as_rows(rows, schema, len(ids))
+        rows = rows_for_table(rows, schema, len(ids))
         if len(ids) == 0:
             return 0
         g = _group_by_bucket(ids, meta.num_buckets)
@@ -478,16 +479,6 @@ def _as_ids(ids: np.ndarray) -> np.ndarray:
     if ids.ndim != 1:
         raise InvalidArgument(f"ids must be a 1-D array of int64, got shape {ids.shape}")
     return ids
-
-
-def _as_rows(rows: np.ndarray, schema: TableSchema, n: int) -> np.ndarray:
-    rows = np.asarray(rows)
-    if rows.shape != (n, schema.width):
-        raise InvalidArgument(f"rows for table {schema.name!r} must have shape ({n}, {schema.width}), got {rows.shape}")
-    # bf16 is raw uint16 bits: a float array cast to it would be silent garbage
-    if rows.dtype != schema.np_dtype and (schema.dtype == "bf16" or rows.dtype.kind != "f"):
-        raise InvalidArgument(f"rows for {schema.dtype} table {schema.name!r} cannot be {rows.dtype}")
-    return np.ascontiguousarray(rows, dtype=schema.np_dtype)
 
 
 # redis-py's errors; cluster-client failures (no reachable node, slot not covered) are not RedisError
