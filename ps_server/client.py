@@ -42,7 +42,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos import ps_pb2, ps_pb2_grpc
 from ps_server import codec
 from ps_server.auth import bearer_metadata
-from ps_server.errors import InvalidArgument, PSError, from_rpc_error
+from ps_server.errors import InvalidArgument, PSError, Unauthenticated, from_rpc_error
 from ps_server.hashing import ROW_HASH_SEED, shard_of, xxh64_ids
 from ps_server.replicas import channel_target
 from ps_server.schema import Initializer, TableSchema
@@ -649,6 +649,9 @@ class PSClient:
             status = self.health(timeout=max(0.1, min(2.0, deadline - time.monotonic())))
             if all(s == "SERVING" for s in status):
                 return
+            refused = [f"{a}: {s}" for a, s in zip(self.addresses, status) if s.startswith("UNAUTHENTICATED")]
+            if refused:  # waiting will not bring the token: say so now
+                raise Unauthenticated(f"PS refuses this client's health checks: {'; '.join(refused)}")
             if time.monotonic() > deadline:
                 raise PSError(f"PS not ready after {timeout}s: {dict(zip(self.addresses, status))}")
             time.sleep(0.1)

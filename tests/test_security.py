@@ -86,6 +86,9 @@ def test_every_rpc_needs_the_token(make_ps, auth_health):
     with PSClient(proc.address, auth_token=TOKEN) as ps:  # the client's own health check sends the token
         assert ps.health() == ["SERVING"]
         ps.wait_ready(timeout=10)
+    if auth_health:
+        with PSClient(proc.address, auth_token="wrong") as ps, pytest.raises(PSError, match="UNAUTHENTICATED"):
+            ps.wait_ready(timeout=60)  # at once, not after a minute
     with pytest.raises(grpc.RpcError) as info:
         unknown(b"", timeout=10, metadata=good)
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
