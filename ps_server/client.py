@@ -42,7 +42,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos import ps_pb2, ps_pb2_grpc
 from ps_server import codec
 from ps_server.auth import bearer_metadata
-from ps_server.errors import InvalidArgument, PSError, Unauthenticated, from_rpc_error
+from ps_server.errors import DeadlineExceeded, InvalidArgument, PSError, Unauthenticated, from_rpc_error
 from ps_server.hashing import ROW_HASH_SEED, shard_of, xxh64_ids
 from ps_server.replicas import channel_target
 from ps_server.schema import Initializer, TableSchema
@@ -219,7 +219,7 @@ class PSClient:
                     attempt, first = first, None
                     return attempt.result()
                 if deadline - time.monotonic() <= 0:
-                    raise PSError(
+                    raise DeadlineExceeded(
                         f"DEADLINE_EXCEEDED: {method} to PS {self.addresses[shard]} did not succeed in time"
                     )
                 return rpc(request, timeout=self._attempt_timeout(deadline), metadata=self._metadata)

@@ -40,6 +40,12 @@ class BackendUnavailable(PSError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class DeadlineExceeded(PSError):
+    """Raised by the client when a call did not succeed within its deadline."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 class Abandoned(PSError):
     """The client gave up on the call (deadline passed, cancelled) before it was written."""
 
@@ -63,6 +69,7 @@ _BY_CODE = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
 }
 
 

@@ -360,3 +360,22 @@ def test_import_into_a_table_recreated_under_it(backend, new_dim, new_dtype, mak
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
         assert "race" in info.value.details()
         assert ps.describe_table("race").num_rows == 0
+
+
+def test_a_call_past_its_deadline_says_so_by_its_code(make_ps):
+    import os
+    import signal
+
+    from ps_server.errors import DeadlineExceeded
+
+    proc = make_ps()
+    with PSClient(proc.address, timeout=30) as ps:
+        ps.create_table("slow", dim=2)
+        os.kill(proc.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(DeadlineExceeded) as info:
+                ps.pull("slow", [1, 2], timeout=0.5)
+        finally:
+            os.kill(proc.proc.pid, signal.SIGCONT)
+        assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and proc.address in str(info.value)
+        assert ps.pull("slow", [1, 2]).missing.all()  # served again: both never pushed
