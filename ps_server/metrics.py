@@ -5,7 +5,7 @@ Prometheus' conventions (counters are exposed with `_total`, times in seconds)."
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 # Latencies from 100 us (a small pull on the embedded store) to 30 s (a big import).
 LATENCY_BUCKETS = (
@@ -17,6 +17,9 @@ class PSMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        # process_resident_memory_bytes, process_cpu_seconds_total, open fds...: what an operator
+        # watches a long-lived service's memory and CPU by (a registry of our own has none)
+        ProcessCollector(registry=r)
         self.requests = Counter(
             "dynemb_ps_requests", "RPCs handled, by method and final status code", ["method", "code"], registry=r
         )

@@ -38,6 +38,8 @@ def exported_samples() -> dict[str, str]:
     out = {}
     for registry in (PSMetrics().registry, TrainerMetrics(0).registry):
         for family in registry.collect():
+            if family.name.startswith("process_"):  # prometheus-client's standard process collector
+                continue
             for suffix in suffixes[family.type]:
                 out[family.name + suffix] = family.type
     return out

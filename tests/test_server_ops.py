@@ -129,7 +129,7 @@ def test_sigterm_drains_in_flight_requests(make_ps):
 def scrape(proc) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10).read().decode()
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines() if line.startswith("dynemb_ps_")}
+            for line in text.splitlines() if line.startswith(("dynemb_ps_", "process_"))}
 
 
 def test_metrics(make_ps):
@@ -153,6 +153,8 @@ def test_metrics(make_ps):
     assert m['dynemb_ps_request_seconds_count{method="Pull"}'] == 3
     assert m['dynemb_ps_backend_seconds_count{op="pull"}'] == 3
     assert m["dynemb_ps_serving"] == 1
+    assert m["dynemb_ps_backend_up"] == 1
+    assert 10 << 20 < m["process_resident_memory_bytes"] < 4 << 30 and m["process_cpu_seconds_total"] > 0
 
 
 def test_retries_land_a_push_exactly_once(redis_url, redis_namespace, make_ps):
