@@ -73,6 +73,8 @@ ROWS = [
             (f"dynemb_ps_serving{{{P}}}", "serving {{instance}}"),
             (f"dynemb_ps_backend_up{{{P}}}", "store reachable {{instance}}"),
             (f"dynemb_ps_inflight_requests{{{P}}}", "in flight {{instance}}")]),
+        ("PS memory (RSS)", "bytes", [
+            (f"process_resident_memory_bytes{{{P}}}", "{{instance}}")]),
     ]),
     ("Redis", [
         ("Redis memory used / maxmemory", "percentunit", [
