@@ -190,9 +190,12 @@ def generic_probe(draw, tables: Tables) -> Probe:
     table = _table_of(method, msg)
     if method in ("PullMany", "PushMany"):
         # every entry is checked before any is served: one invalid name refuses the whole call
+        # entries are checked in order: a well-named table that does not exist before the
+        # badly named entry answers NOT_FOUND first
         bad = [t for t in _tables_of(method, msg) if not valid_name(t)]
-        codes = frozenset({C.INVALID_ARGUMENT}) if bad else ALLOWED
-        return Probe(method, "unary", msg, codes, ("table name",) if bad else (), note="generic many")
+        codes = frozenset({C.INVALID_ARGUMENT, C.NOT_FOUND}) if bad else ALLOWED
+        return Probe(method, "unary", msg, codes, ("table name",) if bad else (), words_for=C.INVALID_ARGUMENT,
+                     note="generic many")
     if table is not None and not valid_name(table):
         # the name is checked first by every method that takes one
         words = ("table name",) if method != "CreateTable" else ()
