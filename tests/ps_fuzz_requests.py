@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from protos import ps_pb2
 from ps_server.schema import TableSchema
+from ps_server.wire import _varint as wire_varint
 
 C = grpc.StatusCode
 # What a PS may answer to anything; CANCELLED only where the fuzzer cancels the call itself.
@@ -347,13 +348,7 @@ def _mutate(rng, data: bytes) -> bytes:
 
 
 def _varint(n: int) -> bytes:
-    n &= (1 << 64) - 1  # negative numbers travel as 10-byte two's-complement varints
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
+    return wire_varint(n & ((1 << 64) - 1))  # negative numbers travel as 10-byte two's-complement varints
 
 
 def _negative_spec(rng, name: str) -> bytes:
