@@ -156,6 +156,16 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         finally:
             self.metrics.backend_latency.labels(op).observe(time.perf_counter() - start)
 
+    def _fitting(self, schema: TableSchema) -> TableSchema:
+        """The schema, if one of its rows (with its id) fits in a message of this PS: a table
+        whose rows cannot travel could be created but never pulled, pushed or exported."""
+        if schema.row_bytes + 8 + MESSAGE_OVERHEAD > self.max_message_bytes:
+            raise InvalidArgument(
+                f"table {schema.name!r}: a row is {schema.row_bytes} bytes, more than fits in this PS's "
+                f"{self.max_message_bytes}-byte messages (--max-message-mb); use a smaller dim or a larger limit"
+            )
+        return schema
+
     def _schema(self, table: str) -> TableSchema:
         check_name(table)
         with self._backend("schema"):
@@ -180,7 +190,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         with self._call("CreateTable", context):
             if not request.HasField("spec"):
                 raise InvalidArgument("CreateTable needs a spec (name, dim, state_width, dtype)")
-            schema = TableSchema.from_proto(request.spec)
+            schema = self._fitting(TableSchema.from_proto(request.spec))
             with self._backend("create_table"):
                 created = self.store.create_table(schema)
             if created:
@@ -322,7 +332,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 if first:
                     if not chunk.HasField("spec"):
                         raise InvalidArgument("the first chunk of an import must carry the table's spec")
-                    schema = TableSchema.from_proto(chunk.spec)
+                    schema = self._fitting(TableSchema.from_proto(chunk.spec))
                 elif chunk.HasField("spec") and TableSchema.from_proto(chunk.spec) != schema:
                     raise InvalidArgument(f"import into {schema.name!r}: a later chunk carries another spec")
                 ids = codec.decode_ids(chunk.ids, schema.name)

@@ -379,3 +379,14 @@ def test_a_call_past_its_deadline_says_so_by_its_code(make_ps):
             os.kill(proc.proc.pid, signal.SIGCONT)
         assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and proc.address in str(info.value)
         assert ps.pull("slow", [1, 2]).missing.all()  # served again: both never pushed
+
+
+def test_a_table_whose_rows_cannot_travel_is_refused(make_ps):
+    proc = make_ps("--max-message-mb", "0.0625")  # 64 KiB messages
+    with PSClient(proc.address, max_message_bytes=64 << 10) as ps:
+        with pytest.raises(InvalidArgument, match="a row is 80000 bytes, more than fits"):
+            ps.create_table("wide", dim=20_000)
+        assert [t.schema.name for t in ps.list_tables()] == []
+        ps.create_table("fits", dim=10_000)  # 40 KB rows: one per message
+        ps.push("fits", [1], np.ones((1, 10_000), np.float32))
+        assert ps.pull("fits", [1, 2]).missing.tolist() == [False, True]
