@@ -39,6 +39,7 @@ from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from ps_server.backends.base import Store
+from ps_server.backends.redis_tls import check_tls_files, untrusted_hint
 from ps_server.codec import rows_for_table
 from ps_server.errors import (
     BackendUnavailable,
@@ -204,6 +205,7 @@ class RedisStore(Store):
                 nodes, url_kw = _split_cluster_url(url)
                 options = {**kw, **url_kw, "socket_timeout": socket_timeout}
                 address = ",".join(f"{h}:{p}" for h, p in nodes)
+                check_tls_files(options)  # before connecting: the cluster client connects at once
                 try:
                     client = redis.cluster.RedisCluster(
                         startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in nodes],
@@ -219,6 +221,7 @@ class RedisStore(Store):
                 address = ckw["path"] if "path" in ckw else f"{ckw.get('host', 'localhost')}:{ckw.get('port', 6379)}"
                 # building a connection (no I/O) rejects misspelt options now, not at the first request
                 client.connection_pool.connection_class(**ckw)
+                check_tls_files(options)
             else:
                 raise InvalidArgument(f"not a Redis URL scheme: {scheme!r}")
         except PSError:
@@ -514,5 +517,5 @@ def _translate(exc: Exception, where: str, password: str | None) -> PSError:
         return ResourceExhausted(f"{where} is out of memory (maxmemory reached): {text}")
     if isinstance(exc, redis.ResponseError) and not isinstance(exc, _PASSING_REPLIES):
         return PSError(f"{where} answered with an error: {text}")
-    return BackendUnavailable(f"{where} is unavailable: {type(exc).__name__}: {text}")
+    return BackendUnavailable(f"{where} is unavailable: {type(exc).__name__}: {text}{untrusted_hint(text)}")
 
