@@ -1,6 +1,6 @@
 """Security of a running PS (a subprocess started through the CLI): the auth token on every
 RPC (reflection included; health optionally), tokens never in logs or metrics, mutual TLS
-with certificates the test makes, Redis over TLS behind the PS."""
+with certificates the test makes (Redis over TLS behind the PS: test_ps_rediss.py)."""
 
 from __future__ import annotations
 
@@ -200,21 +200,3 @@ def test_mutual_tls_needs_the_ps_certificate(make_ps, mtls):
     proc = make_ps("--tls-client-ca", mtls["ca"], start=False)
     with pytest.raises(RuntimeError, match="needs the PS's own certificate"):
         proc.start(timeout=30)
-
-
-def test_the_ps_over_redis_with_tls(make_ps, redis_tls, redis_namespace):
-    """rediss:// behind a running PS: rows round-trip with the test's CA; without it the PS
-    says the certificate failed, and stays up."""
-    good = make_ps("--backend", f"{redis_tls.url}?ssl_ca_certs={redis_tls.ca_file}", "--namespace", redis_namespace)
-    with PSClient(good.address) as ps:
-        ps.create_table("tls", dim=3)
-        rows = np.arange(12, dtype=np.float32).reshape(4, 3)
-        ps.push("tls", [1, 2, 3, 4], rows)
-        np.testing.assert_array_equal(ps.pull("tls", [1, 2, 3, 4]).rows, rows)
-    untrusting = make_ps("--backend", redis_tls.url, "--namespace", redis_namespace)
-    from ps_server.client import RetryPolicy
-
-    with PSClient(untrusting.address, retry=RetryPolicy(attempts=1)) as ps:
-        with pytest.raises(PSError, match="CERTIFICATE_VERIFY_FAILED"):
-            ps.list_tables()
-        assert ps.health() == ["NOT_SERVING"]  # alive, and says its store cannot be reached
