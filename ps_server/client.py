@@ -145,13 +145,11 @@ class PSClient:
         if bool(tls_cert) != bool(tls_key):
             raise InvalidArgument("a client certificate (tls_cert) needs its private key (tls_key), and the other way round")
         use_tls = tls if tls is not None else (tls_ca is not None or tls_cert is not None)
-        self._tls_hint = None
+        self._tls_hint = creds = None
         if use_tls:
             self._tls_hint = ("over TLS: check that the PS's certificate is signed by the CA given (tls_ca) and names "
                               "the address used, and whether the PS wants a client certificate (mutual TLS: "
                               + ("is this one signed by the CA it trusts?)" if tls_cert else "give tls_cert and tls_key)"))
-        creds = None
-        if use_tls:
             creds = grpc.ssl_channel_credentials(root_certificates=_pem(tls_ca), private_key=_pem(tls_key),
                                                  certificate_chain=_pem(tls_cert))
         self._channels = [self._channel(a, creds, options, tls_server_name) for a in self.addresses]
@@ -447,30 +445,15 @@ class PSClient:
     def _pull_many(self, wanted: dict[str, np.ndarray], deadline: float) -> dict[str, PullResult]:
         out, pieces = {}, []
         for table, ids in wanted.items():
-            schema = self.schema(table)
-            out[table] = PullResult(np.empty((len(ids), schema.width), dtype=schema.np_dtype),
-                                    np.zeros(len(ids), dtype=bool), schema.dim)
-            if len(ids) == 0:
-                continue
-            order, cuts = self._split(ids, schema.row_bytes + 1)
-            grouped = ids if order is None else ids[order]
-            for shard, sl in cuts:
-                dest = sl if order is None else order[sl]
-                pieces.append((shard, (sl.stop - sl.start) * (schema.row_bytes + 9),
-                               (table, schema, dest, grouped[sl])))
+            out[table], schema, cut = self._pull_pieces(table, ids)
+            pieces += [(shard, len(i) * (schema.row_bytes + 9), (table, schema, dest, i)) for shard, dest, i in cut]
         messages = self._packed(pieces)
         calls = [(shard, ps_pb2.PullManyRequest(pulls=[ps_pb2.PullRequest(table=t, ids=i.tobytes())
                                                        for t, _, _, i in items]))
                  for shard, items in messages]
         for (shard, items), reply in zip(messages, self._fanout("PullMany", calls, deadline)):
             for (table, schema, dest, ids), got in zip(items, reply.pulls):
-                n = len(ids)
-                if len(got.rows) != n * schema.row_bytes:
-                    self.schema(table, refresh=True)
-                    raise PSError(f"table {table!r} changed schema during a pull; pull again")
-                out[table].rows[dest] = np.frombuffer(got.rows, dtype=schema.np_dtype).reshape(n, schema.width)
-                if got.num_missing:
-                    out[table].missing[dest] = codec.decode_mask(got.missing, n)
+                self._fill(out[table], table, schema, dest, len(ids), got)
         return out
 
     def _push_many(self, given: dict[str, tuple[np.ndarray, np.ndarray]], deadline: float) -> int:
@@ -485,25 +468,34 @@ class PSClient:
         return total  # every row given was written (a repeated id's last row)
 
     def _pull(self, table: str, ids: np.ndarray, deadline: float) -> PullResult:
+        result, schema, cut = self._pull_pieces(table, ids)
+        calls = [(shard, ps_pb2.PullRequest(table=table, ids=i.tobytes())) for shard, _, i in cut]
+        for (_, dest, i), reply in zip(cut, self._fanout("Pull", calls, deadline)):
+            self._fill(result, table, schema, dest, len(i), reply)
+        return result
+
+    def _pull_pieces(self, table: str, ids: np.ndarray) -> tuple[PullResult, TableSchema, list]:
+        """(an empty result, schema, [(shard, where in the result, ids)]): the pull cut by shard
+        and under the message limit."""
         schema = self.schema(table)
-        rows = np.empty((len(ids), schema.width), dtype=schema.np_dtype)
-        missing = np.zeros(len(ids), dtype=bool)
+        result = PullResult(np.empty((len(ids), schema.width), dtype=schema.np_dtype),
+                            np.zeros(len(ids), dtype=bool), schema.dim)
         if len(ids) == 0:
-            return PullResult(rows, missing, schema.dim)
+            return result, schema, []
         order, pieces = self._split(ids, schema.row_bytes + 1)
         grouped = ids if order is None else ids[order]
-        calls = [(shard, ps_pb2.PullRequest(table=table, ids=grouped[sl].tobytes())) for shard, sl in pieces]
-        for (shard, sl), reply in zip(pieces, self._fanout("Pull", calls, deadline)):
-            n = sl.stop - sl.start
-            if len(reply.rows) != n * schema.row_bytes:
-                # The table was re-created with another schema since we cached it.
-                self.schema(table, refresh=True)
-                raise PSError(f"table {table!r} changed schema during a pull; pull again")
-            dest = sl if order is None else order[sl]  # straight to the caller's positions
-            rows[dest] = np.frombuffer(reply.rows, dtype=schema.np_dtype).reshape(n, schema.width)
-            if reply.num_missing:
-                missing[dest] = codec.decode_mask(reply.missing, n)
-        return PullResult(rows, missing, schema.dim)
+        # dest: straight to the caller's positions
+        return result, schema, [(shard, sl if order is None else order[sl], grouped[sl]) for shard, sl in pieces]
+
+    def _fill(self, result: PullResult, table: str, schema: TableSchema, dest, n: int, reply) -> None:
+        """One PullResponse's n rows and missing marks into result at dest."""
+        if len(reply.rows) != n * schema.row_bytes:
+            # The table was re-created with another schema since we cached it.
+            self.schema(table, refresh=True)
+            raise PSError(f"table {table!r} changed schema during a pull; pull again")
+        result.rows[dest] = np.frombuffer(reply.rows, dtype=schema.np_dtype).reshape(n, schema.width)
+        if reply.num_missing:
+            result.missing[dest] = codec.decode_mask(reply.missing, n)
 
     def _push(self, table: str, ids: np.ndarray, rows: np.ndarray, deadline: float) -> int:
         _, cut = self._push_pieces(table, ids, rows)
