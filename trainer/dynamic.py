@@ -128,16 +128,16 @@ class DynamicTables:
     def _move_rows(self, owned: list[tuple[str, object]]) -> None:
         """Evicted rows out, then admitted rows in: every table's rows in one push and one pull
         (one call per PS each, not one per table)."""
-        evicted = {}
+        evicted, evicting = {}, []
         for name, o in owned:  # first: their rows are about to be reused
             if len(o.evicted_ids):
                 rows = self.rows[name]
                 data = rows.read(o.evicted_slots - rows.row_offset).numpy()
                 evicted[self.specs[name].ps_schema.name] = (o.evicted_ids.numpy(), data)
+                evicting.append(name)
         admitted = {self.specs[name].ps_schema.name: (name, o) for name, o in owned if len(o.admitted_ids)}
         start = time.perf_counter()
-        push = self._timed(self.store.push_many_async(evicted), [n for n, o in owned if len(o.evicted_ids)],
-                           "push", start) if evicted else None
+        push = self._timed(self.store.push_many_async(evicted), evicting, "push", start) if evicted else None
         pull = self._timed(self.store.pull_many_async({t: o.admitted_ids.numpy() for t, (_, o) in admitted.items()}),
                            [name for name, _ in admitted.values()], "pull", start) if admitted else None
         if push is not None:  # on the PS before their rows are overwritten; a failed push fails the step

@@ -3,9 +3,9 @@
 - RemoteRowStore: the gRPC PS (one or many addresses) through ps_server.client.PSClient.
 - LocalRowStore: the embedded store inside the trainer's own process (one process only; no
   gRPC in the way), rows of never-pushed IDs initialised exactly as the PS does.
-Both return float32 rows of width dim + optimizer-state width. The *_async verbs return
-futures: the remote store keeps many tables' calls in flight at once (one client lane per
-table keeps each table's calls in order); the local one runs them at once.
+Both return float32 rows of width dim + optimizer-state width. The *_many_async verbs move
+several tables' rows at once and return futures: the remote store makes one call per PS (in
+order with every other call on those tables); the local one runs them at once.
 """
 
 from __future__ import annotations
@@ -38,12 +38,6 @@ class RowStore:
     def replace(self, schema: TableSchema, chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
         """The table (created where absent) holds exactly the rows of `chunks` afterwards."""
         raise NotImplementedError
-
-    def push_async(self, table: str, ids: np.ndarray, rows: np.ndarray) -> Future:
-        return _done(self.push, table, ids, rows)
-
-    def pull_async(self, table: str, ids: np.ndarray) -> Future:
-        return _done(self.pull, table, ids)
 
     def push_many_async(self, rows_by_table: dict[str, tuple[np.ndarray, np.ndarray]]) -> Future:
         """Several tables' pushes at once (the remote store: one call per PS)."""
@@ -127,17 +121,11 @@ class RemoteRowStore(RowStore):
     def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
         self.client.push(table, ids, np.ascontiguousarray(rows, dtype=np.float32))
 
-    def push_async(self, table: str, ids: np.ndarray, rows: np.ndarray) -> Future:
-        return self.client.push_async(table, ids, np.ascontiguousarray(rows, dtype=np.float32))
-
     def export(self, table: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         return self.client.export(table)
 
     def replace(self, schema: TableSchema, chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
         self.client.import_rows(schema, chunks, replace=True)
-
-    def pull_async(self, table: str, ids: np.ndarray) -> Future:
-        return _then(self.client.pull_async(table, ids), lambda got: got.rows)
 
     def push_many_async(self, rows_by_table: dict[str, tuple[np.ndarray, np.ndarray]]) -> Future:
         return self.client.push_many_async(
