@@ -58,6 +58,13 @@ class LocalPS:
         self.port, self.metrics_port = int(grpc_port), int(metrics_port)
         return self
 
+    def metrics_text(self) -> str:
+        """What its /metrics endpoint says now (Prometheus text format)."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as reply:
+            return reply.read().decode()
+
     def log(self) -> str:
         try:
             return Path(self.log_path).read_text(errors="replace")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from dynemb.local import LocalPS
@@ -36,3 +38,11 @@ def embedded_ps():
 def embedded_client(embedded_ps):
     with PSClient(embedded_ps.address, timeout=30) as client:
         yield client
+
+
+def wait_for_health(client: PSClient, want: str, timeout: float = 30.0) -> None:
+    """Until every PS the client reaches answers health checks with `want` (SERVING, NOT_SERVING)."""
+    deadline = time.monotonic() + timeout
+    while (got := client.health(timeout=2)) != [want] * len(client.addresses):
+        assert time.monotonic() < deadline, f"PS health stayed {got}, expected {want}"
+        time.sleep(0.1)

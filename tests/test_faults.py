@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 
 import numpy as np
@@ -23,6 +22,7 @@ import pytest
 
 from dynemb.local import REPO, LocalPS
 from dynemb.local_redis import RedisProcess
+from ps_procs import wait_for_health
 from ps_server.client import PSClient
 
 STEPS = 120
@@ -61,7 +61,7 @@ def pushed_rows(address: str) -> int:
 
 
 def pushes_served(ps: LocalPS) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{ps.metrics_port}/metrics", timeout=10).read().decode()
+    text = ps.metrics_text()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith('dynemb_ps_requests_total{code="OK",method="Push"}'))
 
@@ -151,18 +151,6 @@ def test_a_ps_replica_killed_mid_training_fails_over_to_another(redis_ps, tmp_pa
     compare_with_unfaulted(tmp_path, second, "replica_")
 
 
-def health_of(ps: LocalPS) -> str:
-    with PSClient(ps.address, timeout=5) as client:
-        return client.health(timeout=2)[0]
-
-
-def wait_for_health(ps: LocalPS, want: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while (got := health_of(ps)) != want:
-        assert time.monotonic() < deadline, f"PS health stayed {got}, expected {want}"
-        time.sleep(0.1)
-
-
 def test_redis_restarted_mid_training_loses_nothing(tmp_path):
     """Redis as the docs set it up for production: AOF on, fsync every second. A restart
     (SIGTERM: Redis writes its AOF out and exits) while trainers push."""
@@ -174,11 +162,13 @@ def test_redis_restarted_mid_training_loses_nothing(tmp_path):
         job = start_training(ps, tmp_path, "redis_")
         wait_for_rows(ps, job, at_least=200)
         store.stop()
-        wait_for_health(ps, "NOT_SERVING")  # probes see the PS cannot serve
+        with PSClient(ps.address, timeout=5) as client:
+            wait_for_health(client, "NOT_SERVING")  # probes see the PS cannot serve
         time.sleep(2)  # the trainer's calls fail (UNAVAILABLE) and back off meanwhile
         assert job.poll() is None, "the trainer gave up while Redis was down"
         store.start()  # the same port and folder: the AOF is loaded again
-        wait_for_health(ps, "SERVING")  # by itself
+        with PSClient(ps.address, timeout=5) as client:
+            wait_for_health(client, "SERVING")  # by itself
         err = finish(job)
         assert "UNAVAILABLE; retrying" in err
         compare_with_unfaulted(tmp_path, ps, "redis_")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import urllib.request
 
 import grpc
 import numpy as np
@@ -136,7 +135,7 @@ def test_tokens_never_reach_logs_or_metrics(make_ps, redis_auth, tmp_path):
          "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-at-end", "--result-json", str(out)],
         capture_output=True, text=True, cwd=REPO, timeout=300, env={**__import__("os").environ, "DYNEMB_PS_AUTH_TOKEN": TOKEN})
     assert job.returncode == 0, job.stderr[-3000:]
-    metrics = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10).read().decode()
+    metrics = proc.metrics_text()
     manifests = "".join(p.read_text() for p in (tmp_path / "ck").glob("*/manifest.json"))
     assert json.loads(out.read_text())["losses"] and manifests
     help_text = subprocess.run([sys.executable, "-m", "dynemb.cli", "ps", "serve", "--help"], capture_output=True,

@@ -4,13 +4,13 @@ server still serving, and nothing stored changed."""
 from __future__ import annotations
 
 import time
-import urllib.request
 
 import grpc
 import numpy as np
 import pytest
 
 from protos import ps_pb2, ps_pb2_grpc
+from ps_procs import wait_for_health
 from ps_server.client import PSClient, RetryPolicy
 from ps_server.errors import InvalidArgument, TableExists, TableNotFound, Unavailable
 
@@ -133,17 +133,6 @@ def test_oversized_messages(make_ps):
         channel.close()
 
 
-def wait_for_health(ps: PSClient, want: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while (got := ps.health()) != [want]:
-        assert time.monotonic() < deadline, f"health stayed {got}, expected {want}"
-        time.sleep(0.1)
-
-
-def metrics_text(proc) -> str:
-    return urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10).read().decode()
-
-
 def test_redis_down_then_back(redis_process, make_ps):
     # an append-only file, so what was stored before the outage is there again after it
     redis_proc = redis_process(["appendonly yes", "appendfsync always"])
@@ -162,11 +151,11 @@ def test_redis_down_then_back(redis_process, make_ps):
             assert info.value.code == grpc.StatusCode.UNAVAILABLE
             assert redis_proc.address in str(info.value) and "Redis" in str(info.value)
         # the PS itself is alive, and says its store is away
-        wait_for_health(ps, "NOT_SERVING")
-        assert "dynemb_ps_backend_up 0.0" in metrics_text(proc)
+        wait_for_health(ps, "NOT_SERVING", timeout=15)
+        assert "dynemb_ps_backend_up 0.0" in proc.metrics_text()
         redis_proc.start()  # same port and directory: the append-only file is loaded again
-        wait_for_health(ps, "SERVING")  # by itself
-        assert "dynemb_ps_backend_up 1.0" in metrics_text(proc)
+        wait_for_health(ps, "SERVING", timeout=15)  # by itself
+        assert "dynemb_ps_backend_up 1.0" in proc.metrics_text()
         assert ps.describe_table("t").num_rows == 50
         got = ps.pull("t", ids)  # the push during the outage changed nothing
         assert np.array_equal(got.rows, rows) and not got.missing.any()
@@ -292,12 +281,11 @@ def test_a_cancelled_import_is_no_server_fault(stored, embedded_ps):
     """A client that cancels an import mid-stream: the PS counts CANCELLED (or OK, where grpc
     hands it the cut as a plain end of stream), never INTERNAL with a traceback."""
     import threading
-    import urllib.request
 
     _, stub, _, _, _ = stored
 
     def import_codes():
-        text = urllib.request.urlopen(f"http://127.0.0.1:{embedded_ps.metrics_port}/metrics").read().decode()
+        text = embedded_ps.metrics_text()
         return {line.split('code="')[1].split('"')[0]: float(line.split()[-1]) for line in text.splitlines()
                 if line.startswith("dynemb_ps_requests_total") and 'method="Import"' in line}
 

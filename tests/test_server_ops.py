@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import grpc
 import numpy as np
@@ -127,7 +126,7 @@ def test_sigterm_drains_in_flight_requests(make_ps):
 
 
 def scrape(proc) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10).read().decode()
+    text = proc.metrics_text()
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
             for line in text.splitlines() if line.startswith(("dynemb_ps_", "process_"))}
 
