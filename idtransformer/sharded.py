@@ -102,10 +102,12 @@ def transform_tables(tables: list[ShardedIDTransformer], ids: list[torch.Tensor]
 
     # send layout: for each destination rank, table 0's IDs it owns, then table 1's, ...
     n_tables = len(tables)
-    owners = [owner_of(f, world) for f in flats]
-    dest_table = torch.cat([o * n_tables + k for k, o in enumerate(owners)])  # (dest, table) bucket
+    every = torch.cat(flats)
+    table_of = torch.repeat_interleave(torch.arange(n_tables, device=device),
+                                       torch.tensor([len(f) for f in flats], device=device))
+    dest_table = owner_of(every, world) * n_tables + table_of  # (dest, table) bucket; one hash call for all
     order = torch.argsort(dest_table, stable=True)
-    send = torch.cat(flats)[order]
+    send = every[order]
     counts = torch.bincount(dest_table, minlength=world * n_tables)  # (dest, table)
     recv_counts_t = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts_t, counts, group=group)  # now (source, table)
