@@ -14,6 +14,14 @@ the optimizer step, so a batch in flight never has a row pushed or reused under 
         ...train on batch...
         tables.release_oldest()
     tables.flush()                       # push every resident row (checkpoints, tests)
+
+With `wrap(batches, ahead=1)` a batch's rows move while the caller trains on earlier
+batches: the push and pull it starts are finished (pulled rows written in) when the next
+batch is transformed, or by `settle()`. That is for a caller that fetches batch j + 1 before
+it runs batch j's forward, as TorchRec's TrainPipelineSparseDist does (it fetches j + 2):
+the PS round trip then overlaps a step of compute instead of stalling the main thread. The
+slots involved are not in any batch in flight (pins), so nothing reads or writes them
+meanwhile.
 """
 
 from __future__ import annotations
@@ -46,6 +54,15 @@ class DynamicTableSpec:
     ps_schema: TableSchema  # its PS table (name, dim, state width, initializer)
     policy: EvictionPolicy
     admit_threshold: int = 1
+
+
+@dataclass
+class _Moves:
+    """One batch's row moves in flight: the push of its evicted rows, the pull of its admitted
+    ones, and {PS table: (table, owner's result)} to place what the pull returns."""
+    push: object  # Future or None
+    pull: object  # Future or None
+    admitted: dict
 
 
 class DynamicTables:
@@ -86,11 +103,15 @@ class DynamicTables:
         }
         self.last_hit_rate = 0.0
         self.hit_rates = array("d")  # per transformed batch, in order (8 bytes a step)
+        self.ahead = 0  # see wrap()
+        self._moving: deque[_Moves] = deque()  # started, not yet settled (at most `ahead`)
 
     # -- one batch ------------------------------------------------------------------
 
     def transform(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """Collective: every rank calls it with its own batch, in the same order."""
+        """Collective: every rank calls it with its own batch, in the same order. The batch's
+        rows are in place on return, or (with self.ahead) by the next call or settle()."""
+        self.settle()  # first: the rows of earlier batches in place before any slot is looked at
         values, lengths = kjt.values(), kjt.lengths()
         bounds = kjt.offset_per_key()
         names = list(self.transformers)  # every rank lists the tables in one order
@@ -103,7 +124,8 @@ class DynamicTables:
         results = transform_tables([self.transformers[n] for n in names], [values[where[n]] for n in names], pin=True)
         self.in_flight.append(list(zip([self.transformers[n] for n in names], results)))
 
-        self._move_rows([(name, out.owned) for name, out in zip(names, results)])
+        self._moving.append(self._start_moves([(name, out.owned) for name, out in zip(names, results)]))
+        self.settle(keep=self.ahead)
         new_values = values.clone()
         keep = torch.ones_like(values, dtype=torch.bool)  # features of no dynamic table keep their IDs
         looked = hit = 0
@@ -125,9 +147,16 @@ class DynamicTables:
                                  lengths=(lengths.long() - dropped).to(lengths.dtype),
                                  weights=None if weights is None else weights[keep])
 
-    def _move_rows(self, owned: list[tuple[str, object]]) -> None:
+    def settle(self, keep: int = 0) -> None:
+        """Finish the row moves started by earlier batches, all but the `keep` latest: a failed
+        push raises here; pulled rows are written into their slots."""
+        while len(self._moving) > keep:
+            self._finish_moves(self._moving.popleft())
+
+    def _start_moves(self, owned: list[tuple[str, object]]) -> "_Moves":
         """Evicted rows out, then admitted rows in: every table's rows in one push and one pull
-        (one call per PS each, not one per table)."""
+        (one call per PS each, not one per table). The evicted rows are read now: their slots
+        may be handed out as soon as this returns."""
         evicted, evicting = {}, []
         for name, o in owned:  # first: their rows are about to be reused
             if len(o.evicted_ids):
@@ -140,11 +169,14 @@ class DynamicTables:
         push = self._timed(self.store.push_many_async(evicted), evicting, "push", start) if evicted else None
         pull = self._timed(self.store.pull_many_async({t: o.admitted_ids.numpy() for t, (_, o) in admitted.items()}),
                            [name for name, _ in admitted.values()], "pull", start) if admitted else None
-        if push is not None:  # on the PS before their rows are overwritten; a failed push fails the step
-            push.result()
-        if pull is not None:
-            for table, got in pull.result().items():
-                name, o = admitted[table]
+        return _Moves(push, pull, admitted)
+
+    def _finish_moves(self, moves: "_Moves") -> None:
+        if moves.push is not None:  # on the PS before their slots take other rows; a failed push fails the step
+            moves.push.result()
+        if moves.pull is not None:
+            for table, got in moves.pull.result().items():
+                name, o = moves.admitted[table]
                 rows = self.rows[name]
                 rows.write(o.admitted_slots - rows.row_offset, torch.from_numpy(np.ascontiguousarray(got, np.float32)))
 
@@ -182,14 +214,24 @@ class DynamicTables:
         for t, out in self.in_flight.popleft():
             t.release(out)
 
-    def wrap(self, batches: Iterator[Batch]) -> Iterator[Batch]:
-        for batch in batches:
-            yield Batch(batch.dense_features, self.transform(batch.sparse_features), batch.labels)
+    def wrap(self, batches: Iterator[Batch], ahead: int = 0) -> Iterator[Batch]:
+        """The batches over device rows. ahead=1: a batch's rows may still be moving when it is
+        yielded, until the next one is fetched (or settle()); see the module's docstring."""
+        if ahead not in (0, 1):
+            raise ValueError(f"ahead must be 0 or 1, got {ahead}")
+        self.ahead = ahead
+        try:
+            for batch in batches:
+                yield Batch(batch.dense_features, self.transform(batch.sparse_features), batch.labels)
+        finally:
+            self.ahead = 0
+            self.settle()
 
     # -- whole tables ------------------------------------------------------------------
 
     def flush(self) -> int:
         """Push every resident row (with its optimizer state) to the PS; rows stay resident."""
+        self.settle()
         pushed = 0
         for name, t in self.transformers.items():
             local = t.local

@@ -153,7 +153,9 @@ def _loop(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None, metrics
     if ckpt is not None:
         data = ckpt.tap(data)  # the global IDs each batch touches (incremental checkpoints)
     if dynamic is not None:
-        data = dynamic.wrap(data)
+        # the pipeline fetches batch i + 2 before batch i's forward: a batch's rows can move
+        # while the step before it computes (settled when the next batch is fetched)
+        data = dynamic.wrap(data, ahead=1 if cfg.pipeline else 0)
     model, optimizer = built.model, built.optimizer
     model.train()
     every = cfg.checkpoint_every if ckpt is not None else 0
@@ -162,7 +164,13 @@ def _loop(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None, metrics
     def segment(end: int):
         """The batches up to step `end`, and the function that trains one of them."""
         nonlocal pipeline
-        limited = (b for _, b in zip(range(end - k), data))
+
+        def limited_batches():
+            yield from (b for _, b in zip(range(end - k), data))
+            if dynamic is not None:  # the segment's last batch gets no successor to settle it
+                dynamic.settle()
+
+        limited = limited_batches()
         if not cfg.pipeline:
 
             def plain() -> torch.Tensor:
