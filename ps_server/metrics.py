@@ -49,3 +49,13 @@ class PSMetrics:
         self.serving = Gauge("dynemb_ps_serving", "1 while the PS accepts requests, 0 while draining", registry=r)
         self.backend_up = Gauge("dynemb_ps_backend_up", "1 while the store (Redis) answers pings, 0 while it is away", registry=r)
         self.info = Gauge("dynemb_ps_info", "Constant 1, labelled with the backend and version", ["backend", "version"], registry=r)
+        self._children: dict = {}
+
+    def child(self, metric, *labels):
+        """metric.labels(*labels), remembered: labels() checks and locks on every call, and a
+        PullMany of 26 tables made ~100 such calls."""
+        key = (metric, labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
