@@ -116,28 +116,26 @@ def transform_tables(tables: list[ShardedIDTransformer], ids: list[torch.Tensor]
     recv_per_rank = recv_matrix.sum(1).tolist()
     received = _exchange(send, send_per_rank, recv_per_rank, group)
 
-    # per table, the requests of rank 0 first, then rank 1, ...
-    starts = torch.cumsum(recv_counts_t, 0) - recv_counts_t
-    pieces = [[(int(starts[s * n_tables + k]), int(recv_matrix[s, k])) for s in range(world)] for k in range(n_tables)]
-    answers = torch.empty_like(received)
+    # per table, the requests of rank 0 first, then rank 1, ...: received is in (source,
+    # table) blocks; one stable sort by table lines each table's blocks up in source order
+    table_of_received = torch.arange(n_tables, device=device).repeat(world).repeat_interleave(recv_counts_t)
+    by_table = torch.argsort(table_of_received, stable=True)
+    mines = torch.split(received[by_table], recv_matrix.sum(0).tolist())
     owned_results: list[TransformResult | None] = []
+    answers_by_table: list[torch.Tensor] = []
     error: Exception | None = None
-    for k, t in enumerate(tables):
-        mine = torch.cat([received[a : a + n] for a, n in pieces[k]]) if pieces[k] else received[:0]
+    for t, mine in zip(tables, mines):
         try:
             out = t.local.transform(mine, pin=pin)
-            local = out.slots
+            _to_table_rows(t, out)
+            rows = out.slots
         except (ValueError, RuntimeError) as e:  # answer anyway, or the other ranks would hang
             error = error or e
-            out, local = None, torch.full_like(mine, -2)
-        rows = torch.where(local >= 0, local + t.offset, local)
-        at = 0
-        for a, n in pieces[k]:
-            answers[a : a + n] = rows[at : at + n]
-            at += n
-        if out is not None:
-            _to_table_rows(t, out)
-        owned_results.append((out, local))
+            out, rows = None, torch.full_like(mine, -2)
+        owned_results.append(out)
+        answers_by_table.append(rows)
+    answers = torch.empty_like(received)
+    answers[by_table] = torch.cat(answers_by_table)
     answered = _exchange(answers, recv_per_rank, send_per_rank, group)
     if error is not None:
         raise error
@@ -145,10 +143,8 @@ def transform_tables(tables: list[ShardedIDTransformer], ids: list[torch.Tensor]
         raise RuntimeError("the owner of some of this batch's IDs refused the batch (see that rank's error)")
     flat_slots = torch.empty_like(answered)
     flat_slots[order] = answered
-    results, at = [], 0
-    for (out, local), f, x in zip(owned_results, flats, ids):
-        slots = flat_slots[at : at + len(f)]
-        at += len(f)
+    results = []
+    for out, slots, x in zip(owned_results, torch.split(flat_slots, [len(f) for f in flats]), ids):
         pinned = out.distinct_slots if pin and out is not None else None
         results.append(ShardedTransformResult(slots.reshape(x.shape), out, pinned))
     return results
