@@ -104,6 +104,8 @@ class DynamicTables:
         self.last_hit_rate = 0.0
         self.hit_rates = array("d")  # per transformed batch, in order (8 bytes a step)
         self.ahead = 0  # see wrap()
+        self._keys_seen: tuple | None = None  # the KJT keys _key_table was made for
+        self._key_table = torch.zeros(0, dtype=torch.int64)
         self._moving: deque[_Moves] = deque()  # started, not yet settled (at most `ahead`)
 
     # -- one batch ------------------------------------------------------------------
@@ -113,25 +115,27 @@ class DynamicTables:
         rows are in place on return, or (with self.ahead) by the next call or settle()."""
         self.settle()  # first: the rows of earlier batches in place before any slot is looked at
         values, lengths = kjt.values(), kjt.lengths()
-        bounds = kjt.offset_per_key()
         names = list(self.transformers)  # every rank lists the tables in one order
-        # where each table's IDs sit in the KJT's values (its features' segments)
-        where = {
-            name: torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i, k in enumerate(kjt.keys())
-                             if self.feature_table.get(k) == name] or [torch.zeros(0, dtype=torch.int64)])
-            for name in names
-        }
-        results = transform_tables([self.transformers[n] for n in names], [values[where[n]] for n in names], pin=True)
+        # the KJT's values grouped by table (its features' segments, in key order): one stable
+        # sort by each value's table; values of no dynamic table sort last and stay as they are
+        per_key = torch.tensor(kjt.length_per_key())
+        value_table = self._key_tables(kjt.keys()).repeat_interleave(per_key)
+        order = torch.argsort(value_table, stable=True)
+        sizes = torch.bincount(value_table, minlength=len(names) + 1).tolist()
+        n_dynamic = len(values) - sizes[-1]
+        results = transform_tables([self.transformers[n] for n in names],
+                                   list(torch.split(values[order[:n_dynamic]], sizes[:-1])), pin=True)
         self.in_flight.append(list(zip([self.transformers[n] for n in names], results)))
 
         self._moving.append(self._start_moves([(name, out.owned) for name, out in zip(names, results)]))
         self.settle(keep=self.ahead)
+        slots = torch.cat([out.slots.reshape(-1) for out in results]) if results else values[:0]
         new_values = values.clone()
+        new_values[order[:n_dynamic]] = slots
         keep = torch.ones_like(values, dtype=torch.bool)  # features of no dynamic table keep their IDs
+        keep[order[:n_dynamic]] = slots >= 0
         looked = hit = 0
         for name, out in zip(names, results):
-            new_values[where[name]] = out.slots
-            keep[where[name]] = out.slots >= 0
             n, hits = self._count(name, out.owned)
             looked += n
             hit += hits
@@ -146,6 +150,16 @@ class DynamicTables:
         return KeyedJaggedTensor(keys=kjt.keys(), values=new_values[keep],
                                  lengths=(lengths.long() - dropped).to(lengths.dtype),
                                  weights=None if weights is None else weights[keep])
+
+    def _key_tables(self, keys: list[str]) -> torch.Tensor:
+        """For each KJT key, the index of its table in self.transformers (len: none)."""
+        key = tuple(keys)
+        if key != self._keys_seen:
+            index = {name: i for i, name in enumerate(self.transformers)}
+            self._key_table = torch.tensor([index.get(self.feature_table.get(k), len(index)) for k in keys],
+                                           dtype=torch.int64)
+            self._keys_seen = key
+        return self._key_table
 
     def settle(self, keep: int = 0) -> None:
         """Finish the row moves started by earlier batches, all but the `keep` latest: a failed
