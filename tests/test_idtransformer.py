@@ -236,3 +236,50 @@ def test_a_large_stream_keeps_the_map_consistent(backend):
     gone = torch.randint(1 << 62, (1 << 63) - 1, (1000,), generator=gen)
     assert (t.map.find(gone.to(t.device)) == -1).all()
     assert len(t) == len(resident)
+
+
+def _aged_state(capacity: int, step: int, gen: torch.Generator) -> dict:
+    """A full table at `step`: a fifth of it idle far longer than 65,536 steps (where the
+    kernel orders victims by an exact sort), the rest recent; few distinct last-access steps
+    and counters, so the cut falls among many ties."""
+    last = torch.randint(step - 40, step, (capacity,), generator=gen, dtype=torch.int32)
+    old = torch.rand(capacity, generator=gen) < 0.2
+    last[old] = torch.randint(0, 3000, (int(old.sum()),), generator=gen, dtype=torch.int32) * 10
+    return {
+        "capacity": capacity, "step": step, "slots": torch.arange(capacity),
+        "ids": torch.randperm(capacity, generator=gen) * 7919 + 13, "last_access": last,
+        "freq": torch.randint(4, 8, (capacity,), generator=gen, dtype=torch.uint8),
+        "pins": (torch.rand(capacity, generator=gen) < 0.01).to(torch.uint8),
+    }
+
+
+@pytest.mark.parametrize("kind", ["lru", "hybrid"])
+def test_kernel_gives_the_same_on_one_thread_and_two(kind):
+    """The kernel splits eviction over threads in fixed chunks of the table: with 1 and 2 threads
+    it gives identical outputs and state on a table of several chunks (a partial last one),
+    ties at the cut and long-idle victims, and both agree with the torch ops."""
+    capacity = 3 * (1 << 16) + 1234
+    policy = EvictionPolicy(kind, evict_fraction=0.05, decay_steps=3)
+    gen = torch.Generator().manual_seed(11)
+    state = _aged_state(capacity, 200_000, gen)
+    sides = {}
+    for name, backend in (("kernel/1", "kernel"), ("kernel/2", "kernel"), ("torch", "torch")):
+        sides[name] = IDTransformer(capacity, policy, backend=backend)
+        sides[name].load_state_dict(state)
+    threads = torch.get_num_threads()
+    try:
+        for step in range(6):
+            ids = torch.cat([torch.randint(-(1 << 62), 1 << 62, (25_000,), generator=gen),
+                             state["ids"][torch.randint(0, capacity, (25_000,), generator=gen)]])
+            out = {}
+            for name, t in sides.items():
+                torch.set_num_threads(2 if name == "kernel/2" else 1)
+                out[name] = t.transform(ids, pin=step == 1)
+            for name in ("kernel/2", "torch"):
+                for field in ("slots", "admitted_ids", "admitted_slots", "evicted_ids", "evicted_slots"):
+                    a, b = getattr(out["kernel/1"], field), getattr(out[name], field)
+                    assert torch.equal(a, b), f"step {step} {field}: kernel/1 != {name}"
+                assert torch.equal(sides["kernel/1"].records, sides[name].records), f"step {step} records"
+            assert len(out["torch"].evicted_ids) > 0
+    finally:
+        torch.set_num_threads(threads)

@@ -271,8 +271,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lookup(const at::Tens
     ++new_counts[size_t(set[q].k)];
     out[i] = -(int64_t(set[q].k) + 2);
   }
-  // the counter's bump, once per resident ID seen, and the scratch count cleared
-  for (int32_t s : touched) {
+  // the counter's bump, once per resident ID seen, and the scratch count cleared; the
+  // records are read in the order of first sighting (at random), so fetched ahead
+  const size_t n_touched = touched.size();
+  for (size_t i = 0; i < std::min<size_t>(n_touched, 16); ++i) __builtin_prefetch(&rec[touched[i]], 1);
+  for (size_t i = 0; i < n_touched; ++i) {
+    if (i + 16 < n_touched) __builtin_prefetch(&rec[touched[i + 16]], 1);
+    const int32_t s = touched[i];
     const int64_t m = rec[s].meta;
     uint32_t f = freq_of(m);
     if (log_factor >= 0 && f < 255) {
@@ -342,27 +347,33 @@ struct Scorer {
 // than a sort: pass 1 computes every key and counts the primaries (257 values) to find the
 // primary P at the cut; pass 2 counts, among keys with primary P, how long each was idle
 // (last access is the rest of the key; idle >= 65536 shares one bucket, settled by sorting
-// that bucket if the cut falls in it); pass 3 collects.
-// Too few movable slots: returns nothing and sets *short_of_room to how many there are (the
-// caller raises: no C++ exception crosses into Python on this path, which has crashed where
-// the extension's and torch's C++ runtimes differ).
-std::vector<int64_t> select_victims(const Record* rec, int64_t C, const Scorer& sc, int64_t need, int64_t free,
-                                    int64_t evict_min, int64_t* short_of_room) {
+// that bucket if the cut falls in it); pass 3 collects. Each pass is split over threads in
+// fixed chunks whose counts are summed or concatenated in chunk order, so the victims do
+// not depend on the thread count.
+// Too few movable slots: returns an undefined tensor and sets *short_of_room to how many
+// there are (the caller raises: no C++ exception crosses into Python on this path, which has
+// crashed where the extension's and torch's C++ runtimes differ).
+at::Tensor select_victims(const Record* rec, int64_t C, const Scorer& sc, int64_t need, int64_t free,
+                          int64_t evict_min, int64_t* short_of_room) {
   static thread_local std::vector<uint64_t> keys_storage;  // kept: a fresh one page-faults
   keys_storage.resize(size_t(C));
   uint64_t* keys = keys_storage.data();
   constexpr int64_t kGrain = 1 << 16;
   const int64_t chunks = (C + kGrain - 1) / kGrain;
+  auto chunk_end = [&](int64_t c) { return std::min(C, (c + 1) * kGrain); };
   std::vector<std::array<int64_t, 258>> part(static_cast<size_t>(chunks));
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
-      auto& h = part[size_t(c)];
-      h.fill(0);
-      for (int64_t s = c * kGrain; s < std::min(C, (c + 1) * kGrain); ++s) {
+      // four histograms taken in turn: most keys share a primary, and increments of one
+      // counter would wait on each other
+      int64_t h4[4][258] = {};
+      for (int64_t s = c * kGrain; s < chunk_end(c); ++s) {
         const uint64_t k = sc.key(rec[s].meta);
         keys[s] = k;
-        ++h[k == kNotMovable ? 257 : size_t(k >> 32)];
+        ++h4[s & 3][k == kNotMovable ? 257 : size_t(k >> 32)];
       }
+      auto& h = part[size_t(c)];
+      for (size_t i = 0; i < h.size(); ++i) h[i] = h4[0][i] + h4[1][i] + h4[2][i] + h4[3][i];
     }
   });
   std::array<int64_t, 258> hist{};
@@ -372,7 +383,7 @@ std::vector<int64_t> select_victims(const Record* rec, int64_t C, const Scorer& 
   const int64_t short_by = need - free;
   if (n_movable < short_by) {
     *short_of_room = n_movable;
-    return {};
+    return at::Tensor();
   }
   const int64_t n = std::min(n_movable, std::max(short_by, evict_min));
 
@@ -380,14 +391,30 @@ std::vector<int64_t> select_victims(const Record* rec, int64_t C, const Scorer& 
   int64_t r = n;  // still to take once every key of a lower primary is taken
   while (r > hist[primary]) r -= hist[primary++];
 
-  // pass 2: idle - 1 of the keys at the cut primary (idle >= 1: this step's keys are not movable)
-  constexpr int64_t kOver = 65535;
+  // pass 2: idle - 1 of the keys at the cut primary (idle >= 1: this step's keys are not
+  // movable), one histogram per task (a histogram per chunk would be megabytes to clear).
+  // Most keys at the cut fall in a few recent buckets, unpredictably mixed with keys of
+  // other primaries: those are counted without a branch, in four small histograms in turn.
+  constexpr int64_t kOver = 65535, kRecent = 64;
+  const int64_t tasks = std::min<int64_t>(at::get_num_threads(), chunks);
+  std::vector<int32_t> by_task(size_t(tasks * (kOver + 1)), 0);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      int32_t* h = &by_task[size_t(t * (kOver + 1))];
+      int32_t recent[4][kRecent] = {};
+      for (int64_t s = C * t / tasks; s < C * (t + 1) / tasks; ++s) {
+        const uint64_t k = keys[s];
+        const bool at_p = (k >> 32) == primary;  // never for kNotMovable: primary <= 256
+        const uint64_t i = std::min<uint64_t>(uint64_t(int64_t(sc.now) - int32_t(uint32_t(k)) - 1), kOver);
+        recent[s & 3][std::min<uint64_t>(i, kRecent - 1)] += at_p & (i < kRecent);
+        if (at_p && i >= kRecent) ++h[i];
+      }
+      for (int64_t i = 0; i < kRecent; ++i) h[i] += recent[0][i] + recent[1][i] + recent[2][i] + recent[3][i];
+    }
+  });
   std::vector<int64_t> by_idle(size_t(kOver + 1), 0);
-  for (int64_t s = 0; s < C; ++s) {
-    const uint64_t k = keys[s];
-    if (k != kNotMovable && (k >> 32) == primary)
-      ++by_idle[size_t(std::min<int64_t>(int64_t(sc.now) - int32_t(uint32_t(k)) - 1, kOver))];
-  }
+  for (int64_t t = 0; t < tasks; ++t)
+    for (int64_t i = 0; i <= kOver; ++i) by_idle[size_t(i)] += by_task[size_t(t * (kOver + 1) + i)];
   uint64_t cut;
   int64_t take_at_cut;
   int64_t b = kOver;  // the most idle first: they have the lowest keys
@@ -407,19 +434,48 @@ std::vector<int64_t> select_victims(const Record* rec, int64_t C, const Scorer& 
     take_at_cut = 0;
     for (int64_t i = 0; i < r; ++i) take_at_cut += over[size_t(i)].first == cut;
   }
-  std::vector<int64_t> out;
-  out.reserve(size_t(n));
-  for (int64_t s = 0; s < C; ++s) {
-    const uint64_t k = keys[s];
-    if (k < cut || (k == cut && take_at_cut-- > 0)) out.push_back(s);
-  }
-  return out;
-}
 
-at::Tensor to_tensor(const std::vector<int64_t>& v, const at::TensorOptions& opt) {
-  at::Tensor t = at::empty({int64_t(v.size())}, opt);
-  if (!v.empty()) std::memcpy(t.data_ptr<int64_t>(), v.data(), v.size() * sizeof(int64_t));
-  return t;
+  // pass 3: per chunk, the slots below the cut and those at it (bit 31 set), in slot order,
+  // written without a branch from the chunk's start on; the ties at the cut go to the lowest
+  // slots, so chunk by chunk in order
+  static thread_local std::vector<uint32_t> picked_storage;
+  picked_storage.resize(size_t(C));
+  uint32_t* picked = picked_storage.data();
+  std::vector<int64_t> n_picked(size_t(chunks), 0), at_cut(size_t(chunks), 0);
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      uint32_t* w = picked + c * kGrain;
+      int64_t n_w = 0, ties = 0;
+      for (int64_t s = c * kGrain; s < chunk_end(c); ++s) {
+        const uint64_t k = keys[s];
+        w[n_w] = uint32_t(s) | (k == cut ? 0x80000000u : 0u);
+        n_w += k <= cut;
+        ties += k == cut;
+      }
+      n_picked[size_t(c)] = n_w;
+      at_cut[size_t(c)] = ties;
+    }
+  });
+  std::vector<int64_t> offset(size_t(chunks) + 1, 0), ties_taken(size_t(chunks), 0);
+  int64_t ties_left = take_at_cut;
+  for (int64_t c = 0; c < chunks; ++c) {
+    ties_taken[size_t(c)] = std::min(ties_left, at_cut[size_t(c)]);
+    ties_left -= ties_taken[size_t(c)];
+    offset[size_t(c) + 1] = offset[size_t(c)] + n_picked[size_t(c)] - at_cut[size_t(c)] + ties_taken[size_t(c)];
+  }
+  at::Tensor out = at::empty({offset[size_t(chunks)]}, at::kLong);
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      int64_t* w = o + offset[size_t(c)];
+      int64_t ties = ties_taken[size_t(c)];
+      for (int64_t i = 0; i < n_picked[size_t(c)]; ++i) {
+        const uint32_t x = picked[c * kGrain + i];
+        if (!(x & 0x80000000u) || ties-- > 0) *w++ = int64_t(x & 0x7FFFFFFFu);
+      }
+    }
+  });
+  return out;
 }
 
 // Second half of a batch, after lookup and admission: make room for the admitted new IDs
@@ -445,54 +501,82 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> admit(
   const bool* ok = admit_c.data_ptr<bool>();
   const int64_t n_new = new_ids.numel();
   const int32_t now = int32_t(step);
+  const auto opt = slots_t.options();
   int64_t need = 0;
   for (int64_t k = 0; k < n_new; ++k) need += ok[k];
-
-  std::vector<int64_t> victims, victim_ids;
   const int64_t free = C - resident;
+
+  // The admitted take the lowest free slots: the slots free before this call (all `free` of
+  // them, or the lowest `need`) merged with the victims. Found before the victims are freed,
+  // and not at all when the table is full (the steady state under eviction).
+  std::vector<int64_t> old_free;
+  old_free.reserve(size_t(std::min(free, need)));
+  for (int64_t s = 0; s < C && int64_t(old_free.size()) < std::min(free, need); ++s)
+    if (last_of(rec[s].meta) == kFree) old_free.push_back(s);
+
+  at::Tensor victims = at::empty({0}, opt), victim_ids = at::empty({0}, opt);
   if (need > free) {
     int64_t movable = -1;
     victims = select_victims(rec, C, Scorer(now, kind, ttl, decay_steps), need, free, evict_min, &movable);
     if (movable >= 0) {
-      at::Tensor none = at::empty({0}, slots_t.options());
+      at::Tensor none = at::empty({0}, opt);
       return {none, none, none, none, movable};
     }
-    const int64_t nv = int64_t(victims.size());
-    victim_ids.resize(size_t(nv));
+    const int64_t nv = victims.numel();
+    const int64_t* v = victims.data_ptr<int64_t>();
+    victim_ids = at::empty({nv}, opt);
+    int64_t* vid = victim_ids.data_ptr<int64_t>();
+    // pipelined: a victim's record is fetched 32 ahead, its map entry 16 ahead
+    constexpr int64_t kRecAhead = 32, kMapAhead = 16;
+    for (int64_t i = 0; i < std::min(nv, kRecAhead); ++i) __builtin_prefetch(&rec[v[i]], 1);
+    for (int64_t i = 0; i < std::min(nv, kMapAhead); ++i) map.prefetch(rec[v[i]].id);
     for (int64_t i = 0; i < nv; ++i) {
-      if (i + 8 < nv) map.prefetch(rec[victims[size_t(i + 8)]].id);
-      const int64_t v = victims[size_t(i)];
-      victim_ids[size_t(i)] = rec[v].id;
-      map.erase_slot(rec[v].id, int32_t(v));
-      rec[v].meta = int64_t(uint64_t(rec[v].meta) | 0xFFFFFFFFULL);  // last access -1: free
+      if (i + kRecAhead < nv) __builtin_prefetch(&rec[v[i + kRecAhead]], 1);
+      if (i + kMapAhead < nv) map.prefetch(rec[v[i + kMapAhead]].id);
+      vid[i] = rec[v[i]].id;
+      map.erase_slot(vid[i], int32_t(v[i]));
+      rec[v[i]].meta = int64_t(uint64_t(rec[v[i]].meta) | 0xFFFFFFFFULL);  // last access -1: free
     }
   }
-  std::vector<int64_t> admitted, admitted_slots;
-  admitted.reserve(size_t(need));
-  admitted_slots.reserve(size_t(need));
-  std::vector<int64_t> new_slot(size_t(n_new), -1);
-  int64_t s = 0;
-  for (int64_t k = 0; k < n_new; ++k) {
-    if (!ok[k]) continue;
-    while (last_of(rec[s].meta) != kFree) ++s;  // need <= free slots now, so this stops
-    admitted.push_back(nid[k]);
-    admitted_slots.push_back(s);
-    new_slot[size_t(k)] = s;
-    ++s;
+
+  at::Tensor admitted = at::empty({need}, opt), admitted_slots = at::empty({need}, opt);
+  int64_t* a_id = admitted.data_ptr<int64_t>();
+  int64_t* a_slot = admitted_slots.data_ptr<int64_t>();
+  {
+    const int64_t* v = victims.data_ptr<int64_t>();
+    const int64_t nv = victims.numel(), nf = int64_t(old_free.size());
+    int64_t i = 0, j = 0, a = 0;
+    for (int64_t k = 0; k < n_new; ++k) {
+      if (!ok[k]) continue;
+      // need <= free + victims, so one of the two has a slot left
+      a_slot[a] = (j == nv || (i < nf && old_free[size_t(i)] < v[j])) ? old_free[size_t(i++)] : v[j++];
+      a_id[a++] = nid[k];
+    }
   }
-  for (size_t k = 0; k < admitted.size(); ++k) {
-    if (k + 8 < admitted.size()) map.prefetch(admitted[k + 8]);
-    const int64_t slot = admitted_slots[k];
-    rec[slot].id = admitted[k];
-    rec[slot].meta = make_meta(now, uint32_t(initial_freq), 0, 0);
-    map.put(admitted[k], int32_t(slot));
+  // placeholder k -> the slot of new ID k (-1: not admitted)
+  std::vector<int64_t> new_slot(size_t(n_new), -1);
+  {
+    int64_t a = 0;
+    for (int64_t k = 0; k < n_new; ++k)
+      if (ok[k]) new_slot[size_t(k)] = a_slot[a++];
+  }
+  constexpr int64_t kAhead = 16;
+  for (int64_t a = 0; a < std::min(need, kAhead); ++a) map.prefetch(a_id[a]);
+  for (int64_t a = 0; a < need; ++a) {
+    if (a + kAhead < need) {
+      map.prefetch(a_id[a + kAhead]);
+      __builtin_prefetch(&rec[a_slot[a + kAhead]], 1);
+    }
+    rec[a_slot[a]].id = a_id[a];
+    rec[a_slot[a]].meta = make_meta(now, uint32_t(initial_freq), 0, 0);
+    map.put(a_id[a], int32_t(a_slot[a]));
   }
   int64_t* out = slots_t.data_ptr<int64_t>();
-  for (int64_t i = 0; i < slots_t.numel(); ++i)
-    if (out[i] < 0) out[i] = new_slot[size_t(-(out[i] + 2))];
-  auto opt = slots_t.options();
-  return {to_tensor(admitted, opt), to_tensor(admitted_slots, opt), to_tensor(victim_ids, opt), to_tensor(victims, opt),
-          -1};
+  at::parallel_for(0, slots_t.numel(), 1 << 15, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      if (out[i] < 0) out[i] = new_slot[size_t(-(out[i] + 2))];
+  });
+  return {admitted, admitted_slots, victim_ids, victims, -1};
 }
 
 // The slot of each id, -1 where it is not in the map.
