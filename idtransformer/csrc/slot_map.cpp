@@ -342,6 +342,26 @@ struct Scorer {
   }
 };
 
+// Tables up to this many slots pick victims by a partial sort (lowest_by_sort).
+constexpr int64_t kSmallTable = 16384;
+
+// The n lowest keys' slots, ascending, ties to the lowest slot: select_victims' answer for a
+// small table (a trainer rank's share of one feature's table: thousands of slots, one call
+// per table and step), where clearing pass 2's 65,536-bucket histograms alone costs more
+// than a partial sort of its keys.
+at::Tensor lowest_by_sort(const uint64_t* keys, int64_t C, int64_t n) {
+  std::vector<std::pair<uint64_t, int64_t>> movable;
+  movable.reserve(size_t(C));
+  for (int64_t s = 0; s < C; ++s)
+    if (keys[s] != kNotMovable) movable.emplace_back(keys[s], s);
+  if (n < int64_t(movable.size())) std::nth_element(movable.begin(), movable.begin() + n, movable.end());
+  at::Tensor out = at::empty({n}, at::kLong);
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) o[i] = movable[size_t(i)].second;
+  std::sort(o, o + n);
+  return out;
+}
+
 // The victims: the n = min(movable, max(need - free, evict_min)) lowest keys, ascending by
 // slot, ties to the lowest slot (as transformer._lowest). A selection by counting rather
 // than a sort: pass 1 computes every key and counts the primaries (257 values) to find the
@@ -386,6 +406,7 @@ at::Tensor select_victims(const Record* rec, int64_t C, const Scorer& sc, int64_
     return at::Tensor();
   }
   const int64_t n = std::min(n_movable, std::max(short_by, evict_min));
+  if (C <= kSmallTable) return lowest_by_sort(keys, C, n);
 
   uint64_t primary = 0;
   int64_t r = n;  // still to take once every key of a lower primary is taken
