@@ -2,7 +2,7 @@
 flock around the build.
 
 idtransformer/kernel.py builds a torch extension with torch's builder inside `build_lock`;
-ps_server/native.py builds a plain shared library (no torch) with `compile_library`.
+ps_server/native.py builds a CPython extension (no torch) with `compile_library`.
 Set DYNEMB_VERBOSE_BUILD=1 to see the compiler's output.
 """
 
@@ -70,12 +70,19 @@ def cache_root() -> Path:
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-exceptions", "-fvisibility=hidden", "-Wall")
 
 
-def compile_library(source: Path, name: str, what: str) -> Path:
-    """Build `source` into a shared library (once per source version and Python/platform) and
-    return its path. The library is linked to nothing but libc/libstdc++, so loading it costs
-    milliseconds, where a torch extension needs torch imported (seconds, ~180 MB)."""
+def compile_library(source: Path, name: str, what: str, *, depends: tuple[Path, ...] = (),
+                    python_module: bool = False) -> Path:
+    """Build `source` (including `depends`, from its folder) into a shared library, once per
+    version of them and of Python, and return its path. python_module: a CPython extension
+    module `name` (Python's headers on the include path). Linked to nothing but libc and
+    libstdc++, so loading it costs milliseconds, where a torch extension needs torch
+    imported (seconds, ~180 MB)."""
     compiler = os.environ.get("CXX", "g++")
-    tag = digest(source.read_bytes(), sysconfig.get_platform().encode(), " ".join([compiler, *FLAGS]).encode())
+    flags = [*FLAGS, f"-I{source.parent}"]
+    if python_module:
+        flags.append(f"-I{sysconfig.get_paths()['include']}")
+    tag = digest(*(p.read_bytes() for p in (source, *depends)), sysconfig.get_platform().encode(),
+                 str(sysconfig.get_config_var("EXT_SUFFIX")).encode(), " ".join([compiler, *FLAGS, str(python_module)]).encode())
     build = cache_root() / f"{name}_{tag}"
     lib = build / f"{name}.so"
     if lib.exists():  # written by rename once complete, so it is whole if it is there
@@ -84,7 +91,7 @@ def compile_library(source: Path, name: str, what: str) -> Path:
         if lib.exists():  # another process built it while we waited
             return lib
         tmp = build / f".{name}.{os.getpid()}.so"
-        cmd = [compiler, *FLAGS, str(source), "-o", str(tmp)]
+        cmd = [compiler, *flags, str(source), "-o", str(tmp)]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True)
         except OSError as e:  # no compiler at all

@@ -1,46 +1,38 @@
-"""Build (once per machine and source version, ~2 s) and load csrc/id_index.cpp with ctypes.
+"""Build (once per machine and source version, ~2 s) and import the id index's C++ module
+(csrc/id_index_module.cpp over csrc/id_index.h).
 
-A plain shared library rather than a torch extension: a PS with the embedded store then
-starts without importing torch (seconds and ~180 MB per process), and a call costs about
-a microsecond. ctypes releases the GIL for the length of each call.
+A plain CPython extension rather than a torch extension: a PS with the embedded store then
+starts without importing torch (seconds and ~180 MB per process), and a call costs well
+under a microsecond.
 """
 
 from __future__ import annotations
 
-import ctypes
+import importlib.machinery
+import importlib.util
 import threading
 from pathlib import Path
+from types import ModuleType
 
 from dynemb.native_build import compile_library
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "id_index.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCE = CSRC / "id_index_module.cpp"
+NAME = "_dynemb_id_index"  # the module's PyInit_ name
 _lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-
-_P, _I64, _U64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int
-_SIGNATURES = {  # name: (restype, argtypes), as declared in csrc/id_index.cpp
-    "idx_new": (_P, [_I64, _U64]),
-    "idx_free": (None, [_P]),
-    "idx_size": (_I64, [_P]),
-    "idx_capacity": (_I64, [_P]),
-    "idx_nbytes": (_I64, [_P]),
-    "idx_lookup": (_I64, [_P, _P, _I64, _P, _P]),
-    "idx_insert": (_INT, [_P, _P, _P, _I64, _P, _P]),
-    "idx_remove": (_I64, [_P, _P, _I64, _P]),
-    "idx_items": (_I64, [_P, _P, _P, _I64]),
-    "idx_clear": (None, [_P]),
-}
+_module: ModuleType | None = None
 
 
-def lib() -> ctypes.CDLL:
-    """The id-index library, built and loaded on first use."""
-    global _lib
+def id_index() -> ModuleType:
+    """The id-index module, built and imported on first use."""
+    global _module
     with _lock:
-        if _lib is None:
-            path = compile_library(SOURCE, "dynemb_id_index", "the PS's id index")
-            loaded = ctypes.CDLL(str(path))
-            for name, (restype, argtypes) in _SIGNATURES.items():
-                fn = getattr(loaded, name)
-                fn.restype, fn.argtypes = restype, argtypes
-            _lib = loaded
-    return _lib
+        if _module is None:
+            path = compile_library(SOURCE, NAME, "the PS's id index", depends=(CSRC / "id_index.h",),
+                                   python_module=True)
+            loader = importlib.machinery.ExtensionFileLoader(NAME, str(path))
+            spec = importlib.util.spec_from_file_location(NAME, str(path), loader=loader)
+            module = importlib.util.module_from_spec(spec)
+            loader.exec_module(module)
+            _module = module
+    return _module

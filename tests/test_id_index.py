@@ -209,3 +209,43 @@ def test_repeated_ids_break_the_contract_but_not_the_map():
     got = index.lookup_or_insert(np.array([4, 4, 5]), lambda k: np.arange(100, 100 + k))
     assert got.tolist() == [100, 100, 102]
     assert len(index) == 2 and index.lookup(np.array([4, 5])).tolist() == [100, 102]
+
+
+def test_the_c_module_checks_every_buffer_itself():
+    """The module behind the wrapper never trusts its caller: wrong sizes, dtypes, layouts,
+    positions or handles are Python exceptions, never a read or write outside a buffer."""
+    from ps_server import native
+
+    c = native.id_index()
+    h = c.new(16, 1)
+    ids = np.arange(10, dtype=np.int64)
+    assert c.insert(h, ids, None, ids * 2, None) == 0
+    with pytest.raises(ValueError, match="too small"):
+        c.lookup(h, ids, np.empty(9, dtype=np.int64), None)
+    with pytest.raises(ValueError, match="too small"):
+        c.lookup(h, ids, np.empty(10, dtype=np.int64), np.empty(3, dtype=np.int64))
+    with pytest.raises(ValueError, match="too small"):
+        c.remove(h, ids, np.empty(2, dtype=np.int64))
+    with pytest.raises(TypeError, match="int64"):
+        c.lookup(h, ids.astype(np.int32), np.empty(10, dtype=np.int64), None)
+    with pytest.raises(TypeError, match="int64"):
+        c.lookup(h, ids.astype(np.float64), np.empty(10, dtype=np.int64), None)
+    with pytest.raises(ValueError, match="contiguous"):  # numpy refuses to export it
+        c.lookup(h, np.arange(20, dtype=np.int64)[::2], np.empty(10, dtype=np.int64), None)
+    read_only = np.zeros(10, dtype=np.int64)
+    read_only.setflags(write=False)
+    with pytest.raises(ValueError, match="read-only"):
+        c.lookup(h, ids, read_only, None)
+    with pytest.raises(IndexError, match="outside"):
+        c.insert(h, ids, np.array([10], dtype=np.int64), np.array([1], dtype=np.int64), None)
+    with pytest.raises(IndexError, match="outside"):
+        c.insert(h, ids, np.array([-1], dtype=np.int64), np.array([1], dtype=np.int64), None)
+    with pytest.raises(ValueError, match="one value"):
+        c.insert(h, ids, None, np.array([1], dtype=np.int64), None)
+    with pytest.raises(ValueError, match="too small"):
+        c.insert(h, ids, np.array([1], dtype=np.int64), np.array([1], dtype=np.int64), np.empty(1, dtype=np.int64))
+    with pytest.raises(ValueError, match="PyCapsule"):
+        c.size(object())  # not an index
+    keys, values = np.empty(3, dtype=np.int64), np.empty(10, dtype=np.int64)
+    assert c.items(h, keys, values) == 3  # only as many as the smaller buffer holds
+    assert c.size(h) == 10

@@ -1,9 +1,5 @@
-// The embedded store's id -> row-number map (see ../backends/id_index.py, its only caller).
-//
-// A plain C ABI, loaded with ctypes: no torch (importing it costs a PS process seconds and
-// ~180 MB), no Python objects (the wrapper allocates every output array), no exceptions
-// (nothing to cross a library boundary). ctypes drops the GIL around each call; the store
-// holds a lock per table, so calls on one index never overlap.
+// The embedded store's id -> row-number map (see ../backends/id_index.py, its caller, and
+// id_index_module.cpp, the Python functions over it).
 //
 // Open addressing, linear probing, 16-byte slots {int64 key; int64 value}; value < 0 marks an
 // empty slot (row numbers are >= 0, insert refuses others), so every int64 is a valid key.
@@ -11,8 +7,10 @@
 // fmix64(key ^ seed) >> shift, seed random per index (the wrapper's), so ids chosen to
 // collide cannot be precomputed. Deletion shifts later chain members back (no tombstones),
 // so churn never fills the table and probe chains stay those of the live keys.
-// Every function checks its sizes and returns a status; no input can read or write out of
-// bounds: ids are only ever hashed and compared.
+// No exceptions, no torch: plain C++ that cannot throw across the module boundary. The
+// functions trust their sizes; the module checks them against the buffers it was given.
+
+#pragma once
 
 #include <cstdint>
 #include <cstdlib>
@@ -20,9 +18,7 @@
 
 #include <sys/mman.h>
 
-#define EXPORT extern "C" __attribute__((visibility("default")))
-
-namespace {
+namespace dynemb_index {
 
 constexpr int64_t kEmpty = -1;
 constexpr uint64_t kMinCapacity = 16;
@@ -47,7 +43,7 @@ inline uint64_t fmix64(uint64_t x) {  // MurmurHash3's finaliser: every input bi
 
 // Slots on 2 MiB-aligned memory advised to use huge pages once big enough: probes land at
 // random, and with 4 KiB pages most also miss the TLB (as in idtransformer's kernel).
-Slot* alloc_slots(uint64_t n) {
+inline Slot* alloc_slots(uint64_t n) {
   const size_t bytes = size_t(n) * sizeof(Slot);
   void* p;
   if (bytes >= kHuge) {
@@ -128,10 +124,9 @@ struct Index {
   }
 };
 
-}  // namespace
 
-// A new index with room for `capacity` keys; NULL when out of memory.
-EXPORT void* idx_new(int64_t capacity, uint64_t seed) {
+// A new index (free it with idx_free) with room for `capacity` keys; NULL when out of memory.
+inline Index* idx_new(int64_t capacity, uint64_t seed) {
   uint64_t n = kMinCapacity;
   const uint64_t want = capacity > 0 ? uint64_t(capacity) : 0;
   while (want * kMaxLoadDen > n * kMaxLoadNum && n <= (uint64_t(1) << 40)) n <<= 1;
@@ -147,21 +142,19 @@ EXPORT void* idx_new(int64_t capacity, uint64_t seed) {
   return ix;
 }
 
-EXPORT void idx_free(void* h) {
-  Index* ix = static_cast<Index*>(h);
+inline void idx_free(Index* ix) {
   if (!ix) return;
   std::free(ix->s);
   std::free(ix);
 }
 
-EXPORT int64_t idx_size(const void* h) { return int64_t(static_cast<const Index*>(h)->size); }
-EXPORT int64_t idx_capacity(const void* h) { return int64_t(static_cast<const Index*>(h)->cap); }
-EXPORT int64_t idx_nbytes(const void* h) { return int64_t(static_cast<const Index*>(h)->cap * sizeof(Slot)); }
+inline int64_t idx_size(const Index* ix) { return int64_t(ix->size); }
+inline int64_t idx_capacity(const Index* ix) { return int64_t(ix->cap); }
+inline int64_t idx_nbytes(const Index* ix) { return int64_t(ix->cap * sizeof(Slot)); }
 
 // out[i] = the value of ids[i], or -1. With `missing` (room for n), also the positions of
 // the absent ids, in order; returns how many are absent.
-EXPORT int64_t idx_lookup(const void* h, const int64_t* ids, int64_t n, int64_t* out, int64_t* missing) {
-  const Index* ix = static_cast<const Index*>(h);
+inline int64_t idx_lookup(const Index* ix, const int64_t* ids, int64_t n, int64_t* out, int64_t* missing) {
   int64_t k = 0;
   // Software pipeline: the home slot of id i + kAhead is fetched while id i is probed, so a
   // big batch waits on several cache misses at once rather than one after another.
@@ -179,9 +172,8 @@ EXPORT int64_t idx_lookup(const void* h, const int64_t* ids, int64_t n, int64_t*
 // out[pos[j]] = the id's value. An id already present keeps its value (and out gets it): the
 // caller's contract is absent, distinct ids; breaking it wastes the value, never the map.
 // Returns 0; -1 out of memory, -2 a negative value (nothing changed in either case).
-EXPORT int idx_insert(void* h, const int64_t* ids, const int64_t* pos, int64_t k, const int64_t* values,
+inline int idx_insert(Index* ix, const int64_t* ids, const int64_t* pos, int64_t k, const int64_t* values,
                       int64_t* out) {
-  Index* ix = static_cast<Index*>(h);
   if (k <= 0) return 0;
   for (int64_t j = 0; j < k; ++j)
     if (values[j] < 0) return -2;
@@ -201,8 +193,7 @@ EXPORT int idx_insert(void* h, const int64_t* ids, const int64_t* pos, int64_t k
 
 // Remove ids; the values of those present go to out (room for n), each once (a repeat finds
 // it gone). Returns how many were removed.
-EXPORT int64_t idx_remove(void* h, const int64_t* ids, int64_t n, int64_t* out) {
-  Index* ix = static_cast<Index*>(h);
+inline int64_t idx_remove(Index* ix, const int64_t* ids, int64_t n, int64_t* out) {
   int64_t k = 0;
   for (int64_t i = 0; i < n; ++i) {
     if (i + kAhead < n) ix->prefetch(ids[i + kAhead]);
@@ -215,8 +206,7 @@ EXPORT int64_t idx_remove(void* h, const int64_t* ids, int64_t n, int64_t* out) 
 }
 
 // Copy the live entries to keys/values (room for `room` each); returns how many were copied.
-EXPORT int64_t idx_items(const void* h, int64_t* keys, int64_t* values, int64_t room) {
-  const Index* ix = static_cast<const Index*>(h);
+inline int64_t idx_items(const Index* ix, int64_t* keys, int64_t* values, int64_t room) {
   int64_t k = 0;
   for (uint64_t i = 0; i < ix->cap && k < room; ++i) {
     if (ix->s[i].value == kEmpty) continue;
@@ -227,8 +217,7 @@ EXPORT int64_t idx_items(const void* h, int64_t* keys, int64_t* values, int64_t 
 }
 
 // Empty the index and give its memory back (down to the smallest table).
-EXPORT void idx_clear(void* h) {
-  Index* ix = static_cast<Index*>(h);
+inline void idx_clear(Index* ix) {
   Slot* small = alloc_slots(kMinCapacity);
   if (small) {
     std::free(ix->s);
@@ -238,3 +227,5 @@ EXPORT void idx_clear(void* h) {
   }
   ix->size = 0;
 }
+
+}  // namespace dynemb_index
