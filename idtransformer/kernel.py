@@ -8,14 +8,12 @@ Set DYNEMB_VERBOSE_BUILD=1 to see the compiler's output.
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import os
 import threading
-import warnings
 from pathlib import Path
 
 import torch
+
+from dynemb.native_build import build_lock, digest, verbose
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "slot_map.cpp"
 _lock = threading.Lock()
@@ -29,20 +27,17 @@ def ops():
         if not _loaded:
             from torch.utils import cpp_extension
 
-            # one build folder per source version: checkouts of different versions on one
-            # machine (branches, worktrees, upgrades) never load each other's build
-            digest = hashlib.sha1(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
-            name = f"dynemb_idt_{digest}"
+            name = f"dynemb_idt_{digest(SOURCE.read_bytes(), torch.__version__.encode())}"
             build = Path(cpp_extension._get_build_directory(name, verbose=False))
             try:
-                with _build_lock(build):
+                with build_lock(build, "the ID transformer's kernel"):
                     cpp_extension.load(
                         name=name,
                         sources=[str(SOURCE)],
                         build_directory=str(build),
                         extra_cflags=["-O3"],
                         is_python_module=False,
-                        verbose=os.environ.get("DYNEMB_VERBOSE_BUILD") == "1",
+                        verbose=verbose(),
                     )
             except Exception as e:  # a missing compiler or ninja: say what to install
                 raise RuntimeError(
@@ -51,30 +46,3 @@ def ops():
                 ) from e
             _loaded = True
     return torch.ops.dynemb_idt
-
-
-class _build_lock:
-    """An flock on <build>/dynemb.flock around torch's build.
-
-    torch's own guard is a plain `lock` file that a waiting process polls for forever; a build
-    that was killed (machine restart, OOM, Ctrl-C at the wrong moment) leaves it behind and
-    every later import hangs. An flock dies with its holder, so while we hold it no other
-    dynemb process is building here and a leftover `lock` can only be stale: remove it.
-    """
-
-    def __init__(self, build: Path) -> None:
-        self.build = build
-
-    def __enter__(self):
-        self.build.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(self.build / "dynemb.flock", os.O_CREAT | os.O_RDWR, 0o644)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        stale = self.build / "lock"
-        if stale.exists():
-            warnings.warn(f"removing {stale}, left by a build of the ID transformer's kernel that was cut off")
-            stale.unlink(missing_ok=True)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)

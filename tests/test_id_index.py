@@ -1,26 +1,26 @@
-"""ps_server/backends/id_index.py: the vectorised int64 -> int64 map against a dict model."""
+"""ps_server/backends/id_index.py (the compiled map of csrc/id_index.cpp) against a dict model."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ps_server.backends import id_index
-from ps_server.backends.id_index import IdIndex
-from ps_server.hashing import xxh64_ids
+from ps_server.backends.id_index import SLOT_BYTES, IdIndex
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 EDGE_IDS = [0, 1, -1, 255, 256, 1 << 56, INT64_MIN, INT64_MIN + 1, INT64_MAX]
 
-# A small key range gives collisions, repeats and tombstones; edge ids mixed in.
+# A small key range gives collisions, repeats and removals mid-chain; edge ids mixed in.
 keys = st.one_of(st.integers(-200, 200), st.sampled_from(EDGE_IDS), st.integers(INT64_MIN, INT64_MAX))
+batch = st.lists(keys, max_size=60)
 ops = st.lists(
     st.one_of(
-        st.tuples(st.just("insert"), st.lists(keys, max_size=60)),
-        st.tuples(st.just("remove"), st.lists(keys, max_size=60)),
-        st.tuples(st.just("lookup"), st.lists(keys, max_size=60)),
-        st.tuples(st.just("lookup_or_insert"), st.lists(keys, max_size=60)),
+        st.tuples(st.just("insert"), batch),
+        st.tuples(st.just("remove"), batch),
+        st.tuples(st.just("lookup"), batch),
+        st.tuples(st.just("lookup_or_insert"), batch),
         st.tuples(st.just("clear"), st.just([])),
     ),
     max_size=50,
@@ -32,14 +32,13 @@ def check_matches(index: IdIndex, model: dict) -> None:
     k, v = index.items()
     assert len(k) == len(set(k.tolist())), "an id is stored twice"
     assert dict(zip(k.tolist(), v.tolist())) == model
-    # at most half the slots are not empty (live or tombstone), so every probe chain ends
-    assert 2 * int((index.state != id_index.EMPTY).sum()) <= index.capacity
+    assert 2 * len(index) <= index.capacity  # at most half full, so probe chains stay short
 
 
-@settings(max_examples=150, deadline=None)
-@given(ops, st.sampled_from([1, 4, 16, 1024]))
-def test_behaves_like_a_dict(sequence, capacity):
-    index, model, next_value = IdIndex(capacity=capacity), {}, 0
+@settings(max_examples=200, deadline=None)
+@given(ops, st.sampled_from([1, 4, 16, 1024]), st.integers(0, 2**64 - 1))
+def test_behaves_like_a_dict(sequence, capacity, seed):
+    index, model, next_value = IdIndex(capacity=capacity, seed=seed), {}, 0
     for op, ks in sequence:
         arr = np.array(ks, dtype=np.int64)
         if op == "insert":
@@ -58,9 +57,10 @@ def test_behaves_like_a_dict(sequence, capacity):
             assert index.lookup(arr).tolist() == [model.get(k, -1) for k in ks]
         elif op == "lookup_or_insert":  # the store's push: distinct ids, absent ones get new values
             distinct = np.array(list(dict.fromkeys(ks)), dtype=np.int64)
-            start = next_value
+            start, calls = next_value, []
 
             def allocate(k: int) -> np.ndarray:
+                calls.append(k)
                 return np.arange(start, start + k, dtype=np.int64)
 
             want = []
@@ -70,6 +70,8 @@ def test_behaves_like_a_dict(sequence, capacity):
                     next_value += 1
                 want.append(model[k])
             assert index.lookup_or_insert(distinct, allocate).tolist() == want
+            absent = next_value - start
+            assert calls == ([absent] if absent else [])  # once, with the count of absent ids
         else:
             index.clear()
             model.clear()
@@ -78,34 +80,52 @@ def test_behaves_like_a_dict(sequence, capacity):
     assert index.lookup(everything).tolist() == [model.get(k, -1) for k in everything.tolist()]
 
 
-def ids_with_home(cap: int, home: int, count: int, start: int = 0) -> np.ndarray:
+def fmix64(x: np.ndarray) -> np.ndarray:
+    """The C side's hash (MurmurHash3's finaliser), in numpy's wrapping uint64 arithmetic."""
+    x = x.astype(np.uint64)
+    with np.errstate(over="ignore"):
+        x ^= x >> np.uint64(33)
+        x *= np.uint64(0xFF51AFD7ED558CCD)
+        x ^= x >> np.uint64(33)
+        x *= np.uint64(0xC4CEB9FE1A85EC53)
+        x ^= x >> np.uint64(33)
+    return x
+
+
+def ids_with_home(cap: int, seed: int, home: int, count: int, start: int = 0) -> np.ndarray:
     """`count` ids whose first probe slot in a table of `cap` slots is `home`."""
     cand = np.arange(start, start + 200_000, dtype=np.int64)
-    slots = xxh64_ids(cand, id_index._HASH_SEED) & np.uint64(cap - 1)
+    shift = np.uint64(64 - (cap.bit_length() - 1))
+    slots = fmix64(cand.view(np.uint64) ^ np.uint64(seed)) >> shift
     found = cand[slots == np.uint64(home)][:count]
     assert len(found) == count
     return found
 
 
-def test_colliding_ids_in_one_batch_and_a_tombstone_in_the_chain():
-    index = IdIndex(capacity=64)
+@pytest.mark.parametrize("home", [5, 63])  # 63: the chain wraps around the table's end
+def test_colliding_ids_and_a_removal_mid_chain(home):
+    seed = 12345
+    index = IdIndex(capacity=32, seed=seed)
     cap = index.capacity
-    same = ids_with_home(cap, 5, 6)  # six ids that all want slot 5: they share one probe chain
+    assert cap == 64
+    same = ids_with_home(cap, seed, home, 6)  # six ids that all want one slot: one probe chain
     index.insert(same, np.arange(6) * 10)
     assert index.capacity == cap and index.lookup(same).tolist() == [0, 10, 20, 30, 40, 50]
-    # remove one in the middle of the chain: the ids after it stay reachable through its tombstone
+    # remove one in the middle of the chain: the ids after it move back and stay reachable
     assert index.remove(same[2:3]).tolist() == [20]
     assert index.lookup(same).tolist() == [0, 10, -1, 30, 40, 50]
     assert index.remove(same[2:3]).tolist() == []  # removing twice removes nothing
     assert len(index) == 5
-    # a new id with the same home reuses a free slot and is found; the old ones still are
-    another = ids_with_home(cap, 5, 1, start=200_000)
+    # a new id with the same home takes a free slot and is found; the old ones still are
+    another = ids_with_home(cap, seed, home, 1, start=200_000)
     index.insert(another, np.array([99]))
     assert index.lookup(np.concatenate([same, another])).tolist() == [0, 10, -1, 30, 40, 50, 99]
     # an id removed and inserted again gets its new value
     index.insert(same[2:3], np.array([7]))
     assert index.lookup(same[2:3]).tolist() == [7]
     assert len(index) == 7
+    assert sorted(index.remove(np.concatenate([same, another])).tolist()) == [0, 7, 10, 30, 40, 50, 99]
+    assert len(index) == 0 and np.all(index.lookup(same) == -1)
 
 
 def test_growth_keeps_every_entry():
@@ -126,8 +146,8 @@ def test_growth_keeps_every_entry():
 
 
 def test_churn_does_not_grow_without_bound():
-    """Insert and delete the same number of ids over and over: tombstones are dropped when
-    the table is rebuilt, so its size follows the live ids, not the ids ever seen."""
+    """Insert and delete the same number of ids over and over: a removal leaves no tombstone,
+    so the table's size follows the live ids, not the ids ever seen."""
     index = IdIndex(capacity=16)
     live: dict[int, int] = {}
     for step in range(60):
@@ -150,9 +170,82 @@ def test_churn_does_not_grow_without_bound():
 def test_clear_and_nbytes():
     index = IdIndex(capacity=4096)
     index.insert(np.arange(100, dtype=np.int64), np.arange(100))
-    assert index.nbytes() == index.capacity * 17  # key, value and state per slot
+    assert index.nbytes() == index.capacity * SLOT_BYTES
     index.clear()
-    assert len(index) == 0 and index.items()[0].size == 0
+    assert len(index) == 0 and index.items()[0].size == 0 and index.capacity == 16  # memory given back
     assert np.all(index.lookup(np.arange(100)) == -1)
     index.insert(np.array([5]), np.array([6]))
     assert index.lookup(np.array([5, 6])).tolist() == [6, -1]
+
+
+def test_ids_of_other_layouts_are_converted_and_others_refused():
+    index = IdIndex()
+    index.insert(np.array([1, 2, 3], dtype=np.int64), np.array([10, 20, 30]))
+    strided = np.arange(8, dtype=np.int64)[::2]  # 0 2 4 6: not contiguous
+    assert index.lookup(strided).tolist() == [-1, 20, -1, -1]
+    assert index.lookup(np.array([3, 1], dtype=np.int32)).tolist() == [30, 10]
+    assert index.lookup(np.array([3, 1], dtype=">i8")).tolist() == [30, 10]  # big-endian
+    assert index.lookup([1, 3]).tolist() == [10, 30]
+    assert index.lookup(np.array([])).tolist() == []  # numpy's empty array is float64
+    with pytest.raises(TypeError, match="int64"):
+        index.lookup(np.array([1.0, 2.0]))
+    with pytest.raises(TypeError, match="int64"):
+        index.remove(np.array(["1"]))
+    with pytest.raises(ValueError, match="1-D"):
+        index.lookup(np.array([[1, 2]], dtype=np.int64))
+    with pytest.raises(ValueError, match=">= 0"):
+        index.insert(np.array([9]), np.array([-5]))
+    with pytest.raises(ValueError, match="2 values"):
+        index.insert(np.array([9]), np.array([1, 2]))
+    with pytest.raises(ValueError, match="returned 1 values"):
+        index.lookup_or_insert(np.array([7, 8]), lambda k: np.arange(1))
+    assert len(index) == 3 and index.lookup(np.array([7, 8, 9])).tolist() == [-1, -1, -1]  # nothing half-done
+
+
+def test_repeated_ids_break_the_contract_but_not_the_map():
+    """lookup_or_insert's ids must be distinct (the store dedups). If they are not, the repeat
+    gets the first one's value, the map keeps one entry, and a value is wasted."""
+    index = IdIndex()
+    got = index.lookup_or_insert(np.array([4, 4, 5]), lambda k: np.arange(100, 100 + k))
+    assert got.tolist() == [100, 100, 102]
+    assert len(index) == 2 and index.lookup(np.array([4, 5])).tolist() == [100, 102]
+
+
+def test_the_c_module_checks_every_buffer_itself():
+    """The module behind the wrapper never trusts its caller: wrong sizes, dtypes, layouts,
+    positions or handles are Python exceptions, never a read or write outside a buffer."""
+    from ps_server import native
+
+    c = native.id_index()
+    h = c.new(16, 1)
+    ids = np.arange(10, dtype=np.int64)
+    assert c.insert(h, ids, None, ids * 2, None) == 0
+    with pytest.raises(ValueError, match="too small"):
+        c.lookup(h, ids, np.empty(9, dtype=np.int64), None)
+    with pytest.raises(ValueError, match="too small"):
+        c.lookup(h, ids, np.empty(10, dtype=np.int64), np.empty(3, dtype=np.int64))
+    with pytest.raises(ValueError, match="too small"):
+        c.remove(h, ids, np.empty(2, dtype=np.int64))
+    with pytest.raises(TypeError, match="int64"):
+        c.lookup(h, ids.astype(np.int32), np.empty(10, dtype=np.int64), None)
+    with pytest.raises(TypeError, match="int64"):
+        c.lookup(h, ids.astype(np.float64), np.empty(10, dtype=np.int64), None)
+    with pytest.raises(ValueError, match="contiguous"):  # numpy refuses to export it
+        c.lookup(h, np.arange(20, dtype=np.int64)[::2], np.empty(10, dtype=np.int64), None)
+    read_only = np.zeros(10, dtype=np.int64)
+    read_only.setflags(write=False)
+    with pytest.raises(ValueError, match="read-only"):
+        c.lookup(h, ids, read_only, None)
+    with pytest.raises(IndexError, match="outside"):
+        c.insert(h, ids, np.array([10], dtype=np.int64), np.array([1], dtype=np.int64), None)
+    with pytest.raises(IndexError, match="outside"):
+        c.insert(h, ids, np.array([-1], dtype=np.int64), np.array([1], dtype=np.int64), None)
+    with pytest.raises(ValueError, match="one value"):
+        c.insert(h, ids, None, np.array([1], dtype=np.int64), None)
+    with pytest.raises(ValueError, match="too small"):
+        c.insert(h, ids, np.array([1], dtype=np.int64), np.array([1], dtype=np.int64), np.empty(1, dtype=np.int64))
+    with pytest.raises(ValueError, match="PyCapsule"):
+        c.size(object())  # not an index
+    keys, values = np.empty(3, dtype=np.int64), np.empty(10, dtype=np.int64)
+    assert c.items(h, keys, values) == 3  # only as many as the smaller buffer holds
+    assert c.size(h) == 10

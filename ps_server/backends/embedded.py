@@ -1,9 +1,9 @@
 """The embedded store: every table in this process's memory, on numpy arrays.
 
 The default backend, for a single PS or for tests and demos: no Redis to run. Each
-table is an IdIndex (id → row number) and one 2-D array of rows that grows by
-doubling; deleted rows' numbers are reused. A lock per table keeps concurrent gRPC
-handlers apart.
+table is an IdIndex (id → row number, compiled from ps_server/csrc/id_index.cpp) and
+one 2-D array of rows that grows by doubling; deleted rows' numbers are reused. A lock
+per table keeps concurrent gRPC handlers apart.
 
 Without a directory nothing is written to disk: a restarted PS starts empty. With one
 (`embedded:///dir`), `close()` (the PS's drain on SIGTERM) saves each table to

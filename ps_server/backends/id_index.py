@@ -1,174 +1,116 @@
-"""A batched int64 → row-index hash map on numpy arrays (open addressing, linear probing).
+"""A batched int64 id → int64 row-number map: the compiled map of csrc/id_index.cpp.
 
-The embedded store looks up and inserts whole batches of ids. A Python dict costs
-~100 bytes and a Python call per id; this map costs 17 bytes per slot (key, value,
-state) and does each probe round as one vectorised numpy step over every id still
-probing. No library offers a vectorised int64 map for numpy, hence this file.
+The embedded store looks up and inserts whole batches of ids, one batch per table per
+request (26 tables x ~300 ids a trainer step). A Python dict costs ~100 bytes and a Python
+call per id; numpy probing costs dozens of whole-array steps per batch. Here a batch is
+one C call (about a microsecond plus a few ns per id in cache), 16 bytes per slot, at most
+half the slots used.
 
-Slots are EMPTY, USED or DELETED (a tombstone, so probe chains stay intact after a
-delete). The table doubles (and drops tombstones) when more than half its slots
-are not empty, so probe chains stay short.
+This wrapper converts ids to a 1-D contiguous int64 array (or refuses them, naming why)
+and allocates every output array; the C module checks each size again against the
+buffers it gets.
 """
 
 from __future__ import annotations
 
+import os
+import threading
+
 import numpy as np
 
-from ps_server.hashing import xxh64_ids
+from ps_server import native
 
-EMPTY, USED, DELETED = 0, 1, 2
-WINDOW = 8  # slots of a probe chain looked at per vectorised round
-_OFFSETS = np.arange(WINDOW, dtype=np.int64)
-_HASH_SEED = 0x5EED_1D
+SLOT_BYTES = 16
+
+
+def _int64s(a, what: str) -> np.ndarray:
+    """a as a 1-D C-contiguous native int64 array: integer arrays are converted, others refused."""
+    if type(a) is np.ndarray and a.dtype == np.int64 and a.ndim == 1 and a.flags.c_contiguous:
+        return a  # the store's case: no copy
+    a = np.asarray(a)
+    if a.ndim != 1:
+        raise ValueError(f"{what} must be a 1-D array, got shape {a.shape}")
+    if a.dtype.kind not in "iu" and not (a.size == 0 and a.dtype.kind in "fb"):
+        raise TypeError(f"{what} must be integers (int64), got dtype {a.dtype}")
+    return np.ascontiguousarray(a, dtype=np.int64)
 
 
 class IdIndex:
-    def __init__(self, capacity: int = 1024) -> None:
-        cap = 1 << max(4, int(capacity - 1).bit_length())
-        self._alloc(cap)
-        self.size = 0  # live keys
-        self._tombstones = 0
-
-    def _alloc(self, cap: int) -> None:
-        self.keys = np.zeros(cap, dtype=np.int64)
-        self.values = np.zeros(cap, dtype=np.int64)
-        self.state = np.zeros(cap, dtype=np.uint8)
-        self._mask = np.uint64(cap - 1)
+    def __init__(self, capacity: int = 1024, seed: int | None = None) -> None:
+        self._c = native.id_index()
+        # a random hash seed per index: ids crafted to share one probe chain can't be precomputed
+        seed = int.from_bytes(os.urandom(8), "little") if seed is None else seed & (2**64 - 1)
+        self._h = self._c.new(min(max(int(capacity), 0), 1 << 40), seed)  # freed with self._h
+        # The store locks each table around its calls; this lock also keeps any other caller
+        # from running two calls at once (the C side drops the GIL and is not thread-safe).
+        self._lock = threading.Lock()
 
     @property
     def capacity(self) -> int:
-        return len(self.keys)
+        return self._c.capacity(self._h)
 
     def __len__(self) -> int:
-        return self.size
-
-    def _home(self, ids: np.ndarray) -> np.ndarray:
-        return (xxh64_ids(ids, _HASH_SEED) & self._mask).astype(np.int64)
-
-    def _find_slots(self, ids: np.ndarray, free: np.ndarray | None = None) -> np.ndarray:
-        """The slot holding each id, or -1. With `free` (an int64 array of len(ids)), also
-        the first slot on each missing id's probe chain that an insert could take (EMPTY or
-        DELETED), so the insert need not walk the chain again."""
-        n = len(ids)
-        found = np.full(n, -1, dtype=np.int64)
-        if n == 0:
-            return found
-        if self.size == 0:
-            if free is not None:
-                free[:] = self._home(ids)
-            return found
-        mask = int(self._mask)
-        pos = self._home(ids)
-        pending = np.arange(n)
-        while pending.size:
-            # WINDOW slots of each chain per round: chains are short at this load, so one
-            # round nearly always ends every walk (each round is a dozen whole-array steps)
-            win = (pos[pending, None] + _OFFSETS) & mask
-            st = self.state[win]
-            match = (st == USED) & (self.keys[win] == ids[pending, None])
-            stop = match | (st == EMPTY)  # a chain ends at its first EMPTY slot
-            ended = stop.any(1)
-            at = stop.argmax(1)
-            rows = np.arange(len(pending))
-            hit = ended & match[rows, at]
-            found[pending[hit]] = win[rows, at][hit]
-            if free is not None:
-                open_ = st != USED
-                first = open_.any(1) & (free[pending] < 0)
-                free[pending[first]] = win[rows, open_.argmax(1)][first]
-            pending = pending[~ended]
-            pos[pending] = (pos[pending] + WINDOW) & mask
-        return found
-
-    def lookup(self, ids: np.ndarray) -> np.ndarray:
-        """The value of each id, or -1 where absent."""
-        slots = self._find_slots(ids)
-        out = np.full(len(ids), -1, dtype=np.int64)
-        hit = slots >= 0
-        out[hit] = self.values[slots[hit]]
-        return out
-
-    def insert(self, ids: np.ndarray, values: np.ndarray) -> None:
-        """Add ids that are NOT present (the caller checked), distinct within the call."""
-        if len(ids) == 0:
-            return
-        self._reserve(len(ids))
-        self._place(ids, values, self._home(ids))
-
-    def lookup_or_insert(self, ids: np.ndarray, new_values) -> np.ndarray:
-        """The value of each id (distinct within the call); the absent ones are inserted with
-        new_values(k), k being how many are absent, in the order they come. One probe walk
-        serves both: an absent id's insert starts at the first free slot its lookup passed."""
-        self._reserve(len(ids))  # before the walk: growing rehashes, which would move the slots
-        free = np.full(len(ids), -1, dtype=np.int64)
-        slots = self._find_slots(ids, free)
-        out = np.full(len(ids), -1, dtype=np.int64)
-        hit = slots >= 0
-        out[hit] = self.values[slots[hit]]
-        missing = np.flatnonzero(~hit)
-        if len(missing):
-            out[missing] = new_values(len(missing))
-            self._place(ids[missing], out[missing], free[missing])
-        return out
-
-    def _place(self, ids: np.ndarray, values: np.ndarray, pos: np.ndarray) -> None:
-        """Put absent ids at the first non-USED slot from pos on (room was reserved)."""
-        mask = int(self._mask)
-        pos = pos.copy()
-        pending = np.arange(len(ids))
-        while pending.size:
-            win = (pos[pending, None] + _OFFSETS) & mask
-            open_ = self.state[win] != USED
-            has = open_.any(1)
-            target = win[np.arange(len(pending)), open_.argmax(1)]
-            pos[pending[~has]] = (pos[pending[~has]] + WINDOW) & mask
-            cand, cand_pos = pending[has], target[has]
-            # several new ids may want one free slot: the first takes it, the rest probe on
-            slot, first = np.unique(cand_pos, return_index=True)
-            winner = cand[first]
-            self._tombstones -= int((self.state[slot] == DELETED).sum())
-            self.keys[slot] = ids[winner]
-            self.values[slot] = values[winner]
-            self.state[slot] = USED
-            self.size += len(slot)
-            placed = np.zeros(len(ids), dtype=bool)
-            placed[winner] = True
-            losers = cand[~placed[cand]]
-            pos[losers] = (target[has][~placed[cand]] + 1) & mask
-            pending = pending[~placed[pending]]
-
-    def remove(self, ids: np.ndarray) -> np.ndarray:
-        """Remove ids; returns the values of those that were present (each once)."""
-        slots = self._find_slots(np.unique(ids))
-        slots = slots[slots >= 0]
-        vals = self.values[slots].copy()
-        self.state[slots] = DELETED
-        self.size -= len(slots)
-        self._tombstones += len(slots)
-        return vals
-
-    def items(self) -> tuple[np.ndarray, np.ndarray]:
-        live = self.state == USED
-        return self.keys[live].copy(), self.values[live].copy()
-
-    def clear(self) -> None:
-        self._alloc(16)
-        self.size = 0
-        self._tombstones = 0
-
-    def _reserve(self, extra: int) -> None:
-        # Keep at most half the slots non-empty so probe chains stay short.
-        need = self.size + extra
-        if 2 * (need + self._tombstones) <= self.capacity:
-            return
-        cap = self.capacity
-        while 2 * need > cap:
-            cap *= 2
-        keys, values = self.items()
-        self._alloc(cap)
-        self.size = 0
-        self._tombstones = 0
-        self.insert(keys, values)
+        return self._c.size(self._h)
 
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes + self.state.nbytes
+        return self._c.nbytes(self._h)
+
+    def lookup(self, ids) -> np.ndarray:
+        """The value of each id, or -1 where absent."""
+        ids = _int64s(ids, "ids")
+        out = np.empty(len(ids), dtype=np.int64)
+        with self._lock:
+            self._c.lookup(self._h, ids, out, None)
+        return out
+
+    def insert(self, ids, values) -> None:
+        """Add ids that are NOT present (the caller checked), distinct within the call."""
+        ids, values = _int64s(ids, "ids"), _int64s(values, "values")
+        if len(ids) != len(values):
+            raise ValueError(f"{len(ids)} ids but {len(values)} values")
+        with self._lock:
+            self._check(self._c.insert(self._h, ids, None, values, None))
+
+    def lookup_or_insert(self, ids, new_values) -> np.ndarray:
+        """The value of each id (distinct within the call); the absent ones are inserted with
+        new_values(k), k being how many are absent, in the order they come."""
+        ids = _int64s(ids, "ids")
+        n = len(ids)
+        out = np.empty(n, dtype=np.int64)
+        missing = np.empty(n, dtype=np.int64)
+        with self._lock:
+            k = self._c.lookup(self._h, ids, out, missing)
+            if k:
+                values = _int64s(new_values(k), "new values")
+                if len(values) != k:
+                    raise ValueError(f"new_values({k}) returned {len(values)} values")
+                self._check(self._c.insert(self._h, ids, missing[:k], values, out))
+        return out
+
+    def remove(self, ids) -> np.ndarray:
+        """Remove ids; returns the values of those that were present (each once)."""
+        ids = _int64s(ids, "ids")
+        out = np.empty(len(ids), dtype=np.int64)
+        with self._lock:
+            k = self._c.remove(self._h, ids, out)
+        return out[:k].copy()
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, values) of every entry, copies, in no particular order."""
+        with self._lock:
+            n = len(self)
+            keys, values = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+            got = self._c.items(self._h, keys, values)
+        assert got == n, (got, n)
+        return keys, values
+
+    def clear(self) -> None:
+        with self._lock:
+            self._c.clear(self._h)
+
+    @staticmethod
+    def _check(status: int) -> None:
+        if status == -1:
+            raise MemoryError("out of memory growing an id index")
+        if status == -2:
+            raise ValueError("id index values must be >= 0 (row numbers)")

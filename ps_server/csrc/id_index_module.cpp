@@ -1,0 +1,184 @@
+// Python module `_dynemb_id_index`: the functions ../backends/id_index.py calls, over the map
+// of id_index.h. An index is a capsule (freed with it); arrays arrive through the buffer
+// protocol, so a call costs well under a microsecond (ctypes' pointer passing cost ~1 us per
+// array) and every size is checked against the buffer it came in: no argument, however
+// wrong, makes the map read or write outside a buffer. The GIL is dropped while the map works.
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <cstring>
+
+#include "id_index.h"
+
+namespace {
+
+using dynemb_index::Index;
+
+constexpr const char* kCapsule = "dynemb.IdIndex";
+
+void destroy(PyObject* capsule) { dynemb_index::idx_free(static_cast<Index*>(PyCapsule_GetPointer(capsule, kCapsule))); }
+
+Index* index_of(PyObject* capsule) {  // NULL, with ValueError set, for anything but our capsule
+  return static_cast<Index*>(PyCapsule_GetPointer(capsule, kCapsule));
+}
+
+// A C-contiguous native int64 buffer held for the length of a call; None gives no buffer.
+struct Int64s {
+  Py_buffer view{};
+  bool held = false;
+  int64_t* data = nullptr;
+  int64_t n = 0;
+
+  ~Int64s() {
+    if (held) PyBuffer_Release(&view);
+  }
+  bool get(PyObject* obj, bool writable, bool optional, const char* what) {
+    if (obj == Py_None && optional) return true;
+    const int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, &view, flags) != 0) return false;
+    held = true;
+    const char* f = view.format ? view.format : "B";
+    if (*f == '@' || *f == '=' || *f == '<') ++f;  // native order (the module is built for this machine)
+    if (view.itemsize != 8 || (std::strcmp(f, "l") != 0 && std::strcmp(f, "q") != 0)) {
+      PyErr_Format(PyExc_TypeError, "%s must be a contiguous int64 array", what);
+      return false;
+    }
+    data = static_cast<int64_t*>(view.buf);
+    n = int64_t(view.len / 8);
+    return true;
+  }
+};
+
+PyObject* too_small(const char* what) {
+  PyErr_Format(PyExc_ValueError, "%s is too small for the ids", what);
+  return nullptr;
+}
+
+PyObject* py_new(PyObject*, PyObject* args) {
+  long long capacity;
+  unsigned long long seed;
+  if (!PyArg_ParseTuple(args, "LK", &capacity, &seed)) return nullptr;
+  Index* ix = dynemb_index::idx_new(capacity, seed);
+  if (!ix) return PyErr_NoMemory();
+  PyObject* capsule = PyCapsule_New(ix, kCapsule, destroy);
+  if (!capsule) dynemb_index::idx_free(ix);
+  return capsule;
+}
+
+PyObject* py_size(PyObject*, PyObject* capsule) {
+  Index* ix = index_of(capsule);
+  return ix ? PyLong_FromLongLong(dynemb_index::idx_size(ix)) : nullptr;
+}
+
+PyObject* py_capacity(PyObject*, PyObject* capsule) {
+  Index* ix = index_of(capsule);
+  return ix ? PyLong_FromLongLong(dynemb_index::idx_capacity(ix)) : nullptr;
+}
+
+PyObject* py_nbytes(PyObject*, PyObject* capsule) {
+  Index* ix = index_of(capsule);
+  return ix ? PyLong_FromLongLong(dynemb_index::idx_nbytes(ix)) : nullptr;
+}
+
+// lookup(index, ids, out, missing or None) -> how many ids are absent (listed in missing)
+PyObject* py_lookup(PyObject*, PyObject* args) {
+  PyObject *capsule, *ids_o, *out_o, *missing_o;
+  if (!PyArg_ParseTuple(args, "OOOO", &capsule, &ids_o, &out_o, &missing_o)) return nullptr;
+  Index* ix = index_of(capsule);
+  Int64s ids, out, missing;
+  if (!ix || !ids.get(ids_o, false, false, "ids") || !out.get(out_o, true, false, "out") ||
+      !missing.get(missing_o, true, true, "missing"))
+    return nullptr;
+  if (out.n < ids.n) return too_small("out");
+  if (missing.held && missing.n < ids.n) return too_small("missing");
+  int64_t k;
+  Py_BEGIN_ALLOW_THREADS
+  k = dynemb_index::idx_lookup(ix, ids.data, ids.n, out.data, missing.data);
+  Py_END_ALLOW_THREADS
+  return PyLong_FromLongLong(k);
+}
+
+// insert(index, ids, pos or None, values, out or None) -> 0, -1 (out of memory) or -2 (a
+// negative value). With pos, ids[pos[j]] gets values[j]; without, ids[j] does.
+PyObject* py_insert(PyObject*, PyObject* args) {
+  PyObject *capsule, *ids_o, *pos_o, *values_o, *out_o;
+  if (!PyArg_ParseTuple(args, "OOOOO", &capsule, &ids_o, &pos_o, &values_o, &out_o)) return nullptr;
+  Index* ix = index_of(capsule);
+  Int64s ids, pos, values, out;
+  if (!ix || !ids.get(ids_o, false, false, "ids") || !pos.get(pos_o, false, true, "pos") ||
+      !values.get(values_o, false, false, "values") || !out.get(out_o, true, true, "out"))
+    return nullptr;
+  const int64_t k = values.n;
+  if ((pos.held ? pos.n : ids.n) != k) {
+    PyErr_SetString(PyExc_ValueError, "insert: one value per id (or per position) is needed");
+    return nullptr;
+  }
+  if (out.held && out.n < ids.n) return too_small("out");
+  for (int64_t j = 0; j < (pos.held ? k : 0); ++j) {
+    if (pos.data[j] < 0 || pos.data[j] >= ids.n) {
+      PyErr_Format(PyExc_IndexError, "insert: position %lld is outside the ids", (long long)pos.data[j]);
+      return nullptr;
+    }
+  }
+  int status;
+  Py_BEGIN_ALLOW_THREADS
+  status = dynemb_index::idx_insert(ix, ids.data, pos.data, k, values.data, out.data);
+  Py_END_ALLOW_THREADS
+  return PyLong_FromLong(status);
+}
+
+// remove(index, ids, out) -> how many were removed (their values in out[:k])
+PyObject* py_remove(PyObject*, PyObject* args) {
+  PyObject *capsule, *ids_o, *out_o;
+  if (!PyArg_ParseTuple(args, "OOO", &capsule, &ids_o, &out_o)) return nullptr;
+  Index* ix = index_of(capsule);
+  Int64s ids, out;
+  if (!ix || !ids.get(ids_o, false, false, "ids") || !out.get(out_o, true, false, "out")) return nullptr;
+  if (out.n < ids.n) return too_small("out");
+  int64_t k;
+  Py_BEGIN_ALLOW_THREADS
+  k = dynemb_index::idx_remove(ix, ids.data, ids.n, out.data);
+  Py_END_ALLOW_THREADS
+  return PyLong_FromLongLong(k);
+}
+
+// items(index, keys, values) -> how many entries were copied (at most the room in both)
+PyObject* py_items(PyObject*, PyObject* args) {
+  PyObject *capsule, *keys_o, *values_o;
+  if (!PyArg_ParseTuple(args, "OOO", &capsule, &keys_o, &values_o)) return nullptr;
+  Index* ix = index_of(capsule);
+  Int64s keys, values;
+  if (!ix || !keys.get(keys_o, true, false, "keys") || !values.get(values_o, true, false, "values")) return nullptr;
+  int64_t k;
+  Py_BEGIN_ALLOW_THREADS
+  k = dynemb_index::idx_items(ix, keys.data, values.data, keys.n < values.n ? keys.n : values.n);
+  Py_END_ALLOW_THREADS
+  return PyLong_FromLongLong(k);
+}
+
+PyObject* py_clear(PyObject*, PyObject* capsule) {
+  Index* ix = index_of(capsule);
+  if (!ix) return nullptr;
+  dynemb_index::idx_clear(ix);
+  Py_RETURN_NONE;
+}
+
+PyMethodDef kMethods[] = {
+    {"new", py_new, METH_VARARGS, "new(capacity, seed) -> index"},
+    {"size", py_size, METH_O, "size(index) -> live entries"},
+    {"capacity", py_capacity, METH_O, "capacity(index) -> slots"},
+    {"nbytes", py_nbytes, METH_O, "nbytes(index) -> bytes of slots"},
+    {"lookup", py_lookup, METH_VARARGS, "lookup(index, ids, out, missing|None) -> absent count"},
+    {"insert", py_insert, METH_VARARGS, "insert(index, ids, pos|None, values, out|None) -> status"},
+    {"remove", py_remove, METH_VARARGS, "remove(index, ids, out) -> removed count"},
+    {"items", py_items, METH_VARARGS, "items(index, keys, values) -> copied count"},
+    {"clear", py_clear, METH_O, "clear(index)"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_dynemb_id_index", "the embedded PS store's id index", -1, kMethods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__dynemb_id_index() { return PyModule_Create(&kModule); }
