@@ -31,9 +31,15 @@ def ops():
             build = Path(cpp_extension._get_build_directory(name, verbose=False))
             try:
                 with build_lock(build, "the ID transformer's kernel"):
+                    # built from a copy inside the build folder: torch's build.ninja records the
+                    # source's path, so two checkouts of one version (worktrees, copies) building
+                    # from their own paths would rewrite it and rebuild each other's kernel
+                    source = build / SOURCE.name
+                    if not source.exists() or source.read_bytes() != SOURCE.read_bytes():
+                        source.write_bytes(SOURCE.read_bytes())
                     cpp_extension.load(
                         name=name,
-                        sources=[str(SOURCE)],
+                        sources=[str(source)],
                         build_directory=str(build),
                         extra_cflags=["-O3"],
                         is_python_module=False,

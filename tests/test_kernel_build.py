@@ -27,3 +27,23 @@ def test_a_stale_build_lock_is_removed_not_waited_on():
     assert "loaded" in done.stdout
     assert "left by a build of the ID transformer's kernel that was cut off" in done.stderr
     assert not (build / "lock").exists()
+
+
+def test_a_second_checkout_of_the_same_source_reuses_the_build(tmp_path):
+    """Two checkouts of one version (worktrees, copies) share the build folder; the build must
+    not depend on which path the source was read from, or each load rebuilds the other's."""
+    import shutil
+
+    root = Path(__file__).resolve().parents[1]
+    build = Path(subprocess.run([sys.executable, "-c", LOAD], cwd=root, check=True,
+                                capture_output=True, text=True).stdout.strip())
+    load = "from idtransformer.kernel import ops; ops(); print('loaded')"
+    subprocess.run([sys.executable, "-c", load], cwd=root, check=True, capture_output=True, timeout=240)
+    built = {p.name: p.stat().st_mtime_ns for p in build.iterdir() if p.suffix in (".so", ".ninja", ".o")}
+    assert any(name.endswith(".so") for name in built), sorted(built)
+    for package in ("idtransformer", "dynemb"):
+        shutil.copytree(root / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    done = subprocess.run([sys.executable, "-c", load], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    after = {p.name: p.stat().st_mtime_ns for p in build.iterdir() if p.suffix in (".so", ".ninja", ".o")}
+    assert after == built, "loading from a second checkout rebuilt the kernel"
