@@ -272,3 +272,26 @@ def test_gather_copies_the_rows_asked_for_and_refuses_what_is_outside():
         gather(table, 0, where, out)
     with pytest.raises(BufferError):
         gather(table, 68, where[:1], bytes(68))
+
+
+def test_scatter_writes_the_rows_given_and_refuses_what_is_outside():
+    from ps_server import native
+
+    scatter = native.id_index().scatter
+    rng = np.random.default_rng(8)
+    table = np.zeros((1000, 17), dtype=np.float32)
+    rows = rng.random((300, 17), dtype=np.float32)
+    where = rng.choice(1000, 300, replace=False)
+    take = rng.integers(0, 300, 300)
+    expect = table.copy()
+    expect[where] = rows[take]
+    scatter(table, 68, where, rows, take)
+    assert np.array_equal(table, expect)
+    for w, t in (([1000], [0]), ([-1], [0]), ([0], [300]), ([0], [-1])):
+        with pytest.raises(IndexError, match="out of range"):
+            scatter(table, 68, np.array(w), rows, np.array(t))
+    assert np.array_equal(table, expect)  # a refused call wrote nothing
+    with pytest.raises(ValueError, match="differ in length"):
+        scatter(table, 68, where, rows, take[:5])
+    with pytest.raises(BufferError):
+        scatter(bytes(68 * 10), 68, where[:1] % 10, rows, take[:1])

@@ -168,7 +168,7 @@ class EmbeddedStore(Store):
         rows = rows_for_table(rows, t.schema, len(ids))
         with t.lock:
             where = t.index.lookup_or_insert(uniq, t.allocate)
-            t.rows[where] = rows[last]
+            native.id_index().scatter(t.rows, t.rows.itemsize * t.schema.width, where, rows, last)
         return len(ids)
 
     def delete(self, table: str, ids: np.ndarray) -> int:

@@ -219,6 +219,59 @@ PyObject* py_gather(PyObject*, PyObject* args) {
   return result;
 }
 
+// scatter(table, row_bytes, where, rows, take) -> None: table's row where[i] = rows' row
+// take[i]. The push's write: numpy would gather rows[take] into a temporary, then scatter it.
+PyObject* py_scatter(PyObject*, PyObject* args) {
+  PyObject *table_o, *where_o, *rows_o, *take_o;
+  Py_ssize_t row_bytes;
+  if (!PyArg_ParseTuple(args, "OnOOO", &table_o, &row_bytes, &where_o, &rows_o, &take_o)) return nullptr;
+  if (row_bytes <= 0) {
+    PyErr_SetString(PyExc_ValueError, "scatter: row_bytes must be positive");
+    return nullptr;
+  }
+  Int64s where, take;
+  if (!where.get(where_o, false, false, "where") || !take.get(take_o, false, false, "take")) return nullptr;
+  if (where.n != take.n) {
+    PyErr_SetString(PyExc_ValueError, "scatter: where and take differ in length");
+    return nullptr;
+  }
+  Py_buffer dst{}, src{};
+  if (PyObject_GetBuffer(table_o, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0) return nullptr;
+  if (PyObject_GetBuffer(rows_o, &src, PyBUF_C_CONTIGUOUS) != 0) {
+    PyBuffer_Release(&dst);
+    return nullptr;
+  }
+  const int64_t n_dst = int64_t(dst.len / row_bytes), n_src = int64_t(src.len / row_bytes);
+  PyObject* result = Py_None;
+  for (int64_t i = 0; result && i < where.n; ++i) {
+    if (where.data[i] < 0 || where.data[i] >= n_dst || take.data[i] < 0 || take.data[i] >= n_src) {
+      PyErr_Format(PyExc_IndexError, "scatter: row %lld of %lld (from row %lld of %lld) is out of range",
+                   (long long)where.data[i], (long long)n_dst, (long long)take.data[i], (long long)n_src);
+      result = nullptr;
+    }
+  }
+  if (result) {
+    char* to = static_cast<char*>(dst.buf);
+    const char* from = static_cast<const char*>(src.buf);
+    const int64_t *w = where.data, *t = take.data;
+    const int64_t n = where.n;
+    Py_BEGIN_ALLOW_THREADS
+    constexpr int64_t kAhead = 8;
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + kAhead < n) {
+        char* next = to + w[i + kAhead] * row_bytes;
+        for (Py_ssize_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + b, 1);
+      }
+      std::memcpy(to + w[i] * row_bytes, from + t[i] * row_bytes, size_t(row_bytes));
+    }
+    Py_END_ALLOW_THREADS
+    Py_INCREF(result);
+  }
+  PyBuffer_Release(&dst);
+  PyBuffer_Release(&src);
+  return result;
+}
+
 PyMethodDef kMethods[] = {
     {"new", py_new, METH_VARARGS, "new(capacity, seed) -> index"},
     {"size", py_size, METH_O, "size(index) -> live entries"},
@@ -229,6 +282,7 @@ PyMethodDef kMethods[] = {
     {"remove", py_remove, METH_VARARGS, "remove(index, ids, out) -> removed count"},
     {"items", py_items, METH_VARARGS, "items(index, keys, values) -> copied count"},
     {"clear", py_clear, METH_O, "clear(index)"},
+    {"scatter", py_scatter, METH_VARARGS, "scatter(table, row_bytes, where, rows, take): table[where[i]] = rows[take[i]]"},
     {"gather", py_gather, METH_VARARGS, "gather(rows, row_bytes, where, out): out[i] = rows[where[i]]"},
     {nullptr, nullptr, 0, nullptr},
 };
