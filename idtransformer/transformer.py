@@ -40,6 +40,11 @@ FREE = -1
 _MAX_PINS = 255
 _MAX_HITS = 0xFFFF  # the kernel counts a batch's sightings of an ID in 16 bits
 _KIND_CODE = {"lru": 0, "lfu": 1, "hybrid": 2}
+# the kernel's status codes (csrc/slot_map.cpp): admit's besides movable >= 0, pin's
+_ADMITTED, _PIN_REFUSED = -1, -2
+_PIN_APPLIED, _PIN_OUT_OF_RANGE, _SLOT_OUT_OF_RANGE = 0, 1, 2
+_PINS_FULL = f"a slot is pinned by {_MAX_PINS} batches in flight: release finished batches"
+_NOT_PINNED = "release of slots that are not pinned (released twice?)"
 
 
 @dataclass
@@ -149,25 +154,28 @@ class IDTransformer:
                 )
         # 1. Hits get their slot and a touch (last_access = step marks them in use); the k-th
         #    distinct missing ID (in order of first sighting) gets -(k + 2) for now.
-        slots, new_ids, new_counts, seen = self._lookup(flat)
-        hits = (slots >= 0).sum()
+        slots, new_ids, new_counts, seen, hits = self._lookup(flat)
         try:
-            # 2. Admission.
+            # 2. Admission (admit None: all admitted; the kernel needs no flags for that).
             if self.sketch is not None and len(new_ids):
                 admit = self.sketch.add(new_ids, new_counts) >= self.admit_threshold
+            elif self.backend == "kernel":
+                admit = None
             else:
                 admit = torch.ones_like(new_ids, dtype=torch.bool)
-            # 3. Room (eviction), slots for the admitted, placeholders replaced.
-            admitted, admitted_slots, evicted_ids, evicted_slots = self._admit(slots, new_ids, admit)
+            # 3. Room (eviction), slots for the admitted, placeholders replaced; with pin, the
+            #    kernel also pins the batch's slots (or refuses, admission done, none pinned).
+            admitted, admitted_slots, evicted_ids, evicted_slots, distinct, pinned = self._admit(
+                slots, new_ids, admit, seen, pin)
             self.resident += len(admitted) - len(evicted_ids)
-            distinct = torch.cat([seen, admitted_slots])
-            if pin:
+            if pin and not pinned:
                 self._pin(distinct)
         finally:
             # even a batch refused for want of room was seen: its resident IDs were touched
             self.step += 1
+        rejected = new_ids[:0] if admit is None else new_ids[~admit]
         return TransformResult(slots.reshape(ids.shape), admitted, admitted_slots, evicted_ids, evicted_slots,
-                               new_ids[~admit], hits, distinct)
+                               rejected, hits, distinct)
 
     def _lookup(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         p = self.policy
@@ -195,22 +203,28 @@ class IDTransformer:
         missing = missing[torch.argsort(first[missing])]
         k = torch.empty_like(uniq)
         k[missing] = torch.arange(len(missing), device=flat.device)
-        slots = torch.where(hit, slots, -(k + 2))
-        return slots[inverse], uniq[missing], counts[missing].to(torch.int32), seen
+        slots = torch.where(hit, slots, -(k + 2))[inverse]
+        return slots, uniq[missing], counts[missing].to(torch.int32), seen, (slots >= 0).sum()
 
-    def _admit(self, slots: torch.Tensor, new_ids: torch.Tensor, admit: torch.Tensor):
+    def _admit(self, slots: torch.Tensor, new_ids: torch.Tensor, admit: torch.Tensor | None, seen: torch.Tensor,
+               pin: bool):
+        """(admitted ids, their slots, evicted ids, their slots, distinct slots, pinned: whether
+        the distinct slots were pinned here, as the kernel does with pin)."""
         p = self.policy
         evict_min = int(p.evict_fraction * self.capacity)
         if self.backend == "kernel":
-            *out, movable = self.map.ops.admit(
-                self.map.entries, self.records, slots, new_ids, admit, self.step, self.resident, MAP_SEED,
-                _KIND_CODE[p.kind], -1 if p.ttl_steps is None else p.ttl_steps, p.decay_steps, p.initial_freq,
-                evict_min,
+            *out, status = self.map.ops.admit(
+                self.map.entries, self.records, slots, new_ids, admit, seen, pin, self.step, self.resident,
+                MAP_SEED, _KIND_CODE[p.kind], -1 if p.ttl_steps is None else p.ttl_steps, p.decay_steps,
+                p.initial_freq, evict_min,
             )
-            if movable >= 0:
-                need = int(admit.sum())
-                raise _no_room(need, self.capacity - self.resident, movable)
-            return tuple(out)
+            if status >= 0:  # no room: nothing changed
+                need = len(new_ids) if admit is None else int(admit.sum())
+                raise _no_room(need, self.capacity - self.resident, status)
+            if status == _PIN_REFUSED:  # admitted, none pinned: as _pin refuses after admission
+                self.resident += len(out[0]) - len(out[2])
+                raise RuntimeError(_PINS_FULL)
+            return (*out, pin)
         admitted = new_ids[admit]
         evicted_ids, evicted_slots = self._make_room(len(admitted), evict_min)
         free = torch.nonzero(self.last_access == FREE).squeeze(1)[: len(admitted)]
@@ -222,7 +236,7 @@ class IDTransformer:
         new_slots.masked_scatter_(admit, free)  # (no host sync, unlike a boolean index_put)
         if len(new_ids):
             slots.copy_(torch.where(slots < 0, new_slots[(-(slots + 2)).clamp(min=0)], slots))
-        return admitted, free, evicted_ids, evicted_slots
+        return admitted, free, evicted_ids, evicted_slots, torch.cat([seen, free]), False
 
     def _make_room(self, need: int, evict_min: int) -> tuple[torch.Tensor, torch.Tensor]:
         free = self.capacity - self.resident
@@ -247,9 +261,21 @@ class IDTransformer:
 
     def _pin(self, held: torch.Tensor) -> None:
         """held: distinct slots."""
+        if self.backend == "kernel":
+            self._kernel_pin(held, 1, RuntimeError(_PINS_FULL))
+            return
         if bool((self.pins[held] == _MAX_PINS).any()):
-            raise RuntimeError(f"a slot is pinned by {_MAX_PINS} batches in flight: release finished batches")
+            raise RuntimeError(_PINS_FULL)
         self.pins[held] += 1
+
+    def _kernel_pin(self, held: torch.Tensor, delta: int, refused: Exception) -> None:
+        """The kernel checks every count first and changes nothing when one would pass 255 or go
+        below 0 (it returns a code rather than throw across into Python)."""
+        status = self.map.ops.pin(self.records, held, delta)
+        if status == _PIN_OUT_OF_RANGE:
+            raise refused
+        if status == _SLOT_OUT_OF_RANGE:  # as the torch path's indexing would refuse it
+            raise IndexError(f"slot out of range for a table of {self.capacity} slots")
 
     def release(self, slots: torch.Tensor, distinct: bool = False) -> None:
         """Unpin the slots of a batch transformed with pin=True: its slots (each distinct one
@@ -258,8 +284,11 @@ class IDTransformer:
         if not distinct:
             held = torch.unique(held)
             held = held[held >= 0]
+        if self.backend == "kernel":
+            self._kernel_pin(held, -1, ValueError(_NOT_PINNED))
+            return
         if bool((self.pins[held] == 0).any()):
-            raise ValueError("release of slots that are not pinned (released twice?)")
+            raise ValueError(_NOT_PINNED)
         self.pins[held] -= 1
 
     def expire(self) -> tuple[torch.Tensor, torch.Tensor]:

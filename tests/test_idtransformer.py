@@ -123,6 +123,45 @@ def test_pinned_and_in_use_slots_survive(backend):
 
 
 @BACKENDS
+def test_pin_overflow_and_double_release_change_nothing(backend):
+    """A pin count stops at 255 and at 0: the call that would pass either is refused whole
+    (no slot of it pinned or released), with the same errors on both backends."""
+    t = make(backend, capacity=8, policy=EvictionPolicy("lru"))
+    t.transform(torch.tensor([1, 2, 3]))
+    one = t.transform(torch.tensor([1])).slots
+    for _ in range(254):
+        t.transform(torch.tensor([1]), pin=True)
+    before = t.records.clone()
+    last = t.transform(torch.tensor([1, 2]), pin=True)  # slot of 1 at 255 now, 2's at 1
+    assert t.pins[one].tolist() == [255] and int(t.pins[last.distinct_slots].sum()) == 256
+    records = t.records.clone()
+    with pytest.raises(RuntimeError, match="pinned by 255 batches in flight"):
+        t.transform(torch.tensor([2, 1, 4]), pin=True)  # 2 and 4 could be pinned, 1 cannot
+    # the batch was still seen and admitted (4 is resident, all three touched), none pinned
+    assert t.pins.tolist() == records.view(torch.uint8)[:, 13].tolist()
+    assert len(t) == 4 and int(t.map.find(torch.tensor([4]))) >= 0
+    assert before.view(torch.uint8)[:, 13].sum() + 2 == records.view(torch.uint8)[:, 13].sum()
+    # pin through _pin directly (the release of a batch and its re-pin): refused whole too
+    pins = t.pins.clone()
+    with pytest.raises(RuntimeError, match="pinned by 255 batches in flight"):
+        t._pin(last.distinct_slots)
+    assert torch.equal(t.pins, pins)
+
+    t.release(last.distinct_slots, distinct=True)  # 1 to 254, 2 to 0
+    pins = t.pins.clone()
+    three = t.map.find(torch.tensor([3]))
+    for bad in (torch.cat([one, three]), torch.cat([three, one])):  # 3 was never pinned
+        with pytest.raises(ValueError, match=r"release of slots that are not pinned \(released twice\?\)"):
+            t.release(bad, distinct=True)
+        assert torch.equal(t.pins, pins)
+    with pytest.raises(ValueError, match="not pinned"):
+        t.release(last.slots)  # 2 released twice
+    assert torch.equal(t.pins, pins)
+    t.release(one)
+    assert t.pins[one].tolist() == [253]
+
+
+@BACKENDS
 def test_admission_threshold(backend):
     t = make(backend, capacity=8, admit_threshold=3, sketch_width=1 << 12)
     out = t.transform(torch.tensor([7, 8, 8]))

@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include <sys/mman.h>
@@ -181,8 +182,9 @@ inline double coin(int64_t id, int64_t step, uint64_t seed) {
 // p = 1 / ((freq - initial_freq) * log_factor + 1) (policy.bump). A missing ID gets -(k + 2),
 // k its index among the batch's distinct missing IDs in order of first sighting.
 // decay_steps 0: no decay; log_factor < 0: no counter (LRU).
-// Returns (slots, new_ids, new_counts, the distinct resident slots seen).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lookup(const at::Tensor& entries, const at::Tensor& records,
+// Returns (slots, new_ids, new_counts, the distinct resident slots seen, the number of
+// sightings of resident IDs as a 0-dim tensor: the result's `hits`).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lookup(const at::Tensor& entries, const at::Tensor& records,
                                                        const at::Tensor& ids_in, int64_t step, int64_t map_seed,
                                                        int64_t coin_seed, double log_factor, int64_t initial_freq,
                                                        int64_t decay_steps) {
@@ -221,6 +223,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lookup(const at::Tens
   std::vector<int64_t> new_ids;
   std::vector<int32_t> new_counts;
   std::vector<int32_t> touched;  // resident slots seen in this batch
+  int64_t hits = 0;
   new_ids.reserve(size_t(n));
   new_counts.reserve(size_t(n));
 
@@ -247,6 +250,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lookup(const at::Tens
     if (s >= 0 && rec[s].id != x) s = map.e[map.probe(x)].slot;  // a tag shared by two IDs: rare
     if (s >= 0) {
       out[i] = s;
+      ++hits;
       const int64_t m = rec[s].meta;
       if (last_of(m) != now) {  // first sighting in this batch
         uint32_t f = freq_of(m);
@@ -295,7 +299,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lookup(const at::Tens
   std::memcpy(counts_t.data_ptr<int32_t>(), new_counts.data(), new_counts.size() * sizeof(int32_t));
   at::Tensor touched_t = at::empty({int64_t(touched.size())}, ids.options());
   std::copy(touched.begin(), touched.end(), touched_t.data_ptr<int64_t>());
-  return {slots, new_ids_t, counts_t, touched_t};
+  return {slots, new_ids_t, counts_t, touched_t, at::scalar_tensor(hits, ids.options())};
 }
 
 // Eviction key of a slot: (primary << 32) | last access, lowest first; kNotMovable for a
@@ -502,30 +506,53 @@ at::Tensor select_victims(const Record* rec, int64_t C, const Scorer& sc, int64_
 // Second half of a batch, after lookup and admission: make room for the admitted new IDs
 // (evicting, when the table is short, max(short, evict_min) movable slots, lowest keys
 // first), give them the lowest free slots in order, and write their slots over the
-// -(k + 2) placeholders in `slots`. Returns (admitted_ids, admitted_slots, evicted_ids,
-// evicted_slots, movable): movable is -1, or, when there was no room (nothing changed), how
-// many slots could have been evicted.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> admit(
+// -(k + 2) placeholders in `slots`. admit: one flag per new ID, or none: all admitted. With
+// pin, every slot the batch uses (`seen`, from lookup, and the admitted) gets one more pin,
+// unless one of them already has 255: then none does (the admission stands).
+// Returns (admitted_ids, admitted_slots, evicted_ids, evicted_slots, distinct slots (seen,
+// then the admitted), status): status kAdmitted, kPinRefused, or, when there was no room
+// (nothing changed), how many slots could have been evicted (>= 0).
+constexpr int64_t kAdmitted = -1, kPinRefused = -2;
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> admit(
     const at::Tensor& entries, const at::Tensor& records, const at::Tensor& slots_t, const at::Tensor& new_ids_t,
-    const at::Tensor& admit_t, int64_t step, int64_t resident, int64_t map_seed, int64_t kind, int64_t ttl,
-    int64_t decay_steps, int64_t initial_freq, int64_t evict_min) {
+    const std::optional<at::Tensor>& admit_t, const at::Tensor& seen_t, bool pin, int64_t step, int64_t resident,
+    int64_t map_seed, int64_t kind, int64_t ttl, int64_t decay_steps, int64_t initial_freq, int64_t evict_min) {
   Map map(entries, records, map_seed);
   Record* rec = records_of(records);
   TORCH_CHECK(slots_t.scalar_type() == at::kLong && slots_t.is_contiguous(), "slots must be contiguous int64");
-  TORCH_CHECK(admit_t.scalar_type() == at::kBool && admit_t.numel() == new_ids_t.numel(),
+  TORCH_CHECK(!admit_t || (admit_t->scalar_type() == at::kBool && admit_t->numel() == new_ids_t.numel()),
               "admit must be a bool tensor, one per new id");
   TORCH_CHECK(kind >= 0 && kind <= 2 && (kind != 2 || decay_steps >= 1), "bad policy kind or decay_steps");
+  TORCH_CHECK(seen_t.scalar_type() == at::kLong && seen_t.is_contiguous() && seen_t.dim() == 1,
+              "seen must be a 1-d contiguous int64 tensor");
   at::Tensor new_ids = flat_ids(new_ids_t);
-  at::Tensor admit_c = admit_t.contiguous();
   const int64_t C = records.size(0);
   const int64_t* nid = new_ids.data_ptr<int64_t>();
-  const bool* ok = admit_c.data_ptr<bool>();
   const int64_t n_new = new_ids.numel();
+  std::vector<uint8_t> all_ok;  // no flags: every new ID is admitted
+  at::Tensor admit_c;
+  const bool* ok;
+  if (admit_t) {
+    admit_c = admit_t->contiguous();
+    ok = admit_c.data_ptr<bool>();
+  } else {
+    all_ok.assign(size_t(n_new), 1);
+    ok = reinterpret_cast<const bool*>(all_ok.data());
+  }
   const int32_t now = int32_t(step);
   const auto opt = slots_t.options();
   int64_t need = 0;
   for (int64_t k = 0; k < n_new; ++k) need += ok[k];
   const int64_t free = C - resident;
+  const int64_t* seen = seen_t.data_ptr<int64_t>();
+  const int64_t n_seen = seen_t.numel();
+  // Pins: only the seen can be at 255 (the admitted start at 0), and they are touched at
+  // this step, so eviction never takes them: checked up front, applied at the end.
+  bool pin_refused = false;
+  if (pin)
+    for (int64_t i = 0; i < n_seen && !pin_refused; ++i) pin_refused = pins_of(rec[seen[i]].meta) == 255;
+  const uint32_t new_pins = pin && !pin_refused ? 1 : 0;
 
   // The admitted take the lowest free slots: the slots free before this call (all `free` of
   // them, or the lowest `need`) merged with the victims. Found before the victims are freed,
@@ -541,7 +568,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> admit(
     victims = select_victims(rec, C, Scorer(now, kind, ttl, decay_steps), need, free, evict_min, &movable);
     if (movable >= 0) {
       at::Tensor none = at::empty({0}, opt);
-      return {none, none, none, none, movable};
+      return {none, none, none, none, none, movable};
     }
     const int64_t nv = victims.numel();
     const int64_t* v = victims.data_ptr<int64_t>();
@@ -589,7 +616,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> admit(
       __builtin_prefetch(&rec[a_slot[a + kAhead]], 1);
     }
     rec[a_slot[a]].id = a_id[a];
-    rec[a_slot[a]].meta = make_meta(now, uint32_t(initial_freq), 0, 0);
+    rec[a_slot[a]].meta = make_meta(now, uint32_t(initial_freq), new_pins, 0);
     map.put(a_id[a], int32_t(a_slot[a]));
   }
   int64_t* out = slots_t.data_ptr<int64_t>();
@@ -597,7 +624,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> admit(
     for (int64_t i = begin; i < end; ++i)
       if (out[i] < 0) out[i] = new_slot[size_t(-(out[i] + 2))];
   });
-  return {admitted, admitted_slots, victim_ids, victims, -1};
+  if (new_pins)
+    for (int64_t i = 0; i < n_seen; ++i) rec[seen[i]].meta += int64_t(1) << 40;
+  at::Tensor distinct = at::empty({n_seen + need}, opt);
+  std::memcpy(distinct.data_ptr<int64_t>(), seen, size_t(n_seen) * sizeof(int64_t));
+  std::memcpy(distinct.data_ptr<int64_t>() + n_seen, a_slot, size_t(need) * sizeof(int64_t));
+  return {admitted, admitted_slots, victim_ids, victims, distinct, pin_refused ? kPinRefused : kAdmitted};
+}
+
+// Add delta (+1 or -1) to the pin count of each of `slots` (distinct), all or none: returns
+// kPinApplied, kPinOutOfRange if a count would leave [0, 255] (nothing changed), or
+// kSlotOutOfRange for a slot outside the table (nothing changed). An indicator, not an
+// exception, as select_victims' short_of_room.
+constexpr int64_t kPinApplied = 0, kPinOutOfRange = 1, kSlotOutOfRange = 2;
+
+int64_t pin(const at::Tensor& records, const at::Tensor& slots_t, int64_t delta) {
+  Record* rec = records_of(records);
+  TORCH_CHECK(delta == 1 || delta == -1, "pin: delta must be +1 or -1");
+  TORCH_CHECK(slots_t.device().is_cpu() && slots_t.scalar_type() == at::kLong, "pin: slots must be CPU int64");
+  at::Tensor slots = slots_t.contiguous();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t n = slots.numel(), C = records.size(0);
+  const uint32_t limit = delta > 0 ? 255 : 0;  // the count that cannot move further this way
+  for (int64_t i = 0; i < n; ++i) {
+    if (sl[i] < 0 || sl[i] >= C) return kSlotOutOfRange;
+    if (pins_of(rec[sl[i]].meta) == limit) return kPinOutOfRange;
+  }
+  const int64_t step = delta * (int64_t(1) << 40);  // the count is bits 40-47; no carry: checked
+  for (int64_t i = 0; i < n; ++i) rec[sl[i]].meta += step;
+  return kPinApplied;
 }
 
 // The slot of each id, -1 where it is not in the map.
@@ -640,11 +695,12 @@ void erase(const at::Tensor& entries, const at::Tensor& records, const at::Tenso
 TORCH_LIBRARY(dynemb_idt, m) {
   m.def(
       "lookup(Tensor entries, Tensor(a!) records, Tensor ids, int step, int map_seed, int coin_seed, "
-      "float log_factor, int initial_freq, int decay_steps) -> (Tensor, Tensor, Tensor, Tensor)");
+      "float log_factor, int initial_freq, int decay_steps) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
-      "admit(Tensor(a!) entries, Tensor(b!) records, Tensor(c!) slots, Tensor new_ids, Tensor admit, int step, "
-      "int resident, int map_seed, int kind, int ttl, int decay_steps, int initial_freq, int evict_min) "
-      "-> (Tensor, Tensor, Tensor, Tensor, int)");
+      "admit(Tensor(a!) entries, Tensor(b!) records, Tensor(c!) slots, Tensor new_ids, Tensor? admit, Tensor seen, "
+      "bool pin, int step, int resident, int map_seed, int kind, int ttl, int decay_steps, int initial_freq, "
+      "int evict_min) -> (Tensor, Tensor, Tensor, Tensor, Tensor, int)");
+  m.def("pin(Tensor(a!) records, Tensor slots, int delta) -> int");
   m.def("huge_empty(int[] size, ScalarType dtype) -> Tensor", dynemb::huge_empty);
   m.def("find(Tensor entries, Tensor records, Tensor ids, int map_seed) -> Tensor");
   m.def("insert(Tensor(a!) entries, Tensor records, Tensor slots, int map_seed) -> ()");
@@ -654,6 +710,7 @@ TORCH_LIBRARY(dynemb_idt, m) {
 TORCH_LIBRARY_IMPL(dynemb_idt, CPU, m) {
   m.impl("lookup", dynemb::lookup);
   m.impl("admit", dynemb::admit);
+  m.impl("pin", dynemb::pin);
   m.impl("find", dynemb::find);
   m.impl("insert", dynemb::insert);
   m.impl("erase", dynemb::erase);
