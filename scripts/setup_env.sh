@@ -31,14 +31,17 @@ if [ "$(cat $stamp 2>/dev/null)" != "$want" ]; then
 fi
 
 # The ID transformer's CPU kernel is C++ built by torch's extension builder (cached under
-# ~/.cache/torch_extensions; rebuilt only when its source changes): it needs a compiler.
+# ~/.cache/torch_extensions), the embedded PS store's id index a small C++ module built with
+# g++ (cached under ~/.cache/dynemb/build); each is rebuilt only when its source changes.
 if ! command -v g++ >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  echo "[setup] installing g++ (for the ID transformer's kernel)"
+  echo "[setup] installing g++ (for the ID transformer's kernel and the PS's id index)"
   apt-get -q update >/dev/null 2>&1 || true
   DEBIAN_FRONTEND=noninteractive apt-get -q install -y g++ >/dev/null
 fi
 echo "[setup] building (or finding) the ID transformer's kernel"
 timeout 1200 $VPY -c "from idtransformer.kernel import ops; ops()" || { echo "[setup] building the ID transformer's kernel failed" >&2; exit 1; }
+echo "[setup] building (or finding) the PS's id index"
+timeout 600 $VPY -c "from ps_server.native import id_index; id_index()" || { echo "[setup] building the PS's id index failed" >&2; exit 1; }
 
 # Debian packages are fetched with `apt-get download`, which needs no root when its lists
 # and cache point at a folder of ours, and unpacked with dpkg -x (nothing is installed).
