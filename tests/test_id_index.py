@@ -1,4 +1,4 @@
-"""ps_server/backends/id_index.py (the compiled map of csrc/id_index.cpp) against a dict model."""
+"""ps_server/backends/id_index.py (the compiled map of ps_server/csrc/id_index.h) against a dict model."""
 
 from __future__ import annotations
 

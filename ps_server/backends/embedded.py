@@ -1,7 +1,7 @@
 """The embedded store: every table in this process's memory, on numpy arrays.
 
 The default backend, for a single PS or for tests and demos: no Redis to run. Each
-table is an IdIndex (id → row number, compiled from ps_server/csrc/id_index.cpp) and
+table is an IdIndex (id → row number, compiled from ps_server/csrc/id_index.h) and
 one 2-D array of rows that grows by doubling; deleted rows' numbers are reused. A lock
 per table keeps concurrent gRPC handlers apart.
 

@@ -1,4 +1,4 @@
-"""A batched int64 id → int64 row-number map: the compiled map of csrc/id_index.cpp.
+"""A batched int64 id → int64 row-number map: the compiled map of ps_server/csrc/id_index.h.
 
 The embedded store looks up and inserts whole batches of ids, one batch per table per
 request (26 tables x ~300 ids a trainer step). A Python dict costs ~100 bytes and a Python
