@@ -530,20 +530,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> 
   const int64_t C = records.size(0);
   const int64_t* nid = new_ids.data_ptr<int64_t>();
   const int64_t n_new = new_ids.numel();
-  std::vector<uint8_t> all_ok;  // no flags: every new ID is admitted
-  at::Tensor admit_c;
-  const bool* ok;
-  if (admit_t) {
-    admit_c = admit_t->contiguous();
-    ok = admit_c.data_ptr<bool>();
-  } else {
-    all_ok.assign(size_t(n_new), 1);
-    ok = reinterpret_cast<const bool*>(all_ok.data());
-  }
+  const at::Tensor admit_c = admit_t ? admit_t->contiguous() : at::Tensor();
+  const bool* flags = admit_t ? admit_c.data_ptr<bool>() : nullptr;
+  auto ok = [flags](int64_t k) { return flags == nullptr || flags[k]; };  // no flags: all admitted
   const int32_t now = int32_t(step);
   const auto opt = slots_t.options();
   int64_t need = 0;
-  for (int64_t k = 0; k < n_new; ++k) need += ok[k];
+  for (int64_t k = 0; k < n_new; ++k) need += ok(k);
   const int64_t free = C - resident;
   const int64_t* seen = seen_t.data_ptr<int64_t>();
   const int64_t n_seen = seen_t.numel();
@@ -595,7 +588,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> 
     const int64_t nv = victims.numel(), nf = int64_t(old_free.size());
     int64_t i = 0, j = 0, a = 0;
     for (int64_t k = 0; k < n_new; ++k) {
-      if (!ok[k]) continue;
+      if (!ok(k)) continue;
       // need <= free + victims, so one of the two has a slot left
       a_slot[a] = (j == nv || (i < nf && old_free[size_t(i)] < v[j])) ? old_free[size_t(i++)] : v[j++];
       a_id[a++] = nid[k];
@@ -606,7 +599,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> 
   {
     int64_t a = 0;
     for (int64_t k = 0; k < n_new; ++k)
-      if (ok[k]) new_slot[size_t(k)] = a_slot[a++];
+      if (ok(k)) new_slot[size_t(k)] = a_slot[a++];
   }
   constexpr int64_t kAhead = 16;
   for (int64_t a = 0; a < std::min(need, kAhead); ++a) map.prefetch(a_id[a]);

@@ -157,7 +157,7 @@ class EmbeddedStore(Store):
             found = where >= 0
             rows = np.empty((len(ids), t.schema.width), dtype=t.rows.dtype)
             # the compiled gather: ~4x numpy's fancy indexing for a big table's scattered rows
-            native.id_index().gather(t.rows, t.rows.itemsize * t.schema.width, np.where(found, where, 0), rows)
+            native.id_index().gather(t.rows, t.schema.row_bytes, np.where(found, where, 0), rows)
         return rows, found
 
     def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> int:
@@ -168,7 +168,7 @@ class EmbeddedStore(Store):
         rows = rows_for_table(rows, t.schema, len(ids))
         with t.lock:
             where = t.index.lookup_or_insert(uniq, t.allocate)
-            native.id_index().scatter(t.rows, t.rows.itemsize * t.schema.width, where, rows, last)
+            native.id_index().scatter(t.rows, t.schema.row_bytes, where, rows, last)
         return len(ids)
 
     def delete(self, table: str, ids: np.ndarray) -> int:
