@@ -47,7 +47,8 @@ from ps_server.hashing import ROW_HASH_SEED, shard_of, xxh64_ids
 from ps_server.replicas import channel_target
 from ps_server.schema import Initializer, TableSchema
 from ps_server.service import MESSAGE_OVERHEAD
-from ps_server.wire import encode_push_many_request, encode_push_request, push_request_parts
+from ps_server.wire import (MalformedMessage, encode_push_many_request, encode_push_request, parse_pull_many_response,
+                            parse_pull_response, push_request_parts)
 
 log = logging.getLogger("dynemb.ps.client")
 
@@ -154,8 +155,19 @@ class PSClient:
                                                  certificate_chain=_pem(tls_cert))
         self._channels = [self._channel(a, creds, options, tls_server_name) for a in self.addresses]
         self._stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self._channels]
-        # Push goes out pre-serialized (ps_server/wire.py): the same RPC, one copy fewer.
+        # Push goes out pre-serialized and Pull's reply is read in place (ps_server/wire.py):
+        # the same RPCs, without protobuf's copies of the rows.
         for stub, channel in zip(self._stubs, self._channels):
+            stub.Pull = channel.unary_unary(
+                "/dynemb.ps.v1.ParameterServer/Pull",
+                request_serializer=ps_pb2.PullRequest.SerializeToString,
+                response_deserializer=None,
+            )
+            stub.PullMany = channel.unary_unary(
+                "/dynemb.ps.v1.ParameterServer/PullMany",
+                request_serializer=ps_pb2.PullManyRequest.SerializeToString,
+                response_deserializer=None,
+            )
             stub.Push = channel.unary_unary(
                 "/dynemb.ps.v1.ParameterServer/Push",
                 request_serializer=bytes,
@@ -452,7 +464,10 @@ class PSClient:
                                                        for t, _, _, i in items]))
                  for shard, items in messages]
         for (shard, items), reply in zip(messages, self._fanout("PullMany", calls, deadline)):
-            for (table, schema, dest, ids), got in zip(items, reply.pulls):
+            got_all = self._parsed(parse_pull_many_response, reply, shard)
+            if len(got_all) != len(items):
+                raise PSError(f"PS {self.addresses[shard]} answered {len(got_all)} pulls for {len(items)} asked")
+            for (table, schema, dest, ids), got in zip(items, got_all):
                 self._fill(out[table], table, schema, dest, len(ids), got)
         return out
 
@@ -470,9 +485,15 @@ class PSClient:
     def _pull(self, table: str, ids: np.ndarray, deadline: float) -> PullResult:
         result, schema, cut = self._pull_pieces(table, ids)
         calls = [(shard, ps_pb2.PullRequest(table=table, ids=i.tobytes())) for shard, _, i in cut]
-        for (_, dest, i), reply in zip(cut, self._fanout("Pull", calls, deadline)):
-            self._fill(result, table, schema, dest, len(i), reply)
+        for (shard, dest, i), reply in zip(cut, self._fanout("Pull", calls, deadline)):
+            self._fill(result, table, schema, dest, len(i), self._parsed(parse_pull_response, reply, shard))
         return result
+
+    def _parsed(self, parse, reply: bytes, shard: int):
+        try:
+            return parse(reply)
+        except MalformedMessage as e:
+            raise PSError(f"PS {self.addresses[shard]} sent a reply that does not parse: {e}") from None
 
     def _pull_pieces(self, table: str, ids: np.ndarray) -> tuple[PullResult, TableSchema, list]:
         """(an empty result, schema, [(shard, where in the result, ids)]): the pull cut by shard

@@ -17,7 +17,10 @@ def decode_ids(data: bytes, table: str = "") -> np.ndarray:
             f"ids{where} must be packed int64 (8 bytes each), got {len(data)} bytes, "
             f"which is not a multiple of 8"
         )
-    return np.frombuffer(data, dtype=ID_DTYPE)
+    ids = np.frombuffer(data, dtype=ID_DTYPE)
+    # ids read in place from a message (wire.py) may start at any byte; the compiled id
+    # index reads aligned int64s, and a copy of the ids is small next to their rows
+    return ids if ids.flags.aligned else ids.copy()
 
 
 def encode_ids(ids) -> bytes:

@@ -26,7 +26,8 @@ from ps_server.errors import Abandoned, InvalidArgument, PSError, ResourceExhaus
 from ps_server.initializer import initial_rows
 from ps_server.metrics import PSMetrics
 from ps_server.schema import TableSchema, check_name
-from ps_server.wire import encode_pull_many_response, encode_pull_response, pull_response_parts
+from ps_server.wire import (MalformedMessage, ReplyPlan, build_pull_many_response, build_pull_response,
+                            parse_push_many_request, parse_push_request)
 
 log = logging.getLogger("dynemb.ps")
 
@@ -49,6 +50,9 @@ def _undecodable(method: str, request_type, data: bytes) -> InvalidArgument:
     )
 
 
+_IN_PLACE = {"Push": parse_push_request, "PushMany": parse_push_many_request}
+
+
 def _decoding(servicer: "ParameterServerService", name: str, handler, request_type, streaming: bool):
     """`handler` taking the request as bytes: grpc's own decoding step would answer bytes that
     are no valid message with INTERNAL "Exception deserializing request!"."""
@@ -62,10 +66,13 @@ def _decoding(servicer: "ParameterServerService", name: str, handler, request_ty
 
         return lambda chunks, context: handler(decoded(chunks), context)
 
+    # the row-carrying requests are read in place (wire.py): no copy of their rows
+    parse = _IN_PLACE.get(name, request_type.FromString)
+
     def handle(data, context):
         try:
-            request = request_type.FromString(data)
-        except DecodeError:
+            request = parse(data)
+        except (DecodeError, MalformedMessage):
             with servicer._call(name, context):  # answered and counted like any refused request
                 raise _undecodable(name, request_type, data) from None
         return handler(request, context)
@@ -237,7 +244,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             schema = self._schema(request.table)
             ids = codec.decode_ids(request.ids, schema.name)
             self._check_reply_size("pull", [(schema, ids)])
-            return encode_pull_response(*self._pull_rows(schema, ids, len(request.ids)))
+            return build_pull_response(self._reply_plan(schema, ids, len(request.ids)))
 
     def PullMany(self, request, context):
         with self._call("PullMany", context):
@@ -245,7 +252,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             plans = [(self._schema(p.table), p) for p in request.pulls]
             plans = [(schema, codec.decode_ids(p.ids, schema.name), len(p.ids)) for schema, p in plans]
             self._check_reply_size("pull of several tables", [(schema, ids) for schema, ids, _ in plans])
-            return encode_pull_many_response([pull_response_parts(*self._pull_rows(*plan)) for plan in plans])
+            return build_pull_many_response([self._reply_plan(*plan) for plan in plans])
 
     def _check_reply_size(self, what: str, plans: list[tuple[TableSchema, np.ndarray]]) -> None:
         reply_bytes = MESSAGE_OVERHEAD + sum(len(ids) * s.row_bytes + (len(ids) + 7) // 8 + 16 for s, ids in plans)
@@ -258,19 +265,24 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 f"pull at most {(self.max_message_bytes - MESSAGE_OVERHEAD) // (row_bytes + 1)} ids per request"
             )
 
-    def _pull_rows(self, schema: TableSchema, ids: np.ndarray, nbytes_in: int) -> tuple[np.ndarray, bytes, int]:
-        """(rows with the missing ones initialised, missing bitmap, how many missing)."""
+    def _reply_plan(self, schema: TableSchema, ids: np.ndarray, nbytes_in: int) -> ReplyPlan:
+        """The reply to a pull of ids, its rows to be read straight into the message (wire.py)."""
+        def fill(rows: np.ndarray) -> tuple[bytes, int]:
+            return self._pull_rows(schema, ids, nbytes_in, rows)
+
+        return ReplyPlan(len(ids), schema.width, schema.np_dtype, fill)
+
+    def _pull_rows(self, schema: TableSchema, ids: np.ndarray, nbytes_in: int, out: np.ndarray) -> tuple[bytes, int]:
+        """Rows of ids into out, the missing ones initialised; (missing bitmap, how many missing)."""
         with self._backend("pull"):
-            rows, found = self.store.pull(schema.name, ids)
+            _, found = self.store.pull(schema.name, ids, out=out)
         missing = ~found
         num_missing = int(missing.sum())
         if num_missing:
-            if not rows.flags.writeable:
-                rows = rows.copy()
-            rows[missing] = initial_rows(schema, ids[missing])
-        self._count("Pull", schema.name, len(ids), nbytes_in, rows.nbytes)
+            out[missing] = initial_rows(schema, ids[missing])
+        self._count("Pull", schema.name, len(ids), nbytes_in, out.nbytes)
         self.metrics.child(self.metrics.missing_rows, schema.name).inc(num_missing)
-        return rows, codec.encode_mask(missing), num_missing
+        return codec.encode_mask(missing) if num_missing else b"", num_missing
 
     def Push(self, request, context):
         with self._call("Push", context):

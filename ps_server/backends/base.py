@@ -15,6 +15,16 @@ import numpy as np
 from ps_server.schema import TableSchema
 
 
+def rows_out(out: np.ndarray | None, n: int, schema: TableSchema) -> np.ndarray:
+    """Where a pull reads n rows to: out, checked, or a new array."""
+    if out is None:
+        return np.empty((n, schema.width), dtype=schema.np_dtype)
+    if out.shape != (n, schema.width) or out.dtype != schema.np_dtype or not out.flags.writeable:
+        raise ValueError(f"pull into a {out.dtype} array of shape {out.shape}: table {schema.name!r} needs a "
+                         f"writable {schema.np_dtype} array of shape {(n, schema.width)}")
+    return out
+
+
 class Store(abc.ABC):
     #: what Stats reports as the backend ("embedded", "redis", "redis-cluster")
     kind: str = ""
@@ -43,10 +53,12 @@ class Store(abc.ABC):
         """Remove the table and its rows; returns rows dropped, None if it did not exist."""
 
     @abc.abstractmethod
-    def pull(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def pull(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(rows, found): rows of shape (n, width) in the table's dtype, found a bool mask.
 
         Rows of ids not found are left for the caller to fill (their content is unspecified).
+        out: a writable (n, width) array of the table's dtype to read the rows into (the PS
+        passes the reply message's own bytes); rows is then out.
         """
 
     @abc.abstractmethod

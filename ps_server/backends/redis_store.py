@@ -38,7 +38,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
-from ps_server.backends.base import Store
+from ps_server.backends.base import Store, rows_out
 from ps_server.backends.redis_tls import check_tls_files, untrusted_hint
 from ps_server.codec import rows_for_table
 from ps_server.errors import (
@@ -346,12 +346,12 @@ class RedisStore(Store):
 
     # -- rows --------------------------------------------------------------------------
 
-    def pull(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def pull(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         meta = self._meta(table)
         schema, keys = meta.schema, meta.keys
         ids = _as_ids(ids)
         n = len(ids)
-        rows = np.empty((n, schema.width), dtype=schema.np_dtype)
+        rows = rows_out(out, n, schema)
         found = np.zeros(n, dtype=bool)
         if n == 0:
             return rows, found

@@ -272,6 +272,67 @@ PyObject* py_scatter(PyObject*, PyObject* args) {
   return result;
 }
 
+// filled_bytes(capacity, fill) -> bytes: a new bytes object written in place by fill(view),
+// which gets a writable memoryview of `capacity` bytes and returns how many it used. A
+// reply's rows are gathered straight into the message gRPC sends, where building them
+// apart and joining them with the message's other fields would copy every row once more.
+// Python cannot write into a bytes object; C may while nothing else has seen it. The view
+// is released before the bytes are returned, so it cannot write into them afterwards. What
+// fill made from it (numpy arrays, other memoryviews) is not tracked by release(): fill must
+// keep none of it (the resize below may also move the memory).
+PyObject* py_filled_bytes(PyObject*, PyObject* args) {
+  Py_ssize_t capacity;
+  PyObject* fill;
+  if (!PyArg_ParseTuple(args, "nO", &capacity, &fill)) return nullptr;
+  if (capacity < 0) {
+    PyErr_SetString(PyExc_ValueError, "filled_bytes: capacity must not be negative");
+    return nullptr;
+  }
+  PyObject* bytes = PyBytes_FromStringAndSize(nullptr, capacity);
+  if (!bytes) return nullptr;
+  PyObject* view = PyMemoryView_FromMemory(PyBytes_AS_STRING(bytes), capacity, PyBUF_WRITE);
+  if (!view) {
+    Py_DECREF(bytes);
+    return nullptr;
+  }
+  PyObject* used_o = PyObject_CallOneArg(fill, view);
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);  // fill's error, if any, set aside while releasing
+  // fill's error holds its frames, and they the view: drop them first, or release() fails
+  Py_CLEAR(traceback);
+  PyObject* released = PyObject_CallMethod(view, "release", nullptr);
+  Py_DECREF(view);
+  if (!released) {
+    // something still holds a buffer of the view: the memory must outlive it, so the
+    // bytes object is left alive on purpose (a leak, never a dangling pointer)
+    Py_XDECREF(used_o);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    PyErr_Clear();
+    PyErr_SetString(PyExc_RuntimeError, "filled_bytes: fill kept a buffer of its view after returning");
+    return nullptr;
+  }
+  Py_DECREF(released);
+  if (!used_o) {
+    PyErr_Restore(type, value, traceback);
+    Py_DECREF(bytes);
+    return nullptr;
+  }
+  const Py_ssize_t used = PyLong_AsSsize_t(used_o);
+  Py_DECREF(used_o);
+  if (used == -1 && PyErr_Occurred()) {
+    Py_DECREF(bytes);
+    return nullptr;
+  }
+  if (used < 0 || used > capacity) {
+    Py_DECREF(bytes);
+    PyErr_Format(PyExc_ValueError, "filled_bytes: fill used %zd of %zd bytes", used, capacity);
+    return nullptr;
+  }
+  if (used < capacity && _PyBytes_Resize(&bytes, used) != 0) return nullptr;  // frees bytes on failure
+  return bytes;
+}
+
 PyMethodDef kMethods[] = {
     {"new", py_new, METH_VARARGS, "new(capacity, seed) -> index"},
     {"size", py_size, METH_O, "size(index) -> live entries"},
@@ -284,6 +345,7 @@ PyMethodDef kMethods[] = {
     {"clear", py_clear, METH_O, "clear(index)"},
     {"scatter", py_scatter, METH_VARARGS, "scatter(table, row_bytes, where, rows, take): table[where[i]] = rows[take[i]]"},
     {"gather", py_gather, METH_VARARGS, "gather(rows, row_bytes, where, out): out[i] = rows[where[i]]"},
+    {"filled_bytes", py_filled_bytes, METH_VARARGS, "filled_bytes(capacity, fill) -> bytes written in place by fill(view) -> used"},
     {nullptr, nullptr, 0, nullptr},
 };
 
