@@ -55,8 +55,7 @@ def test_behaves_like_a_dict(sequence, capacity, seed):
             assert sorted(removed.tolist()) == sorted(want)
         elif op == "lookup":
             assert index.lookup(arr).tolist() == [model.get(k, -1) for k in ks]
-        elif op == "lookup_or_insert":  # the store's push: distinct ids, absent ones get new values
-            distinct = np.array(list(dict.fromkeys(ks)), dtype=np.int64)
+        elif op == "lookup_or_insert":  # the store's push: absent ids get new values, once each
             start, calls = next_value, []
 
             def allocate(k: int) -> np.ndarray:
@@ -64,12 +63,12 @@ def test_behaves_like_a_dict(sequence, capacity, seed):
                 return np.arange(start, start + k, dtype=np.int64)
 
             want = []
-            for k in distinct.tolist():
+            for k in ks:  # repeats included: each occurrence gets the value of its id
                 if k not in model:
                     model[k] = next_value
                     next_value += 1
                 want.append(model[k])
-            assert index.lookup_or_insert(distinct, allocate).tolist() == want
+            assert index.lookup_or_insert(arr, allocate).tolist() == want
             absent = next_value - start
             assert calls == ([absent] if absent else [])  # once, with the count of absent ids
         else:
@@ -202,13 +201,14 @@ def test_ids_of_other_layouts_are_converted_and_others_refused():
     assert len(index) == 3 and index.lookup(np.array([7, 8, 9])).tolist() == [-1, -1, -1]  # nothing half-done
 
 
-def test_repeated_ids_break_the_contract_but_not_the_map():
-    """lookup_or_insert's ids must be distinct (the store dedups). If they are not, the repeat
-    gets the first one's value, the map keeps one entry, and a value is wasted."""
+def test_repeated_absent_ids_get_one_value():
     index = IdIndex()
-    got = index.lookup_or_insert(np.array([4, 4, 5]), lambda k: np.arange(100, 100 + k))
-    assert got.tolist() == [100, 100, 102]
-    assert len(index) == 2 and index.lookup(np.array([4, 5])).tolist() == [100, 102]
+    index.insert(np.array([9]), np.array([7]))
+    asked = []
+    got = index.lookup_or_insert(np.array([4, 9, 4, 5, 9, 5, 4]), lambda k: asked.append(k) or np.arange(100, 100 + k))
+    assert asked == [2]  # 4 and 5, each once
+    assert got.tolist() == [100, 7, 100, 101, 7, 101, 100]
+    assert len(index) == 3 and index.lookup(np.array([4, 5, 9])).tolist() == [100, 101, 7]
 
 
 def test_the_c_module_checks_every_buffer_itself():

@@ -26,7 +26,7 @@ import numpy as np
 from ps_server import native
 from ps_server.backends.base import Store, rows_out
 from ps_server.backends.id_index import IdIndex
-from ps_server.codec import last_occurrence, rows_for_table
+from ps_server.codec import rows_for_table
 from ps_server.errors import TableExists, TableNotFound
 from ps_server.schema import TableSchema
 
@@ -164,11 +164,11 @@ class EmbeddedStore(Store):
         t = self._table(table)
         if len(ids) == 0:
             return 0
-        uniq, last = last_occurrence(ids)
         rows = rows_for_table(rows, t.schema, len(ids))
         with t.lock:
-            where = t.index.lookup_or_insert(uniq, t.allocate)
-            native.id_index().scatter(t.rows, t.schema.row_bytes, where, rows, last)
+            where = t.index.lookup_or_insert(ids, t.allocate)
+            # written in order, so a repeated id's last row is the one that stays
+            native.id_index().scatter(t.rows, t.schema.row_bytes, where, rows, np.arange(len(ids)))
         return len(ids)
 
     def delete(self, table: str, ids: np.ndarray) -> int:

@@ -72,8 +72,10 @@ class IdIndex:
             self._check(self._c.insert(self._h, ids, None, values, None))
 
     def lookup_or_insert(self, ids, new_values) -> np.ndarray:
-        """The value of each id (distinct within the call); the absent ones are inserted with
-        new_values(k), k being how many are absent, in the order they come."""
+        """The value of each id; the absent ones are inserted with new_values(k), k being how
+        many distinct ids are absent, in the order they first come. An id may repeat (every
+        occurrence gets its value): only the absent ids are deduplicated, so a push of ids
+        the store already has (the steady state) costs no sort."""
         ids = _int64s(ids, "ids")
         n = len(ids)
         out = np.empty(n, dtype=np.int64)
@@ -81,10 +83,17 @@ class IdIndex:
         with self._lock:
             k = self._c.lookup(self._h, ids, out, missing)
             if k:
-                values = _int64s(new_values(k), "new values")
-                if len(values) != k:
-                    raise ValueError(f"new_values({k}) returned {len(values)} values")
-                self._check(self._c.insert(self._h, ids, missing[:k], values, out))
+                where = missing[:k]
+                uniq, first, inverse = np.unique(ids[where], return_index=True, return_inverse=True)
+                order = np.argsort(first)  # the distinct absent ids by first appearance
+                values = _int64s(new_values(len(uniq)), "new values")
+                if len(values) != len(uniq):
+                    raise ValueError(f"new_values({len(uniq)}) returned {len(values)} values")
+                self._check(self._c.insert(self._h, ids, where[first[order]], values, out))
+                if len(uniq) < k:  # repeats: each occurrence gets its id's value
+                    by_id = np.empty_like(values)
+                    by_id[order] = values
+                    out[where] = by_id[inverse]
         return out
 
     def remove(self, ids) -> np.ndarray:

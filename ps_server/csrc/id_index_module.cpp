@@ -220,7 +220,8 @@ PyObject* py_gather(PyObject*, PyObject* args) {
 }
 
 // scatter(table, row_bytes, where, rows, take) -> None: table's row where[i] = rows' row
-// take[i]. The push's write: numpy would gather rows[take] into a temporary, then scatter it.
+// take[i], for i in order: of two writes to one row the later stays (a push's repeated id:
+// its last row wins). numpy would gather rows[take] into a temporary, then scatter it.
 PyObject* py_scatter(PyObject*, PyObject* args) {
   PyObject *table_o, *where_o, *rows_o, *take_o;
   Py_ssize_t row_bytes;
