@@ -22,7 +22,6 @@ import json
 import os
 import sys
 import time
-from concurrent import futures
 from pathlib import Path
 
 import numpy as np
@@ -80,38 +79,25 @@ def bench_redis(args, schema, ids, batches, rows) -> dict:
 
 
 def raw_grpc_rows_per_s(schema, batches, chunk_bytes: int) -> tuple[float, float]:
-    """Raw gRPC, no PS code: a server answering each call with a ready-made payload of
-    the size a pull reply has (and taking a push-sized request), the client sending the
-    same number of concurrent chunks as PSClient does."""
-    import grpc
+    """Raw gRPC, no PS code (bench/raw_grpc.py, its server in its own process as the PS is):
+    replies of a pull's size, requests of a push's, the same number of concurrent messages
+    per batch as PSClient sends."""
+    import tempfile
 
-    rows_per_chunk = max(1, chunk_bytes // (schema.row_bytes + 8))
-    reply = b"\0" * (rows_per_chunk * schema.row_bytes)
-    opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
-    server = grpc.server(futures.ThreadPoolExecutor(16), options=opts)
-    handlers = {
-        "Pull": grpc.unary_unary_rpc_method_handler(lambda req, ctx: reply),
-        "Push": grpc.unary_unary_rpc_method_handler(lambda req, ctx: b""),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("raw.Rows", handlers),))
-    # A separate process would be fairer still; in-process keeps this simple and if
-    # anything flatters the baseline (no second interpreter to schedule).
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=opts)
-    pull, push = channel.unary_unary("/raw.Rows/Pull"), channel.unary_unary("/raw.Rows/Push")
-    request_ids = b"\0" * (rows_per_chunk * 8)
-    request_rows = b"\0" * (rows_per_chunk * (schema.row_bytes + 8))
+    from bench.raw_grpc import RawGrpc
 
-    def fan(method, payload, n):
-        calls = [method.future(payload) for _ in range(-(-n // rows_per_chunk))]
+    pull_per_msg = max(1, chunk_bytes // (schema.row_bytes + 1))  # as PSClient cuts them
+    push_per_msg = max(1, chunk_bytes // (schema.row_bytes + 8))
+
+    def fan(method, n, per_msg, id_bytes, row_bytes):
+        sizes = [min(per_msg, n - lo) for lo in range(0, n, per_msg)]
+        calls = [method.future(b"\0" * (k * (id_bytes + row_bytes))) for k in sizes]
         for c in calls:
             c.result()
 
-    pull_rate = timed(lambda b: fan(pull, request_ids, len(b)), batches)
-    push_rate = timed(lambda b: fan(push, request_rows, len(b)), batches)
-    channel.close()
-    server.stop(0)
+    with tempfile.TemporaryDirectory() as tmp, RawGrpc(schema.row_bytes, Path(tmp)) as raw:
+        pull_rate = timed(lambda b: fan(raw.pull, len(b), pull_per_msg, 8, 0), batches)
+        push_rate = timed(lambda b: fan(raw.push, len(b), push_per_msg, 8, schema.row_bytes), batches)
     return pull_rate, push_rate
 
 
