@@ -18,12 +18,33 @@ REPO = Path(__file__).resolve().parent.parent
 
 def _die_with_parent() -> None:
     """In the child: SIGTERM when the process that started it dies, even by SIGKILL (Linux
-    prctl PR_SET_PDEATHSIG), so a killed trainer or test leaves no PS behind."""
+    prctl PR_SET_PDEATHSIG), so a killed trainer or test leaves no process behind. For
+    foreign binaries (preexec_fn); a dynemb process does it itself, see die_with_parent."""
     if sys.platform.startswith("linux"):
         import ctypes
         import signal
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+#: set by a parent that wants its dynemb child gone with it (to its own pid)
+PARENT_ENV = "DYNEMB_DIE_WITH_PARENT"
+
+
+def die_with_parent() -> None:
+    """Called early by `dynemb ps serve`: if started by LocalPS, end with that parent.
+
+    LocalPS used to do this in a preexec_fn, between fork and exec. Python documents
+    preexec_fn as unsafe in a process with threads (the parent has gRPC's), and it forces
+    a plain fork; a PS now and then aborted at start with gRPC's epoll poller finding a bad
+    file descriptor. The child asks for it itself, after exec, then checks its parent is
+    still the one that started it (it may have died in between)."""
+    parent = os.environ.pop(PARENT_ENV, None)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    _die_with_parent()
+    if os.getppid() != int(parent):
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class LocalPS:
@@ -47,8 +68,8 @@ class LocalPS:
         cmd = [sys.executable, "-m", "dynemb.cli", "ps", "serve", "--address", "127.0.0.1:0",
                "--metrics-port", "0", "--metrics-address", "127.0.0.1", "--port-file", port_file, *self.args]
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO,
-                                     preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
+                                     env={**self.env, PARENT_ENV: str(os.getpid())})
         deadline = time.monotonic() + timeout
         while not os.path.exists(port_file):
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -156,7 +156,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args) -> int:
+    from dynemb.local import die_with_parent
     from ps_server.server import PSServer, ServeConfig
+
+    die_with_parent()
 
     logging.basicConfig(
         level=args.log_level.upper(), stream=sys.stderr,
