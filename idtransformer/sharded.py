@@ -90,7 +90,14 @@ def transform_tables(tables: list[ShardedIDTransformer], ids: list[torch.Tensor]
                      pin: bool = False) -> list[ShardedTransformResult]:
     """Collective: transform one batch of IDs per table, for all tables in one exchange (one
     all_to_all of counts, one of IDs, one of rows, whatever the number of tables). Every
-    rank passes the same tables in the same order (the same group)."""
+    rank passes the same tables in the same order (the same group).
+
+    When an owner refuses its share of a table (IDTransformer.transform's errors), it answers
+    -2 for it so that no rank hangs, and every rank raises: the refusing owner its own error
+    (for a slot at 255 pins, that table of that owner is unchanged), the others a RuntimeError
+    naming the refusal. The shares that other owners, or other tables, did transform in the
+    same call stand, and their results (evictions to push, pins to release) are lost with
+    the error."""
     if not tables:
         return []
     first = tables[0]

@@ -40,7 +40,8 @@ FREE = -1
 _MAX_PINS = 255
 _MAX_HITS = 0xFFFF  # the kernel counts a batch's sightings of an ID in 16 bits
 _KIND_CODE = {"lru": 0, "lfu": 1, "hybrid": 2}
-# the kernel's status codes (csrc/slot_map.cpp): admit's besides movable >= 0, pin's
+# the kernel's status codes (csrc/slot_map.cpp): lookup's, admit's besides movable >= 0, pin's
+_LOOKUP_DONE, _LOOKUP_PINS_FULL = 0, 1
 _ADMITTED, _PIN_REFUSED = -1, -2
 _PIN_APPLIED, _PIN_OUT_OF_RANGE, _SLOT_OUT_OF_RANGE = 0, 1, 2
 _PINS_FULL = f"a slot is pinned by {_MAX_PINS} batches in flight: release finished batches"
@@ -141,6 +142,19 @@ class IDTransformer:
     # -- the batched call --------------------------------------------------------
 
     def transform(self, ids: torch.Tensor, pin: bool = False) -> TransformResult:
+        """Map a batch of IDs to slots (see the module's docstring); with pin, every slot the
+        batch uses gets one more pin, held until release().
+
+        Refusals:
+        - TooManyIDs (more distinct IDs than slots): nothing changed.
+        - with pin, RuntimeError "a slot is pinned by 255 batches in flight" when a resident ID
+          of the batch has a slot at 255 pins already: checked before anything else, so the
+          call changes nothing (same map, counters, pins, admission sketch and step as before
+          it; nothing admitted or evicted). Release finished batches and call again.
+        - NoRoom (the new IDs do not fit beside the slots in use or pinned): nothing admitted
+          or evicted, but the batch was seen (its resident IDs touched, the sketch counted
+          it, the step advanced).
+        """
         ids = as_int64_ids(ids)
         if self.step >= (1 << 31) - 1:
             raise OverflowError("the transformer's step counter is at 2^31 - 1 (last_access is int32)")
@@ -153,8 +167,10 @@ class IDTransformer:
                     f"use a larger capacity or smaller batches"
                 )
         # 1. Hits get their slot and a touch (last_access = step marks them in use); the k-th
-        #    distinct missing ID (in order of first sighting) gets -(k + 2) for now.
-        slots, new_ids, new_counts, seen, hits = self._lookup(flat)
+        #    distinct missing ID (in order of first sighting) gets -(k + 2) for now. With pin,
+        #    a hit whose slot is at 255 pins refuses the batch here, with nothing changed (the
+        #    new IDs would start at 0 pins: only the hits can be full).
+        slots, new_ids, new_counts, seen, hits = self._lookup(flat, pin)
         try:
             # 2. Admission (admit None: all admitted; the kernel needs no flags for that).
             if self.sketch is not None and len(new_ids):
@@ -164,12 +180,12 @@ class IDTransformer:
             else:
                 admit = torch.ones_like(new_ids, dtype=torch.bool)
             # 3. Room (eviction), slots for the admitted, placeholders replaced; with pin, the
-            #    kernel also pins the batch's slots (or refuses, admission done, none pinned).
+            #    kernel also pins the batch's slots (checked in step 1: none is at 255).
             admitted, admitted_slots, evicted_ids, evicted_slots, distinct, pinned = self._admit(
                 slots, new_ids, admit, seen, pin)
             self.resident += len(admitted) - len(evicted_ids)
             if pin and not pinned:
-                self._pin(distinct)
+                self.pins[distinct] += 1
         finally:
             # even a batch refused for want of room was seen: its resident IDs were touched
             self.step += 1
@@ -177,17 +193,25 @@ class IDTransformer:
         return TransformResult(slots.reshape(ids.shape), admitted, admitted_slots, evicted_ids, evicted_slots,
                                rejected, hits, distinct)
 
-    def _lookup(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _lookup(self, flat: torch.Tensor, pin: bool) -> tuple[torch.Tensor, ...]:
+        """(slots with placeholders, new ids, their counts, resident slots seen, hits); with
+        pin, raises the pins-full error before changing anything when a hit's slot is at 255."""
         p = self.policy
         if self.backend == "kernel":
-            return self.map.ops.lookup(
+            *out, status = self.map.ops.lookup(
                 self.map.entries, self.records, flat, self.step, MAP_SEED, COIN_SEED,
                 -1.0 if p.kind == "lru" else p.log_factor, p.initial_freq, p.decay_steps if p.kind == "hybrid" else 0,
+                pin,
             )
+            if status == _LOOKUP_PINS_FULL:  # the kernel put back what it had touched
+                raise RuntimeError(_PINS_FULL)
+            return tuple(out)
         uniq, inverse, counts = torch.unique(flat, return_inverse=True, return_counts=True)
         slots = self.map.find(uniq)
         hit = slots >= 0
         s = slots[hit]
+        if pin and bool((self.pins[s] == _MAX_PINS).any()):  # before any change
+            raise RuntimeError(_PINS_FULL)
         if p.kind != "lru":
             f = self.freq[s]
             if p.kind == "hybrid":
@@ -221,8 +245,7 @@ class IDTransformer:
             if status >= 0:  # no room: nothing changed
                 need = len(new_ids) if admit is None else int(admit.sum())
                 raise _no_room(need, self.capacity - self.resident, status)
-            if status == _PIN_REFUSED:  # admitted, none pinned: as _pin refuses after admission
-                self.resident += len(out[0]) - len(out[2])
+            if status == _PIN_REFUSED:  # nothing changed; lookup with pin refuses such a batch first
                 raise RuntimeError(_PINS_FULL)
             return (*out, pin)
         admitted = new_ids[admit]
@@ -260,7 +283,7 @@ class IDTransformer:
         return evicted, victims
 
     def _pin(self, held: torch.Tensor) -> None:
-        """held: distinct slots."""
+        """held: distinct slots; all get one more pin or, when one is at 255, none does."""
         if self.backend == "kernel":
             self._kernel_pin(held, 1, RuntimeError(_PINS_FULL))
             return

@@ -134,12 +134,12 @@ def test_pin_overflow_and_double_release_change_nothing(backend):
     before = t.records.clone()
     last = t.transform(torch.tensor([1, 2]), pin=True)  # slot of 1 at 255 now, 2's at 1
     assert t.pins[one].tolist() == [255] and int(t.pins[last.distinct_slots].sum()) == 256
-    records = t.records.clone()
+    records, step = t.records.clone(), t.step
     with pytest.raises(RuntimeError, match="pinned by 255 batches in flight"):
         t.transform(torch.tensor([2, 1, 4]), pin=True)  # 2 and 4 could be pinned, 1 cannot
-    # the batch was still seen and admitted (4 is resident, all three touched), none pinned
-    assert t.pins.tolist() == records.view(torch.uint8)[:, 13].tolist()
-    assert len(t) == 4 and int(t.map.find(torch.tensor([4]))) >= 0
+    # refused before anything changed: 4 not admitted, nothing touched or pinned, same step
+    assert torch.equal(t.records, records) and t.step == step
+    assert len(t) == 3 and int(t.map.find(torch.tensor([4]))) == -1
     assert before.view(torch.uint8)[:, 13].sum() + 2 == records.view(torch.uint8)[:, 13].sum()
     # pin through _pin directly (the release of a batch and its re-pin): refused whole too
     pins = t.pins.clone()
@@ -322,3 +322,112 @@ def test_kernel_gives_the_same_on_one_thread_and_two(kind):
             assert len(out["torch"].evicted_ids) > 0
     finally:
         torch.set_num_threads(threads)
+
+
+def _same_state(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), what
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, dict):
+            _same_state(x, y, f"{what}: {key}")
+        elif isinstance(x, torch.Tensor):
+            assert torch.equal(x, y), f"{what}: {key} changed"
+        else:
+            assert x == y, f"{what}: {key} changed ({x} -> {y})"
+
+
+def _saturate(t: IDTransformer, i: int) -> list:
+    """Pin the slot of resident ID i up to 255 through pinned transforms of [i] alone."""
+    held = []
+    while int(t.pins[t.map.find(torch.tensor([i], device=t.device))]) < 255:
+        held.append(t.transform(torch.tensor([i]), pin=True))
+    return held
+
+
+@pytest.mark.parametrize("threshold", [1, 2])
+@BACKENDS
+def test_a_batch_refused_for_pins_changes_nothing(backend, threshold):
+    """A pinned transform that would take a slot past 255 pins is refused before anything is
+    admitted, evicted, touched, counted or stepped: state_dict() is as before the call, and the
+    same batch goes through once a batch in flight is released, its evictions reported."""
+    t = make(backend, capacity=4, policy=EvictionPolicy("hybrid", evict_fraction=0.5),
+             admit_threshold=threshold, sketch_width=1 << 12)
+    for _ in range(threshold):
+        t.transform(torch.tensor([1, 2, 3, 4]))
+    assert len(t) == 4
+    held = _saturate(t, 1)
+    for _ in range(threshold - 1):
+        t.transform(torch.tensor([5, 6]))  # seen, below the threshold: not admitted yet
+    before = t.state_dict()
+    batch = torch.tensor([2, 5, 1, 6, 5])  # 2 resident, 5 and 6 new (room: evict), 1 at 255
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="pinned by 255 batches in flight"):
+            t.transform(batch, pin=True)
+        _same_state(before, t.state_dict(), "a refused batch")
+        assert len(t) == 4
+    t.transform(torch.tensor([3]))  # the table goes on as usual meanwhile
+    t.release(held.pop().slots)
+    out = t.transform(batch, pin=True)
+    assert sorted(out.admitted_ids.tolist()) == [5, 6]
+    assert len(out.evicted_ids) >= 2 and not {1, 2} & set(out.evicted_ids.tolist())
+    assert (out.slots >= 0).all() and len(t) == 4 - len(out.evicted_ids) + 2
+    assert int(t.pins[t.map.find(torch.tensor([1], device=t.device))]) == 255
+
+
+_OP = st.one_of(
+    st.tuples(st.just("batch"), st.lists(st.integers(0, 12), min_size=1, max_size=6), st.booleans()),
+    st.tuples(st.just("saturate"), st.integers(0, 12)),
+    st.tuples(st.just("release"), st.integers(0, 300)),
+)
+
+
+@settings(max_examples=30, deadline=None)
+@given(ops=st.lists(_OP, min_size=1, max_size=30), kind=st.sampled_from(["lru", "lfu", "hybrid"]),
+       threshold=st.integers(1, 2))
+@BACKENDS
+def test_no_eviction_is_lost_across_pin_refusals(backend, ops, kind, threshold):
+    """Random batches, with slots pinned up to 255 and batches released: an ID that leaves the
+    map is reported evicted exactly once (the reference follows only the reports and must
+    match the transformer's residents after every call), a batch is refused for pins exactly
+    when one of its resident IDs is at 255, and then state_dict() is unchanged."""
+    t = make(backend, capacity=6, policy=EvictionPolicy(kind, evict_fraction=0.34),
+             admit_threshold=threshold, sketch_width=1 << 12)
+    ref, held = Reference(), []
+
+    def pins_of(i: int) -> int:
+        return int(t.pins[ref.where[i]]) if i in ref.where else 0
+
+    def call(batch: list[int], pin: bool) -> None:
+        before = t.state_dict()
+        full = pin and any(pins_of(i) == 255 for i in set(batch))
+        pinned = set(torch.nonzero(t.pins).flatten().tolist())
+        try:
+            out = t.transform(torch.tensor(batch), pin=pin)
+        except RuntimeError as e:
+            if "pinned by 255" in str(e):
+                assert full, "refused for pins with no slot at 255"
+                _same_state(before, t.state_dict(), "a batch refused for pins")
+                return
+            assert "no room" in str(e) and not full, str(e)
+            return
+        assert not full, "a slot took a 256th pin"
+        ref.check(batch, out, pinned)
+        if pin:
+            held.append(out)
+
+    for op in ops:
+        if op[0] == "batch":
+            call(op[1], op[2])
+        elif op[0] == "saturate":
+            i = op[1]
+            call([i], False)
+            while i in ref.where and pins_of(i) < 255:  # hits only: the check below follows
+                held.append(t.transform(torch.tensor([i]), pin=True))
+        elif held:
+            t.release(held.pop(op[1] % len(held)).distinct_slots, distinct=True)
+        state = t.state_dict()
+        assert dict(zip(state["ids"].tolist(), state["slots"].tolist())) == ref.where, \
+            "the map and the reported admissions/evictions disagree: an ID left unreported"
+    while held:
+        t.release(held.pop().distinct_slots, distinct=True)
+    assert int(t.pins.sum()) == 0

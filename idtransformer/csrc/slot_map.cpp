@@ -182,12 +182,18 @@ inline double coin(int64_t id, int64_t step, uint64_t seed) {
 // p = 1 / ((freq - initial_freq) * log_factor + 1) (policy.bump). A missing ID gets -(k + 2),
 // k its index among the batch's distinct missing IDs in order of first sighting.
 // decay_steps 0: no decay; log_factor < 0: no counter (LRU).
+// With pin (the batch is to be pinned), a resident ID whose slot already has 255 pins stops
+// the pass: every record touched so far is put back as it was and the call returns status
+// kLookupPinsFull with empty tensors, nothing changed (only the resident can be at 255: the
+// admitted start at 0 pins, so this is the whole of the batch's pin check).
 // Returns (slots, new_ids, new_counts, the distinct resident slots seen, the number of
-// sightings of resident IDs as a 0-dim tensor: the result's `hits`).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lookup(const at::Tensor& entries, const at::Tensor& records,
-                                                       const at::Tensor& ids_in, int64_t step, int64_t map_seed,
-                                                       int64_t coin_seed, double log_factor, int64_t initial_freq,
-                                                       int64_t decay_steps) {
+// sightings of resident IDs as a 0-dim tensor: the result's `hits`, status: kLookupDone or
+// kLookupPinsFull).
+constexpr int64_t kLookupDone = 0, kLookupPinsFull = 1;
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> lookup(
+    const at::Tensor& entries, const at::Tensor& records, const at::Tensor& ids_in, int64_t step, int64_t map_seed,
+    int64_t coin_seed, double log_factor, int64_t initial_freq, int64_t decay_steps, bool pin) {
   Map map(entries, records, map_seed);
   Record* rec = records_of(records);
   TORCH_CHECK(decay_steps >= 0, "decay_steps must be >= 0 (0: no decay)");
@@ -223,6 +229,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lookup(co
   std::vector<int64_t> new_ids;
   std::vector<int32_t> new_counts;
   std::vector<int32_t> touched;  // resident slots seen in this batch
+  std::vector<int64_t> touched_meta;  // with pin: their records' meta before this call
   int64_t hits = 0;
   new_ids.reserve(size_t(n));
   new_counts.reserve(size_t(n));
@@ -253,6 +260,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lookup(co
       ++hits;
       const int64_t m = rec[s].meta;
       if (last_of(m) != now) {  // first sighting in this batch
+        if (pin) {
+          if (pins_of(m) == 255) {  // refused: undo the touches, nothing else was changed yet
+            for (size_t j = 0; j < touched.size(); ++j) rec[touched[j]].meta = touched_meta[j];
+            at::Tensor none = at::empty({0}, ids.options());
+            return {none, none, none.to(at::kInt), none, at::scalar_tensor(0, ids.options()), kLookupPinsFull};
+          }
+          touched_meta.push_back(m);
+        }
         uint32_t f = freq_of(m);
         if (decay_steps > 0) {
           const int64_t idle = int64_t(now) - last_of(m);
@@ -299,7 +314,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lookup(co
   std::memcpy(counts_t.data_ptr<int32_t>(), new_counts.data(), new_counts.size() * sizeof(int32_t));
   at::Tensor touched_t = at::empty({int64_t(touched.size())}, ids.options());
   std::copy(touched.begin(), touched.end(), touched_t.data_ptr<int64_t>());
-  return {slots, new_ids_t, counts_t, touched_t, at::scalar_tensor(hits, ids.options())};
+  return {slots, new_ids_t, counts_t, touched_t, at::scalar_tensor(hits, ids.options()), kLookupDone};
 }
 
 // Eviction key of a slot: (primary << 32) | last access, lowest first; kNotMovable for a
@@ -507,11 +522,12 @@ at::Tensor select_victims(const Record* rec, int64_t C, const Scorer& sc, int64_
 // (evicting, when the table is short, max(short, evict_min) movable slots, lowest keys
 // first), give them the lowest free slots in order, and write their slots over the
 // -(k + 2) placeholders in `slots`. admit: one flag per new ID, or none: all admitted. With
-// pin, every slot the batch uses (`seen`, from lookup, and the admitted) gets one more pin,
-// unless one of them already has 255: then none does (the admission stands).
+// pin, every slot the batch uses (`seen`, from lookup, and the admitted) gets one more pin;
+// if one of the seen already has 255 (lookup with pin refuses such a batch first, so this is
+// a guard), the call changes nothing and returns kPinRefused.
 // Returns (admitted_ids, admitted_slots, evicted_ids, evicted_slots, distinct slots (seen,
-// then the admitted), status): status kAdmitted, kPinRefused, or, when there was no room
-// (nothing changed), how many slots could have been evicted (>= 0).
+// then the admitted), status): status kAdmitted, kPinRefused (nothing changed), or, when
+// there was no room (nothing changed), how many slots could have been evicted (>= 0).
 constexpr int64_t kAdmitted = -1, kPinRefused = -2;
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> admit(
@@ -541,11 +557,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> 
   const int64_t* seen = seen_t.data_ptr<int64_t>();
   const int64_t n_seen = seen_t.numel();
   // Pins: only the seen can be at 255 (the admitted start at 0), and they are touched at
-  // this step, so eviction never takes them: checked up front, applied at the end.
-  bool pin_refused = false;
+  // this step, so eviction never takes them: checked before anything changes, applied at
+  // the end.
   if (pin)
-    for (int64_t i = 0; i < n_seen && !pin_refused; ++i) pin_refused = pins_of(rec[seen[i]].meta) == 255;
-  const uint32_t new_pins = pin && !pin_refused ? 1 : 0;
+    for (int64_t i = 0; i < n_seen; ++i)
+      if (pins_of(rec[seen[i]].meta) == 255) {
+        at::Tensor none = at::empty({0}, opt);
+        return {none, none, none, none, none, kPinRefused};
+      }
+  const uint32_t new_pins = pin ? 1 : 0;
 
   // The admitted take the lowest free slots: the slots free before this call (all `free` of
   // them, or the lowest `need`) merged with the victims. Found before the victims are freed,
@@ -622,7 +642,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> 
   at::Tensor distinct = at::empty({n_seen + need}, opt);
   std::memcpy(distinct.data_ptr<int64_t>(), seen, size_t(n_seen) * sizeof(int64_t));
   std::memcpy(distinct.data_ptr<int64_t>() + n_seen, a_slot, size_t(need) * sizeof(int64_t));
-  return {admitted, admitted_slots, victim_ids, victims, distinct, pin_refused ? kPinRefused : kAdmitted};
+  return {admitted, admitted_slots, victim_ids, victims, distinct, kAdmitted};
 }
 
 // Add delta (+1 or -1) to the pin count of each of `slots` (distinct), all or none: returns
@@ -688,7 +708,7 @@ void erase(const at::Tensor& entries, const at::Tensor& records, const at::Tenso
 TORCH_LIBRARY(dynemb_idt, m) {
   m.def(
       "lookup(Tensor entries, Tensor(a!) records, Tensor ids, int step, int map_seed, int coin_seed, "
-      "float log_factor, int initial_freq, int decay_steps) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "float log_factor, int initial_freq, int decay_steps, bool pin) -> (Tensor, Tensor, Tensor, Tensor, Tensor, int)");
   m.def(
       "admit(Tensor(a!) entries, Tensor(b!) records, Tensor(c!) slots, Tensor new_ids, Tensor? admit, Tensor seen, "
       "bool pin, int step, int resident, int map_seed, int kind, int ttl, int decay_steps, int initial_freq, "

@@ -25,6 +25,48 @@ def _owned_by_me(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return torch.cat([b[owner_of(b, world) == rank] for b in all_gather_ragged(batch)])
 
 
+def _owned(r: int, world: int, n: int, skip: int = 0) -> list[int]:
+    """n IDs owned by rank r (the same on every rank), after the first `skip` of them."""
+    ids = torch.arange(10_000)
+    return ids[owner_of(ids, world) == r][skip:skip + n].tolist()
+
+
+def _pin_refusal(rank: int, world: int) -> None:
+    """A batch whose IDs include one whose slot (on rank 0) is pinned by 255 batches in flight:
+    rank 0 refuses it with its table untouched and answers -2, every other rank gets a clear
+    error instead of hanging; after a release the same batch goes through."""
+    tiny = ShardedIDTransformer(8, EvictionPolicy("lru", evict_fraction=0.5))
+    x = _owned(0, world, 1)[0]
+    tiny.transform(torch.tensor(_owned(rank, world, 8)))  # every rank's table full (x on rank 0)
+    held = [tiny.transform(torch.tensor([x]), pin=True) for _ in range(255)]
+    batch = torch.tensor([x] + _owned(0, world, 2, skip=8) + _owned(rank, world, 2, skip=10))
+    before = tiny.local.state_dict()
+    try:
+        transform_tables([tiny], [batch], pin=True)
+        raise AssertionError("a batch with a slot at 255 pins went through")
+    except RuntimeError as e:
+        if rank == 0:
+            assert "pinned by 255 batches in flight" in str(e), str(e)
+            after = tiny.local.state_dict()
+            assert after.keys() == before.keys()
+            for key, value in before.items():
+                same = torch.equal(value, after[key]) if isinstance(value, torch.Tensor) else value == after[key]
+                assert same, f"a refused batch changed {key}"
+        else:
+            assert "refused the batch" in str(e), str(e)
+    tiny.release(held.pop())
+    out = transform_tables([tiny], [batch], pin=True)[0]
+    assert (out.slots >= 0).all()
+    if rank == 0:
+        assert set(_owned(0, world, 2, skip=8)) <= set(out.owned.admitted_ids.tolist())
+        assert len(out.owned.evicted_ids) >= 2 and x not in out.owned.evicted_ids.tolist()
+    tiny.release(out)
+    for h in held:
+        tiny.release(h)
+    if rank == 0:  # (the other ranks' shares of the refused call were transformed and pinned,
+        assert int(tiny.local.pins.sum()) == 0  # and their results dropped with the error)
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -83,6 +125,7 @@ def main() -> None:
             sharded.release(done)
             model.release(done_expect.slots)
     assert torch.equal(sharded.local.records, model.records)
+    _pin_refusal(rank, world)
     print(f"OK rank {rank} of {world}: {len(sharded.local)} resident", flush=True)
     dist.destroy_process_group()
 
