@@ -70,6 +70,12 @@ class NoRoom(RuntimeError):
     """Not enough slots free or evictable for a batch's new IDs (the rest are in use or pinned)."""
 
 
+def too_many_ids(distinct: int, capacity: int) -> TooManyIDs:
+    return TooManyIDs(
+        f"batch has {distinct} distinct IDs but the table holds {capacity}: use a larger capacity or smaller batches"
+    )
+
+
 def _no_room(need: int, free: int, movable: int) -> NoRoom:
     return NoRoom(
         f"no room: {need} new IDs, {free} free slots, and only {movable} slots that are "
@@ -142,16 +148,12 @@ class IDTransformer:
 
     def transform(self, ids: torch.Tensor, pin: bool = False) -> TransformResult:
         ids = as_int64_ids(ids)
-        if self.step >= (1 << 31) - 1:
-            raise OverflowError("the transformer's step counter is at 2^31 - 1 (last_access is int32)")
+        self._check_step()
         flat = ids.reshape(-1).to(self.device)
         if flat.numel() > self.capacity:  # only then can it hold too many distinct IDs
             distinct = torch.unique(flat).numel()
             if distinct > self.capacity:
-                raise TooManyIDs(
-                    f"batch has {distinct} distinct IDs but the table holds {self.capacity}: "
-                    f"use a larger capacity or smaller batches"
-                )
+                raise too_many_ids(distinct, self.capacity)
         # 1. Hits get their slot and a touch (last_access = step marks them in use); the k-th
         #    distinct missing ID (in order of first sighting) gets -(k + 2) for now.
         slots, new_ids, new_counts, seen, hits = self._lookup(flat)
@@ -176,6 +178,10 @@ class IDTransformer:
         rejected = new_ids[:0] if admit is None else new_ids[~admit]
         return TransformResult(slots.reshape(ids.shape), admitted, admitted_slots, evicted_ids, evicted_slots,
                                rejected, hits, distinct)
+
+    def _check_step(self) -> None:
+        if self.step >= (1 << 31) - 1:
+            raise OverflowError("the transformer's step counter is at 2^31 - 1 (last_access is int32)")
 
     def _lookup(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         p = self.policy

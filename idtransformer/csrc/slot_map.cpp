@@ -182,22 +182,26 @@ inline double coin(int64_t id, int64_t step, uint64_t seed) {
 // p = 1 / ((freq - initial_freq) * log_factor + 1) (policy.bump). A missing ID gets -(k + 2),
 // k its index among the batch's distinct missing IDs in order of first sighting.
 // decay_steps 0: no decay; log_factor < 0: no counter (LRU).
-// Returns (slots, new_ids, new_counts, the distinct resident slots seen, the number of
-// sightings of resident IDs as a 0-dim tensor: the result's `hits`).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lookup(const at::Tensor& entries, const at::Tensor& records,
-                                                       const at::Tensor& ids_in, int64_t step, int64_t map_seed,
-                                                       int64_t coin_seed, double log_factor, int64_t initial_freq,
-                                                       int64_t decay_steps) {
+// Writes the slots into `slots_out` (n int64, contiguous) and returns (new_ids, new_counts,
+// the distinct resident slots seen, the number of sightings of resident IDs: the result's
+// `hits`).
+struct Looked {
+  at::Tensor new_ids, new_counts, seen;
+  int64_t hits;
+};
+
+Looked lookup_into(const at::Tensor& entries, const at::Tensor& records, const at::Tensor& ids,
+                   const at::Tensor& slots_out, int64_t step, int64_t map_seed, int64_t coin_seed, double log_factor,
+                   int64_t initial_freq, int64_t decay_steps) {
   Map map(entries, records, map_seed);
   Record* rec = records_of(records);
   TORCH_CHECK(decay_steps >= 0, "decay_steps must be >= 0 (0: no decay)");
-  at::Tensor ids = flat_ids(ids_in);
   const int64_t n = ids.numel();
   const int64_t* id = ids.data_ptr<int64_t>();
   const int32_t now = int32_t(step);
-
-  at::Tensor slots = at::empty({n}, ids.options());
-  int64_t* out = slots.data_ptr<int64_t>();
+  TORCH_CHECK(slots_out.scalar_type() == at::kLong && slots_out.is_contiguous() && slots_out.numel() == n,
+              "lookup: slots_out must be contiguous int64, one per id");
+  int64_t* out = slots_out.data_ptr<int64_t>();
 
   // The batch's misses are de-duplicated in a small set of their own (sized by the batch,
   // not the table), so the main map only ever holds resident IDs. Its entries carry the ID,
@@ -299,7 +303,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lookup(co
   std::memcpy(counts_t.data_ptr<int32_t>(), new_counts.data(), new_counts.size() * sizeof(int32_t));
   at::Tensor touched_t = at::empty({int64_t(touched.size())}, ids.options());
   std::copy(touched.begin(), touched.end(), touched_t.data_ptr<int64_t>());
-  return {slots, new_ids_t, counts_t, touched_t, at::scalar_tensor(hits, ids.options())};
+  return {new_ids_t, counts_t, touched_t, hits};
+}
+
+// Returns (slots, new_ids, new_counts, the distinct resident slots seen, the number of
+// sightings of resident IDs as a 0-dim tensor: the result's `hits`).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lookup(const at::Tensor& entries, const at::Tensor& records,
+                                                       const at::Tensor& ids_in, int64_t step, int64_t map_seed,
+                                                       int64_t coin_seed, double log_factor, int64_t initial_freq,
+                                                       int64_t decay_steps) {
+  at::Tensor ids = flat_ids(ids_in);
+  at::Tensor slots = at::empty({ids.numel()}, ids.options());
+  Looked l = lookup_into(entries, records, ids, slots, step, map_seed, coin_seed, log_factor, initial_freq, decay_steps);
+  return {slots, l.new_ids, l.new_counts, l.seen, at::scalar_tensor(l.hits, ids.options())};
 }
 
 // Eviction key of a slot: (primary << 32) | last access, lowest first; kNotMovable for a
@@ -625,6 +641,97 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> 
   return {admitted, admitted_slots, victim_ids, victims, distinct, pin_refused ? kPinRefused : kAdmitted};
 }
 
+// Many tables' batches in one call (a trainer rank's tables at a step: one call instead of
+// two ops and their Python per table). Table t's IDs are the block of `ids` after those of
+// tables 0..t-1; its state is entries[t], records[t]; params holds kManyParams values per
+// table (see the enum) and log_factors one per table (lookup's log_factor). Each table is
+// transformed exactly as lookup then admit (no admission flags: all admitted) would, the
+// tables one after the other; a table that fails changes nothing in the others.
+// Returns (slots of all blocks, then for all tables in order: admitted ids, admitted slots,
+// evicted ids, evicted slots, distinct slots, and info: one row per table of kInfo values):
+// slots and the admitted and evicted slots are rows of the table, its local slot + base (the
+// row its block starts at); the distinct slots stay local (what pin and release take).
+// info's status is admit's (kAdmitted, kPinRefused, or the movable slots when there was no
+// room: the block's slots are then undefined), or kTooMany: the block has more distinct IDs
+// than the table has slots (extra says how many; nothing was done, the step not taken).
+constexpr int64_t kTooMany = -3;
+enum ManyParam { kSize, kStep, kResident, kBase, kInitialFreq, kLookupDecay, kKind, kTtl, kDecaySteps, kEvictMin,
+                 kManyParams };
+enum ManyInfo { kStatus, kHits, kNumAdmitted, kNumEvicted, kNumDistinct, kExtra, kInfo };
+
+int64_t count_distinct(const at::Tensor& ids) {
+  std::vector<int64_t> v(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel());
+  std::sort(v.begin(), v.end());
+  return int64_t(std::unique(v.begin(), v.end()) - v.begin());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transform_many(
+    at::TensorList entries, at::TensorList records, const at::Tensor& ids_in, at::IntArrayRef params,
+    at::ArrayRef<double> log_factors, bool pin, int64_t map_seed, int64_t coin_seed) {
+  const int64_t T = int64_t(entries.size());
+  TORCH_CHECK(int64_t(records.size()) == T && int64_t(log_factors.size()) == T &&
+                  int64_t(params.size()) == T * kManyParams,
+              "transform_many: one entries, records, log_factor and ", int64_t(kManyParams), " params per table");
+  at::Tensor ids = flat_ids(ids_in);
+  int64_t total = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t n = params[t * kManyParams + kSize];
+    TORCH_CHECK(n >= 0, "transform_many: a block's size is negative");
+    total += n;
+  }
+  TORCH_CHECK(total == ids.numel(), "transform_many: the blocks' sizes add up to ", total, ", not to the ",
+              ids.numel(), " ids");
+  at::Tensor slots = at::empty({ids.numel()}, ids.options());
+  at::Tensor info = at::zeros({T, kInfo}, ids.options());
+  int64_t* inf = info.data_ptr<int64_t>();
+  std::vector<at::Tensor> admitted, admitted_slots, evicted, evicted_slots, distinct;
+  int64_t off = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t* p = params.data() + t * kManyParams;
+    int64_t* row = inf + t * kInfo;
+    const int64_t n = p[kSize], C = records[t].size(0), base = p[kBase];
+    const at::Tensor block = ids.narrow(0, off, n), out = slots.narrow(0, off, n);
+    off += n;
+    if (n > C) {  // only then can it hold too many distinct IDs
+      const int64_t d = count_distinct(block);
+      if (d > C) {
+        row[kStatus] = kTooMany;
+        row[kExtra] = d;
+        continue;
+      }
+    }
+    const Looked l = lookup_into(entries[t], records[t], block, out, p[kStep], map_seed, coin_seed, log_factors[t],
+                                 p[kInitialFreq], p[kLookupDecay]);
+    auto [a_ids, a_slots, v_ids, v_slots, held, status] =
+        admit(entries[t], records[t], out, l.new_ids, std::nullopt, l.seen, pin, p[kStep], p[kResident], map_seed,
+              p[kKind], p[kTtl], p[kDecaySteps], p[kInitialFreq], p[kEvictMin]);
+    row[kStatus] = status;
+    row[kHits] = l.hits;
+    if (status >= 0) {  // no room: nothing admitted
+      row[kExtra] = l.new_ids.numel();
+      continue;
+    }
+    if (base != 0) {
+      int64_t* o = out.data_ptr<int64_t>();
+      for (int64_t i = 0; i < n; ++i) o[i] += o[i] >= 0 ? base : 0;
+      a_slots.add_(base);
+      v_slots.add_(base);
+    }
+    row[kNumAdmitted] = a_ids.numel();
+    row[kNumEvicted] = v_ids.numel();
+    row[kNumDistinct] = held.numel();
+    admitted.push_back(a_ids);
+    admitted_slots.push_back(a_slots);
+    evicted.push_back(v_ids);
+    evicted_slots.push_back(v_slots);
+    distinct.push_back(held);
+  }
+  auto cat = [&](const std::vector<at::Tensor>& parts) {
+    return parts.empty() ? at::empty({0}, ids.options()) : at::cat(parts);
+  };
+  return {slots, cat(admitted), cat(admitted_slots), cat(evicted), cat(evicted_slots), cat(distinct), info};
+}
+
 // Add delta (+1 or -1) to the pin count of each of `slots` (distinct), all or none: returns
 // kPinApplied, kPinOutOfRange if a count would leave [0, 255] (nothing changed), or
 // kSlotOutOfRange for a slot outside the table (nothing changed). An indicator, not an
@@ -693,6 +800,9 @@ TORCH_LIBRARY(dynemb_idt, m) {
       "admit(Tensor(a!) entries, Tensor(b!) records, Tensor(c!) slots, Tensor new_ids, Tensor? admit, Tensor seen, "
       "bool pin, int step, int resident, int map_seed, int kind, int ttl, int decay_steps, int initial_freq, "
       "int evict_min) -> (Tensor, Tensor, Tensor, Tensor, Tensor, int)");
+  m.def(
+      "transform_many(Tensor(a!)[] entries, Tensor(b!)[] records, Tensor ids, int[] params, float[] log_factors, "
+      "bool pin, int map_seed, int coin_seed) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("pin(Tensor(a!) records, Tensor slots, int delta) -> int");
   m.def("huge_empty(int[] size, ScalarType dtype) -> Tensor", dynemb::huge_empty);
   m.def("find(Tensor entries, Tensor records, Tensor ids, int map_seed) -> Tensor");
@@ -703,6 +813,7 @@ TORCH_LIBRARY(dynemb_idt, m) {
 TORCH_LIBRARY_IMPL(dynemb_idt, CPU, m) {
   m.impl("lookup", dynemb::lookup);
   m.impl("admit", dynemb::admit);
+  m.impl("transform_many", dynemb::transform_many);
   m.impl("pin", dynemb::pin);
   m.impl("find", dynemb::find);
   m.impl("insert", dynemb::insert);
