@@ -369,15 +369,25 @@ constexpr int64_t kSmallTable = 16384;
 // small table (a trainer rank's share of one feature's table: thousands of slots, one call
 // per table and step), where clearing pass 2's 65,536-bucket histograms alone costs more
 // than a partial sort of its keys.
+// Each movable slot is one word, key << kSlotBits | slot (a key is below 2^41: a primary of at
+// most 257 above a 32-bit step), so the selection compares plain integers, not pairs.
+constexpr int kSlotBits = 14;
+static_assert(kSmallTable <= (int64_t(1) << kSlotBits), "a small table's slots fit kSlotBits");
+
 at::Tensor lowest_by_sort(const uint64_t* keys, int64_t C, int64_t n) {
-  std::vector<std::pair<uint64_t, int64_t>> movable;
-  movable.reserve(size_t(C));
-  for (int64_t s = 0; s < C; ++s)
-    if (keys[s] != kNotMovable) movable.emplace_back(keys[s], s);
-  if (n < int64_t(movable.size())) std::nth_element(movable.begin(), movable.begin() + n, movable.end());
+  static thread_local std::vector<uint64_t> storage;  // kept: a fresh one per call page-faults
+  storage.resize(size_t(C));
+  uint64_t* movable = storage.data();
+  int64_t m = 0;
+  for (int64_t s = 0; s < C; ++s) {  // written without a branch: most slots are movable
+    movable[m] = keys[s] << kSlotBits | uint64_t(s);
+    m += keys[s] != kNotMovable;
+  }
+  if (n < m) std::nth_element(movable, movable + n, movable + m);
   at::Tensor out = at::empty({n}, at::kLong);
   int64_t* o = out.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) o[i] = movable[size_t(i)].second;
+  constexpr uint64_t kSlotMask = (uint64_t(1) << kSlotBits) - 1;
+  for (int64_t i = 0; i < n; ++i) o[i] = int64_t(movable[i] & kSlotMask);
   std::sort(o, o + n);
   return out;
 }
