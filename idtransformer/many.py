@@ -16,6 +16,8 @@ changes.
 Tables on the compiled kernel without an admission sketch take one kernel call for them all
 (csrc/slot_map.cpp transform_many: lookup and admit, table after table, no Python between);
 the rest (the torch backend, an admission threshold) go one by one through transform.
+
+    errors = release_many(tables, [out.distinct_slots for out in out.results])   # when done
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ import torch
 
 from idtransformer.ids import as_int64_ids
 from idtransformer.slot_map import COIN_SEED, MAP_SEED
-from idtransformer.transformer import (_KIND_CODE, _PIN_REFUSED, _PINS_FULL, IDTransformer, TransformResult,
-                                       _no_room, too_many_ids)
+from idtransformer.transformer import (_KIND_CODE, _NOT_PINNED, _PIN_REFUSED, _PINS_FULL, IDTransformer,
+                                       TransformResult, _no_room, too_many_ids)
 
 _TOO_MANY = -3  # transform_many's status for a block with more distinct IDs than the table has slots
 
@@ -133,3 +135,24 @@ def _kernel_many(tables: list[IDTransformer], ids: torch.Tensor, sizes: list[int
         results.append(None if error is not None else TransformResult(
             blocks[k], admitted[k], admitted_slots[k], evicted[k], evicted_slots[k], no_ids, hits, distinct[k]))
     return ManyResult(slots, results, errors)
+
+
+def release_many(tables: list[IDTransformer], distinct_slots: list[torch.Tensor]) -> list[Exception | None]:
+    """tables[t].release(distinct_slots[t], distinct=True) for every table, those on the kernel
+    in one call; each table all or none. Returns each table's error (not pinned: released
+    twice?), the other tables released all the same."""
+    errors: list[Exception | None] = [None] * len(tables)
+    fast = [k for k, t in enumerate(tables) if t.backend == "kernel"]
+    if fast:
+        held = [distinct_slots[k] for k in fast]
+        status = tables[fast[0]].map.ops.pin_many([tables[k].records for k in fast], torch.cat(held),
+                                                  [h.shape[0] for h in held], -1).tolist()
+        for k, s in zip(fast, status):
+            errors[k] = tables[k]._pin_error(s, ValueError(_NOT_PINNED))
+    for k, t in enumerate(tables):
+        if t.backend != "kernel":
+            try:
+                t.release(distinct_slots[k], distinct=True)
+            except (ValueError, IndexError) as e:
+                errors[k] = e
+    return errors

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from idtransformer.hashing import owner_of
 from idtransformer.ids import as_int64_ids
-from idtransformer.many import transform_many
+from idtransformer.many import release_many, transform_many
 from idtransformer.policy import EvictionPolicy
 from idtransformer.transformer import IDTransformer, TransformResult
 
@@ -79,6 +79,21 @@ class ShardedIDTransformer:
                 f"of {self.world_size} (a different world size needs a re-shard: export and re-import)"
             )
         self.local.load_state_dict(state["local"])
+
+
+def release_tables(tables: list[ShardedIDTransformer], results: list[ShardedTransformResult]) -> None:
+    """tables[t].release(results[t]) for every table (local: no communication), the tables on
+    the kernel in one call; the first error is raised once every table has been released."""
+    for out in results:
+        if out.pinned is None:
+            raise ValueError("this batch was not transformed with pin=True")
+    errors = release_many([t.local for t in tables], [out.pinned for out in results])
+    for out, error in zip(results, errors):
+        if error is None:
+            out.pinned = None
+    error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise error
 
 
 def _exchange(send: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:

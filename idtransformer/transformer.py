@@ -277,11 +277,17 @@ class IDTransformer:
     def _kernel_pin(self, held: torch.Tensor, delta: int, refused: Exception) -> None:
         """The kernel checks every count first and changes nothing when one would pass 255 or go
         below 0 (it returns a code rather than throw across into Python)."""
-        status = self.map.ops.pin(self.records, held, delta)
+        error = self._pin_error(self.map.ops.pin(self.records, held, delta), refused)
+        if error is not None:
+            raise error
+
+    def _pin_error(self, status: int, refused: Exception) -> Exception | None:
+        """What the kernel's pin status means: None (applied), refused, or a slot out of range."""
         if status == _PIN_OUT_OF_RANGE:
-            raise refused
+            return refused
         if status == _SLOT_OUT_OF_RANGE:  # as the torch path's indexing would refuse it
-            raise IndexError(f"slot out of range for a table of {self.capacity} slots")
+            return IndexError(f"slot out of range for a table of {self.capacity} slots")
+        return None
 
     def release(self, slots: torch.Tensor, distinct: bool = False) -> None:
         """Unpin the slots of a batch transformed with pin=True: its slots (each distinct one

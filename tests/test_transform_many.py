@@ -1,5 +1,5 @@
-"""transform_many (all of a rank's tables in one call) against each table's own transform, call
-by call: the same slots, admissions, evictions, hits, pins, errors and state, on streams that
+"""transform_many (all of a rank's tables in one call) and release_many against each table's own
+transform and release, call by call: the same slots, admissions, evictions, hits, pins, errors and state, on streams that
 evict, pin, refuse for want of room, overflow a pin count and bring batches too large."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from idtransformer.many import transform_many
+from idtransformer.many import release_many, transform_many
 from idtransformer.policy import EvictionPolicy
 from idtransformer.transformer import IDTransformer
 
@@ -88,9 +88,10 @@ def test_many_tables_in_one_call_match_each_table_alone(seed, kinds, fraction, m
             assert (m.step, m.resident) == (a.step, a.resident), where
         held.append(pinned)
         # release most batches two steps later; every fifth stays pinned, so pins pile up
-        if len(held) > 2 and step % 5:
-            for m, m_slots, a, a_slots in held.pop(0):
-                m.release(m_slots, distinct=True)
+        if len(held) > 2 and step % 5:  # many's tables released in one call, alone's one by one
+            done = held.pop(0)
+            assert release_many([m for m, *_ in done], [s for _, s, _, _ in done]) == [None] * len(done)
+            for _, _, a, a_slots in done:
                 a.release(a_slots, distinct=True)
     assert errors > 0  # the streams do reach the refusals
 
@@ -114,3 +115,15 @@ def test_errors_are_per_table_and_the_others_go_on():
     assert torch.equal(small.records, before) and small.step == 0
     with pytest.raises(ValueError, match="add up to 3, not to the 4"):
         transform_many([small, fine], torch.arange(4), [1, 2])
+
+
+def test_a_release_refused_by_one_table_releases_the_others():
+    tables = [IDTransformer(8), IDTransformer(8, backend="torch"), IDTransformer(8)]
+    got = transform_many(tables, torch.tensor([1, 2, 3, 4, 5]), [2, 2, 1], pin=True)
+    held = [out.distinct_slots for out in got.results]
+    tables[2].release(held[2], distinct=True)  # released early: the batch's release finds it unpinned
+    errors = release_many(tables, held)
+    assert errors[:2] == [None, None] and "not pinned (released twice?)" in str(errors[2])
+    assert [int(t.pins.sum()) for t in tables] == [0, 0, 0]
+    errors = release_many(tables, held)
+    assert all("not pinned" in str(e) for e in errors)

@@ -40,7 +40,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from idtransformer.policy import EvictionPolicy
-from idtransformer.sharded import ShardedIDTransformer, transform_blocks
+from idtransformer.sharded import ShardedIDTransformer, release_tables, transform_blocks
 from ps_server.schema import TableSchema
 from trainer.metrics import TrainerMetrics
 from trainer.row_group import RowGroup
@@ -131,7 +131,7 @@ class DynamicTables:
         n_dynamic = len(values) - sizes[-1]
         tables = [self.transformers[n] for n in names]
         slots, results = transform_blocks(tables, values[order[:n_dynamic]], sizes[:-1], pin=True)
-        self.in_flight.append(list(zip(tables, results)))
+        self.in_flight.append(results)
 
         owned = [out.owned for out in results]
         self._moving.append(self._start_moves(owned))
@@ -232,8 +232,7 @@ class DynamicTables:
 
     def release_oldest(self) -> None:
         """The oldest batch in flight is through backward and the optimizer step."""
-        for t, out in self.in_flight.popleft():
-            t.release(out)
+        release_tables([self.transformers[n] for n in self.names], self.in_flight.popleft())
 
     def wrap(self, batches: Iterator[Batch], ahead: int = 0) -> Iterator[Batch]:
         """The batches over device rows. ahead=1: a batch's rows may still be moving when it is

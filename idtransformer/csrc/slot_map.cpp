@@ -765,6 +765,27 @@ int64_t pin(const at::Tensor& records, const at::Tensor& slots_t, int64_t delta)
   return kPinApplied;
 }
 
+// pin for many tables in one call: table t's slots are the counts[t] of `slots` after those of
+// the tables before it; each table all or none, as pin. Returns pin's status per table.
+at::Tensor pin_many(at::TensorList records, const at::Tensor& slots_in, at::IntArrayRef counts, int64_t delta) {
+  TORCH_CHECK(records.size() == counts.size(), "pin_many: one count per table");
+  TORCH_CHECK(slots_in.device().is_cpu() && slots_in.scalar_type() == at::kLong, "pin_many: slots must be CPU int64");
+  const at::Tensor slots = slots_in.contiguous().view({-1});
+  int64_t total = 0;
+  for (const int64_t n : counts) {
+    TORCH_CHECK(n >= 0, "pin_many: a count is negative");
+    total += n;
+  }
+  TORCH_CHECK(total == slots.numel(), "pin_many: the counts add up to ", total, ", not to the ", slots.numel(), " slots");
+  at::Tensor status = at::empty({int64_t(counts.size())}, at::kLong);
+  int64_t off = 0;
+  for (size_t t = 0; t < counts.size(); ++t) {
+    status.data_ptr<int64_t>()[t] = pin(records[t], slots.narrow(0, off, counts[t]), delta);
+    off += counts[t];
+  }
+  return status;
+}
+
 // The slot of each id, -1 where it is not in the map.
 at::Tensor find(const at::Tensor& entries, const at::Tensor& records, const at::Tensor& ids_in, int64_t map_seed) {
   Map map(entries, records, map_seed);
@@ -814,6 +835,7 @@ TORCH_LIBRARY(dynemb_idt, m) {
       "transform_many(Tensor(a!)[] entries, Tensor(b!)[] records, Tensor ids, int[] params, float[] log_factors, "
       "bool pin, int map_seed, int coin_seed) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("pin(Tensor(a!) records, Tensor slots, int delta) -> int");
+  m.def("pin_many(Tensor(a!)[] records, Tensor slots, int[] counts, int delta) -> Tensor");
   m.def("huge_empty(int[] size, ScalarType dtype) -> Tensor", dynemb::huge_empty);
   m.def("find(Tensor entries, Tensor records, Tensor ids, int map_seed) -> Tensor");
   m.def("insert(Tensor(a!) entries, Tensor records, Tensor slots, int map_seed) -> ()");
@@ -825,6 +847,7 @@ TORCH_LIBRARY_IMPL(dynemb_idt, CPU, m) {
   m.impl("admit", dynemb::admit);
   m.impl("transform_many", dynemb::transform_many);
   m.impl("pin", dynemb::pin);
+  m.impl("pin_many", dynemb::pin_many);
   m.impl("find", dynemb::find);
   m.impl("insert", dynemb::insert);
   m.impl("erase", dynemb::erase);
