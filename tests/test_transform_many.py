@@ -1,6 +1,7 @@
 """transform_many (all of a rank's tables in one call) and release_many against each table's own
-transform and release, call by call: the same slots, admissions, evictions, hits, pins, errors and state, on streams that
-evict, pin, refuse for want of room, overflow a pin count and bring batches too large."""
+transform and release, call by call: the same slots, admissions, evictions, hits, pins,
+errors and state, on streams that evict, pin, refuse for want of room, overflow a pin count
+and bring batches too large."""
 
 from __future__ import annotations
 

@@ -190,8 +190,9 @@ class DynamicTables:
         pulling = [k for k, n in enumerate(admitted_counts) if n]
         start = time.perf_counter()
         push = self._timed(self.store.push_many_async(evicted), evicting, "push", start) if evicted else None
-        pull = self._timed(self.store.pull_many_async({self.ps_names[k]: owned[k].admitted_ids.numpy() for k in pulling}),
-                           [self.names[k] for k in pulling], "pull", start) if pulling else None
+        wanted = {self.ps_names[k]: owned[k].admitted_ids.numpy() for k in pulling}
+        pull = self._timed(self.store.pull_many_async(wanted), [self.names[k] for k in pulling], "pull",
+                           start) if pulling else None
         return _Moves(push, pull, torch.cat([o.admitted_slots for o in owned]) if owned else None, admitted_counts)
 
     def _finish_moves(self, moves: "_Moves") -> None:
