@@ -13,10 +13,11 @@ is no coordinator: each rank sends every ID of its batch to the owner (one all_t
 the counts, one for the IDs), each owner maps all the IDs it received in one batched call
 (the requests of rank 0 first, then rank 1, ...; an ID asked for by several ranks gets one
 slot), and the slots travel back the same way. transform_tables does this for many tables
-in the same three exchanges; on one rank there is nothing to exchange. The slots an owner hands out are rows of its
-own block, so with TorchRec's row-wise sharding (equal contiguous blocks) the row of an ID
-lives on the rank that owns the ID. Works with any torch.distributed backend that has
-all_to_all (gloo on CPU, NCCL on CUDA).
+in the same three exchanges, the owner mapping every table's IDs in one call (many.py); on
+one rank there is nothing to exchange. The slots an owner hands out are rows of its own
+block, so with TorchRec's row-wise sharding (equal contiguous blocks) the row of an ID lives
+on the rank that owns the ID. Works with any torch.distributed backend that has all_to_all
+(gloo on CPU, NCCL on CUDA).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch.distributed as dist
 
 from idtransformer.hashing import owner_of
 from idtransformer.ids import as_int64_ids
+from idtransformer.many import release_many, transform_many
 from idtransformer.policy import EvictionPolicy
 from idtransformer.transformer import IDTransformer, TransformResult
 
@@ -80,6 +82,21 @@ class ShardedIDTransformer:
         self.local.load_state_dict(state["local"])
 
 
+def release_tables(tables: list[ShardedIDTransformer], results: list[ShardedTransformResult]) -> None:
+    """tables[t].release(results[t]) for every table (local: no communication), the tables on
+    the kernel in one call; the first error is raised once every table has been released."""
+    for out in results:
+        if out.pinned is None:
+            raise ValueError("this batch was not transformed with pin=True")
+    errors = release_many([t.local for t in tables], [out.pinned for out in results])
+    for out, error in zip(results, errors):
+        if error is None:
+            out.pinned = None
+    error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise error
+
+
 def _exchange(send: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:
     recv = torch.empty(sum(recv_counts), dtype=send.dtype, device=send.device)
     dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group)
@@ -98,20 +115,33 @@ def transform_tables(tables: list[ShardedIDTransformer], ids: list[torch.Tensor]
     naming the refusal. The shares that other owners, or other tables, did transform in the
     same call stand, and their results (evictions to push, pins to release) are lost with
     the error."""
+    ids = [as_int64_ids(x) for x in ids]
+    every = torch.cat([x.reshape(-1) for x in ids]) if ids else torch.zeros(0, dtype=torch.int64)
+    _, results = transform_blocks(tables, every, [x.numel() for x in ids], pin)
+    for out, x in zip(results, ids):
+        out.slots = out.slots.reshape(x.shape)
+    return results
+
+
+def transform_blocks(tables: list[ShardedIDTransformer], ids: torch.Tensor, sizes: list[int],
+                     pin: bool = False) -> tuple[torch.Tensor, list[ShardedTransformResult]]:
+    """transform_tables over the tables' IDs laid end to end (table t's are the sizes[t] after
+    those of tables 0..t-1): (the slots of all, in that layout; each table's result, whose
+    slots are views of them)."""
     if not tables:
-        return []
+        return ids[:0], []
     first = tables[0]
     group, world, device = first.group, first.world_size, first.device
-    ids = [as_int64_ids(x) for x in ids]
-    flats = [x.reshape(-1).to(device) for x in ids]
+    every = as_int64_ids(ids).reshape(-1).to(device)
     if world == 1:  # nothing to exchange
-        return [_answer_local(t, f, pin, x.shape) for t, f, x in zip(tables, flats, ids)]
+        many = transform_many([t.local for t in tables], every, sizes, pin, [t.offset for t in tables])
+        if many.error is not None:
+            raise many.error
+        return many.slots, _results(many.slots, sizes, many.results, pin)
 
     # send layout: for each destination rank, table 0's IDs it owns, then table 1's, ...
     n_tables = len(tables)
-    every = torch.cat(flats)
-    table_of = torch.repeat_interleave(torch.arange(n_tables, device=device),
-                                       torch.tensor([len(f) for f in flats], device=device))
+    table_of = torch.repeat_interleave(torch.arange(n_tables, device=device), torch.tensor(sizes, device=device))
     dest_table = owner_of(every, world) * n_tables + table_of  # (dest, table) bucket; one hash call for all
     order = torch.argsort(dest_table, stable=True)
     send = every[order]
@@ -127,45 +157,26 @@ def transform_tables(tables: list[ShardedIDTransformer], ids: list[torch.Tensor]
     # table) blocks; one stable sort by table lines each table's blocks up in source order
     table_of_received = torch.arange(n_tables, device=device).repeat(world).repeat_interleave(recv_counts_t)
     by_table = torch.argsort(table_of_received, stable=True)
-    mines = torch.split(received[by_table], recv_matrix.sum(0).tolist())
-    owned_results: list[TransformResult | None] = []
-    answers_by_table: list[torch.Tensor] = []
-    error: Exception | None = None
-    for t, mine in zip(tables, mines):
-        try:
-            out = t.local.transform(mine, pin=pin)
-            _to_table_rows(t, out)
-            rows = out.slots
-        except (ValueError, RuntimeError) as e:  # answer anyway, or the other ranks would hang
-            error = error or e
-            out, rows = None, torch.full_like(mine, -2)
-        owned_results.append(out)
-        answers_by_table.append(rows)
+    mine_sizes = recv_matrix.sum(0).tolist()
+    many = transform_many([t.local for t in tables], received[by_table], mine_sizes, pin,
+                          [t.offset for t in tables])
+    if many.error is not None:  # answer anyway (-2: refused), or the other ranks would hang
+        for block, error in zip(torch.split(many.slots, mine_sizes), many.errors):
+            if error is not None:
+                block.fill_(-2)
     answers = torch.empty_like(received)
-    answers[by_table] = torch.cat(answers_by_table)
+    answers[by_table] = many.slots
     answered = _exchange(answers, recv_per_rank, send_per_rank, group)
-    if error is not None:
-        raise error
+    if many.error is not None:
+        raise many.error
     if bool((answered == -2).any()):
         raise RuntimeError("the owner of some of this batch's IDs refused the batch (see that rank's error)")
     flat_slots = torch.empty_like(answered)
     flat_slots[order] = answered
-    results = []
-    for out, slots, x in zip(owned_results, torch.split(flat_slots, [len(f) for f in flats]), ids):
-        pinned = out.distinct_slots if pin and out is not None else None
-        results.append(ShardedTransformResult(slots.reshape(x.shape), out, pinned))
-    return results
+    return flat_slots, _results(flat_slots, sizes, many.results, pin)
 
 
-def _to_table_rows(t: ShardedIDTransformer, out: TransformResult) -> None:
-    """The owner's local slots as rows of the whole table (its block starts at t.offset)."""
-    out.slots = torch.where(out.slots >= 0, out.slots + t.offset, out.slots)
-    out.admitted_slots = out.admitted_slots + t.offset
-    out.evicted_slots = out.evicted_slots + t.offset
-
-
-def _answer_local(t: ShardedIDTransformer, flat: torch.Tensor, pin: bool, shape) -> ShardedTransformResult:
-    out = t.local.transform(flat, pin=pin)
-    pinned = out.distinct_slots if pin else None
-    _to_table_rows(t, out)
-    return ShardedTransformResult(out.slots.reshape(shape), out, pinned)
+def _results(flat_slots: torch.Tensor, sizes: list[int], owned: list[TransformResult],
+             pin: bool) -> list[ShardedTransformResult]:
+    return [ShardedTransformResult(slots, out, out.distinct_slots if pin else None)
+            for slots, out in zip(torch.split(flat_slots, sizes), owned)]

@@ -71,6 +71,12 @@ class NoRoom(RuntimeError):
     """Not enough slots free or evictable for a batch's new IDs (the rest are in use or pinned)."""
 
 
+def too_many_ids(distinct: int, capacity: int) -> TooManyIDs:
+    return TooManyIDs(
+        f"batch has {distinct} distinct IDs but the table holds {capacity}: use a larger capacity or smaller batches"
+    )
+
+
 def _no_room(need: int, free: int, movable: int) -> NoRoom:
     return NoRoom(
         f"no room: {need} new IDs, {free} free slots, and only {movable} slots that are "
@@ -156,16 +162,12 @@ class IDTransformer:
           it, the step advanced).
         """
         ids = as_int64_ids(ids)
-        if self.step >= (1 << 31) - 1:
-            raise OverflowError("the transformer's step counter is at 2^31 - 1 (last_access is int32)")
+        self._check_step()
         flat = ids.reshape(-1).to(self.device)
         if flat.numel() > self.capacity:  # only then can it hold too many distinct IDs
             distinct = torch.unique(flat).numel()
             if distinct > self.capacity:
-                raise TooManyIDs(
-                    f"batch has {distinct} distinct IDs but the table holds {self.capacity}: "
-                    f"use a larger capacity or smaller batches"
-                )
+                raise too_many_ids(distinct, self.capacity)
         # 1. Hits get their slot and a touch (last_access = step marks them in use); the k-th
         #    distinct missing ID (in order of first sighting) gets -(k + 2) for now. With pin,
         #    a hit whose slot is at 255 pins refuses the batch here, with nothing changed (the
@@ -192,6 +194,10 @@ class IDTransformer:
         rejected = new_ids[:0] if admit is None else new_ids[~admit]
         return TransformResult(slots.reshape(ids.shape), admitted, admitted_slots, evicted_ids, evicted_slots,
                                rejected, hits, distinct)
+
+    def _check_step(self) -> None:
+        if self.step >= (1 << 31) - 1:
+            raise OverflowError("the transformer's step counter is at 2^31 - 1 (last_access is int32)")
 
     def _lookup(self, flat: torch.Tensor, pin: bool) -> tuple[torch.Tensor, ...]:
         """(slots with placeholders, new ids, their counts, resident slots seen, hits); with
@@ -294,11 +300,17 @@ class IDTransformer:
     def _kernel_pin(self, held: torch.Tensor, delta: int, refused: Exception) -> None:
         """The kernel checks every count first and changes nothing when one would pass 255 or go
         below 0 (it returns a code rather than throw across into Python)."""
-        status = self.map.ops.pin(self.records, held, delta)
+        error = self._pin_error(self.map.ops.pin(self.records, held, delta), refused)
+        if error is not None:
+            raise error
+
+    def _pin_error(self, status: int, refused: Exception) -> Exception | None:
+        """What the kernel's pin status means: None (applied), refused, or a slot out of range."""
         if status == _PIN_OUT_OF_RANGE:
-            raise refused
+            return refused
         if status == _SLOT_OUT_OF_RANGE:  # as the torch path's indexing would refuse it
-            raise IndexError(f"slot out of range for a table of {self.capacity} slots")
+            return IndexError(f"slot out of range for a table of {self.capacity} slots")
+        return None
 
     def release(self, slots: torch.Tensor, distinct: bool = False) -> None:
         """Unpin the slots of a batch transformed with pin=True: its slots (each distinct one

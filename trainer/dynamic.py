@@ -2,10 +2,11 @@
 
 For every table, a ShardedIDTransformer maps the batch's IDs to rows of the table (each
 rank owning the IDs that hash to it and a block of rows, matching TorchRec's row-wise
-sharding). On the owner, in batched tensor ops (one gather and one scatter per table and
-step): the rows of evicted IDs, with their optimizer state, are read from the TBE and pushed
-to the PS first (their rows are about to be reused), then the rows of admitted IDs are
-pulled (a never-seen ID comes back initialised by the table's initializer) and written in.
+sharding). On the owner, in batched tensor ops (one gather and one scatter per step for all
+tables, where their rows share one storage: trainer/row_group.py): the rows of evicted IDs,
+with their optimizer state, are read from the TBE and pushed to the PS first (their rows are
+about to be reused), then the rows of admitted IDs are pulled (a never-seen ID comes back
+initialised by the table's initializer) and written in.
 The batch's slots are pinned until `release_oldest()` says the batch is through backward and
 the optimizer step, so a batch in flight never has a row pushed or reused under it.
 
@@ -33,16 +34,16 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from idtransformer.policy import EvictionPolicy
-from idtransformer.sharded import ShardedIDTransformer, transform_tables
+from idtransformer.sharded import ShardedIDTransformer, release_tables, transform_blocks
 from ps_server.schema import TableSchema
 from trainer.metrics import TrainerMetrics
+from trainer.row_group import RowGroup
 from trainer.row_store import RowStore
 from trainer.table_rows import TableRows
 
@@ -59,10 +60,12 @@ class DynamicTableSpec:
 @dataclass
 class _Moves:
     """One batch's row moves in flight: the push of its evicted rows, the pull of its admitted
-    ones, and {PS table: (table, owner's result)} to place what the pull returns."""
+    ones, and where what the pull returns goes: the admitted table rows of every table (in
+    the order of self.transformers) and how many each has."""
     push: object  # Future or None
     pull: object  # Future or None
-    admitted: dict
+    admitted_slots: torch.Tensor
+    admitted_counts: list[int]
 
 
 class DynamicTables:
@@ -92,6 +95,9 @@ class DynamicTables:
             for f in spec.features:
                 self.feature_table[f] = spec.name
             store.create_table(spec.ps_schema)
+        self.names = list(self.transformers)  # every rank lists the tables in one order
+        self.ps_names = [self.specs[n].ps_schema.name for n in self.names]
+        self.group = RowGroup([self.rows[n] for n in self.names])  # one gather/scatter for all, where it can
         self.in_flight: deque[list] = deque()
         # the metrics' labelled children, looked up once rather than per table and step
         names = ("lookups", "hits", "misses", "admissions", "evictions", "rejections", "rows_pulled", "rows_pushed",
@@ -115,7 +121,7 @@ class DynamicTables:
         rows are in place on return, or (with self.ahead) by the next call or settle()."""
         self.settle()  # first: the rows of earlier batches in place before any slot is looked at
         values, lengths = kjt.values(), kjt.lengths()
-        names = list(self.transformers)  # every rank lists the tables in one order
+        names = self.names
         # the KJT's values grouped by table (its features' segments, in key order): one stable
         # sort by each value's table; values of no dynamic table sort last and stay as they are
         per_key = torch.tensor(kjt.length_per_key())
@@ -123,20 +129,20 @@ class DynamicTables:
         order = torch.argsort(value_table, stable=True)
         sizes = torch.bincount(value_table, minlength=len(names) + 1).tolist()
         n_dynamic = len(values) - sizes[-1]
-        results = transform_tables([self.transformers[n] for n in names],
-                                   list(torch.split(values[order[:n_dynamic]], sizes[:-1])), pin=True)
-        self.in_flight.append(list(zip([self.transformers[n] for n in names], results)))
+        tables = [self.transformers[n] for n in names]
+        slots, results = transform_blocks(tables, values[order[:n_dynamic]], sizes[:-1], pin=True)
+        self.in_flight.append(results)
 
-        self._moving.append(self._start_moves([(name, out.owned) for name, out in zip(names, results)]))
+        owned = [out.owned for out in results]
+        self._moving.append(self._start_moves(owned))
         self.settle(keep=self.ahead)
-        slots = torch.cat([out.slots.reshape(-1) for out in results]) if results else values[:0]
         new_values = values.clone()
         new_values[order[:n_dynamic]] = slots
         keep = torch.ones_like(values, dtype=torch.bool)  # features of no dynamic table keep their IDs
         keep[order[:n_dynamic]] = slots >= 0
         looked = hit = 0
-        for name, out in zip(names, results):
-            n, hits = self._count(name, out.owned)
+        for name, o in zip(names, owned):
+            n, hits = self._count(name, o)
             looked += n
             hit += hits
         self.last_hit_rate = hit / max(looked, 1)
@@ -167,32 +173,35 @@ class DynamicTables:
         while len(self._moving) > keep:
             self._finish_moves(self._moving.popleft())
 
-    def _start_moves(self, owned: list[tuple[str, object]]) -> "_Moves":
+    def _start_moves(self, owned: list) -> "_Moves":
         """Evicted rows out, then admitted rows in: every table's rows in one push and one pull
-        (one call per PS each, not one per table). The evicted rows are read now: their slots
-        may be handed out as soon as this returns."""
+        (one call per PS each, not one per table), read in one gather (RowGroup). The evicted
+        rows are read now: their slots may be handed out as soon as this returns.
+        owned: each table's TransformResult, in the order of self.transformers."""
         evicted, evicting = {}, []
-        for name, o in owned:  # first: their rows are about to be reused
-            if len(o.evicted_ids):
-                rows = self.rows[name]
-                data = rows.read(o.evicted_slots - rows.row_offset).numpy()
-                evicted[self.specs[name].ps_schema.name] = (o.evicted_ids.numpy(), data)
-                evicting.append(name)
-        admitted = {self.specs[name].ps_schema.name: (name, o) for name, o in owned if len(o.admitted_ids)}
+        counts = [o.evicted_ids.shape[0] for o in owned]
+        if sum(counts):  # first: their rows are about to be reused
+            data = self.group.read(torch.cat([o.evicted_slots for o in owned]), counts)
+            for k, n in enumerate(counts):
+                if n:
+                    evicted[self.ps_names[k]] = (owned[k].evicted_ids.numpy(), data[k].numpy())
+                    evicting.append(self.names[k])
+        admitted_counts = [o.admitted_ids.shape[0] for o in owned]
+        pulling = [k for k, n in enumerate(admitted_counts) if n]
         start = time.perf_counter()
         push = self._timed(self.store.push_many_async(evicted), evicting, "push", start) if evicted else None
-        pull = self._timed(self.store.pull_many_async({t: o.admitted_ids.numpy() for t, (_, o) in admitted.items()}),
-                           [name for name, _ in admitted.values()], "pull", start) if admitted else None
-        return _Moves(push, pull, admitted)
+        wanted = {self.ps_names[k]: owned[k].admitted_ids.numpy() for k in pulling}
+        pull = self._timed(self.store.pull_many_async(wanted), [self.names[k] for k in pulling], "pull",
+                           start) if pulling else None
+        return _Moves(push, pull, torch.cat([o.admitted_slots for o in owned]) if owned else None, admitted_counts)
 
     def _finish_moves(self, moves: "_Moves") -> None:
         if moves.push is not None:  # on the PS before their slots take other rows; a failed push fails the step
             moves.push.result()
         if moves.pull is not None:
-            for table, got in moves.pull.result().items():
-                name, o = moves.admitted[table]
-                rows = self.rows[name]
-                rows.write(o.admitted_slots - rows.row_offset, torch.from_numpy(np.ascontiguousarray(got, np.float32)))
+            got = moves.pull.result()
+            self.group.write(moves.admitted_slots, moves.admitted_counts,
+                             [got[t] if n else None for t, n in zip(self.ps_names, moves.admitted_counts)])
 
     def _timed(self, fut, tables: list[str], op: str, start: float):
         """Observe the call's time (from `start` to its reply) for each of its tables when it
@@ -205,28 +214,26 @@ class DynamicTables:
 
     def _count(self, name: str, owned) -> tuple[int, int]:
         """(looked up, hits) among the IDs this rank owns; metrics updated."""
-        n = len(owned.slots)
-        rejected = int((owned.slots < 0).sum()) if len(owned.rejected_ids) else 0
+        n = owned.slots.shape[0]
         hits = int(owned.hits)
-        new = n - hits - rejected
         if self.metrics is not None:
+            admitted, evicted = owned.admitted_ids.shape[0], owned.evicted_ids.shape[0]
             m = self._children[name]
             m["lookups"].inc(n)
             m["hits"].inc(hits)
-            m["misses"].inc(new + rejected)
-            m["admissions"].inc(len(owned.admitted_ids))
-            m["evictions"].inc(len(owned.evicted_ids))
-            m["rejections"].inc(len(owned.rejected_ids))
-            m["rows_pulled"].inc(len(owned.admitted_ids))
-            m["rows_pushed"].inc(len(owned.evicted_ids))
+            m["misses"].inc(n - hits)  # new IDs and those rejected alike
+            m["admissions"].inc(admitted)
+            m["evictions"].inc(evicted)
+            m["rejections"].inc(owned.rejected_ids.shape[0])
+            m["rows_pulled"].inc(admitted)
+            m["rows_pushed"].inc(evicted)
             t = self.transformers[name]
             m["occupancy"].set(len(t.local) / t.capacity_per_rank)
         return n, hits
 
     def release_oldest(self) -> None:
         """The oldest batch in flight is through backward and the optimizer step."""
-        for t, out in self.in_flight.popleft():
-            t.release(out)
+        release_tables([self.transformers[n] for n in self.names], self.in_flight.popleft())
 
     def wrap(self, batches: Iterator[Batch], ahead: int = 0) -> Iterator[Batch]:
         """The batches over device rows. ahead=1: a batch's rows may still be moving when it is

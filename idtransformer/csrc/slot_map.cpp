@@ -183,27 +183,30 @@ inline double coin(int64_t id, int64_t step, uint64_t seed) {
 // k its index among the batch's distinct missing IDs in order of first sighting.
 // decay_steps 0: no decay; log_factor < 0: no counter (LRU).
 // With pin (the batch is to be pinned), a resident ID whose slot already has 255 pins stops
-// the pass: every record touched so far is put back as it was and the call returns status
-// kLookupPinsFull with empty tensors, nothing changed (only the resident can be at 255: the
-// admitted start at 0 pins, so this is the whole of the batch's pin check).
-// Returns (slots, new_ids, new_counts, the distinct resident slots seen, the number of
-// sightings of resident IDs as a 0-dim tensor: the result's `hits`, status: kLookupDone or
-// kLookupPinsFull).
-constexpr int64_t kLookupDone = 0, kLookupPinsFull = 1;
+// the pass: every record touched so far is put back as it was and pins_full is set, with
+// empty tensors, nothing changed (only the resident can be at 255: the admitted start at 0
+// pins, so this is the whole of the batch's pin check).
+// Writes the slots into `slots_out` (n int64, contiguous) and returns (new_ids, new_counts,
+// the distinct resident slots seen, the number of sightings of resident IDs: the result's
+// `hits`, pins_full).
+struct Looked {
+  at::Tensor new_ids, new_counts, seen;
+  int64_t hits;
+  bool pins_full;
+};
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> lookup(
-    const at::Tensor& entries, const at::Tensor& records, const at::Tensor& ids_in, int64_t step, int64_t map_seed,
-    int64_t coin_seed, double log_factor, int64_t initial_freq, int64_t decay_steps, bool pin) {
+Looked lookup_into(const at::Tensor& entries, const at::Tensor& records, const at::Tensor& ids,
+                   const at::Tensor& slots_out, int64_t step, int64_t map_seed, int64_t coin_seed, double log_factor,
+                   int64_t initial_freq, int64_t decay_steps, bool pin) {
   Map map(entries, records, map_seed);
   Record* rec = records_of(records);
   TORCH_CHECK(decay_steps >= 0, "decay_steps must be >= 0 (0: no decay)");
-  at::Tensor ids = flat_ids(ids_in);
   const int64_t n = ids.numel();
   const int64_t* id = ids.data_ptr<int64_t>();
   const int32_t now = int32_t(step);
-
-  at::Tensor slots = at::empty({n}, ids.options());
-  int64_t* out = slots.data_ptr<int64_t>();
+  TORCH_CHECK(slots_out.scalar_type() == at::kLong && slots_out.is_contiguous() && slots_out.numel() == n,
+              "lookup: slots_out must be contiguous int64, one per id");
+  int64_t* out = slots_out.data_ptr<int64_t>();
 
   // The batch's misses are de-duplicated in a small set of their own (sized by the batch,
   // not the table), so the main map only ever holds resident IDs. Its entries carry the ID,
@@ -264,7 +267,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> 
           if (pins_of(m) == 255) {  // refused: undo the touches, nothing else was changed yet
             for (size_t j = 0; j < touched.size(); ++j) rec[touched[j]].meta = touched_meta[j];
             at::Tensor none = at::empty({0}, ids.options());
-            return {none, none, none.to(at::kInt), none, at::scalar_tensor(0, ids.options()), kLookupPinsFull};
+            return {none, none.to(at::kInt), none, 0, true};
           }
           touched_meta.push_back(m);
         }
@@ -314,7 +317,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> 
   std::memcpy(counts_t.data_ptr<int32_t>(), new_counts.data(), new_counts.size() * sizeof(int32_t));
   at::Tensor touched_t = at::empty({int64_t(touched.size())}, ids.options());
   std::copy(touched.begin(), touched.end(), touched_t.data_ptr<int64_t>());
-  return {slots, new_ids_t, counts_t, touched_t, at::scalar_tensor(hits, ids.options()), kLookupDone};
+  return {new_ids_t, counts_t, touched_t, hits, false};
+}
+
+// Returns (slots, new_ids, new_counts, the distinct resident slots seen, the number of
+// sightings of resident IDs as a 0-dim tensor: the result's `hits`, status: kLookupDone or
+// kLookupPinsFull, see lookup_into).
+constexpr int64_t kLookupDone = 0, kLookupPinsFull = 1;
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> lookup(
+    const at::Tensor& entries, const at::Tensor& records, const at::Tensor& ids_in, int64_t step, int64_t map_seed,
+    int64_t coin_seed, double log_factor, int64_t initial_freq, int64_t decay_steps, bool pin) {
+  at::Tensor ids = flat_ids(ids_in);
+  at::Tensor slots = at::empty({ids.numel()}, ids.options());
+  Looked l = lookup_into(entries, records, ids, slots, step, map_seed, coin_seed, log_factor, initial_freq, decay_steps,
+                         pin);
+  if (l.pins_full) return {l.new_ids, l.new_ids, l.new_counts, l.seen, at::scalar_tensor(0, ids.options()), kLookupPinsFull};
+  return {slots, l.new_ids, l.new_counts, l.seen, at::scalar_tensor(l.hits, ids.options()), kLookupDone};
 }
 
 // Eviction key of a slot: (primary << 32) | last access, lowest first; kNotMovable for a
@@ -368,15 +387,25 @@ constexpr int64_t kSmallTable = 16384;
 // small table (a trainer rank's share of one feature's table: thousands of slots, one call
 // per table and step), where clearing pass 2's 65,536-bucket histograms alone costs more
 // than a partial sort of its keys.
+// Each movable slot is one word, key << kSlotBits | slot (a key is below 2^41: a primary of at
+// most 257 above a 32-bit step), so the selection compares plain integers, not pairs.
+constexpr int kSlotBits = 14;
+static_assert(kSmallTable <= (int64_t(1) << kSlotBits), "a small table's slots fit kSlotBits");
+
 at::Tensor lowest_by_sort(const uint64_t* keys, int64_t C, int64_t n) {
-  std::vector<std::pair<uint64_t, int64_t>> movable;
-  movable.reserve(size_t(C));
-  for (int64_t s = 0; s < C; ++s)
-    if (keys[s] != kNotMovable) movable.emplace_back(keys[s], s);
-  if (n < int64_t(movable.size())) std::nth_element(movable.begin(), movable.begin() + n, movable.end());
+  static thread_local std::vector<uint64_t> storage;  // kept: a fresh one per call page-faults
+  storage.resize(size_t(C));
+  uint64_t* movable = storage.data();
+  int64_t m = 0;
+  for (int64_t s = 0; s < C; ++s) {  // written without a branch: most slots are movable
+    movable[m] = keys[s] << kSlotBits | uint64_t(s);
+    m += keys[s] != kNotMovable;
+  }
+  if (n < m) std::nth_element(movable, movable + n, movable + m);
   at::Tensor out = at::empty({n}, at::kLong);
   int64_t* o = out.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) o[i] = movable[size_t(i)].second;
+  constexpr uint64_t kSlotMask = (uint64_t(1) << kSlotBits) - 1;
+  for (int64_t i = 0; i < n; ++i) o[i] = int64_t(movable[i] & kSlotMask);
   std::sort(o, o + n);
   return out;
 }
@@ -645,6 +674,101 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> 
   return {admitted, admitted_slots, victim_ids, victims, distinct, kAdmitted};
 }
 
+// Many tables' batches in one call (a trainer rank's tables at a step: one call instead of
+// two ops and their Python per table). Table t's IDs are the block of `ids` after those of
+// tables 0..t-1; its state is entries[t], records[t]; params holds kManyParams values per
+// table (see the enum) and log_factors one per table (lookup's log_factor). Each table is
+// transformed exactly as lookup then admit (no admission flags: all admitted) would, the
+// tables one after the other; a table that fails changes nothing in the others.
+// Returns (slots of all blocks, then for all tables in order: admitted ids, admitted slots,
+// evicted ids, evicted slots, distinct slots, and info: one row per table of kInfo values):
+// slots and the admitted and evicted slots are rows of the table, its local slot + base (the
+// row its block starts at); the distinct slots stay local (what pin and release take).
+// info's status is admit's (kAdmitted, kPinRefused, or the movable slots when there was no
+// room: the block's slots are then undefined), or kTooMany: the block has more distinct IDs
+// than the table has slots (extra says how many; nothing was done, the step not taken).
+constexpr int64_t kTooMany = -3;
+enum ManyParam { kSize, kStep, kResident, kBase, kInitialFreq, kLookupDecay, kKind, kTtl, kDecaySteps, kEvictMin,
+                 kManyParams };
+enum ManyInfo { kStatus, kHits, kNumAdmitted, kNumEvicted, kNumDistinct, kExtra, kInfo };
+
+int64_t count_distinct(const at::Tensor& ids) {
+  std::vector<int64_t> v(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel());
+  std::sort(v.begin(), v.end());
+  return int64_t(std::unique(v.begin(), v.end()) - v.begin());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transform_many(
+    at::TensorList entries, at::TensorList records, const at::Tensor& ids_in, at::IntArrayRef params,
+    at::ArrayRef<double> log_factors, bool pin, int64_t map_seed, int64_t coin_seed) {
+  const int64_t T = int64_t(entries.size());
+  TORCH_CHECK(int64_t(records.size()) == T && int64_t(log_factors.size()) == T &&
+                  int64_t(params.size()) == T * kManyParams,
+              "transform_many: one entries, records, log_factor and ", int64_t(kManyParams), " params per table");
+  at::Tensor ids = flat_ids(ids_in);
+  int64_t total = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t n = params[t * kManyParams + kSize];
+    TORCH_CHECK(n >= 0, "transform_many: a block's size is negative");
+    total += n;
+  }
+  TORCH_CHECK(total == ids.numel(), "transform_many: the blocks' sizes add up to ", total, ", not to the ",
+              ids.numel(), " ids");
+  at::Tensor slots = at::empty({ids.numel()}, ids.options());
+  at::Tensor info = at::zeros({T, kInfo}, ids.options());
+  int64_t* inf = info.data_ptr<int64_t>();
+  std::vector<at::Tensor> admitted, admitted_slots, evicted, evicted_slots, distinct;
+  int64_t off = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t* p = params.data() + t * kManyParams;
+    int64_t* row = inf + t * kInfo;
+    const int64_t n = p[kSize], C = records[t].size(0), base = p[kBase];
+    const at::Tensor block = ids.narrow(0, off, n), out = slots.narrow(0, off, n);
+    off += n;
+    if (n > C) {  // only then can it hold too many distinct IDs
+      const int64_t d = count_distinct(block);
+      if (d > C) {
+        row[kStatus] = kTooMany;
+        row[kExtra] = d;
+        continue;
+      }
+    }
+    const Looked l = lookup_into(entries[t], records[t], block, out, p[kStep], map_seed, coin_seed, log_factors[t],
+                                 p[kInitialFreq], p[kLookupDecay], pin);
+    if (l.pins_full) {  // refused before anything changed in this table
+      row[kStatus] = kPinRefused;
+      continue;
+    }
+    auto [a_ids, a_slots, v_ids, v_slots, held, status] =
+        admit(entries[t], records[t], out, l.new_ids, std::nullopt, l.seen, pin, p[kStep], p[kResident], map_seed,
+              p[kKind], p[kTtl], p[kDecaySteps], p[kInitialFreq], p[kEvictMin]);
+    row[kStatus] = status;
+    row[kHits] = l.hits;
+    if (status >= 0) {  // no room: nothing admitted
+      row[kExtra] = l.new_ids.numel();
+      continue;
+    }
+    if (base != 0) {
+      int64_t* o = out.data_ptr<int64_t>();
+      for (int64_t i = 0; i < n; ++i) o[i] += o[i] >= 0 ? base : 0;
+      a_slots.add_(base);
+      v_slots.add_(base);
+    }
+    row[kNumAdmitted] = a_ids.numel();
+    row[kNumEvicted] = v_ids.numel();
+    row[kNumDistinct] = held.numel();
+    admitted.push_back(a_ids);
+    admitted_slots.push_back(a_slots);
+    evicted.push_back(v_ids);
+    evicted_slots.push_back(v_slots);
+    distinct.push_back(held);
+  }
+  auto cat = [&](const std::vector<at::Tensor>& parts) {
+    return parts.empty() ? at::empty({0}, ids.options()) : at::cat(parts);
+  };
+  return {slots, cat(admitted), cat(admitted_slots), cat(evicted), cat(evicted_slots), cat(distinct), info};
+}
+
 // Add delta (+1 or -1) to the pin count of each of `slots` (distinct), all or none: returns
 // kPinApplied, kPinOutOfRange if a count would leave [0, 255] (nothing changed), or
 // kSlotOutOfRange for a slot outside the table (nothing changed). An indicator, not an
@@ -666,6 +790,27 @@ int64_t pin(const at::Tensor& records, const at::Tensor& slots_t, int64_t delta)
   const int64_t step = delta * (int64_t(1) << 40);  // the count is bits 40-47; no carry: checked
   for (int64_t i = 0; i < n; ++i) rec[sl[i]].meta += step;
   return kPinApplied;
+}
+
+// pin for many tables in one call: table t's slots are the counts[t] of `slots` after those of
+// the tables before it; each table all or none, as pin. Returns pin's status per table.
+at::Tensor pin_many(at::TensorList records, const at::Tensor& slots_in, at::IntArrayRef counts, int64_t delta) {
+  TORCH_CHECK(records.size() == counts.size(), "pin_many: one count per table");
+  TORCH_CHECK(slots_in.device().is_cpu() && slots_in.scalar_type() == at::kLong, "pin_many: slots must be CPU int64");
+  const at::Tensor slots = slots_in.contiguous().view({-1});
+  int64_t total = 0;
+  for (const int64_t n : counts) {
+    TORCH_CHECK(n >= 0, "pin_many: a count is negative");
+    total += n;
+  }
+  TORCH_CHECK(total == slots.numel(), "pin_many: the counts add up to ", total, ", not to the ", slots.numel(), " slots");
+  at::Tensor status = at::empty({int64_t(counts.size())}, at::kLong);
+  int64_t off = 0;
+  for (size_t t = 0; t < counts.size(); ++t) {
+    status.data_ptr<int64_t>()[t] = pin(records[t], slots.narrow(0, off, counts[t]), delta);
+    off += counts[t];
+  }
+  return status;
 }
 
 // The slot of each id, -1 where it is not in the map.
@@ -713,7 +858,11 @@ TORCH_LIBRARY(dynemb_idt, m) {
       "admit(Tensor(a!) entries, Tensor(b!) records, Tensor(c!) slots, Tensor new_ids, Tensor? admit, Tensor seen, "
       "bool pin, int step, int resident, int map_seed, int kind, int ttl, int decay_steps, int initial_freq, "
       "int evict_min) -> (Tensor, Tensor, Tensor, Tensor, Tensor, int)");
+  m.def(
+      "transform_many(Tensor(a!)[] entries, Tensor(b!)[] records, Tensor ids, int[] params, float[] log_factors, "
+      "bool pin, int map_seed, int coin_seed) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("pin(Tensor(a!) records, Tensor slots, int delta) -> int");
+  m.def("pin_many(Tensor(a!)[] records, Tensor slots, int[] counts, int delta) -> Tensor");
   m.def("huge_empty(int[] size, ScalarType dtype) -> Tensor", dynemb::huge_empty);
   m.def("find(Tensor entries, Tensor records, Tensor ids, int map_seed) -> Tensor");
   m.def("insert(Tensor(a!) entries, Tensor records, Tensor slots, int map_seed) -> ()");
@@ -723,7 +872,9 @@ TORCH_LIBRARY(dynemb_idt, m) {
 TORCH_LIBRARY_IMPL(dynemb_idt, CPU, m) {
   m.impl("lookup", dynemb::lookup);
   m.impl("admit", dynemb::admit);
+  m.impl("transform_many", dynemb::transform_many);
   m.impl("pin", dynemb::pin);
+  m.impl("pin_many", dynemb::pin_many);
   m.impl("find", dynemb::find);
   m.impl("insert", dynemb::insert);
   m.impl("erase", dynemb::erase);
