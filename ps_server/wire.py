@@ -22,12 +22,21 @@ import numpy as np
 
 
 def _varint(n: int) -> bytes:
+    if n < 0x80:  # most lengths and counts in a message of small replies
+        return _SMALL_VARINTS[n]
     out = bytearray()
     while n >= 0x80:
         out.append((n & 0x7F) | 0x80)
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+_SMALL_VARINTS = [bytes((i,)) for i in range(0x80)]
+
+
+def _varint_len(n: int) -> int:
+    return max(1, (n.bit_length() + 6) // 7)
 
 
 def _bytes_field(number: int, payload) -> list:
@@ -93,17 +102,16 @@ def _pull_tail(missing: bytes, num_missing: int) -> bytes:
 
 def _tail_max(n: int) -> int:
     mask = (n + 7) // 8
-    return 1 + len(_varint(mask)) + mask + 1 + len(_varint(n)) if n else 0
+    return 1 + _varint_len(mask) + mask + 1 + _varint_len(n) if n else 0
 
 
 def _head(plan: ReplyPlan) -> bytes:
     """The rows field's tag and length (no field at all for no rows, as protobuf does)."""
-    return _varint(1 << 3 | 2) + _varint(plan.rows_bytes) if plan.rows_bytes else b""
+    return b"\x0a" + _varint(plan.rows_bytes) if plan.rows_bytes else b""  # field 1, wire type 2
 
 
-def _write_reply(buf: memoryview, pos: int, plan: ReplyPlan) -> int:
+def _write_reply(buf: memoryview, pos: int, plan: ReplyPlan, head: bytes) -> int:
     """The PullResponse of plan at buf[pos:], rows filled in place; returns where it ends."""
-    head = _head(plan)
     buf[pos : pos + len(head)] = head
     pos += len(head)
     if plan.n:
@@ -153,8 +161,9 @@ def filled_bytes(capacity: int, fill: Callable[[memoryview], int]) -> bytes:
 
 def build_pull_response(plan: ReplyPlan) -> bytes:
     """PullResponse bytes with plan's rows written straight into them."""
-    capacity = len(_head(plan)) + plan.rows_bytes + _tail_max(plan.n)
-    return filled_bytes(capacity, lambda buf: _write_reply(buf, 0, plan))
+    head = _head(plan)
+    capacity = len(head) + plan.rows_bytes + _tail_max(plan.n)
+    return filled_bytes(capacity, lambda buf: _write_reply(buf, 0, plan, head))
 
 
 def build_pull_many_response(plans: list[ReplyPlan]) -> bytes:
@@ -164,21 +173,23 @@ def build_pull_many_response(plans: list[ReplyPlan]) -> bytes:
     missing fields follow them). Room for the length is left by its largest possible
     varint, which is also its actual width unless a reply's smallest and largest possible
     sizes straddle a varint boundary (a 128**k-byte edge): then the message is joined."""
-    widths = []
+    layout, capacity = [], 0
     for plan in plans:
-        least = len(_head(plan)) + plan.rows_bytes
+        head = _head(plan)
+        least = len(head) + plan.rows_bytes
         most = least + _tail_max(plan.n)
-        if len(_varint(least)) != len(_varint(most)):
+        width = _varint_len(most)
+        if _varint_len(least) != width:
             return _joined(plans, many=True)
-        widths.append(len(_varint(most)))
-    capacity = sum(1 + w + len(_head(p)) + p.rows_bytes + _tail_max(p.n) for p, w in zip(plans, widths))
+        layout.append((plan, head, width))
+        capacity += 1 + width + most
 
     def fill(buf: memoryview) -> int:
         pos = 0
-        for plan, width in zip(plans, widths):
+        for plan, head, width in layout:
             buf[pos] = 1 << 3 | 2
             start = pos + 1 + width
-            end = _write_reply(buf, start, plan)
+            end = _write_reply(buf, start, plan, head)
             buf[pos + 1 : start] = _varint(end - start)
             pos = end
         return pos

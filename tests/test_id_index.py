@@ -56,21 +56,24 @@ def test_behaves_like_a_dict(sequence, capacity, seed):
         elif op == "lookup":
             assert index.lookup(arr).tolist() == [model.get(k, -1) for k in ks]
         elif op == "lookup_or_insert":  # the store's push: absent ids get new values, once each
-            start, calls = next_value, []
+            start, calls, spare = next_value, [], []
 
             def allocate(k: int) -> np.ndarray:
                 calls.append(k)
                 return np.arange(start, start + k, dtype=np.int64)
 
-            want = []
-            for k in ks:  # repeats included: each occurrence gets the value of its id
-                if k not in model:
-                    model[k] = next_value
-                    next_value += 1
-                want.append(model[k])
-            assert index.lookup_or_insert(arr, allocate).tolist() == want
-            absent = next_value - start
-            assert calls == ([absent] if absent else [])  # once, with the count of absent ids
+            absent = [k for k in ks if k not in model]
+            given = dict(zip(range(len(absent)), range(start, start + len(absent))))
+            first_value = {}
+            for j, k in enumerate(absent):  # an absent id takes its first occurrence's value
+                first_value.setdefault(k, given[j])
+            got = index.lookup_or_insert(arr, allocate, spare.append).tolist()
+            model.update(first_value)
+            assert got == [model[k] for k in ks]  # every occurrence gets its id's value
+            assert calls == ([len(absent)] if absent else [])  # once, with the count of absent ids
+            unused = sorted(np.concatenate(spare).tolist()) if spare else []
+            assert unused == sorted(set(given.values()) - set(first_value.values()))  # the repeats' values
+            next_value += len(absent)
         else:
             index.clear()
             model.clear()
@@ -204,11 +207,13 @@ def test_ids_of_other_layouts_are_converted_and_others_refused():
 def test_repeated_absent_ids_get_one_value():
     index = IdIndex()
     index.insert(np.array([9]), np.array([7]))
-    asked = []
-    got = index.lookup_or_insert(np.array([4, 9, 4, 5, 9, 5, 4]), lambda k: asked.append(k) or np.arange(100, 100 + k))
-    assert asked == [2]  # 4 and 5, each once
-    assert got.tolist() == [100, 7, 100, 101, 7, 101, 100]
-    assert len(index) == 3 and index.lookup(np.array([4, 5, 9])).tolist() == [100, 101, 7]
+    asked, spare = [], []
+    got = index.lookup_or_insert(np.array([4, 9, 4, 5, 9, 5, 4]), lambda k: asked.append(k) or np.arange(100, 100 + k),
+                                 spare.append)
+    assert asked == [5]  # the five absent occurrences
+    assert got.tolist() == [100, 7, 100, 102, 7, 102, 100]
+    assert sorted(np.concatenate(spare).tolist()) == [101, 103, 104]  # given to repeats, unused
+    assert len(index) == 3 and index.lookup(np.array([4, 5, 9])).tolist() == [100, 102, 7]
 
 
 def test_the_c_module_checks_every_buffer_itself():

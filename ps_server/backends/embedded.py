@@ -166,7 +166,7 @@ class EmbeddedStore(Store):
             return 0
         rows = rows_for_table(rows, t.schema, len(ids))
         with t.lock:
-            where = t.index.lookup_or_insert(ids, t.allocate)
+            where = t.index.lookup_or_insert(ids, t.allocate, t.free.append)
             # written in order, so a repeated id's last row is the one that stays
             native.id_index().scatter(t.rows, t.schema.row_bytes, where, rows, np.arange(len(ids)))
         return len(ids)

@@ -71,11 +71,12 @@ class IdIndex:
         with self._lock:
             self._check(self._c.insert(self._h, ids, None, values, None))
 
-    def lookup_or_insert(self, ids, new_values) -> np.ndarray:
-        """The value of each id; the absent ones are inserted with new_values(k), k being how
-        many distinct ids are absent, in the order they first come. An id may repeat (every
-        occurrence gets its value): only the absent ids are deduplicated, so a push of ids
-        the store already has (the steady state) costs no sort."""
+    def lookup_or_insert(self, ids, new_values, unused=None) -> np.ndarray:
+        """The value of each id; the absent ones are inserted, with values from new_values(k),
+        k being how many of the ids are absent. An id may repeat (every occurrence gets its
+        value): an absent id that repeats takes the value of its first occurrence, and the
+        values its repeats were given go to unused(values) (the store frees those rows).
+        Nothing here sorts: a push costs one lookup and one insert, however many are new."""
         ids = _int64s(ids, "ids")
         n = len(ids)
         out = np.empty(n, dtype=np.int64)
@@ -84,16 +85,15 @@ class IdIndex:
             k = self._c.lookup(self._h, ids, out, missing)
             if k:
                 where = missing[:k]
-                uniq, first, inverse = np.unique(ids[where], return_index=True, return_inverse=True)
-                order = np.argsort(first)  # the distinct absent ids by first appearance
-                values = _int64s(new_values(len(uniq)), "new values")
-                if len(values) != len(uniq):
-                    raise ValueError(f"new_values({len(uniq)}) returned {len(values)} values")
-                self._check(self._c.insert(self._h, ids, where[first[order]], values, out))
-                if len(uniq) < k:  # repeats: each occurrence gets its id's value
-                    by_id = np.empty_like(values)
-                    by_id[order] = values
-                    out[where] = by_id[inverse]
+                values = _int64s(new_values(k), "new values")
+                if len(values) != k:
+                    raise ValueError(f"new_values({k}) returned {len(values)} values")
+                # the insert finds a repeat's entry made by its first occurrence and gives it
+                # that value, so a value that did not land is one a repeat was given
+                self._check(self._c.insert(self._h, ids, where, values, out))
+                spare = out[where] != values
+                if unused is not None and spare.any():
+                    unused(values[spare])
         return out
 
     def remove(self, ids) -> np.ndarray:
