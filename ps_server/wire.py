@@ -126,16 +126,14 @@ def _write_reply(buf: memoryview, pos: int, plan: ReplyPlan, head: bytes) -> int
     return pos + len(tail)
 
 
-def _joined(plans: list[ReplyPlan], many: bool) -> bytes:
-    """The same message built apart and joined: one more copy of the rows."""
+def _joined(plans: list[ReplyPlan]) -> bytes:
+    """The same PullManyResponse built apart and joined: one more copy of the rows."""
     replies = []
     for plan in plans:
         rows = np.empty((plan.n, plan.width), dtype=plan.dtype)
         missing, num_missing = plan.fill(rows)
         replies.append(pull_response_parts(rows, missing if num_missing else b"", num_missing))
-    if many:
-        return b"".join(part for reply in replies for part in _nested(1, reply))
-    return b"".join(replies[0])
+    return encode_pull_many_response(replies)
 
 
 _native_filled_bytes = None
@@ -180,7 +178,7 @@ def build_pull_many_response(plans: list[ReplyPlan]) -> bytes:
         most = least + _tail_max(plan.n)
         width = _varint_len(most)
         if _varint_len(least) != width:
-            return _joined(plans, many=True)
+            return _joined(plans)
         layout.append((plan, head, width))
         capacity += 1 + width + most
 
