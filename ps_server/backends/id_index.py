@@ -91,9 +91,10 @@ class IdIndex:
                 # the insert finds a repeat's entry made by its first occurrence and gives it
                 # that value, so a value that did not land is one a repeat was given
                 self._check(self._c.insert(self._h, ids, where, values, out))
-                spare = out[where] != values
-                if unused is not None and spare.any():
-                    unused(values[spare])
+                if unused is not None:
+                    spare = out[where] != values
+                    if spare.any():
+                        unused(values[spare])
         return out
 
     def remove(self, ids) -> np.ndarray:
