@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0fprotos/ps.proto\x12\x0c\x64ynemb.ps.v1\"\xc3\x01\n\x0bInitializer\x12,\n\x04kind\x18\x01 \x01(\x0e\x32\x1e.dynemb.ps.v1.Initializer.Kind\x12\t\n\x01\x61\x18\x02 \x01(\x01\x12\t\n\x01\x62\x18\x03 \x01(\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\nstate_init\x18\x05 \x01(\x01\"N\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\t\n\x05ZEROS\x10\x01\x12\x0c\n\x08\x43ONSTANT\x10\x02\x12\x0b\n\x07UNIFORM\x10\x03\x12\n\n\x06NORMAL\x10\x04\"\x8f\x01\n\tTableSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\x12\x13\n\x0bstate_width\x18\x03 \x01(\r\x12\"\n\x05\x64type\x18\x04 \x01(\x0e\x32\x13.dynemb.ps.v1.DType\x12.\n\x0binitializer\x18\x05 \x01(\x0b\x32\x19.dynemb.ps.v1.Initializer\"D\n\tTableInfo\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.dynemb.ps.v1.TableSpec\x12\x10\n\x08num_rows\x18\x02 \x01(\x04\";\n\x12\x43reateTableRequest\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.dynemb.ps.v1.TableSpec\"N\n\x13\x43reateTableResponse\x12&\n\x05table\x18\x01 \x01(\x0b\x32\x17.dynemb.ps.v1.TableInfo\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"%\n\x14\x44\x65scribeTableRequest\x12\r\n\x05table\x18\x01 \x01(\t\"\x13\n\x11ListTablesRequest\"=\n\x12ListTablesResponse\x12\'\n\x06tables\x18\x01 \x03(\x0b\x32\x17.dynemb.ps.v1.TableInfo\"5\n\x10\x44ropTableRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x12\n\nmissing_ok\x18\x02 \x01(\x08\":\n\x11\x44ropTableResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x08\x12\x14\n\x0crows_dropped\x18\x02 \x01(\x04\")\n\x0bPullRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\"B\n\x0cPullResponse\x12\x0c\n\x04rows\x18\x01 \x01(\x0c\x12\x0f\n\x07missing\x18\x02 \x01(\x0c\x12\x13\n\x0bnum_missing\x18\x03 \x01(\x04\"7\n\x0bPushRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12\x0c\n\x04rows\x18\x03 \x01(\x0c\"$\n\x0cPushResponse\x12\x14\n\x0crows_written\x18\x01 \x01(\x04\";\n\x0fPullManyRequest\x12(\n\x05pulls\x18\x01 \x03(\x0b\x32\x19.dynemb.ps.v1.PullRequest\"=\n\x10PullManyResponse\x12)\n\x05pulls\x18\x01 \x03(\x0b\x32\x1a.dynemb.ps.v1.PullResponse\"<\n\x0fPushManyRequest\x12)\n\x06pushes\x18\x01 \x03(\x0b\x32\x19.dynemb.ps.v1.PushRequest\">\n\x10PushManyResponse\x12*\n\x06pushes\x18\x01 \x03(\x0b\x32\x1a.dynemb.ps.v1.PushResponse\"+\n\rDeleteRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\"&\n\x0e\x44\x65leteResponse\x12\x14\n\x0crows_deleted\x18\x01 \x01(\x04\"6\n\rExportRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x16\n\x0erows_per_chunk\x18\x02 \x01(\r\"]\n\x08RowChunk\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.dynemb.ps.v1.TableSpec\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12\x0c\n\x04rows\x18\x03 \x01(\x0c\x12\x0f\n\x07replace\x18\x04 \x01(\x08\"N\n\x0eImportResponse\x12&\n\x05table\x18\x01 \x01(\x0b\x32\x17.dynemb.ps.v1.TableInfo\x12\x14\n\x0crows_written\x18\x02 \x01(\x04\"\x0e\n\x0cStatsRequest\"M\n\x0bMethodStats\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x03 \x01(\x04\x12\x0c\n\x04rows\x18\x04 \x01(\x04\"\x9e\x01\n\rStatsResponse\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x03 \x01(\x01\x12\'\n\x06tables\x18\x04 \x03(\x0b\x32\x17.dynemb.ps.v1.TableInfo\x12*\n\x07methods\x18\x05 \x03(\x0b\x32\x19.dynemb.ps.v1.MethodStats*<\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x08\n\x04\x46P32\x10\x01\x12\x08\n\x04\x46P16\x10\x02\x12\x08\n\x04\x42\x46\x31\x36\x10\x03\x32\xf0\x06\n\x0fParameterServer\x12R\n\x0b\x43reateTable\x12 .dynemb.ps.v1.CreateTableRequest\x1a!.dynemb.ps.v1.CreateTableResponse\x12L\n\rDescribeTable\x12\".dynemb.ps.v1.DescribeTableRequest\x1a\x17.dynemb.ps.v1.TableInfo\x12O\n\nListTables\x12\x1f.dynemb.ps.v1.ListTablesRequest\x1a .dynemb.ps.v1.ListTablesResponse\x12L\n\tDropTable\x12\x1e.dynemb.ps.v1.DropTableRequest\x1a\x1f.dynemb.ps.v1.DropTableResponse\x12=\n\x04Pull\x12\x19.dynemb.ps.v1.PullRequest\x1a\x1a.dynemb.ps.v1.PullResponse\x12=\n\x04Push\x12\x19.dynemb.ps.v1.PushRequest\x1a\x1a.dynemb.ps.v1.PushResponse\x12\x43\n\x06\x44\x65lete\x12\x1b.dynemb.ps.v1.DeleteRequest\x1a\x1c.dynemb.ps.v1.DeleteResponse\x12I\n\x08PullMany\x12\x1d.dynemb.ps.v1.PullManyRequest\x1a\x1e.dynemb.ps.v1.PullManyResponse\x12I\n\x08PushMany\x12\x1d.dynemb.ps.v1.PushManyRequest\x1a\x1e.dynemb.ps.v1.PushManyResponse\x12?\n\x06\x45xport\x12\x1b.dynemb.ps.v1.ExportRequest\x1a\x16.dynemb.ps.v1.RowChunk0\x01\x12@\n\x06Import\x12\x16.dynemb.ps.v1.RowChunk\x1a\x1c.dynemb.ps.v1.ImportResponse(\x01\x12@\n\x05Stats\x12\x1a.dynemb.ps.v1.StatsRequest\x1a\x1b.dynemb.ps.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0fprotos/ps.proto\x12\x0c\x64ynemb.ps.v1\"\xc3\x01\n\x0bInitializer\x12,\n\x04kind\x18\x01 \x01(\x0e\x32\x1e.dynemb.ps.v1.Initializer.Kind\x12\t\n\x01\x61\x18\x02 \x01(\x01\x12\t\n\x01\x62\x18\x03 \x01(\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\nstate_init\x18\x05 \x01(\x01\"N\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\t\n\x05ZEROS\x10\x01\x12\x0c\n\x08\x43ONSTANT\x10\x02\x12\x0b\n\x07UNIFORM\x10\x03\x12\n\n\x06NORMAL\x10\x04\"\x8f\x01\n\tTableSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\x12\x13\n\x0bstate_width\x18\x03 \x01(\r\x12\"\n\x05\x64type\x18\x04 \x01(\x0e\x32\x13.dynemb.ps.v1.DType\x12.\n\x0binitializer\x18\x05 \x01(\x0b\x32\x19.dynemb.ps.v1.Initializer\"D\n\tTableInfo\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.dynemb.ps.v1.TableSpec\x12\x10\n\x08num_rows\x18\x02 \x01(\x04\";\n\x12\x43reateTableRequest\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.dynemb.ps.v1.TableSpec\"N\n\x13\x43reateTableResponse\x12&\n\x05table\x18\x01 \x01(\x0b\x32\x17.dynemb.ps.v1.TableInfo\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"%\n\x14\x44\x65scribeTableRequest\x12\r\n\x05table\x18\x01 \x01(\t\"\x13\n\x11ListTablesRequest\"=\n\x12ListTablesResponse\x12\'\n\x06tables\x18\x01 \x03(\x0b\x32\x17.dynemb.ps.v1.TableInfo\"5\n\x10\x44ropTableRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x12\n\nmissing_ok\x18\x02 \x01(\x08\":\n\x11\x44ropTableResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x08\x12\x14\n\x0crows_dropped\x18\x02 \x01(\x04\"T\n\x0bPullRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12)\n\x07rows_to\x18\x03 \x01(\x0b\x32\x18.dynemb.ps.v1.SegmentRef\"B\n\x0cPullResponse\x12\x0c\n\x04rows\x18\x01 \x01(\x0c\x12\x0f\n\x07missing\x18\x02 \x01(\x0c\x12\x13\n\x0bnum_missing\x18\x03 \x01(\x04\"d\n\x0bPushRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12\x0c\n\x04rows\x18\x03 \x01(\x0c\x12+\n\trows_from\x18\x04 \x01(\x0b\x32\x18.dynemb.ps.v1.SegmentRef\";\n\nSegmentRef\x12\x0f\n\x07segment\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x04\"A\n\x14\x41ttachSegmentRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\r\n\x05token\x18\x03 \x01(\x0c\"(\n\x15\x41ttachSegmentResponse\x12\x0f\n\x07segment\x18\x01 \x01(\x04\"\'\n\x14\x44\x65tachSegmentRequest\x12\x0f\n\x07segment\x18\x01 \x01(\x04\")\n\x15\x44\x65tachSegmentResponse\x12\x10\n\x08\x64\x65tached\x18\x01 \x01(\x08\"$\n\x0cPushResponse\x12\x14\n\x0crows_written\x18\x01 \x01(\x04\";\n\x0fPullManyRequest\x12(\n\x05pulls\x18\x01 \x03(\x0b\x32\x19.dynemb.ps.v1.PullRequest\"=\n\x10PullManyResponse\x12)\n\x05pulls\x18\x01 \x03(\x0b\x32\x1a.dynemb.ps.v1.PullResponse\"<\n\x0fPushManyRequest\x12)\n\x06pushes\x18\x01 \x03(\x0b\x32\x19.dynemb.ps.v1.PushRequest\">\n\x10PushManyResponse\x12*\n\x06pushes\x18\x01 \x03(\x0b\x32\x1a.dynemb.ps.v1.PushResponse\"+\n\rDeleteRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\"&\n\x0e\x44\x65leteResponse\x12\x14\n\x0crows_deleted\x18\x01 \x01(\x04\"6\n\rExportRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x16\n\x0erows_per_chunk\x18\x02 \x01(\r\"]\n\x08RowChunk\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.dynemb.ps.v1.TableSpec\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12\x0c\n\x04rows\x18\x03 \x01(\x0c\x12\x0f\n\x07replace\x18\x04 \x01(\x08\"N\n\x0eImportResponse\x12&\n\x05table\x18\x01 \x01(\x0b\x32\x17.dynemb.ps.v1.TableInfo\x12\x14\n\x0crows_written\x18\x02 \x01(\x04\"\x0e\n\x0cStatsRequest\"M\n\x0bMethodStats\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x03 \x01(\x04\x12\x0c\n\x04rows\x18\x04 \x01(\x04\"\x9e\x01\n\rStatsResponse\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x03 \x01(\x01\x12\'\n\x06tables\x18\x04 \x03(\x0b\x32\x17.dynemb.ps.v1.TableInfo\x12*\n\x07methods\x18\x05 \x03(\x0b\x32\x19.dynemb.ps.v1.MethodStats*<\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x08\n\x04\x46P32\x10\x01\x12\x08\n\x04\x46P16\x10\x02\x12\x08\n\x04\x42\x46\x31\x36\x10\x03\x32\xa4\x08\n\x0fParameterServer\x12R\n\x0b\x43reateTable\x12 .dynemb.ps.v1.CreateTableRequest\x1a!.dynemb.ps.v1.CreateTableResponse\x12L\n\rDescribeTable\x12\".dynemb.ps.v1.DescribeTableRequest\x1a\x17.dynemb.ps.v1.TableInfo\x12O\n\nListTables\x12\x1f.dynemb.ps.v1.ListTablesRequest\x1a .dynemb.ps.v1.ListTablesResponse\x12L\n\tDropTable\x12\x1e.dynemb.ps.v1.DropTableRequest\x1a\x1f.dynemb.ps.v1.DropTableResponse\x12=\n\x04Pull\x12\x19.dynemb.ps.v1.PullRequest\x1a\x1a.dynemb.ps.v1.PullResponse\x12=\n\x04Push\x12\x19.dynemb.ps.v1.PushRequest\x1a\x1a.dynemb.ps.v1.PushResponse\x12\x43\n\x06\x44\x65lete\x12\x1b.dynemb.ps.v1.DeleteRequest\x1a\x1c.dynemb.ps.v1.DeleteResponse\x12I\n\x08PullMany\x12\x1d.dynemb.ps.v1.PullManyRequest\x1a\x1e.dynemb.ps.v1.PullManyResponse\x12I\n\x08PushMany\x12\x1d.dynemb.ps.v1.PushManyRequest\x1a\x1e.dynemb.ps.v1.PushManyResponse\x12?\n\x06\x45xport\x12\x1b.dynemb.ps.v1.ExportRequest\x1a\x16.dynemb.ps.v1.RowChunk0\x01\x12@\n\x06Import\x12\x16.dynemb.ps.v1.RowChunk\x1a\x1c.dynemb.ps.v1.ImportResponse(\x01\x12@\n\x05Stats\x12\x1a.dynemb.ps.v1.StatsRequest\x1a\x1b.dynemb.ps.v1.StatsResponse\x12X\n\rAttachSegment\x12\".dynemb.ps.v1.AttachSegmentRequest\x1a#.dynemb.ps.v1.AttachSegmentResponse\x12X\n\rDetachSegment\x12\".dynemb.ps.v1.DetachSegmentRequest\x1a#.dynemb.ps.v1.DetachSegmentResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.ps_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1854
-  _globals['_DTYPE']._serialized_end=1914
+  _globals['_DTYPE']._serialized_start=2196
+  _globals['_DTYPE']._serialized_end=2256
   _globals['_INITIALIZER']._serialized_start=34
   _globals['_INITIALIZER']._serialized_end=229
   _globals['_INITIALIZER_KIND']._serialized_start=151
@@ -56,37 +56,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DROPTABLERESPONSE']._serialized_start=766
   _globals['_DROPTABLERESPONSE']._serialized_end=824
   _globals['_PULLREQUEST']._serialized_start=826
-  _globals['_PULLREQUEST']._serialized_end=867
-  _globals['_PULLRESPONSE']._serialized_start=869
-  _globals['_PULLRESPONSE']._serialized_end=935
-  _globals['_PUSHREQUEST']._serialized_start=937
-  _globals['_PUSHREQUEST']._serialized_end=992
-  _globals['_PUSHRESPONSE']._serialized_start=994
-  _globals['_PUSHRESPONSE']._serialized_end=1030
-  _globals['_PULLMANYREQUEST']._serialized_start=1032
-  _globals['_PULLMANYREQUEST']._serialized_end=1091
-  _globals['_PULLMANYRESPONSE']._serialized_start=1093
-  _globals['_PULLMANYRESPONSE']._serialized_end=1154
-  _globals['_PUSHMANYREQUEST']._serialized_start=1156
-  _globals['_PUSHMANYREQUEST']._serialized_end=1216
-  _globals['_PUSHMANYRESPONSE']._serialized_start=1218
-  _globals['_PUSHMANYRESPONSE']._serialized_end=1280
-  _globals['_DELETEREQUEST']._serialized_start=1282
-  _globals['_DELETEREQUEST']._serialized_end=1325
-  _globals['_DELETERESPONSE']._serialized_start=1327
-  _globals['_DELETERESPONSE']._serialized_end=1365
-  _globals['_EXPORTREQUEST']._serialized_start=1367
-  _globals['_EXPORTREQUEST']._serialized_end=1421
-  _globals['_ROWCHUNK']._serialized_start=1423
-  _globals['_ROWCHUNK']._serialized_end=1516
-  _globals['_IMPORTRESPONSE']._serialized_start=1518
-  _globals['_IMPORTRESPONSE']._serialized_end=1596
-  _globals['_STATSREQUEST']._serialized_start=1598
-  _globals['_STATSREQUEST']._serialized_end=1612
-  _globals['_METHODSTATS']._serialized_start=1614
-  _globals['_METHODSTATS']._serialized_end=1691
-  _globals['_STATSRESPONSE']._serialized_start=1694
-  _globals['_STATSRESPONSE']._serialized_end=1852
-  _globals['_PARAMETERSERVER']._serialized_start=1917
-  _globals['_PARAMETERSERVER']._serialized_end=2797
+  _globals['_PULLREQUEST']._serialized_end=910
+  _globals['_PULLRESPONSE']._serialized_start=912
+  _globals['_PULLRESPONSE']._serialized_end=978
+  _globals['_PUSHREQUEST']._serialized_start=980
+  _globals['_PUSHREQUEST']._serialized_end=1080
+  _globals['_SEGMENTREF']._serialized_start=1082
+  _globals['_SEGMENTREF']._serialized_end=1141
+  _globals['_ATTACHSEGMENTREQUEST']._serialized_start=1143
+  _globals['_ATTACHSEGMENTREQUEST']._serialized_end=1208
+  _globals['_ATTACHSEGMENTRESPONSE']._serialized_start=1210
+  _globals['_ATTACHSEGMENTRESPONSE']._serialized_end=1250
+  _globals['_DETACHSEGMENTREQUEST']._serialized_start=1252
+  _globals['_DETACHSEGMENTREQUEST']._serialized_end=1291
+  _globals['_DETACHSEGMENTRESPONSE']._serialized_start=1293
+  _globals['_DETACHSEGMENTRESPONSE']._serialized_end=1334
+  _globals['_PUSHRESPONSE']._serialized_start=1336
+  _globals['_PUSHRESPONSE']._serialized_end=1372
+  _globals['_PULLMANYREQUEST']._serialized_start=1374
+  _globals['_PULLMANYREQUEST']._serialized_end=1433
+  _globals['_PULLMANYRESPONSE']._serialized_start=1435
+  _globals['_PULLMANYRESPONSE']._serialized_end=1496
+  _globals['_PUSHMANYREQUEST']._serialized_start=1498
+  _globals['_PUSHMANYREQUEST']._serialized_end=1558
+  _globals['_PUSHMANYRESPONSE']._serialized_start=1560
+  _globals['_PUSHMANYRESPONSE']._serialized_end=1622
+  _globals['_DELETEREQUEST']._serialized_start=1624
+  _globals['_DELETEREQUEST']._serialized_end=1667
+  _globals['_DELETERESPONSE']._serialized_start=1669
+  _globals['_DELETERESPONSE']._serialized_end=1707
+  _globals['_EXPORTREQUEST']._serialized_start=1709
+  _globals['_EXPORTREQUEST']._serialized_end=1763
+  _globals['_ROWCHUNK']._serialized_start=1765
+  _globals['_ROWCHUNK']._serialized_end=1858
+  _globals['_IMPORTRESPONSE']._serialized_start=1860
+  _globals['_IMPORTRESPONSE']._serialized_end=1938
+  _globals['_STATSREQUEST']._serialized_start=1940
+  _globals['_STATSREQUEST']._serialized_end=1954
+  _globals['_METHODSTATS']._serialized_start=1956
+  _globals['_METHODSTATS']._serialized_end=2033
+  _globals['_STATSRESPONSE']._serialized_start=2036
+  _globals['_STATSRESPONSE']._serialized_end=2194
+  _globals['_PARAMETERSERVER']._serialized_start=2259
+  _globals['_PARAMETERSERVER']._serialized_end=3319
 # @@protoc_insertion_point(module_scope)

@@ -113,12 +113,14 @@ class DropTableResponse(_message.Message):
     def __init__(self, dropped: _Optional[bool] = ..., rows_dropped: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("table", "ids")
+    __slots__ = ("table", "ids", "rows_to")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_TO_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: bytes
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
+    rows_to: SegmentRef
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., rows_to: _Optional[_Union[SegmentRef, _Mapping]] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("rows", "missing", "num_missing")
@@ -131,14 +133,54 @@ class PullResponse(_message.Message):
     def __init__(self, rows: _Optional[bytes] = ..., missing: _Optional[bytes] = ..., num_missing: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("table", "ids", "rows")
+    __slots__ = ("table", "ids", "rows", "rows_from")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FROM_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: bytes
     rows: bytes
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., rows: _Optional[bytes] = ...) -> None: ...
+    rows_from: SegmentRef
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., rows: _Optional[bytes] = ..., rows_from: _Optional[_Union[SegmentRef, _Mapping]] = ...) -> None: ...
+
+class SegmentRef(_message.Message):
+    __slots__ = ("segment", "offset", "size")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    segment: int
+    offset: int
+    size: int
+    def __init__(self, segment: _Optional[int] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+
+class AttachSegmentRequest(_message.Message):
+    __slots__ = ("path", "size", "token")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size: int
+    token: bytes
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
+
+class AttachSegmentResponse(_message.Message):
+    __slots__ = ("segment",)
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    segment: int
+    def __init__(self, segment: _Optional[int] = ...) -> None: ...
+
+class DetachSegmentRequest(_message.Message):
+    __slots__ = ("segment",)
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    segment: int
+    def __init__(self, segment: _Optional[int] = ...) -> None: ...
+
+class DetachSegmentResponse(_message.Message):
+    __slots__ = ("detached",)
+    DETACHED_FIELD_NUMBER: _ClassVar[int]
+    detached: bool
+    def __init__(self, detached: _Optional[bool] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("rows_written",)

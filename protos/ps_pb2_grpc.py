@@ -94,6 +94,16 @@ class ParameterServerStub:
                 request_serializer=protos_dot_ps__pb2.StatsRequest.SerializeToString,
                 response_deserializer=protos_dot_ps__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.AttachSegment = channel.unary_unary(
+                '/dynemb.ps.v1.ParameterServer/AttachSegment',
+                request_serializer=protos_dot_ps__pb2.AttachSegmentRequest.SerializeToString,
+                response_deserializer=protos_dot_ps__pb2.AttachSegmentResponse.FromString,
+                _registered_method=True)
+        self.DetachSegment = channel.unary_unary(
+                '/dynemb.ps.v1.ParameterServer/DetachSegment',
+                request_serializer=protos_dot_ps__pb2.DetachSegmentRequest.SerializeToString,
+                response_deserializer=protos_dot_ps__pb2.DetachSegmentResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -171,6 +181,18 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AttachSegment(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DetachSegment(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -233,6 +255,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=protos_dot_ps__pb2.StatsRequest.FromString,
                     response_serializer=protos_dot_ps__pb2.StatsResponse.SerializeToString,
+            ),
+            'AttachSegment': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttachSegment,
+                    request_deserializer=protos_dot_ps__pb2.AttachSegmentRequest.FromString,
+                    response_serializer=protos_dot_ps__pb2.AttachSegmentResponse.SerializeToString,
+            ),
+            'DetachSegment': grpc.unary_unary_rpc_method_handler(
+                    servicer.DetachSegment,
+                    request_deserializer=protos_dot_ps__pb2.DetachSegmentRequest.FromString,
+                    response_serializer=protos_dot_ps__pb2.DetachSegmentResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -559,6 +591,60 @@ class ParameterServer:
             '/dynemb.ps.v1.ParameterServer/Stats',
             protos_dot_ps__pb2.StatsRequest.SerializeToString,
             protos_dot_ps__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachSegment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dynemb.ps.v1.ParameterServer/AttachSegment',
+            protos_dot_ps__pb2.AttachSegmentRequest.SerializeToString,
+            protos_dot_ps__pb2.AttachSegmentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DetachSegment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dynemb.ps.v1.ParameterServer/DetachSegment',
+            protos_dot_ps__pb2.DetachSegmentRequest.SerializeToString,
+            protos_dot_ps__pb2.DetachSegmentResponse.FromString,
             options,
             channel_credentials,
             insecure,

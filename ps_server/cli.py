@@ -114,6 +114,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--backend-check-seconds", type=float, default=_env("DYNEMB_PS_BACKEND_CHECK_SECONDS", 1.0, float),
                        help="how often to ping the store; while it does not answer, health says NOT_SERVING "
                        "[env DYNEMB_PS_BACKEND_CHECK_SECONDS, default %(default)s]")
+    serve.add_argument("--shm-max-mb", type=float, default=_env("DYNEMB_PS_SHM_MAX_MB", 4096.0, float),
+                       help="same-host clients' memory segments this PS maps at once, for row transfer without "
+                            "copies through gRPC; 0: none (such clients send rows as bytes) "
+                            "[env DYNEMB_PS_SHM_MAX_MB, default %(default)s]")
+    serve.add_argument("--shm-idle-seconds", type=float, default=_env("DYNEMB_PS_SHM_IDLE_SECONDS", 300.0, float),
+                       help="drop a segment unused this long (its client died) [env DYNEMB_PS_SHM_IDLE_SECONDS, "
+                            "default %(default)s]")
     serve.add_argument("--port-file", help="write the bound port here once serving (for scripts and tests)")
     serve.add_argument("--log-level", default=_env("DYNEMB_LOG_LEVEL", "INFO"), help="[env DYNEMB_LOG_LEVEL, default %(default)s]")
     serve.set_defaults(func=cmd_serve)
@@ -183,6 +190,8 @@ def cmd_serve(args) -> int:
             not_serving_seconds=args.not_serving_seconds,
             redis_buckets=args.redis_buckets,
             backend_check_seconds=args.backend_check_seconds,
+            shm_max_bytes=int(args.shm_max_mb * (1 << 20)),
+            shm_idle_seconds=args.shm_idle_seconds,
         )
         server = PSServer(config).start()
     except Exception as exc:  # bad flags or an unusable port: say so, exit non-zero

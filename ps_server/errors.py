@@ -56,6 +56,13 @@ class Unauthenticated(PSError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class SegmentUnusable(PSError):
+    """Same-host row transfer (shm.py) cannot use this memory: a segment the PS cannot map
+    (another host, not a sealed memfd, a wrong token) or one it no longer has attached."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class Unavailable(PSError):
     """Raised by the client when a PS stayed unreachable through every retry."""
 
@@ -70,6 +77,7 @@ _BY_CODE = {
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.FAILED_PRECONDITION: SegmentUnusable,
 }
 
 

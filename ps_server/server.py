@@ -28,7 +28,9 @@ from ps_server.auth import TokenAuthInterceptor
 from ps_server.backends import Store, open_store
 from ps_server.backend_watch import BackendWatch
 from ps_server.metrics import PSMetrics
+from ps_server import shm
 from ps_server.service import ParameterServerService, add_to_server
+from ps_server.shm import SegmentTable
 
 log = logging.getLogger("dynemb.ps")
 
@@ -57,6 +59,10 @@ class ServeConfig:
     not_serving_seconds: float = 1.0
     redis_buckets: int = 4096  # hashes per new table (fixed per table once created)
     backend_check_seconds: float = 1.0  # how often health re-checks that the store answers
+    # Same-host row transfer (shm.py): how much client memory may be attached at once (0: none
+    # taken; clients then send rows as bytes) and how long an unused segment stays attached.
+    shm_max_bytes: int = 4 << 30
+    shm_idle_seconds: float = 300.0
     backend_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -70,6 +76,8 @@ class ServeConfig:
             raise ValueError(f"max message size {self.max_message_bytes} is below the 64 KiB minimum")
         if self.workers < 1:
             raise ValueError("workers must be >= 1")
+        if self.shm_max_bytes < 0 or self.shm_idle_seconds <= 0:
+            raise ValueError("--shm-max-mb must be >= 0 and --shm-idle-seconds > 0")
         if self.backend_check_seconds <= 0:
             raise ValueError(f"backend check interval must be > 0 seconds, got {self.backend_check_seconds}")
 
@@ -103,7 +111,10 @@ class PSServer:
             interceptors=interceptors,
             options=opts,
         )
-        self.service = ParameterServerService(store, self.metrics, config.max_message_bytes)
+        self.segments = SegmentTable(config.shm_max_bytes if shm.available() else 0, config.shm_idle_seconds)
+        self.metrics.shm_segments.set_function(lambda: len(self.segments))
+        self.metrics.shm_bytes.set_function(lambda: self.segments.bytes)
+        self.service = ParameterServerService(store, self.metrics, config.max_message_bytes, self.segments)
         add_to_server(self.service, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         reflection.enable_server_reflection(
@@ -163,6 +174,7 @@ class PSServer:
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
         self.store.close()
+        self.segments.close()
         log.info("stopped")
 
     def _count_refusal(self, method: str) -> None:

@@ -26,6 +26,7 @@ from ps_server.errors import Abandoned, InvalidArgument, PSError, ResourceExhaus
 from ps_server.initializer import initial_rows
 from ps_server.metrics import PSMetrics
 from ps_server.schema import TableSchema, check_name
+from ps_server.shm import SegmentTable
 from ps_server.wire import (MalformedMessage, ReplyPlan, build_pull_many_response, build_pull_response,
                             parse_push_many_request, parse_push_request)
 
@@ -120,10 +121,12 @@ class _StoreTimer:
 
 
 class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
-    def __init__(self, store: Store, metrics: PSMetrics, max_message_bytes: int) -> None:
+    def __init__(self, store: Store, metrics: PSMetrics, max_message_bytes: int,
+                 segments: SegmentTable | None = None) -> None:
         self.store = store
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
+        self.segments = segments if segments is not None else SegmentTable(0, 0.0)  # 0 bytes: none taken
         self.started = time.time()
 
     # -- plumbing ---------------------------------------------------------------
@@ -241,20 +244,42 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 
     def Pull(self, request, context):
         with self._call("Pull", context):
-            schema = self._schema(request.table)
-            ids = codec.decode_ids(request.ids, schema.name)
-            self._check_reply_size("pull", [(schema, ids)])
-            return build_pull_response(self._reply_plan(schema, ids, len(request.ids)))
+            plan = self._pull_plan(request)
+            self._check_reply_size("pull", [plan])
+            return build_pull_response(self._reply_plan(*plan))
 
     def PullMany(self, request, context):
         with self._call("PullMany", context):
             # every entry checked before any is read
-            plans = [(self._schema(p.table), p) for p in request.pulls]
-            plans = [(schema, codec.decode_ids(p.ids, schema.name), len(p.ids)) for schema, p in plans]
-            self._check_reply_size("pull of several tables", [(schema, ids) for schema, ids, _ in plans])
+            plans = [self._pull_plan(p) for p in request.pulls]
+            self._check_reply_size("pull of several tables", plans)
             return build_pull_many_response([self._reply_plan(*plan) for plan in plans])
 
-    def _check_reply_size(self, what: str, plans: list[tuple[TableSchema, np.ndarray]]) -> None:
+    def _pull_plan(self, request) -> tuple[TableSchema, np.ndarray, int, np.ndarray | None]:
+        """(schema, ids, request bytes, where the rows go: a segment's rows or None for the reply)."""
+        schema = self._schema(request.table)
+        ids = codec.decode_ids(request.ids, schema.name)
+        into = None
+        if request.HasField("rows_to"):
+            ref = request.rows_to
+            into = self._segment_rows(ref.segment, ref.offset, ref.size, schema, len(ids))
+        return schema, ids, len(request.ids), into
+
+    def _segment_rows(self, segment: int, offset: int, size: int, schema: TableSchema, n: int) -> np.ndarray:
+        """The (n, width) rows at offset in an attached segment (shm.py)."""
+        if size != n * schema.row_bytes:
+            raise InvalidArgument(
+                f"rows of {n} ids of table {schema.name!r} take {n * schema.row_bytes} bytes (rows of {schema.width} "
+                f"{schema.dtype} values), the segment has {size} for them: the client has another schema of the table "
+                f"(re-created since?)")
+        raw = self.segments.rows(segment, offset, size)
+        return raw.view(schema.np_dtype).reshape(n, schema.width)
+
+    def _check_reply_size(self, what: str, plans: list) -> None:
+        inline = [(s, ids) for s, ids, _, into in plans if into is None]  # rows through a segment take no room
+        if not inline:
+            return
+        plans = inline
         reply_bytes = MESSAGE_OVERHEAD + sum(len(ids) * s.row_bytes + (len(ids) + 7) // 8 + 16 for s, ids in plans)
         if reply_bytes > self.max_message_bytes:
             n = sum(len(ids) for _, ids in plans)
@@ -265,12 +290,13 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 f"pull at most {(self.max_message_bytes - MESSAGE_OVERHEAD) // (row_bytes + 1)} ids per request"
             )
 
-    def _reply_plan(self, schema: TableSchema, ids: np.ndarray, nbytes_in: int) -> ReplyPlan:
-        """The reply to a pull of ids, its rows to be read straight into the message (wire.py)."""
+    def _reply_plan(self, schema: TableSchema, ids: np.ndarray, nbytes_in: int, into: np.ndarray | None) -> ReplyPlan:
+        """The reply to a pull of ids, its rows to be read straight into the message (wire.py)
+        or into the client's segment."""
         def fill(rows: np.ndarray) -> tuple[bytes, int]:
             return self._pull_rows(schema, ids, nbytes_in, rows)
 
-        return ReplyPlan(len(ids), schema.width, schema.np_dtype, fill)
+        return ReplyPlan(len(ids), schema.width, schema.np_dtype, fill, into)
 
     def _pull_rows(self, schema: TableSchema, ids: np.ndarray, nbytes_in: int, out: np.ndarray) -> tuple[bytes, int]:
         """Rows of ids into out, the missing ones initialised; (missing bitmap, how many missing)."""
@@ -286,23 +312,27 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 
     def Push(self, request, context):
         with self._call("Push", context):
-            schema = self._schema(request.table)
-            ids = codec.decode_ids(request.ids, schema.name)
-            rows = codec.decode_rows(request.rows, schema, len(ids))
+            plan = self._push_plan(request)
             self._still_wanted(context, "push")
-            return ps_pb2.PushResponse(rows_written=self._push_rows(schema, ids, rows))
+            return ps_pb2.PushResponse(rows_written=self._push_rows(*plan))
 
     def PushMany(self, request, context):
         with self._call("PushMany", context):
             # every entry checked before any is written: a bad one writes nothing
-            plans = []
-            for p in request.pushes:
-                schema = self._schema(p.table)
-                ids = codec.decode_ids(p.ids, schema.name)
-                plans.append((schema, ids, codec.decode_rows(p.rows, schema, len(ids))))
+            plans = [self._push_plan(p) for p in request.pushes]
             self._still_wanted(context, "push")
             return ps_pb2.PushManyResponse(
                 pushes=[ps_pb2.PushResponse(rows_written=self._push_rows(*plan)) for plan in plans])
+
+    def _push_plan(self, request) -> tuple[TableSchema, np.ndarray, np.ndarray]:
+        """(schema, ids, rows) of a PushRequest read by wire.parse_push_request."""
+        schema = self._schema(request.table)
+        ids = codec.decode_ids(request.ids, schema.name)
+        if request.rows_from is None:
+            return schema, ids, codec.decode_rows(request.rows, schema, len(ids))
+        if len(request.rows):
+            raise InvalidArgument(f"push to {schema.name!r} carries rows both in the message and in a segment (rows_from)")
+        return schema, ids, self._segment_rows(*request.rows_from, schema, len(ids))
 
     def _push_rows(self, schema: TableSchema, ids: np.ndarray, rows: np.ndarray) -> int:
         with self._backend("push"):
@@ -374,6 +404,16 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 raise InvalidArgument("import stream was empty: send at least one chunk with the table's spec")
             log.info("imported %d rows into table %s", written, schema.name)
             return ps_pb2.ImportResponse(table=self._info(schema), rows_written=written)
+
+    # -- same-host row transfer (shm.py) ----------------------------------------
+
+    def AttachSegment(self, request, context):
+        with self._call("AttachSegment", context):
+            return ps_pb2.AttachSegmentResponse(segment=self.segments.attach(request.path, request.size, request.token))
+
+    def DetachSegment(self, request, context):
+        with self._call("DetachSegment", context):
+            return ps_pb2.DetachSegmentResponse(detached=self.segments.detach(request.segment))
 
     # -- stats ------------------------------------------------------------------
 

@@ -63,13 +63,26 @@ def pull_response_parts(rows: np.ndarray, missing: bytes, num_missing: int) -> l
     return parts
 
 
-def push_request_parts(table: str, ids: np.ndarray, rows: np.ndarray) -> list:
-    """PushRequest{table=1, ids=2, rows=3}; ids as little-endian int64."""
+def push_request_parts(table: str, ids: np.ndarray, rows: np.ndarray | None,
+                       rows_from: tuple[int, int, int] | None = None) -> list:
+    """PushRequest{table=1, ids=2, rows=3, rows_from=4}; ids as little-endian int64; rows_from
+    (segment, offset, size) in place of rows (shm.py)."""
     parts = _bytes_field(1, table.encode()) if table else []
     if len(ids):
         parts += _bytes_field(2, _array(ids.astype("<i8", copy=False)))
-    if rows.size:
+    if rows is not None and rows.size:
         parts += _bytes_field(3, _array(rows))
+    if rows_from is not None:
+        parts += _nested(4, segment_ref_parts(*rows_from))
+    return parts
+
+
+def segment_ref_parts(segment: int, offset: int, size: int) -> list:
+    """SegmentRef{segment=1, offset=2, size=3}: varints, zero ones left out."""
+    parts = []
+    for number, value in ((1, segment), (2, offset), (3, size)):
+        if value:
+            parts += [_varint(number << 3 | 0), _varint(value)]
     return parts
 
 
@@ -82,15 +95,18 @@ RowsFill = Callable[[np.ndarray], "tuple[bytes, int]"]
 
 @dataclass(slots=True)
 class ReplyPlan:
-    """One PullResponse to build: n rows of `width` values of `dtype`, written by fill."""
+    """One PullResponse to build: n rows of `width` values of `dtype`, written by fill into
+    the message, or into `into` (a client's segment, shm.py) with no rows in the message."""
     n: int
     width: int
     dtype: np.dtype
     fill: RowsFill
+    into: np.ndarray | None = None
 
     @property
     def rows_bytes(self) -> int:
-        return self.n * self.width * self.dtype.itemsize
+        """The rows' bytes in the message."""
+        return 0 if self.into is not None else self.n * self.width * self.dtype.itemsize
 
 
 def _pull_tail(missing: bytes, num_missing: int) -> bytes:
@@ -114,7 +130,9 @@ def _write_reply(buf: memoryview, pos: int, plan: ReplyPlan, head: bytes) -> int
     """The PullResponse of plan at buf[pos:], rows filled in place; returns where it ends."""
     buf[pos : pos + len(head)] = head
     pos += len(head)
-    if plan.n:
+    if plan.into is not None:
+        rows = plan.into
+    elif plan.n:
         rows = np.frombuffer(buf, dtype=plan.dtype, count=plan.n * plan.width, offset=pos).reshape(plan.n, plan.width)
     else:
         rows = np.empty((0, plan.width), dtype=plan.dtype)
@@ -130,9 +148,10 @@ def _joined(plans: list[ReplyPlan]) -> bytes:
     """The same PullManyResponse built apart and joined: one more copy of the rows."""
     replies = []
     for plan in plans:
-        rows = np.empty((plan.n, plan.width), dtype=plan.dtype)
+        rows = plan.into if plan.into is not None else np.empty((plan.n, plan.width), dtype=plan.dtype)
         missing, num_missing = plan.fill(rows)
-        replies.append(pull_response_parts(rows, missing if num_missing else b"", num_missing))
+        replies.append(pull_response_parts(rows[:0] if plan.into is not None else rows,
+                                           missing if num_missing else b"", num_missing))
     return encode_pull_many_response(replies)
 
 
@@ -278,6 +297,7 @@ class PushCall:
     table: str
     ids: memoryview
     rows: memoryview
+    rows_from: tuple[int, int, int] | None = None  # (segment, offset, size)
 
 
 _EMPTY = memoryview(b"")
@@ -299,21 +319,32 @@ def _pull_reply(buf: memoryview, pos: int, end: int) -> PullReply:
 
 
 def _push_call(buf: memoryview, pos: int, end: int) -> PushCall:
-    table, ids, rows = _EMPTY, _EMPTY, _EMPTY
+    table, ids, rows, rows_from = _EMPTY, _EMPTY, _EMPTY, None
     for number, wire_type, value in _fields(buf, pos, end):
-        if number in (1, 2, 3):
+        if number in (1, 2, 3, 4):
             _check(number, wire_type, 2, "PushRequest")
             if number == 1:
                 table = value
             elif number == 2:
                 ids = value
-            else:
+            elif number == 3:
                 rows = value
+            else:
+                rows_from = _segment_ref(value)
     try:
         name = str(table, "utf-8")
     except UnicodeDecodeError:
         raise MalformedMessage("PushRequest's table name is not valid UTF-8") from None
-    return PushCall(name, ids, rows)
+    return PushCall(name, ids, rows, rows_from)
+
+
+def _segment_ref(buf: memoryview) -> tuple[int, int, int]:
+    ref = [0, 0, 0]  # segment, offset, size
+    for number, wire_type, value in _fields(buf, 0, len(buf)):
+        if number in (1, 2, 3):
+            _check(number, wire_type, 0, "SegmentRef")
+            ref[number - 1] = value
+    return ref[0], ref[1], ref[2]
 
 
 def _repeated(data, number: int, message: str, read) -> list:

@@ -80,7 +80,7 @@ class Fuzzer:
         # no serializers: bytes go out as they are
         self.raw_unary = {m: self.channel.unary_unary(SERVICE + m) for m in
                           ("CreateTable", "DescribeTable", "ListTables", "DropTable", "Pull", "Push", "Delete",
-                           "PullMany", "PushMany", "Stats", "Import")}
+                           "PullMany", "PushMany", "Stats", "Import", "AttachSegment", "DetachSegment")}
         self.raw_export = self.channel.unary_stream(SERVICE + "Export")
         self.raw_import = self.channel.stream_unary(SERVICE + "Import")
         self.sent = 0

@@ -217,3 +217,45 @@ def test_filled_bytes_refuses_a_fill_that_overruns_or_fails():
     filled(8, lambda v: escaped.append(v) or 0)
     with pytest.raises(ValueError, match="released"):  # the view itself is dead once filled_bytes returns
         escaped[0][0] = 1
+
+
+# -- rows through a segment (ps_server/shm.py) -------------------------------------
+
+from ps_server.wire import push_request_parts  # noqa: E402
+
+_u64 = st.integers(0, (1 << 64) - 1)
+
+
+@given(pushes=st.lists(st.tuples(st.text(max_size=20), _blobs, st.tuples(_u64, _u64, _u64)), max_size=4))
+def test_push_requests_with_rows_from_read_as_generated_writes(pushes):
+    for table, ids, (segment, offset, size) in pushes:
+        generated = ps_pb2.PushRequest(table=table, ids=ids, rows_from=ps_pb2.SegmentRef(
+            segment=segment, offset=offset, size=size)).SerializeToString()
+        got = parse_push_request(generated)
+        assert (got.table, bytes(got.ids), bytes(got.rows), got.rows_from) == (table, ids, b"", (segment, offset, size))
+        # and ours reads back the same through the generated code
+        ours = b"".join(push_request_parts(table, np.frombuffer(ids[: len(ids) // 8 * 8], "<i8"), None,
+                                           (segment, offset, size)))
+        back = ps_pb2.PushRequest.FromString(ours)
+        assert (back.rows_from.segment, back.rows_from.offset, back.rows_from.size) == (segment, offset, size)
+        assert back.HasField("rows_from") and back.rows == b""
+
+
+def test_a_push_without_rows_from_reads_as_none():
+    assert parse_push_request(ps_pb2.PushRequest(table="t", rows=b"\0" * 8).SerializeToString()).rows_from is None
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_pull_replies_with_rows_in_a_segment_carry_only_the_missing_marks(monkeypatch, native):
+    if not native:
+        monkeypatch.setattr(wire, "_native_filled_bytes", False)
+    into = np.zeros((300, 5), np.float32)
+    plan, rows, missing = _plan(300, 5, 1)
+    plan.into = into
+    other, other_rows, other_missing = _plan(20, 3, 2)
+    got = ps_pb2.PullManyResponse.FromString(build_pull_many_response([plan, other]))
+    assert got.pulls[0].rows == b"" and np.array_equal(into, rows)  # the rows went to `into`
+    assert got.pulls[0].num_missing == int(missing.sum())
+    _check(got.pulls[1], other_rows, other_missing)  # a reply beside it keeps its rows
+    one = ps_pb2.PullResponse.FromString(build_pull_response(plan))
+    assert one.rows == b"" and one.num_missing == int(missing.sum())

@@ -55,9 +55,13 @@ def round_trip(ps: PSClient, table: str, dtype: str, n: int = 3000, seed: int = 
     assert table not in [t.schema.name for t in ps.list_tables()]
 
 
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "bytes"])
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
-def test_round_trip_embedded(embedded_client, dtype):
-    round_trip(embedded_client, f"rt_{dtype}", dtype)
+def test_round_trip_embedded(embedded_ps, dtype, shared_memory):
+    # rows through shared memory (the default on one host, ps_server/shm.py) and as bytes
+    with PSClient(embedded_ps.address, shared_memory=shared_memory) as ps:
+        round_trip(ps, f"rt_{dtype}_{shared_memory}", dtype)
+        assert (ps._pools[0] is not None) == shared_memory
 
 
 @pytest.fixture(scope="module")
