@@ -67,7 +67,8 @@ def cache_root() -> Path:
 
 
 # no -march=native: a cache folder may be shared by machines with different CPUs
-FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-exceptions", "-fvisibility=hidden", "-Wall")
+# -ffp-contract=off: floating point as written (the PS's initial rows must match numpy's bit for bit)
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-exceptions", "-fvisibility=hidden", "-Wall", "-ffp-contract=off")
 
 
 def compile_library(source: Path, name: str, what: str, *, depends: tuple[Path, ...] = (),

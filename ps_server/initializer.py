@@ -74,3 +74,38 @@ def initial_rows(schema: TableSchema, ids: np.ndarray) -> np.ndarray:
     values[:, : schema.dim] = emb
     values[:, schema.dim :] = init.state_init
     return to_table_dtype(values, schema)
+
+
+_KINDS = {"zeros": 0, "constant": 1, "uniform": 2}
+_MASK = (1 << 64) - 1
+
+
+def _stream_key(seed: int, stream: int) -> int:
+    """_uniform01's key, in Python ints (numpy scalars cost ~10 us a call here)."""
+    z = ((seed & _MASK) * int(_GOLDEN) + stream) & _MASK
+    z = ((z ^ (z >> 30)) * int(_M1)) & _MASK
+    z = ((z ^ (z >> 27)) * int(_M2)) & _MASK
+    return z ^ (z >> 31)
+_native = None
+
+
+def fill_initial_rows(schema: TableSchema, ids: np.ndarray, out: np.ndarray, positions: np.ndarray) -> None:
+    """out[positions] = initial_rows(schema, ids), in place. fp32 tables with a zeros,
+    constant or uniform initializer (what trainers use) take the compiled loop of the PS's id
+    index module, bit for bit the same values; the rest take initial_rows."""
+    global _native
+    init = schema.initializer
+    kind = _KINDS.get(init.kind)
+    if _native is None:
+        try:
+            from ps_server import native
+            _native = native.id_index()
+        except (RuntimeError, ImportError, OSError):  # no compiler here: numpy
+            _native = False
+    if (kind is None or not _native or schema.dtype != "fp32" or out.dtype != np.float32
+            or not out.flags.c_contiguous or out.shape[1:] != (schema.width,)):
+        out[positions] = initial_rows(schema, ids)
+        return
+    _native.init_rows(out, schema.width, np.ascontiguousarray(positions, dtype=np.int64),
+                      np.ascontiguousarray(ids, dtype=np.int64), kind, _stream_key(init.seed, 0), float(init.a),
+                      float(init.b) - float(init.a), schema.dim, float(init.state_init))

@@ -23,7 +23,7 @@ from protos import ps_pb2, ps_pb2_grpc
 from ps_server import codec
 from ps_server.backends.base import Store
 from ps_server.errors import Abandoned, InvalidArgument, PSError, ResourceExhausted, TableNotFound
-from ps_server.initializer import initial_rows
+from ps_server.initializer import fill_initial_rows
 from ps_server.metrics import PSMetrics
 from ps_server.schema import TableSchema, check_name
 from ps_server.shm import SegmentTable
@@ -305,7 +305,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         missing = ~found
         num_missing = int(missing.sum())
         if num_missing:
-            out[missing] = initial_rows(schema, ids[missing])
+            positions = np.flatnonzero(missing)
+            fill_initial_rows(schema, ids[positions], out, positions)
         self._count("Pull", schema.name, len(ids), nbytes_in, out.nbytes)
         self.metrics.child(self.metrics.missing_rows, schema.name).inc(num_missing)
         return codec.encode_mask(missing) if num_missing else b"", num_missing

@@ -17,7 +17,7 @@ import numpy as np
 
 from ps_server.backends.embedded import EmbeddedStore
 from ps_server.client import PSClient
-from ps_server.initializer import initial_rows
+from ps_server.initializer import fill_initial_rows
 from ps_server.schema import TableSchema
 
 
@@ -88,7 +88,8 @@ class LocalRowStore(RowStore):
     def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
         rows, found = self.store.pull(table, ids)
         if not found.all():
-            rows[~found] = initial_rows(self.store.schema(table), ids[~found])
+            missing = np.flatnonzero(~found)
+            fill_initial_rows(self.store.schema(table), ids[missing], rows, missing)
         return rows
 
     def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
