@@ -166,6 +166,8 @@ def _map_checked(path: str, size: int, token: bytes) -> np.ndarray:
             raise SegmentUnusable(f"{path} is not a memfd (it takes no seals)") from None
         if not seals & fcntl.F_SEAL_SHRINK:  # a shrunk file would fault (SIGBUS) the PS
             raise SegmentUnusable(f"{path} is not sealed against shrinking")
+        if st.st_blksize != mmap.PAGESIZE:  # a hugetlb memfd faults when huge pages run out
+            raise SegmentUnusable(f"{path} is not a memfd of ordinary pages (block size {st.st_blksize})")
         mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
