@@ -61,7 +61,7 @@ def test_the_error_carries_the_shares_that_went_through(one_process_group, refus
         transform_tables(tables, batch, pin=True)
     e = caught.value
     assert isinstance(e.__cause__, TooManyIDs if refusal != "no_room" else NoRoom) and e.errors[1] is e.__cause__
-    assert e.errors[0] is e.errors[2] is e.errors[3] is None and e.refused_by == [-1, 0, -1, -1]
+    assert e.errors[0] is e.errors[2] is e.errors[3] is None and e.refused_by == [[], [0], [], []]
     assert "rank 0 refused its share of table 1" in str(e)
     assert len(e.results) == 4 and e.results[1].slots.tolist() == [-2] * n_new
     assert e.results[1].owned.admitted_ids.numel() == e.results[1].owned.evicted_ids.numel() == 0

@@ -149,7 +149,7 @@ class Scenario:
             self.transform(ids)
             raise AssertionError(f"rank {rank}: a batch with too many IDs for table a went through")
         except BatchRefused as e:
-            assert e.refused_by == [0, -1, -1], e.refused_by
+            assert e.refused_by == [[0], [], []], e.refused_by
             if rank == 0:
                 assert isinstance(e.__cause__, TooManyIDs) and e.errors[0] is e.__cause__, repr(e.__cause__)
                 assert f"{TABLES['a'] + 4} distinct IDs but the table holds {TABLES['a']}" in str(e), str(e)

@@ -46,7 +46,7 @@ def _pin_refusal(rank: int, world: int) -> None:
         transform_tables([tiny], [batch], pin=True)
         raise AssertionError("a batch with a slot at 255 pins went through")
     except BatchRefused as e:
-        assert e.refused_by == [0], e.refused_by
+        assert e.refused_by == [[0]], e.refused_by
         tiny.release(e.results[0])  # the other ranks' shares went through: their pins go
         if rank == 0:
             assert "pinned by 255 batches in flight" in str(e), str(e)
