@@ -43,6 +43,7 @@ def quiet_library_warnings() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from idtransformer.sharded import BatchRefused
     from idtransformer.transformer import NoRoom, TooManyIDs
     from trainer.config import from_args
     from trainer.data import BadLine
@@ -62,9 +63,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"dynemb train: error: rank {rank}: malformed training data: {e} "
               f"(--skip-bad-lines skips such lines)", file=sys.stderr)
         return 1
-    except (TooManyIDs, NoRoom) as e:
-        print(f"dynemb train: error: rank {rank}: a batch does not fit its table: {e} "
-              f"(raise --capacity / --capacity-fraction, or lower --batch-size)", file=sys.stderr)
+    except (BatchRefused, TooManyIDs, NoRoom) as e:  # BatchRefused: on every rank, the refusing one's cause says why
+        if isinstance(e.__cause__ if isinstance(e, BatchRefused) else e, (TooManyIDs, NoRoom)):
+            print(f"dynemb train: error: rank {rank}: a batch does not fit its table: {e} "
+                  f"(raise --capacity / --capacity-fraction, or lower --batch-size)", file=sys.stderr)
+        else:
+            print(f"dynemb train: error: rank {rank}: {e}", file=sys.stderr)
         return 1
     if rank == 0:
         tail = result.losses[-cfg.log_every:] or [float("nan")]

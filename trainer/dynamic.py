@@ -9,6 +9,10 @@ about to be reused), then the rows of admitted IDs are pulled (a never-seen ID c
 initialised by the table's initializer) and written in.
 The batch's slots are pinned until `release_oldest()` says the batch is through backward and
 the optimizer step, so a batch in flight never has a row pushed or reused under it.
+A batch that some owner refuses (too many distinct IDs for a table, no room) raises
+BatchRefused on every rank, after the shares of it that went through have had their rows moved
+and their pins released: the tables stay consistent, and the caller may go on with other
+(smaller) batches.
 
     tables = DynamicTables(find_tables(model), specs, store, metrics)
     for batch in tables.wrap(batches):   # transform + pull/push as each batch is fetched
@@ -40,7 +44,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from idtransformer.policy import EvictionPolicy
-from idtransformer.sharded import ShardedIDTransformer, release_tables, transform_blocks
+from idtransformer.sharded import BatchRefused, ShardedIDTransformer, release_tables, transform_blocks
 from ps_server.schema import TableSchema
 from trainer.metrics import TrainerMetrics
 from trainer.row_group import RowGroup
@@ -130,7 +134,12 @@ class DynamicTables:
         sizes = torch.bincount(value_table, minlength=len(names) + 1).tolist()
         n_dynamic = len(values) - sizes[-1]
         tables = [self.transformers[n] for n in names]
-        slots, results = transform_blocks(tables, values[order[:n_dynamic]], sizes[:-1], pin=True)
+        try:
+            slots, results = transform_blocks(tables, values[order[:n_dynamic]], sizes[:-1], pin=True)
+        except BatchRefused as refused:
+            refused.add_note(f"the tables by number, from table 0: {', '.join(names)}")
+            self._finish_refused(refused)
+            raise
         self.in_flight.append(results)
 
         owned = [out.owned for out in results]
@@ -156,6 +165,21 @@ class DynamicTables:
         return KeyedJaggedTensor(keys=kjt.keys(), values=new_values[keep],
                                  lengths=(lengths.long() - dropped).to(lengths.dtype),
                                  weights=None if weights is None else weights[keep])
+
+    def _finish_refused(self, refused: BatchRefused) -> None:
+        """A refused batch (every rank gets here together): the shares of it that went
+        through, on this rank's tables, are finished as a batch's moves are, and their pins
+        released: evicted rows pushed (no row lost), admitted rows pulled and written in (their
+        slots hold their own rows), nothing left pinned. The batch is not trained on, so the
+        caller may go on with other batches. Finishing rather than undoing: see
+        transform_tables (an evicted ID's slot may already be another's)."""
+        owned = [out.owned for out in refused.results]
+        try:
+            for name, o in zip(self.names, owned):
+                self._count(name, o)
+            self._finish_moves(self._start_moves(owned))
+        finally:
+            release_tables([self.transformers[n] for n in self.names], refused.results)
 
     def _key_tables(self, keys: list[str]) -> torch.Tensor:
         """For each KJT key, the index of its table in self.transformers (len: none)."""

@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from idtransformer.hashing import owner_of  # noqa: E402
 from idtransformer.policy import EvictionPolicy  # noqa: E402
-from idtransformer.sharded import ShardedIDTransformer, transform_tables  # noqa: E402
+from idtransformer.sharded import BatchRefused, ShardedIDTransformer, transform_tables  # noqa: E402
 from idtransformer.transformer import IDTransformer  # noqa: E402
 from trainer.collectives import all_gather_ragged  # noqa: E402
 
@@ -34,7 +34,8 @@ def _owned(r: int, world: int, n: int, skip: int = 0) -> list[int]:
 def _pin_refusal(rank: int, world: int) -> None:
     """A batch whose IDs include one whose slot (on rank 0) is pinned by 255 batches in flight:
     rank 0 refuses it with its table untouched and answers -2, every other rank gets a clear
-    error instead of hanging; after a release the same batch goes through."""
+    error instead of hanging, with its own share's result to release; after a release the
+    same batch goes through."""
     tiny = ShardedIDTransformer(8, EvictionPolicy("lru", evict_fraction=0.5))
     x = _owned(0, world, 1)[0]
     tiny.transform(torch.tensor(_owned(rank, world, 8)))  # every rank's table full (x on rank 0)
@@ -44,16 +45,20 @@ def _pin_refusal(rank: int, world: int) -> None:
     try:
         transform_tables([tiny], [batch], pin=True)
         raise AssertionError("a batch with a slot at 255 pins went through")
-    except RuntimeError as e:
+    except BatchRefused as e:
+        assert e.refused_by == [[0]], e.refused_by
+        tiny.release(e.results[0])  # the other ranks' shares went through: their pins go
         if rank == 0:
             assert "pinned by 255 batches in flight" in str(e), str(e)
+            assert "pinned by 255" in str(e.__cause__) and e.errors[0] is e.__cause__
             after = tiny.local.state_dict()
             assert after.keys() == before.keys()
             for key, value in before.items():
                 same = torch.equal(value, after[key]) if isinstance(value, torch.Tensor) else value == after[key]
                 assert same, f"a refused batch changed {key}"
         else:
-            assert "refused the batch" in str(e), str(e)
+            assert "rank 0 refused its share of table 0" in str(e), str(e)
+            assert e.errors == [None] and e.__cause__ is None
     tiny.release(held.pop())
     out = transform_tables([tiny], [batch], pin=True)[0]
     assert (out.slots >= 0).all()
@@ -63,8 +68,7 @@ def _pin_refusal(rank: int, world: int) -> None:
     tiny.release(out)
     for h in held:
         tiny.release(h)
-    if rank == 0:  # (the other ranks' shares of the refused call were transformed and pinned,
-        assert int(tiny.local.pins.sum()) == 0  # and their results dropped with the error)
+    assert int(tiny.local.pins.sum()) == 0  # on every rank
 
 
 def main() -> None:
