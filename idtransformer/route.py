@@ -1,10 +1,12 @@
 """The layouts of a sharded transform's exchange (sharded.py): which rank each ID goes to, and
 in which order.
 
-    send, order, counts = route(ids, sizes, world, kernel=True)
+    send, position, counts = route(ids, sizes, world, kernel=True)
     # ids: the tables' IDs end to end (table t's are the sizes[t] after those of 0..t-1)
-    # send = ids[order]: for destination rank 0, table 0's IDs it owns, then table 1's, ...,
-    #   then for rank 1...; within a (rank, table) bucket in the order of ids
+    # send: for destination rank 0, table 0's IDs it owns, then table 1's, ..., then for
+    #   rank 1...; within a (rank, table) bucket in the order of ids
+    # position: where each of ids is in send (send[position] == ids), so answers in the
+    #   layout of send come back to that of ids by a gather, answers[position]
     # counts: (world * len(sizes),) bucket sizes, rank-major
     mine = transpose_blocks(received, recv_counts)    # (source, table) blocks -> (table, source)
     back = transpose_blocks(mine, recv_counts.t())    # and back
@@ -24,7 +26,7 @@ from idtransformer.hashing import owner_of
 
 def route(ids: torch.Tensor, sizes: list[int], world: int,
           kernel: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(send, order, counts) of int64 ids laid out in blocks of `sizes` (see the module)."""
+    """(send, position, counts) of int64 ids laid out in blocks of `sizes` (see the module)."""
     if kernel:
         from idtransformer.kernel import ops
 
@@ -38,7 +40,9 @@ def route_torch(ids: torch.Tensor, sizes: list[int], world: int) -> tuple[torch.
                                        torch.tensor(sizes, dtype=torch.int64, device=ids.device))
     bucket = owner_of(ids, world) * n_tables + table_of  # (destination, table); one hash call for all
     order = torch.argsort(bucket, stable=True)
-    return ids[order], order, torch.bincount(bucket, minlength=world * n_tables)
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.numel(), device=ids.device)
+    return ids[order], position, torch.bincount(bucket, minlength=world * n_tables)
 
 
 def transpose_blocks(x: torch.Tensor, counts: torch.Tensor, kernel: bool) -> torch.Tensor:

@@ -142,7 +142,7 @@ def transform_blocks(tables: list[ShardedIDTransformer], ids: torch.Tensor, size
     # send layout: for each destination rank, table 0's IDs it owns, then table 1's, ...
     kernel = all(t.local.backend == "kernel" for t in tables)  # else torch ops (CUDA)
     n_tables = len(tables)
-    send, order, counts = route(every, sizes, world, kernel)  # counts: (dest, table)
+    send, position, counts = route(every, sizes, world, kernel)  # counts: (dest, table)
     recv_counts = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts, counts, group=group)  # now (source, table)
     recv_matrix = recv_counts.view(world, n_tables)
@@ -163,10 +163,9 @@ def transform_blocks(tables: list[ShardedIDTransformer], ids: torch.Tensor, size
     answered = _exchange(answers, recv_per_rank, send_per_rank, group)
     if many.error is not None:
         raise many.error
-    if bool((answered == -2).any()):
+    if answered.numel() and int(answered.min()) == -2:  # (slots are >= -2: min is the cheaper test)
         raise RuntimeError("the owner of some of this batch's IDs refused the batch (see that rank's error)")
-    flat_slots = torch.empty_like(answered)
-    flat_slots[order] = answered
+    flat_slots = answered.index_select(0, position)  # (faster than answered[position] on CPU)
     return flat_slots, _results(flat_slots, sizes, many.results, pin)
 
 

@@ -36,22 +36,26 @@ def test_route_matches_the_torch_reference(world):
         n_tables = int(torch.randint(1, 30, (1,), generator=gen))
         sizes = _sizes(gen, n_tables)
         ids = _ids(gen, sum(sizes))
-        send, order, counts = route(ids, sizes, world, kernel=True)
-        want_send, want_order, want_counts = route_torch(ids, sizes, world)
-        assert torch.equal(order, want_order), (world, case)
+        send, position, counts = route(ids, sizes, world, kernel=True)
+        want_send, want_position, want_counts = route_torch(ids, sizes, world)
+        assert torch.equal(position, want_position), (world, case)
         assert torch.equal(send, want_send), (world, case)
         assert torch.equal(counts, want_counts), (world, case)
-        # and what that means: each bucket holds its table's IDs that its rank owns, in order
+        # and what that means: send holds ids, each bucket its table's IDs that its rank owns,
+        # in their order in ids
+        assert torch.equal(send[position], ids)
+        order = torch.argsort(position)
         table = torch.repeat_interleave(torch.arange(n_tables), torch.tensor(sizes, dtype=torch.int64))
         bucket = owner_of(ids, world) * n_tables + table
         assert torch.equal(bucket[order], torch.sort(bucket).values)
         assert (order.diff()[bucket[order].diff() == 0] > 0).all()
+        assert torch.equal(counts, torch.bincount(bucket, minlength=world * n_tables))
 
 
 def test_route_of_nothing():
     for sizes, world in [([], 2), ([0, 0, 0], 4), ([0], 1)]:
-        send, order, counts = route(torch.zeros(0, dtype=torch.int64), sizes, world, kernel=True)
-        assert send.numel() == order.numel() == 0
+        send, position, counts = route(torch.zeros(0, dtype=torch.int64), sizes, world, kernel=True)
+        assert send.numel() == position.numel() == 0
         assert torch.equal(counts, torch.zeros(world * len(sizes), dtype=torch.int64))
 
 

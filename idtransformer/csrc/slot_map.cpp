@@ -909,9 +909,10 @@ inline uint64_t xxh64_of_id(int64_t id) {
 
 // The send layout of a sharded transform. ids holds the tables' IDs end to end (table t's are
 // the sizes[t] after those of tables 0..t-1); an ID's destination is xxh64(id) % world. Returns
-// (send, order, counts): send = ids[order], grouped by (destination, table) bucket, buckets in
+// (send, position, counts): send holds the IDs grouped by (destination, table) bucket, buckets in
 // that order and each in the IDs' own order (what a stable sort by destination * T + table
-// gives); counts (world * T) the bucket sizes. Two passes: hash and count, then place.
+// gives), ids[i] at send[position[i]] (so the answers come back by a gather); counts (world * T)
+// the bucket sizes. Two passes: hash and count, then place.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> route(const at::Tensor& ids_in, at::IntArrayRef sizes,
                                                       int64_t world) {
   const at::Tensor ids = flat_ids(ids_in);
@@ -943,15 +944,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> route(const at::Tensor& ids_in, a
     fill[size_t(b)] = pos;
     pos += count[b];
   }
-  at::Tensor send = at::empty({n}, ids.options()), order = at::empty({n}, ids.options());
+  at::Tensor send = at::empty({n}, ids.options()), position = at::empty({n}, ids.options());
   int64_t* s = send.data_ptr<int64_t>();
-  int64_t* o = order.data_ptr<int64_t>();
+  int64_t* pos = position.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
     const int64_t p = fill[size_t(bucket[size_t(i)])]++;
     s[p] = id[i];
-    o[p] = i;
+    pos[i] = p;
   }
-  return {send, order, counts};
+  return {send, position, counts};
 }
 
 // x laid out in blocks (r, c), row after row, of counts[r][c] elements (counts: 2-D int64, any
