@@ -22,14 +22,13 @@ from __future__ import annotations
 import torch
 
 from idtransformer.hashing import owner_of
+from idtransformer.kernel import ops
 
 
 def route(ids: torch.Tensor, sizes: list[int], world: int,
           kernel: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(send, position, counts) of int64 ids laid out in blocks of `sizes` (see the module)."""
     if kernel:
-        from idtransformer.kernel import ops
-
         return ops().route(ids, sizes, world)
     return route_torch(ids, sizes, world)
 
@@ -49,8 +48,6 @@ def transpose_blocks(x: torch.Tensor, counts: torch.Tensor, kernel: bool) -> tor
     """x (1-D) laid out in blocks (r, c) row after row, counts[r][c] elements each (counts 2-D
     int64), laid out column after column: (0, 0), (1, 0), ..., (0, 1), (1, 1), ..."""
     if kernel:
-        from idtransformer.kernel import ops
-
         return ops().transpose_blocks(x, counts)
     return transpose_blocks_torch(x, counts)
 
