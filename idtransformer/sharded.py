@@ -12,12 +12,12 @@ An ID's owner is xxh64(id) % world_size, the same function the PS client shards 
 is no coordinator: each rank sends every ID of its batch to the owner (one all_to_all for
 the counts, one for the IDs), each owner maps all the IDs it received in one batched call
 (the requests of rank 0 first, then rank 1, ...; an ID asked for by several ranks gets one
-slot), and the slots travel back the same way. transform_tables does this for many tables
-in the same three exchanges, the owner mapping every table's IDs in one call (many.py); on
-one rank there is nothing to exchange. The slots an owner hands out are rows of its own
-block, so with TorchRec's row-wise sharding (equal contiguous blocks) the row of an ID lives
-on the rank that owns the ID. Works with any torch.distributed backend that has all_to_all
-(gloo on CPU, NCCL on CUDA).
+slot), and the slots travel back the same way (route.py lays the exchange out, on CPU in the
+kernel). transform_tables does this for many tables in the same three exchanges, the owner
+mapping every table's IDs in one call (many.py); on one rank there is nothing to exchange.
+The slots an owner hands out are rows of its own block, so with TorchRec's row-wise sharding
+(equal contiguous blocks) the row of an ID lives on the rank that owns the ID. Works with any
+torch.distributed backend that has all_to_all (gloo on CPU, NCCL on CUDA).
 """
 
 from __future__ import annotations
