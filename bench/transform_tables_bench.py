@@ -6,7 +6,9 @@ Each rank transforms, per step, one batch of IDs per table (26 tables, --batch p
 1.05 over --universe, --capacity slots per rank and table: train_bench's defaults at 10%), with
 pin=True, and releases the batch two steps later, as the trainer's pipeline does. The first
 --warmup steps fill the tables. Printed per rank: ms per step of transform_tables (median and
-mean). --nproc 1 has nothing to exchange: the local work alone.
+mean), and the median of the main thread's CPU time in it (steadier than wall time on a busy
+machine: it leaves out waiting and gloo's threads). --nproc 1 has nothing to exchange: the
+local work alone.
 """
 
 from __future__ import annotations
@@ -38,20 +40,22 @@ def worker(rank: int, args, init_file: str) -> None:
     steps = args.warmup + args.steps
     batches = [[torch.from_numpy((rng.zipf(1.05, args.batch) - 1) % args.universe) for _ in tables]
                for _ in range(steps)]
-    total, in_flight = [], []
+    total, cpu, in_flight = [], [], []
     for k, ids in enumerate(batches):
         dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         results = transform_tables(tables, ids, pin=True)
-        elapsed = time.perf_counter() - start
+        elapsed, elapsed_cpu = time.perf_counter() - start, time.thread_time() - start_cpu
         in_flight.append(results)
         if len(in_flight) > 2:
             for t, out in zip(tables, in_flight.pop(0)):
                 t.release(out)
         if k >= args.warmup:
             total.append(elapsed * 1e3)
+            cpu.append(elapsed_cpu * 1e3)
     line = (f"rank {rank}: transform_tables {statistics.median(total):.2f} ms median, "
-            f"{statistics.mean(total):.2f} mean ({args.steps} steps)")
+            f"{statistics.mean(total):.2f} mean, main-thread CPU {statistics.median(cpu):.2f} median "
+            f"({args.steps} steps)")
     print(line, flush=True)
     dist.destroy_process_group()
 

@@ -12,13 +12,14 @@ An ID's owner is xxh64(id) % world_size, the same function the PS client shards 
 is no coordinator: each rank sends every ID of its batch to the owner (one all_to_all for
 the counts, one for the IDs), each owner maps all the IDs it received in one batched call
 (the requests of rank 0 first, then rank 1, ...; an ID asked for by several ranks gets one
-slot), and the slots travel back the same way. transform_tables does this for many tables
-in the same three exchanges, the owner mapping every table's IDs in one call (many.py); on
-one rank there is nothing to exchange. The slots an owner hands out are rows of its own
-block, so with TorchRec's row-wise sharding (equal contiguous blocks) the row of an ID lives
-on the rank that owns the ID. Works with any torch.distributed backend that has all_to_all
-(gloo on CPU, NCCL on CUDA). A batch that an owner refuses raises BatchRefused on every rank,
-carrying the shares that went through, for the caller to finish (see transform_tables).
+slot), and the slots travel back the same way (route.py lays the exchange out, on CPU in the
+kernel). transform_tables does this for many tables in the same three exchanges, the owner
+mapping every table's IDs in one call (many.py); on one rank there is nothing to exchange.
+The slots an owner hands out are rows of its own block, so with TorchRec's row-wise sharding
+(equal contiguous blocks) the row of an ID lives on the rank that owns the ID. Works with any
+torch.distributed backend that has all_to_all (gloo on CPU, NCCL on CUDA). A batch that an
+owner refuses raises BatchRefused on every rank, carrying the shares that went through, for
+the caller to finish (see transform_tables).
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from idtransformer.hashing import owner_of
 from idtransformer.ids import as_int64_ids
 from idtransformer.many import release_many, transform_many
 from idtransformer.policy import EvictionPolicy
+from idtransformer.route import route, transpose_blocks
 from idtransformer.transformer import IDTransformer, TransformResult
 
 
@@ -177,36 +178,29 @@ def transform_blocks(tables: list[ShardedIDTransformer], ids: torch.Tensor, size
         return many.slots, results
 
     # send layout: for each destination rank, table 0's IDs it owns, then table 1's, ...
+    kernel = all(t.local.backend == "kernel" for t in tables)  # else torch ops (CUDA)
     n_tables = len(tables)
-    table_of = torch.repeat_interleave(torch.arange(n_tables, device=device), torch.tensor(sizes, device=device))
-    dest_table = owner_of(every, world) * n_tables + table_of  # (dest, table) bucket; one hash call for all
-    order = torch.argsort(dest_table, stable=True)
-    send = every[order]
-    counts = torch.bincount(dest_table, minlength=world * n_tables)  # (dest, table)
-    recv_counts_t = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts_t, counts, group=group)  # now (source, table)
+    send, position, counts = route(every, sizes, world, kernel)  # counts: (dest, table)
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts, group=group)  # now (source, table)
+    recv_matrix = recv_counts.view(world, n_tables)
     send_per_rank = counts.view(world, n_tables).sum(1).tolist()
-    recv_matrix = recv_counts_t.view(world, n_tables)
     recv_per_rank = recv_matrix.sum(1).tolist()
     received = _exchange(send, send_per_rank, recv_per_rank, group)
 
-    # per table, the requests of rank 0 first, then rank 1, ...: received is in (source,
-    # table) blocks; one stable sort by table lines each table's blocks up in source order
-    table_of_received = torch.arange(n_tables, device=device).repeat(world).repeat_interleave(recv_counts_t)
-    by_table = torch.argsort(table_of_received, stable=True)
+    # per table, the requests of rank 0 first, then rank 1, ...: received's (source, table)
+    # blocks become (table, source) ones
     mine_sizes = recv_matrix.sum(0).tolist()
-    many = transform_many([t.local for t in tables], received[by_table], mine_sizes, pin,
-                          [t.offset for t in tables])
+    many = transform_many([t.local for t in tables], transpose_blocks(received, recv_matrix, kernel), mine_sizes,
+                          pin, [t.offset for t in tables])
     if many.error is not None:  # answer anyway (-2: refused), or the other ranks would hang
         for block, error in zip(torch.split(many.slots, mine_sizes), many.errors):
             if error is not None:
                 block.fill_(-2)
-    answers = torch.empty_like(received)
-    answers[by_table] = many.slots
+    answers = transpose_blocks(many.slots, recv_matrix.t(), kernel)  # back to (source, table) blocks
     refused = torch.tensor([e is not None for e in many.errors], dtype=answers.dtype, device=device)
     answered, refusals = _answer(answers, refused, recv_per_rank, send_per_rank, group)
-    flat_slots = torch.empty_like(answered)
-    flat_slots[order] = answered
+    flat_slots = answered.index_select(0, position)  # (faster than answered[position] on CPU)
     results = _results(flat_slots, sizes, many.results, pin)
     if bool(refusals.any()):
         refused_by = [torch.nonzero(column).squeeze(1).tolist() for column in refusals.t().cpu()]

@@ -71,6 +71,23 @@ def _pin_refusal(rank: int, world: int) -> None:
     assert int(tiny.local.pins.sum()) == 0  # on every rank
 
 
+def _torch_routing(rank: int, world: int) -> None:
+    """Tables on the torch backend route with torch ops (as on CUDA), the kernel's tables with
+    the kernel's routing ops: the same answers, the same owner shares, call by call."""
+    kinds = ["lru", "hybrid", "lfu"]
+    pairs = [[ShardedIDTransformer(CAPACITY, EvictionPolicy(k, evict_fraction=0.25), backend=b) for k in kinds]
+             for b in ("kernel", "torch")]
+    gen = torch.Generator().manual_seed(2000 + rank)
+    for step in range(8):
+        batches = [(torch.rand(int(torch.randint(0, 30, (1,), generator=gen)), generator=gen) ** 2 * 200).long() - 50
+                   for _ in kinds]
+        fast, slow = (transform_tables(tables, batches) for tables in pairs)
+        for a, b in zip(fast, slow):
+            assert torch.equal(a.slots, b.slots), step
+            assert torch.equal(a.owned.slots, b.owned.slots), step
+            assert torch.equal(a.owned.evicted_ids, b.owned.evicted_ids), step
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -130,6 +147,7 @@ def main() -> None:
             model.release(done_expect.slots)
     assert torch.equal(sharded.local.records, model.records)
     _pin_refusal(rank, world)
+    _torch_routing(rank, world)
     print(f"OK rank {rank} of {world}: {len(sharded.local)} resident", flush=True)
     dist.destroy_process_group()
 
