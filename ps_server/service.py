@@ -120,6 +120,30 @@ class _StoreTimer:
         self.histogram.observe(time.perf_counter() - self.start)
 
 
+class _Tally:
+    """What a row call's entries would report one by one, summed and reported once when the
+    call ends: a PullMany of 26 tables made ~100 metric updates (prometheus_client checks and
+    locks on each), ~15% of its time. Rows stay per table (their label); store time per
+    operation and payload bytes go per call."""
+
+    __slots__ = ("seconds", "bytes_in", "bytes_out")
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.bytes_in = self.bytes_out = 0
+
+    def store_time(self, op: str, start: float) -> None:
+        self.seconds[op] = self.seconds.get(op, 0.0) + (time.perf_counter() - start)
+
+    def report(self, m: PSMetrics, method: str) -> None:
+        for op, seconds in self.seconds.items():
+            m.child(m.backend_latency, op).observe(seconds)
+        if self.bytes_in:
+            m.child(m.bytes, method, "in").inc(self.bytes_in)
+        if self.bytes_out:
+            m.child(m.bytes, method, "out").inc(self.bytes_out)
+
+
 class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     def __init__(self, store: Store, metrics: PSMetrics, max_message_bytes: int,
                  segments: SegmentTable | None = None) -> None:
@@ -187,10 +211,16 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             )
         return schema
 
-    def _schema(self, table: str) -> TableSchema:
+    def _schema(self, table: str, tally: _Tally | None = None) -> TableSchema:
         check_name(table)
-        with self._backend("schema"):
+        if tally is None:
+            with self._backend("schema"):
+                return self.store.schema(table)
+        start = time.perf_counter()
+        try:
             return self.store.schema(table)
+        finally:
+            tally.store_time("schema", start)
 
     def _info(self, schema: TableSchema) -> ps_pb2.TableInfo:
         with self._backend("num_rows"):
@@ -244,20 +274,28 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 
     def Pull(self, request, context):
         with self._call("Pull", context):
-            plan = self._pull_plan(request)
-            self._check_reply_size("pull", [plan])
-            return build_pull_response(self._reply_plan(*plan))
+            tally = _Tally()
+            try:
+                plan = self._pull_plan(request, tally)
+                self._check_reply_size("pull", [plan])
+                return build_pull_response(self._reply_plan(*plan, tally))
+            finally:
+                tally.report(self.metrics, "Pull")
 
     def PullMany(self, request, context):
         with self._call("PullMany", context):
-            # every entry checked before any is read
-            plans = [self._pull_plan(p) for p in request.pulls]
-            self._check_reply_size("pull of several tables", plans)
-            return build_pull_many_response([self._reply_plan(*plan) for plan in plans])
+            tally = _Tally()
+            try:
+                # every entry checked before any is read
+                plans = [self._pull_plan(p, tally) for p in request.pulls]
+                self._check_reply_size("pull of several tables", plans)
+                return build_pull_many_response([self._reply_plan(*plan, tally) for plan in plans])
+            finally:
+                tally.report(self.metrics, "Pull")
 
-    def _pull_plan(self, request) -> tuple[TableSchema, np.ndarray, int, np.ndarray | None]:
+    def _pull_plan(self, request, tally: _Tally) -> tuple[TableSchema, np.ndarray, int, np.ndarray | None]:
         """(schema, ids, request bytes, where the rows go: a segment's rows or None for the reply)."""
-        schema = self._schema(request.table)
+        schema = self._schema(request.table, tally)
         ids = codec.decode_ids(request.ids, schema.name)
         into = None
         if request.HasField("rows_to"):
@@ -290,44 +328,58 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 f"pull at most {(self.max_message_bytes - MESSAGE_OVERHEAD) // (row_bytes + 1)} ids per request"
             )
 
-    def _reply_plan(self, schema: TableSchema, ids: np.ndarray, nbytes_in: int, into: np.ndarray | None) -> ReplyPlan:
+    def _reply_plan(self, schema: TableSchema, ids: np.ndarray, nbytes_in: int, into: np.ndarray | None,
+                    tally: _Tally) -> ReplyPlan:
         """The reply to a pull of ids, its rows to be read straight into the message (wire.py)
         or into the client's segment."""
         def fill(rows: np.ndarray) -> tuple[bytes, int]:
-            return self._pull_rows(schema, ids, nbytes_in, rows)
+            return self._pull_rows(schema, ids, nbytes_in, rows, tally)
 
         return ReplyPlan(len(ids), schema.width, schema.np_dtype, fill, into)
 
-    def _pull_rows(self, schema: TableSchema, ids: np.ndarray, nbytes_in: int, out: np.ndarray) -> tuple[bytes, int]:
+    def _pull_rows(self, schema: TableSchema, ids: np.ndarray, nbytes_in: int, out: np.ndarray,
+                   tally: _Tally) -> tuple[bytes, int]:
         """Rows of ids into out, the missing ones initialised; (missing bitmap, how many missing)."""
-        with self._backend("pull"):
-            _, found = self.store.pull(schema.name, ids, out=out)
+        start = time.perf_counter()
+        _, found = self.store.pull(schema.name, ids, out=out)
+        tally.store_time("pull", start)
         missing = ~found
         num_missing = int(missing.sum())
+        m = self.metrics
         if num_missing:
             positions = np.flatnonzero(missing)
             fill_initial_rows(schema, ids[positions], out, positions)
-        self._count("Pull", schema.name, len(ids), nbytes_in, out.nbytes)
-        self.metrics.child(self.metrics.missing_rows, schema.name).inc(num_missing)
+            m.child(m.missing_rows, schema.name).inc(num_missing)
+        m.child(m.rows, "Pull", schema.name).inc(len(ids))
+        tally.bytes_in += nbytes_in
+        tally.bytes_out += out.nbytes
         return codec.encode_mask(missing) if num_missing else b"", num_missing
 
     def Push(self, request, context):
         with self._call("Push", context):
-            plan = self._push_plan(request)
-            self._still_wanted(context, "push")
-            return ps_pb2.PushResponse(rows_written=self._push_rows(*plan))
+            tally = _Tally()
+            try:
+                plan = self._push_plan(request, tally)
+                self._still_wanted(context, "push")
+                return ps_pb2.PushResponse(rows_written=self._push_rows(*plan, tally))
+            finally:
+                tally.report(self.metrics, "Push")
 
     def PushMany(self, request, context):
         with self._call("PushMany", context):
-            # every entry checked before any is written: a bad one writes nothing
-            plans = [self._push_plan(p) for p in request.pushes]
-            self._still_wanted(context, "push")
-            return ps_pb2.PushManyResponse(
-                pushes=[ps_pb2.PushResponse(rows_written=self._push_rows(*plan)) for plan in plans])
+            tally = _Tally()
+            try:
+                # every entry checked before any is written: a bad one writes nothing
+                plans = [self._push_plan(p, tally) for p in request.pushes]
+                self._still_wanted(context, "push")
+                return ps_pb2.PushManyResponse(
+                    pushes=[ps_pb2.PushResponse(rows_written=self._push_rows(*plan, tally)) for plan in plans])
+            finally:
+                tally.report(self.metrics, "Push")
 
-    def _push_plan(self, request) -> tuple[TableSchema, np.ndarray, np.ndarray]:
+    def _push_plan(self, request, tally: _Tally) -> tuple[TableSchema, np.ndarray, np.ndarray]:
         """(schema, ids, rows) of a PushRequest read by wire.parse_push_request."""
-        schema = self._schema(request.table)
+        schema = self._schema(request.table, tally)
         ids = codec.decode_ids(request.ids, schema.name)
         if request.rows_from is None:
             return schema, ids, codec.decode_rows(request.rows, schema, len(ids))
@@ -335,10 +387,12 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             raise InvalidArgument(f"push to {schema.name!r} carries rows both in the message and in a segment (rows_from)")
         return schema, ids, self._segment_rows(*request.rows_from, schema, len(ids))
 
-    def _push_rows(self, schema: TableSchema, ids: np.ndarray, rows: np.ndarray) -> int:
-        with self._backend("push"):
-            written = self.store.push(schema.name, ids, rows)
-        self._count("Push", schema.name, written, ids.nbytes + rows.nbytes, 0)
+    def _push_rows(self, schema: TableSchema, ids: np.ndarray, rows: np.ndarray, tally: _Tally) -> int:
+        start = time.perf_counter()
+        written = self.store.push(schema.name, ids, rows)
+        tally.store_time("push", start)
+        self.metrics.child(self.metrics.rows, "Push", schema.name).inc(written)
+        tally.bytes_in += ids.nbytes + rows.nbytes
         return written
 
     def Delete(self, request, context):

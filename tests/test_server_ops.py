@@ -138,19 +138,23 @@ def test_metrics(make_ps):
         ps.push("m", np.arange(500), np.ones((500, 4), np.float32))
         for _ in range(3):
             ps.pull("m", np.arange(1000))
+        ps.create_table("m2", dim=2)
+        ps.pull_many({"m": np.arange(10), "m2": np.arange(20)})  # rows per table; store time once per call
         with pytest.raises(TableNotFound):
             ps.pull("nope", [1])
     m = scrape(proc)
     assert m['dynemb_ps_requests_total{code="OK",method="Pull"}'] == 3
     assert m['dynemb_ps_requests_total{code="NOT_FOUND",method="DescribeTable"}'] == 1
     assert m['dynemb_ps_errors_total{code="NOT_FOUND",method="DescribeTable"}'] == 1
-    assert m['dynemb_ps_rows_total{method="Pull",table="m"}'] == 3000
+    assert m['dynemb_ps_rows_total{method="Pull",table="m"}'] == 3010
+    assert m['dynemb_ps_rows_total{method="Pull",table="m2"}'] == 20
     assert m['dynemb_ps_rows_total{method="Push",table="m"}'] == 500
     assert m['dynemb_ps_missing_rows_total{table="m"}'] == 1500
-    assert m['dynemb_ps_bytes_total{direction="out",method="Pull"}'] == 3000 * 16
+    assert m['dynemb_ps_missing_rows_total{table="m2"}'] == 20
+    assert m['dynemb_ps_bytes_total{direction="out",method="Pull"}'] == 3010 * 16 + 20 * 8
     assert m['dynemb_ps_bytes_total{direction="in",method="Push"}'] == 500 * (8 + 16)
     assert m['dynemb_ps_request_seconds_count{method="Pull"}'] == 3
-    assert m['dynemb_ps_backend_seconds_count{op="pull"}'] == 3
+    assert m['dynemb_ps_backend_seconds_count{op="pull"}'] == 4
     assert m["dynemb_ps_serving"] == 1
     assert m["dynemb_ps_backend_up"] == 1
     assert 10 << 20 < m["process_resident_memory_bytes"] < 4 << 30 and m["process_cpu_seconds_total"] > 0
