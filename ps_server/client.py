@@ -348,9 +348,11 @@ class PSClient:
         return order, pieces
 
     def _attacher(self, shard: int):
-        def attach(path: str, size: int, token: bytes) -> int:
+        def attach(path: str, size: int, token: bytes, deadline: float) -> int:
             req = ps_pb2.AttachSegmentRequest(path=path, size=size, token=token)
-            return self._call(shard, "AttachSegment", req, self._deadline(min(self.timeout, 10.0))).segment
+            # within the call's deadline, and short: a PS that is away gets the rows as bytes,
+            # retried as such
+            return self._call(shard, "AttachSegment", req, min(deadline, time.monotonic() + 5.0)).segment
         return attach
 
     def _detacher(self, shard: int):
@@ -531,7 +533,7 @@ class PSClient:
         for table, ids in wanted.items():
             out[table], schema, cut = self._pull_pieces(table, ids)
             cuts += [(shard, table, schema, dest, i) for shard, dest, i in cut]
-        with shm.Leases(self._pools) as leases:
+        with shm.Leases(self._pools, deadline) as leases:
             places = leases.place([(shard, len(i) * schema.row_bytes) for shard, _, schema, _, i in cuts])
             pieces = [(shard, len(i) * (9 if place else schema.row_bytes + 9), (table, schema, dest, i, place))
                       for (shard, table, schema, dest, i), place in zip(cuts, places)]
@@ -555,7 +557,7 @@ class PSClient:
             schema, cut = self._push_pieces(table, ids, rows)
             total += len(ids)
             cuts += [(shard, table, schema, i, r) for shard, i, r in cut]
-        with shm.Leases(self._pools) as leases:
+        with shm.Leases(self._pools, deadline) as leases:
             places = leases.place([(shard, r.nbytes) for shard, _, _, _, r in cuts])
             pieces = [(shard, len(i) * (8 if place else schema.row_bytes + 8), _push_parts(table, i, r, place))
                       for (shard, table, schema, i, r), place in zip(cuts, places)]
@@ -585,7 +587,7 @@ class PSClient:
 
     def _pull_once(self, table: str, ids: np.ndarray, deadline: float) -> PullResult:
         result, schema, cut = self._pull_pieces(table, ids)
-        with shm.Leases(self._pools) as leases:
+        with shm.Leases(self._pools, deadline) as leases:
             places = leases.place([(shard, len(i) * schema.row_bytes) for shard, _, i in cut])
             calls = [(shard, _pull_request(table, i, schema, place)) for (shard, _, i), place in zip(cut, places)]
             for (shard, dest, i), place, reply in zip(cut, places, self._fanout("Pull", calls, deadline)):
@@ -631,7 +633,7 @@ class PSClient:
 
     def _push_once(self, table: str, ids: np.ndarray, rows: np.ndarray, deadline: float) -> int:
         _, cut = self._push_pieces(table, ids, rows)
-        with shm.Leases(self._pools) as leases:
+        with shm.Leases(self._pools, deadline) as leases:
             places = leases.place([(shard, r.nbytes) for shard, _, r in cut])
             calls = [(shard, b"".join(_push_parts(table, i, r, place))) for (shard, i, r), place in zip(cut, places)]
             self._fanout("Push", calls, deadline)

@@ -38,9 +38,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import grpc
 import numpy as np
 
-from ps_server.errors import InvalidArgument, ResourceExhausted, SegmentUnusable
+from ps_server.errors import InvalidArgument, PSError, ResourceExhausted, SegmentUnusable
 
 log = logging.getLogger("dynemb.ps.shm")
 
@@ -227,16 +228,17 @@ class SegmentPool:
     """One client's segments on one PS. A call takes a segment big enough for its rows and
     gives it back when done, or drops it when the call failed (see the module docstring).
 
-    attach(path, size, token) -> segment id is an RPC; detach(segment id) sends one and
-    returns its future (nothing waits on it: a PS that is away drops idle segments itself).
-    When the PS cannot map our memory (another host) the pool turns itself off; when it is
-    out of room, off for `retry_seconds`. Up to `keep` idle segments are kept for reuse: as
+    attach(path, size, token, deadline) -> segment id is an RPC; detach(segment id) sends one
+    and returns its future (nothing waits on it: a PS that is away drops idle segments
+    itself). When the PS cannot map our memory (another host) the pool turns itself off; when
+    it is out of room, off for `retry_seconds`; when it cannot be reached, the call goes as
+    bytes (and retries as such within its deadline) and the next one tries again. Up to `keep` idle segments are kept for reuse: as
     many as the client has calls in flight at once, so none is made afresh per call."""
 
     MIN_SIZE = 1 << 20
     MAX_SIZE = 1 << 30  # a call with more rows than this for one PS goes as bytes
 
-    def __init__(self, attach: Callable[[str, int, bytes], int], detach: Callable[[int], object],
+    def __init__(self, attach: Callable[[str, int, bytes, float], int], detach: Callable[[int], object],
                  name: str, keep: int = 4, retry_seconds: float = 30.0) -> None:
         self._attach, self._detach, self.name = attach, detach, name
         self.keep = keep
@@ -245,7 +247,7 @@ class SegmentPool:
         self.retry_seconds = retry_seconds
         self._off_until = 0.0  # inf: never (the PS cannot map our memory)
 
-    def take(self, nbytes: int) -> Segment | None:
+    def take(self, nbytes: int, deadline: float) -> Segment | None:
         """A segment with at least nbytes, attached; None: send the rows as bytes this time."""
         if nbytes > self.MAX_SIZE or time.monotonic() < self._off_until:
             return None
@@ -262,16 +264,17 @@ class SegmentPool:
             self._turn_off(f"cannot make a {size}-byte memory segment here ({e.strerror})", self.retry_seconds)
             return None
         try:
-            seg.segment = self._attach(seg.path, size, seg.token)
-        except SegmentUnusable as e:  # another host, or a PS that takes none
+            seg.segment = self._attach(seg.path, size, seg.token, deadline)
+        except (SegmentUnusable, InvalidArgument) as e:  # another host, a PS that takes none or disagrees
             self._turn_off(str(e), float("inf"))
             return None
         except ResourceExhausted as e:
             self._turn_off(str(e), self.retry_seconds)
             return None
-        except InvalidArgument as e:  # a PS of another version disagreeing on the rules
-            self._turn_off(str(e), float("inf"))
-            return None
+        except PSError as e:
+            if e.code == grpc.StatusCode.UNIMPLEMENTED:  # a PS from before shared memory
+                self._turn_off(str(e), float("inf"))
+            return None  # away or slow: this call goes as bytes, the next tries again
         finally:
             seg.close_fd()
         return seg
@@ -314,12 +317,13 @@ class SegmentPool:
 
 
 class Leases:
-    """The segments one call holds: `with Leases(pools) as leases`, given back to their pools
+    """The segments one call holds: `with Leases(pools, deadline) as leases`, given back to their pools
     when the call succeeds, dropped when it fails (and a pool whose PS no longer knows its
     segments forgets its idle ones too)."""
 
-    def __init__(self, pools: list[SegmentPool | None]) -> None:
+    def __init__(self, pools: list[SegmentPool | None], deadline: float) -> None:
         self.pools = pools
+        self.deadline = deadline
         self.held: list[tuple[SegmentPool, Segment]] = []
 
     def place(self, pieces: list[tuple[int, int]]) -> list[tuple[Segment, int] | None]:
@@ -333,7 +337,7 @@ class Leases:
         for shard, ks in by_shard.items():
             pool = self.pools[shard]
             offsets, size = layout([pieces[k][1] for k in ks])
-            seg = pool.take(size)
+            seg = pool.take(size, self.deadline)
             if seg is None:
                 continue
             self.held.append((pool, seg))

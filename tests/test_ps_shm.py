@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import threading
 import time
 
 import grpc
@@ -16,7 +15,7 @@ import pytest
 
 from protos import ps_pb2, ps_pb2_grpc
 from ps_server import shm
-from ps_server.client import PSClient
+from ps_server.client import PSClient, RetryPolicy
 from ps_server.errors import InvalidArgument, TableNotFound
 from ps_server.schema import TableSchema
 from ps_server.wire import encode_push_many_request, push_request_parts
@@ -158,6 +157,33 @@ def test_a_restarted_ps_gets_new_segments(make_ps, tmp_path):
         assert np.array_equal(ps.pull("t", ids).rows, rows)
         ps.push("t", ids, rows * 2)
         assert np.array_equal(ps.pull_many({"t": ids})["t"].rows, rows * 2)
+
+
+def test_a_ps_that_is_away_gets_rows_once_back(make_ps, tmp_path):
+    """Calls made while the PS is down wait for it (retries within the deadline), whether they
+    hold a segment from before (then refused by the new PS: attached anew) or must attach one
+    (then sent as bytes this time)."""
+    backend = f"embedded://{tmp_path}/tables"
+    first = make_ps("--backend", backend)
+    address = first.address
+    ids = np.arange(200, dtype=np.int64)
+    rows = np.random.default_rng(5).random((200, 4), dtype=np.float32)
+    patient = RetryPolicy(attempts=None)  # as a trainer's client: retry for the whole deadline
+    with PSClient(address, timeout=60, retry=patient) as old:
+        old.create_table("t", dim=4)
+        old.push("t", ids, rows)
+        assert first.stop() == 0
+        fresh = PSClient(address, timeout=60, retry=patient)  # its first call must attach while the PS is away
+        pulls = [fresh.pull_async("t", ids), old.pull_async("t", ids)]
+        time.sleep(1.5)
+        # from this thread: the PS ends with the thread that started it (PR_SET_PDEATHSIG)
+        make_ps("--backend", backend, "--address", address)
+        for f in pulls:
+            assert np.array_equal(f.result(timeout=60).rows, rows)
+        fresh.push("t", ids, rows + 1)  # and from now on, through a segment of its own
+        assert np.array_equal(old.pull("t", ids).rows, rows + 1)
+        assert fresh._pools[0]._free
+        fresh.close()
 
 
 def test_a_failed_call_drops_its_segment(ps_proc):
