@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -32,19 +33,25 @@ PARENT_ENV = "DYNEMB_DIE_WITH_PARENT"
 
 
 def die_with_parent() -> None:
-    """Called early by `dynemb ps serve`: if started by LocalPS, end with that parent.
+    """Called early by `dynemb ps serve`: if started by LocalPS, end (SIGTERM, a graceful
+    drain) once that parent process is gone, even killed by SIGKILL.
 
-    LocalPS used to do this in a preexec_fn, between fork and exec. Python documents
-    preexec_fn as unsafe in a process with threads (the parent has gRPC's), and it forces
-    a plain fork; a PS now and then aborted at start with gRPC's epoll poller finding a bad
-    file descriptor. The child asks for it itself, after exec, then checks its parent is
-    still the one that started it (it may have died in between)."""
+    A watcher thread sees the parent go: the process is then re-parented. Two other ways
+    fail. PR_SET_PDEATHSIG signals when the *thread* that started the child ends, so a PS
+    started from a short-lived thread died at once. A preexec_fn runs between fork and exec,
+    which Python documents as unsafe in a process with threads (the parent has gRPC's); a PS
+    now and then aborted at start with gRPC's epoll poller finding a bad file descriptor."""
     parent = os.environ.pop(PARENT_ENV, None)
-    if not parent or not sys.platform.startswith("linux"):
+    if not parent:
         return
-    _die_with_parent()
-    if os.getppid() != int(parent):
+    parent_pid = int(parent)
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.25)
         os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="dynemb-parent-watch", daemon=True).start()
 
 
 class LocalPS:
