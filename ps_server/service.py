@@ -341,19 +341,20 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                    tally: _Tally) -> tuple[bytes, int]:
         """Rows of ids into out, the missing ones initialised; (missing bitmap, how many missing)."""
         start = time.perf_counter()
-        _, found = self.store.pull(schema.name, ids, out=out)
+        positions = self.store.pull_into(schema.name, ids, out)
         tally.store_time("pull", start)
-        missing = ~found
-        num_missing = int(missing.sum())
+        num_missing = len(positions)
         m = self.metrics
-        if num_missing:
-            positions = np.flatnonzero(missing)
-            fill_initial_rows(schema, ids[positions], out, positions)
-            m.child(m.missing_rows, schema.name).inc(num_missing)
         m.child(m.rows, "Pull", schema.name).inc(len(ids))
         tally.bytes_in += nbytes_in
         tally.bytes_out += out.nbytes
-        return codec.encode_mask(missing) if num_missing else b"", num_missing
+        if not num_missing:
+            return b"", 0
+        fill_initial_rows(schema, ids[positions], out, positions)
+        m.child(m.missing_rows, schema.name).inc(num_missing)
+        missing = np.zeros(len(ids), dtype=bool)
+        missing[positions] = True
+        return codec.encode_mask(missing), num_missing
 
     def Push(self, request, context):
         with self._call("Push", context):

@@ -243,6 +243,7 @@ class SegmentPool:
         self._attach, self._detach, self.name = attach, detach, name
         self.keep = keep
         self._free: list[Segment] = []
+        self._detaching: set = set()  # detach calls in flight
         self._lock = threading.Lock()
         self.retry_seconds = retry_seconds
         self._off_until = 0.0  # inf: never (the PS cannot map our memory)
@@ -291,9 +292,18 @@ class SegmentPool:
     def drop(self, seg: Segment):
         """Detach (without waiting) and let go; the detach's future, or None."""
         try:
-            return self._detach(seg.segment)
+            sent = self._detach(seg.segment)
         except Exception:  # noqa: BLE001 - best effort: the PS drops idle segments by itself
             return None
+        # held until done: grpc cancels a call whose future is garbage-collected
+        with self._lock:
+            self._detaching.add(sent)
+        sent.add_done_callback(self._detached)
+        return sent
+
+    def _detached(self, sent) -> None:
+        with self._lock:
+            self._detaching.discard(sent)
 
     def reset(self) -> list:
         """Drop every idle segment (the PS no longer knew one: it restarted or expired ours)."""

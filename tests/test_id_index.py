@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ps_server import native
 from ps_server.backends.id_index import SLOT_BYTES, IdIndex
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -300,3 +301,37 @@ def test_scatter_writes_the_rows_given_and_refuses_what_is_outside():
         scatter(table, 68, where, rows, take[:5])
     with pytest.raises(BufferError):
         scatter(bytes(68 * 10), 68, where[:1] % 10, rows, take[:1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(stored=st.lists(st.integers(-(1 << 63), (1 << 63) - 1), unique=True, max_size=60),
+       asked=st.lists(st.integers(-5, 5), max_size=80), width=st.integers(1, 9))
+def test_pull_rows_is_a_lookup_then_a_gather(stored, asked, width):
+    """pull_rows (one C call) = lookup, gather of the present, positions of the absent."""
+    index = IdIndex()
+    table = np.arange((len(stored) + 3) * width, dtype=np.float32).reshape(-1, width)
+    index.insert(np.array(stored, dtype=np.int64), np.arange(len(stored), dtype=np.int64) + 3)
+    # ask for stored ids (by position) and for ones never stored
+    ids = np.array([stored[a % len(stored)] if stored and a >= 0 else (1 << 62) + a for a in asked], dtype=np.int64)
+    out = np.full((len(ids), width), -1.0, np.float32)
+    missing = index.pull_rows(ids, table, out)
+    where = index.lookup(ids)
+    assert missing.tolist() == np.flatnonzero(where < 0).tolist()
+    present = where >= 0
+    assert np.array_equal(out[present], table[where[present]])
+    assert (out[~present] == -1.0).all()  # rows of absent ids untouched
+
+
+def test_pull_rows_refuses_what_is_outside():
+    index = IdIndex()
+    index.insert(np.array([7], dtype=np.int64), np.array([5], dtype=np.int64))  # row 5 of a 2-row table
+    c = native.id_index()
+    table, out, missing = np.zeros((2, 4), np.float32), np.zeros((1, 4), np.float32), np.zeros(1, np.int64)
+    with pytest.raises(IndexError, match="outside the 2 rows"):
+        index.pull_rows(np.array([7]), table, out)
+    with pytest.raises(ValueError, match="too small"):
+        c.pull_rows(index._h, table, 16, np.array([7, 7]), out, missing)
+    with pytest.raises(ValueError, match="missing"):
+        c.pull_rows(index._h, table, 16, np.array([7, 7]), np.zeros((2, 4), np.float32), missing)
+    with pytest.raises(ValueError, match="row_bytes"):
+        c.pull_rows(index._h, table, 0, np.array([7]), out, missing)

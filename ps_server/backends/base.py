@@ -61,6 +61,11 @@ class Store(abc.ABC):
         passes the reply message's own bytes); rows is then out.
         """
 
+    def pull_into(self, table: str, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """pull() into out; returns the positions of the ids not found (their rows unspecified)."""
+        _, found = self.pull(table, ids, out=out)
+        return np.flatnonzero(~found)
+
     @abc.abstractmethod
     def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> int:
         """Write rows (n, width) for ids, overwriting; an id repeated: the last row wins."""

@@ -160,6 +160,11 @@ class EmbeddedStore(Store):
             native.id_index().gather(t.rows, t.schema.row_bytes, np.where(found, where, 0), rows)
         return rows, found
 
+    def pull_into(self, table: str, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+        t = self._table(table)
+        with t.lock:
+            return t.index.pull_rows(ids, t.rows, rows_out(out, len(ids), t.schema))
+
     def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> int:
         t = self._table(table)
         if len(ids) == 0:

@@ -63,6 +63,16 @@ class IdIndex:
             self._c.lookup(self._h, ids, out, None)
         return out
 
+    def pull_rows(self, ids, table: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Each id's row of table (rows numbered by this index's values) into out, in one C
+        call; returns the positions of the ids absent (their rows in out untouched)."""
+        ids = _int64s(ids, "ids")
+        missing = np.empty(len(ids), dtype=np.int64)
+        row_bytes = table.strides[0] if table.ndim == 2 else table.itemsize
+        with self._lock:
+            k = self._c.pull_rows(self._h, table, row_bytes, ids, out, missing)
+        return missing[:k]
+
     def insert(self, ids, values) -> None:
         """Add ids that are NOT present (the caller checked), distinct within the call."""
         ids, values = _int64s(ids, "ids"), _int64s(values, "values")

@@ -334,6 +334,72 @@ PyObject* py_filled_bytes(PyObject*, PyObject* args) {
   return bytes;
 }
 
+// pull_rows(index, table, row_bytes, ids, out, missing) -> k: a pull from the embedded
+// store in one call. Each id's row of `table` goes to its place in `out`; the positions of
+// the ids absent go to missing[:k] (their rows in out are left as they were). In Python
+// this was a lookup, a where, a gather and three passes over a mask, ~30 us a call of
+// which a trainer's PullMany makes 26.
+PyObject* py_pull_rows(PyObject*, PyObject* args) {
+  PyObject *capsule, *table_o, *ids_o, *out_o, *missing_o;
+  Py_ssize_t row_bytes;
+  if (!PyArg_ParseTuple(args, "OOnOOO", &capsule, &table_o, &row_bytes, &ids_o, &out_o, &missing_o)) return nullptr;
+  Index* ix = index_of(capsule);
+  if (!ix) return nullptr;
+  if (row_bytes <= 0) {
+    PyErr_SetString(PyExc_ValueError, "pull_rows: row_bytes must be positive");
+    return nullptr;
+  }
+  Int64s ids, missing;
+  if (!ids.get(ids_o, false, false, "ids") || !missing.get(missing_o, true, false, "missing")) return nullptr;
+  if (missing.n < ids.n) return too_small("missing");
+  Py_buffer src{}, dst{};
+  if (PyObject_GetBuffer(table_o, &src, PyBUF_C_CONTIGUOUS) != 0) return nullptr;
+  if (PyObject_GetBuffer(out_o, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0) {
+    PyBuffer_Release(&src);
+    return nullptr;
+  }
+  PyObject* result = nullptr;
+  if (dst.len < ids.n * row_bytes) {
+    PyErr_SetString(PyExc_ValueError, "pull_rows: out is too small for the rows");
+  } else {
+    const int64_t n = ids.n, n_rows = int64_t(src.len / row_bytes);
+    const char* from = static_cast<const char*>(src.buf);
+    char* to = static_cast<char*>(dst.buf);
+    int64_t* where = static_cast<int64_t*>(std::malloc(size_t(n > 0 ? n : 1) * sizeof(int64_t)));
+    int64_t k = 0, bad = -1;
+    if (!where) {
+      PyErr_NoMemory();
+    } else {
+      Py_BEGIN_ALLOW_THREADS
+      k = dynemb_index::idx_lookup(ix, ids.data, n, where, missing.data);
+      constexpr int64_t kAhead = 8;  // rows further down fetched while earlier ones are copied
+      for (int64_t i = 0; i < n; ++i) {
+        if (i + kAhead < n && where[i + kAhead] >= 0 && where[i + kAhead] < n_rows) {
+          const char* next = from + where[i + kAhead] * row_bytes;
+          for (Py_ssize_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + b);
+        }
+        const int64_t w = where[i];
+        if (w < 0) continue;
+        if (w >= n_rows) {  // the index and the rows disagree: a bug, never a read out of bounds
+          bad = w;
+          break;
+        }
+        std::memcpy(to + i * row_bytes, from + w * row_bytes, size_t(row_bytes));
+      }
+      Py_END_ALLOW_THREADS
+      std::free(where);
+      if (bad >= 0)
+        PyErr_Format(PyExc_IndexError, "pull_rows: row %lld is outside the %lld rows", (long long)bad,
+                     (long long)n_rows);
+      else
+        result = PyLong_FromLongLong(k);
+    }
+  }
+  PyBuffer_Release(&src);
+  PyBuffer_Release(&dst);
+  return result;
+}
+
 // SplitMix64's finaliser, the generator of ../initializer.py: values must match its numpy
 // version bit for bit (a row never pushed looks the same from every PS and every pull).
 inline uint64_t splitmix(uint64_t z) {
@@ -419,6 +485,8 @@ PyMethodDef kMethods[] = {
     {"clear", py_clear, METH_O, "clear(index)"},
     {"scatter", py_scatter, METH_VARARGS, "scatter(table, row_bytes, where, rows, take): table[where[i]] = rows[take[i]]"},
     {"gather", py_gather, METH_VARARGS, "gather(rows, row_bytes, where, out): out[i] = rows[where[i]]"},
+    {"pull_rows", py_pull_rows, METH_VARARGS,
+     "pull_rows(index, table, row_bytes, ids, out, missing) -> absent count: rows of ids into out"},
     {"init_rows", py_init_rows, METH_VARARGS,
      "init_rows(out, width, positions, ids, kind, key, a, scale, dim, state_init): initial float32 rows"},
     {"filled_bytes", py_filled_bytes, METH_VARARGS, "filled_bytes(capacity, fill) -> bytes written in place by fill(view) -> used"},
