@@ -232,8 +232,9 @@ class SegmentPool:
     and returns its future (nothing waits on it: a PS that is away drops idle segments
     itself). When the PS cannot map our memory (another host) the pool turns itself off; when
     it is out of room, off for `retry_seconds`; when it cannot be reached, the call goes as
-    bytes (and retries as such within its deadline) and the next one tries again. Up to `keep` idle segments are kept for reuse: as
-    many as the client has calls in flight at once, so none is made afresh per call."""
+    bytes (and retries as such within its deadline) and the next one tries again. Up to
+    `keep` idle segments are kept for reuse: as many as the client has calls in flight at
+    once, so none is made afresh per call."""
 
     MIN_SIZE = 1 << 20
     MAX_SIZE = 1 << 30  # a call with more rows than this for one PS goes as bytes
@@ -315,6 +316,8 @@ class SegmentPool:
         """Detach the idle segments, waiting up to `wait` seconds for the PS to confirm."""
         deadline = time.monotonic() + wait
         for sent in self.reset():
+            if sent is None:
+                continue
             try:
                 sent.result(timeout=max(0.0, deadline - time.monotonic()))
             except Exception:  # noqa: BLE001 - away, or too slow: it drops them when idle
