@@ -23,8 +23,8 @@
   their tables.
 - A PS on this host (a loopback address, or shared_memory=True) gets the rows of pulls and
   pushes through shared memory rather than in the messages (shm.py): same calls, same
-  results, several times the rows per second. Where the PS cannot map our memory, rows go
-  as bytes.
+  results, 2-2.6x the rows per second (bench/RESULTS.md). Where the PS cannot map our
+  memory, rows go as bytes.
 """
 
 from __future__ import annotations
