@@ -25,11 +25,21 @@ def _mix(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
+_MASK = (1 << 64) - 1
+
+
+def _stream_key(seed: int, stream: int) -> int:
+    """The key of a (seed, stream), in Python ints (as numpy scalars it cost ~10 us a call)."""
+    z = ((seed & _MASK) * int(_GOLDEN) + stream) & _MASK
+    z = ((z ^ (z >> 30)) * int(_M1)) & _MASK
+    z = ((z ^ (z >> 27)) * int(_M2)) & _MASK
+    return z ^ (z >> 31)
+
+
 def _uniform01(seed: int, ids: np.ndarray, cols: int, stream: int) -> np.ndarray:
     """U[0,1) of shape (len(ids), cols), a pure function of (seed, stream, id, column)."""
     with np.errstate(over="ignore"):
-        key = _mix(np.uint64(seed & 0xFFFFFFFFFFFFFFFF) * _GOLDEN + np.uint64(stream))
-        base = _mix(ids.astype(np.int64).view(np.uint64) ^ key)
+        base = _mix(ids.astype(np.int64).view(np.uint64) ^ np.uint64(_stream_key(seed, stream)))
         col = np.arange(1, cols + 1, dtype=np.uint64) * _GOLDEN
         z = _mix(base[:, None] + col[None, :])
     return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
@@ -77,15 +87,6 @@ def initial_rows(schema: TableSchema, ids: np.ndarray) -> np.ndarray:
 
 
 _KINDS = {"zeros": 0, "constant": 1, "uniform": 2}
-_MASK = (1 << 64) - 1
-
-
-def _stream_key(seed: int, stream: int) -> int:
-    """_uniform01's key, in Python ints (numpy scalars cost ~10 us a call here)."""
-    z = ((seed & _MASK) * int(_GOLDEN) + stream) & _MASK
-    z = ((z ^ (z >> 30)) * int(_M1)) & _MASK
-    z = ((z ^ (z >> 27)) * int(_M2)) & _MASK
-    return z ^ (z >> 31)
 _native = None
 
 
