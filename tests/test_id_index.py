@@ -257,27 +257,18 @@ def test_the_c_module_checks_every_buffer_itself():
     assert c.size(h) == 10
 
 
-def test_gather_copies_the_rows_asked_for_and_refuses_what_is_outside():
-    """The store's pull gathers rows with the module's gather: equal to numpy's indexing, and a
-    row number outside the table, a short output or a read-only one is an error, not a crash."""
-    from ps_server import native
-
-    gather = native.id_index().gather
+def test_pull_rows_copies_the_rows_asked_for():
+    """The store's pull copies rows with pull_rows: equal to numpy's indexing on a big table's
+    scattered rows (the copy prefetches rows further down)."""
     rng = np.random.default_rng(7)
     table = rng.random((1000, 17), dtype=np.float32)
-    where = rng.integers(0, 1000, 5000)
+    index = IdIndex()
+    stored = rng.choice(1 << 40, 1000, replace=False).astype(np.int64)
+    index.insert(stored, rng.permutation(1000).astype(np.int64))
+    ids = stored[rng.integers(0, 1000, 5000)]
     out = np.empty((5000, 17), dtype=np.float32)
-    gather(table, table.itemsize * 17, where, out)
-    assert np.array_equal(out, table[where])
-    for bad in ([1000], [-1]):
-        with pytest.raises(IndexError, match="outside the 1000 rows"):
-            gather(table, 68, np.array(bad), out)
-    with pytest.raises(ValueError, match="too small"):
-        gather(table, 68, where, out[:10])
-    with pytest.raises(ValueError, match="row_bytes must be positive"):
-        gather(table, 0, where, out)
-    with pytest.raises(BufferError):
-        gather(table, 68, where[:1], bytes(68))
+    assert len(index.pull_rows(ids, table, out)) == 0
+    assert np.array_equal(out, table[index.lookup(ids)])
 
 
 def test_scatter_writes_the_rows_given_and_refuses_what_is_outside():
@@ -335,3 +326,6 @@ def test_pull_rows_refuses_what_is_outside():
         c.pull_rows(index._h, table, 16, np.array([7, 7]), np.zeros((2, 4), np.float32), missing)
     with pytest.raises(ValueError, match="row_bytes"):
         c.pull_rows(index._h, table, 0, np.array([7]), out, missing)
+    index.insert(np.array([8], dtype=np.int64), np.array([1], dtype=np.int64))
+    with pytest.raises(BufferError):  # a read-only out
+        c.pull_rows(index._h, table, 16, np.array([8]), bytes(16), missing)

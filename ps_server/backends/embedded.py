@@ -151,18 +151,16 @@ class EmbeddedStore(Store):
         return None if t is None else len(t.index)
 
     def pull(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        t = self._table(table)
-        with t.lock:
-            where = t.index.lookup(ids)
-            found = where >= 0
-            rows = rows_out(out, len(ids), t.schema)
-            # the compiled gather: ~4x numpy's fancy indexing for a big table's scattered rows
-            native.id_index().gather(t.rows, t.schema.row_bytes, np.where(found, where, 0), rows)
+        rows = rows_out(out, len(ids), self.schema(table))
+        found = np.ones(len(ids), dtype=bool)
+        found[self.pull_into(table, ids, rows)] = False
         return rows, found
 
     def pull_into(self, table: str, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
         t = self._table(table)
         with t.lock:
+            # one compiled call: lookup, and the present rows copied with the ones further down
+            # prefetched (~4x numpy's fancy indexing for a big table's scattered rows)
             return t.index.pull_rows(ids, t.rows, rows_out(out, len(ids), t.schema))
 
     def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> int:

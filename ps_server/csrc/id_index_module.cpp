@@ -164,61 +164,6 @@ PyObject* py_clear(PyObject*, PyObject* capsule) {
   Py_RETURN_NONE;
 }
 
-// gather(rows, row_bytes, where, out) -> None: out's row i = rows' row where[i] (rows and out
-// any contiguous buffers of whole rows). The pull's gather: numpy's fancy indexing takes
-// ~3.7 ms for 16k rows of 512 B from a big table, mostly waiting on memory one row at a time;
-// here the rows further down are prefetched while earlier ones are copied.
-PyObject* py_gather(PyObject*, PyObject* args) {
-  PyObject *rows_o, *where_o, *out_o;
-  Py_ssize_t row_bytes;
-  if (!PyArg_ParseTuple(args, "OnOO", &rows_o, &row_bytes, &where_o, &out_o)) return nullptr;
-  if (row_bytes <= 0) {
-    PyErr_SetString(PyExc_ValueError, "gather: row_bytes must be positive");
-    return nullptr;
-  }
-  Int64s where;
-  if (!where.get(where_o, false, false, "where")) return nullptr;
-  Py_buffer src{}, dst{};
-  if (PyObject_GetBuffer(rows_o, &src, PyBUF_C_CONTIGUOUS) != 0) return nullptr;
-  if (PyObject_GetBuffer(out_o, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0) {
-    PyBuffer_Release(&src);
-    return nullptr;
-  }
-  const int64_t n_rows = int64_t(src.len / row_bytes);
-  PyObject* result = Py_None;
-  if (dst.len < where.n * row_bytes) {
-    PyErr_SetString(PyExc_ValueError, "gather: out is too small for the rows");
-    result = nullptr;
-  }
-  for (int64_t i = 0; result && i < where.n; ++i) {
-    if (where.data[i] < 0 || where.data[i] >= n_rows) {
-      PyErr_Format(PyExc_IndexError, "gather: row %lld is outside the %lld rows", (long long)where.data[i],
-                   (long long)n_rows);
-      result = nullptr;
-    }
-  }
-  if (result) {
-    const char* from = static_cast<const char*>(src.buf);
-    char* to = static_cast<char*>(dst.buf);
-    const int64_t* w = where.data;
-    const int64_t n = where.n;
-    Py_BEGIN_ALLOW_THREADS
-    constexpr int64_t kAhead = 8;
-    for (int64_t i = 0; i < n; ++i) {
-      if (i + kAhead < n) {
-        const char* next = from + w[i + kAhead] * row_bytes;
-        for (Py_ssize_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + b);
-      }
-      std::memcpy(to + i * row_bytes, from + w[i] * row_bytes, size_t(row_bytes));
-    }
-    Py_END_ALLOW_THREADS
-    Py_INCREF(result);
-  }
-  PyBuffer_Release(&src);
-  PyBuffer_Release(&dst);
-  return result;
-}
-
 // scatter(table, row_bytes, where, rows, take) -> None: table's row where[i] = rows' row
 // take[i], for i in order: of two writes to one row the later stays (a push's repeated id:
 // its last row wins). numpy would gather rows[take] into a temporary, then scatter it.
@@ -484,7 +429,6 @@ PyMethodDef kMethods[] = {
     {"items", py_items, METH_VARARGS, "items(index, keys, values) -> copied count"},
     {"clear", py_clear, METH_O, "clear(index)"},
     {"scatter", py_scatter, METH_VARARGS, "scatter(table, row_bytes, where, rows, take): table[where[i]] = rows[take[i]]"},
-    {"gather", py_gather, METH_VARARGS, "gather(rows, row_bytes, where, out): out[i] = rows[where[i]]"},
     {"pull_rows", py_pull_rows, METH_VARARGS,
      "pull_rows(index, table, row_bytes, ids, out, missing) -> absent count: rows of ids into out"},
     {"init_rows", py_init_rows, METH_VARARGS,
