@@ -106,7 +106,7 @@ def add_to_server(servicer: "ParameterServerService", server: grpc.Server) -> No
 
 class _StoreTimer:
     """`with`: the time inside goes to a backend-latency histogram (a class, not a generator
-    context manager: it runs ~50 times per PullMany of 26 tables)."""
+    context manager: it is cheaper). Row calls sum their store time in a _Tally instead."""
 
     __slots__ = ("histogram", "start")
 
