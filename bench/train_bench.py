@@ -42,6 +42,8 @@ def main(argv=None) -> int:
     p.add_argument("--universe", type=int, default=100_000)
     p.add_argument("--capacity-fraction", type=float, default=0.1)
     p.add_argument("--optimizer", default="rowwise_adagrad")
+    p.add_argument("--prefetch", type=int, default=None,
+                   help="the dynamic run's --prefetch (batches transformed ahead by a thread); default: the trainer's")
     args = p.parse_args(argv)
     common = ["--steps", str(args.steps), "--batch-size", str(args.batch_size), "--universe", str(args.universe),
               "--optimizer", args.optimizer, "--eval-batches", "2"]
@@ -49,7 +51,9 @@ def main(argv=None) -> int:
           f"per rank, universe {args.universe:,} IDs per table, {args.optimizer}")
     with tempfile.TemporaryDirectory() as tmp:
         full = run(args.nproc, common + ["--no-dynamic"], Path(tmp) / "full.json")
-        dyn = run(args.nproc, common + ["--capacity-fraction", str(args.capacity_fraction)], Path(tmp) / "dyn.json")
+        prefetch = [] if args.prefetch is None else ["--prefetch", str(args.prefetch)]
+        dyn = run(args.nproc, common + ["--capacity-fraction", str(args.capacity_fraction), *prefetch],
+                  Path(tmp) / "dyn.json")
     print(f"  plain TorchRec, full tables           {full['samples_per_second']:>10,.0f} samples/s   "
           f"AUC {full['auc']:.4f}")
     print(f"  dynamic tables at {args.capacity_fraction:.0%} over the PS   {dyn['samples_per_second']:>10,.0f} "

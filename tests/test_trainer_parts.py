@@ -114,7 +114,8 @@ def test_training_serves_metrics_per_rank():
     from trainer.train import train
 
     port = free_port()
-    cfg = TrainConfig(data=DataConfig(num_sparse=3, universe=2000), table=TableConfig(dim=8),
+    # room for the 4 batches in flight at a transform (the pipeline's 3 and one transformed ahead)
+    cfg = TrainConfig(data=DataConfig(num_sparse=3, universe=2000), table=TableConfig(dim=8, capacity_fraction=0.2),
                       batch_size=64, steps=30, eval_batches=1, dense_arch=[8], over_arch=[8, 1],
                       progress=False, metrics_port=port)
     scraped: list[str] = []

@@ -66,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
     except (BatchRefused, TooManyIDs, NoRoom) as e:  # BatchRefused: on every rank, the refusing one's cause says why
         if isinstance(e.__cause__ if isinstance(e, BatchRefused) else e, (TooManyIDs, NoRoom)):
             print(f"dynemb train: error: rank {rank}: a batch does not fit its table: {e} "
-                  f"(raise --capacity / --capacity-fraction, or lower --batch-size)", file=sys.stderr)
+                  f"(raise --capacity / --capacity-fraction, or lower --batch-size or --prefetch: "
+                  f"each batch transformed ahead holds its rows too)", file=sys.stderr)
         else:
             print(f"dynemb train: error: rank {rank}: {e}", file=sys.stderr)
         return 1

@@ -61,6 +61,7 @@ class TrainConfig:
     dense_arch: list[int] = field(default_factory=lambda: [64, 16])
     over_arch: list[int] = field(default_factory=lambda: [64, 32, 1])
     pipeline: bool = True  # TrainPipelineSparseDist: next batch's transform/pull overlaps
+    prefetch: int = 1  # batches a thread transforms ahead of the loop (trainer/prefetch.py); 0: inline
     ps: str = ""  # PS address(es), comma-separated; "" = embedded store (a local PS when multi-rank)
     ps_table_prefix: str = "dynemb_"
     ps_tls_ca: str = ""  # CA certificate (PEM) of a TLS PS; the auth token comes from DYNEMB_PS_AUTH_TOKEN
@@ -87,6 +88,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer {self.optimizer!r} is not one of {OPTIMIZERS}")
+        if self.prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0 (batches transformed ahead), got {self.prefetch}")
         if self.batch_size < 1 or self.steps < 0:
             raise ValueError("batch_size must be >= 1 and steps >= 0")
         if (self.checkpoint_every or self.checkpoint_at_end) and not self.checkpoint_dir:
@@ -147,6 +150,8 @@ HELP = {
     "dense_arch": "bottom MLP sizes, comma-separated; the last must equal --dim",
     "over_arch": "top MLP sizes, comma-separated; the last is 1",
     "pipeline": "TrainPipelineSparseDist: the next batch's transform, pull and input dist overlap",
+    "prefetch": "batches that a thread of their own transforms (IDs to slots, rows pulled and pushed) ahead "
+                "of the training loop; 0: on the training thread",
     "ps": "PS address(es) host:port, comma-separated; empty: the embedded store",
     "ps_table_prefix": "prefix of the PS table names (several jobs can share one PS)",
     "ps_tls_ca": "CA certificate (PEM) to reach a TLS PS; a PS that wants a token gets env DYNEMB_PS_AUTH_TOKEN",

@@ -31,9 +31,9 @@ meanwhile.
 
 from __future__ import annotations
 
-from array import array
-
+import threading
 import time
+from array import array
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -47,6 +47,7 @@ from idtransformer.policy import EvictionPolicy
 from idtransformer.sharded import BatchRefused, ShardedIDTransformer, release_tables, transform_blocks
 from ps_server.schema import TableSchema
 from trainer.metrics import TrainerMetrics
+from trainer.prefetch import TransformAhead
 from trainer.row_group import RowGroup
 from trainer.row_store import RowStore
 from trainer.table_rows import TableRows
@@ -117,6 +118,10 @@ class DynamicTables:
         self._keys_seen: tuple | None = None  # the KJT keys _key_table was made for
         self._key_table = torch.zeros(0, dtype=torch.int64)
         self._moving: deque[_Moves] = deque()  # started, not yet settled (at most `ahead`)
+        # releases the caller asked for while a transform thread owns the tables (prefetch.py);
+        # None: none does, release_oldest releases at once
+        self._deferred: int | None = None
+        self._releases = threading.Condition()
 
     # -- one batch ------------------------------------------------------------------
 
@@ -256,14 +261,66 @@ class DynamicTables:
         return n, hits
 
     def release_oldest(self) -> None:
-        """The oldest batch in flight is through backward and the optimizer step."""
+        """The oldest batch in flight is through backward and the optimizer step. While a
+        transform thread owns the tables (trainer/prefetch.py), it applies the release."""
+        with self._releases:
+            if self._deferred is not None:
+                self._deferred += 1
+                self._releases.notify_all()
+                return
+        self._release_now()
+
+    def _release_now(self) -> None:
         release_tables([self.transformers[n] for n in self.names], self.in_flight.popleft())
 
-    def wrap(self, batches: Iterator[Batch], ahead: int = 0) -> Iterator[Batch]:
+    def defer_releases(self) -> None:
+        """From now on a transform thread applies release_oldest's releases (make_room)."""
+        with self._releases:
+            if self._deferred is not None:
+                raise RuntimeError("these tables already have a transform thread")
+            self._deferred = 0
+
+    def make_room(self, keep: int, stop: threading.Event) -> bool:
+        """The transform thread, before a transform: apply the caller's releases until at most
+        `keep` batches are in flight, waiting for them as needed, and no further (see
+        prefetch.py: what is pinned at a transform depends on the batches alone). False if
+        `stop` was set meanwhile."""
+        with self._releases:
+            need = len(self.in_flight) - keep
+            while self._deferred < need:
+                if stop.is_set():
+                    return False
+                self._releases.wait(0.05)  # the timeout: `stop` has no way to notify
+            take = max(need, 0)
+            self._deferred -= take
+        for _ in range(take):
+            self._release_now()
+        return True
+
+    def end_deferred_releases(self) -> None:
+        """The transform thread is done: the releases asked for and not applied are applied,
+        and release_oldest releases at once again."""
+        with self._releases:
+            for _ in range(self._deferred or 0):
+                self._release_now()
+            self._deferred = None
+
+    def wrap(self, batches: Iterator[Batch], ahead: int = 0, window: int = 0) -> Iterator[Batch]:
         """The batches over device rows. ahead=1: a batch's rows may still be moving when it is
-        yielded, until the next one is fetched (or settle()); see the module's docstring."""
+        yielded, until the next one is fetched (or settle()); see the module's docstring.
+        window > 0: a thread of their own transforms them ahead of the caller, with their rows
+        in place when yielded (trainer/prefetch.py, where `window` is explained)."""
         if ahead not in (0, 1):
             raise ValueError(f"ahead must be 0 or 1, got {ahead}")
+        if window:
+            if ahead:
+                raise ValueError("batches transformed ahead come with their rows in place: ahead must be 0")
+            transformed = TransformAhead(self, batches, window)
+            try:
+                yield from transformed
+            finally:
+                transformed.close()
+            return
         self.ahead = ahead
         try:
             for batch in batches:

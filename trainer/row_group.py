@@ -41,7 +41,8 @@ def _flat(views: list[torch.Tensor], row_offsets: list[int]) -> _Flat | None:
                 or v.untyped_storage().data_ptr() != base or v.storage_offset() % k != phase):
             return None
     n = (first.untyped_storage().nbytes() // first.element_size() - phase) // k
-    whole = first.as_strided((n, k), (k, 1), phase)
+    # .data: writes through `whole` leave the TBE's version counter alone (see TableRows.write)
+    whole = first.data.as_strided((n, k), (k, 1), phase)
     shift = torch.tensor([(v.storage_offset() - phase) // k - offset for v, offset in zip(views, row_offsets)])
     return _Flat(whole, shift)
 

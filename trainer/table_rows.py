@@ -42,11 +42,16 @@ class TableRows:
             return torch.cat([self.weights[local].float()] + [s[local].float() for s in self.states], dim=1)
 
     def write(self, local: torch.Tensor, rows: torch.Tensor) -> None:
+        """Written through .data, which autograd does not version: a transform thread
+        (trainer/prefetch.py) writes rows while a batch's forward and backward are under way,
+        and the TBE's backward would refuse a weights tensor changed since its forward. The
+        rows written are never the batch's own (those slots are pinned), so its gradient is
+        the same."""
         with torch.no_grad():
-            self.weights[local] = rows[:, : self.dim].to(self.weights.dtype)
+            self.weights.data[local] = rows[:, : self.dim].to(self.weights.dtype)
             at = self.dim
             for s in self.states:
-                s[local] = rows[:, at : at + s.shape[1]].to(s.dtype)
+                s.data[local] = rows[:, at : at + s.shape[1]].to(s.dtype)
                 at += s.shape[1]
 
 

@@ -95,7 +95,10 @@ def make_dynamic(cfg: TrainConfig, built: Built, store: RowStore, metrics: Train
         t = cfg.table_config(name)
         policy = EvictionPolicy(t.policy, evict_fraction=t.evict_fraction, ttl_steps=t.ttl_steps or None)
         specs.append(DynamicTableSpec(name, [feature], built.schemas[name], policy, t.admit_threshold))
-    return DynamicTables(find_tables(built.model), specs, store, metrics)
+    # a process group of their own: their collectives (the IDs' exchange) may run on a
+    # transform thread (cfg.prefetch) beside the training loop's on the default group
+    group = dist.new_group(backend=dist.get_backend())
+    return DynamicTables(find_tables(built.model), specs, store, metrics, group=group)
 
 
 def batches(cfg: TrainConfig, split: int, start: int = 0):
@@ -152,25 +155,31 @@ def _loop(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None, metrics
     data = iter(batches(cfg, split=0, start=first_step))
     if ckpt is not None:
         data = ckpt.tap(data)  # the global IDs each batch touches (incremental checkpoints)
-    if dynamic is not None:
-        # the pipeline fetches batch i + 2 before batch i's forward: a batch's rows can move
-        # while the step before it computes (settled when the next batch is fetched)
-        data = dynamic.wrap(data, ahead=1 if cfg.pipeline else 0)
+    # With cfg.prefetch, a thread transforms batches ahead (trainer/prefetch.py): its window is
+    # what the loop does inline (3 for the pipeline, 1 for a plain loop; see there) plus one
+    # per batch ahead. Without, the pipeline's fetch of batch i + 2 before batch i's forward
+    # lets a batch's rows move while the step before it computes (ahead=1: settled when the
+    # next one is fetched).
+    transform_window = (3 if cfg.pipeline else 1) + cfg.prefetch if cfg.prefetch else 0
+    ahead = 1 if cfg.pipeline and not transform_window else 0
     model, optimizer = built.model, built.optimizer
     model.train()
     every = cfg.checkpoint_every if ckpt is not None else 0
     pipeline = None
+    segments = []  # their batch generators: closed at the end, which stops a transform thread
 
     def segment(end: int):
         """The batches up to step `end`, and the function that trains one of them."""
         nonlocal pipeline
 
         def limited_batches():
-            yield from (b for _, b in zip(range(end - k), data))
-            if dynamic is not None:  # the segment's last batch gets no successor to settle it
-                dynamic.settle()
+            part = itertools.islice(data, end - k)
+            # wrapped per segment: at its end every row move is settled and the transform
+            # thread, if any, is done, before a checkpoint is taken
+            yield from part if dynamic is None else dynamic.wrap(part, ahead=ahead, window=transform_window)
 
         limited = limited_batches()
+        segments.append(limited)
         if not cfg.pipeline:
 
             def plain() -> torch.Tensor:
@@ -194,32 +203,37 @@ def _loop(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None, metrics
     start, window = time.perf_counter(), []
     k = first_step
     step = segment(_next_boundary(k, every, cfg.steps))
-    while k < cfg.steps:
-        try:
-            loss = step()
-        except StopIteration:
-            break
-        if dynamic is not None:
-            dynamic.release_oldest()
-        result.losses.append(float(loss.detach()))
-        window.append(result.losses[-1])
-        metrics.steps.labels(metrics.rank).inc()
-        metrics.samples.labels(metrics.rank).inc(cfg.batch_size)
-        if (k + 1) % cfg.log_every == 0 or k + 1 == cfg.steps:
-            elapsed = time.perf_counter() - start
-            rate = len(result.losses) * cfg.batch_size * dist.get_world_size() / elapsed
-            metrics.samples_per_second.labels(metrics.rank).set(rate / dist.get_world_size())
-            metrics.loss.labels(metrics.rank).set(float(np.mean(window)))
-            post = {"loss": f"{np.mean(window):.4f}", "samples/s": f"{rate:,.0f}"}
+    try:
+        while k < cfg.steps:
+            try:
+                loss = step()
+            except StopIteration:
+                break
             if dynamic is not None:
-                post["hit"] = f"{dynamic.last_hit_rate:.3f}"
-            bar.set_postfix(post)
-            window = []
-        bar.update(1)
-        k += 1
-        if every and k % every == 0 and k < cfg.steps:  # drained: the segment ended here
-            ckpt.save(k)
-            step = segment(_next_boundary(k, every, cfg.steps))
+                dynamic.release_oldest()
+            result.losses.append(float(loss.detach()))
+            window.append(result.losses[-1])
+            metrics.steps.labels(metrics.rank).inc()
+            metrics.samples.labels(metrics.rank).inc(cfg.batch_size)
+            if (k + 1) % cfg.log_every == 0 or k + 1 == cfg.steps:
+                elapsed = time.perf_counter() - start
+                rate = len(result.losses) * cfg.batch_size * dist.get_world_size() / elapsed
+                metrics.samples_per_second.labels(metrics.rank).set(rate / dist.get_world_size())
+                metrics.loss.labels(metrics.rank).set(float(np.mean(window)))
+                post = {"loss": f"{np.mean(window):.4f}", "samples/s": f"{rate:,.0f}"}
+                if dynamic is not None:
+                    post["hit"] = f"{dynamic.last_hit_rate:.3f}"
+                bar.set_postfix(post)
+                window = []
+            bar.update(1)
+            k += 1
+            if every and k % every == 0 and k < cfg.steps:  # drained: the segment ended here
+                segments[-1].close()  # a plain loop's has not seen its end: its thread is joined
+                ckpt.save(k)
+                step = segment(_next_boundary(k, every, cfg.steps))
+    finally:  # a step that raised leaves no transform thread behind
+        for g in segments:
+            g.close()
     bar.close()
     if cfg.pipeline:
         pipeline.detach()  # the model's own forward back, for evaluation

@@ -1,0 +1,122 @@
+"""Batches transformed ahead by a thread of their own (trainer/prefetch.py): the same training
+whatever the threads' timing, errors raised in the loop, a clean stop."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+
+from idtransformer.sharded import BatchRefused
+from idtransformer.transformer import TooManyIDs
+from test_trainer_exact import config
+from trainer.dynamic import DynamicTables
+from trainer.model import build
+from trainer.train import batches, init_distributed, make_dynamic, open_row_store, train
+
+
+def _transform_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "dynemb-transform"]
+
+
+def _jittered(monkeypatch, seed: int) -> list[int]:
+    """Random sleeps in the transform thread and in the loop's releases; returns the list that
+    collects how many batches were in flight at each transform."""
+    rng = random.Random(seed)
+    seen: list[int] = []
+    transform, release = DynamicTables.transform, DynamicTables.release_oldest
+
+    def slow_transform(self, kjt):
+        seen.append(len(self.in_flight))
+        time.sleep(rng.random() * 0.004)
+        return transform(self, kjt)
+
+    def slow_release(self):
+        time.sleep(rng.random() * 0.004)
+        release(self)
+
+    monkeypatch.setattr(DynamicTables, "transform", slow_transform)
+    monkeypatch.setattr(DynamicTables, "release_oldest", slow_release)
+    return seen
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "plain"])
+def test_what_is_pinned_at_each_transform_does_not_depend_on_timing(pipeline, monkeypatch):
+    """window - 1 batches in flight at every transform once the loop is under way, whichever
+    thread runs late: the same evictions, so the same hit rates and losses, run after run."""
+    runs = []
+    for seed in (1, 2):
+        with monkeypatch.context() as m:
+            seen = _jittered(m, seed)
+            result = train(config("rowwise_adagrad", dynamic=True, pipeline=pipeline, steps=40, prefetch=1))
+        runs.append((seen, result))
+    window = (3 if pipeline else 1) + 1
+    for seen, result in runs:
+        # the evaluation's batches (2, inline) come after the 40 transformed ahead
+        assert seen[:40] == [min(k, window - 1) for k in range(40)]
+        assert len(result.losses) == 40
+    (_, a), (_, b) = runs
+    assert a.hit_rates == b.hit_rates and a.hit_rate < 1.0
+    assert a.losses == b.losses
+    assert not _transform_threads()
+
+
+@pytest.mark.parametrize("optimizer,prefetch", [("rowwise_adagrad", 0), ("adam", 0), ("sgd", 2)])
+def test_training_is_exact_with_or_without_the_thread(optimizer, prefetch):
+    """The acceptance test (tests/test_trainer_exact.py runs it with the default, prefetch=1)
+    with the transform on the training thread, and two batches ahead."""
+    full = train(config(optimizer, dynamic=False, steps=60), collect_tables=True)
+    dyn = train(config(optimizer, dynamic=True, steps=60, prefetch=prefetch), collect_tables=True)
+    diff = np.abs(np.array(full.losses) - np.array(dyn.losses))
+    assert len(diff) == 60 and diff.max() <= 1e-6, f"losses part at step {int(diff.argmax())}: {diff.max():.3g}"
+    assert dyn.hit_rate < 1.0
+    for name, (_, rows) in full.tables.items():
+        np.testing.assert_allclose(dyn.tables[name][1], rows, rtol=0, atol=1e-6, err_msg=f"table {name}")
+
+
+@pytest.mark.timeout(120)
+def test_a_batch_refused_on_the_thread_is_raised_in_the_loop():
+    """More distinct IDs in a batch than a table holds: the error the inline transform gives,
+    raised where the loop takes the batch; the thread is gone, nothing hangs."""
+    cfg = config("sgd", dynamic=True, steps=10, prefetch=1)
+    cfg.table.capacity = 20  # a batch of 48 samples, 2 IDs each, has more distinct IDs than that
+    with pytest.raises((BatchRefused, TooManyIDs)) as refused:
+        train(cfg)
+    assert "distinct" in str(refused.value) or "distinct" in str(refused.value.__cause__)
+    assert not _transform_threads()
+
+
+def test_closing_the_batches_stops_the_thread_and_leaves_batches_releasable():
+    cfg = config("rowwise_adagrad", dynamic=True, steps=10)
+    created = init_distributed()
+    store, _ = open_row_store(cfg)
+    try:
+        built = build(cfg)
+        tables = make_dynamic(cfg, built, store, None)
+        wrapped = tables.wrap(batches(cfg, split=0), window=3)  # an endless stream
+        for _ in range(2):
+            next(wrapped)
+            tables.release_oldest()
+        next(wrapped)
+        wrapped.close()
+        assert not _transform_threads()
+        assert 1 <= len(tables.in_flight) <= 3  # taken and not released, or transformed ahead
+        while tables.in_flight:  # releases apply at once again
+            tables.release_oldest()
+        assert not tables._moving
+        assert tables.flush() > 0
+    finally:
+        store.close()
+        if created:
+            dist.destroy_process_group()
+
+
+def test_a_window_below_one_is_refused():
+    from trainer.prefetch import TransformAhead
+
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        TransformAhead(object(), iter(()), window=0)
