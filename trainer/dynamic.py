@@ -26,7 +26,8 @@ batch is transformed, or by `settle()`. That is for a caller that fetches batch 
 it runs batch j's forward, as TorchRec's TrainPipelineSparseDist does (it fetches j + 2):
 the PS round trip then overlaps a step of compute instead of stalling the main thread. The
 slots involved are not in any batch in flight (pins), so nothing reads or writes them
-meanwhile.
+meanwhile. With `wrap(batches, window=w)` a thread of their own transforms the batches ahead
+of the caller instead, and hands each over with its rows in place (trainer/prefetch.py).
 """
 
 from __future__ import annotations
