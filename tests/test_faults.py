@@ -178,8 +178,9 @@ def test_redis_restarted_mid_training_loses_nothing(tmp_path):
 
 # -- a trainer rank killed ---------------------------------------------------------
 
+# capacity: room for the 4 batches in flight at a transform (the pipeline's 3, one transformed ahead)
 RANKED = ["--steps", "60", "--num-sparse", "4", "--universe", "4000", "--ids-per-feature", "2", "--dim", "8",
-          "--capacity-fraction", "0.1", "--evict-fraction", "0.1", "--batch-size", "32", "--dense-arch", "16,8",
+          "--capacity-fraction", "0.2", "--evict-fraction", "0.1", "--batch-size", "32", "--dense-arch", "16,8",
           "--over-arch", "16,1", "--eval-batches", "2", "--optimizer", "adam", "--no-progress",
           "--checkpoint-every", "10", "--checkpoint-at-end"]
 

@@ -131,7 +131,7 @@ def test_tokens_never_reach_logs_or_metrics(make_ps, redis_auth, tmp_path):
     out = tmp_path / "r.json"
     job = subprocess.run(
         [sys.executable, "-m", "trainer", "--ps", proc.address, "--steps", "4", "--batch-size", "16", "--universe", "500",
-         "--num-sparse", "2", "--dim", "4", "--dense-arch", "8,4", "--eval-batches", "1", "--no-progress",
+         "--capacity-fraction", "0.3", "--num-sparse", "2", "--dim", "4", "--dense-arch", "8,4", "--eval-batches", "1", "--no-progress",
          "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-at-end", "--result-json", str(out)],
         capture_output=True, text=True, cwd=REPO, timeout=300, env={**__import__("os").environ, "DYNEMB_PS_AUTH_TOKEN": TOKEN})
     assert job.returncode == 0, job.stderr[-3000:]

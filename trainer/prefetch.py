@@ -7,6 +7,7 @@ transforms batch j while the loop trains earlier ones, and the loop takes j read
 in place. The thread's waits no longer stall training, and it runs while the training thread
 waits in TorchRec's own collectives. The cost: one more batch pinned per batch ahead, so a
 table needs room for that many more batches' IDs (a batch refused for want of room says so).
+
     batches = TransformAhead(tables, raw_batches, window=4)
     for batch in batches:       # transformed, rows in place
         ...train...
