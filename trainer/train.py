@@ -166,11 +166,11 @@ def _loop(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None, metrics
     model.train()
     every = cfg.checkpoint_every if ckpt is not None else 0
     pipeline = None
-    segments = []  # their batch generators: closed at the end, which stops a transform thread
+    current = None  # the segment's batch generator: closing it stops its transform thread
 
     def segment(end: int):
         """The batches up to step `end`, and the function that trains one of them."""
-        nonlocal pipeline
+        nonlocal pipeline, current
 
         def limited_batches():
             part = itertools.islice(data, end - k)
@@ -178,8 +178,7 @@ def _loop(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None, metrics
             # thread, if any, is done, before a checkpoint is taken
             yield from part if dynamic is None else dynamic.wrap(part, ahead=ahead, window=transform_window)
 
-        limited = limited_batches()
-        segments.append(limited)
+        limited = current = limited_batches()
         if not cfg.pipeline:
 
             def plain() -> torch.Tensor:
@@ -228,12 +227,11 @@ def _loop(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None, metrics
             bar.update(1)
             k += 1
             if every and k % every == 0 and k < cfg.steps:  # drained: the segment ended here
-                segments[-1].close()  # a plain loop's has not seen its end: its thread is joined
+                current.close()  # a plain loop's has not seen its end: its thread is joined
                 ckpt.save(k)
                 step = segment(_next_boundary(k, every, cfg.steps))
     finally:  # a step that raised leaves no transform thread behind
-        for g in segments:
-            g.close()
+        current.close()
     bar.close()
     if cfg.pipeline:
         pipeline.detach()  # the model's own forward back, for evaluation
