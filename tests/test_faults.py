@@ -61,9 +61,11 @@ def pushed_rows(address: str) -> int:
 
 
 def pushes_served(ps: LocalPS) -> float:
+    """Push and PushMany calls `ps` answered OK (the trainer pushes evicted rows with PushMany)."""
     text = ps.metrics_text()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith('dynemb_ps_requests_total{code="OK",method="Push"}'))
+               if line.startswith(('dynemb_ps_requests_total{code="OK",method="Push"}',
+                                   'dynemb_ps_requests_total{code="OK",method="PushMany"}')))
 
 
 def wait_for_rows(ps: LocalPS, job: subprocess.Popen, at_least: int, timeout: float = 120) -> None:
@@ -143,10 +145,13 @@ def test_a_ps_replica_killed_mid_training_fails_over_to_another(redis_ps, tmp_pa
     replicas = f"{first.address}|{second.address}"
     job = start_training(first, tmp_path, "replica_", target=replicas)
     wait_for_rows(first, job, at_least=200)
+    assert pushes_served(first) > 0  # the job was on the first replica until the kill
     served_before = pushes_served(second)
     first.stop(signal.SIGKILL)  # and not started again
-    err = finish(job)
-    assert "UNAVAILABLE; retrying" in err
+    # No check for the client's "UNAVAILABLE; retrying" line: gRPC's pick_first moves to the
+    # live replica by itself, so that line is logged only if a call happened to be in flight
+    # at the kill (the Redis restart test below checks the retry path).
+    finish(job)
     assert pushes_served(second) > served_before  # the rest of the job went to the other replica
     compare_with_unfaulted(tmp_path, second, "replica_")
 
