@@ -69,7 +69,14 @@ class RowGroup:
         if self.flats is None:
             return [t.read(s - t.row_offset) for t, s in zip(self.tables, torch.split(slots, counts))]
         with torch.no_grad():
-            data = torch.cat([f.whole[self._rows(f, slots, counts)].float() for f in self.flats], dim=1)
+            # index_select into one preallocated block: about half the time of advanced indexing
+            owner = self._owner(counts, len(slots))
+            data = torch.empty(len(slots), sum(f.whole.shape[1] for f in self.flats))
+            at = 0
+            for f in self.flats:
+                k = f.whole.shape[1]
+                data[:, at : at + k] = f.whole.index_select(0, slots + f.shift[owner])
+                at += k
         return list(torch.split(data, counts))
 
     def write(self, slots: torch.Tensor, counts: list[int], rows: list[np.ndarray | torch.Tensor | None]) -> None:
@@ -85,15 +92,17 @@ class RowGroup:
             return
         data = torch.cat(rows)
         with torch.no_grad():
+            owner = self._owner(counts, len(slots))
             at = 0
             for f in self.flats:
                 k = f.whole.shape[1]
-                f.whole[self._rows(f, slots, counts)] = data[:, at : at + k].to(f.whole.dtype)
+                f.whole.index_copy_(0, slots + f.shift[owner], data[:, at : at + k].to(f.whole.dtype))
                 at += k
 
     @staticmethod
-    def _rows(f: _Flat, slots: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        return slots + f.shift.repeat_interleave(torch.tensor(counts), output_size=len(slots))
+    def _owner(counts: list[int], n: int) -> torch.Tensor:
+        """Per slot, the index of the table it belongs to."""
+        return torch.arange(len(counts)).repeat_interleave(torch.tensor(counts), output_size=n)
 
 
 def _tensor(rows: np.ndarray | torch.Tensor) -> torch.Tensor:
