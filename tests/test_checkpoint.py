@@ -4,6 +4,8 @@ the job that was not stopped; bad checkpoints are refused with the problem named
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import shutil
 from pathlib import Path
@@ -142,14 +144,23 @@ def test_resume_latest_with_no_checkpoint_says_so(tmp_path):
     assert "no checkpoint in" in resume_error(tmp_path / "empty", "latest")
 
 
-@pytest.mark.parametrize("optimizer,tables", [("adam", "dynamic"), ("rowwise_adagrad", "full")])
-def test_two_torchrun_ranks_resume_exactly(tmp_path, optimizer, tables):
+@pytest.mark.parametrize("optimizer,tables,ps", [("adam", "dynamic", ""), ("sgd", "dynamic", "process"),
+                                                 ("rowwise_adagrad", "full", "")],
+                         ids=["dynamic-in-process", "dynamic-ps-process", "full"])
+def test_two_torchrun_ranks_resume_exactly(tmp_path, optimizer, tables, ps):
     """2 gloo ranks: each rank's losses, hit rates and block of every table after resuming from
-    an incremental checkpoint equal the uninterrupted job's."""
+    an incremental checkpoint equal the uninterrupted job's. Dynamic tables' rows in each
+    rank's own store (rank 0 gathers them into the checkpoint; each rank takes back its own)
+    or in a PS process both ranks share (the resumed job's restore replaces the rows the first
+    job left there at step 40)."""
     from test_sharded_idtransformer import torchrun
 
+    from dynemb.local import LocalPS
+
     worker = Path(__file__).parent / "dist" / "checkpoint_worker.py"
-    done = torchrun(2, worker, str(tmp_path), optimizer, tables, timeout=600)
+    with contextlib.ExitStack() as stack:
+        address = stack.enter_context(LocalPS()).address if ps else ""
+        done = torchrun(2, worker, str(tmp_path), optimizer, tables, address, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     saved = checkpoints(tmp_path / "ck")
     assert [read_manifest(c)["world_size"] for c in saved] == [2, 2, 2]

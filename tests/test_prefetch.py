@@ -93,7 +93,7 @@ def test_a_batch_refused_on_the_thread_is_raised_in_the_loop():
 def test_closing_the_batches_stops_the_thread_and_leaves_batches_releasable():
     cfg = config("rowwise_adagrad", dynamic=True, steps=10)
     created = init_distributed()
-    store, _ = open_row_store(cfg)
+    store = open_row_store(cfg)
     try:
         built = build(cfg)
         tables = make_dynamic(cfg, built, store, None)

@@ -3,6 +3,7 @@ the PS, trains exactly like the same model with full tables."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -37,16 +38,24 @@ def test_dynamic_tables_train_exactly_like_full_ones(optimizer, pipeline):
         np.testing.assert_allclose(drows, rows, rtol=0, atol=1e-6, err_msg=f"table {name}")
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
-def test_two_torchrun_ranks_train_exactly_like_full_tables(optimizer, tmp_path):
+@pytest.mark.parametrize("optimizer,ps", [("sgd", ""), ("adagrad", ""), ("rowwise_adagrad", ""), ("adam", ""),
+                                          ("rowwise_adagrad", "process")], ids=lambda x: x or "in-process")
+def test_two_torchrun_ranks_train_exactly_like_full_tables(optimizer, ps, tmp_path):
     """2 gloo ranks under torchrun: row-wise shards, IDs owned by the rank holding their rows,
-    a local PS process started by rank 0; each rank's losses and its block of every table
-    equal the full model's."""
+    the rows of each rank's IDs in its own in-process store (the default), or in a PS process
+    that both ranks share; each rank's losses and its block of every table equal the full
+    model's."""
     from test_sharded_idtransformer import torchrun
 
+    from dynemb.local import LocalPS
+
     worker = Path(__file__).parent / "dist" / "trainer_exact_worker.py"
-    run = torchrun(2, worker, str(tmp_path), optimizer, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    with contextlib.ExitStack() as stack:
+        process = stack.enter_context(LocalPS()) if ps else None
+        run = torchrun(2, worker, str(tmp_path), optimizer, process.address if process else "", timeout=600)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+        if process is not None:  # the rows did go through it
+            assert 'dynemb_ps_requests_total{code="OK",method="PushMany"}' in process.metrics_text()
     for rank in range(2):
         got = np.load(tmp_path / f"rank{rank}.npz")
         diff = np.abs(got["full_losses"] - got["dyn_losses"])

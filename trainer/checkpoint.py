@@ -2,7 +2,8 @@
 boundary (no batch in flight), and restore that continues training exactly. The folder
 layout, manifest and chains are trainer/checkpoint_format.py's.
 
-What goes in: dynamic tables' rows from the PS (flushed first; rank 0 writes them), full
+What goes in: dynamic tables' rows from the PS (flushed first; rank 0 writes them, gathered
+from every rank where each keeps the rows of its own IDs in-process), full
 tables' rows per rank, each rank's ID transformers and row-sparse Adam step, and the dense
 parameters with their optimizer (rank 0; DDP keeps them equal on every rank). The data
 position is the step: batches(start=step) resumes the stream there.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from idtransformer.hashing import owner_of
 from trainer.config import TrainConfig
 from trainer.model import Built, dense_parameters
 from trainer.row_store import RowStore
@@ -138,19 +141,30 @@ class Checkpointer:
     def _save_tables(self, work: Path, touched: dict[str, np.ndarray] | None) -> None:
         names = self.built.table_names
         if self.dynamic is not None:
-            if self.rank != 0:
+            # rank 0 writes each table: read from the PS all ranks share, or gathered from every
+            # rank's own store (per-rank stores hold the rows of the IDs their rank owns)
+            if self.rank != 0 and not self.store.per_rank:
                 return
-            for name in tqdm(names, desc="checkpoint: tables", unit="table", disable=not self.cfg.progress):
+            failure: Exception | None = None
+            for name in tqdm(names, desc="checkpoint: tables", unit="table",
+                             disable=not self.cfg.progress or self.rank != 0):
                 schema = self.built.schemas[name]
-                with TableWriter(work / "tables" / name, schema, source={"kind": "checkpoint"}) as w:
-                    if touched is None:
-                        chunks = self.store.export(schema.name)
-                    else:
-                        ids = touched[name]
-                        chunks = [(ids, self.store.pull(schema.name, ids))] if len(ids) else []
-                    for ids, rows in chunks:
-                        rows = np.asarray(rows, dtype=schema.np_dtype)
-                        w.write(ids, rows[:, : schema.dim], rows[:, schema.dim:])
+                chunks = self._table_rows(schema, None if touched is None else touched[name])
+                if self.rank != 0:
+                    for _ in chunks:  # this rank's rows, sent to rank 0
+                        pass
+                    continue
+                try:
+                    with TableWriter(work / "tables" / name, schema, source={"kind": "checkpoint"}) as w:
+                        for ids, rows in chunks:
+                            rows = np.asarray(rows, dtype=schema.np_dtype)
+                            w.write(ids, rows[:, : schema.dim], rows[:, schema.dim:])
+                except Exception as exc:  # noqa: BLE001 - raised below, once the other ranks are done
+                    failure = failure or exc
+                    for _ in chunks:  # the other ranks are still sending this table's rows
+                        pass
+            if failure is not None:
+                raise failure
             return
         for name, r in find_tables(self.built.model).items():
             schema = self.built.schemas[name]
@@ -162,6 +176,40 @@ class Checkpointer:
             with TableWriter(work / "tables" / name / f"rank-{self.rank:05d}", schema,
                              source={"kind": "checkpoint", "rank": self.rank}) as w:
                 w.write(local.numpy() + r.row_offset, rows[:, : schema.dim], rows[:, schema.dim:])
+
+    def _table_rows(self, schema, touched: np.ndarray | None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(ids, rows) chunks of a dynamic table for a checkpoint (every row, or those of the
+        touched IDs), on rank 0; with per-rank stores a collective, in which every rank sends
+        its own rows to rank 0 and gets nothing."""
+        table = schema.name
+        if not self.store.per_rank:
+            if touched is None:
+                return self.store.export(table)
+            return iter([(touched, self.store.pull(table, touched))] if len(touched) else [])
+        if touched is None:
+            mine = self.store.export(table)
+        else:
+            own = touched[self._owned(touched)]
+            mine = iter([(own, self.store.pull(table, own))] if len(own) else [])
+        return self._gather_at_rank0(mine)
+
+    def _gather_at_rank0(self, mine: Iterator[tuple]) -> Iterator[tuple]:
+        """Collective: every rank's chunks, yielded on rank 0 (elsewhere nothing), a chunk
+        from each rank at a time, so that rank 0 never holds more than a chunk of each."""
+        while True:
+            chunk = next(mine, None)
+            got = [None] * self.world if self.rank == 0 else None
+            dist.gather_object(chunk, got, dst=0)
+            more = [self.rank != 0 or any(c is not None for c in got)]
+            dist.broadcast_object_list(more, src=0)
+            if not more[0]:
+                return
+            if self.rank == 0:
+                yield from (c for c in got if c is not None)
+
+    def _owned(self, ids: np.ndarray) -> np.ndarray:
+        """Mask of the ids this rank owns (the sharded ID transformer's owner_of)."""
+        return owner_of(torch.from_numpy(np.ascontiguousarray(ids, np.int64)), self.world).numpy() == self.rank
 
     def _save_rank(self, path: Path) -> None:
         state: dict = {"rank": self.rank}
@@ -251,15 +299,27 @@ class Checkpointer:
     def _restore_tables(self, links: list[Path]) -> None:
         names = self.built.table_names
         if self.dynamic is not None:
-            if self.rank == 0:
-                for name in tqdm(names, desc="restore: tables", unit="table", disable=not self.cfg.progress):
+            # into the PS all ranks share (rank 0 does it), or into each rank's own store the
+            # rows of the IDs that rank owns (every rank reads the files)
+            per_rank = self.store.per_rank
+            if self.rank == 0 or per_rank:
+                for name in tqdm(names, desc="restore: tables", unit="table",
+                                 disable=not self.cfg.progress or self.rank != 0):
                     schema = self.built.schemas[name]
                     base, *deltas = [TableReader(c / "tables" / name) for c in links]
-                    self.store.replace(schema, ((ids, np.concatenate([e, s], axis=1))
-                                                for ids, e, s in base.chunks(verify=False)))
+
+                    def rows(reader: TableReader) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+                        for ids, e, s in reader.chunks(verify=False):
+                            if per_rank:
+                                mine = self._owned(ids)
+                                ids, e, s = ids[mine], e[mine], s[mine]
+                            if len(ids):
+                                yield ids, np.concatenate([e, s], axis=1)
+
+                    self.store.replace(schema, rows(base))
                     for delta in deltas:
-                        for ids, e, s in delta.chunks(verify=False):
-                            self.store.push(schema.name, ids, np.concatenate([e, s], axis=1))
+                        for ids, r in rows(delta):
+                            self.store.push(schema.name, ids, r)
             dist.barrier()  # the PS holds the checkpoint's rows before any rank pulls
             return
         for name, r in find_tables(self.built.model).items():

@@ -62,7 +62,7 @@ class TrainConfig:
     over_arch: list[int] = field(default_factory=lambda: [64, 32, 1])
     pipeline: bool = True  # TrainPipelineSparseDist: next batch's transform/pull overlaps
     prefetch: int = 1  # batches a thread transforms ahead of the loop (trainer/prefetch.py); 0: inline
-    ps: str = ""  # PS address(es), comma-separated; "" = embedded store (a local PS when multi-rank)
+    ps: str = ""  # PS address(es), comma-separated; "" = embedded store in each rank's process
     ps_table_prefix: str = "dynemb_"
     ps_tls_ca: str = ""  # CA certificate (PEM) of a TLS PS; the auth token comes from DYNEMB_PS_AUTH_TOKEN
     ps_tls_cert: str = ""  # this trainer's certificate and key (PEM), for a PS that wants mutual TLS
@@ -152,7 +152,8 @@ HELP = {
     "pipeline": "TrainPipelineSparseDist: the next batch's transform, pull and input dist overlap",
     "prefetch": "batches that a thread of their own transforms (IDs to slots, rows pulled and pushed) ahead "
                 "of the training loop; 0: on the training thread",
-    "ps": "PS address(es) host:port, comma-separated; empty: the embedded store",
+    "ps": "PS address(es) host:port, comma-separated; empty: the embedded store, in-process (each rank keeps "
+          "the rows of the IDs it owns; they last as long as the job, and its checkpoints)",
     "ps_table_prefix": "prefix of the PS table names (several jobs can share one PS)",
     "ps_tls_ca": "CA certificate (PEM) to reach a TLS PS; a PS that wants a token gets env DYNEMB_PS_AUTH_TOKEN",
     "ps_tls_cert": "client certificate (PEM) for a PS that wants mutual TLS (--tls-client-ca)",

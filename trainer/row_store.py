@@ -1,8 +1,12 @@
 """The parameter server as the trainer sees it: create a table, pull rows, push rows.
 
 - RemoteRowStore: the gRPC PS (one or many addresses) through ps_server.client.PSClient.
-- LocalRowStore: the embedded store inside the trainer's own process (one process only; no
-  gRPC in the way), rows of never-pushed IDs initialised exactly as the PS does.
+- LocalRowStore: the embedded store inside the trainer's own process (no gRPC in the way),
+  rows of never-pushed IDs initialised exactly as the PS does. In a job of several ranks each
+  rank has one of its own (per_rank) holding the rows of the IDs it owns (owner_of): only an
+  ID's owner moves its rows (the sharded ID transformer), so the ranks never need each
+  other's, and a step's pulls and pushes cost no process hop, no gRPC and no copy between
+  processes.
 Both return float32 rows of width dim + optimizer-state width. The *_many_async verbs move
 several tables' rows at once and return futures: the remote store makes one call per PS (in
 order with every other call on those tables); the local one runs them at once.
@@ -22,6 +26,10 @@ from ps_server.schema import TableSchema
 
 
 class RowStore:
+    # True: each rank of the job has a store of its own, holding the rows of the IDs that rank
+    # owns; False: one PS that every rank shares
+    per_rank = False
+
     def create_table(self, schema: TableSchema) -> None:
         raise NotImplementedError
 
@@ -79,8 +87,9 @@ def _then(inner: Future, fn) -> Future:
 
 
 class LocalRowStore(RowStore):
-    def __init__(self, store: EmbeddedStore | None = None) -> None:
+    def __init__(self, store: EmbeddedStore | None = None, per_rank: bool = False) -> None:
         self.store = store or EmbeddedStore()
+        self.per_rank = per_rank
 
     def create_table(self, schema: TableSchema) -> None:
         self.store.create_table(schema)

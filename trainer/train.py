@@ -1,12 +1,12 @@
 """The training job: read top to bottom.
 
     dynemb train --steps 300                      # one process, embedded PS in-process
-    torchrun --nproc_per_node 2 -m trainer ...    # N ranks (gloo on CPU); a local PS is started
-                                                  # on rank 0 unless --ps names one
+    torchrun --nproc_per_node 2 -m trainer ...    # N ranks (gloo on CPU); each rank keeps the
+                                                  # rows of its own IDs in-process unless --ps
 
 1. torch.distributed up (a one-process group when not under torchrun);
-2. the PS: --ps addresses, or the embedded store (in-process for one rank, a local PS
-   process otherwise);
+2. the PS: --ps addresses, or the embedded store in each rank's process (a rank holds the
+   rows of the IDs it owns: row_store.LocalRowStore);
 3. the DLRM under DistributedModelParallel (model.py), dynamic tables in front of it
    (dynamic.py) unless --no-dynamic;
 4. the loop: TrainPipelineSparseDist (batch i+1's transform, PS pull and input
@@ -28,6 +28,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from dynemb.local_redis import free_port
+from idtransformer.hashing import owner_of
 from idtransformer.policy import EvictionPolicy
 from ps_server.client import RetryPolicy
 from trainer.checkpoint import Checkpointer
@@ -68,25 +69,16 @@ def init_distributed() -> bool:
     return True
 
 
-def open_row_store(cfg: TrainConfig) -> tuple[RowStore, object]:
-    """(store, local PS process or None)."""
-    # every PS call is idempotent, so a PS that is down or hangs is simply tried again, for
-    # up to ps_timeout_seconds, each try given ps_attempt_seconds
-    client_args = dict(timeout=cfg.ps_timeout_seconds,
-                       retry=RetryPolicy(attempts=None, max_backoff=5.0, attempt_timeout=cfg.ps_attempt_seconds),
-                       auth_token=os.environ.get("DYNEMB_PS_AUTH_TOKEN") or None)
+def open_row_store(cfg: TrainConfig) -> RowStore:
     if cfg.ps:
-        return RemoteRowStore(cfg.ps, tls_ca=cfg.ps_tls_ca or None, tls_cert=cfg.ps_tls_cert or None,
-                              tls_key=cfg.ps_tls_key or None, **client_args), None
-    if dist.get_world_size() == 1 or os.environ.get('HACK_SHARD'):
-        return LocalRowStore(), None
-    from dynemb.local import LocalPS
-
-    ps = LocalPS("--log-level", "WARNING").start() if dist.get_rank() == 0 else None
-    address = [ps.address if ps else None]
-    dist.broadcast_object_list(address, src=0)
-    # the local PS inherits this process's environment, DYNEMB_PS_AUTH_TOKEN included
-    return RemoteRowStore(address[0], **client_args), ps
+        # every PS call is idempotent, so a PS that is down or hangs is simply tried again, for
+        # up to ps_timeout_seconds, each try given ps_attempt_seconds
+        retry = RetryPolicy(attempts=None, max_backoff=5.0, attempt_timeout=cfg.ps_attempt_seconds)
+        return RemoteRowStore(cfg.ps, timeout=cfg.ps_timeout_seconds, retry=retry,
+                              auth_token=os.environ.get("DYNEMB_PS_AUTH_TOKEN") or None,
+                              tls_ca=cfg.ps_tls_ca or None, tls_cert=cfg.ps_tls_cert or None,
+                              tls_key=cfg.ps_tls_key or None)
+    return LocalRowStore(per_rank=dist.get_world_size() > 1)
 
 
 def make_dynamic(cfg: TrainConfig, built: Built, store: RowStore, metrics: TrainerMetrics) -> DynamicTables:
@@ -113,7 +105,7 @@ def batches(cfg: TrainConfig, split: int, start: int = 0):
 def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
     created = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    store, local_ps = open_row_store(cfg)
+    store = open_row_store(cfg)
     metrics = TrainerMetrics(rank)
     if cfg.metrics_port:  # + local rank: every machine's (or pod's) ranks serve on the same ports
         metrics.serve(cfg.metrics_port + int(os.environ.get("LOCAL_RANK", "0")), cfg.metrics_address)
@@ -138,10 +130,6 @@ def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
         return result
     finally:
         store.close()
-        if not cfg.ps and dist.get_world_size() > 1:  # every rank done with rank 0's local PS
-            dist.barrier()
-        if local_ps is not None:
-            local_ps.close()
         if created:
             dist.destroy_process_group()
 
@@ -255,11 +243,29 @@ def _collect_tables(built: Built, dynamic: DynamicTables | None, store: RowStore
         if dynamic is None:
             out[name] = (r.row_offset, r.read(torch.arange(r.local_rows)).numpy())
         else:  # the same block of IDs, as the PS has them (IDs are < the universe here)
-            block = -(-built.model_rows_full // dist.get_world_size())
-            first = dist.get_rank() * block
+            rank, world = dist.get_rank(), dist.get_world_size()
+            block = -(-built.model_rows_full // world)
+            first = rank * block
             ids = np.arange(first, min(first + block, built.model_rows_full), dtype=np.int64)
-            out[name] = (first, store.pull(built.schemas[name].name, ids))
+            table = built.schemas[name].name
+            out[name] = (first, store.pull(table, ids) if not store.per_rank else
+                         _pull_from_owners(store, table, ids, built.model_rows_full))
     return out
+
+
+def _pull_from_owners(store: RowStore, table: str, ids: np.ndarray, universe: int) -> np.ndarray:
+    """Collective, per-rank stores: the rows of `ids` (this rank's), each from its owner's store."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    every = torch.arange(universe)
+    mine = every[owner_of(every, world) == rank].numpy()
+    got = [None] * world
+    dist.all_gather_object(got, (mine, store.pull(table, mine)))  # every owner's rows, to every rank
+    rows = np.empty((len(ids), got[0][1].shape[1]), np.float32)
+    for owned, owned_rows in got:
+        at = np.searchsorted(ids, owned)  # ids: ascending
+        hit = (at < len(ids)) & (ids[np.minimum(at, len(ids) - 1)] == owned)
+        rows[at[hit]] = owned_rows[hit]
+    return rows
 
 
 @torch.no_grad()

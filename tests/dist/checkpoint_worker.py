@@ -21,15 +21,16 @@ from trainer.train import train  # noqa: E402
 
 def main() -> None:
     out, optimizer, dynamic = sys.argv[1], sys.argv[2], sys.argv[3] == "dynamic"
+    ps = sys.argv[4] if len(sys.argv) > 4 else ""  # a PS process's address; "": in-process per rank
     faulthandler.dump_traceback_later(500, exit=True)  # a hung collective prints its stacks
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     ck = os.path.join(out, "ck")
-    first = train(config(optimizer, dynamic=dynamic, steps=40, checkpoint_dir=ck, checkpoint_every=10,
+    first = train(config(optimizer, dynamic=dynamic, steps=40, checkpoint_dir=ck, checkpoint_every=10, ps=ps,
                          checkpoint_full_every=2), collect_tables=True)
     # the same checkpoint flags (another folder): its pipeline drains at step 30 as the first
     # job's did, so the ID transformers see the same pins there
-    resumed = train(config(optimizer, dynamic=dynamic, steps=40, checkpoint_dir=os.path.join(out, "ck2"),
+    resumed = train(config(optimizer, dynamic=dynamic, steps=40, checkpoint_dir=os.path.join(out, "ck2"), ps=ps,
                            checkpoint_every=10, resume=os.path.join(ck, "step-00000020")), collect_tables=True)
     arrays = {}
     for tag, result in (("first", first), ("resumed", resumed)):

@@ -19,12 +19,13 @@ from trainer.train import train  # noqa: E402
 
 def main() -> None:
     out, optimizer = sys.argv[1], sys.argv[2]
+    ps = sys.argv[3] if len(sys.argv) > 3 else ""  # a PS process's address; "": in-process per rank
     import faulthandler
     faulthandler.dump_traceback_later(500, exit=True)  # a hung collective prints its stacks
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     full = train(config(optimizer, dynamic=False), collect_tables=True)
-    dyn = train(config(optimizer, dynamic=True), collect_tables=True)
+    dyn = train(config(optimizer, dynamic=True, ps=ps), collect_tables=True)
     arrays = {"full_losses": np.array(full.losses), "dyn_losses": np.array(dyn.losses),
               "hit_rate": np.array(dyn.hit_rate)}
     for name, (first, rows) in full.tables.items():
