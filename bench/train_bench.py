@@ -4,15 +4,20 @@
 
 Both runs train the same DLRM (26 tables) on the same synthetic batches with `torchrun
 --nproc_per_node N -m trainer`; the dynamic run keeps --capacity-fraction of each table's
-IDs on the devices and every row in a local PS process (started by rank 0), the full run
+IDs on the devices and every row in the PS: by default the embedded store in each rank's
+process (the trainer's default without --ps), with --ps-process in a PS process on this
+machine that every rank reaches through gRPC (and shared memory for the rows). The full run
 holds every ID in plain row-wise sharded TorchRec tables. Printed: samples/s of each (all
 ranks, timed over the training loop only, start-up and evaluation excluded) and the ratio
 (goal >= 0.8).
+
+    .venv/bin/python bench/train_bench.py --ps-process   # the rows in a PS process
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -21,6 +26,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dynemb.local import LocalPS  # noqa: E402
 
 
 def run(nproc: int, extra: list[str], out: Path) -> dict:
@@ -44,6 +52,9 @@ def main(argv=None) -> int:
     p.add_argument("--optimizer", default="rowwise_adagrad")
     p.add_argument("--prefetch", type=int, default=None,
                    help="the dynamic run's --prefetch (batches transformed ahead by a thread); default: the trainer's")
+    p.add_argument("--ps-process", action="store_true",
+                   help="the dynamic run's rows in a PS process (dynemb ps serve, embedded backend) on this "
+                        "machine rather than in each rank's process")
     args = p.parse_args(argv)
     common = ["--steps", str(args.steps), "--batch-size", str(args.batch_size), "--universe", str(args.universe),
               "--optimizer", args.optimizer, "--eval-batches", "2"]
@@ -52,11 +63,14 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         full = run(args.nproc, common + ["--no-dynamic"], Path(tmp) / "full.json")
         prefetch = [] if args.prefetch is None else ["--prefetch", str(args.prefetch)]
-        dyn = run(args.nproc, common + ["--capacity-fraction", str(args.capacity_fraction), *prefetch],
-                  Path(tmp) / "dyn.json")
+        with contextlib.ExitStack() as stack:
+            ps = ["--ps", stack.enter_context(LocalPS("--log-level", "WARNING")).address] if args.ps_process else []
+            dyn = run(args.nproc, common + ["--capacity-fraction", str(args.capacity_fraction), *prefetch, *ps],
+                      Path(tmp) / "dyn.json")
+    where = "a PS process" if args.ps_process else "in-process PS"
     print(f"  plain TorchRec, full tables           {full['samples_per_second']:>10,.0f} samples/s   "
           f"AUC {full['auc']:.4f}")
-    print(f"  dynamic tables at {args.capacity_fraction:.0%} over the PS   {dyn['samples_per_second']:>10,.0f} "
+    print(f"  dynamic tables at {args.capacity_fraction:.0%}, {where:<13} {dyn['samples_per_second']:>10,.0f} "
           f"samples/s   AUC {dyn['auc']:.4f}   hit rate {dyn['hit_rate']:.3f}")
     print(f"  ratio dynamic / full                  {dyn['samples_per_second'] / full['samples_per_second']:>10.2f}"
           f"   (goal >= 0.8)")

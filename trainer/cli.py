@@ -27,7 +27,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     from trainer.config import add_arguments
 
     add_arguments(p)
-    p.add_argument("--result-json", help="also write the final figures (and every step's loss) to this file")
+    p.add_argument("--result-json", help="also write the final figures (and every step's loss) to this file; "
+                                         "rank 0's, or each rank's where the name has {rank} in it")
     p.set_defaults(func=run)
 
 
@@ -78,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
               f"eval AUC {result.auc:.4f}  eval log-loss {result.logloss:.4f}  "
               f"{result.samples_per_second:,.0f} samples/s"
               + (f"  hit rate {result.hit_rate:.3f}" if cfg.table.dynamic else ""))
-    if args.result_json:
+    if args.result_json and (rank == 0 or "{rank}" in args.result_json):  # never two ranks on one file
         path = args.result_json.replace("{rank}", str(rank))
         with open(path, "w") as f:
             json.dump({"losses": result.losses, "auc": result.auc, "logloss": result.logloss,
