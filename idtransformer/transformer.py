@@ -356,6 +356,7 @@ class IDTransformer:
     def load_state_dict(self, state: dict) -> None:
         if state["capacity"] != self.capacity:
             raise ValueError(f"state is of a table of {state['capacity']} slots, this one has {self.capacity}")
+        _check_state(state)
         dev = self.device
         slots, ids = state["slots"].to(dev), state["ids"].to(dev)
         self.step = int(state["step"])
@@ -370,3 +371,28 @@ class IDTransformer:
         self.map.insert(ids, slots)
         if self.sketch is not None:
             self.sketch.load_state_dict(state["sketch"])
+
+
+def _check_state(state: dict) -> None:
+    """A state the kernel can trust (its keys assume last access <= step, one ID per slot)."""
+    capacity, step = int(state["capacity"]), int(state["step"])
+    slots, ids, last = state["slots"].cpu(), state["ids"].cpu(), state["last_access"].cpu()
+    if step < 0:
+        raise ValueError(f"state's step is {step}, below 0")
+    if slots.shape != ids.shape or slots.dim() != 1:
+        raise ValueError(f"state has {tuple(slots.shape)} slots but {tuple(ids.shape)} ids")
+    if len(slots) and (int(slots.min()) < 0 or int(slots.max()) >= capacity):
+        raise ValueError(f"state has slots outside [0, {capacity})")
+    if len(torch.unique(slots)) != len(slots) or len(torch.unique(ids)) != len(ids):
+        raise ValueError("state holds a slot or an ID twice")
+    for key in ("last_access", "freq", "pins"):
+        if state[key].shape != (capacity,):
+            raise ValueError(f"state's {key} has shape {tuple(state[key].shape)}, not ({capacity},)")
+    resident = last[slots] if len(slots) else last[:0]
+    if len(slots) and (int(resident.min()) < 0 or int(resident.max()) > step):
+        raise ValueError(f"state has a resident ID last accessed outside steps 0..{step}")
+    free = torch.ones(capacity, dtype=torch.bool)
+    free[slots] = False
+    if bool((last[free] != FREE).any()):
+        raise ValueError("state has a last access on a slot no ID holds")
+

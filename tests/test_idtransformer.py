@@ -3,6 +3,8 @@ hand-made ones, pinning, admission, state round-trips."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -322,6 +324,61 @@ def test_kernel_gives_the_same_on_one_thread_and_two(kind):
             assert len(out["torch"].evicted_ids) > 0
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("layout", ["random", "oldest-where-sampled"])
+@pytest.mark.parametrize("kind", ["lru", "hybrid"])
+def test_small_table_victims_match_the_torch_ops(kind, layout):
+    """A trainer-sized table (thousands of slots, a step's few hundred victims): the kernel
+    selects among the keys under a sampled bound; the victims equal the torch ops' exact ones,
+    also where the slots its sample looks at hold the oldest keys, so the bound keeps too few
+    and it falls back to all the keys."""
+    capacity, step = 4000, 200_000
+    policy = EvictionPolicy(kind, evict_fraction=0.02, decay_steps=3)
+    gen = torch.Generator().manual_seed(5)
+    state = _aged_state(capacity, step, gen)
+    state["pins"].zero_()
+    if layout == "oldest-where-sampled":  # the kernel's sample: every (capacity / 128)-th slot
+        sampled = torch.arange(128) * capacity // 128
+        state["last_access"][:] = step - 1 - torch.randint(0, 5, (capacity,), generator=gen, dtype=torch.int32)
+        state["last_access"][sampled] = torch.arange(128, dtype=torch.int32)  # far older than the rest
+    sides = {b: IDTransformer(capacity, policy, backend=b) for b in ("kernel", "torch")}
+    for t in sides.values():
+        t.load_state_dict(state)
+    for i in range(4):
+        ids = torch.randint(-(1 << 62), 1 << 62, (300,), generator=gen)  # the first batch: all new, so
+        if i:  # no slot is in use and the sample lands where the layout put the oldest
+            ids = torch.cat([ids, state["ids"][torch.randint(0, capacity, (200,), generator=gen)]])
+        out = {b: t.transform(ids, pin=i == 1) for b, t in sides.items()}
+        for field in ("slots", "admitted_ids", "admitted_slots", "evicted_ids", "evicted_slots"):
+            assert torch.equal(getattr(out["kernel"], field), getattr(out["torch"], field)), f"batch {i} {field}"
+        assert torch.equal(sides["kernel"].records, sides["torch"].records), f"batch {i} records"
+        assert len(out["torch"].evicted_ids) >= 100  # it did evict, a few hundred of 4000
+        if i == 0 and layout == "oldest-where-sampled":  # the oldest went first
+            assert set(sampled.tolist()) <= set(out["kernel"].evicted_slots.tolist())
+
+
+@BACKENDS
+def test_a_state_that_breaks_the_tables_rules_is_refused(backend):
+    """load_state_dict names what is wrong (a last access after the state's step once crashed
+    the kernel's victim selection: its keys assume none)."""
+    gen = torch.Generator().manual_seed(2)
+    good = _aged_state(100, 200_000, gen)
+    t = make(backend, capacity=100)
+    t.load_state_dict(good)  # as made
+    bad = [("last_access", lambda s: s["last_access"].__setitem__(3, 200_001), "outside steps 0..200000"),
+           ("ids", lambda s: s["ids"].__setitem__(1, int(s["ids"][0])), "a slot or an ID twice"),
+           ("slots", lambda s: s["slots"].__setitem__(0, 100), "slots outside [0, 100)"),
+           ("freq", lambda s: s.__setitem__("freq", s["freq"][:50]), "freq has shape (50,)")]
+    for what, spoil, message in bad:
+        state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in good.items()}
+        spoil(state)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            t.load_state_dict(state)
+    free = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in good.items()}
+    free["slots"], free["ids"] = free["slots"][1:], free["ids"][1:]  # slot 0 free, yet accessed
+    with pytest.raises(ValueError, match="a slot no ID holds"):
+        t.load_state_dict(free)
 
 
 def _same_state(a: dict, b: dict, what: str) -> None:

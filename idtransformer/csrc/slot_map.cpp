@@ -401,6 +401,33 @@ at::Tensor lowest_by_sort(const uint64_t* keys, int64_t C, int64_t n) {
     movable[m] = keys[s] << kSlotBits | uint64_t(s);
     m += keys[s] != kNotMovable;
   }
+  if (n < m && m >= 4 * n && m >= 1024) {
+    // Usually n is a small share of m (a step's admissions against a table's slots): a
+    // quantile of an evenly spaced sample bounds the n-th lowest word from above, and the
+    // selection runs on the words at or below it only. Exact either way: every word below the
+    // n-th lowest is kept; a bound that keeps fewer than n words falls back to all of them.
+    constexpr int64_t kSample = 128;
+    uint64_t sample[kSample];
+    for (int64_t i = 0; i < kSample; ++i) sample[i] = movable[i * m / kSample];
+    const double expect = double(n) * kSample / double(m);
+    const int64_t k = std::min<int64_t>(kSample - 1, int64_t(expect + 3.0 * std::sqrt(expect) + 2.0));
+    std::nth_element(sample, sample + k, sample + kSample);
+    const uint64_t bound = sample[k];
+    int64_t kept = 0;
+    for (int64_t i = 0; i < m; ++i) {  // in place, without a branch: kept <= i
+      movable[kept] = movable[i];
+      kept += movable[i] <= bound;
+    }
+    if (kept >= n) {
+      m = kept;
+    } else {  // the compaction overwrote words: make them again
+      m = 0;
+      for (int64_t s = 0; s < C; ++s) {
+        movable[m] = keys[s] << kSlotBits | uint64_t(s);
+        m += keys[s] != kNotMovable;
+      }
+    }
+  }
   if (n < m) std::nth_element(movable, movable + n, movable + m);
   at::Tensor out = at::empty({n}, at::kLong);
   int64_t* o = out.data_ptr<int64_t>();
