@@ -180,6 +180,23 @@ def test_two_torchrun_ranks_resume_exactly(tmp_path, optimizer, tables, ps):
                                           err_msg=f"rank {rank} table {name}")
 
 
+def test_a_rank_that_cannot_write_its_gathered_rows_fails_every_rank_alike(tmp_path):
+    """2 ranks, rows in each rank's store: rank 0 fails writing a table while rank 1 still
+    sends it that table's rows; rank 0 takes the rest of them anyway, so no rank is left
+    waiting, and both raise the same CheckpointError, and no half-written folder stays."""
+    from test_sharded_idtransformer import torchrun
+
+    worker = Path(__file__).parent / "dist" / "checkpoint_fail_worker.py"
+    done = torchrun(2, worker, str(tmp_path), timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    said = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    assert said[0] == said[1], said
+    assert said[0].endswith("\nrank 0 after the failed save; rank 1 after the failed save"), said[0]
+    assert said[0].startswith("CheckpointError: checkpoint at step 10 could not be written (rank 0: "), said[0]
+    assert "No space left on device" in said[0]
+    assert not (tmp_path / "ck").exists() or list((tmp_path / "ck").iterdir()) == []
+
+
 def test_a_full_disk_fails_the_save_clearly_and_keeps_the_last_checkpoint(tmp_path):
     """A file-size limit (RLIMIT_FSIZE: writes fail with EFBIG, as on a full disk) that the
     step-10 checkpoint fits under and the step-20 one does not."""

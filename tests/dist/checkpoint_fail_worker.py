@@ -1,0 +1,51 @@
+"""Run by torchrun from tests/test_checkpoint.py: a 2-rank job with dynamic tables in each
+rank's own store checkpoints at step 10, and on rank 0 writing a table's first rows fails
+(ENOSPC, as on a full disk) while rank 1 is still sending it that table's rows. Each rank
+writes what it raised, and what a collective after it gave, to OUT/rank{r}.txt."""
+
+from __future__ import annotations
+
+import errno
+import faulthandler
+import os
+import sys
+
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from test_trainer_exact import config  # noqa: E402
+
+from trainer.checkpoint_format import CheckpointError  # noqa: E402
+from trainer.table_files import TableWriter  # noqa: E402
+from trainer.train import train  # noqa: E402
+
+
+def no_space(self, *args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def main() -> None:
+    out = sys.argv[1]
+    faulthandler.dump_traceback_later(300, exit=True)  # a rank left waiting prints its stacks
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if rank == 0:  # fails in the middle of the gathered rows: rank 1's are still to come
+        TableWriter.write = no_space
+    try:
+        train(config("adagrad", dynamic=True, steps=20, checkpoint_dir=os.path.join(out, "ck"), checkpoint_every=10))
+        said = "no error"
+    except CheckpointError as exc:
+        said = f"CheckpointError: {exc}"
+    # the ranks' collectives still pair up: each gets the others' own words
+    words = [None] * dist.get_world_size()
+    dist.all_gather_object(words, f"rank {rank} after the failed save")
+    said += "\n" + "; ".join(words)
+    with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
+        f.write(said)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
