@@ -261,7 +261,7 @@ def _pull_from_owners(store: RowStore, table: str, ids: np.ndarray, universe: in
     got = [None] * world
     dist.all_gather_object(got, (mine, store.pull(table, mine)))  # every owner's rows, to every rank
     rows = np.empty((len(ids), got[0][1].shape[1]), np.float32)
-    for owned, owned_rows in got:
+    for owned, owned_rows in got if len(ids) else []:
         at = np.searchsorted(ids, owned)  # ids: ascending
         hit = (at < len(ids)) & (ids[np.minimum(at, len(ids) - 1)] == owned)
         rows[at[hit]] = owned_rows[hit]
