@@ -180,20 +180,26 @@ def test_two_torchrun_ranks_resume_exactly(tmp_path, optimizer, tables, ps):
                                           err_msg=f"rank {rank} table {name}")
 
 
-def test_a_rank_that_cannot_write_its_gathered_rows_fails_every_rank_alike(tmp_path):
-    """2 ranks, rows in each rank's store: rank 0 fails writing a table while rank 1 still
-    sends it that table's rows; rank 0 takes the rest of them anyway, so no rank is left
-    waiting, and both raise the same CheckpointError, and no half-written folder stays."""
+@pytest.mark.parametrize("fault", ["write", "read"])
+def test_a_rank_that_cannot_save_its_share_fails_every_rank_alike(tmp_path, fault):
+    """2 ranks, rows in each rank's store. write: rank 0 fails writing a table while rank 1
+    still sends it that table's rows; read: rank 1 cannot read its rows. Either way the ranks
+    go through every round together (no rank is left waiting, their collectives stay paired),
+    both raise the same CheckpointError naming the rank and the cause, and no half-written
+    folder stays."""
     from test_sharded_idtransformer import torchrun
 
     worker = Path(__file__).parent / "dist" / "checkpoint_fail_worker.py"
-    done = torchrun(2, worker, str(tmp_path), timeout=400)
+    done = torchrun(2, worker, str(tmp_path), fault, timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     said = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
     assert said[0] == said[1], said
+    assert said[0].startswith("CheckpointError: checkpoint at step 10 could not be written ("), said[0]
+    if fault == "write":
+        assert "(rank 0: " in said[0] and "No space left on device" in said[0]
+    else:
+        assert "rank 1: RuntimeError: the store is gone" in said[0]
     assert said[0].endswith("\nrank 0 after the failed save; rank 1 after the failed save"), said[0]
-    assert said[0].startswith("CheckpointError: checkpoint at step 10 could not be written (rank 0: "), said[0]
-    assert "No space left on device" in said[0]
     assert not (tmp_path / "ck").exists() or list((tmp_path / "ck").iterdir()) == []
 
 

@@ -150,18 +150,22 @@ class Checkpointer:
                              disable=not self.cfg.progress or self.rank != 0):
                 schema = self.built.schemas[name]
                 chunks = self._table_rows(schema, None if touched is None else touched[name])
-                if self.rank != 0:
-                    for _ in chunks:  # this rank's rows, sent to rank 0
-                        pass
-                    continue
+                # a failure is raised once every table's rounds are over: the other ranks are
+                # still sending (or rank 0 still taking) this table's rows and the next ones'
                 try:
+                    if self.rank != 0:
+                        for _ in chunks:  # this rank's rows, sent to rank 0
+                            pass
+                        continue
                     with TableWriter(work / "tables" / name, schema, source={"kind": "checkpoint"}) as w:
                         for ids, rows in chunks:
                             rows = np.asarray(rows, dtype=schema.np_dtype)
                             w.write(ids, rows[:, : schema.dim], rows[:, schema.dim:])
-                except Exception as exc:  # noqa: BLE001 - raised below, once the other ranks are done
+                except Exception as exc:  # noqa: BLE001 - raised below
+                    if not self.store.per_rank:  # rank 0 alone: nothing to keep in step with
+                        raise
                     failure = failure or exc
-                    for _ in chunks:  # the other ranks are still sending this table's rows
+                    for _ in chunks:  # the rest of this table's rounds
                         pass
             if failure is not None:
                 raise failure
@@ -186,26 +190,41 @@ class Checkpointer:
             if touched is None:
                 return self.store.export(table)
             return iter([(touched, self.store.pull(table, touched))] if len(touched) else [])
-        if touched is None:
-            mine = self.store.export(table)
-        else:
-            own = touched[self._owned(touched)]
-            mine = iter([(own, self.store.pull(table, own))] if len(own) else [])
-        return self._gather_at_rank0(mine)
+        def mine() -> Iterator[tuple[np.ndarray, np.ndarray]]:  # read in the rounds: errors surface there
+            if touched is None:
+                yield from self.store.export(table)
+            else:
+                own = touched[self._owned(touched)]
+                if len(own):
+                    yield own, self.store.pull(table, own)
+
+        return self._gather_at_rank0(mine())
 
     def _gather_at_rank0(self, mine: Iterator[tuple]) -> Iterator[tuple]:
         """Collective: every rank's chunks, yielded on rank 0 (elsewhere nothing), a chunk
-        from each rank at a time, so that rank 0 never holds more than a chunk of each."""
+        from each rank at a time, so that rank 0 never holds more than a chunk of each. A rank
+        whose rows cannot be read says so in its place and goes on with the rounds, so no rank
+        is left waiting; each raises once the rounds are over (rank 0 naming the rank)."""
+        failed: list[str] = []
+        own_error: Exception | None = None
         while True:
-            chunk = next(mine, None)
+            try:
+                chunk = next(mine, None) if own_error is None else None
+            except Exception as exc:  # noqa: BLE001 - raised after the rounds
+                own_error, chunk = exc, f"rank {self.rank}: {type(exc).__name__}: {exc}"
             got = [None] * self.world if self.rank == 0 else None
             dist.gather_object(chunk, got, dst=0)
             more = [self.rank != 0 or any(c is not None for c in got)]
             dist.broadcast_object_list(more, src=0)
             if not more[0]:
-                return
+                break
             if self.rank == 0:
-                yield from (c for c in got if c is not None)
+                failed += [c for c in got if isinstance(c, str)]
+                yield from (c for c in got if c is not None and not isinstance(c, str))
+        if own_error is not None:
+            raise own_error
+        if failed:
+            raise RuntimeError("could not read the rows to save: " + "; ".join(failed))
 
     def _owned(self, ids: np.ndarray) -> np.ndarray:
         """Mask of the ids this rank owns (the sharded ID transformer's owner_of)."""
