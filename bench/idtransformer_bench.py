@@ -3,8 +3,11 @@
     .venv/bin/python bench/idtransformer_bench.py                     # CPU, the setting
     python3 bench/idtransformer_bench.py --device cuda                # on a GPU machine
 
-A Zipf(1.05) stream over 10^8 distinct IDs (rank r → a fixed scrambled 62-bit ID), batches
-of 262,144, capacity 10^6. Both sides first see --warmup batches (the table fills and
+A Zipf(1.05) stream over 10^8 distinct IDs (rank r → a fixed scrambled 62-bit ID; rank r has
+probability ~ r^-1.05 among the 10^8, trainer/zipf.py), batches of 262,144, capacity 10^6.
+--folded draws the stream of sessions 1-9 instead: numpy's unbounded Zipf folded into the
+universe (% 10^8), where ~40% of the draws exceed 10^8 and land spread evenly over it (a
+stream that is 40% IDs never seen again). Both sides first see --warmup batches (the table fills and
 eviction starts), then the same --batches timed batches. MCH: DistanceLFU eviction,
 eviction_interval 10 (its eviction cost is inside its timing, as ours is).
 
@@ -28,13 +31,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from idtransformer.policy import EvictionPolicy  # noqa: E402
 from idtransformer.transformer import IDTransformer  # noqa: E402
+from trainer.zipf import BoundedZipf  # noqa: E402
 
 
-def zipf_batches(n_batches: int, batch: int, universe: int, seed: int) -> list[torch.Tensor]:
+def zipf_batches(n_batches: int, batch: int, universe: int, seed: int, folded: bool = False) -> list[torch.Tensor]:
     rng = np.random.default_rng(seed)
+    draw = BoundedZipf(1.05, universe)
     out = []
     for _ in range(n_batches):
-        rank = (rng.zipf(1.05, batch) % universe).astype(np.uint64)
+        rank = ((rng.zipf(1.05, batch) % universe) if folded else draw(rng, batch) - 1).astype(np.uint64)
         with np.errstate(over="ignore"):  # scramble: rank → a fixed 62-bit ID
             ids = (rank * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(2)
         out.append(torch.from_numpy(ids.astype(np.int64)))
@@ -124,10 +129,12 @@ def main(argv=None) -> int:
     p.add_argument("--admit-threshold", type=int, default=1,
                    help="sightings before an ID gets a slot (1: every ID at once, as MCH) [default %(default)s]")
     p.add_argument("--skip-mch", action="store_true", help="time only ours (no ratio)")
+    p.add_argument("--folded", action="store_true",
+                   help="the stream of sessions 1-9: numpy's unbounded Zipf folded into the universe")
     args = p.parse_args(argv)
     device = torch.device(args.device)
-    batches = zipf_batches(args.warmup + args.batches, args.batch, args.universe, seed=0)
-    print(f"idtransformer_bench: Zipf(1.05) over {args.universe:,} IDs, batches of {args.batch:,}, capacity "
+    batches = zipf_batches(args.warmup + args.batches, args.batch, args.universe, seed=0, folded=args.folded)
+    print(f"idtransformer_bench: Zipf(1.05) over {args.universe:,} IDs{' (folded)' if args.folded else ''}, batches of {args.batch:,}, capacity "
           f"{args.capacity:,}, {args.warmup} warm-up + {args.batches} timed batches, device {device}, "
           f"{torch.get_num_threads()} CPU threads")
     ours = run_ours(args, batches, device)

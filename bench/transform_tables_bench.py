@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from idtransformer.policy import EvictionPolicy  # noqa: E402
 from idtransformer.sharded import ShardedIDTransformer, transform_tables  # noqa: E402
+from trainer.zipf import BoundedZipf  # noqa: E402
 
 
 def worker(rank: int, args, init_file: str) -> None:
@@ -38,8 +39,8 @@ def worker(rank: int, args, init_file: str) -> None:
     tables = [ShardedIDTransformer(args.capacity, EvictionPolicy("hybrid")) for _ in range(args.tables)]
     rng = np.random.default_rng([rank, 1])
     steps = args.warmup + args.steps
-    batches = [[torch.from_numpy((rng.zipf(1.05, args.batch) - 1) % args.universe) for _ in tables]
-               for _ in range(steps)]
+    draw = BoundedZipf(1.05, args.universe)  # as the trainer's synthetic data
+    batches = [[torch.from_numpy(draw(rng, args.batch) - 1) for _ in tables] for _ in range(steps)]
     total, cpu, in_flight = [], [], []
     for k, ids in enumerate(batches):
         dist.barrier()

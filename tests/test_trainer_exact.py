@@ -30,7 +30,9 @@ def test_dynamic_tables_train_exactly_like_full_ones(optimizer, pipeline):
     assert len(full.losses) == len(dyn.losses) == 100
     diff = np.abs(np.array(full.losses) - np.array(dyn.losses))
     assert diff.max() <= 1e-6, f"losses part at step {int(diff.argmax())}: {diff.max():.3g}"
-    assert full.losses[-1] < full.losses[0]  # it learned something
+    # not trivially equal: the optimizer moved the rows (against the same model before any step)
+    start = train(config(optimizer, dynamic=False, pipeline=pipeline, steps=0), collect_tables=True)
+    assert max(float(np.abs(full.tables[n][1] - start.tables[n][1]).max()) for n in full.tables) > 1e-3
     assert dyn.hit_rate < 1.0  # the small tables did evict and pull back
     for name, (first, rows) in full.tables.items():
         dfirst, drows = dyn.tables[name]

@@ -92,6 +92,8 @@ class TrainConfig:
             raise ValueError(f"prefetch must be >= 0 (batches transformed ahead), got {self.prefetch}")
         if self.batch_size < 1 or self.steps < 0:
             raise ValueError("batch_size must be >= 1 and steps >= 0")
+        if not self.data.zipf > 0 or self.data.universe < 1:
+            raise ValueError(f"zipf must be > 0 (got {self.data.zipf}) and universe >= 1 (got {self.data.universe})")
         if (self.checkpoint_every or self.checkpoint_at_end) and not self.checkpoint_dir:
             raise ValueError("checkpoint_every / checkpoint_at_end need checkpoint_dir")
         if self.resume == "latest" and not self.checkpoint_dir:
@@ -126,7 +128,7 @@ HELP = {
     "num_dense": "dense features per sample",
     "num_sparse": "sparse features per sample (one table each)",
     "universe": "synthetic: distinct IDs per feature (also the rows of a full table)",
-    "zipf": "synthetic: Zipf exponent of the ID draw",
+    "zipf": "synthetic: Zipf exponent of the ID draw over the universe (> 0; ID k-1 has probability ~ k^-zipf)",
     "ids_per_feature": "synthetic: IDs per sample and feature (bag size)",
     "eval_fraction": "TSV: share of lines held out for evaluation",
     "skip_bad_lines": "TSV: skip a malformed line (each logged with file, line and reason; counted at the end) "

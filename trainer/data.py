@@ -1,7 +1,7 @@
 """Training data as torchrec `Batch`es: dense features, a KeyedJaggedTensor of global IDs, labels.
 
-- SyntheticCriteo: Criteo-shaped (13 dense, 26 sparse features), IDs drawn Zipf over a
-  universe per feature, and a label a model can learn: it depends on the dense features and
+- SyntheticCriteo: Criteo-shaped (13 dense, 26 sparse features), IDs drawn from a Zipf law
+  over a universe per feature (trainer/zipf.py: ID k - 1 with probability ~ k^-zipf), and a label a model can learn: it depends on the dense features and
   on a fixed hidden score of each ID. Batch k of rank r is a function of (seed, r, k) alone,
   so two runs (or a run and its restart) see the same data.
 - criteo_tsv_batches: Criteo-format lines (label, 13 integer, 26 hex categorical columns, tab
@@ -22,8 +22,10 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from trainer.config import DataConfig
+from trainer.zipf import BoundedZipf
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_FEATURE_MIX = np.uint64(0xD1B54A32D192ED03)
 log = logging.getLogger("dynemb.train")
 
 
@@ -36,9 +38,13 @@ def feature_names(num_sparse: int) -> list[str]:
 
 
 def _hidden_score(ids: np.ndarray) -> np.ndarray:
-    """A fixed value in [-1, 1] per ID: what an ID's embedding has to learn."""
+    """A fixed value in [-1, 1] per (feature, ID) of key-major ids (features, batch, k): what an
+    ID's embedding has to learn. The feature is mixed in so that the few IDs at the head of
+    every feature's Zipf draw (the same small numbers) do not all share one score and push
+    every label the same way."""
+    feature = np.arange(ids.shape[0], dtype=np.uint64).reshape(-1, *([1] * (ids.ndim - 1)))
     with np.errstate(over="ignore"):
-        h = (ids.astype(np.uint64) * _GOLDEN) >> np.uint64(40)
+        h = ((ids.astype(np.uint64) + np.uint64(1) + feature * _FEATURE_MIX) * _GOLDEN) >> np.uint64(40)
     return (h & np.uint64(0xFFFF)).astype(np.float64) / 32767.5 - 1.0
 
 
@@ -47,6 +53,7 @@ class SyntheticCriteo:
         self.cfg, self.batch_size, self.rank, self.world_size = cfg, batch_size, rank, world_size
         self.keys = feature_names(cfg.num_sparse)
         self.dense_weights = np.random.default_rng([cfg.data_seed, 7]).normal(0, 1, cfg.num_dense) / np.sqrt(cfg.num_dense)
+        self.draw_ids = BoundedZipf(cfg.zipf, cfg.universe)  # ID k - 1 with probability ~ k^-zipf
 
     def batch(self, step: int, split: int = 0) -> Batch:
         """Batch `step` of this rank; split 0 trains, 1 evaluates (disjoint random streams)."""
@@ -55,7 +62,7 @@ class SyntheticCriteo:
         dense = rng.lognormal(0.0, 1.0, (b, cfg.num_dense))
         dense = np.log1p(dense).astype(np.float32)
         k = cfg.ids_per_feature
-        ids = (rng.zipf(cfg.zipf, (cfg.num_sparse, b, k)) - 1) % cfg.universe  # key-major, as a KJT stores them
+        ids = self.draw_ids(rng, (cfg.num_sparse, b, k)) - 1  # key-major, as a KJT stores them
         logit = (dense - dense.mean()) @ self.dense_weights
         logit = logit + 1.5 * _hidden_score(ids).mean(axis=2).sum(axis=0) / np.sqrt(cfg.num_sparse)
         labels = (rng.random(b) < 1.0 / (1.0 + np.exp(-2.0 * logit))).astype(np.float32)
