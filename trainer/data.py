@@ -1,8 +1,9 @@
 """Training data as torchrec `Batch`es: dense features, a KeyedJaggedTensor of global IDs, labels.
 
 - SyntheticCriteo: Criteo-shaped (13 dense, 26 sparse features), IDs drawn from a Zipf law
-  over a universe per feature (trainer/zipf.py: ID k - 1 with probability ~ k^-zipf), and a label a model can learn: it depends on the dense features and
-  on a fixed hidden score of each ID. Batch k of rank r is a function of (seed, r, k) alone,
+  over a universe per feature (trainer/zipf.py: ID k - 1 with probability ~ k^-zipf), and a
+  label a model can learn: it depends on the dense features and on a fixed hidden score of
+  each ID. Batch k of rank r is a function of (seed, r, k) alone,
   so two runs (or a run and its restart) see the same data.
 - criteo_tsv_batches: Criteo-format lines (label, 13 integer, 26 hex categorical columns, tab
   separated, empty = missing); dense x -> log(1 + max(x, 0)), a categorical value -> the
