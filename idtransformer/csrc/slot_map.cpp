@@ -396,11 +396,15 @@ at::Tensor lowest_by_sort(const uint64_t* keys, int64_t C, int64_t n) {
   static thread_local std::vector<uint64_t> storage;  // kept: a fresh one per call page-faults
   storage.resize(size_t(C));
   uint64_t* movable = storage.data();
-  int64_t m = 0;
-  for (int64_t s = 0; s < C; ++s) {  // written without a branch: most slots are movable
-    movable[m] = keys[s] << kSlotBits | uint64_t(s);
-    m += keys[s] != kNotMovable;
-  }
+  auto make_words = [&]() {  // the movable slots' words; how many
+    int64_t count = 0;
+    for (int64_t s = 0; s < C; ++s) {  // written without a branch: most slots are movable
+      movable[count] = keys[s] << kSlotBits | uint64_t(s);
+      count += keys[s] != kNotMovable;
+    }
+    return count;
+  };
+  int64_t m = make_words();
   if (n < m && m >= 4 * n && m >= 1024) {
     // Usually n is a small share of m (a step's admissions against a table's slots): a
     // quantile of an evenly spaced sample bounds the n-th lowest word from above, and the
@@ -418,15 +422,7 @@ at::Tensor lowest_by_sort(const uint64_t* keys, int64_t C, int64_t n) {
       movable[kept] = movable[i];
       kept += movable[i] <= bound;
     }
-    if (kept >= n) {
-      m = kept;
-    } else {  // the compaction overwrote words: make them again
-      m = 0;
-      for (int64_t s = 0; s < C; ++s) {
-        movable[m] = keys[s] << kSlotBits | uint64_t(s);
-        m += keys[s] != kNotMovable;
-      }
-    }
+    m = kept >= n ? kept : make_words();  // too few kept: the compaction overwrote words, make them again
   }
   if (n < m) std::nth_element(movable, movable + n, movable + m);
   at::Tensor out = at::empty({n}, at::kLong);
