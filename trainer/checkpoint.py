@@ -185,20 +185,16 @@ class Checkpointer:
         """(ids, rows) chunks of a dynamic table for a checkpoint (every row, or those of the
         touched IDs), on rank 0; with per-rank stores a collective, in which every rank sends
         its own rows to rank 0 and gets nothing."""
-        table = schema.name
-        if not self.store.per_rank:
-            if touched is None:
-                return self.store.export(table)
-            return iter([(touched, self.store.pull(table, touched))] if len(touched) else [])
-        def mine() -> Iterator[tuple[np.ndarray, np.ndarray]]:  # read in the rounds: errors surface there
-            if touched is None:
-                yield from self.store.export(table)
-            else:
-                own = touched[self._owned(touched)]
-                if len(own):
-                    yield own, self.store.pull(table, own)
+        table, per_rank = schema.name, self.store.per_rank
+        ids = touched if touched is None or not per_rank else touched[self._owned(touched)]
 
-        return self._gather_at_rank0(mine())
+        def rows() -> Iterator[tuple[np.ndarray, np.ndarray]]:  # read in the rounds: errors surface there
+            if ids is None:
+                yield from self.store.export(table)
+            elif len(ids):
+                yield ids, self.store.pull(table, ids)
+
+        return self._gather_at_rank0(rows()) if per_rank else rows()
 
     def _gather_at_rank0(self, mine: Iterator[tuple]) -> Iterator[tuple]:
         """Collective: every rank's chunks, yielded on rank 0 (elsewhere nothing), a chunk
