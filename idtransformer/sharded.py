@@ -15,6 +15,7 @@ the counts, one for the IDs), each owner maps all the IDs it received in one bat
 slot), and the slots travel back the same way (route.py lays the exchange out, on CPU in the
 kernel). transform_tables does this for many tables in the same three exchanges, the owner
 mapping every table's IDs in one call (many.py); on one rank there is nothing to exchange.
+A stream of batches needs one exchange per batch (stream.py).
 The slots an owner hands out are rows of its own block, so with TorchRec's row-wise sharding
 (equal contiguous blocks) the row of an ID lives on the rank that owns the ID. Works with any
 torch.distributed backend that has all_to_all (gloo on CPU, NCCL on CUDA). A batch that an

@@ -28,18 +28,18 @@ def _jittered(monkeypatch, seed: int) -> list[int]:
     collects how many batches were in flight at each transform."""
     rng = random.Random(seed)
     seen: list[int] = []
-    transform, release = DynamicTables.transform, DynamicTables.release_oldest
+    took, release = DynamicTables._took, DynamicTables.release_oldest
 
-    def slow_transform(self, kjt):
+    def slow_took(self, results, keep):  # a batch's share transformed here: in flight before it?
         seen.append(len(self.in_flight))
         time.sleep(rng.random() * 0.004)
-        return transform(self, kjt)
+        return took(self, results, keep)
 
     def slow_release(self):
         time.sleep(rng.random() * 0.004)
         release(self)
 
-    monkeypatch.setattr(DynamicTables, "transform", slow_transform)
+    monkeypatch.setattr(DynamicTables, "_took", slow_took)
     monkeypatch.setattr(DynamicTables, "release_oldest", slow_release)
     return seen
 

@@ -27,16 +27,19 @@ it runs batch j's forward, as TorchRec's TrainPipelineSparseDist does (it fetche
 the PS round trip then overlaps a step of compute instead of stalling the main thread. The
 slots involved are not in any batch in flight (pins), so nothing reads or writes them
 meanwhile. With `wrap(batches, window=w)` a thread of their own transforms the batches ahead
-of the caller instead, and hands each over with its rows in place (trainer/prefetch.py).
+of the caller instead, and hands each over with its rows in place (trainer/prefetch.py),
+through `transform_stream`: the same transforms with one exchange between the ranks per
+batch instead of three.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from array import array
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -46,12 +49,15 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from idtransformer.policy import EvictionPolicy
 from idtransformer.sharded import BatchRefused, ShardedIDTransformer, release_tables, transform_blocks
+from idtransformer.stream import TransformStream
 from ps_server.schema import TableSchema
 from trainer.metrics import TrainerMetrics
 from trainer.prefetch import TransformAhead
 from trainer.row_group import RowGroup
 from trainer.row_store import RowStore
 from trainer.table_rows import TableRows
+
+log = logging.getLogger("dynemb.trainer")
 
 
 @dataclass
@@ -61,6 +67,15 @@ class DynamicTableSpec:
     ps_schema: TableSchema  # its PS table (name, dim, state width, initializer)
     policy: EvictionPolicy
     admit_threshold: int = 1
+
+
+@dataclass
+class _Layout:
+    """Where a KJT's values of dynamic tables are: their positions (grouped by table, in the
+    order of DynamicTables.names), those values, and how many each table has."""
+    order: torch.Tensor
+    ids: torch.Tensor
+    sizes: list[int]
 
 
 @dataclass
@@ -130,38 +145,85 @@ class DynamicTables:
         """Collective: every rank calls it with its own batch, in the same order. The batch's
         rows are in place on return, or (with self.ahead) by the next call or settle()."""
         self.settle()  # first: the rows of earlier batches in place before any slot is looked at
-        values, lengths = kjt.values(), kjt.lengths()
-        names = self.names
-        # the KJT's values grouped by table (its features' segments, in key order): one stable
-        # sort by each value's table; values of no dynamic table sort last and stay as they are
+        layout = self._layout(kjt)
+        tables = [self.transformers[n] for n in self.names]
+        try:
+            slots, results = transform_blocks(tables, layout.ids, layout.sizes, pin=True)
+        except BatchRefused as refused:
+            refused.add_note(f"the tables by number, from table 0: {', '.join(self.names)}")
+            self._finish_refused(refused)
+            raise
+        self._took(results, keep=self.ahead)
+        return self._over_slots(kjt, layout, slots)
+
+    def transform_stream(self, batches: Iterator[Batch], before_each: Callable[[], bool]) -> Iterator[Batch]:
+        """Collective: the batches over device rows, as transform gives them one by one, but with
+        one exchange between the ranks per batch instead of three (idtransformer/stream.py):
+        batch k is yielded, its rows in place, once batch k + 1's IDs have gone out.
+        before_each() is called before each transform of this rank's share (prefetch.py makes
+        room there); False stops the stream."""
+        stream = TransformStream([self.transformers[n] for n in self.names], pin=True)
+
+        def upcoming() -> tuple:
+            batch = next(batches, None) if stream.taking else None
+            if batch is None:
+                return None, None, None
+            layout = self._layout(batch.sparse_features)
+            return layout.ids, layout.sizes, (batch, layout)
+
+        stream.exchange(*upcoming())
+        while stream.open:
+            try:
+                answered = stream.exchange(*upcoming())
+            except BatchRefused as refused:  # the batch this rank took its share of last
+                refused.add_note(f"the tables by number, from table 0: {', '.join(self.names)}")
+                release_tables([self.transformers[n] for n in self.names], self.in_flight.pop())
+                raise
+            if answered is not None:
+                (batch, layout), slots, _ = answered
+                yield Batch(batch.dense_features, self._over_slots(batch.sparse_features, layout, slots), batch.labels)
+            if stream.received is not None:
+                if not before_each():
+                    return
+                self._took(stream.transform_received(), keep=0)
+        if stream.dropped:
+            log.warning("rank %d had %d more batches than another rank: not trained on", self.rank,
+                        len(stream.dropped))
+
+    def _layout(self, kjt: KeyedJaggedTensor) -> "_Layout":
+        """The KJT's values grouped by table (its features' segments, in key order): one
+        stable sort by each value's table; values of no dynamic table sort last and stay as
+        they are."""
         per_key = torch.tensor(kjt.length_per_key())
         value_table = self._key_tables(kjt.keys()).repeat_interleave(per_key)
         order = torch.argsort(value_table, stable=True)
-        sizes = torch.bincount(value_table, minlength=len(names) + 1).tolist()
-        n_dynamic = len(values) - sizes[-1]
-        tables = [self.transformers[n] for n in names]
-        try:
-            slots, results = transform_blocks(tables, values[order[:n_dynamic]], sizes[:-1], pin=True)
-        except BatchRefused as refused:
-            refused.add_note(f"the tables by number, from table 0: {', '.join(names)}")
-            self._finish_refused(refused)
-            raise
-        self.in_flight.append(results)
+        sizes = torch.bincount(value_table, minlength=len(self.names) + 1).tolist()
+        n_dynamic = len(value_table) - sizes[-1]
+        return _Layout(order[:n_dynamic], kjt.values()[order[:n_dynamic]], sizes[:-1])
 
+    def _took(self, results: list, keep: int) -> None:
+        """This rank's share of a batch transformed: pinned until released, its rows moving
+        (settled but for the `keep` latest batches), counted."""
+        self.in_flight.append(results)
         owned = [out.owned for out in results]
         self._moving.append(self._start_moves(owned))
-        self.settle(keep=self.ahead)
-        new_values = values.clone()
-        new_values[order[:n_dynamic]] = slots
-        keep = torch.ones_like(values, dtype=torch.bool)  # features of no dynamic table keep their IDs
-        keep[order[:n_dynamic]] = slots >= 0
+        self.settle(keep=keep)
         looked = hit = 0
-        for name, o in zip(names, owned):
+        for name, o in zip(self.names, owned):
             n, hits = self._count(name, o)
             looked += n
             hit += hits
         self.last_hit_rate = hit / max(looked, 1)
         self.hit_rates.append(self.last_hit_rate)
+
+    @staticmethod
+    def _over_slots(kjt: KeyedJaggedTensor, layout: "_Layout", slots: torch.Tensor) -> KeyedJaggedTensor:
+        """The KJT with its dynamic tables' IDs replaced by their slots."""
+        values, lengths = kjt.values(), kjt.lengths()
+        new_values = values.clone()
+        new_values[layout.order] = slots
+        keep = torch.ones_like(values, dtype=torch.bool)  # features of no dynamic table keep their IDs
+        keep[layout.order] = slots >= 0
         if bool(keep.all()):
             return KeyedJaggedTensor(keys=kjt.keys(), values=new_values, lengths=lengths, weights=kjt.weights_or_none())
         # IDs not admitted yet (below the admission threshold) are left out of their bags
