@@ -72,8 +72,9 @@ class DynamicTableSpec:
 @dataclass
 class _Layout:
     """Where a KJT's values of dynamic tables are: their positions (grouped by table, in the
-    order of DynamicTables.names), those values, and how many each table has."""
-    order: torch.Tensor
+    order of DynamicTables.names; a slice when they are the first values already in that
+    order), those values, and how many each table has."""
+    order: torch.Tensor | slice
     ids: torch.Tensor
     sizes: list[int]
 
@@ -132,7 +133,7 @@ class DynamicTables:
         self.hit_rates = array("d")  # per transformed batch, in order (8 bytes a step)
         self.ahead = 0  # see wrap()
         self._keys_seen: tuple | None = None  # the KJT keys _key_table was made for
-        self._key_table = torch.zeros(0, dtype=torch.int64)
+        self._key_table: tuple[torch.Tensor, bool] = (torch.zeros(0, dtype=torch.int64), True)
         self._moving: deque[_Moves] = deque()  # started, not yet settled (at most `ahead`)
         # releases the caller asked for while a transform thread owns the tables (prefetch.py);
         # None: none does, release_oldest releases at once
@@ -193,13 +194,16 @@ class DynamicTables:
     def _layout(self, kjt: KeyedJaggedTensor) -> "_Layout":
         """The KJT's values grouped by table (its features' segments, in key order): one
         stable sort by each value's table; values of no dynamic table sort last and stay as
-        they are."""
+        they are. Keys that already come table after table (the usual case) need no sort: the
+        values of dynamic tables are then the first ones."""
+        key_table, grouped = self._key_tables(kjt.keys())
         per_key = torch.tensor(kjt.length_per_key())
-        value_table = self._key_tables(kjt.keys()).repeat_interleave(per_key)
-        order = torch.argsort(value_table, stable=True)
-        sizes = torch.bincount(value_table, minlength=len(self.names) + 1).tolist()
-        n_dynamic = len(value_table) - sizes[-1]
-        return _Layout(order[:n_dynamic], kjt.values()[order[:n_dynamic]], sizes[:-1])
+        sizes = torch.zeros(len(self.names) + 1, dtype=torch.int64).index_add_(0, key_table, per_key).tolist()
+        n_dynamic = sum(sizes) - sizes[-1]
+        if grouped:
+            return _Layout(slice(0, n_dynamic), kjt.values()[:n_dynamic], sizes[:-1])
+        order = torch.argsort(key_table.repeat_interleave(per_key), stable=True)[:n_dynamic]
+        return _Layout(order, kjt.values()[order], sizes[:-1])
 
     def _took(self, results: list, keep: int) -> None:
         """This rank's share of a batch transformed: pinned until released, its rows moving
@@ -249,13 +253,14 @@ class DynamicTables:
         finally:
             release_tables([self.transformers[n] for n in self.names], refused.results)
 
-    def _key_tables(self, keys: list[str]) -> torch.Tensor:
-        """For each KJT key, the index of its table in self.transformers (len: none)."""
+    def _key_tables(self, keys: list[str]) -> tuple[torch.Tensor, bool]:
+        """For each KJT key, the index of its table in self.transformers (len: none); and
+        whether those come in non-decreasing order (the values already grouped by table)."""
         key = tuple(keys)
         if key != self._keys_seen:
             index = {name: i for i, name in enumerate(self.transformers)}
-            self._key_table = torch.tensor([index.get(self.feature_table.get(k), len(index)) for k in keys],
-                                           dtype=torch.int64)
+            table = [index.get(self.feature_table.get(k), len(index)) for k in keys]
+            self._key_table = (torch.tensor(table, dtype=torch.int64), table == sorted(table))
             self._keys_seen = key
         return self._key_table
 
