@@ -95,10 +95,11 @@ class LocalRowStore(RowStore):
         self.store.create_table(schema)
 
     def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
-        rows, found = self.store.pull(table, ids)
-        if not found.all():
-            missing = np.flatnonzero(~found)
-            fill_initial_rows(self.store.schema(table), ids[missing], rows, missing)
+        schema = self.store.schema(table)
+        rows = np.empty((len(ids), schema.width), dtype=schema.np_dtype)
+        missing = self.store.pull_into(table, ids, rows)
+        if len(missing):
+            fill_initial_rows(schema, ids[missing], rows, missing)
         return rows
 
     def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
