@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from idtransformer.ids import as_int64_ids
-from idtransformer.many import release_many, transform_many
+from idtransformer.many import ManyResult, release_many, transform_many
 from idtransformer.policy import EvictionPolicy
 from idtransformer.route import route, transpose_blocks
 from idtransformer.transformer import IDTransformer, TransformResult
@@ -189,17 +189,7 @@ def transform_blocks(tables: list[ShardedIDTransformer], ids: torch.Tensor, size
     recv_per_rank = recv_matrix.sum(1).tolist()
     received = _exchange(send, send_per_rank, recv_per_rank, group)
 
-    # per table, the requests of rank 0 first, then rank 1, ...: received's (source, table)
-    # blocks become (table, source) ones
-    mine_sizes = recv_matrix.sum(0).tolist()
-    many = transform_many([t.local for t in tables], transpose_blocks(received, recv_matrix, kernel), mine_sizes,
-                          pin, [t.offset for t in tables])
-    if many.error is not None:  # answer anyway (-2: refused), or the other ranks would hang
-        for block, error in zip(torch.split(many.slots, mine_sizes), many.errors):
-            if error is not None:
-                block.fill_(-2)
-    answers = transpose_blocks(many.slots, recv_matrix.t(), kernel)  # back to (source, table) blocks
-    refused = torch.tensor([e is not None for e in many.errors], dtype=answers.dtype, device=device)
+    many, answers, refused = transform_share(tables, received, recv_matrix, pin, kernel)
     answered, refusals = _answer(answers, refused, recv_per_rank, send_per_rank, group)
     flat_slots = answered.index_select(0, position)  # (faster than answered[position] on CPU)
     results = _results(flat_slots, sizes, many.results, pin)
@@ -207,6 +197,25 @@ def transform_blocks(tables: list[ShardedIDTransformer], ids: torch.Tensor, size
         refused_by = [torch.nonzero(column).squeeze(1).tolist() for column in refusals.t().cpu()]
         raise _refused(results, many.errors, refused_by, first.rank) from many.error
     return flat_slots, results
+
+
+def transform_share(tables: list[ShardedIDTransformer], received: torch.Tensor, recv_matrix: torch.Tensor,
+                    pin: bool, kernel: bool) -> tuple[ManyResult, torch.Tensor, torch.Tensor]:
+    """An owner's part of a sharded transform: the IDs it received, in (source, table) blocks of
+    recv_matrix's sizes, transformed per table with the requests of rank 0 first, then rank 1,
+    .... Returns (what transform_many gave, the answers in (source, table) blocks, each table's
+    refusal flag as int64). A refused table's answers are -2: the owner answers anyway, or the
+    other ranks would hang."""
+    mine_sizes = recv_matrix.sum(0).tolist()
+    many = transform_many([t.local for t in tables], transpose_blocks(received, recv_matrix, kernel), mine_sizes,
+                          pin, [t.offset for t in tables])
+    if many.error is not None:
+        for block, error in zip(torch.split(many.slots, mine_sizes), many.errors):
+            if error is not None:
+                block.fill_(-2)
+    answers = transpose_blocks(many.slots, recv_matrix.t(), kernel)  # back to (source, table) blocks
+    refused = torch.tensor([e is not None for e in many.errors], dtype=torch.int64, device=answers.device)
+    return many, answers, refused
 
 
 def _answer(answers: torch.Tensor, refused: torch.Tensor, recv_per_rank: list[int], send_per_rank: list[int],

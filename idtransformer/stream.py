@@ -37,9 +37,8 @@ import torch
 import torch.distributed as dist
 
 from idtransformer.ids import as_int64_ids
-from idtransformer.many import transform_many
-from idtransformer.route import route, transpose_blocks
-from idtransformer.sharded import ShardedIDTransformer, ShardedTransformResult, _nothing, _refused
+from idtransformer.route import route
+from idtransformer.sharded import ShardedIDTransformer, ShardedTransformResult, _refused, _results, transform_share
 
 
 class TransformStream:
@@ -108,17 +107,16 @@ class TransformStream:
             recv_parts += [in_per_source[d], T + 1]
             send_sizes.append((answer_per_source[d] + T if answering else 0) + out_per_dest[d] + T + 1)
         send = torch.cat(pieces)
+        per = 4 if answering else 2  # pieces from each rank
         if world == 1:  # the message is for this rank itself
             got = send
         else:
-            per = 4 if answering else 2
             recv_sizes = [sum(recv_parts[per * s: per * (s + 1)]) for s in range(world)]
             got = torch.empty(sum(recv_sizes), dtype=torch.int64, device=self.device)
             dist.all_to_all_single(got, send, recv_sizes, send_sizes, group=self.group)
 
         # take it apart: per source, [answers, flags,] IDs, counts and has-next
         parts = torch.split(got, recv_parts)
-        per = 4 if answering else 2
         ids_in = [parts[per * s + per - 2] for s in range(world)]
         headers = torch.stack([parts[per * s + per - 1] for s in range(world)])
         if out is not None:  # this batch's IDs went out: their answers come next time
@@ -163,23 +161,11 @@ class TransformStream:
         if self.received is None:
             raise RuntimeError("nothing was received to transform")
         recv_matrix = self._recv_matrix.view(self.world, self.n_tables)
-        mine_sizes = recv_matrix.sum(0).tolist()
-        many = transform_many([t.local for t in self.tables], transpose_blocks(self.received, recv_matrix, self.kernel),
-                              mine_sizes, self.pin, [t.offset for t in self.tables])
+        many, answers, flags = transform_share(self.tables, self.received, recv_matrix, self.pin, self.kernel)
         self.received = None
-        if many.error is not None:  # answer anyway (-2: refused), or the other ranks would hang
-            for block, error in zip(torch.split(many.slots, mine_sizes), many.errors):
-                if error is not None:
-                    block.fill_(-2)
-        answers = transpose_blocks(many.slots, recv_matrix.t(), self.kernel)  # back to (source, table) blocks
-        flags = torch.tensor([e is not None for e in many.errors], dtype=torch.int64, device=self.device)
         self._answers = (answers, flags, recv_matrix.sum(1).tolist())
         self._errors = many.errors
-        empty = torch.zeros(0, dtype=torch.int64, device=self.device)
-        results = [ShardedTransformResult(empty, out if out is not None else _nothing(self.device),
-                                          None) for out in many.results]
-        for r in results:
-            if self.pin:
-                r.pinned = r.owned.distinct_slots
+        # no slots yet: they come with the exchange that answers the batch
+        results = _results(many.slots[:0], [0] * self.n_tables, many.results, self.pin)
         self._awaiting[-1][4] = results  # their slots come with the next exchange
         return results

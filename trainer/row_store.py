@@ -19,6 +19,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
+from ps_server.backends.base import rows_out
 from ps_server.backends.embedded import EmbeddedStore
 from ps_server.client import PSClient
 from ps_server.initializer import fill_initial_rows
@@ -96,7 +97,7 @@ class LocalRowStore(RowStore):
 
     def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
         schema = self.store.schema(table)
-        rows = np.empty((len(ids), schema.width), dtype=schema.np_dtype)
+        rows = rows_out(None, len(ids), schema)
         missing = self.store.pull_into(table, ids, rows)
         if len(missing):
             fill_initial_rows(schema, ids[missing], rows, missing)
