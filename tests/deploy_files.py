@@ -56,6 +56,8 @@ def metric_labels() -> dict[str, list[str]]:
             if hasattr(collector, "_labelnames"):
                 name = collector._name + ("_total" if collector._type == "counter" else "")
                 out[name] = list(collector._labelnames)
+            elif hasattr(collector, "label_names"):  # a custom collector (trainer.metrics.TableStats)
+                out.update(collector.label_names())
     return out
 
 

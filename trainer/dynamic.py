@@ -42,6 +42,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torchrec.datasets.utils import Batch
@@ -121,14 +122,9 @@ class DynamicTables:
         self.ps_names = [self.specs[n].ps_schema.name for n in self.names]
         self.group = RowGroup([self.rows[n] for n in self.names])  # one gather/scatter for all, where it can
         self.in_flight: deque[list] = deque()
-        # the metrics' labelled children, looked up once rather than per table and step
-        names = ("lookups", "hits", "misses", "admissions", "evictions", "rejections", "rows_pulled", "rows_pushed",
-                 "occupancy")
-        self._children = {} if metrics is None else {
-            t: {**{k: getattr(metrics, k).labels(t, metrics.rank) for k in names},
-                **{op: metrics.ps_latency.labels(op, t, metrics.rank) for op in ("pull", "push")}}
-            for t in self.transformers
-        }
+        # where the metrics keep these tables (rows of TableStats' arrays, in the order of names)
+        self._stat_rows = None if metrics is None else metrics.tables.add_tables(self.names)
+        self._capacity = np.array([self.transformers[n].capacity_per_rank for n in self.names], dtype=np.float64)
         self.last_hit_rate = 0.0
         self.hit_rates = array("d")  # per transformed batch, in order (8 bytes a step)
         self.ahead = 0  # see wrap()
@@ -212,11 +208,7 @@ class DynamicTables:
         owned = [out.owned for out in results]
         self._moving.append(self._start_moves(owned))
         self.settle(keep=keep)
-        looked = hit = 0
-        for name, o in zip(self.names, owned):
-            n, hits = self._count(name, o)
-            looked += n
-            hit += hits
+        looked, hit = self._count(owned)
         self.last_hit_rate = hit / max(looked, 1)
         self.hit_rates.append(self.last_hit_rate)
 
@@ -247,8 +239,7 @@ class DynamicTables:
         transform_tables (an evicted ID's slot may already be another's)."""
         owned = [out.owned for out in refused.results]
         try:
-            for name, o in zip(self.names, owned):
-                self._count(name, o)
+            self._count(owned)
             self._finish_moves(self._start_moves(owned))
         finally:
             release_tables([self.transformers[n] for n in self.names], refused.results)
@@ -275,21 +266,20 @@ class DynamicTables:
         (one call per PS each, not one per table), read in one gather (RowGroup). The evicted
         rows are read now: their slots may be handed out as soon as this returns.
         owned: each table's TransformResult, in the order of self.transformers."""
-        evicted, evicting = {}, []
+        evicted, evicting = {}, []  # evicting: the tables' numbers
         counts = [o.evicted_ids.shape[0] for o in owned]
         if sum(counts):  # first: their rows are about to be reused
             data = self.group.read(torch.cat([o.evicted_slots for o in owned]), counts)
             for k, n in enumerate(counts):
                 if n:
                     evicted[self.ps_names[k]] = (owned[k].evicted_ids.numpy(), data[k].numpy())
-                    evicting.append(self.names[k])
+                    evicting.append(k)
         admitted_counts = [o.admitted_ids.shape[0] for o in owned]
         pulling = [k for k, n in enumerate(admitted_counts) if n]
         start = time.perf_counter()
         push = self._timed(self.store.push_many_async(evicted), evicting, "push", start) if evicted else None
         wanted = {self.ps_names[k]: owned[k].admitted_ids.numpy() for k in pulling}
-        pull = self._timed(self.store.pull_many_async(wanted), [self.names[k] for k in pulling], "pull",
-                           start) if pulling else None
+        pull = self._timed(self.store.pull_many_async(wanted), pulling, "pull", start) if pulling else None
         return _Moves(push, pull, torch.cat([o.admitted_slots for o in owned]) if owned else None, admitted_counts)
 
     def _finish_moves(self, moves: "_Moves") -> None:
@@ -300,33 +290,27 @@ class DynamicTables:
             self.group.write(moves.admitted_slots, moves.admitted_counts,
                              [got[t] if n else None for t, n in zip(self.ps_names, moves.admitted_counts)])
 
-    def _timed(self, fut, tables: list[str], op: str, start: float):
-        """Observe the call's time (from `start` to its reply) for each of its tables when it
-        completes, in whichever thread completes it: the push and the pull overlap, so one
-        timer around both would say nothing per direction."""
+    def _timed(self, fut, tables: list[int], op: str, start: float):
+        """Observe the call's time (from `start` to its reply) for each of its tables (by number)
+        when it completes, in whichever thread completes it: the push and the pull overlap, so
+        one timer around both would say nothing per direction."""
         if self.metrics is not None:
-            histograms = [self._children[t][op] for t in tables]
-            fut.add_done_callback(lambda _, hs=histograms, t0=start: [h.observe(time.perf_counter() - t0) for h in hs])
+            rows, stats = self._stat_rows[tables], self.metrics.tables
+            fut.add_done_callback(lambda _, t0=start: stats.observe(op, rows, time.perf_counter() - t0))
         return fut
 
-    def _count(self, name: str, owned) -> tuple[int, int]:
-        """(looked up, hits) among the IDs this rank owns; metrics updated."""
-        n = owned.slots.shape[0]
-        hits = int(owned.hits)
+    def _count(self, owned: list) -> tuple[int, int]:
+        """(looked up, hits) among the IDs this rank owns, over all tables (`owned`: each table's
+        TransformResult, in the order of names); metrics updated, all tables at once."""
+        counts = np.array([(o.slots.shape[0], int(o.hits), o.admitted_ids.shape[0], o.evicted_ids.shape[0],
+                            o.rejected_ids.shape[0]) for o in owned], dtype=np.int64).reshape(-1, 5)
+        looked, hits, admitted, evicted, rejected = counts.T
         if self.metrics is not None:
-            admitted, evicted = owned.admitted_ids.shape[0], owned.evicted_ids.shape[0]
-            m = self._children[name]
-            m["lookups"].inc(n)
-            m["hits"].inc(hits)
-            m["misses"].inc(n - hits)  # new IDs and those rejected alike
-            m["admissions"].inc(admitted)
-            m["evictions"].inc(evicted)
-            m["rejections"].inc(owned.rejected_ids.shape[0])
-            m["rows_pulled"].inc(admitted)
-            m["rows_pushed"].inc(evicted)
-            t = self.transformers[name]
-            m["occupancy"].set(len(t.local) / t.capacity_per_rank)
-        return n, hits
+            # TABLE_COUNTERS' columns; misses are new IDs and rejected ones alike
+            self.metrics.tables.count(
+                self._stat_rows, np.stack([looked, hits, looked - hits, admitted, evicted, rejected, admitted, evicted], 1),
+                np.array([self.transformers[n].local.resident for n in self.names]) / self._capacity)
+        return int(looked.sum()), int(hits.sum())
 
     def release_oldest(self) -> None:
         """The oldest batch in flight is through backward and the optimizer step. While a
