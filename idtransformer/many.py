@@ -22,8 +22,6 @@ the rest (the torch backend, an admission threshold) go one by one through trans
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from idtransformer.ids import as_int64_ids
@@ -34,11 +32,37 @@ from idtransformer.transformer import (_KIND_CODE, _NOT_PINNED, _PIN_REFUSED, _P
 _TOO_MANY = -3  # transform_many's status for a block with more distinct IDs than the table has slots
 
 
-@dataclass
 class ManyResult:
-    slots: torch.Tensor
-    results: list[TransformResult | None]
-    errors: list[Exception | None]
+    """slots: every block's slots, in the layout of the IDs; errors: per table, what its
+    transform raised, or None. Per table, results[t]: its TransformResult, or None where it
+    failed. From the kernel the tables' admitted and evicted IDs and slots and distinct slots
+    come as one tensor each, table after table (`flat`, with `counts`: per table, how many of
+    each), and the per-table results are cut from them only when first asked for: a caller that
+    handles all tables at once (the trainer's row moves, release_many) takes them whole."""
+
+    FIELDS = ("admitted_ids", "admitted_slots", "evicted_ids", "evicted_slots", "distinct_slots")
+
+    def __init__(self, slots: torch.Tensor, results: list[TransformResult | None] | None,
+                 errors: list[Exception | None], flat: dict[str, torch.Tensor] | None = None,
+                 counts: dict[str, list[int]] | None = None, sizes: list[int] | None = None,
+                 hits: list[int] | None = None) -> None:
+        self.slots, self.errors = slots, errors
+        self._results = results
+        self.flat, self.counts = flat, counts
+        self.sizes, self.hits = sizes, hits  # with flat: per table, IDs looked up and hits (0 if failed)
+
+    @property
+    def results(self) -> list[TransformResult | None]:
+        if self._results is None:
+            sizes, hits = self.sizes, self.hits
+            parts = {f: torch.split(self.flat[f], self.counts[f]) for f in self.FIELDS}
+            no_ids = self.slots[:0]
+            self._results = [
+                None if e is not None else TransformResult(
+                    slots, parts["admitted_ids"][k], parts["admitted_slots"][k], parts["evicted_ids"][k],
+                    parts["evicted_slots"][k], no_ids, hits[k], parts["distinct_slots"][k])
+                for k, (slots, e) in enumerate(zip(torch.split(self.slots, sizes), self.errors))]
+        return self._results
 
     @property
     def error(self) -> Exception | None:
@@ -111,15 +135,8 @@ def _kernel_many(tables: list[IDTransformer], ids: torch.Tensor, sizes: list[int
         [t.map.entries for t in tables], [t.records for t in tables], ids, params, log_factors, pin,
         MAP_SEED, COIN_SEED)
     info = info.tolist()  # per table: status, hits, admitted, evicted, distinct, extra
-    columns = list(zip(*info))
-    admitted, admitted_slots = torch.split(admitted, columns[2]), torch.split(admitted_slots, columns[2])
-    evicted, evicted_slots = torch.split(evicted, columns[3]), torch.split(evicted_slots, columns[3])
-    distinct = torch.split(distinct, columns[4])
-    blocks = torch.split(slots, sizes)
-    no_ids = ids[:0]
-    results: list[TransformResult | None] = []
     errors: list[Exception | None] = []
-    for k, (t, (status, hits, n_admitted, n_evicted, _, extra)) in enumerate(zip(tables, info)):
+    for t, (status, _, n_admitted, n_evicted, _, extra) in zip(tables, info):
         error = None
         if status == _TOO_MANY:  # refused before anything was done: no step taken
             error = too_many_ids(extra, t.capacity)
@@ -132,9 +149,21 @@ def _kernel_many(tables: list[IDTransformer], ids: torch.Tensor, sizes: list[int
             else:
                 t.resident += n_admitted - n_evicted
         errors.append(error)
-        results.append(None if error is not None else TransformResult(
-            blocks[k], admitted[k], admitted_slots[k], evicted[k], evicted_slots[k], no_ids, hits, distinct[k]))
-    return ManyResult(slots, results, errors)
+    # a failed table has none of these (its counts are 0), and its result is None
+    columns = list(zip(*info))
+    flat = dict(zip(ManyResult.FIELDS, (admitted, admitted_slots, evicted, evicted_slots, distinct)))
+    counts = dict(zip(ManyResult.FIELDS, (columns[2], columns[2], columns[3], columns[3], columns[4])))
+    hits = [0 if e is not None else h for h, e in zip(columns[1], errors)]
+    return ManyResult(slots, None, errors, flat, counts, list(sizes), hits)
+
+
+def release_many_flat(tables: list[IDTransformer], distinct_slots: torch.Tensor,
+                      counts: list[int]) -> list[Exception | None]:
+    """release_many with every table's distinct slots in one tensor, table after table
+    (counts[t] of table t's, as ManyResult.flat has them): one kernel call, nothing to cut or
+    join. Every table must be on the kernel."""
+    status = tables[0].map.ops.pin_many([t.records for t in tables], distinct_slots, counts, -1).tolist()
+    return [t._pin_error(s, ValueError(_NOT_PINNED)) for t, s in zip(tables, status)]
 
 
 def release_many(tables: list[IDTransformer], distinct_slots: list[torch.Tensor]) -> list[Exception | None]:

@@ -25,13 +25,14 @@ the caller to finish (see transform_tables).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from idtransformer.ids import as_int64_ids
-from idtransformer.many import ManyResult, release_many, transform_many
+from idtransformer.many import ManyResult, release_many, release_many_flat, transform_many
 from idtransformer.policy import EvictionPolicy
 from idtransformer.route import route, transpose_blocks
 from idtransformer.transformer import IDTransformer, TransformResult
@@ -107,9 +108,66 @@ class ShardedIDTransformer:
         self.local.load_state_dict(state["local"])
 
 
-def release_tables(tables: list[ShardedIDTransformer], results: list[ShardedTransformResult]) -> None:
+class ShareResults(Sequence):
+    """A batch's results on this rank, one ShardedTransformResult per table (what
+    transform_tables returns), each made when first looked at; `many` is this rank's share of
+    every table at once (its ManyResult), for a caller that moves and releases all tables
+    together (the trainer): cutting 26 tables' tensors into per-table results and joining them
+    again cost more than the rows' moves themselves."""
+
+    def __init__(self, flat_slots: torch.Tensor, sizes: list[int], many: ManyResult, pin: bool) -> None:
+        self.flat_slots, self.sizes, self.many, self.pin = flat_slots, sizes, many, pin
+        self.released = False  # released whole (release_tables), before or after the items were made
+        self._items: list[ShardedTransformResult] | None = None
+
+    def _made(self) -> list[ShardedTransformResult]:
+        if self._items is None:
+            self._items = _results(self.flat_slots, self.sizes, self.many.results, self.pin and not self.released)
+        return self._items
+
+    def __getitem__(self, k):
+        return self._made()[k]
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def set_slots(self, flat_slots: torch.Tensor, sizes: list[int]) -> None:
+        """The slots of the caller's IDs, once they are known (TransformStream's answers)."""
+        self.flat_slots, self.sizes = flat_slots, sizes
+        if self._items is not None:
+            for item, slots in zip(self._items, torch.split(flat_slots, sizes)):
+                item.slots = slots
+
+    @property
+    def whole(self) -> bool:
+        """Whether `many` holds every table's share as one tensor each (kernel tables, none refused)."""
+        return self.many.flat is not None and self.many.error is None
+
+    def release_whole(self, tables: list[ShardedIDTransformer]) -> bool:
+        """release_tables' one-call path: False where it does not apply (then per table)."""
+        if not (self.pin and self.whole and all(t.local.backend == "kernel" for t in tables)):
+            return False
+        if self._items is not None and any(item.pinned is None for item in self._items):
+            return False  # some released per table: that path says which
+        if self.released:
+            raise ValueError("this batch was not transformed with pin=True (or was released already)")
+        errors = release_many_flat([t.local for t in tables], self.many.flat["distinct_slots"],
+                                   self.many.counts["distinct_slots"])
+        self.released = True
+        for k, item in enumerate(self._items or []):
+            if errors[k] is None:
+                item.pinned = None
+        error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            raise error
+        return True
+
+
+def release_tables(tables: list[ShardedIDTransformer], results: list[ShardedTransformResult] | ShareResults) -> None:
     """tables[t].release(results[t]) for every table (local: no communication), the tables on
     the kernel in one call; the first error is raised once every table has been released."""
+    if isinstance(results, ShareResults) and results.release_whole(tables):
+        return
     for out in results:
         if out.pinned is None:
             raise ValueError("this batch was not transformed with pin=True")
@@ -169,7 +227,7 @@ def transform_blocks(tables: list[ShardedIDTransformer], ids: torch.Tensor, size
     every = as_int64_ids(ids).reshape(-1).to(device)
     if world == 1:  # nothing to exchange
         many = transform_many([t.local for t in tables], every, sizes, pin, [t.offset for t in tables])
-        results = _results(many.slots, sizes, many.results, pin)
+        results = ShareResults(many.slots, sizes, many, pin)
         if many.error is not None:
             for out, error in zip(results, many.errors):
                 if error is not None:
@@ -192,7 +250,7 @@ def transform_blocks(tables: list[ShardedIDTransformer], ids: torch.Tensor, size
     many, answers, refused = transform_share(tables, received, recv_matrix, pin, kernel)
     answered, refusals = _answer(answers, refused, recv_per_rank, send_per_rank, group)
     flat_slots = answered.index_select(0, position)  # (faster than answered[position] on CPU)
-    results = _results(flat_slots, sizes, many.results, pin)
+    results = ShareResults(flat_slots, sizes, many, pin)
     if bool(refusals.any()):
         refused_by = [torch.nonzero(column).squeeze(1).tolist() for column in refusals.t().cpu()]
         raise _refused(results, many.errors, refused_by, first.rank) from many.error

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from idtransformer.ids import as_int64_ids
 from idtransformer.route import route
-from idtransformer.sharded import ShardedIDTransformer, ShardedTransformResult, _refused, _results, transform_share
+from idtransformer.sharded import ShardedIDTransformer, ShareResults, _refused, transform_share
 
 
 class TransformStream:
@@ -136,8 +136,7 @@ class TransformStream:
         position, sizes, _, tag, results = self._awaiting.popleft()
         self.open = more or bool(self._awaiting)
         flat_slots = torch.cat([parts[per * s] for s in range(world)]).index_select(0, position)
-        for result, slots in zip(results, torch.split(flat_slots, sizes)):
-            result.slots = slots
+        results.set_slots(flat_slots, sizes)
         refusals = torch.stack([parts[per * s + 1] for s in range(world)])  # (owner, table)
         if bool(refusals.any()):
             self.open = False
@@ -152,7 +151,7 @@ class TransformStream:
         """Whether the next exchange takes a batch (the ranks have all had one so far)."""
         return self.open and (not self._started or self._out is not None)
 
-    def transform_received(self) -> list[ShardedTransformResult]:
+    def transform_received(self) -> ShareResults:
         """This rank's share of the batch whose IDs came in the last exchange, transformed: per
         table a ShardedTransformResult whose `owned` is what to move here (rows to pull and to
         push) and whose `slots` arrive with the exchange that answers the batch. A share this
@@ -166,6 +165,6 @@ class TransformStream:
         self._answers = (answers, flags, recv_matrix.sum(1).tolist())
         self._errors = many.errors
         # no slots yet: they come with the exchange that answers the batch
-        results = _results(many.slots[:0], [0] * self.n_tables, many.results, self.pin)
+        results = ShareResults(many.slots[:0], [0] * self.n_tables, many, self.pin)
         self._awaiting[-1][4] = results  # their slots come with the next exchange
         return results

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from idtransformer.many import release_many, transform_many
+from idtransformer.many import ManyResult, release_many, release_many_flat, transform_many
 from idtransformer.policy import EvictionPolicy
 from idtransformer.transformer import IDTransformer
 
@@ -87,11 +87,26 @@ def test_many_tables_in_one_call_match_each_table_alone(seed, kinds, fraction, m
                     pinned.append((m, out.distinct_slots, a, expect.distinct_slots))
             assert torch.equal(m.records, a.records), f"{where}: records (ids, last access, counters, pins)"
             assert (m.step, m.resident) == (a.step, a.resident), where
-        held.append(pinned)
+        if got.flat is not None:  # all on the kernel: every table's tensors whole, table after table
+            assert not mixed
+            ok = [r for r in got.results if r is not None]
+            for field in ManyResult.FIELDS:
+                want = torch.cat([getattr(r, field) for r in ok]) if ok else torch.zeros(0, dtype=torch.int64)
+                assert torch.equal(got.flat[field], want), f"step {step} {field}"
+                assert [n for n, e in zip(got.counts[field], got.errors) if e is None] == \
+                    [getattr(r, field).numel() for r in ok]
+                assert all(n == 0 for n, e in zip(got.counts[field], got.errors) if e is not None)
+            assert got.sizes == sizes
+            assert got.hits == [0 if r is None else int(r.hits) for r in got.results]
+        held.append((pinned, got if got.error is None and got.flat is not None and pin else None))
         # release most batches two steps later; every fifth stays pinned, so pins pile up
         if len(held) > 2 and step % 5:  # many's tables released in one call, alone's one by one
-            done = held.pop(0)
-            assert release_many([m for m, *_ in done], [s for _, s, _, _ in done]) == [None] * len(done)
+            done, whole = held.pop(0)
+            if whole is not None and step % 2:  # the batch's distinct slots as one tensor
+                assert release_many_flat(many, whole.flat["distinct_slots"],
+                                         whole.counts["distinct_slots"]) == [None] * len(many)
+            else:
+                assert release_many([m for m, *_ in done], [s for _, s, _, _ in done]) == [None] * len(done)
             for _, _, a, a_slots in done:
                 a.release(a_slots, distinct=True)
     assert errors > 0  # the streams do reach the refusals
@@ -133,3 +148,43 @@ def test_a_release_refused_by_one_table_releases_the_others():
     assert [int(t.pins.sum()) for t in tables] == [0, 0, 0]
     errors = release_many(tables, held)
     assert all("not pinned" in str(e) for e in errors)
+
+
+@pytest.fixture(scope="module")
+def one_process_group():
+    import torch.distributed as dist
+
+    from trainer.train import init_distributed
+
+    created = init_distributed()
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("order", ["whole_then_items", "items_then_whole", "per_table"])
+def test_share_results_release_whole_or_per_table(one_process_group, order):
+    """transform_blocks' ShareResults: the per-table results, made when first looked at, and one
+    release of all tables at once agree on what is pinned; a second release is refused either way."""
+    from idtransformer.sharded import ShardedIDTransformer, ShareResults, release_tables, transform_blocks
+
+    tables = [ShardedIDTransformer(16) for _ in range(3)]
+    ids, sizes = torch.tensor([1, 2, 2, 3, 4, 5, 5, 5, 6]), [4, 4, 1]
+    slots, results = transform_blocks(tables, ids, sizes, pin=True)
+    assert isinstance(results, ShareResults) and results.whole and len(results) == 3
+    assert [int(t.local.pins.sum()) for t in tables] == [3, 2, 1]  # distinct IDs of each block
+    if order == "items_then_whole":
+        assert [r.slots.tolist() for r in results] == [slots[:4].tolist(), slots[4:8].tolist(), slots[8:].tolist()]
+    if order == "per_table":
+        tables[0].release(results[0])  # by hand: the batch's release then goes per table and refuses
+        with pytest.raises(ValueError, match="not transformed with pin=True"):
+            release_tables(tables, results)
+        assert [int(t.local.pins.sum()) for t in tables] == [0, 2, 1]
+        return
+    release_tables(tables, results)
+    assert [int(t.local.pins.sum()) for t in tables] == [0, 0, 0]
+    assert all(r.pinned is None for r in results)  # made before or after, they say released
+    assert results[1].owned.admitted_ids.tolist() == [4, 5]
+    with pytest.raises(ValueError, match="not transformed with pin=True"):
+        release_tables(tables, results)
+    assert [int(t.local.pins.sum()) for t in tables] == [0, 0, 0]

@@ -49,7 +49,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from idtransformer.policy import EvictionPolicy
-from idtransformer.sharded import BatchRefused, ShardedIDTransformer, release_tables, transform_blocks
+from idtransformer.sharded import BatchRefused, ShardedIDTransformer, ShareResults, release_tables, transform_blocks
 from idtransformer.stream import TransformStream
 from ps_server.schema import TableSchema
 from trainer.metrics import TrainerMetrics
@@ -89,6 +89,41 @@ class _Moves:
     pull: object  # Future or None
     admitted_slots: torch.Tensor
     admitted_counts: list[int]
+
+
+@dataclass
+class _Share:
+    """This rank's share of a batch, every table at once, table after table (in the order of
+    DynamicTables.names): the admitted and evicted IDs with their table rows, how many of each
+    per table, and per table the IDs looked up, hits and rejections (for the metrics)."""
+    admitted_ids: torch.Tensor
+    admitted_slots: torch.Tensor
+    admitted: list[int]
+    evicted_ids: torch.Tensor
+    evicted_slots: torch.Tensor
+    evicted: list[int]
+    looked: list[int]
+    hits: list[int]
+    rejected: list[int]
+
+    @staticmethod
+    def of(results) -> "_Share":
+        """From a batch's results: whole where the transform gave them whole (ShareResults),
+        else joined from each table's."""
+        if isinstance(results, ShareResults) and results.whole:
+            many = results.many
+            f, c = many.flat, many.counts
+            return _Share(f["admitted_ids"], f["admitted_slots"], c["admitted_ids"], f["evicted_ids"],
+                          f["evicted_slots"], c["evicted_ids"], many.sizes, many.hits, [0] * len(many.sizes))
+        owned = [out.owned for out in results]
+
+        def cat(field: str) -> torch.Tensor:
+            return torch.cat([getattr(o, field) for o in owned]) if owned else torch.zeros(0, dtype=torch.int64)
+
+        return _Share(cat("admitted_ids"), cat("admitted_slots"), [o.admitted_ids.shape[0] for o in owned],
+                      cat("evicted_ids"), cat("evicted_slots"), [o.evicted_ids.shape[0] for o in owned],
+                      [o.slots.shape[0] for o in owned], [int(o.hits) for o in owned],
+                      [o.rejected_ids.shape[0] for o in owned])
 
 
 class DynamicTables:
@@ -205,10 +240,10 @@ class DynamicTables:
         """This rank's share of a batch transformed: pinned until released, its rows moving
         (settled but for the `keep` latest batches), counted."""
         self.in_flight.append(results)
-        owned = [out.owned for out in results]
-        self._moving.append(self._start_moves(owned))
+        share = _Share.of(results)
+        self._moving.append(self._start_moves(share))
         self.settle(keep=keep)
-        looked, hit = self._count(owned)
+        looked, hit = self._count(share)
         self.last_hit_rate = hit / max(looked, 1)
         self.hit_rates.append(self.last_hit_rate)
 
@@ -237,10 +272,10 @@ class DynamicTables:
         slots hold their own rows), nothing left pinned. The batch is not trained on, so the
         caller may go on with other batches. Finishing rather than undoing: see
         transform_tables (an evicted ID's slot may already be another's)."""
-        owned = [out.owned for out in refused.results]
+        share = _Share.of(refused.results)
         try:
-            self._count(owned)
-            self._finish_moves(self._start_moves(owned))
+            self._count(share)
+            self._finish_moves(self._start_moves(share))
         finally:
             release_tables([self.transformers[n] for n in self.names], refused.results)
 
@@ -261,26 +296,31 @@ class DynamicTables:
         while len(self._moving) > keep:
             self._finish_moves(self._moving.popleft())
 
-    def _start_moves(self, owned: list) -> "_Moves":
+    def _start_moves(self, share: _Share) -> "_Moves":
         """Evicted rows out, then admitted rows in: every table's rows in one push and one pull
         (one call per PS each, not one per table), read in one gather (RowGroup). The evicted
-        rows are read now: their slots may be handed out as soon as this returns.
-        owned: each table's TransformResult, in the order of self.transformers."""
+        rows are read now: their slots may be handed out as soon as this returns."""
         evicted, evicting = {}, []  # evicting: the tables' numbers
-        counts = [o.evicted_ids.shape[0] for o in owned]
+        counts = share.evicted
         if sum(counts):  # first: their rows are about to be reused
-            data = self.group.read(torch.cat([o.evicted_slots for o in owned]), counts)
+            data = self.group.read(share.evicted_slots, counts)
+            ids, at = share.evicted_ids.numpy(), 0
             for k, n in enumerate(counts):
                 if n:
-                    evicted[self.ps_names[k]] = (owned[k].evicted_ids.numpy(), data[k].numpy())
+                    evicted[self.ps_names[k]] = (ids[at:at + n], data[k].numpy())
                     evicting.append(k)
-        admitted_counts = [o.admitted_ids.shape[0] for o in owned]
-        pulling = [k for k, n in enumerate(admitted_counts) if n]
+                at += n
+        pulling, wanted = [], {}
+        ids, at = share.admitted_ids.numpy(), 0
+        for k, n in enumerate(share.admitted):
+            if n:
+                wanted[self.ps_names[k]] = ids[at:at + n]
+                pulling.append(k)
+            at += n
         start = time.perf_counter()
         push = self._timed(self.store.push_many_async(evicted), evicting, "push", start) if evicted else None
-        wanted = {self.ps_names[k]: owned[k].admitted_ids.numpy() for k in pulling}
         pull = self._timed(self.store.pull_many_async(wanted), pulling, "pull", start) if pulling else None
-        return _Moves(push, pull, torch.cat([o.admitted_slots for o in owned]) if owned else None, admitted_counts)
+        return _Moves(push, pull, share.admitted_slots, share.admitted)
 
     def _finish_moves(self, moves: "_Moves") -> None:
         if moves.push is not None:  # on the PS before their slots take other rows; a failed push fails the step
@@ -299,16 +339,16 @@ class DynamicTables:
             fut.add_done_callback(lambda _, t0=start: stats.observe(op, rows, time.perf_counter() - t0))
         return fut
 
-    def _count(self, owned: list) -> tuple[int, int]:
-        """(looked up, hits) among the IDs this rank owns, over all tables (`owned`: each table's
-        TransformResult, in the order of names); metrics updated, all tables at once."""
-        counts = np.array([(o.slots.shape[0], int(o.hits), o.admitted_ids.shape[0], o.evicted_ids.shape[0],
-                            o.rejected_ids.shape[0]) for o in owned], dtype=np.int64).reshape(-1, 5)
-        looked, hits, admitted, evicted, rejected = counts.T
+    def _count(self, share: _Share) -> tuple[int, int]:
+        """(looked up, hits) among the IDs this rank owns, over all tables; metrics updated,
+        all tables at once."""
+        looked, hits = np.array(share.looked, dtype=np.int64), np.array(share.hits, dtype=np.int64)
         if self.metrics is not None:
+            admitted, evicted = np.array(share.admitted, dtype=np.int64), np.array(share.evicted, dtype=np.int64)
             # TABLE_COUNTERS' columns; misses are new IDs and rejected ones alike
             self.metrics.tables.count(
-                self._stat_rows, np.stack([looked, hits, looked - hits, admitted, evicted, rejected, admitted, evicted], 1),
+                self._stat_rows, np.stack([looked, hits, looked - hits, admitted, evicted,
+                                           np.array(share.rejected, dtype=np.int64), admitted, evicted], 1),
                 np.array([self.transformers[n].local.resident for n in self.names]) / self._capacity)
         return int(looked.sum()), int(hits.sum())
 

@@ -27,7 +27,12 @@ from trainer.table_rows import TableRows
 @dataclass
 class _Flat:
     whole: torch.Tensor  # (storage rows, k): the storage all the tables' views are part of
-    shift: torch.Tensor  # per table: its table row r is row r + shift[t] of whole
+    shift: np.ndarray  # per table: its table row r is row r + shift[t] of whole
+
+    def rows(self, slots: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The rows of `whole` at `slots`, counts[t] of them table t's, after those of the tables
+        before it (numpy's repeat: a third of the time of torch's repeat_interleave here)."""
+        return slots + torch.from_numpy(np.repeat(self.shift, counts))
 
 
 def _flat(views: list[torch.Tensor], row_offsets: list[int]) -> _Flat | None:
@@ -43,7 +48,8 @@ def _flat(views: list[torch.Tensor], row_offsets: list[int]) -> _Flat | None:
     n = (first.untyped_storage().nbytes() // first.element_size() - phase) // k
     # .data: writes through `whole` leave the TBE's version counter alone (see TableRows.write)
     whole = first.data.as_strided((n, k), (k, 1), phase)
-    shift = torch.tensor([(v.storage_offset() - phase) // k - offset for v, offset in zip(views, row_offsets)])
+    shift = np.array([(v.storage_offset() - phase) // k - offset for v, offset in zip(views, row_offsets)],
+                     dtype=np.int64)
     return _Flat(whole, shift)
 
 
@@ -70,12 +76,11 @@ class RowGroup:
             return [t.read(s - t.row_offset) for t, s in zip(self.tables, torch.split(slots, counts))]
         with torch.no_grad():
             # index_select into one preallocated block: about half the time of advanced indexing
-            owner = self._owner(counts, len(slots))
             data = torch.empty(len(slots), sum(f.whole.shape[1] for f in self.flats))
             at = 0
             for f in self.flats:
                 k = f.whole.shape[1]
-                data[:, at : at + k] = f.whole.index_select(0, slots + f.shift[owner])
+                data[:, at : at + k] = f.whole.index_select(0, f.rows(slots, counts))
                 at += k
         return list(torch.split(data, counts))
 
@@ -92,17 +97,11 @@ class RowGroup:
             return
         data = torch.cat(rows)
         with torch.no_grad():
-            owner = self._owner(counts, len(slots))
             at = 0
             for f in self.flats:
                 k = f.whole.shape[1]
-                f.whole.index_copy_(0, slots + f.shift[owner], data[:, at : at + k].to(f.whole.dtype))
+                f.whole.index_copy_(0, f.rows(slots, counts), data[:, at : at + k].to(f.whole.dtype))
                 at += k
-
-    @staticmethod
-    def _owner(counts: list[int], n: int) -> torch.Tensor:
-        """Per slot, the index of the table it belongs to."""
-        return torch.arange(len(counts)).repeat_interleave(torch.tensor(counts), output_size=n)
 
 
 def _tensor(rows: np.ndarray | torch.Tensor) -> torch.Tensor:
