@@ -329,3 +329,48 @@ def test_pull_rows_refuses_what_is_outside():
     index.insert(np.array([8], dtype=np.int64), np.array([1], dtype=np.int64))
     with pytest.raises(BufferError):  # a read-only out
         c.pull_rows(index._h, table, 16, np.array([8]), bytes(16), missing)
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches=st.lists(st.lists(st.integers(-6, 6), max_size=30), max_size=6), width=st.integers(1, 5))
+def test_push_rows_is_an_upsert_then_a_scatter(batches, width):
+    """push_rows (one C call): new ids take the next free rows in order of first sighting, every
+    id's row is written, a repeated id's last row stays; against a dict."""
+    index, table, used, model = IdIndex(capacity=1), np.zeros((0, width), np.float32), 0, {}
+    for b, batch in enumerate(batches):
+        ids = np.array(batch, dtype=np.int64)
+        rows = (np.arange(len(ids) * width, dtype=np.float32) + 1000 * b).reshape(-1, width)
+        grown = np.zeros((used + len(ids), width), np.float32)
+        grown[:used] = table[:used]
+        table = grown
+        new = index.push_rows(ids, table, rows, used)
+        first_seen = [k for i, k in enumerate(batch) if k not in model and k not in batch[:i]]
+        assert new == len(first_seen)
+        assert index.lookup(np.array(first_seen, dtype=np.int64)).tolist() == list(range(used, used + new))
+        used += new
+        for k, row in zip(batch, rows):
+            model[k] = row
+        assert len(index) == len(model)
+        for k, row in model.items():
+            assert np.array_equal(table[index.lookup(np.array([k]))[0]], row)
+
+
+def test_push_rows_refuses_what_does_not_fit():
+    index = IdIndex()
+    c = native.id_index()
+    table, rows = np.zeros((3, 2), np.float32), np.ones((2, 2), np.float32)
+    with pytest.raises(ValueError, match="not room for 2 from row 2"):
+        index.push_rows(np.array([1, 2]), table, rows, 2)
+    with pytest.raises(ValueError, match="2 contiguous rows"):
+        index.push_rows(np.array([1, 2]), table, rows[:1], 0)
+    with pytest.raises(ValueError, match="2 contiguous rows"):
+        index.push_rows(np.array([1, 2]), table, rows.astype(np.float64), 0)
+    with pytest.raises(ValueError, match="fewer rows"):
+        c.push_rows(index._h, table, 8, np.array([1, 2]), rows[:1], 0)
+    with pytest.raises(ValueError, match="next_value"):
+        c.push_rows(index._h, table, 8, np.array([1]), rows, -1)
+    with pytest.raises(BufferError):  # a read-only table
+        c.push_rows(index._h, bytes(24), 8, np.array([1]), rows, 0)
+    assert len(index) == 0  # nothing was inserted by a refused call
+    assert index.push_rows(np.array([5, 5]), table, np.array([[1, 2], [3, 4]], np.float32), 1) == 1
+    assert table[1].tolist() == [3.0, 4.0] and index.lookup(np.array([5])).tolist() == [1]

@@ -53,16 +53,20 @@ class _Table:
             got.append(take)
             n -= len(take)
         if n:
-            if self.used + n > len(self.rows):
-                cap = len(self.rows)
-                while cap < self.used + n:
-                    cap *= 2
-                grown = np.zeros((cap, self.schema.width), dtype=self.rows.dtype)
-                grown[: self.used] = self.rows[: self.used]
-                self.rows = grown
+            self.reserve(n)
             got.append(np.arange(self.used, self.used + n, dtype=np.int64))
             self.used += n
         return np.concatenate(got) if got else np.zeros(0, dtype=np.int64)
+
+    def reserve(self, n: int) -> None:
+        """Room for rows [used, used + n): the rows array grows by doubling."""
+        if self.used + n > len(self.rows):
+            cap = len(self.rows)
+            while cap < self.used + n:
+                cap *= 2
+            grown = np.zeros((cap, self.schema.width), dtype=self.rows.dtype)
+            grown[: self.used] = self.rows[: self.used]
+            self.rows = grown
 
 
 log = logging.getLogger("dynemb.ps")
@@ -172,6 +176,10 @@ class EmbeddedStore(Store):
             return 0
         rows = rows_for_table(rows, t.schema, len(ids))
         with t.lock:
+            if not t.free:  # no deleted rows to reuse (a trainer's store never deletes): one C call
+                t.reserve(len(ids))
+                t.used += t.index.push_rows(ids, t.rows, rows, t.used)
+                return len(ids)
             where = t.index.lookup_or_insert(ids, t.allocate, t.free.append)
             # written in order, so a repeated id's last row is the one that stays
             native.id_index().scatter(t.rows, t.schema.row_bytes, where, rows, np.arange(len(ids)))

@@ -73,6 +73,21 @@ class IdIndex:
             k = self._c.pull_rows(self._h, table, row_bytes, ids, out, missing)
         return missing[:k]
 
+    def push_rows(self, ids, table: np.ndarray, rows: np.ndarray, next_value: int) -> int:
+        """A push in one C call: each absent id gets the next value from next_value on (table's
+        rows from there must be free, and table have room for len(ids) of them); then rows[i]
+        is copied to ids[i]'s row of table, in order (a repeated id's last row stays). Returns
+        how many ids were new."""
+        ids = _int64s(ids, "ids")
+        row_bytes = table.itemsize * (table.shape[1] if table.ndim == 2 else 1)
+        if row_bytes == 0:
+            raise ValueError("push_rows: the table's rows have no columns")
+        if rows.dtype != table.dtype or not rows.flags.c_contiguous or rows.size * rows.itemsize < len(ids) * row_bytes:
+            raise ValueError(f"rows must be {len(ids)} contiguous rows of {row_bytes} bytes ({table.dtype}), "
+                             f"got {rows.shape} {rows.dtype}")
+        with self._lock:
+            return self._c.push_rows(self._h, table, row_bytes, ids, rows, next_value)
+
     def insert(self, ids, values) -> None:
         """Add ids that are NOT present (the caller checked), distinct within the call."""
         ids, values = _int64s(ids, "ids"), _int64s(values, "values")

@@ -191,6 +191,28 @@ inline int idx_insert(Index* ix, const int64_t* ids, const int64_t* pos, int64_t
   return 0;
 }
 
+// A push's index work: where[i] = ids[i]'s value, the absent ids inserted with the values
+// next_value, next_value + 1, ... in order of first sighting (a repeat finds its first
+// occurrence's entry). Returns how many were inserted; -1 out of memory, -2 a negative
+// next_value (nothing changed in either case).
+inline int64_t idx_upsert(Index* ix, const int64_t* ids, int64_t n, int64_t next_value, int64_t* where) {
+  if (n <= 0) return 0;
+  if (next_value < 0) return -2;
+  if (!ix->reserve(uint64_t(n))) return -1;
+  int64_t k = 0;
+  for (int64_t i = 0; i < n && i < kAhead; ++i) ix->prefetch(ids[i]);
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) ix->prefetch(ids[i + kAhead]);
+    const uint64_t p = ix->probe(ids[i]);
+    if (ix->s[p].value == kEmpty) {
+      ix->s[p] = Slot{ids[i], next_value + k++};
+      ++ix->size;
+    }
+    where[i] = ix->s[p].value;
+  }
+  return k;
+}
+
 // Remove ids; the values of those present go to out (room for n), each once (a repeat finds
 // it gone). Returns how many were removed.
 inline int64_t idx_remove(Index* ix, const int64_t* ids, int64_t n, int64_t* out) {
