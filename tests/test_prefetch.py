@@ -120,3 +120,54 @@ def test_a_window_below_one_is_refused():
 
     with pytest.raises(ValueError, match="window must be >= 1"):
         TransformAhead(object(), iter(()), window=0)
+
+
+class _GatedTables:
+    """What TransformAhead asks of DynamicTables: the stream waits at a gate, then passes the
+    batches through."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+
+    def defer_releases(self) -> None:
+        pass
+
+    def end_deferred_releases(self) -> None:
+        pass
+
+    def transform_stream(self, batches, before_each):
+        self.gate.wait(30)
+        yield from batches
+
+
+@pytest.mark.parametrize("priority", ["idle", "low", "normal"])
+def test_the_transform_thread_runs_at_the_priority_asked_for(priority):
+    import os
+
+    from trainer.prefetch import TransformAhead
+
+    tables = _GatedTables()
+    ahead = TransformAhead(tables, iter([1, 2, 3]), window=1, priority=priority)
+    for _ in range(500):
+        if ahead.native_id is not None:
+            break
+        time.sleep(0.01)
+    tid = ahead.native_id
+    time.sleep(0.05)  # the thread sets its priority right after its id
+    main_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    policy = os.sched_getscheduler(tid)
+    assert policy == (os.SCHED_IDLE if priority == "idle" else os.SCHED_OTHER)
+    assert os.getpriority(os.PRIO_PROCESS, tid) == (19 if priority == "low" else main_nice)
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's own thread is left as it was
+    tables.gate.set()
+    assert list(ahead) == [1, 2, 3]
+
+
+def test_an_unknown_priority_is_refused():
+    from trainer.config import TrainConfig
+    from trainer.prefetch import TransformAhead
+
+    with pytest.raises(ValueError, match="one of .*'idle'.*got 'high'"):
+        TransformAhead(_GatedTables(), iter(()), window=1, priority="high")
+    with pytest.raises(ValueError, match="transform_priority must be idle, low or normal, got 'fast'"):
+        TrainConfig(transform_priority="fast")

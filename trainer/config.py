@@ -62,6 +62,7 @@ class TrainConfig:
     over_arch: list[int] = field(default_factory=lambda: [64, 32, 1])
     pipeline: bool = True  # TrainPipelineSparseDist: next batch's transform/pull overlaps
     prefetch: int = 1  # batches a thread transforms ahead of the loop (trainer/prefetch.py); 0: inline
+    transform_priority: str = "idle"  # that thread's scheduling: idle (SCHED_IDLE), low (nice 19), normal
     ps: str = ""  # PS address(es), comma-separated; "" = embedded store in each rank's process
     ps_table_prefix: str = "dynemb_"
     ps_tls_ca: str = ""  # CA certificate (PEM) of a TLS PS; the auth token comes from DYNEMB_PS_AUTH_TOKEN
@@ -90,6 +91,8 @@ class TrainConfig:
             raise ValueError(f"optimizer {self.optimizer!r} is not one of {OPTIMIZERS}")
         if self.prefetch < 0:
             raise ValueError(f"prefetch must be >= 0 (batches transformed ahead), got {self.prefetch}")
+        if self.transform_priority not in ("idle", "low", "normal"):
+            raise ValueError(f"transform_priority must be idle, low or normal, got {self.transform_priority!r}")
         if self.batch_size < 1 or self.steps < 0:
             raise ValueError("batch_size must be >= 1 and steps >= 0")
         if not self.data.zipf > 0 or self.data.universe < 1:
@@ -154,6 +157,9 @@ HELP = {
     "pipeline": "TrainPipelineSparseDist: the next batch's transform, pull and input dist overlap",
     "prefetch": "batches that a thread of their own transforms (IDs to slots, rows pulled and pushed) ahead "
                 "of the training loop; 0: on the training thread",
+    "transform_priority": "scheduling of that thread: idle (Linux SCHED_IDLE: only on cores the training threads "
+                          "leave free; fastest where the job has the machine), low (nice 19: milder, where other "
+                          "busy processes share it), normal",
     "ps": "PS address(es) host:port, comma-separated; empty: the embedded store, in-process (each rank keeps "
           "the rows of the IDs it owns; they last as long as the job, and its checkpoints)",
     "ps_table_prefix": "prefix of the PS table names (several jobs can share one PS)",

@@ -397,17 +397,19 @@ class DynamicTables:
                 self._release_now()
             self._deferred = None
 
-    def wrap(self, batches: Iterator[Batch], ahead: int = 0, window: int = 0) -> Iterator[Batch]:
+    def wrap(self, batches: Iterator[Batch], ahead: int = 0, window: int = 0,
+             priority: str = "normal") -> Iterator[Batch]:
         """The batches over device rows. ahead=1: a batch's rows may still be moving when it is
         yielded, until the next one is fetched (or settle()); see the module's docstring.
         window > 0: a thread of their own transforms them ahead of the caller, with their rows
-        in place when yielded (trainer/prefetch.py, where `window` is explained)."""
+        in place when yielded, scheduled at `priority` (trainer/prefetch.py, where `window` and
+        `priority` are explained)."""
         if ahead not in (0, 1):
             raise ValueError(f"ahead must be 0 or 1, got {ahead}")
         if window:
             if ahead:
                 raise ValueError("batches transformed ahead come with their rows in place: ahead must be 0")
-            transformed = TransformAhead(self, batches, window)
+            transformed = TransformAhead(self, batches, window, priority=priority)
             try:
                 yield from transformed
             finally:

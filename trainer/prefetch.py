@@ -28,6 +28,17 @@ What keeps it exact and reproducible:
 - Rows moved by the thread are never rows a batch in flight uses (those slots are pinned),
   so the loop's forward, backward and fused optimizer touch other rows of the same tables.
 
+priority: how the operating system schedules the thread against the training threads.
+"normal": as any other thread. "idle" (Linux's SCHED_IDLE): it runs on cores the training
+threads leave free, and never takes a core from them; on 2 cores, 2 ranks, it raised
+train_bench's dynamic throughput ~13% over normal (bench/RESULTS.md): a normal thread
+competes for the same cores, delays the training thread that is the step's critical path,
+and that one rank's delay holds every rank up at the next collective. The thread is ahead of
+the loop by design, so it needs the cores only between the loop's waits (collectives,
+the other rank). Where other busy processes share the machine, an idle thread may get no
+core for long stretches and the loop then waits for its batches: "low" (nice 19) is the
+milder choice there.
+
 window: a batch is transformed once at most window - 1 earlier batches are in flight
 (transformed, not yet released). TorchRec's TrainPipelineSparseDist fetches batch i + 2
 while batches i and i + 1 are in flight (it released i - 1 at the end of the step before):
@@ -39,6 +50,7 @@ it fetches: window 1 inline, 2 a step ahead.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections.abc import Iterable, Iterator
@@ -48,12 +60,32 @@ from torchrec.datasets.utils import Batch
 log = logging.getLogger("dynemb.trainer")
 
 _END = object()  # the thread is done
+PRIORITIES = ("normal", "low", "idle")
+
+
+def set_thread_priority(priority: str) -> None:
+    """The calling thread's scheduling (see the module's docstring); on a system without
+    SCHED_IDLE or per-thread nice values it stays as it is, with a warning."""
+    if priority not in PRIORITIES:
+        raise ValueError(f"transform thread priority must be one of {PRIORITIES}, got {priority!r}")
+    try:
+        if priority == "idle":
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread (Linux)
+        elif priority == "low":
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError) as e:
+        log.warning("could not give the transform thread %s priority (%s): it runs at normal priority", priority, e)
 
 
 class TransformAhead(Iterator[Batch]):
-    def __init__(self, tables, batches: Iterable[Batch], window: int, join_seconds: float = 60.0) -> None:
+    def __init__(self, tables, batches: Iterable[Batch], window: int, join_seconds: float = 60.0,
+                 priority: str = "normal") -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1 (batches in flight at a transform, plus one), got {window}")
+        if priority not in PRIORITIES:
+            raise ValueError(f"transform thread priority must be one of {PRIORITIES}, got {priority!r}")
+        self.priority = priority
+        self.native_id: int | None = None  # the thread's, once it runs
         self.tables = tables
         self.window = window
         self.join_seconds = join_seconds
@@ -67,6 +99,8 @@ class TransformAhead(Iterator[Batch]):
 
     def _run(self, batches: Iterator[Batch]) -> None:
         tables = self.tables
+        self.native_id = threading.get_native_id()
+        set_thread_priority(self.priority)
         try:
             # tables.ahead is 0: each batch's rows are in place when it is handed over
             for batch in tables.transform_stream(batches, lambda: tables.make_room(self.window - 1, self._stop)):

@@ -164,7 +164,8 @@ def _loop(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None, metrics
             part = itertools.islice(data, end - k)
             # wrapped per segment: at its end every row move is settled and the transform
             # thread, if any, is done, before a checkpoint is taken
-            yield from part if dynamic is None else dynamic.wrap(part, ahead=ahead, window=transform_window)
+            yield from part if dynamic is None else dynamic.wrap(part, ahead=ahead, window=transform_window,
+                                                                    priority=cfg.transform_priority)
 
         limited = current = limited_batches()
         if not cfg.pipeline:
