@@ -702,6 +702,10 @@ class PSClient:
     def _import(self, schema, chunks, replace, timeout) -> int:
         per_msg = max(1, (self.chunk_bytes - MESSAGE_OVERHEAD) // (schema.row_bytes + 8))
         n = len(self.addresses)
+        # Create the table (or find it with this schema) on every PS first: a clash of
+        # schemas or a row too big for a message is refused before a chunk of the source is
+        # read, whatever the timing of the streams' first replies.
+        self.create_table_from_schema(schema, timeout)
         # One stream per PS, fed through a small queue each, so a table of any size is
         # imported without holding it in memory. Streams are not retried: an iterator
         # cannot be replayed (re-run the import; with replace=True it is idempotent).

@@ -192,9 +192,39 @@ def test_import_into_a_table_of_another_schema_fails_cleanly(stored):
 
     with pytest.raises(TableExists, match="another schema"):
         ps.import_rows(clash, chunks())
-    assert len(drawn) < 50  # the failed stream stopped the import; the rest was never read
+    assert drawn == []  # refused before the source was read
     assert ps.describe_table(table).num_rows == len(ids)
 
+
+
+def test_an_import_whose_stream_fails_stops_reading_its_source(make_ps):
+    """The PS refuses a chunk mid-import (its table was dropped and re-created with another
+    schema under the stream): the client stops drawing from the source instead of reading it
+    to the end, and says why."""
+    from ps_server.errors import PSError
+    from ps_server.schema import TableSchema
+
+    proc = make_ps()
+    schema = TableSchema("midway", dim=4)
+    rows = np.ones((1000, 4), np.float32)
+    drawn = []
+    with PSClient(proc.address) as ps, PSClient(proc.address) as other:
+
+        def chunks():
+            for k in range(2000):  # 48 MB if read to the end
+                drawn.append(k)
+                if k == 3:  # chunks 0-2 were sent; the next ones meet another schema
+                    deadline = time.monotonic() + 10
+                    while ps.describe_table("midway").num_rows < 2000 and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    other.drop_table("midway")
+                    other.create_table("midway", dim=2)
+                yield np.arange(1000, dtype=np.int64) + 1000 * k, rows
+
+        with pytest.raises(PSError, match="midway"):
+            ps.import_rows(schema, chunks())
+        assert 3 < len(drawn) < 2000, len(drawn)
+        assert other.describe_table("midway").schema.dim == 2
 
 
 def test_a_push_the_client_gave_up_on_is_not_applied_late(make_ps):
