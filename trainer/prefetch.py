@@ -31,7 +31,7 @@ What keeps it exact and reproducible:
 priority: how the operating system schedules the thread against the training threads.
 "normal": as any other thread. "idle" (Linux's SCHED_IDLE): it runs on cores the training
 threads leave free, and never takes a core from them; on 2 cores, 2 ranks, it raised
-train_bench's dynamic throughput ~13% over normal (bench/RESULTS.md): a normal thread
+train_bench's ratio from 0.71-0.73 to 0.80-0.86 of plain TorchRec (bench/RESULTS.md): a normal thread
 competes for the same cores, delays the training thread that is the step's critical path,
 and that one rank's delay holds every rank up at the next collective. The thread is ahead of
 the loop by design, so it needs the cores only between the loop's waits (collectives,
