@@ -326,36 +326,41 @@ def test_kernel_gives_the_same_on_one_thread_and_two(kind):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("size", ["small", "large"])
 @pytest.mark.parametrize("layout", ["random", "oldest-where-sampled"])
 @pytest.mark.parametrize("kind", ["lru", "hybrid"])
-def test_small_table_victims_match_the_torch_ops(kind, layout):
-    """A trainer-sized table (thousands of slots, a step's few hundred victims): the kernel
-    selects among the keys under a sampled bound; the victims equal the torch ops' exact ones,
-    also where the slots its sample looks at hold the oldest keys, so the bound keeps too few
-    and it falls back to all the keys."""
-    capacity, step = 4000, 200_000
+def test_victims_under_a_sampled_bound_match_the_torch_ops(kind, layout, size):
+    """The kernel selects victims among the keys under a bound taken from a sample of slots:
+    a trainer-sized table (thousands of slots, a step's few hundred victims; a sample of 128)
+    and a large one (hundreds of thousands, a sample of 8192, where the bound replaces the
+    counting passes). The victims equal the torch ops' exact ones, also where the slots the
+    sample looks at hold the oldest keys, so the bound keeps too few and the kernel falls back
+    to all the keys (small) or to the counting passes (large)."""
+    capacity, sample, new = (4000, 128, 300) if size == "small" else (3 * (1 << 16) + 1234, 8192, 6000)
+    step = 200_000
     policy = EvictionPolicy(kind, evict_fraction=0.02, decay_steps=3)
     gen = torch.Generator().manual_seed(5)
     state = _aged_state(capacity, step, gen)
     state["pins"].zero_()
-    if layout == "oldest-where-sampled":  # the kernel's sample: every (capacity / 128)-th slot
-        sampled = torch.arange(128) * capacity // 128
+    if layout == "oldest-where-sampled":  # the kernel's sample: every (capacity / sample)-th slot
+        sampled = torch.arange(sample) * capacity // sample
         state["last_access"][:] = step - 1 - torch.randint(0, 5, (capacity,), generator=gen, dtype=torch.int32)
-        state["last_access"][sampled] = torch.arange(128, dtype=torch.int32)  # far older than the rest
+        state["last_access"][sampled] = torch.arange(sample, dtype=torch.int32)  # far older than the rest
     sides = {b: IDTransformer(capacity, policy, backend=b) for b in ("kernel", "torch")}
     for t in sides.values():
         t.load_state_dict(state)
     for i in range(4):
-        ids = torch.randint(-(1 << 62), 1 << 62, (300,), generator=gen)  # the first batch: all new, so
+        ids = torch.randint(-(1 << 62), 1 << 62, (new,), generator=gen)  # the first batch: all new, so
         if i:  # no slot is in use and the sample lands where the layout put the oldest
-            ids = torch.cat([ids, state["ids"][torch.randint(0, capacity, (200,), generator=gen)]])
+            ids = torch.cat([ids, state["ids"][torch.randint(0, capacity, (new * 2 // 3,), generator=gen)]])
         out = {b: t.transform(ids, pin=i == 1) for b, t in sides.items()}
         for field in ("slots", "admitted_ids", "admitted_slots", "evicted_ids", "evicted_slots"):
             assert torch.equal(getattr(out["kernel"], field), getattr(out["torch"], field)), f"batch {i} {field}"
         assert torch.equal(sides["kernel"].records, sides["torch"].records), f"batch {i} records"
-        assert len(out["torch"].evicted_ids) >= 100  # it did evict, a few hundred of 4000
+        assert len(out["torch"].evicted_ids) >= new // 3  # it did evict, a few percent of the table
         if i == 0 and layout == "oldest-where-sampled":  # the oldest went first
-            assert set(sampled.tolist()) <= set(out["kernel"].evicted_slots.tolist())
+            oldest, evicted = set(sampled.tolist()), set(out["kernel"].evicted_slots.tolist())
+            assert oldest <= evicted if len(oldest) <= len(evicted) else evicted <= oldest
 
 
 @BACKENDS

@@ -433,6 +433,78 @@ at::Tensor lowest_by_sort(const uint64_t* keys, int64_t C, int64_t n) {
   return out;
 }
 
+// A large table's victims in one pass over its records, where a sample allows: a quantile of
+// the keys of an evenly spaced sample of slots bounds the n-th lowest key from above (n the
+// victims the caller most likely needs, max(need - free, evict_min)), and one pass computes
+// every key, counts the movable slots and keeps the (key, slot) pairs at or below the bound:
+// a few percent of the table, where select_victims' counting passes write and read a key per
+// slot three times. Exact: the n lowest pairs are all kept whenever at least n are, and the
+// answer is theirs. Not done (done = false) when the bound keeps too few (or too many: more
+// than kKeptPerVictim per victim), the sample finds too few movable slots, or the table needs
+// all its movable slots: the counting passes then decide. Chunks as in select_victims,
+// concatenated in order, so the victims do not depend on the thread count.
+struct Sampled {
+  bool done;
+  at::Tensor victims;  // undefined with done: too few movable slots (*short_of_room set)
+};
+
+Sampled victims_under_sampled_bound(const Record* rec, int64_t C, const Scorer& sc, int64_t need, int64_t free,
+                                    int64_t evict_min, int64_t* short_of_room) {
+  constexpr int64_t kSample = 8192, kKeptPerVictim = 4, kGrain = 1 << 16;
+  const int64_t want = std::max(need - free, evict_min);
+  if (want <= 0 || want * 4 > C) return {false, at::Tensor()};
+  static thread_local std::vector<uint64_t> sample;
+  sample.resize(size_t(kSample));
+  for (int64_t i = 0; i < kSample; ++i) sample[size_t(i)] = sc.key(rec[i * C / kSample].meta);
+  const double expect = double(want) * kSample / double(C);
+  const int64_t k = std::min<int64_t>(kSample - 1, int64_t(expect + 4.0 * std::sqrt(expect) + 8.0));
+  std::nth_element(sample.begin(), sample.begin() + k, sample.end());
+  const uint64_t bound = sample[size_t(k)];
+  if (bound == kNotMovable) return {false, at::Tensor()};  // the sample is mostly unmovable
+
+  const int64_t chunks = (C + kGrain - 1) / kGrain;
+  static thread_local std::vector<std::vector<std::pair<uint64_t, int64_t>>> kept_storage;
+  kept_storage.resize(size_t(chunks));
+  std::vector<int64_t> movable(size_t(chunks), 0);
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      auto& kept = kept_storage[size_t(c)];
+      kept.clear();
+      int64_t m = 0;
+      for (int64_t s = c * kGrain; s < std::min(C, (c + 1) * kGrain); ++s) {
+        const uint64_t key = sc.key(rec[s].meta);
+        m += key != kNotMovable;
+        if (key <= bound) kept.emplace_back(key, s);  // rare: a well-predicted branch
+      }
+      movable[size_t(c)] = m;
+    }
+  });
+  int64_t n_movable = 0;
+  size_t n_kept = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    n_movable += movable[size_t(c)];
+    n_kept += kept_storage[size_t(c)].size();
+  }
+  if (n_movable < need - free) {
+    *short_of_room = n_movable;
+    return {true, at::Tensor()};
+  }
+  const int64_t n = std::min(n_movable, want);
+  if (n == n_movable || int64_t(n_kept) < n || int64_t(n_kept) > kKeptPerVictim * n + kSample)
+    return {false, at::Tensor()};
+  static thread_local std::vector<std::pair<uint64_t, int64_t>> all;
+  all.clear();
+  all.reserve(n_kept);
+  for (int64_t c = 0; c < chunks; ++c) all.insert(all.end(), kept_storage[size_t(c)].begin(), kept_storage[size_t(c)].end());
+  // slots are distinct, so (key, slot) orders the pairs totally: the n lowest are one set
+  if (int64_t(all.size()) > n) std::nth_element(all.begin(), all.begin() + n, all.end());
+  at::Tensor out = at::empty({n}, at::kLong);
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) o[i] = all[size_t(i)].second;
+  std::sort(o, o + n);
+  return {true, out};
+}
+
 // The victims: the n = min(movable, max(need - free, evict_min)) lowest keys, ascending by
 // slot, ties to the lowest slot (as transformer._lowest). A selection by counting rather
 // than a sort: pass 1 computes every key and counts the primaries (257 values) to find the
@@ -446,6 +518,10 @@ at::Tensor lowest_by_sort(const uint64_t* keys, int64_t C, int64_t n) {
 // crashed where the extension's and torch's C++ runtimes differ).
 at::Tensor select_victims(const Record* rec, int64_t C, const Scorer& sc, int64_t need, int64_t free,
                           int64_t evict_min, int64_t* short_of_room) {
+  if (C > kSmallTable) {
+    Sampled quick = victims_under_sampled_bound(rec, C, sc, need, free, evict_min, short_of_room);
+    if (quick.done) return quick.victims;
+  }
   static thread_local std::vector<uint64_t> keys_storage;  // kept: a fresh one page-faults
   keys_storage.resize(size_t(C));
   uint64_t* keys = keys_storage.data();
