@@ -464,6 +464,21 @@ Sampled victims_under_sampled_bound(const Record* rec, int64_t C, const Scorer& 
   const uint64_t bound = sample[size_t(k)];
   if (bound == kNotMovable) return {false, at::Tensor()};  // the sample is mostly unmovable
 
+  // For a given counter, a slot's key rises with its last access (the primary never falls as
+  // the idle time shrinks, and the last access is the key's low half), so key <= bound is
+  // last <= below[counter]: found once per counter by bisection, the pass then reads no
+  // key but the kept ones' (computing every key was most of its time).
+  std::array<int64_t, 256> below;
+  for (uint32_t f = 0; f < 256; ++f) {
+    int64_t lo = -1, hi = int64_t(sc.now) - 1;  // below[f]: the largest last <= hi with key <= bound, or -1
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo + 1) / 2;
+      if (sc.key(make_meta(int32_t(mid), f, 0, 0)) <= bound) lo = mid;
+      else hi = mid - 1;
+    }
+    below[f] = lo;
+  }
+  const int32_t now = sc.now;
   const int64_t chunks = (C + kGrain - 1) / kGrain;
   static thread_local std::vector<std::vector<std::pair<uint64_t, int64_t>>> kept_storage;
   kept_storage.resize(size_t(chunks));
@@ -474,9 +489,12 @@ Sampled victims_under_sampled_bound(const Record* rec, int64_t C, const Scorer& 
       kept.clear();
       int64_t m = 0;
       for (int64_t s = c * kGrain; s < std::min(C, (c + 1) * kGrain); ++s) {
-        const uint64_t key = sc.key(rec[s].meta);
-        m += key != kNotMovable;
-        if (key <= bound) kept.emplace_back(key, s);  // rare: a well-predicted branch
+        const int64_t meta = rec[s].meta;
+        const int32_t last = last_of(meta);
+        const bool can_move = (last != kFree) & (last != now) & (pins_of(meta) == 0);  // as Scorer::key
+        m += can_move;
+        if (can_move & (last <= below[freq_of(meta)]))  // rare: a well-predicted branch
+          kept.emplace_back(sc.key(meta), s);
       }
       movable[size_t(c)] = m;
     }
