@@ -516,13 +516,20 @@ Sampled victims_under_sampled_bound(const Record* rec, int64_t C, const Scorer& 
   all.clear();
   all.reserve(n_kept);
   for (int64_t c = 0; c < chunks; ++c) all.insert(all.end(), kept_storage[size_t(c)].begin(), kept_storage[size_t(c)].end());
-  // slots are distinct, so (key, slot) orders the pairs totally: the n lowest are one set
-  if (int64_t(all.size()) > n) std::nth_element(all.begin(), all.begin() + n, all.end());
-  at::Tensor out = at::empty({n}, at::kLong);
+  // Slots are distinct, so (key, slot) orders the pairs totally: the n lowest are those at or
+  // below the n-th, found on a copy; `all` is in slot order, so they come out sorted.
+  static thread_local std::vector<std::pair<uint64_t, int64_t>> scratch;
+  scratch.assign(all.begin(), all.end());
+  std::nth_element(scratch.begin(), scratch.begin() + (n - 1), scratch.end());
+  const std::pair<uint64_t, int64_t> cut = scratch[size_t(n - 1)];
+  at::Tensor out = at::empty({n + 1}, at::kLong);  // + 1: the branch-free loop writes one past the last
   int64_t* o = out.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) o[i] = all[size_t(i)].second;
-  std::sort(o, o + n);
-  return {true, out};
+  int64_t w = 0;
+  for (const auto& kept : all) {
+    o[w] = kept.second;
+    w += kept <= cut;
+  }
+  return {true, out.narrow(0, 0, n)};
 }
 
 // The victims: the n = min(movable, max(need - free, evict_min)) lowest keys, ascending by
