@@ -437,9 +437,9 @@ at::Tensor lowest_by_sort(const uint64_t* keys, int64_t C, int64_t n) {
 
 // A large table's victims in one pass over its records, where a sample allows: a quantile of
 // the keys of an evenly spaced sample of slots bounds the n-th lowest key from above (n the
-// victims the caller most likely needs, max(need - free, evict_min)), and one pass computes
-// every key, counts the movable slots and keeps the (key, slot) pairs at or below the bound:
-// a few percent of the table, where select_victims' counting passes write and read a key per
+// victims the caller most likely needs, max(need - free, evict_min)), and one pass over the
+// records counts the movable slots and keeps the (key, slot) pairs at or below the bound: a
+// few percent of the table, where select_victims' counting passes write and read a key per
 // slot three times. Exact: the n lowest pairs are all kept whenever at least n are, and the
 // answer is theirs. Not done (done = false) when the bound keeps too few (or too many: more
 // than kKeptPerVictim per victim), the sample finds too few movable slots, or the table needs
@@ -480,7 +480,10 @@ Sampled victims_under_sampled_bound(const Record* rec, int64_t C, const Scorer& 
   }
   const int32_t now = sc.now;
   const int64_t chunks = (C + kGrain - 1) / kGrain;
-  static thread_local std::vector<std::vector<std::pair<uint64_t, int64_t>>> kept_storage;
+  static thread_local std::vector<std::vector<std::pair<uint64_t, int64_t>>> kept_by_chunk;
+  // the caller's, by reference: a thread_local named inside the parallel lambda would be each
+  // worker thread's own
+  auto& kept_storage = kept_by_chunk;
   kept_storage.resize(size_t(chunks));
   std::vector<int64_t> movable(size_t(chunks), 0);
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
