@@ -515,23 +515,21 @@ Sampled victims_under_sampled_bound(const Record* rec, int64_t C, const Scorer& 
   const int64_t n = std::min(n_movable, want);
   if (n == n_movable || int64_t(n_kept) < n || int64_t(n_kept) > kKeptPerVictim * n + kSample)
     return {false, at::Tensor()};
-  static thread_local std::vector<std::pair<uint64_t, int64_t>> all;
-  all.clear();
-  all.reserve(n_kept);
-  for (int64_t c = 0; c < chunks; ++c) all.insert(all.end(), kept_storage[size_t(c)].begin(), kept_storage[size_t(c)].end());
   // Slots are distinct, so (key, slot) orders the pairs totally: the n lowest are those at or
-  // below the n-th, found on a copy; `all` is in slot order, so they come out sorted.
+  // below the n-th, found on a copy; the chunks' pairs are in slot order, so they come out sorted.
   static thread_local std::vector<std::pair<uint64_t, int64_t>> scratch;
-  scratch.assign(all.begin(), all.end());
+  scratch.clear();
+  for (const auto& kept : kept_storage) scratch.insert(scratch.end(), kept.begin(), kept.end());
   std::nth_element(scratch.begin(), scratch.begin() + (n - 1), scratch.end());
   const std::pair<uint64_t, int64_t> cut = scratch[size_t(n - 1)];
   at::Tensor out = at::empty({n + 1}, at::kLong);  // + 1: the branch-free loop writes one past the last
   int64_t* o = out.data_ptr<int64_t>();
   int64_t w = 0;
-  for (const auto& kept : all) {
-    o[w] = kept.second;
-    w += kept <= cut;
-  }
+  for (const auto& kept : kept_storage)
+    for (const auto& pair : kept) {
+      o[w] = pair.second;
+      w += pair <= cut;
+    }
   return {true, out.narrow(0, 0, n)};
 }
 
