@@ -4,7 +4,7 @@
     python3 bench/idtransformer_bench.py --device cuda                # on a GPU machine
 
 A Zipf(1.05) stream over 10^8 distinct IDs (rank r → a fixed scrambled 62-bit ID; rank r has
-probability ~ r^-1.05 among the 10^8, trainer/zipf.py), batches of 262,144, capacity 10^6.
+probability ~ r^-1.05 among the 10^8, dynemb/trainer/zipf.py), batches of 262,144, capacity 10^6.
 --folded draws the stream of sessions 1-9 instead: numpy's unbounded Zipf folded into the
 universe (% 10^8), where ~40% of the draws exceed 10^8 and land spread evenly over it (a
 stream that is 40% IDs never seen again). Both sides first see --warmup batches (the table fills and
@@ -29,9 +29,9 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from idtransformer.policy import EvictionPolicy  # noqa: E402
-from idtransformer.transformer import IDTransformer  # noqa: E402
-from trainer.zipf import BoundedZipf  # noqa: E402
+from dynemb.idtransformer.policy import EvictionPolicy  # noqa: E402
+from dynemb.idtransformer.transformer import IDTransformer  # noqa: E402
+from dynemb.trainer.zipf import BoundedZipf  # noqa: E402
 
 
 def zipf_batches(n_batches: int, batch: int, universe: int, seed: int, folded: bool = False) -> list[torch.Tensor]:

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ps_server.client import PSClient, RetryPolicy
-from ps_server.errors import PSError
+from dynemb.ps_server.client import PSClient, RetryPolicy
+from dynemb.ps_server.errors import PSError
 
 # Slots per client in the shared live counters the parent reads for its progress display.
 PULLS, PUSHES, ROWS, ERRORS = range(4)

@@ -12,7 +12,7 @@ ids drawn uniformly from the stored ids; PS and baselines see the very same batc
   Goal: PS >= 0.75x raw.
 - Embedded backend: PS rows/s on loopback (goal 2M rows/s), the client as it comes: on
   one host the rows go through shared memory and only the ids through gRPC
-  (ps_server/shm.py). Next to it, measured in the same run: the PS with the rows inside
+  (dynemb/ps_server/shm.py). Next to it, measured in the same run: the PS with the rows inside
   the gRPC messages (shared_memory=False), the store alone in-process, and raw gRPC
   moving the same bytes with no PS code (a server in its own process that answers as many
   rows as asked), which bounds the rows-in-messages path.
@@ -32,11 +32,11 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dynemb.local import LocalPS  # noqa: E402
-from dynemb.local_redis import RedisProcess  # noqa: E402
-from ps_server.backends.embedded import EmbeddedStore  # noqa: E402
-from ps_server.client import PSClient  # noqa: E402
-from ps_server.schema import TableSchema  # noqa: E402
+from dynemb.testing.local_ps import LocalPS  # noqa: E402
+from dynemb.testing.local_redis import RedisProcess  # noqa: E402
+from dynemb.ps_server.backends.embedded import EmbeddedStore  # noqa: E402
+from dynemb.ps_server.client import PSClient  # noqa: E402
+from dynemb.ps_server.schema import TableSchema  # noqa: E402
 
 TABLE = "bench"
 

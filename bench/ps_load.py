@@ -55,11 +55,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.load_clients import COUNTER_SLOTS, ERRORS, PULLS, PUSHES, ROWS, LoadSpec, client_process, expected_rows  # noqa: E402
 from bench.load_observe import MemorySampler, growth, ps_error_counts  # noqa: E402
-from dynemb.local import LocalPS  # noqa: E402
-from dynemb.local_redis import RedisProcess  # noqa: E402
-from ps_server.client import PSClient  # noqa: E402
-from ps_server.errors import PSError  # noqa: E402
-from ps_server.schema import TableSchema  # noqa: E402
+from dynemb.testing.local_ps import LocalPS  # noqa: E402
+from dynemb.testing.local_redis import RedisProcess  # noqa: E402
+from dynemb.ps_server.client import PSClient  # noqa: E402
+from dynemb.ps_server.errors import PSError  # noqa: E402
+from dynemb.ps_server.schema import TableSchema  # noqa: E402
 
 MiB = 1 << 20
 PREFILL_CHUNK = 16384

@@ -13,8 +13,8 @@ import json
 import numpy as np
 import redis
 
-from ps_server.backends.redis_store import bucket_keys, bucket_of, meta_key
-from ps_server.schema import TableSchema
+from dynemb.ps_server.backends.redis_store import bucket_keys, bucket_of, meta_key
+from dynemb.ps_server.schema import TableSchema
 
 
 class RawRedisRows:

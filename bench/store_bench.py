@@ -16,8 +16,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ps_server.backends.embedded import EmbeddedStore  # noqa: E402
-from ps_server.schema import TableSchema  # noqa: E402
+from dynemb.ps_server.backends.embedded import EmbeddedStore  # noqa: E402
+from dynemb.ps_server.schema import TableSchema  # noqa: E402
 
 
 def median_s(fn, repeat: int) -> float:

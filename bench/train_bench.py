@@ -3,7 +3,7 @@
     .venv/bin/python bench/train_bench.py                # 2 torchrun ranks on CPU (gloo)
 
 Both runs train the same DLRM (26 tables) on the same synthetic batches with `torchrun
---nproc_per_node N -m trainer`; the dynamic run keeps --capacity-fraction of each table's
+--nproc_per_node N -m dynemb.trainer`; the dynamic run keeps --capacity-fraction of each table's
 IDs on the devices and every row in the PS: by default the embedded store in each rank's
 process (the trainer's default without --ps), with --ps-process in a PS process on this
 machine that every rank reaches through gRPC (and shared memory for the rows). The full run
@@ -30,12 +30,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dynemb.local import LocalPS  # noqa: E402
+from dynemb.testing.local_ps import LocalPS  # noqa: E402
 
 
 def run(nproc: int, extra: list[str], out: Path) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "trainer", "--no-progress", "--result-json", str(out), *extra]
+           "-m", "dynemb.trainer", "--no-progress", "--result-json", str(out), *extra]
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // nproc)))
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:

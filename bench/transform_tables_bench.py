@@ -30,10 +30,10 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from idtransformer.policy import EvictionPolicy  # noqa: E402
-from idtransformer.sharded import ShardedIDTransformer, release_tables, transform_tables  # noqa: E402
-from idtransformer.stream import TransformStream  # noqa: E402
-from trainer.zipf import BoundedZipf  # noqa: E402
+from dynemb.idtransformer.policy import EvictionPolicy  # noqa: E402
+from dynemb.idtransformer.sharded import ShardedIDTransformer, release_tables, transform_tables  # noqa: E402
+from dynemb.idtransformer.stream import TransformStream  # noqa: E402
+from dynemb.trainer.zipf import BoundedZipf  # noqa: E402
 
 
 def blocks_steps(tables, batches, warmup: int) -> tuple[list[float], list[float], float]:

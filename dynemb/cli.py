@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from dynemb import __version__
+from dynemb.common.version import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,10 +19,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dynemb {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     from dynemb import demo
-    from ps_server import cli as ps_cli
-    from trainer import checkpoint_cli
-    from trainer import cli as train_cli
-    from trainer.tf import cli as tf_cli
+    from dynemb.ps_server import cli as ps_cli
+    from dynemb.trainer import checkpoint_cli
+    from dynemb.trainer import cli as train_cli
+    from dynemb.trainer.tf import cli as tf_cli
 
     ps_cli.add_parser(sub)
     train_cli.add_parser(sub)
@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # what a shell reports for a process ended by SIGPIPE
     except Exception as exc:
-        from dynemb.errors import UserError
-        from ps_server.errors import PSError
+        from dynemb.common.errors import UserError
+        from dynemb.ps_server.errors import PSError
 
         if isinstance(exc, (PSError, UserError)):  # a clear message is enough; no traceback
             print(f"dynemb: error: {exc}", file=sys.stderr)

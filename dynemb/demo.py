@@ -27,9 +27,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args) -> int:
-    from ps_server.client import PSClient
-    from ps_server.schema import Initializer
-    from ps_server.server import PSServer, ServeConfig
+    from dynemb.ps_server.client import PSClient
+    from dynemb.ps_server.schema import Initializer
+    from dynemb.ps_server.server import PSServer, ServeConfig
 
     logging.basicConfig(level=logging.WARNING)
     server = PSServer(ServeConfig(address="127.0.0.1:0", backend=args.backend, metrics_port=0)).start()

@@ -39,9 +39,9 @@ if ! command -v g++ >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev
   DEBIAN_FRONTEND=noninteractive apt-get -q install -y g++ >/dev/null
 fi
 echo "[setup] building (or finding) the ID transformer's kernel"
-timeout 1200 $VPY -c "from idtransformer.kernel import ops; ops()" || { echo "[setup] building the ID transformer's kernel failed" >&2; exit 1; }
+timeout 1200 $VPY -c "from dynemb.idtransformer.kernel import ops; ops()" || { echo "[setup] building the ID transformer's kernel failed" >&2; exit 1; }
 echo "[setup] building (or finding) the PS's id index"
-timeout 600 $VPY -c "from ps_server.native import id_index; id_index()" || { echo "[setup] building the PS's id index failed" >&2; exit 1; }
+timeout 600 $VPY -c "from dynemb.ps_server.native import id_index; id_index()" || { echo "[setup] building the PS's id index failed" >&2; exit 1; }
 
 # Debian packages are fetched with `apt-get download`, which needs no root when its lists
 # and cache point at a folder of ours, and unpacked with dpkg -x (nothing is installed).

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from dynemb.local import REPO
+from dynemb.testing.local_ps import REPO
 
 DEPLOY = REPO / "deploy"
 BIN = REPO / ".bin"
@@ -31,8 +31,8 @@ def tool(name: str) -> str:
 def exported_samples() -> dict[str, str]:
     """{sample name as Prometheus stores it: metric family type}, from the PS's and a trainer
     rank's own registries (counters as *_total, histograms as *_bucket/_sum/_count)."""
-    from ps_server.metrics import PSMetrics
-    from trainer.metrics import TrainerMetrics
+    from dynemb.ps_server.metrics import PSMetrics
+    from dynemb.trainer.metrics import TrainerMetrics
 
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
     out = {}
@@ -47,8 +47,8 @@ def exported_samples() -> dict[str, str]:
 
 def metric_labels() -> dict[str, list[str]]:
     """{family name as documented (counters with _total): its label names}."""
-    from ps_server.metrics import PSMetrics
-    from trainer.metrics import TrainerMetrics
+    from dynemb.ps_server.metrics import PSMetrics
+    from dynemb.trainer.metrics import TrainerMetrics
 
     out = {}
     for holder in (PSMetrics(), TrainerMetrics(0)):

@@ -19,15 +19,15 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError
 from hypothesis import strategies as st
 
-from protos import ps_pb2
-from ps_server.schema import TableSchema
-from ps_server.wire import _varint as wire_varint
+from dynemb.protos import ps_pb2
+from dynemb.ps_server.schema import TableSchema
+from dynemb.ps_server.wire import _varint as wire_varint
 
 C = grpc.StatusCode
 # What a PS may answer to anything; CANCELLED only where the fuzzer cancels the call itself.
 ALLOWED = frozenset({C.OK, C.INVALID_ARGUMENT, C.NOT_FOUND, C.ALREADY_EXISTS, C.RESOURCE_EXHAUSTED,
                      C.FAILED_PRECONDITION, C.OUT_OF_RANGE})
-# The rule of protos/ps.proto for table names.
+# The rule of dynemb/protos/ps.proto for table names.
 VALID_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
 REQUEST_TYPE = {m.name: getattr(ps_pb2, m.input_type.name) for m in SERVICE.methods}
@@ -159,7 +159,7 @@ def _field(f: FieldDescriptor, names) -> st.SearchStrategy:
 
 def any_message(descriptor, names) -> st.SearchStrategy:
     """A message of this type with any subset of its fields set to hostile values (from the
-    descriptor, so a field added to protos/ps.proto is fuzzed too)."""
+    descriptor, so a field added to dynemb/protos/ps.proto is fuzzed too)."""
     cls = message_factory.GetMessageClass(descriptor)
     fields = {f.name: _field(f, names) for f in descriptor.fields}
     return st.fixed_dictionaries({}, optional=fields).map(lambda kw: cls(**kw))

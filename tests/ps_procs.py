@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from dynemb.local import LocalPS
-from ps_server.client import PSClient
+from dynemb.testing.local_ps import LocalPS
+from dynemb.ps_server.client import PSClient
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
-"""The Redis process helpers live in the package (dynemb/local_redis.py) so benchmarks share them."""
+"""The Redis process helpers live in the package (dynemb/testing/local_redis.py) so benchmarks share them."""
 
-from dynemb.local_redis import (  # noqa: F401
+from dynemb.testing.local_redis import (  # noqa: F401
     REPO,
     SETUP_HINT,
     RedisClusterProcesses,

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from idtransformer.admission import CountMinSketch
+from dynemb.idtransformer.admission import CountMinSketch
 
 INT64 = st.integers(-(1 << 63), (1 << 63) - 1)
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from test_trainer_exact import config
-from trainer.checkpoint_format import MANIFEST, CheckpointError, checkpoints, read_manifest
-from trainer.train import train
+from dynemb.trainer.checkpoint_format import MANIFEST, CheckpointError, checkpoints, read_manifest
+from dynemb.trainer.train import train
 
 STEPS = 40
 
@@ -155,7 +155,7 @@ def test_two_torchrun_ranks_resume_exactly(tmp_path, optimizer, tables, ps):
     job left there at step 40)."""
     from test_sharded_idtransformer import torchrun
 
-    from dynemb.local import LocalPS
+    from dynemb.testing.local_ps import LocalPS
 
     worker = Path(__file__).parent / "dist" / "checkpoint_worker.py"
     with contextlib.ExitStack() as stack:
@@ -210,8 +210,8 @@ def test_a_full_disk_fails_the_save_clearly_and_keeps_the_last_checkpoint(tmp_pa
     import subprocess
     import sys
 
-    from dynemb.local import REPO
-    from trainer.checkpoint_format import verify
+    from dynemb.testing.local_ps import REPO
+    from dynemb.trainer.checkpoint_format import verify
 
     flags = ["--steps", "30", "--num-sparse", "6", "--universe", "6000", "--ids-per-feature", "2", "--dim", "8",
              "--capacity-fraction", "0.1", "--evict-fraction", "0.1", "--batch-size", "48", "--dense-arch", "16,8",

@@ -12,11 +12,11 @@ import sys
 import numpy as np
 import pytest
 
-from dynemb.local import REPO, LocalPS
-from ps_server.client import PSClient
+from dynemb.testing.local_ps import REPO, LocalPS
+from dynemb.ps_server.client import PSClient
 from test_table_files import fill, same_bits, unique
 from test_trainer_exact import config
-from trainer.train import train
+from dynemb.trainer.train import train
 
 
 def dynemb(*args: str) -> subprocess.CompletedProcess:

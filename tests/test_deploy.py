@@ -37,8 +37,8 @@ from deploy_files import (
     tool,
 )
 from dynemb import __version__
-from dynemb.local import REPO, LocalPS
-from ps_server.client import PSClient
+from dynemb.testing.local_ps import REPO, LocalPS
+from dynemb.ps_server.client import PSClient
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess:
@@ -256,7 +256,7 @@ def test_k8s_ps_agrees_with_its_cli(overlay, k8s_dir, monkeypatch):
             assert ps[probe]["grpc"] == {"port": int(port)}, probe
     backend = args.backend
     if overlay == "cluster":
-        from ps_server.backends.redis_store import _split_cluster_url
+        from dynemb.ps_server.backends.redis_store import _split_cluster_url
 
         nodes, options = _split_cluster_url(backend)
         sts = find(docs, "StatefulSet", "dynemb-redis-cluster")
@@ -277,7 +277,7 @@ def _torchrun_help() -> str:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_k8s_trainer_job_agrees_with_torchrun_and_dynemb_train(overlay, k8s_dir, tmp_path, monkeypatch):
     from dynemb.cli import build_parser
-    from trainer.config import from_args
+    from dynemb.trainer.config import from_args
 
     docs = rendered(overlay, k8s_dir)
     job = find(docs, "Job", "dynemb-trainer")
@@ -288,7 +288,7 @@ def test_k8s_trainer_job_agrees_with_torchrun_and_dynemb_train(overlay, k8s_dir,
     assert trainer["image"] == f"dynemb:{__version__}" and trainer["command"] == ["torchrun"]
     args = trainer["args"]
     split = args.index("-m")
-    assert args[split + 1] == "trainer"
+    assert args[split + 1] == "dynemb.trainer"
     launcher = dict(a.lstrip("-").split("=", 1) for a in args[:split])
     help_text = _torchrun_help()
     for flag in launcher:
@@ -337,7 +337,7 @@ def test_k8s_trainer_job_agrees_with_torchrun_and_dynemb_train(overlay, k8s_dir,
     ps_token = next(e for e in container(find(docs, "Deployment", "dynemb-ps"), "ps")["env"]
                     if e["name"] == "DYNEMB_PS_AUTH_TOKEN")
     assert token["valueFrom"] == ps_token["valueFrom"]
-    assert "DYNEMB_PS_AUTH_TOKEN" in (REPO / "trainer" / "train.py").read_text()
+    assert "DYNEMB_PS_AUTH_TOKEN" in (REPO / "dynemb" / "trainer" / "train.py").read_text()
     assert bool(cfg.ps_tls_ca) == overlay.endswith("tls")
 
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ps_server.backends.embedded import EmbeddedStore
-from ps_server.schema import TableSchema
+from dynemb.ps_server.backends.embedded import EmbeddedStore
+from dynemb.ps_server.schema import TableSchema
 
 SCHEMA = TableSchema("t", 2, 1, "fp32")
 ids_st = st.lists(st.integers(-20, 20), max_size=40)

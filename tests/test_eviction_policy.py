@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from idtransformer.policy import MAX_FREQ, EvictionPolicy
+from dynemb.idtransformer.policy import MAX_FREQ, EvictionPolicy
 
 
 def order(policy: EvictionPolicy, last, freq, step: int) -> list[int]:

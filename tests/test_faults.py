@@ -20,10 +20,10 @@ import uuid
 import numpy as np
 import pytest
 
-from dynemb.local import REPO, LocalPS
-from dynemb.local_redis import RedisProcess
+from dynemb.testing.local_ps import REPO, LocalPS
+from dynemb.testing.local_redis import RedisProcess
 from ps_procs import wait_for_health
-from ps_server.client import PSClient
+from dynemb.ps_server.client import PSClient
 
 STEPS = 120
 TRAIN = ["--steps", str(STEPS), "--num-sparse", "4", "--universe", "4000", "--ids-per-feature", "2",
@@ -193,7 +193,7 @@ RANKED = ["--steps", "60", "--num-sparse", "4", "--universe", "4000", "--ids-per
 def torchrun_training(ck, out, *extra: str) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "trainer",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "dynemb.trainer",
          *RANKED, "--checkpoint-dir", str(ck), "--result-json", str(out / "rank{rank}.json"), *extra],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -218,7 +218,7 @@ def rank_pid(launcher: int, local_rank: int) -> int | None:
 
 
 def final_tables(folder) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    from trainer.table_files import TableReader
+    from dynemb.trainer.table_files import TableReader
 
     out = {}
     for table in sorted((folder / "tables").iterdir()):
@@ -229,7 +229,7 @@ def final_tables(folder) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
 def test_a_killed_rank_stops_the_job_and_a_restart_from_the_checkpoint_ends_the_same(tmp_path):
-    from trainer.checkpoint_format import checkpoints, read_manifest
+    from dynemb.trainer.checkpoint_format import checkpoints, read_manifest
 
     (tmp_path / "clean").mkdir()
     (tmp_path / "faulted").mkdir()

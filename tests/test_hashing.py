@@ -1,4 +1,4 @@
-"""ps_server/hashing.py: the vectorised XXH64 against the xxhash package, and the shard and
+"""dynemb/ps_server/hashing.py: the vectorised XXH64 against the xxhash package, and the shard and
 bucket functions built on it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from ps_server.hashing import ROW_HASH_SEED, bucket_of, shard_of, xxh64_ids
+from dynemb.ps_server.hashing import ROW_HASH_SEED, bucket_of, shard_of, xxh64_ids
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 EDGE_IDS = np.array(

@@ -1,4 +1,4 @@
-"""ps_server/backends/id_index.py (the compiled map of ps_server/csrc/id_index.h) against a dict model."""
+"""dynemb/ps_server/backends/id_index.py (the compiled map of dynemb/ps_server/csrc/id_index.h) against a dict model."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ps_server import native
-from ps_server.backends.id_index import SLOT_BYTES, IdIndex
+from dynemb.ps_server import native
+from dynemb.ps_server.backends.id_index import SLOT_BYTES, IdIndex
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 EDGE_IDS = [0, 1, -1, 255, 256, 1 << 56, INT64_MIN, INT64_MIN + 1, INT64_MAX]
@@ -220,7 +220,7 @@ def test_repeated_absent_ids_get_one_value():
 def test_the_c_module_checks_every_buffer_itself():
     """The module behind the wrapper never trusts its caller: wrong sizes, dtypes, layouts,
     positions or handles are Python exceptions, never a read or write outside a buffer."""
-    from ps_server import native
+    from dynemb.ps_server import native
 
     c = native.id_index()
     h = c.new(16, 1)
@@ -272,7 +272,7 @@ def test_pull_rows_copies_the_rows_asked_for():
 
 
 def test_scatter_writes_the_rows_given_and_refuses_what_is_outside():
-    from ps_server import native
+    from dynemb.ps_server import native
 
     scatter = native.id_index().scatter
     rng = np.random.default_rng(8)

@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from idtransformer.policy import EvictionPolicy
-from idtransformer.transformer import IDTransformer
+from dynemb.idtransformer.policy import EvictionPolicy
+from dynemb.idtransformer.transformer import IDTransformer
 
 # the compiled CPU kernel and the torch-ops map must both pass everything; where a GPU is
 # present (not in CI: run them on one with `pytest tests/test_idtransformer.py`), the torch

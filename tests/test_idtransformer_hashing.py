@@ -4,8 +4,8 @@ import numpy as np
 import torch
 import xxhash
 
-from idtransformer.hashing import owner_of, unsigned_mod, xxh64
-from ps_server.hashing import shard_of, xxh64_ids
+from dynemb.idtransformer.hashing import owner_of, unsigned_mod, xxh64
+from dynemb.ps_server.hashing import shard_of, xxh64_ids
 
 
 def test_xxh64_matches_xxhash_and_numpy():

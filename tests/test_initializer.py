@@ -1,4 +1,4 @@
-"""ps_server/initializer.py: rows never pushed, as a function of (seed, id, column); bf16 bits.
+"""dynemb/ps_server/initializer.py: rows never pushed, as a function of (seed, id, column); bf16 bits.
 
 Hashing, the generated code and the id index have their own files (test_hashing.py,
 test_protos.py, test_id_index.py); initial rows through real PS processes: test_ps_initializers.py."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ps_server.initializer import bf16_bits_to_float, float_to_bf16_bits, initial_rows
-from ps_server.schema import Initializer, TableSchema
+from dynemb.ps_server.initializer import bf16_bits_to_float, float_to_bf16_bits, initial_rows
+from dynemb.ps_server.schema import Initializer, TableSchema
 
 
 def test_initial_rows_are_a_function_of_seed_and_id():
@@ -37,8 +37,8 @@ def test_bf16_round_trip_and_rounding():
 
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from ps_server import initializer  # noqa: E402
-from ps_server.initializer import fill_initial_rows  # noqa: E402
+from dynemb.ps_server import initializer  # noqa: E402
+from dynemb.ps_server.initializer import fill_initial_rows  # noqa: E402
 
 
 @settings(max_examples=60, deadline=None)

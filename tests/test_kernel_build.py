@@ -9,7 +9,7 @@ LOAD = """
 import hashlib, torch
 from pathlib import Path
 from torch.utils import cpp_extension
-from idtransformer import kernel
+from dynemb.idtransformer import kernel
 digest = hashlib.sha1(kernel.SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
 print(cpp_extension._get_build_directory(f"dynemb_idt_{digest}", verbose=False))
 """
@@ -21,7 +21,7 @@ def test_a_stale_build_lock_is_removed_not_waited_on():
                                 capture_output=True, text=True).stdout.strip())
     build.mkdir(parents=True, exist_ok=True)
     (build / "lock").touch()  # what a killed build leaves
-    done = subprocess.run([sys.executable, "-c", "from idtransformer.kernel import ops; ops(); print('loaded')"],
+    done = subprocess.run([sys.executable, "-c", "from dynemb.idtransformer.kernel import ops; ops(); print('loaded')"],
                           cwd=root, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr
     assert "loaded" in done.stdout
@@ -37,12 +37,11 @@ def test_a_second_checkout_of_the_same_source_reuses_the_build(tmp_path):
     root = Path(__file__).resolve().parents[1]
     build = Path(subprocess.run([sys.executable, "-c", LOAD], cwd=root, check=True,
                                 capture_output=True, text=True).stdout.strip())
-    load = "from idtransformer.kernel import ops; ops(); print('loaded')"
+    load = "from dynemb.idtransformer.kernel import ops; ops(); print('loaded')"
     subprocess.run([sys.executable, "-c", load], cwd=root, check=True, capture_output=True, timeout=240)
     built = {p.name: p.stat().st_mtime_ns for p in build.iterdir() if p.suffix in (".so", ".ninja", ".o")}
     assert any(name.endswith(".so") for name in built), sorted(built)
-    for package in ("idtransformer", "dynemb"):
-        shutil.copytree(root / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(root / "dynemb", tmp_path / "dynemb", ignore=shutil.ignore_patterns("__pycache__"))
     done = subprocess.run([sys.executable, "-c", load], cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr
     after = {p.name: p.stat().st_mtime_ns for p in build.iterdir() if p.suffix in (".so", ".ninja", ".o")}

@@ -1,4 +1,4 @@
-"""dynemb.local.LocalPS: a PS process started for a trainer or a test goes when its parent goes."""
+"""dynemb.testing.local_ps.LocalPS: a PS process started for a trainer or a test goes when its parent goes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 def test_a_killed_parent_leaves_no_ps_behind():
     parent = subprocess.Popen(
-        [sys.executable, "-c", "from dynemb.local import LocalPS; import time; ps = LocalPS().start(); "
+        [sys.executable, "-c", "from dynemb.testing.local_ps import LocalPS; import time; ps = LocalPS().start(); "
                                "print(ps.proc.pid, flush=True); time.sleep(600)"],
         stdout=subprocess.PIPE, text=True,
     )
@@ -37,13 +37,13 @@ def test_a_killed_parent_leaves_no_ps_behind():
 def test_a_ps_started_from_a_thread_outlives_the_thread_not_the_process():
     """The PS ends with the process that started it, not with the thread (what Linux's
     PR_SET_PDEATHSIG would do): a PS started from a worker thread keeps serving after it."""
-    code = ("from dynemb.local import LocalPS; import threading, time; box = []; "
+    code = ("from dynemb.testing.local_ps import LocalPS; import threading, time; box = []; "
             "t = threading.Thread(target=lambda: box.append(LocalPS().start())); t.start(); t.join(); "
             "print(box[0].proc.pid, box[0].address, flush=True); time.sleep(600)")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         ps_pid, address = parent.stdout.readline().split()
-        from ps_server.client import PSClient
+        from dynemb.ps_server.client import PSClient
 
         time.sleep(1.0)  # the starting thread is long gone
         with PSClient(address, timeout=10) as ps:

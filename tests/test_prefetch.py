@@ -1,4 +1,4 @@
-"""Batches transformed ahead by a thread of their own (trainer/prefetch.py): the same training
+"""Batches transformed ahead by a thread of their own (dynemb/trainer/prefetch.py): the same training
 whatever the threads' timing, errors raised in the loop, a clean stop."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from idtransformer.sharded import BatchRefused
-from idtransformer.transformer import TooManyIDs
+from dynemb.idtransformer.sharded import BatchRefused
+from dynemb.idtransformer.transformer import TooManyIDs
 from test_trainer_exact import config
-from trainer.dynamic import DynamicTables
-from trainer.model import build
-from trainer.train import batches, init_distributed, make_dynamic, open_row_store, train
+from dynemb.trainer.dynamic import DynamicTables
+from dynemb.trainer.model import build
+from dynemb.trainer.train import batches, init_distributed, make_dynamic, open_row_store, train
 
 
 def _transform_threads() -> list[threading.Thread]:
@@ -116,7 +116,7 @@ def test_closing_the_batches_stops_the_thread_and_leaves_batches_releasable():
 
 
 def test_a_window_below_one_is_refused():
-    from trainer.prefetch import TransformAhead
+    from dynemb.trainer.prefetch import TransformAhead
 
     with pytest.raises(ValueError, match="window must be >= 1"):
         TransformAhead(object(), iter(()), window=0)
@@ -144,7 +144,7 @@ class _GatedTables:
 def test_the_transform_thread_runs_at_the_priority_asked_for(priority):
     import os
 
-    from trainer.prefetch import TransformAhead
+    from dynemb.trainer.prefetch import TransformAhead
 
     tables = _GatedTables()
     ahead = TransformAhead(tables, iter([1, 2, 3]), window=1, priority=priority)
@@ -164,8 +164,8 @@ def test_the_transform_thread_runs_at_the_priority_asked_for(priority):
 
 
 def test_an_unknown_priority_is_refused():
-    from trainer.config import TrainConfig
-    from trainer.prefetch import TransformAhead
+    from dynemb.trainer.config import TrainConfig
+    from dynemb.trainer.prefetch import TransformAhead
 
     with pytest.raises(ValueError, match="one of .*'idle'.*got 'high'"):
         TransformAhead(_GatedTables(), iter(()), window=1, priority="high")

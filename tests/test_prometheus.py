@@ -1,7 +1,7 @@
 """A real Prometheus (Debian's 2.42, from .bin/) with deploy/prometheus's own config and rules,
 but second-long intervals and this test's targets, scrapes a running PS (`dynemb ps serve`
 over Redis, with the auth token and TLS the Kubernetes manifests use), both ranks of a torchrun
-trainer (`-m trainer --metrics-port`) that trains through that PS, and redis_exporter beside
+trainer (`-m dynemb.trainer --metrics-port`) that trains through that PS, and redis_exporter beside
 the Redis (run with deploy/k8s's redis.conf). PromQL through Prometheus' HTTP API then returns
 the trainer's hit and eviction counters per table and rank, the PS's rows per table, the
 recorded series, the Redis memory limit, and data for the dashboard's panels."""
@@ -23,8 +23,8 @@ import pytest
 import yaml
 
 from deploy_files import DEPLOY, dashboard_exprs, redis_conf_lines, tool
-from dynemb.local import LocalPS, _die_with_parent
-from dynemb.local_redis import RedisProcess, free_port, make_tls_files
+from dynemb.testing.local_ps import LocalPS, _die_with_parent
+from dynemb.testing.local_redis import RedisProcess, free_port, make_tls_files
 
 # enough steps that Prometheus (1 s scrapes) sees the counters move: rate() needs two samples
 # that differ, and 40 steps ran in well under a second
@@ -127,7 +127,7 @@ def stack(tmp_path_factory, redis_binaries):
         trainer_log = open(work / "trainer.log", "wb")
         trainer = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}", "-m",
-             "trainer", "--ps", f"localhost:{ps.port}", "--ps-tls-ca", tls["ca"], "--num-sparse", str(TABLES),
+             "dynemb.trainer", "--ps", f"localhost:{ps.port}", "--ps-tls-ca", tls["ca"], "--num-sparse", str(TABLES),
              "--universe", "2000", "--capacity-fraction", "0.25", "--dim", "8", "--dense-arch", "8", "--over-arch", "8,1", "--batch-size",
              str(BATCH), "--steps", str(STEPS), "--eval-batches", "1", "--no-progress",
              "--metrics-port", str(metrics_port), "--metrics-linger-seconds", "12"],

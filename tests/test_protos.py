@@ -1,8 +1,8 @@
-"""The checked-in generated code (protos/*_pb2*.py, .pyi) is exactly what protos/*.proto generate."""
+"""The checked-in generated code (dynemb/protos/*_pb2*.py, .pyi) is exactly what dynemb/protos/*.proto generate."""
 
 from __future__ import annotations
 
-from protos import generate, ps_pb2
+from dynemb.protos import generate, ps_pb2
 
 
 def test_checked_in_generated_code_matches_the_proto(tmp_path):
@@ -10,11 +10,11 @@ def test_checked_in_generated_code_matches_the_proto(tmp_path):
     assert sorted(p.name for p in paths) == ["ps_pb2.py", "ps_pb2.pyi", "ps_pb2_grpc.py",
                                              "tf_bundle_pb2.py", "tf_bundle_pb2.pyi"]
     for path in paths:
-        checked_in = generate.ROOT / "protos" / path.name
+        checked_in = generate.ROOT / "dynemb" / "protos" / path.name
         fresh, kept = path.read_bytes(), checked_in.read_bytes()
         assert fresh, f"protoc wrote an empty {path.name}"
         assert fresh == kept, (
-            f"{checked_in} differs from what its .proto generates: run `python -m protos.generate`"
+            f"{checked_in} differs from what its .proto generates: run `python -m dynemb.protos.generate`"
         )
 
 
@@ -32,5 +32,5 @@ def test_generate_command_line(tmp_path, capsys):
     assert generate.main(["--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     for name in generate.GENERATED:
-        assert f"wrote {tmp_path / 'protos' / name}" in out
-        assert (tmp_path / "protos" / name).read_bytes() == (generate.ROOT / "protos" / name).read_bytes()
+        assert f"wrote {tmp_path / 'dynemb' / 'protos' / name}" in out
+        assert (tmp_path / "dynemb" / "protos" / name).read_bytes() == (generate.ROOT / "dynemb" / "protos" / name).read_bytes()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ps_server.client import PSClient
-from ps_server.errors import InvalidArgument
-from ps_server.replicas import channel_target
+from dynemb.ps_server.client import PSClient
+from dynemb.ps_server.errors import InvalidArgument
+from dynemb.ps_server.replicas import channel_target
 
 
 def test_a_single_address_is_left_alone():

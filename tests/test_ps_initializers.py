@@ -8,10 +8,10 @@ import itertools
 import numpy as np
 import pytest
 
-from dynemb.local import LocalPS
-from ps_server.client import PSClient
-from ps_server.initializer import bf16_bits_to_float, initial_rows
-from ps_server.schema import Initializer
+from dynemb.testing.local_ps import LocalPS
+from dynemb.ps_server.client import PSClient
+from dynemb.ps_server.initializer import bf16_bits_to_float, initial_rows
+from dynemb.ps_server.schema import Initializer
 
 KINDS = {
     "zeros": Initializer("zeros", state_init=0.125),
@@ -44,7 +44,7 @@ def as_float(rows: np.ndarray, dtype: str) -> np.ndarray:
 def rounded(x: float, dtype: str) -> float:
     """x as the table's dtype stores it."""
     if dtype == "bf16":
-        from ps_server.initializer import float_to_bf16_bits
+        from dynemb.ps_server.initializer import float_to_bf16_bits
 
         return float(bf16_bits_to_float(float_to_bf16_bits(np.array([x], np.float32)))[0])
     return float(np.array([x], dtype={"fp32": np.float32, "fp16": np.float16}[dtype])[0])

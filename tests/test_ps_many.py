@@ -8,8 +8,8 @@ import grpc
 import numpy as np
 import pytest
 
-from protos import ps_pb2, ps_pb2_grpc
-from ps_server.client import PSClient
+from dynemb.protos import ps_pb2, ps_pb2_grpc
+from dynemb.ps_server.client import PSClient
 
 SCHEMAS = {"user": (8, 8, "fp32"), "item": (4, 0, "fp16"), "ad": (16, 16, "bf16")}
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import trustme
 
-from ps_server.client import PSClient, RetryPolicy
-from ps_server.errors import Unavailable
-from ps_server.schema import TableSchema
+from dynemb.ps_server.client import PSClient, RetryPolicy
+from dynemb.ps_server.errors import Unavailable
+from dynemb.ps_server.schema import TableSchema
 
 
 def with_ca(url: str, ca_file: str) -> str:

@@ -1,4 +1,4 @@
-"""Same-host row transfer (ps_server/shm.py) against real PS processes: the rows of pulls and
+"""Same-host row transfer (dynemb/ps_server/shm.py) against real PS processes: the rows of pulls and
 pushes go through a memfd both map; the PS refuses memory it must not map; segments that
 expire or outlive a PS are replaced without the caller noticing; a failed call never
 hands its segment to a later one."""
@@ -13,12 +13,12 @@ import grpc
 import numpy as np
 import pytest
 
-from protos import ps_pb2, ps_pb2_grpc
-from ps_server import shm
-from ps_server.client import PSClient, RetryPolicy
-from ps_server.errors import InvalidArgument, TableNotFound
-from ps_server.schema import TableSchema
-from ps_server.wire import encode_push_many_request, push_request_parts
+from dynemb.protos import ps_pb2, ps_pb2_grpc
+from dynemb.ps_server import shm
+from dynemb.ps_server.client import PSClient, RetryPolicy
+from dynemb.ps_server.errors import InvalidArgument, TableNotFound
+from dynemb.ps_server.schema import TableSchema
+from dynemb.ps_server.wire import encode_push_many_request, push_request_parts
 
 SERVICE = "/dynemb.ps.v1.ParameterServer/"
 
@@ -327,7 +327,7 @@ def test_bad_segment_references_change_nothing(ps_proc):
 def test_a_client_that_dies_leaves_nothing_behind(make_ps):
     """Its segment is dropped once idle; the memory goes with the last mapping (no file)."""
     proc = make_ps("--shm-idle-seconds", "0.5")
-    code = (f"import numpy as np, os; from ps_server.client import PSClient; ps = PSClient('{proc.address}'); "
+    code = (f"import numpy as np, os; from dynemb.ps_server.client import PSClient; ps = PSClient('{proc.address}'); "
             f"ps.create_table('t', dim=4); ps.pull('t', np.arange(9)); os._exit(0)")
     import subprocess
     import sys

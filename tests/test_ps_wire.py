@@ -1,10 +1,10 @@
-"""ps_server/wire.py writes PullResponse and PushRequest by hand: the generated code must read them back."""
+"""dynemb/ps_server/wire.py writes PullResponse and PushRequest by hand: the generated code must read them back."""
 
 import numpy as np
 import pytest
 
-from protos import ps_pb2
-from ps_server.wire import encode_pull_response, encode_push_request
+from dynemb.protos import ps_pb2
+from dynemb.ps_server.wire import encode_pull_response, encode_push_request
 
 
 @pytest.mark.parametrize("n,width,dtype", [(0, 4, "<f4"), (1, 1, "<f2"), (3, 7, "<u2"), (5000, 128, "<f4")])
@@ -42,7 +42,7 @@ def test_non_contiguous_rows_are_written_in_row_order():
 
 
 def test_many_table_messages_are_byte_identical_to_generated():
-    from ps_server.wire import (encode_pull_many_response, encode_push_many_request, pull_response_parts,
+    from dynemb.ps_server.wire import (encode_pull_many_response, encode_push_many_request, pull_response_parts,
                                 push_request_parts)
 
     rng = np.random.default_rng(7)
@@ -66,7 +66,7 @@ def test_many_table_messages_are_byte_identical_to_generated():
 
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from ps_server.wire import (MalformedMessage, parse_pull_many_response, parse_pull_response,  # noqa: E402
+from dynemb.ps_server.wire import (MalformedMessage, parse_pull_many_response, parse_pull_response,  # noqa: E402
                             parse_push_many_request, parse_push_request)
 
 _blobs = st.binary(max_size=300)
@@ -156,8 +156,8 @@ def test_each_damage_is_named(wire, why):
 
 # -- pull replies built in place -------------------------------------------------------
 
-from ps_server import wire  # noqa: E402
-from ps_server.wire import ReplyPlan, build_pull_many_response, build_pull_response  # noqa: E402
+from dynemb.ps_server import wire  # noqa: E402
+from dynemb.ps_server.wire import ReplyPlan, build_pull_many_response, build_pull_response  # noqa: E402
 
 
 def _plan(n: int, width: int, seed: int, dtype="<f4") -> tuple[ReplyPlan, np.ndarray, np.ndarray]:
@@ -205,7 +205,7 @@ def test_pull_many_response_built_in_place_parses_as_generated(monkeypatch, nati
 
 
 def test_filled_bytes_refuses_a_fill_that_overruns_or_fails():
-    from ps_server import native
+    from dynemb.ps_server import native
 
     filled = native.id_index().filled_bytes
     assert filled(8, lambda v: v.__setitem__(slice(0, 3), b"abc") or 3) == b"abc"  # shrunk to what was used
@@ -219,9 +219,9 @@ def test_filled_bytes_refuses_a_fill_that_overruns_or_fails():
         escaped[0][0] = 1
 
 
-# -- rows through a segment (ps_server/shm.py) -------------------------------------
+# -- rows through a segment (dynemb/ps_server/shm.py) -------------------------------------
 
-from ps_server.wire import push_request_parts  # noqa: E402
+from dynemb.ps_server.wire import push_request_parts  # noqa: E402
 
 _u64 = st.integers(0, (1 << 64) - 1)
 

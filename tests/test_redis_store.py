@@ -12,11 +12,11 @@ import pytest
 import redis
 import xxhash
 
-from ps_server.backends import open_store, redis_store
-from ps_server.backends.redis_store import RedisStore, _split_cluster_url, bucket_of
-from ps_server.errors import BackendUnavailable, InvalidArgument, PSError, TableExists, TableNotFound
-from ps_server.hashing import ROW_HASH_SEED
-from ps_server.schema import DTYPES, Initializer, TableSchema
+from dynemb.ps_server.backends import open_store, redis_store
+from dynemb.ps_server.backends.redis_store import RedisStore, _split_cluster_url, bucket_of
+from dynemb.ps_server.errors import BackendUnavailable, InvalidArgument, PSError, TableExists, TableNotFound
+from dynemb.ps_server.hashing import ROW_HASH_SEED
+from dynemb.ps_server.schema import DTYPES, Initializer, TableSchema
 
 I64 = np.iinfo(np.int64)
 # ids whose 8 bytes hold NULs, at the end too (bytes-typed numpy 'S8' would strip them)

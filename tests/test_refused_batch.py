@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from idtransformer.policy import EvictionPolicy
-from idtransformer.sharded import BatchRefused, ShardedIDTransformer, release_tables, transform_tables
-from idtransformer.transformer import NoRoom, TooManyIDs
+from dynemb.idtransformer.policy import EvictionPolicy
+from dynemb.idtransformer.sharded import BatchRefused, ShardedIDTransformer, release_tables, transform_tables
+from dynemb.idtransformer.transformer import NoRoom, TooManyIDs
 
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
 
@@ -25,7 +25,7 @@ WORKER = Path(__file__).parent / "dist" / "refused_batch_worker.py"
 
 @pytest.fixture(scope="module")
 def one_process_group():
-    from trainer.train import init_distributed
+    from dynemb.trainer.train import init_distributed
 
     created = init_distributed()
     yield
@@ -90,7 +90,7 @@ def test_the_error_carries_the_shares_that_went_through(one_process_group, refus
 def test_dynamic_tables_finish_a_refused_batch_on_one_process(one_process_group, shared, ahead):
     from refused_batch_worker import Scenario
 
-    from trainer.row_store import LocalRowStore
+    from dynemb.trainer.row_store import LocalRowStore
 
     Scenario(LocalRowStore(), shared, ahead).run()
 

@@ -1,5 +1,5 @@
 """The kernel's routing ops (csrc/slot_map.cpp, routing section) against their torch-ops
-references in idtransformer/route.py: the same send order, permutation and counts, and the
+references in dynemb/idtransformer/route.py: the same send order, permutation and counts, and the
 same regrouping of blocks, on random inputs with empty tables, one to five ranks and IDs
 anywhere in int64."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from idtransformer.hashing import owner_of
-from idtransformer.route import route, route_torch, transpose_blocks, transpose_blocks_torch
+from dynemb.idtransformer.hashing import owner_of
+from dynemb.idtransformer.route import route, route_torch, transpose_blocks, transpose_blocks_torch
 
 EDGES = [0, -1, 1, 2**63 - 1, -(2**63), 2**62, -(2**40) + 7]
 

@@ -15,10 +15,10 @@ import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from dynemb.local import REPO
-from protos import ps_pb2
-from ps_server.client import PSClient
-from ps_server.errors import InvalidArgument, PSError
+from dynemb.testing.local_ps import REPO
+from dynemb.protos import ps_pb2
+from dynemb.ps_server.client import PSClient
+from dynemb.ps_server.errors import InvalidArgument, PSError
 
 TOKEN = "tok-SECRET-7f3a9c"
 SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
@@ -130,7 +130,7 @@ def test_tokens_never_reach_logs_or_metrics(make_ps, redis_auth, tmp_path):
     assert TOKEN not in str(info.value)
     out = tmp_path / "r.json"
     job = subprocess.run(
-        [sys.executable, "-m", "trainer", "--ps", proc.address, "--steps", "4", "--batch-size", "16", "--universe", "500",
+        [sys.executable, "-m", "dynemb.trainer", "--ps", proc.address, "--steps", "4", "--batch-size", "16", "--universe", "500",
          "--capacity-fraction", "0.3", "--num-sparse", "2", "--dim", "4", "--dense-arch", "8,4", "--eval-batches", "1", "--no-progress",
          "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-at-end", "--result-json", str(out)],
         capture_output=True, text=True, cwd=REPO, timeout=300, env={**__import__("os").environ, "DYNEMB_PS_AUTH_TOKEN": TOKEN})
@@ -171,7 +171,7 @@ def test_mutual_tls_accepts_only_clients_the_ca_signed(make_ps, mtls, tmp_path):
         ps.create_table("m", dim=2)
         ps.push("m", [7], np.full((1, 2), 7.0, np.float32))
         assert ps.pull("m", [7]).rows.tolist() == [[7.0, 7.0]]
-    from ps_server.client import RetryPolicy
+    from dynemb.ps_server.client import RetryPolicy
 
     for cert, key in [(None, None), (mtls["stranger"], mtls["stranger_key"])]:
         with PSClient(address, tls_ca=mtls["ca"], tls_cert=cert, tls_key=key, timeout=5,
@@ -187,7 +187,7 @@ def test_mutual_tls_accepts_only_clients_the_ca_signed(make_ps, mtls, tmp_path):
                          capture_output=True, text=True, cwd=REPO, timeout=60)
     assert cli.returncode == 0 and "m " in cli.stdout, cli.stderr
     job = subprocess.run(
-        [sys.executable, "-m", "trainer", "--ps", address, "--ps-tls-ca", mtls["ca"], "--ps-tls-cert", mtls["client"],
+        [sys.executable, "-m", "dynemb.trainer", "--ps", address, "--ps-tls-ca", mtls["ca"], "--ps-tls-cert", mtls["client"],
          "--ps-tls-key", mtls["client_key"], "--steps", "3", "--batch-size", "16", "--universe", "500",
          "--num-sparse", "2", "--dim", "4", "--dense-arch", "8,4", "--eval-batches", "1", "--no-progress"],
         capture_output=True, text=True, cwd=REPO, timeout=300)

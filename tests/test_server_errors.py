@@ -9,10 +9,10 @@ import grpc
 import numpy as np
 import pytest
 
-from protos import ps_pb2, ps_pb2_grpc
+from dynemb.protos import ps_pb2, ps_pb2_grpc
 from ps_procs import wait_for_health
-from ps_server.client import PSClient, RetryPolicy
-from ps_server.errors import InvalidArgument, TableExists, TableNotFound, Unavailable
+from dynemb.ps_server.client import PSClient, RetryPolicy
+from dynemb.ps_server.errors import InvalidArgument, TableExists, TableNotFound, Unavailable
 
 
 @pytest.fixture
@@ -180,7 +180,7 @@ def test_redis_refuses_auth(redis_auth, make_ps):
 
 def test_import_into_a_table_of_another_schema_fails_cleanly(stored):
     ps, _, table, ids, rows = stored
-    from ps_server.schema import TableSchema
+    from dynemb.ps_server.schema import TableSchema
 
     clash = TableSchema(table, dim=5, state_width=2)
     drawn = []
@@ -201,8 +201,8 @@ def test_an_import_whose_stream_fails_stops_reading_its_source(make_ps):
     """The PS refuses a chunk mid-import (its table was dropped and re-created with another
     schema under the stream): the client stops drawing from the source instead of reading it
     to the end, and says why."""
-    from ps_server.errors import PSError
-    from ps_server.schema import TableSchema
+    from dynemb.ps_server.errors import PSError
+    from dynemb.ps_server.schema import TableSchema
 
     proc = make_ps()
     schema = TableSchema("midway", dim=4)
@@ -384,7 +384,7 @@ def test_a_call_past_its_deadline_says_so_by_its_code(make_ps):
     import os
     import signal
 
-    from ps_server.errors import DeadlineExceeded
+    from dynemb.ps_server.errors import DeadlineExceeded
 
     proc = make_ps()
     with PSClient(proc.address, timeout=30) as ps:

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dynemb.local import REPO
-from dynemb.local_redis import free_port, make_tls_files
-from protos import ps_pb2, ps_pb2_grpc
-from ps_server.client import PSClient, RetryPolicy
-from ps_server.errors import TableNotFound, Unauthenticated
+from dynemb.testing.local_ps import REPO
+from dynemb.testing.local_redis import free_port, make_tls_files
+from dynemb.protos import ps_pb2, ps_pb2_grpc
+from dynemb.ps_server.client import PSClient, RetryPolicy
+from dynemb.ps_server.errors import TableNotFound, Unauthenticated
 
 
 def grpcurl() -> str:

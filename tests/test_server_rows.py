@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dynemb.local import LocalPS
-from ps_server.client import PSClient
-from ps_server.hashing import shard_of
-from ps_server.schema import Initializer, TableSchema
+from dynemb.testing.local_ps import LocalPS
+from dynemb.ps_server.client import PSClient
+from dynemb.ps_server.hashing import shard_of
+from dynemb.ps_server.schema import Initializer, TableSchema
 
 DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
@@ -58,7 +58,7 @@ def round_trip(ps: PSClient, table: str, dtype: str, n: int = 3000, seed: int = 
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "bytes"])
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
 def test_round_trip_embedded(embedded_ps, dtype, shared_memory):
-    # rows through shared memory (the default on one host, ps_server/shm.py) and as bytes
+    # rows through shared memory (the default on one host, dynemb/ps_server/shm.py) and as bytes
     with PSClient(embedded_ps.address, shared_memory=shared_memory) as ps:
         round_trip(ps, f"rt_{dtype}_{shared_memory}", dtype)
         assert (ps._pools[0] is not None) == shared_memory

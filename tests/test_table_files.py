@@ -1,4 +1,4 @@
-"""Portable table files (trainer/table_files.py) and `dynemb checkpoint export|import`, against
+"""Portable table files (dynemb/trainer/table_files.py) and `dynemb checkpoint export|import`, against
 real PS processes: embedded → files → Redis-backed, bit for bit; corrupt, truncated and missing
 shards, bad manifests and schema clashes refused before anything is written."""
 
@@ -13,11 +13,11 @@ import uuid
 import numpy as np
 import pytest
 
-from dynemb.local import REPO, LocalPS
-from ps_server.client import PSClient
-from ps_server.errors import TableNotFound
-from ps_server.schema import Initializer, TableSchema
-from trainer.table_files import (
+from dynemb.testing.local_ps import REPO, LocalPS
+from dynemb.ps_server.client import PSClient
+from dynemb.ps_server.errors import TableNotFound
+from dynemb.ps_server.schema import Initializer, TableSchema
+from dynemb.trainer.table_files import (
     MANIFEST,
     Manifest,
     TableFileError,
@@ -176,7 +176,7 @@ def test_truncated_and_missing_shards(redis_client, copy_of):
 def test_a_shard_with_the_right_checksum_but_wrong_tensors(copy_of):
     from safetensors.numpy import save_file
 
-    from trainer.table_files import _sha256
+    from dynemb.trainer.table_files import _sha256
 
     path = copy_of / "part-00000.safetensors"
     save_file({"ids": np.arange(30), "embeddings": np.zeros((30, 5), np.float32),

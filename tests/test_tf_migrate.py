@@ -17,17 +17,17 @@ import numpy as np
 import pytest
 import xxhash
 
-from dynemb.local import REPO
-from ps_server.client import PSClient
-from ps_server.errors import TableNotFound
-from ps_server.initializer import float_to_bf16_bits
-from ps_server.schema import Initializer
+from dynemb.testing.local_ps import REPO
+from dynemb.ps_server.client import PSClient
+from dynemb.ps_server.errors import TableNotFound
+from dynemb.ps_server.initializer import float_to_bf16_bits
+from dynemb.ps_server.schema import Initializer
 from tf_fixture_values import FIXTURES, Known
-from trainer.table_files import TableReader
-from trainer.tf import migrate
-from trainer.tf.bundle import Bundle
-from trainer.tf.errors import CheckpointError
-from trainer.tf.source import open_source
+from dynemb.trainer.table_files import TableReader
+from dynemb.trainer.tf import migrate
+from dynemb.trainer.tf.bundle import Bundle
+from dynemb.trainer.tf.errors import CheckpointError
+from dynemb.trainer.tf.source import open_source
 
 FIX = Path(__file__).parent / "fixtures" / "tf"
 

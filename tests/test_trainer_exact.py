@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer.config import DataConfig, TableConfig, TrainConfig
-from trainer.train import train
+from dynemb.trainer.config import DataConfig, TableConfig, TrainConfig
+from dynemb.trainer.train import train
 
 
 def config(optimizer: str, dynamic: bool, **extra) -> TrainConfig:
@@ -49,7 +49,7 @@ def test_two_torchrun_ranks_train_exactly_like_full_tables(optimizer, ps, tmp_pa
     model's."""
     from test_sharded_idtransformer import torchrun
 
-    from dynemb.local import LocalPS
+    from dynemb.testing.local_ps import LocalPS
 
     worker = Path(__file__).parent / "dist" / "trainer_exact_worker.py"
     with contextlib.ExitStack() as stack:

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from idtransformer.transformer import IDTransformer, TooManyIDs
-from trainer.config import DataConfig
-from trainer.data import BadLine, criteo_tsv_batches
+from dynemb.idtransformer.transformer import IDTransformer, TooManyIDs
+from dynemb.trainer.config import DataConfig
+from dynemb.trainer.data import BadLine, criteo_tsv_batches
 
 BACKENDS = pytest.mark.parametrize("backend", ["kernel", "torch"])
 INT64 = torch.iinfo(torch.int64)
@@ -106,7 +106,7 @@ def test_a_batch_whose_ids_are_all_missing_trains(tmp_path):
 
 
 def _train(*flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainer", "--dim", "8", "--dense-arch", "16,8", "--no-progress",
+    return subprocess.run([sys.executable, "-m", "dynemb.trainer", "--dim", "8", "--dense-arch", "16,8", "--no-progress",
                            *flags], capture_output=True, text=True, timeout=300)
 
 

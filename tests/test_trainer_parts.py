@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.config import DataConfig, TableConfig, TrainConfig, add_arguments, from_args
-from trainer.data import SyntheticCriteo, criteo_tsv_batches, parse_criteo_line
+from dynemb.trainer.config import DataConfig, TableConfig, TrainConfig, add_arguments, from_args
+from dynemb.trainer.data import SyntheticCriteo, criteo_tsv_batches, parse_criteo_line
 
 
 def parse(*argv: str) -> TrainConfig:
@@ -110,7 +110,7 @@ def test_synthetic_batches_are_reproducible_and_learnable():
 def test_the_synthetic_data_is_learned():
     """The README's main job, shortened and with full tables: the held-out AUC says the model
     learned the labels' dependence on the dense features and on each ID's hidden score."""
-    from trainer.train import train
+    from dynemb.trainer.train import train
 
     cfg = TrainConfig(table=TableConfig(dynamic=False), steps=150, eval_batches=8, progress=False)
     result = train(cfg)
@@ -122,8 +122,8 @@ def test_training_serves_metrics_per_rank():
     """A short run with --metrics-port: the rank's /metrics has the dynamic-table counters."""
     import threading
 
-    from dynemb.local_redis import free_port
-    from trainer.train import train
+    from dynemb.testing.local_redis import free_port
+    from dynemb.trainer.train import train
 
     port = free_port()
     # room for the 4 batches in flight at a transform (the pipeline's 3 and one transformed ahead)
@@ -163,7 +163,7 @@ def test_training_serves_metrics_per_rank():
 
 
 def test_row_sparse_adam_is_lazy_adam_on_fbgemm_cpu_tables():
-    """trainer/sparse_adam.py on a real FBGEMM CPU TBE (two tables, one looked up by two
+    """dynemb/trainer/sparse_adam.py on a real FBGEMM CPU TBE (two tables, one looked up by two
     features, repeated rows) against Adam written out with autograd: the rows a batch used
     move as Adam moves them, the others stay, moments included."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -171,7 +171,7 @@ def test_row_sparse_adam_is_lazy_adam_on_fbgemm_cpu_tables():
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
         ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
 
-    from trainer.sparse_adam import RowSparseAdam
+    from dynemb.trainer.sparse_adam import RowSparseAdam
 
     rows, dim, batch, lr = (12, 7), 4, 5, 0.05
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
@@ -233,7 +233,7 @@ def test_dynemb_train_on_a_criteo_tsv_file(tmp_path):
     f.write_text("".join(lines))
     out = tmp_path / "result.json"
     run = subprocess.run(
-        [sys.executable, "-m", "trainer", "--source", str(f), "--batch-size", "64", "--steps", "12",
+        [sys.executable, "-m", "dynemb.trainer", "--source", str(f), "--batch-size", "64", "--steps", "12",
          "--capacity", "200", "--dim", "8", "--dense-arch", "16,8", "--eval-fraction", "0.2",
          "--no-progress", "--result-json", str(out)],
         capture_output=True, text=True, timeout=300,
@@ -249,7 +249,7 @@ def test_train_cli_names_bad_settings():
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-m", "trainer", "--optimizer", "lamb"], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-m", "dynemb.trainer", "--optimizer", "lamb"], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 2 and "optimizer 'lamb' is not one of" in run.stderr
 
@@ -257,10 +257,10 @@ def test_train_cli_names_bad_settings():
 def test_per_table_settings_from_a_file(tmp_path):
     import torch.distributed as dist
 
-    from trainer.model import build
-    from trainer.table_rows import find_tables
-    from trainer.train import init_distributed, make_dynamic
-    from trainer.row_store import LocalRowStore
+    from dynemb.trainer.model import build
+    from dynemb.trainer.table_rows import find_tables
+    from dynemb.trainer.train import init_distributed, make_dynamic
+    from dynemb.trainer.row_store import LocalRowStore
 
     f = tmp_path / "run.yaml"
     f.write_text("data: {num_sparse: 3, universe: 1000}\ntable: {dim: 8, capacity_fraction: 0.1}\n"
@@ -274,7 +274,7 @@ def test_per_table_settings_from_a_file(tmp_path):
         rows = {name: r.local_rows for name, r in find_tables(built.model).items()}
         assert rows == {"t_0": 100, "t_1": 40, "t_2": 100}
         assert built.schemas["t_2"].initializer.b == 0.5 and built.schemas["t_0"].initializer.b == pytest.approx(8 ** -0.5)
-        dyn = make_dynamic(cfg, built, LocalRowStore(), __import__("trainer.metrics").metrics.TrainerMetrics(0))
+        dyn = make_dynamic(cfg, built, LocalRowStore(), __import__("dynemb.trainer.metrics").trainer.metrics.TrainerMetrics(0))
         assert dyn.specs["t_1"].policy.kind == "lru" and dyn.specs["t_1"].admit_threshold == 2
         assert dyn.specs["t_0"].policy.kind == "hybrid" and dyn.specs["t_0"].admit_threshold == 1
     finally:

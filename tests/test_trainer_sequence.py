@@ -16,13 +16,13 @@ from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterCons
 from torchrec.distributed.types import ShardingType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-from idtransformer.policy import EvictionPolicy
-from ps_server.initializer import initial_rows
-from ps_server.schema import Initializer, TableSchema
-from trainer.dynamic import DynamicTables, DynamicTableSpec
-from trainer.row_store import LocalRowStore
-from trainer.table_rows import find_tables
-from trainer.train import init_distributed
+from dynemb.idtransformer.policy import EvictionPolicy
+from dynemb.ps_server.initializer import initial_rows
+from dynemb.ps_server.schema import Initializer, TableSchema
+from dynemb.trainer.dynamic import DynamicTables, DynamicTableSpec
+from dynemb.trainer.row_store import LocalRowStore
+from dynemb.trainer.table_rows import find_tables
+from dynemb.trainer.train import init_distributed
 
 UNIVERSE, DIM, FEATURES = 500, 4, ["clicks", "views"]
 

@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from idtransformer.many import ManyResult, release_many, release_many_flat, transform_many
-from idtransformer.policy import EvictionPolicy
-from idtransformer.transformer import IDTransformer
+from dynemb.idtransformer.many import ManyResult, release_many, release_many_flat, transform_many
+from dynemb.idtransformer.policy import EvictionPolicy
+from dynemb.idtransformer.transformer import IDTransformer
 
 BASES = [0, 1000, 70, 5000]
 
@@ -154,7 +154,7 @@ def test_a_release_refused_by_one_table_releases_the_others():
 def one_process_group():
     import torch.distributed as dist
 
-    from trainer.train import init_distributed
+    from dynemb.trainer.train import init_distributed
 
     created = init_distributed()
     yield
@@ -166,7 +166,7 @@ def one_process_group():
 def test_share_results_release_whole_or_per_table(one_process_group, order):
     """transform_blocks' ShareResults: the per-table results, made when first looked at, and one
     release of all tables at once agree on what is pinned; a second release is refused either way."""
-    from idtransformer.sharded import ShardedIDTransformer, ShareResults, release_tables, transform_blocks
+    from dynemb.idtransformer.sharded import ShardedIDTransformer, ShareResults, release_tables, transform_blocks
 
     tables = [ShardedIDTransformer(16) for _ in range(3)]
     ids, sizes = torch.tensor([1, 2, 2, 3, 4, 5, 5, 5, 6]), [4, 4, 1]

@@ -1,4 +1,4 @@
-"""TransformStream (idtransformer/stream.py): a stream of sharded transforms with one exchange
+"""TransformStream (dynemb/idtransformer/stream.py): a stream of sharded transforms with one exchange
 per batch gives what transform_tables gives batch by batch, with real torchrun ranks; a rank
 that runs out first ends the stream for all; a refused batch is raised on every rank."""
 
@@ -29,7 +29,7 @@ def test_a_stream_agrees_with_transform_tables_on_every_rank(world, policy):
 
 @pytest.fixture
 def one_rank():
-    from trainer.train import init_distributed
+    from dynemb.trainer.train import init_distributed
 
     created = init_distributed()
     yield
@@ -43,7 +43,7 @@ def test_on_one_rank_the_message_goes_to_the_rank_itself(one_rank):
 
 
 def test_the_protocol_is_kept(one_rank):
-    from idtransformer.stream import TransformStream
+    from dynemb.idtransformer.stream import TransformStream
 
     ts = worker.tables(2, 100, "lru")
     stream = TransformStream(ts)

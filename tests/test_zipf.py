@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trainer.zipf import BoundedZipf
+from dynemb.trainer.zipf import BoundedZipf
 
 
 @pytest.mark.parametrize("s,n", [(1.05, 10), (0.6, 7), (1.0, 12), (2.5, 6), (1.05, 100_000)])

@@ -19,10 +19,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from test_trainer_exact import config  # noqa: E402
 
-from trainer.checkpoint_format import CheckpointError  # noqa: E402
-from trainer.row_store import LocalRowStore  # noqa: E402
-from trainer.table_files import TableWriter  # noqa: E402
-from trainer.train import train  # noqa: E402
+from dynemb.trainer.checkpoint_format import CheckpointError  # noqa: E402
+from dynemb.trainer.row_store import LocalRowStore  # noqa: E402
+from dynemb.trainer.table_files import TableWriter  # noqa: E402
+from dynemb.trainer.train import train  # noqa: E402
 
 
 def no_space(self, *args, **kwargs):

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from test_trainer_exact import config  # noqa: E402
 
-from trainer.train import train  # noqa: E402
+from dynemb.trainer.train import train  # noqa: E402
 
 
 def main() -> None:

@@ -24,14 +24,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: E402
 
-from idtransformer.hashing import owner_of  # noqa: E402
-from idtransformer.policy import EvictionPolicy  # noqa: E402
-from idtransformer.sharded import BatchRefused  # noqa: E402
-from idtransformer.transformer import TooManyIDs  # noqa: E402
-from ps_server.initializer import initial_rows  # noqa: E402
-from ps_server.schema import Initializer, TableSchema  # noqa: E402
-from trainer.dynamic import DynamicTables, DynamicTableSpec  # noqa: E402
-from trainer.table_rows import TableRows  # noqa: E402
+from dynemb.idtransformer.hashing import owner_of  # noqa: E402
+from dynemb.idtransformer.policy import EvictionPolicy  # noqa: E402
+from dynemb.idtransformer.sharded import BatchRefused  # noqa: E402
+from dynemb.idtransformer.transformer import TooManyIDs  # noqa: E402
+from dynemb.ps_server.initializer import initial_rows  # noqa: E402
+from dynemb.ps_server.schema import Initializer, TableSchema  # noqa: E402
+from dynemb.trainer.dynamic import DynamicTables, DynamicTableSpec  # noqa: E402
+from dynemb.trainer.table_rows import TableRows  # noqa: E402
 
 TABLES = {"a": 16, "b": 16, "c": 12}  # rows per rank
 DIM, UNIVERSE = 4, 300
@@ -181,7 +181,7 @@ class Scenario:
 
 
 def main() -> None:
-    from trainer.row_store import RemoteRowStore
+    from dynemb.trainer.row_store import RemoteRowStore
 
     import faulthandler
 
@@ -190,7 +190,7 @@ def main() -> None:
     rank = dist.get_rank()
     ps = None
     if rank == 0:
-        from dynemb.local import LocalPS
+        from dynemb.testing.local_ps import LocalPS
 
         ps = LocalPS("--log-level", "WARNING").start()
     address = [ps.address if ps else None]

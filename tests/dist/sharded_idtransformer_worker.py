@@ -11,11 +11,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from idtransformer.hashing import owner_of  # noqa: E402
-from idtransformer.policy import EvictionPolicy  # noqa: E402
-from idtransformer.sharded import BatchRefused, ShardedIDTransformer, transform_tables  # noqa: E402
-from idtransformer.transformer import IDTransformer  # noqa: E402
-from trainer.collectives import all_gather_ragged  # noqa: E402
+from dynemb.idtransformer.hashing import owner_of  # noqa: E402
+from dynemb.idtransformer.policy import EvictionPolicy  # noqa: E402
+from dynemb.idtransformer.sharded import BatchRefused, ShardedIDTransformer, transform_tables  # noqa: E402
+from dynemb.idtransformer.transformer import IDTransformer  # noqa: E402
+from dynemb.trainer.collectives import all_gather_ragged  # noqa: E402
 
 CAPACITY = 48
 

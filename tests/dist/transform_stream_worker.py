@@ -13,9 +13,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from idtransformer.policy import EvictionPolicy  # noqa: E402
-from idtransformer.sharded import BatchRefused, ShardedIDTransformer, release_tables, transform_tables  # noqa: E402
-from idtransformer.stream import TransformStream  # noqa: E402
+from dynemb.idtransformer.policy import EvictionPolicy  # noqa: E402
+from dynemb.idtransformer.sharded import BatchRefused, ShardedIDTransformer, release_tables, transform_tables  # noqa: E402
+from dynemb.idtransformer.stream import TransformStream  # noqa: E402
 
 IN_FLIGHT = 2  # batches pinned at a transform, as with the trainer's pipeline
 

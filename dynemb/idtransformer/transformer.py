@@ -1,0 +1,398 @@
+"""IDTransformer: global int64 IDs → slots [0, capacity) of a bounded table, batch by batch.
+
+    t = IDTransformer(capacity=1_000_000, policy=EvictionPolicy("hybrid"), admit_threshold=2)
+    out = t.transform(ids)          # ids: int64 tensor, any shape, CPU or CUDA
+    out.slots                       # same shape; -1 where an ID was not admitted (yet)
+    out.admitted_ids/_slots         # new residents: pull their rows (or initialise them)
+    out.evicted_ids/_slots          # gone: push their rows before the slots are reused
+    t.release(out.slots)            # with transform(..., pin=True): the batch is done
+
+Every distinct ID of a batch gets its own slot in the same call; a batch with more
+distinct IDs than the table holds is refused. When the table is full, a fraction of it
+(policy.evict_fraction) is freed at once, lowest policy scores first (see policy.py),
+never a slot the current batch uses or one pinned by a batch still in flight.
+
+State per slot, one 16-byte record: the ID it holds (int64) and a `meta` word: last access
+step (int32, -1 = free), log frequency counter (uint8), pin count (uint8), and 16 bits the
+kernel uses within a call; `slot_id`, `last_access`, `freq` and `pins` are views of it.
+Plus the id → slot map (slot_map.py), 16 bytes per slot: 32 bytes per slot in all.
+
+Two backends with identical results (the tests compare them call by call): on CPU a
+compiled kernel (csrc/slot_map.cpp) does a batch in two passes (lookup, then admit); the
+torch-ops version (for CUDA, or backend="torch") does the same in bulk tensor ops: on
+CUDA about a dozen host syncs per batch whatever its size or the table's state (for the
+sizes of the outputs, which the caller moves to and from the PS from the host anyway), none
+per ID or per probe step (bench/idtransformer_bench.py --device cuda counts them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dynemb.idtransformer.admission import CountMinSketch
+from dynemb.idtransformer.ids import as_int64_ids
+from dynemb.idtransformer.policy import EvictionPolicy
+from dynemb.idtransformer.slot_map import COIN_SEED, MAP_SEED, coin, make_slot_map
+
+FREE = -1
+_MAX_PINS = 255
+_MAX_HITS = 0xFFFF  # the kernel counts a batch's sightings of an ID in 16 bits
+_KIND_CODE = {"lru": 0, "lfu": 1, "hybrid": 2}
+# the kernel's status codes (csrc/slot_map.cpp): lookup's, admit's besides movable >= 0, pin's
+_LOOKUP_DONE, _LOOKUP_PINS_FULL = 0, 1
+_ADMITTED, _PIN_REFUSED = -1, -2
+_PIN_APPLIED, _PIN_OUT_OF_RANGE, _SLOT_OUT_OF_RANGE = 0, 1, 2
+_PINS_FULL = f"a slot is pinned by {_MAX_PINS} batches in flight: release finished batches"
+_NOT_PINNED = "release of slots that are not pinned (released twice?)"
+
+
+@dataclass
+class TransformResult:
+    slots: torch.Tensor
+    admitted_ids: torch.Tensor
+    admitted_slots: torch.Tensor
+    evicted_ids: torch.Tensor
+    evicted_slots: torch.Tensor
+    rejected_ids: torch.Tensor  # seen, but below the admission threshold: no slot yet
+    # how many of the batch's IDs (sightings) were resident before the call: a 0-dim tensor
+    # on the transformer's device (int() it when needed; on CUDA that is a sync)
+    hits: torch.Tensor | int = 0
+    # every slot the batch uses, once (resident ones seen, then the admitted): what pin holds
+    distinct_slots: torch.Tensor | None = None
+
+
+class TooManyIDs(ValueError):
+    """A batch with more distinct IDs than the table has slots: it cannot be placed at all."""
+
+
+class NoRoom(RuntimeError):
+    """Not enough slots free or evictable for a batch's new IDs (the rest are in use or pinned)."""
+
+
+def too_many_ids(distinct: int, capacity: int) -> TooManyIDs:
+    return TooManyIDs(
+        f"batch has {distinct} distinct IDs but the table holds {capacity}: use a larger capacity or smaller batches"
+    )
+
+
+def _no_room(need: int, free: int, movable: int) -> NoRoom:
+    return NoRoom(
+        f"no room: {need} new IDs, {free} free slots, and only {movable} slots that are "
+        f"neither used by this batch nor pinned by one in flight (release finished batches)"
+    )
+
+
+def _lowest(scores: torch.Tensor, n: int) -> torch.Tensor:
+    """Indices of the n lowest scores in ascending order, ties going to the lowest index (so
+    CPU and CUDA agree; topk's tie order differs between them). On CPU a k-th-value cut (O(C));
+    on CUDA a stable radix sort, about ten times faster there than kthvalue."""
+    if scores.is_cuda:
+        return torch.sort(torch.sort(scores, stable=True).indices[:n]).values
+    kth = torch.kthvalue(scores, n).values
+    below = scores < kth
+    at = scores == kth
+    take_at = at & (torch.cumsum(at, 0) <= n - below.sum())
+    return torch.nonzero(below | take_at).squeeze(1)
+
+
+class IDTransformer:
+    def __init__(
+        self,
+        capacity: int,
+        policy: EvictionPolicy = EvictionPolicy(),
+        admit_threshold: int = 1,
+        sketch_width: int = 1 << 20,
+        sketch_depth: int = 4,
+        device: torch.device | str = "cpu",
+        backend: str = "auto",
+    ) -> None:
+        """backend: "auto" (the compiled kernel on CPU, torch ops elsewhere), "kernel" or "torch"."""
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if admit_threshold < 1:
+            raise ValueError(f"admit_threshold must be >= 1, got {admit_threshold}")
+        self.capacity, self.policy, self.admit_threshold = capacity, policy, admit_threshold
+        self.device = dev = torch.device(device)
+        if backend == "auto":
+            backend = "kernel" if dev.type == "cpu" else "torch"
+        self.backend = backend
+        # one 16-byte record per slot: (id, meta); the rest are views of it (little-endian
+        # meta: bytes 0-3 last access, 4 freq, 5 pins)
+        if backend == "kernel":  # read at random: on 2 MiB pages (see the kernel's huge_empty)
+            from dynemb.idtransformer.kernel import ops
+
+            self.records = ops().huge_empty([capacity, 2], torch.int64).zero_()
+        else:
+            self.records = torch.zeros(capacity, 2, dtype=torch.int64, device=dev)
+        self.slot_id = self.records[:, 0]
+        self.meta = self.records[:, 1]
+        self.meta.fill_(0xFFFFFFFF)  # last access -1: free
+        self.last_access = self.records.view(torch.int32)[:, 2]
+        self.freq = self.records.view(torch.uint8)[:, 12]
+        self.pins = self.records.view(torch.uint8)[:, 13]
+        self.map = make_slot_map(capacity, self.records, backend)
+        self.sketch = CountMinSketch(sketch_width, sketch_depth, dev) if admit_threshold > 1 else None
+        self.step = 0
+        self.resident = 0
+
+    def __len__(self) -> int:
+        return self.resident
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of per-slot state, map included (the admission sketch is fixed-size, apart)."""
+        return self.records.numel() * 8 + self.map.nbytes
+
+    # -- the batched call --------------------------------------------------------
+
+    def transform(self, ids: torch.Tensor, pin: bool = False) -> TransformResult:
+        """Map a batch of IDs to slots (see the module's docstring); with pin, every slot the
+        batch uses gets one more pin, held until release().
+
+        Refusals:
+        - TooManyIDs (more distinct IDs than slots): nothing changed.
+        - with pin, RuntimeError "a slot is pinned by 255 batches in flight" when a resident ID
+          of the batch has a slot at 255 pins already: checked before anything else, so the
+          call changes nothing (same map, counters, pins, admission sketch and step as before
+          it; nothing admitted or evicted). Release finished batches and call again.
+        - NoRoom (the new IDs do not fit beside the slots in use or pinned): nothing admitted
+          or evicted, but the batch was seen (its resident IDs touched, the sketch counted
+          it, the step advanced).
+        """
+        ids = as_int64_ids(ids)
+        self._check_step()
+        flat = ids.reshape(-1).to(self.device)
+        if flat.numel() > self.capacity:  # only then can it hold too many distinct IDs
+            distinct = torch.unique(flat).numel()
+            if distinct > self.capacity:
+                raise too_many_ids(distinct, self.capacity)
+        # 1. Hits get their slot and a touch (last_access = step marks them in use); the k-th
+        #    distinct missing ID (in order of first sighting) gets -(k + 2) for now. With pin,
+        #    a hit whose slot is at 255 pins refuses the batch here, with nothing changed (the
+        #    new IDs would start at 0 pins: only the hits can be full).
+        slots, new_ids, new_counts, seen, hits = self._lookup(flat, pin)
+        try:
+            # 2. Admission (admit None: all admitted; the kernel needs no flags for that).
+            if self.sketch is not None and len(new_ids):
+                admit = self.sketch.add(new_ids, new_counts) >= self.admit_threshold
+            elif self.backend == "kernel":
+                admit = None
+            else:
+                admit = torch.ones_like(new_ids, dtype=torch.bool)
+            # 3. Room (eviction), slots for the admitted, placeholders replaced; with pin, the
+            #    kernel also pins the batch's slots (checked in step 1: none is at 255).
+            admitted, admitted_slots, evicted_ids, evicted_slots, distinct, pinned = self._admit(
+                slots, new_ids, admit, seen, pin)
+            self.resident += len(admitted) - len(evicted_ids)
+            if pin and not pinned:
+                self.pins[distinct] += 1
+        finally:
+            # even a batch refused for want of room was seen: its resident IDs were touched
+            self.step += 1
+        rejected = new_ids[:0] if admit is None else new_ids[~admit]
+        return TransformResult(slots.reshape(ids.shape), admitted, admitted_slots, evicted_ids, evicted_slots,
+                               rejected, hits, distinct)
+
+    def _check_step(self) -> None:
+        if self.step >= (1 << 31) - 1:
+            raise OverflowError("the transformer's step counter is at 2^31 - 1 (last_access is int32)")
+
+    def _lookup(self, flat: torch.Tensor, pin: bool) -> tuple[torch.Tensor, ...]:
+        """(slots with placeholders, new ids, their counts, resident slots seen, hits); with
+        pin, raises the pins-full error before changing anything when a hit's slot is at 255."""
+        p = self.policy
+        if self.backend == "kernel":
+            *out, status = self.map.ops.lookup(
+                self.map.entries, self.records, flat, self.step, MAP_SEED, COIN_SEED,
+                -1.0 if p.kind == "lru" else p.log_factor, p.initial_freq, p.decay_steps if p.kind == "hybrid" else 0,
+                pin,
+            )
+            if status == _LOOKUP_PINS_FULL:  # the kernel put back what it had touched
+                raise RuntimeError(_PINS_FULL)
+            return tuple(out)
+        uniq, inverse, counts = torch.unique(flat, return_inverse=True, return_counts=True)
+        slots = self.map.find(uniq)
+        hit = slots >= 0
+        s = slots[hit]
+        if pin and bool((self.pins[s] == _MAX_PINS).any()):  # before any change
+            raise RuntimeError(_PINS_FULL)
+        if p.kind != "lru":
+            f = self.freq[s]
+            if p.kind == "hybrid":
+                idle = self.step - self.last_access[s].to(torch.int64)
+                f = (f.to(torch.int64) - idle // p.decay_steps).clamp(min=0).to(torch.uint8)
+            self.freq[s] = p.bump(f, counts[hit].clamp(max=_MAX_HITS), coin(uniq[hit], self.step))
+        self.last_access[s] = self.step
+        seen = s.clone()
+        # the missing in order of first sighting, as the kernel's single pass meets them
+        n = flat.numel()
+        first = torch.full_like(uniq, n).scatter_reduce_(0, inverse, torch.arange(n, device=flat.device), "amin")
+        missing = torch.nonzero(~hit).squeeze(1)
+        missing = missing[torch.argsort(first[missing])]
+        k = torch.empty_like(uniq)
+        k[missing] = torch.arange(len(missing), device=flat.device)
+        slots = torch.where(hit, slots, -(k + 2))[inverse]
+        return slots, uniq[missing], counts[missing].to(torch.int32), seen, (slots >= 0).sum()
+
+    def _admit(self, slots: torch.Tensor, new_ids: torch.Tensor, admit: torch.Tensor | None, seen: torch.Tensor,
+               pin: bool):
+        """(admitted ids, their slots, evicted ids, their slots, distinct slots, pinned: whether
+        the distinct slots were pinned here, as the kernel does with pin)."""
+        p = self.policy
+        evict_min = int(p.evict_fraction * self.capacity)
+        if self.backend == "kernel":
+            *out, status = self.map.ops.admit(
+                self.map.entries, self.records, slots, new_ids, admit, seen, pin, self.step, self.resident,
+                MAP_SEED, _KIND_CODE[p.kind], -1 if p.ttl_steps is None else p.ttl_steps, p.decay_steps,
+                p.initial_freq, evict_min,
+            )
+            if status >= 0:  # no room: nothing changed
+                need = len(new_ids) if admit is None else int(admit.sum())
+                raise _no_room(need, self.capacity - self.resident, status)
+            if status == _PIN_REFUSED:  # nothing changed; lookup with pin refuses such a batch first
+                raise RuntimeError(_PINS_FULL)
+            return (*out, pin)
+        admitted = new_ids[admit]
+        evicted_ids, evicted_slots = self._make_room(len(admitted), evict_min)
+        free = torch.nonzero(self.last_access == FREE).squeeze(1)[: len(admitted)]
+        self.slot_id[free] = admitted
+        self.map.insert(admitted, free)
+        self.last_access[free] = self.step
+        self.freq[free] = p.initial_freq
+        new_slots = torch.full_like(new_ids, -1)
+        new_slots.masked_scatter_(admit, free)  # (no host sync, unlike a boolean index_put)
+        if len(new_ids):
+            slots.copy_(torch.where(slots < 0, new_slots[(-(slots + 2)).clamp(min=0)], slots))
+        return admitted, free, evicted_ids, evicted_slots, torch.cat([seen, free]), False
+
+    def _make_room(self, need: int, evict_min: int) -> tuple[torch.Tensor, torch.Tensor]:
+        free = self.capacity - self.resident
+        if need <= free:
+            empty = torch.zeros(0, dtype=torch.int64, device=self.device)
+            return empty, empty
+        # not movable: free slots, slots this batch uses (touched at this step), pinned slots
+        movable = (self.last_access != FREE) & (self.last_access != self.step) & (self.pins == 0)
+        n_movable = int(movable.sum())
+        short = need - free
+        if n_movable < short:
+            raise _no_room(need, free, n_movable)
+        scores = self.policy.scores(self.last_access, self.freq, self.step)
+        scores = torch.where(movable, scores, torch.iinfo(torch.int64).max)
+        return self._evict(_lowest(scores, min(n_movable, max(short, evict_min))))
+
+    def _evict(self, victims: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        evicted = self.slot_id[victims]
+        self.map.erase(evicted, victims)
+        self.last_access[victims] = FREE
+        return evicted, victims
+
+    def _pin(self, held: torch.Tensor) -> None:
+        """held: distinct slots; all get one more pin or, when one is at 255, none does."""
+        if self.backend == "kernel":
+            self._kernel_pin(held, 1, RuntimeError(_PINS_FULL))
+            return
+        if bool((self.pins[held] == _MAX_PINS).any()):
+            raise RuntimeError(_PINS_FULL)
+        self.pins[held] += 1
+
+    def _kernel_pin(self, held: torch.Tensor, delta: int, refused: Exception) -> None:
+        """The kernel checks every count first and changes nothing when one would pass 255 or go
+        below 0 (it returns a code rather than throw across into Python)."""
+        error = self._pin_error(self.map.ops.pin(self.records, held, delta), refused)
+        if error is not None:
+            raise error
+
+    def _pin_error(self, status: int, refused: Exception) -> Exception | None:
+        """What the kernel's pin status means: None (applied), refused, or a slot out of range."""
+        if status == _PIN_OUT_OF_RANGE:
+            return refused
+        if status == _SLOT_OUT_OF_RANGE:  # as the torch path's indexing would refuse it
+            return IndexError(f"slot out of range for a table of {self.capacity} slots")
+        return None
+
+    def release(self, slots: torch.Tensor, distinct: bool = False) -> None:
+        """Unpin the slots of a batch transformed with pin=True: its slots (each distinct one
+        is released once), or its result's distinct_slots with distinct=True."""
+        held = slots.reshape(-1).to(self.device)
+        if not distinct:
+            held = torch.unique(held)
+            held = held[held >= 0]
+        if self.backend == "kernel":
+            self._kernel_pin(held, -1, ValueError(_NOT_PINNED))
+            return
+        if bool((self.pins[held] == 0).any()):
+            raise ValueError(_NOT_PINNED)
+        self.pins[held] -= 1
+
+    def expire(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Evict now every unpinned ID idle longer than policy.ttl_steps: (ids, slots)."""
+        if self.policy.ttl_steps is None:
+            raise ValueError("this transformer's policy has no ttl_steps")
+        idle = self.step - self.last_access.to(torch.int64)
+        gone = (self.last_access != FREE) & (idle > self.policy.ttl_steps) & (self.pins == 0)
+        evicted = self._evict(torch.nonzero(gone).squeeze(1))
+        self.resident -= len(evicted[0])
+        return evicted
+
+    # -- state -------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        slots = torch.nonzero(self.last_access != FREE).squeeze(1)
+        state = {
+            "capacity": self.capacity,
+            "step": self.step,
+            "slots": slots.cpu(),
+            "ids": self.slot_id[slots].cpu(),
+            "last_access": self.last_access.cpu().clone(),
+            "freq": self.freq.cpu().clone(),
+            "pins": self.pins.cpu().clone(),
+        }
+        if self.sketch is not None:
+            state["sketch"] = self.sketch.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["capacity"] != self.capacity:
+            raise ValueError(f"state is of a table of {state['capacity']} slots, this one has {self.capacity}")
+        _check_state(state)
+        dev = self.device
+        slots, ids = state["slots"].to(dev), state["ids"].to(dev)
+        self.step = int(state["step"])
+        self.slot_id.zero_()
+        self.slot_id[slots] = ids
+        self.meta.zero_()
+        self.last_access.copy_(state["last_access"].to(dev))
+        self.freq.copy_(state["freq"].to(dev))
+        self.pins.copy_(state["pins"].to(dev))
+        self.resident = len(slots)
+        self.map = make_slot_map(self.capacity, self.records, self.backend)
+        self.map.insert(ids, slots)
+        if self.sketch is not None:
+            self.sketch.load_state_dict(state["sketch"])
+
+
+def _check_state(state: dict) -> None:
+    """A state the kernel can trust (its keys assume last access <= step, one ID per slot)."""
+    capacity, step = int(state["capacity"]), int(state["step"])
+    slots, ids, last = state["slots"].cpu(), state["ids"].cpu(), state["last_access"].cpu()
+    if step < 0:
+        raise ValueError(f"state's step is {step}, below 0")
+    if slots.shape != ids.shape or slots.dim() != 1:
+        raise ValueError(f"state has {tuple(slots.shape)} slots but {tuple(ids.shape)} ids")
+    if len(slots) and (int(slots.min()) < 0 or int(slots.max()) >= capacity):
+        raise ValueError(f"state has slots outside [0, {capacity})")
+    if len(torch.unique(slots)) != len(slots) or len(torch.unique(ids)) != len(ids):
+        raise ValueError("state holds a slot or an ID twice")
+    for key in ("last_access", "freq", "pins"):
+        if state[key].shape != (capacity,):
+            raise ValueError(f"state's {key} has shape {tuple(state[key].shape)}, not ({capacity},)")
+    resident = last[slots] if len(slots) else last[:0]
+    if len(slots) and (int(resident.min()) < 0 or int(resident.max()) > step):
+        raise ValueError(f"state has a resident ID last accessed outside steps 0..{step}")
+    free = torch.ones(capacity, dtype=torch.bool)
+    free[slots] = False
+    if bool((last[free] != FREE).any()):
+        raise ValueError("state has a last access on a slot no ID holds")
+

@@ -1,0 +1,44 @@
+"""Stores behind the PS. `open_store(url)` picks one from a URL.
+
+    embedded:// (or empty)        in-process numpy store (the default); rows gone when the PS exits
+    embedded:///path/to/dir       the same, saved to dir on shutdown and loaded from it at start
+    redis://[user:pass@]host:port/db    standalone Redis
+    rediss://...                  the same over TLS
+    redis+cluster://host:port[,host:port...]  Redis Cluster (rediss+cluster:// for TLS)
+"""
+
+from __future__ import annotations
+
+from dynemb.ps_server.backends.base import Store
+
+
+def open_store(url: str = "", *, namespace: str = "dynemb", **options) -> Store:
+    url = (url or "embedded://").strip()
+    scheme = url.split("://", 1)[0].lower() if "://" in url else url.lower()
+    if scheme in ("embedded", "memory"):
+        from dynemb.ps_server.backends.embedded import EmbeddedStore
+
+        path = url.split("://", 1)[1] if "://" in url else ""
+        return EmbeddedStore(path or None)
+    if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix"):
+        from dynemb.ps_server.backends.redis_store import RedisStore
+
+        return RedisStore.from_url(url, namespace=namespace, **options)
+    from dynemb.ps_server.errors import InvalidArgument
+
+    raise InvalidArgument(
+        f"backend URL {_without_password(url)!r}: scheme {scheme!r} is not one of embedded://, redis://, rediss://, "
+        f"redis+cluster://, rediss+cluster://"
+    )
+
+
+def _without_password(url: str) -> str:
+    """The URL for a message: a password in it (scheme://user:password@host) becomes ***."""
+    head, sep, rest = url.partition("://")
+    userinfo, at, hosts = rest.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    return f"{head}{sep}{userinfo.split(':', 1)[0]}:***@{hosts}"
+
+
+__all__ = ["Store", "open_store"]

@@ -1,0 +1,89 @@
+"""The store a PS keeps its rows in. One small API, so backends stay interchangeable.
+
+Every method takes already-validated input (the service checks names, widths and
+byte counts first) and raises ps_server.errors types for what the store itself
+finds wrong (unknown table, schema clash, store unreachable).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator
+
+import numpy as np
+
+from dynemb.ps_server.schema import TableSchema
+
+
+def rows_out(out: np.ndarray | None, n: int, schema: TableSchema) -> np.ndarray:
+    """Where a pull reads n rows to: out, checked, or a new array."""
+    if out is None:
+        return np.empty((n, schema.width), dtype=schema.np_dtype)
+    if out.shape != (n, schema.width) or out.dtype != schema.np_dtype or not out.flags.writeable:
+        raise ValueError(f"pull into a {out.dtype} array of shape {out.shape}: table {schema.name!r} needs a "
+                         f"writable {schema.np_dtype} array of shape {(n, schema.width)}")
+    return out
+
+
+class Store(abc.ABC):
+    #: what Stats reports as the backend ("embedded", "redis", "redis-cluster")
+    kind: str = ""
+
+    @abc.abstractmethod
+    def create_table(self, schema: TableSchema) -> bool:
+        """Create the table; False if it exists with this very schema.
+
+        Raises TableExists if it exists with another schema.
+        """
+
+    @abc.abstractmethod
+    def schema(self, table: str) -> TableSchema:
+        """The table's schema; raises TableNotFound."""
+
+    @abc.abstractmethod
+    def list_tables(self) -> list[TableSchema]:
+        """Every table, sorted by name."""
+
+    @abc.abstractmethod
+    def num_rows(self, table: str) -> int:
+        """Rows stored in the table; raises TableNotFound."""
+
+    @abc.abstractmethod
+    def drop_table(self, table: str) -> int | None:
+        """Remove the table and its rows; returns rows dropped, None if it did not exist."""
+
+    @abc.abstractmethod
+    def pull(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, found): rows of shape (n, width) in the table's dtype, found a bool mask.
+
+        Rows of ids not found are left for the caller to fill (their content is unspecified).
+        out: a writable (n, width) array of the table's dtype to read the rows into (the PS
+        passes the reply message's own bytes); rows is then out.
+        """
+
+    def pull_into(self, table: str, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """pull() into out; returns the positions of the ids not found (their rows unspecified)."""
+        _, found = self.pull(table, ids, out=out)
+        return np.flatnonzero(~found)
+
+    @abc.abstractmethod
+    def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> int:
+        """Write rows (n, width) for ids, overwriting; an id repeated: the last row wins."""
+
+    @abc.abstractmethod
+    def delete(self, table: str, ids: np.ndarray) -> int:
+        """Delete rows; returns how many of the ids were stored."""
+
+    @abc.abstractmethod
+    def export(self, table: str, rows_per_chunk: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Every (ids, rows) of the table in chunks of at most rows_per_chunk."""
+
+    @abc.abstractmethod
+    def clear(self, table: str) -> int:
+        """Delete every row but keep the table; returns rows deleted."""
+
+    def ping(self) -> None:
+        """Raise BackendUnavailable if the store cannot serve requests now."""
+
+    def close(self) -> None:
+        """Release connections and memory."""

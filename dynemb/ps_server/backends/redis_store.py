@@ -1,0 +1,521 @@
+"""The Redis backend: tables in standalone Redis or Redis Cluster, over redis-py + hiredis.
+
+Layout (namespace <ns>, table <t>, bucket number <b>; the braces are literal):
+
+    dn:<ns>:tables             HASH  table name -> JSON {"format", "num_buckets", "schema"}
+    dn:<ns>:<t>:r:{<t>.<b>}    HASH  id as 8 little-endian bytes -> the row's raw bytes
+
+e.g. `dn:ctr:users:r:{users.17}`. A row lives in bucket hashing.bucket_of(id, num_buckets): the
+high bits of xxh64(id, ROW_HASH_SEED) scaled to num_buckets, monotonic in that hash, so the
+client's hash-ordered chunks of a batch each touch their own run of buckets.
+Hashes instead of one key per id: a few thousand keys per table whatever its size, far less
+per-key memory in Redis, and one HMGET/HSET per touched bucket per request. The `{<t>.<b>}`
+hash tag keeps each bucket on one Cluster node while a table's buckets spread over every node.
+`num_buckets` is fixed when a table is created and read back from its metadata, so a PS
+started with another default still finds every row.
+
+Every call reads the table's metadata first (one HGET), so PS processes sharing a namespace
+see each other's creates and drops; parsed metadata is cached by its raw bytes. Requests go
+as one non-transactional pipeline (a few for very large batches) from the client's
+connection pool, so the store is safe to call from many threads.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import itertools
+import json
+import operator
+from collections.abc import Iterator
+from dataclasses import dataclass
+from urllib.parse import parse_qsl, unquote, urlencode
+
+import numpy as np
+import redis
+import redis.cluster
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import RedisClusterException
+from redis.retry import Retry
+
+from dynemb.ps_server.backends.base import Store, rows_out
+from dynemb.ps_server.backends.redis_tls import check_tls_files, untrusted_hint
+from dynemb.ps_server.codec import rows_for_table
+from dynemb.ps_server.errors import (
+    BackendUnavailable,
+    InvalidArgument,
+    PSError,
+    ResourceExhausted,
+    TableExists,
+    TableNotFound,
+)
+from dynemb.ps_server.hashing import bucket_of  # re-exported: bench/raw_redis.py reads the same buckets
+from dynemb.ps_server.schema import TableSchema, check_name
+
+META_FORMAT = 1
+MAX_BUCKETS = 1 << 20
+# One pipeline carries at most this many ids or bytes of rows; bigger batches go as several
+# pipelines in a row, so neither side buffers an unbounded reply.
+PIPELINE_MAX_IDS = 65536
+PIPELINE_MAX_BYTES = 64 << 20
+# Export reads at least this many rows per pipeline.
+EXPORT_READ_ROWS = 16384
+# Counts and deletes a bucket atomically, so clear/drop report exactly what they removed.
+_CLEAR_BUCKET_LUA = "local n = redis.call('HLEN', KEYS[1]) if n > 0 then redis.call('UNLINK', KEYS[1]) end return n"
+
+
+def meta_key(namespace: str) -> bytes:
+    return f"dn:{namespace}:tables".encode()
+
+
+def bucket_keys(namespace: str, table: str, num_buckets: int) -> list[bytes]:
+    """Every bucket's key name, index = bucket number (exactly one `{...}` hash tag each)."""
+    return [f"dn:{namespace}:{table}:r:{{{table}.{b}}}".encode() for b in range(num_buckets)]
+
+
+def id_fields(ids: np.ndarray) -> list[bytes]:
+    """Each id as its 8 little-endian bytes. A 'V8' view keeps trailing NUL bytes ('S8' would drop them)."""
+    return np.ascontiguousarray(ids, dtype="<i8").view("V8").tolist()
+
+
+@dataclass(frozen=True)
+class _TableMeta:
+    raw: bytes  # as stored; the cache key
+    schema: TableSchema
+    num_buckets: int
+    keys: list[bytes]
+
+
+@dataclass(frozen=True)
+class _Groups:
+    """A batch's ids sorted by bucket: ids order[starts[g]:ends[g]] all live in bucket buckets[g]."""
+
+    order: np.ndarray
+    buckets: list[int]
+    starts: list[int]
+    ends: list[int]
+
+    def pipelines(self, per_id_bytes: int) -> Iterator[zip]:
+        """(bucket, start, end) of each group, in runs small enough for one pipeline each
+        (a bucket is never split across pipelines)."""
+        limit = max(1, min(PIPELINE_MAX_IDS, PIPELINE_MAX_BYTES // max(per_id_bytes, 1)))
+        g, n_groups = 0, len(self.starts)
+        while g < n_groups:
+            # the groups that end within `limit` ids of this one's start (ends ascend)
+            stop = max(g + 1, bisect.bisect_right(self.ends, self.starts[g] + limit, lo=g))
+            yield zip(self.buckets[g:stop], self.starts[g:stop], self.ends[g:stop])
+            g = stop
+
+
+def _group_by_bucket(ids: np.ndarray, num_buckets: int) -> _Groups:
+    b = bucket_of(ids, num_buckets)
+    # stable: a repeated id keeps its order inside its bucket's HSET, so its last row wins
+    order = np.argsort(b, kind="stable")
+    sb = b[order]
+    starts = np.flatnonzero(np.concatenate(([True], sb[1:] != sb[:-1]))) if len(sb) else np.zeros(0, np.intp)
+    ends = np.append(starts[1:], len(sb))
+    return _Groups(order, sb[starts].tolist(), starts.tolist(), ends.tolist())
+
+
+def _split_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict]:
+    """`redis+cluster://[user:pass@]h1:p1,h2:p2[/0][?opts]` -> (startup nodes, redis-py kwargs).
+
+    The options (and user/password) are parsed by redis-py's own URL parser, so the query
+    arguments mean what they mean in a redis:// URL.
+    """
+    scheme, rest = url.split("://", 1)
+    tls = scheme.lower() == "rediss+cluster"
+    rest, _, query = rest.partition("?")
+    netloc, _, path = rest.partition("/")
+    userinfo, _, hosts = netloc.rpartition("@")
+    nodes = []
+    for part in filter(None, hosts.split(",")):
+        host, sep, port = part.rpartition(":")
+        if not sep or not port.isdigit():
+            raise InvalidArgument(f"cluster URL node {part!r} must be host:port")
+        nodes.append((unquote(host.strip("[]")), int(port)))
+    if not nodes:
+        raise InvalidArgument("a cluster URL needs at least one host:port, e.g. redis+cluster://10.0.0.1:7000")
+    if path.strip("/") not in ("", "0"):
+        raise InvalidArgument(f"Redis Cluster has only database 0, the URL asks for /{path}")
+    # redis-py's parser on a single-host URL with the same userinfo and query
+    probe = f"{'rediss' if tls else 'redis'}://{userinfo + '@' if userinfo else ''}{hosts.split(',')[0]}/"
+    pairs = parse_qsl(query)
+    if any(k == "db" and v != "0" for k, v in pairs):
+        raise InvalidArgument("Redis Cluster has only database 0, the URL asks for another db")
+    pairs = [(k, v) for k, v in pairs if k != "db"]
+    kwargs = redis.connection.parse_url(probe + ("?" + urlencode(pairs) if pairs else ""))
+    for k in ("host", "port", "db", "connection_class"):
+        kwargs.pop(k, None)
+    if tls:
+        kwargs["ssl"] = True
+    return nodes, kwargs
+
+
+class RedisStore(Store):
+    """Tables in Redis or Redis Cluster (layout: see the module doc). Usually built by from_url()."""
+
+    kind = "redis"
+
+    def __init__(
+        self,
+        client: redis.Redis | redis.cluster.RedisCluster,
+        *,
+        namespace: str = "dynemb",
+        num_buckets: int = 4096,
+        address: str = "",
+        password: str | None = None,
+    ) -> None:
+        check_name(namespace, "namespace")
+        if not isinstance(num_buckets, int) or not 1 <= num_buckets <= MAX_BUCKETS:
+            raise InvalidArgument(f"num_buckets must be an integer in [1, {MAX_BUCKETS}], got {num_buckets!r}")
+        self.client = client
+        self.cluster = isinstance(client, redis.cluster.RedisCluster)
+        self.kind = "redis-cluster" if self.cluster else "redis"
+        self.namespace = namespace
+        self.num_buckets = num_buckets  # for tables created from now on
+        self.address = address or "redis"
+        self._password = password
+        self._meta_key = meta_key(namespace)
+        self._cache: dict[str, _TableMeta] = {}
+
+    # -- construction ------------------------------------------------------------------
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        namespace: str = "dynemb",
+        num_buckets: int = 4096,
+        socket_timeout: float = 10.0,
+        **kw,
+    ) -> "RedisStore":
+        """redis://, rediss://, unix://, redis+cluster://, rediss+cluster:// (see the module doc).
+
+        Extra keywords go to redis-py (ssl_ca_certs=, ssl_cert_reqs=, max_connections=...);
+        `retries` sets how often a request is retried on a dropped connection (default 2).
+        """
+        scheme = url.split("://", 1)[0].lower()
+        retries = int(kw.pop("retries", 2))
+        # short: the PS client retries with its own backoff and deadline
+        retry = kw.pop("retry", None) or Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.2), retries)
+        kw.setdefault("socket_connect_timeout", min(socket_timeout, 5.0))
+        try:
+            if scheme in ("redis+cluster", "rediss+cluster"):
+                nodes, url_kw = _split_cluster_url(url)
+                options = {**kw, **url_kw, "socket_timeout": socket_timeout}
+                address = ",".join(f"{h}:{p}" for h, p in nodes)
+                check_tls_files(options)  # before connecting: the cluster client connects at once
+                try:
+                    client = redis.cluster.RedisCluster(
+                        startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in nodes],
+                        retry=retry,
+                        **options,
+                    )
+                except _REDIS_ERRORS as exc:  # it connects at once, to learn the slot map
+                    raise _translate(exc, f"Redis Cluster {address}", options.get("password")) from None
+            elif scheme in ("redis", "rediss", "unix"):
+                client = redis.Redis.from_url(url, socket_timeout=socket_timeout, retry=retry, **kw)
+                ckw = client.connection_pool.connection_kwargs
+                options = ckw
+                address = ckw["path"] if "path" in ckw else f"{ckw.get('host', 'localhost')}:{ckw.get('port', 6379)}"
+                # building a connection (no I/O) rejects misspelt options now, not at the first request
+                client.connection_pool.connection_class(**ckw)
+                check_tls_files(options)
+            else:
+                raise InvalidArgument(f"not a Redis URL scheme: {scheme!r}")
+        except PSError:
+            raise
+        except TypeError as exc:
+            raise InvalidArgument(f"bad Redis option for {scheme}:// backend: {exc}") from None
+        except ValueError as exc:
+            raise InvalidArgument(f"bad Redis URL: {exc}") from None
+        return cls(
+            client, namespace=namespace, num_buckets=num_buckets, address=address, password=options.get("password")
+        )
+
+    # -- plumbing ----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _redis(self):
+        """Turn redis-py errors into the PS's (BackendUnavailable, ResourceExhausted, PSError)."""
+        try:
+            yield
+        except _REDIS_ERRORS as exc:
+            raise _translate(exc, f"Redis at {self.address}", self._password) from None
+
+    def _pipeline(self):
+        return self.client.pipeline(transaction=False)
+
+    def _run(self, pipe) -> list:
+        """Execute; a command that failed inside the pipeline is raised as the PS's error."""
+        with self._redis():
+            results = pipe.execute(raise_on_error=False)
+            for r in results:
+                if isinstance(r, Exception):
+                    raise r
+        return results
+
+    def _meta(self, table: str) -> _TableMeta:
+        with self._redis():
+            raw = self.client.hget(self._meta_key, table)
+        if raw is None:
+            self._cache.pop(table, None)
+            raise TableNotFound(
+                f"table {table!r} does not exist in Redis namespace {self.namespace!r} ({self.address})"
+            )
+        return self._parse_meta(table, raw)
+
+    def _parse_meta(self, table: str, raw: bytes) -> _TableMeta:
+        have = self._cache.get(table)
+        if have is not None and have.raw == raw:
+            return have
+        try:
+            d = json.loads(raw)
+            schema = TableSchema.from_dict(d["schema"])
+            nb = int(d["num_buckets"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise PSError(
+                f"metadata of table {table!r} in Redis namespace {self.namespace!r} is unreadable: {exc}"
+            ) from None
+        meta = _TableMeta(raw, schema, nb, bucket_keys(self.namespace, table, nb))
+        self._cache[table] = meta
+        return meta
+
+    # -- tables ------------------------------------------------------------------------
+
+    def create_table(self, schema: TableSchema) -> bool:
+        raw = json.dumps(
+            {"format": META_FORMAT, "num_buckets": self.num_buckets, "schema": schema.to_dict()}, sort_keys=True
+        ).encode()
+        with self._redis():
+            # HSETNX: of several PS processes creating one table, exactly one wins
+            if self.client.hsetnx(self._meta_key, schema.name, raw):
+                return True
+        stored = self._meta(schema.name).schema
+        if stored != schema:
+            raise TableExists(
+                f"table {schema.name!r} already exists in Redis namespace {self.namespace!r} with another "
+                f"schema: stored {stored.to_dict()}, requested {schema.to_dict()}"
+            )
+        return False
+
+    def schema(self, table: str) -> TableSchema:
+        return self._meta(table).schema
+
+    def list_tables(self) -> list[TableSchema]:
+        with self._redis():
+            entries = self.client.hgetall(self._meta_key)
+        metas = [self._parse_meta(name.decode(), raw) for name, raw in entries.items()]
+        return sorted((m.schema for m in metas), key=lambda s: s.name)
+
+    def _each_bucket(self, meta: _TableMeta, *command) -> list:
+        """`command` with each bucket key appended, for every bucket of the table; the replies."""
+        replies: list = []
+        for lo in range(0, meta.num_buckets, PIPELINE_MAX_IDS):
+            pipe = self._pipeline()
+            for key in meta.keys[lo : lo + PIPELINE_MAX_IDS]:
+                pipe.execute_command(*command, key)
+            replies += self._run(pipe)
+        return replies
+
+    def _bucket_lens(self, meta: _TableMeta) -> np.ndarray:
+        return np.array(self._each_bucket(meta, "HLEN"), dtype=np.int64)
+
+    def num_rows(self, table: str) -> int:
+        return int(self._bucket_lens(self._meta(table)).sum())
+
+    def _delete_buckets(self, meta: _TableMeta) -> int:
+        return int(sum(self._each_bucket(meta, "EVAL", _CLEAR_BUCKET_LUA, 1)))
+
+    def clear(self, table: str) -> int:
+        return self._delete_buckets(self._meta(table))
+
+    def drop_table(self, table: str) -> int | None:
+        try:
+            meta = self._meta(table)
+        except TableNotFound:
+            return None
+        # rows first, metadata last: a drop cut short leaves a table that a retried drop
+        # removes, never orphan rows that a new table of this name would inherit
+        n = self._delete_buckets(meta)
+        with self._redis():
+            self.client.hdel(self._meta_key, table)
+        self._cache.pop(table, None)
+        return n
+
+    # -- rows --------------------------------------------------------------------------
+
+    def pull(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        meta = self._meta(table)
+        schema, keys = meta.schema, meta.keys
+        ids = _as_ids(ids)
+        n = len(ids)
+        rows = rows_out(out, n, schema)
+        found = np.zeros(n, dtype=bool)
+        if n == 0:
+            return rows, found
+        g = _group_by_bucket(ids, meta.num_buckets)
+        fields = id_fields(ids[g.order])
+        values: list = []  # values[k]: the row of ids[order[k]], or None
+        for part in g.pipelines(schema.row_bytes):
+            pipe = self._pipeline()
+            for b, start, end in part:
+                pipe.execute_command("HMGET", keys[b], *fields[start:end])
+            for reply in self._run(pipe):
+                values += reply
+        present = list(filter(None, values))  # drops None (and b"", caught by the size checks)
+        blob = b"".join(present)
+        n_hit = len(present)
+        if n_hit == n and len(blob) == n * schema.row_bytes:  # every id found: no mask to build
+            rows[g.order] = np.frombuffer(blob, dtype=schema.np_dtype).reshape(n, schema.width)
+            found[:] = True
+            return rows, found
+        hit = np.fromiter(map(operator.is_not, values, itertools.repeat(None)), dtype=bool, count=n)
+        if int(hit.sum()) != n_hit or len(blob) != n_hit * schema.row_bytes:
+            raise PSError(
+                f"table {table!r} in Redis namespace {self.namespace!r} holds rows of the wrong size "
+                f"(expected {schema.row_bytes} bytes each): the data does not match its schema"
+            )
+        where = g.order[hit]
+        rows[where] = np.frombuffer(blob, dtype=schema.np_dtype).reshape(n_hit, schema.width)
+        rows[g.order[~hit]] = 0
+        found[where] = True
+        return rows, found
+
+    def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> int:
+        meta = self._meta(table)
+        schema, keys = meta.schema, meta.keys
+        ids = _as_ids(ids)
+        rows = rows_for_table(rows, schema, len(ids))
+        if len(ids) == 0:
+            return 0
+        g = _group_by_bucket(ids, meta.num_buckets)
+        # field, value, field, value... in bucket order: one HSET per bucket
+        pairs: list = [None] * (2 * len(ids))
+        pairs[0::2] = id_fields(ids[g.order])
+        pairs[1::2] = rows[g.order].view(f"V{schema.row_bytes}").ravel().tolist()
+        for part in g.pipelines(schema.row_bytes + 8):
+            pipe = self._pipeline()
+            for b, start, end in part:
+                pipe.execute_command("HSET", keys[b], *pairs[2 * start : 2 * end])
+            self._run(pipe)
+        return len(ids)
+
+    def delete(self, table: str, ids: np.ndarray) -> int:
+        meta = self._meta(table)
+        keys = meta.keys
+        ids = _as_ids(ids)
+        if len(ids) == 0:
+            return 0
+        g = _group_by_bucket(ids, meta.num_buckets)
+        fields = id_fields(ids[g.order])
+        deleted = 0
+        for part in g.pipelines(8):
+            pipe = self._pipeline()
+            for b, start, end in part:
+                pipe.execute_command("HDEL", keys[b], *fields[start:end])
+            deleted += sum(self._run(pipe))
+        return int(deleted)
+
+    def export(self, table: str, rows_per_chunk: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        if rows_per_chunk < 1:
+            raise InvalidArgument(f"rows_per_chunk must be >= 1, got {rows_per_chunk}")
+        meta = self._meta(table)  # here, so an unknown table raises at the call, not at the first chunk
+        return self._export(table, meta, rows_per_chunk)
+
+    def _export(self, table: str, meta: _TableMeta, rows_per_chunk: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        schema = meta.schema
+        lens = self._bucket_lens(meta)
+        nonempty = np.flatnonzero(lens).tolist()
+        # Whole buckets are read (HGETALL: one consistent snapshot of each), as many per
+        # pipeline as hold about one chunk (at least EXPORT_READ_ROWS rows, so small chunks
+        # still cost few round trips), then cut into chunks.
+        target = max(rows_per_chunk, EXPORT_READ_ROWS)
+        ids_left = np.zeros(0, dtype=np.int64)
+        rows_left = np.zeros((0, schema.width), dtype=schema.np_dtype)
+        i = 0
+        while i < len(nonempty):
+            group, size = [], 0
+            while i < len(nonempty) and (not group or size + lens[nonempty[i]] <= target):
+                group.append(nonempty[i])
+                size += int(lens[nonempty[i]])
+                i += 1
+            pipe = self._pipeline()
+            for b in group:
+                pipe.execute_command("HGETALL", meta.keys[b])
+            ids_parts, rows_parts = [ids_left], [rows_left]
+            for bucket in self._run(pipe):
+                if not bucket:  # emptied since it was counted
+                    continue
+                fields, values = b"".join(bucket.keys()), b"".join(bucket.values())
+                if len(fields) != 8 * len(bucket) or len(values) != schema.row_bytes * len(bucket):
+                    raise PSError(
+                        f"table {table!r} in Redis namespace {self.namespace!r} holds fields or rows of the "
+                        f"wrong size (expected 8-byte ids and {schema.row_bytes}-byte rows)"
+                    )
+                ids_parts.append(np.frombuffer(fields, dtype="<i8").astype(np.int64))
+                rows_parts.append(np.frombuffer(values, dtype=schema.np_dtype).reshape(len(bucket), schema.width))
+            all_ids, all_rows = np.concatenate(ids_parts), np.concatenate(rows_parts)
+            last = i == len(nonempty)
+            start = 0
+            while len(all_ids) - start >= rows_per_chunk or (last and start < len(all_ids)):
+                yield all_ids[start : start + rows_per_chunk], all_rows[start : start + rows_per_chunk]
+                start += rows_per_chunk
+            ids_left, rows_left = all_ids[start:], all_rows[start:]
+
+    # -- service -----------------------------------------------------------------------
+
+    def ping(self) -> None:
+        with self._redis():
+            self.client.ping()
+
+    def close(self) -> None:
+        with contextlib.suppress(*_REDIS_ERRORS):
+            self.client.close()
+            if not self.cluster:
+                self.client.connection_pool.disconnect()
+
+
+def _as_ids(ids: np.ndarray) -> np.ndarray:
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    if ids.ndim != 1:
+        raise InvalidArgument(f"ids must be a 1-D array of int64, got shape {ids.shape}")
+    return ids
+
+
+# redis-py's errors; cluster-client failures (no reachable node, slot not covered) are not RedisError
+_REDIS_ERRORS = (redis.RedisError, RedisClusterException)
+# error replies of a cluster or server that is failing over or resharding: retrying may help
+_PASSING_REPLIES = (redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError, redis.exceptions.ReadOnlyError)
+_AUTH_ERRORS = (redis.AuthenticationError, redis.exceptions.AuthenticationWrongNumberOfArgsError)
+# what Redis answers to a wrong or missing password, when it reaches us only as text
+_AUTH_REPLIES = ("WRONGPASS", "NOAUTH", "invalid username-password", "invalid password", "already authenticated")
+
+
+def _is_auth_error(exc: BaseException | None) -> bool:
+    # the cluster client wraps the node's error in a RedisClusterException, so look down the chain
+    while exc is not None:
+        if isinstance(exc, _AUTH_ERRORS) or any(r in str(exc) for r in _AUTH_REPLIES):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _translate(exc: Exception, where: str, password: str | None) -> PSError:
+    """The PS error for a redis-py error, with the password scrubbed from the message."""
+    text = str(exc) or type(exc).__name__
+    if password:
+        text = text.replace(password, "***")
+    if len(text) > 500:
+        text = text[:500] + "..."
+    if _is_auth_error(exc):
+        return BackendUnavailable(f"{where} refused authentication (check the user and password in the URL): {text}")
+    if isinstance(exc, redis.exceptions.NoPermissionError):
+        return BackendUnavailable(f"{where} refused a command for this ACL user (NOPERM): {text}")
+    if isinstance(exc, redis.exceptions.OutOfMemoryError):
+        return ResourceExhausted(f"{where} is out of memory (maxmemory reached): {text}")
+    if isinstance(exc, redis.ResponseError) and not isinstance(exc, _PASSING_REPLIES):
+        return PSError(f"{where} answered with an error: {text}")
+    return BackendUnavailable(f"{where} is unavailable: {type(exc).__name__}: {text}{untrusted_hint(text)}")
+

@@ -1,0 +1,312 @@
+"""`dynemb ps ...`: run a parameter server, or talk to running ones.
+
+Every `serve` flag has an environment variable (shown in --help), so the same
+command line works in a systemd unit or a Kubernetes pod spec.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+
+import numpy as np
+
+SERVE_EPILOG = """\
+examples:
+  dynemb ps serve                                    # embedded store, port 50051, /metrics on 9090
+  dynemb ps serve --backend redis://localhost:6379/0 --namespace ctr_model
+  dynemb ps serve --backend redis+cluster://10.0.0.1:7000,10.0.0.2:7000 --auth-token s3cret
+  dynemb ps serve --tls-cert server.pem --tls-key server.key
+
+The PS drains on SIGTERM or SIGINT: health turns NOT_SERVING, new requests are
+refused, in-flight ones get --drain-seconds to finish.
+"""
+
+CLIENT_EPILOG = """\
+examples:
+  dynemb ps tables --ps localhost:50051
+  dynemb ps create-table user --dim 64 --state-width 64 --dtype fp32 --init uniform --init-a -0.01 --init-b 0.01
+  dynemb ps describe user
+  dynemb ps pull user 1 2 3
+  dynemb ps stats
+  dynemb ps drop user
+"""
+
+
+def _env(name: str, default=None, cast=str):
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return cast(value)
+    except ValueError:
+        raise SystemExit(f"environment variable {name}={value!r} is not a valid {cast.__name__}") from None
+
+
+def _flag(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(value)
+
+
+_flag.__name__ = "boolean (1/0, true/false, yes/no, on/off)"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    ps = sub.add_parser("ps", help="parameter server: serve, or manage tables on running ones")
+    ps_sub = ps.add_subparsers(dest="ps_command", metavar="COMMAND", required=True)
+
+    serve = ps_sub.add_parser(
+        "serve",
+        help="run a parameter server",
+        epilog=SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run a long-lived PS: gRPC service (with health checking and reflection) "
+        "over the embedded store or Redis, and a Prometheus /metrics endpoint.",
+    )
+    serve.add_argument("--address", default=_env("DYNEMB_PS_ADDRESS", "127.0.0.1:50051"),
+                       help="host:port to listen on; port 0 picks a free one. The default takes calls from this machine "
+                       "only: listening on every interface (0.0.0.0:50051, e.g. in a pod) is a choice you make "
+                       "[env DYNEMB_PS_ADDRESS, default %(default)s]")
+    serve.add_argument("--backend", default=_env("DYNEMB_PS_BACKEND", ""),
+                       help="where rows live: embedded:// (the default: in this process, lost on exit), "
+                       "embedded:///DIR (saved to DIR on shutdown, loaded at start), "
+                       "redis://[user:pass@]host:port/db, rediss://... (TLS), redis+cluster://host:port[,host:port] "
+                       "[env DYNEMB_PS_BACKEND]")
+    serve.add_argument("--namespace", default=_env("DYNEMB_NAMESPACE", "dynemb"),
+                       help="Redis key prefix, so several models share one Redis [env DYNEMB_NAMESPACE, default %(default)s]")
+    serve.add_argument("--max-message-mb", type=float, default=_env("DYNEMB_PS_MAX_MESSAGE_MB", 64.0, float),
+                       help="largest gRPC message in MiB, either way [env DYNEMB_PS_MAX_MESSAGE_MB, default %(default)s]")
+    serve.add_argument("--workers", type=int, default=_env("DYNEMB_PS_WORKERS", 16, int),
+                       help="request-handling threads [env DYNEMB_PS_WORKERS, default %(default)s]")
+    serve.add_argument("--auth-token", default=_env("DYNEMB_PS_AUTH_TOKEN"),
+                       help="require 'authorization: Bearer TOKEN' on every call (server reflection too; health "
+                       "checks too with --auth-health). Prefer the variable: a flag shows in `ps` "
+                       "[env DYNEMB_PS_AUTH_TOKEN]")
+    serve.add_argument("--auth-health", action="store_true", default=_env("DYNEMB_PS_AUTH_HEALTH", False, _flag),
+                       help="health checks need the token too (off by default so kubelet and load-balancer "
+                       "probes, which send none, work) [env DYNEMB_PS_AUTH_HEALTH=1]")
+    serve.add_argument("--tls-cert", default=_env("DYNEMB_PS_TLS_CERT"), help="PEM certificate: serve TLS [env DYNEMB_PS_TLS_CERT]")
+    serve.add_argument("--tls-key", default=_env("DYNEMB_PS_TLS_KEY"), help="PEM private key of --tls-cert [env DYNEMB_PS_TLS_KEY]")
+    serve.add_argument("--tls-client-ca", default=_env("DYNEMB_PS_TLS_CLIENT_CA"),
+                       help="mutual TLS: accept only clients whose certificate this CA (PEM) signed "
+                       "[env DYNEMB_PS_TLS_CLIENT_CA]")
+    serve.add_argument("--metrics-port", type=int, default=_env("DYNEMB_PS_METRICS_PORT", 9090, int),
+                       help="port of the Prometheus /metrics endpoint; -1 turns it off, 0 picks a free one "
+                       "[env DYNEMB_PS_METRICS_PORT, default %(default)s]")
+    serve.add_argument("--metrics-address", default=_env("DYNEMB_PS_METRICS_ADDRESS", "127.0.0.1"),
+                       help="address of the /metrics endpoint (0.0.0.0: every interface) [env DYNEMB_PS_METRICS_ADDRESS, default %(default)s]")
+    serve.add_argument("--drain-seconds", type=float, default=_env("DYNEMB_PS_DRAIN_SECONDS", 30.0, float),
+                       help="on SIGTERM, how long in-flight requests may take [env DYNEMB_PS_DRAIN_SECONDS, default %(default)s]")
+    serve.add_argument("--not-serving-seconds", type=float, default=_env("DYNEMB_PS_NOT_SERVING_SECONDS", 1.0, float),
+                       help="on SIGTERM, how long health says NOT_SERVING while requests are still taken, before "
+                       "the port closes [env DYNEMB_PS_NOT_SERVING_SECONDS, default %(default)s]")
+    serve.add_argument("--redis-buckets", type=int, default=_env("DYNEMB_PS_REDIS_BUCKETS", 4096, int),
+                       help="Redis hashes per new table (fixed once a table exists) "
+                       "[env DYNEMB_PS_REDIS_BUCKETS, default %(default)s]")
+    serve.add_argument("--backend-check-seconds", type=float, default=_env("DYNEMB_PS_BACKEND_CHECK_SECONDS", 1.0, float),
+                       help="how often to ping the store; while it does not answer, health says NOT_SERVING "
+                       "[env DYNEMB_PS_BACKEND_CHECK_SECONDS, default %(default)s]")
+    serve.add_argument("--shm-max-mb", type=float, default=_env("DYNEMB_PS_SHM_MAX_MB", 4096.0, float),
+                       help="same-host clients' memory segments this PS maps at once, for row transfer without "
+                            "copies through gRPC; 0: none (such clients send rows as bytes) "
+                            "[env DYNEMB_PS_SHM_MAX_MB, default %(default)s]")
+    serve.add_argument("--shm-idle-seconds", type=float, default=_env("DYNEMB_PS_SHM_IDLE_SECONDS", 300.0, float),
+                       help="drop a segment unused this long (its client died) [env DYNEMB_PS_SHM_IDLE_SECONDS, "
+                            "default %(default)s]")
+    serve.add_argument("--port-file", help="write the bound port here once serving (for scripts and tests)")
+    serve.add_argument("--log-level", default=_env("DYNEMB_LOG_LEVEL", "INFO"), help="[env DYNEMB_LOG_LEVEL, default %(default)s]")
+    serve.set_defaults(func=cmd_serve)
+
+    def client_parser(name: str, help: str) -> argparse.ArgumentParser:
+        p = ps_sub.add_parser(name, help=help, description=help, epilog=CLIENT_EPILOG,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_client_flags(p)
+        return p
+
+    p = client_parser("tables", "list the tables with their schemas and row counts")
+    p.set_defaults(func=cmd_tables)
+    p = client_parser("create-table", "create a table on every PS (no error if it exists with the same schema)")
+    p.add_argument("table")
+    p.add_argument("--dim", type=int, required=True, help="embedding values per row")
+    p.add_argument("--state-width", type=int, default=0, help="optimizer-state values per row [default 0]")
+    p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32")
+    p.add_argument("--init", choices=("zeros", "constant", "uniform", "normal"), default="zeros",
+                   help="how rows never pushed are filled when pulled [default zeros]")
+    p.add_argument("--init-a", type=float, default=0.0, help="constant value / uniform low / normal mean")
+    p.add_argument("--init-b", type=float, default=0.0, help="uniform high / normal std")
+    p.add_argument("--init-seed", type=int, default=0)
+    p.add_argument("--state-init", type=float, default=0.0, help="initial optimizer-state value")
+    p.set_defaults(func=cmd_create_table)
+    p = client_parser("describe", "show one table's schema and row count")
+    p.add_argument("table")
+    p.set_defaults(func=cmd_describe)
+    p = client_parser("drop", "drop a table and all its rows on every PS")
+    p.add_argument("table")
+    p.add_argument("--missing-ok", action="store_true", help="no error if the table does not exist")
+    p.set_defaults(func=cmd_drop)
+    p = client_parser("pull", "print the rows of some ids")
+    p.add_argument("table")
+    p.add_argument("ids", nargs="+", type=int)
+    p.set_defaults(func=cmd_pull)
+    p = client_parser("stats", "per-PS backend, uptime, tables and request counts")
+    p.set_defaults(func=cmd_stats)
+    p = client_parser("health", "health status of each PS (exit 1 unless all SERVING)")
+    p.set_defaults(func=cmd_health)
+
+
+def cmd_serve(args) -> int:
+    from dynemb.ps_server.parent_watch import die_with_parent
+    from dynemb.ps_server.server import PSServer, ServeConfig
+
+    die_with_parent()
+
+    logging.basicConfig(
+        level=args.log_level.upper(), stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = ServeConfig(
+            address=args.address,
+            backend=args.backend,
+            namespace=args.namespace,
+            max_message_bytes=int(args.max_message_mb * (1 << 20)),
+            workers=args.workers,
+            auth_token=args.auth_token or None,
+            auth_health=args.auth_health,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            tls_client_ca=args.tls_client_ca,
+            metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+            metrics_address=args.metrics_address,
+            drain_seconds=args.drain_seconds,
+            not_serving_seconds=args.not_serving_seconds,
+            redis_buckets=args.redis_buckets,
+            backend_check_seconds=args.backend_check_seconds,
+            shm_max_bytes=int(args.shm_max_mb * (1 << 20)),
+            shm_idle_seconds=args.shm_idle_seconds,
+        )
+        server = PSServer(config).start()
+    except Exception as exc:  # bad flags or an unusable port: say so, exit non-zero
+        logging.getLogger("dynemb.ps").error("cannot start the PS: %s", exc)
+        return 2
+    if args.port_file:
+        tmp = args.port_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(f"{server.port} {server.metrics_port or 0}\n")
+        os.replace(tmp, args.port_file)
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        logging.getLogger("dynemb.ps").info("got %s", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    stop.wait()
+    server.stop()
+    return 0
+
+
+def add_client_flags(p: argparse.ArgumentParser, ps_default: str | None = "localhost:50051", ps_group=None) -> None:
+    """--ps, --auth-token, --tls-ca, --timeout: how a command reaches running PSs (--ps goes
+    into ps_group where given, e.g. a mutually exclusive group)."""
+    default = _env("DYNEMB_PS", ps_default)
+    (ps_group or p).add_argument("--ps", default=default,
+                                 help="PS address(es), comma-separated shards; 'a:50051|b:50051' = replicas of one shard "
+                                 "over the same Redis [env DYNEMB_PS"
+                                 + (", default %(default)s]" if default else "]"))
+    p.add_argument("--auth-token", default=_env("DYNEMB_PS_AUTH_TOKEN"), help="[env DYNEMB_PS_AUTH_TOKEN]")
+    p.add_argument("--tls-ca", default=_env("DYNEMB_PS_TLS_CA"), help="CA certificate (PEM) to reach a TLS PS [env DYNEMB_PS_TLS_CA]")
+    p.add_argument("--tls-cert", default=_env("DYNEMB_PS_CLIENT_CERT"),
+                   help="this client's certificate (PEM), for a PS that wants mutual TLS [env DYNEMB_PS_CLIENT_CERT]")
+    p.add_argument("--tls-key", default=_env("DYNEMB_PS_CLIENT_KEY"),
+                   help="private key (PEM) of --tls-cert [env DYNEMB_PS_CLIENT_KEY]")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds per call [default %(default)s]")
+
+
+def client_from_args(args):
+    """A PSClient for the flags of add_client_flags."""
+    from dynemb.ps_server.client import PSClient
+
+    return PSClient(args.ps, auth_token=args.auth_token, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                    tls_key=args.tls_key, timeout=args.timeout)
+
+
+def _table_line(info) -> str:
+    s = info.schema
+    init = s.initializer
+    return (f"{s.name:<24} dim={s.dim:<5} state_width={s.state_width:<4} dtype={s.dtype:<5} "
+            f"init={init.kind}({init.a:g},{init.b:g}) rows={info.num_rows}")
+
+
+def cmd_tables(args) -> int:
+    with client_from_args(args) as ps:
+        tables = ps.list_tables()
+    for info in tables:
+        print(_table_line(info))
+    if not tables:
+        print("(no tables)")
+    return 0
+
+
+def cmd_create_table(args) -> int:
+    from dynemb.ps_server.schema import Initializer
+
+    init = Initializer(args.init, args.init_a, args.init_b, args.init_seed, args.state_init)
+    with client_from_args(args) as ps:
+        info = ps.create_table(args.table, args.dim, args.state_width, args.dtype, init)
+    print(_table_line(info))
+    return 0
+
+
+def cmd_describe(args) -> int:
+    with client_from_args(args) as ps:
+        print(json.dumps({**ps.describe_table(args.table).schema.to_dict(),
+                          "num_rows": ps.describe_table(args.table).num_rows}, indent=2))
+    return 0
+
+
+def cmd_drop(args) -> int:
+    with client_from_args(args) as ps:
+        n = ps.drop_table(args.table, missing_ok=args.missing_ok)
+    print(f"dropped {args.table} ({n} rows)")
+    return 0
+
+
+def cmd_pull(args) -> int:
+    with client_from_args(args) as ps:
+        got = ps.pull(args.table, np.array(args.ids, dtype=np.int64))
+        rows = got.rows
+        if ps.schema(args.table).dtype == "bf16":  # rows travel as bf16 bit patterns: print the values
+            from dynemb.ps_server.initializer import bf16_bits_to_float
+
+            rows = bf16_bits_to_float(rows)
+    with np.printoptions(precision=4, suppress=True, linewidth=120, threshold=24, edgeitems=4):
+        for i, row, miss in zip(args.ids, rows, got.missing):
+            print(f"{i}: {'(missing) ' if miss else ''}{row}")
+    return 0
+
+
+def cmd_stats(args) -> int:
+    from google.protobuf import json_format
+
+    with client_from_args(args) as ps:
+        for address, reply in zip(ps.addresses, ps.stats()):
+            print(json.dumps({"address": address, **json_format.MessageToDict(reply)}, indent=2))
+    return 0
+
+
+def cmd_health(args) -> int:
+    with client_from_args(args) as ps:
+        status = ps.health(timeout=args.timeout)
+        for address, s in zip(ps.addresses, status):
+            print(f"{address}: {s}")
+    return 0 if all(s == "SERVING" for s in status) else 1

@@ -1,0 +1,175 @@
+"""Table schemas: name, row width and dtype, and the checks every request goes through."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dynemb.protos import ps_pb2
+from dynemb.ps_server.errors import InvalidArgument
+
+# bf16 has no numpy dtype; it travels and is stored as its raw 16 bits (uint16),
+# and is widened to float32 only where values are computed (initialisation).
+DTYPES: dict[str, np.dtype] = {
+    "fp32": np.dtype("<f4"),
+    "fp16": np.dtype("<f2"),
+    "bf16": np.dtype("<u2"),
+}
+_PROTO_DTYPE = {"fp32": ps_pb2.FP32, "fp16": ps_pb2.FP16, "bf16": ps_pb2.BF16}
+_DTYPE_FROM_PROTO = {v: k for k, v in _PROTO_DTYPE.items()}
+
+INITIALIZERS = ("zeros", "constant", "uniform", "normal")
+_PROTO_INIT = {
+    "zeros": ps_pb2.Initializer.ZEROS,
+    "constant": ps_pb2.Initializer.CONSTANT,
+    "uniform": ps_pb2.Initializer.UNIFORM,
+    "normal": ps_pb2.Initializer.NORMAL,
+}
+_INIT_FROM_PROTO = {v: k for k, v in _PROTO_INIT.items()}
+_INIT_FROM_PROTO[ps_pb2.Initializer.KIND_UNSPECIFIED] = "zeros"
+
+NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}")  # the whole name (fullmatch: `$` lets "t\n" through)
+MAX_ROW_WIDTH = 1 << 16
+SHOWN_NAME_CHARS = 64
+
+
+def shown(name) -> str:
+    """A name as an error message quotes it: a hostile one may be megabytes, and a status
+    message over the client's metadata limit (16 KiB) never arrives at all."""
+    if isinstance(name, str) and len(name) > SHOWN_NAME_CHARS:
+        return f"{name[:SHOWN_NAME_CHARS]!r}... ({len(name)} characters)"
+    return repr(name)
+
+
+def check_name(name: str, what: str = "table name") -> str:
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise InvalidArgument(
+            f"{what} {shown(name)} is not valid: use 1 to 128 of the characters A-Z a-z 0-9 _ . -"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class Initializer:
+    """How never-pushed rows are filled on pull (see dynemb/protos/ps.proto)."""
+
+    kind: str = "zeros"
+    a: float = 0.0
+    b: float = 0.0
+    seed: int = 0
+    state_init: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in INITIALIZERS:
+            raise InvalidArgument(f"initializer kind {self.kind!r} is not one of {INITIALIZERS}")
+        # NaN would also make a schema unequal to itself: a table could never be re-created
+        bad = {k: v for k, v in (("a", self.a), ("b", self.b), ("state_init", self.state_init)) if not math.isfinite(v)}
+        if bad:
+            raise InvalidArgument(f"initializer values must be finite numbers, got {bad}")
+        if self.kind == "uniform" and not self.b > self.a:
+            raise InvalidArgument(f"uniform initializer needs b > a, got a={self.a} b={self.b}")
+        if self.kind == "normal" and not self.b >= 0:
+            raise InvalidArgument(f"normal initializer needs std b >= 0, got b={self.b}")
+
+    def to_proto(self) -> ps_pb2.Initializer:
+        return ps_pb2.Initializer(
+            kind=_PROTO_INIT[self.kind], a=self.a, b=self.b, seed=self.seed, state_init=self.state_init
+        )
+
+    @classmethod
+    def from_proto(cls, msg: ps_pb2.Initializer) -> "Initializer":
+        kind = _INIT_FROM_PROTO.get(msg.kind)
+        if kind is None:
+            raise InvalidArgument(f"unknown initializer kind {msg.kind}")
+        return cls(kind=kind, a=msg.a, b=msg.b, seed=msg.seed, state_init=msg.state_init)
+
+
+@dataclass(frozen=True)
+class TableSchema:
+    """A table: `dim` embedding values and `state_width` optimizer-state values per row."""
+
+    name: str
+    dim: int
+    state_width: int = 0
+    dtype: str = "fp32"
+    initializer: Initializer = field(default_factory=Initializer)
+
+    def __post_init__(self) -> None:
+        check_name(self.name)
+        if not isinstance(self.dim, int) or self.dim < 1:
+            raise InvalidArgument(f"table {self.name!r}: dim must be an integer >= 1, got {self.dim!r}")
+        if not isinstance(self.state_width, int) or self.state_width < 0:
+            raise InvalidArgument(
+                f"table {self.name!r}: state_width must be an integer >= 0, got {self.state_width!r}"
+            )
+        if self.dim + self.state_width > MAX_ROW_WIDTH:
+            raise InvalidArgument(
+                f"table {self.name!r}: row width {self.dim + self.state_width} exceeds {MAX_ROW_WIDTH}"
+            )
+        if self.dtype not in DTYPES:
+            raise InvalidArgument(f"table {self.name!r}: dtype {self.dtype!r} is not one of {tuple(DTYPES)}")
+
+    @property
+    def width(self) -> int:
+        """Values per row: embedding then optimizer state."""
+        return self.dim + self.state_width
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def row_bytes(self) -> int:
+        return self.width * self.np_dtype.itemsize
+
+    def to_proto(self) -> ps_pb2.TableSpec:
+        return ps_pb2.TableSpec(
+            name=self.name,
+            dim=self.dim,
+            state_width=self.state_width,
+            dtype=_PROTO_DTYPE[self.dtype],
+            initializer=self.initializer.to_proto(),
+        )
+
+    @classmethod
+    def from_proto(cls, msg: ps_pb2.TableSpec) -> "TableSchema":
+        dtype = _DTYPE_FROM_PROTO.get(msg.dtype)
+        if dtype is None:
+            raise InvalidArgument(
+                f"table {shown(msg.name)}: dtype must be FP32, FP16 or BF16 (got enum value {msg.dtype})"
+            )
+        return cls(
+            name=msg.name,
+            dim=msg.dim,
+            state_width=msg.state_width,
+            dtype=dtype,
+            initializer=Initializer.from_proto(msg.initializer),
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "dim": self.dim,
+            "state_width": self.state_width,
+            "dtype": self.dtype,
+            "initializer": {
+                "kind": self.initializer.kind,
+                "a": self.initializer.a,
+                "b": self.initializer.b,
+                "seed": self.initializer.seed,
+                "state_init": self.initializer.state_init,
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TableSchema":
+        return cls(
+            name=d["name"],
+            dim=int(d["dim"]),
+            state_width=int(d.get("state_width", 0)),
+            dtype=d.get("dtype", "fp32"),
+            initializer=Initializer(**d.get("initializer", {})),
+        )

@@ -1,0 +1,192 @@
+"""Run the PS: gRPC server with health, reflection, auth, TLS and a Prometheus endpoint.
+
+    server = PSServer(ServeConfig(address="127.0.0.1:0")).start()
+    ... server.port ...
+    server.stop()
+
+`dynemb ps serve` wraps this and drains on SIGTERM: health turns NOT_SERVING at once
+(so load balancers stop sending), new RPCs are refused, in-flight ones get up to
+`drain_seconds` to finish, then the process exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from dynemb.common.version import __version__
+from dynemb.protos import ps_pb2
+from dynemb.ps_server.auth import TokenAuthInterceptor
+from dynemb.ps_server.backends import Store, open_store
+from dynemb.ps_server.backend_watch import BackendWatch
+from dynemb.ps_server.metrics import PSMetrics
+from dynemb.ps_server import shm
+from dynemb.ps_server.service import ParameterServerService, add_to_server
+from dynemb.ps_server.shm import SegmentTable
+
+log = logging.getLogger("dynemb.ps")
+
+SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+
+
+@dataclass
+class ServeConfig:
+    """Everything `dynemb ps serve` takes (flags and DYNEMB_PS_* variables)."""
+
+    address: str = "0.0.0.0:50051"
+    backend: str = ""  # "" or embedded:// → the in-process store; redis://, rediss://, redis+cluster://
+    namespace: str = "dynemb"  # Redis key prefix, so several models share one Redis
+    max_message_bytes: int = 64 << 20
+    workers: int = 16
+    auth_token: str | None = field(default=None, repr=False)  # never in a repr, so never in a log
+    auth_health: bool = False  # health checks need the token too (default: open, for probes)
+    tls_cert: str | None = None  # PEM file paths; both or neither
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # mutual TLS: clients must show a certificate this CA signed
+    metrics_port: int | None = 9090  # None: no /metrics endpoint; 0: any free port
+    metrics_address: str = "0.0.0.0"
+    drain_seconds: float = 30.0
+    # After SIGTERM, how long health says NOT_SERVING while requests are still taken,
+    # so load balancers and probes see it before the port closes.
+    not_serving_seconds: float = 1.0
+    redis_buckets: int = 4096  # hashes per new table (fixed per table once created)
+    backend_check_seconds: float = 1.0  # how often health re-checks that the store answers
+    # Same-host row transfer (shm.py): how much client memory may be attached at once (0: none
+    # taken; clients then send rows as bytes) and how long an unused segment stays attached.
+    shm_max_bytes: int = 4 << 30
+    shm_idle_seconds: float = 300.0
+    backend_options: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("TLS needs both a certificate (--tls-cert) and its key (--tls-key)")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("mutual TLS (--tls-client-ca) needs the PS's own certificate and key (--tls-cert, --tls-key)")
+        if self.auth_health and not self.auth_token:
+            raise ValueError("--auth-health closes health checks to callers without the token: set --auth-token")
+        if self.max_message_bytes < 64 << 10:
+            raise ValueError(f"max message size {self.max_message_bytes} is below the 64 KiB minimum")
+        if self.workers < 1:
+            raise ValueError("workers must be >= 1")
+        if self.shm_max_bytes < 0 or self.shm_idle_seconds <= 0:
+            raise ValueError("--shm-max-mb must be >= 0 and --shm-idle-seconds > 0")
+        if self.backend_check_seconds <= 0:
+            raise ValueError(f"backend check interval must be > 0 seconds, got {self.backend_check_seconds}")
+
+
+class PSServer:
+    def __init__(self, config: ServeConfig, store: Store | None = None) -> None:
+        self.config = config
+        self.metrics = PSMetrics()
+        if store is None:
+            options = dict(config.backend_options)
+            if config.backend and not config.backend.startswith(("embedded", "memory")):
+                options.setdefault("num_buckets", config.redis_buckets)
+            store = open_store(config.backend, namespace=config.namespace, **options)
+        self.store = store
+        self.health = health.HealthServicer()
+        self.backend_watch = BackendWatch(store, config.backend_check_seconds, self._backend_changed)
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self._metrics_http = None
+        self._stopped = threading.Event()
+        interceptors = ([TokenAuthInterceptor(config.auth_token, open_health=not config.auth_health,
+                                              on_deny=self._count_refusal)]
+                        if config.auth_token else [])
+        opts = [
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        self._grpc = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="ps"),
+            interceptors=interceptors,
+            options=opts,
+        )
+        self.segments = SegmentTable(config.shm_max_bytes if shm.available() else 0, config.shm_idle_seconds)
+        self.metrics.shm_segments.set_function(lambda: len(self.segments))
+        self.metrics.shm_bytes.set_function(lambda: self.segments.bytes)
+        self.service = ParameterServerService(store, self.metrics, config.max_message_bytes, self.segments)
+        add_to_server(self.service, self._grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self._grpc,
+        )
+
+    def start(self) -> "PSServer":
+        cfg = self.config
+        if cfg.tls_cert:
+            with open(cfg.tls_cert, "rb") as f:
+                cert = f.read()
+            with open(cfg.tls_key, "rb") as f:
+                key = f.read()
+            client_ca = None
+            if cfg.tls_client_ca:
+                with open(cfg.tls_client_ca, "rb") as f:
+                    client_ca = f.read()
+            creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
+                                                require_client_auth=client_ca is not None)
+            self.port = self._grpc.add_secure_port(cfg.address, creds)
+        else:
+            self.port = self._grpc.add_insecure_port(cfg.address)
+        if not self.port:
+            raise OSError(f"could not listen on {cfg.address}")
+        if cfg.metrics_port is not None:
+            self._metrics_http, _ = start_http_server(cfg.metrics_port, cfg.metrics_address, registry=self.metrics.registry)
+            self.metrics_port = self._metrics_http.server_port
+        self._grpc.start()
+        self.metrics.info.labels(self.store.kind, __version__).set(1)
+        self.metrics.serving.set(1)
+        # Start even when the store is away: NOT_SERVING (and UNAVAILABLE per request) until it is back.
+        self.backend_watch.check()
+        self.backend_watch.start()
+        log.info(
+            "PS serving %s on port %d (%s backend, %s, auth %s)%s",
+            SERVICE_NAME, self.port, self.store.kind,
+            ("mutual TLS" if cfg.tls_client_ca else "TLS") if cfg.tls_cert else "plaintext",
+            "on" if cfg.auth_token else "off",
+            f", metrics on :{self.metrics_port}/metrics" if self.metrics_port else "",
+        )
+        return self
+
+    def stop(self, grace: float | None = None) -> None:
+        """Drain: NOT_SERVING first, then refuse new RPCs and let in-flight ones finish."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self.backend_watch.stop()
+        grace = self.config.drain_seconds if grace is None else grace
+        self.metrics.serving.set(0)
+        self.health.enter_graceful_shutdown()  # every service → NOT_SERVING
+        log.info("draining: NOT_SERVING, up to %.1fs for in-flight requests", grace)
+        if self.config.not_serving_seconds > 0:
+            time.sleep(min(self.config.not_serving_seconds, grace))
+        self._grpc.stop(grace).wait()
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+        self.store.close()
+        self.segments.close()
+        log.info("stopped")
+
+    def _count_refusal(self, method: str) -> None:
+        self.metrics.requests.labels(method, "UNAUTHENTICATED").inc()
+        self.metrics.errors.labels(method, "UNAUTHENTICATED").inc()
+
+    def _backend_changed(self, up: bool) -> None:
+        self.metrics.backend_up.set(1 if up else 0)
+        status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+        if not self._stopped.is_set():  # a draining PS stays NOT_SERVING
+            self.health.set("", status)
+            self.health.set(SERVICE_NAME, status)
+
+    def wait(self) -> None:
+        self._grpc.wait_for_termination()

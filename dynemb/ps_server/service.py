@@ -1,0 +1,504 @@
+"""The ParameterServer gRPC service: validates each request, calls the store, reports.
+
+Every handler runs inside `_call`, which turns PSError into its gRPC status with the
+message intact, turns anything unexpected into INTERNAL (logged with its traceback),
+and records the request in the metrics. Requests arrive as bytes and are decoded here,
+so bytes that are no valid message get INVALID_ARGUMENT too. No request can take the
+server down, and a request that fails validation changes nothing stored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from dynemb.common.version import __version__
+from dynemb.protos import ps_pb2, ps_pb2_grpc
+from dynemb.ps_server import codec
+from dynemb.ps_server.backends.base import Store
+from dynemb.ps_server.errors import Abandoned, InvalidArgument, PSError, ResourceExhausted, TableNotFound
+from dynemb.ps_server.initializer import fill_initial_rows
+from dynemb.ps_server.metrics import PSMetrics
+from dynemb.ps_server.schema import TableSchema, check_name
+from dynemb.ps_server.shm import SegmentTable
+from dynemb.ps_server.wire import (MESSAGE_OVERHEAD, MalformedMessage, ReplyPlan, build_pull_many_response, build_pull_response,
+                            parse_push_many_request, parse_push_request)
+
+log = logging.getLogger("dynemb.ps")
+
+# Room left in a message for everything but the packed ids and rows.
+DEFAULT_EXPORT_CHUNK_BYTES = 4 << 20
+
+
+def _serialize(message_type):
+    def serialize(message) -> bytes:
+        return message if isinstance(message, bytes) else message_type.SerializeToString(message)
+
+    return serialize
+
+
+def _undecodable(method: str, request_type, data: bytes) -> InvalidArgument:
+    return InvalidArgument(
+        f"{method}: the request ({len(data)} bytes) is not a valid {request_type.DESCRIPTOR.full_name} message "
+        f"(corrupt bytes, or a client built from another dynemb/protos/ps.proto)"
+    )
+
+
+_IN_PLACE = {"Push": parse_push_request, "PushMany": parse_push_many_request}
+
+
+def _decoding(servicer: "ParameterServerService", name: str, handler, request_type, streaming: bool):
+    """`handler` taking the request as bytes: grpc's own decoding step would answer bytes that
+    are no valid message with INTERNAL "Exception deserializing request!"."""
+    if streaming:
+        def decoded(chunks):
+            for data in chunks:
+                try:
+                    yield request_type.FromString(data)
+                except DecodeError:
+                    raise _undecodable(name, request_type, data) from None  # inside the handler's _call
+
+        return lambda chunks, context: handler(decoded(chunks), context)
+
+    # the row-carrying requests are read in place (wire.py): no copy of their rows
+    parse = _IN_PLACE.get(name, request_type.FromString)
+
+    def handle(data, context):
+        try:
+            request = parse(data)
+        except (DecodeError, MalformedMessage):
+            with servicer._call(name, context):  # answered and counted like any refused request
+                raise _undecodable(name, request_type, data) from None
+        return handler(request, context)
+
+    return handle
+
+
+def add_to_server(servicer: "ParameterServerService", server: grpc.Server) -> None:
+    """Register the service like the generated add_..._to_server, except that requests are
+    decoded by the handler (see _decoding) and a handler may return an already serialized
+    reply (bytes), as Pull does."""
+    factories = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    service = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
+    handlers = {}
+    for method in service.methods:
+        request_type = getattr(ps_pb2, method.input_type.name)
+        response_type = getattr(ps_pb2, method.output_type.name)
+        handler = _decoding(servicer, method.name, getattr(servicer, method.name), request_type,
+                            method.client_streaming)
+        handlers[method.name] = factories[(method.client_streaming, method.server_streaming)](
+            handler, request_deserializer=None, response_serializer=_serialize(response_type)
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+class _StoreTimer:
+    """`with`: the time inside goes to a backend-latency histogram (a class, not a generator
+    context manager: it is cheaper). Row calls sum their store time in a _Tally instead."""
+
+    __slots__ = ("histogram", "start")
+
+    def __init__(self, histogram) -> None:
+        self.histogram = histogram
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self.histogram.observe(time.perf_counter() - self.start)
+
+
+class _Tally:
+    """What a row call's entries would report one by one, summed and reported once when the
+    call ends: a PullMany of 26 tables made ~100 metric updates (prometheus_client checks and
+    locks on each), ~15% of its time. Rows stay per table (their label); store time per
+    operation and payload bytes go per call."""
+
+    __slots__ = ("seconds", "bytes_in", "bytes_out")
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.bytes_in = self.bytes_out = 0
+
+    def store_time(self, op: str, start: float) -> None:
+        self.seconds[op] = self.seconds.get(op, 0.0) + (time.perf_counter() - start)
+
+    def report(self, m: PSMetrics, method: str) -> None:
+        for op, seconds in self.seconds.items():
+            m.child(m.backend_latency, op).observe(seconds)
+        if self.bytes_in:
+            m.child(m.bytes, method, "in").inc(self.bytes_in)
+        if self.bytes_out:
+            m.child(m.bytes, method, "out").inc(self.bytes_out)
+
+
+class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
+    def __init__(self, store: Store, metrics: PSMetrics, max_message_bytes: int,
+                 segments: SegmentTable | None = None) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.max_message_bytes = max_message_bytes
+        self.segments = segments if segments is not None else SegmentTable(0, 0.0)  # 0 bytes: none taken
+        self.started = time.time()
+
+    # -- plumbing ---------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _call(self, method: str, context: grpc.ServicerContext):
+        m = self.metrics
+        m.inflight.inc()
+        start = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            yield
+        except PSError as exc:
+            code = exc.code
+            context.abort(code, str(exc))
+        except GeneratorExit:  # a reply stream (Export) the client stopped reading
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except grpc.RpcError:
+            # Only a request stream (Import) raises this: the client cancelled or its deadline
+            # passed mid-stream. No one is left to answer and it is no fault of the PS, so no
+            # INTERNAL; grpc knows its own error and ends the call quietly.
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if context.time_remaining() <= 0 else grpc.StatusCode.CANCELLED
+            log.info("%s: the client went away mid-stream (%s)", method, code.name)
+            raise
+        except Exception as exc:  # a bug or an unexpected store failure: report, keep serving
+            code = grpc.StatusCode.INTERNAL
+            log.exception("%s failed", method)
+            context.abort(code, f"{method} failed inside the PS: {type(exc).__name__}: {exc}")
+        finally:
+            m.inflight.dec()
+            m.child(m.latency, method).observe(time.perf_counter() - start)
+            m.child(m.requests, method, code.name).inc()
+            if code != grpc.StatusCode.OK:
+                m.child(m.errors, method, code.name).inc()
+
+    @staticmethod
+    def _still_wanted(context: grpc.ServicerContext, what: str) -> None:
+        """A write whose caller has given up is not applied: the client has sent it again, maybe
+        to another replica, and may have sent newer rows for the same ids since; applying the
+        old one now would put stale rows back. gRPC itself drops a request whose deadline passed
+        before its handler started (all workers busy, the PS paused); this covers the time the
+        handler spent on it since (decoding a big batch). A write already in the store's hands
+        when the deadline passes still lands: see the README's note on replicas."""
+        if not context.is_active():
+            raise Abandoned(f"{what} not written: the client gave up on it (deadline passed or cancelled)")
+
+    def _backend(self, op: str) -> "_StoreTimer":
+        return _StoreTimer(self.metrics.child(self.metrics.backend_latency, op))
+
+    def _fitting(self, schema: TableSchema) -> TableSchema:
+        """The schema, if one of its rows (with its id) fits in a message of this PS: a table
+        whose rows cannot travel could be created but never pulled, pushed or exported."""
+        if schema.row_bytes + 8 + MESSAGE_OVERHEAD > self.max_message_bytes:
+            raise InvalidArgument(
+                f"table {schema.name!r}: a row is {schema.row_bytes} bytes, more than fits in this PS's "
+                f"{self.max_message_bytes}-byte messages (--max-message-mb); use a smaller dim or a larger limit"
+            )
+        return schema
+
+    def _schema(self, table: str, tally: _Tally | None = None) -> TableSchema:
+        check_name(table)
+        if tally is None:
+            with self._backend("schema"):
+                return self.store.schema(table)
+        start = time.perf_counter()
+        try:
+            return self.store.schema(table)
+        finally:
+            tally.store_time("schema", start)
+
+    def _info(self, schema: TableSchema) -> ps_pb2.TableInfo:
+        with self._backend("num_rows"):
+            n = self.store.num_rows(schema.name)
+        return ps_pb2.TableInfo(spec=schema.to_proto(), num_rows=n)
+
+    def _count(self, method: str, table: str, rows: int, nbytes_in: int, nbytes_out: int) -> None:
+        m = self.metrics
+        m.child(m.rows, method, table).inc(rows)
+        if nbytes_in:
+            m.child(m.bytes, method, "in").inc(nbytes_in)
+        if nbytes_out:
+            m.child(m.bytes, method, "out").inc(nbytes_out)
+
+    # -- tables -----------------------------------------------------------------
+
+    def CreateTable(self, request, context):
+        with self._call("CreateTable", context):
+            if not request.HasField("spec"):
+                raise InvalidArgument("CreateTable needs a spec (name, dim, state_width, dtype)")
+            schema = self._fitting(TableSchema.from_proto(request.spec))
+            with self._backend("create_table"):
+                created = self.store.create_table(schema)
+            if created:
+                log.info("created table %s", schema.to_dict())
+            return ps_pb2.CreateTableResponse(table=self._info(schema), created=created)
+
+    def DescribeTable(self, request, context):
+        with self._call("DescribeTable", context):
+            return self._info(self._schema(request.table))
+
+    def ListTables(self, request, context):
+        with self._call("ListTables", context):
+            with self._backend("list_tables"):
+                schemas = self.store.list_tables()
+            return ps_pb2.ListTablesResponse(tables=[self._info(s) for s in schemas])
+
+    def DropTable(self, request, context):
+        with self._call("DropTable", context):
+            check_name(request.table)
+            with self._backend("drop_table"):
+                dropped = self.store.drop_table(request.table)
+            if dropped is None:
+                if request.missing_ok:
+                    return ps_pb2.DropTableResponse(dropped=False)
+                raise TableNotFound(f"table {request.table!r} does not exist, nothing to drop")
+            log.info("dropped table %s (%d rows)", request.table, dropped)
+            return ps_pb2.DropTableResponse(dropped=True, rows_dropped=dropped)
+
+    # -- rows -------------------------------------------------------------------
+
+    def Pull(self, request, context):
+        with self._call("Pull", context):
+            tally = _Tally()
+            try:
+                plan = self._pull_plan(request, tally)
+                self._check_reply_size("pull", [plan])
+                return build_pull_response(self._reply_plan(*plan, tally))
+            finally:
+                tally.report(self.metrics, "Pull")
+
+    def PullMany(self, request, context):
+        with self._call("PullMany", context):
+            tally = _Tally()
+            try:
+                # every entry checked before any is read
+                plans = [self._pull_plan(p, tally) for p in request.pulls]
+                self._check_reply_size("pull of several tables", plans)
+                return build_pull_many_response([self._reply_plan(*plan, tally) for plan in plans])
+            finally:
+                tally.report(self.metrics, "Pull")
+
+    def _pull_plan(self, request, tally: _Tally) -> tuple[TableSchema, np.ndarray, int, np.ndarray | None]:
+        """(schema, ids, request bytes, where the rows go: a segment's rows or None for the reply)."""
+        schema = self._schema(request.table, tally)
+        ids = codec.decode_ids(request.ids, schema.name)
+        into = None
+        if request.HasField("rows_to"):
+            ref = request.rows_to
+            into = self._segment_rows(ref.segment, ref.offset, ref.size, schema, len(ids))
+        return schema, ids, len(request.ids), into
+
+    def _segment_rows(self, segment: int, offset: int, size: int, schema: TableSchema, n: int) -> np.ndarray:
+        """The (n, width) rows at offset in an attached segment (shm.py)."""
+        if size != n * schema.row_bytes:
+            raise InvalidArgument(
+                f"rows of {n} ids of table {schema.name!r} take {n * schema.row_bytes} bytes (rows of {schema.width} "
+                f"{schema.dtype} values), the segment has {size} for them: the client has another schema of the table "
+                f"(re-created since?)")
+        raw = self.segments.rows(segment, offset, size)
+        return raw.view(schema.np_dtype).reshape(n, schema.width)
+
+    def _check_reply_size(self, what: str, plans: list) -> None:
+        inline = [(s, ids) for s, ids, _, into in plans if into is None]  # rows through a segment take no room
+        if not inline:
+            return
+        plans = inline
+        reply_bytes = MESSAGE_OVERHEAD + sum(len(ids) * s.row_bytes + (len(ids) + 7) // 8 + 16 for s, ids in plans)
+        if reply_bytes > self.max_message_bytes:
+            n = sum(len(ids) for _, ids in plans)
+            row_bytes = max(s.row_bytes for s, _ in plans)
+            raise ResourceExhausted(
+                f"{what} of {n} rows from table {', '.join(repr(s.name) for s, _ in plans)} needs a "
+                f"{reply_bytes}-byte reply, over this PS's max message size of {self.max_message_bytes} bytes; "
+                f"pull at most {(self.max_message_bytes - MESSAGE_OVERHEAD) // (row_bytes + 1)} ids per request"
+            )
+
+    def _reply_plan(self, schema: TableSchema, ids: np.ndarray, nbytes_in: int, into: np.ndarray | None,
+                    tally: _Tally) -> ReplyPlan:
+        """The reply to a pull of ids, its rows to be read straight into the message (wire.py)
+        or into the client's segment."""
+        def fill(rows: np.ndarray) -> tuple[bytes, int]:
+            return self._pull_rows(schema, ids, nbytes_in, rows, tally)
+
+        return ReplyPlan(len(ids), schema.width, schema.np_dtype, fill, into)
+
+    def _pull_rows(self, schema: TableSchema, ids: np.ndarray, nbytes_in: int, out: np.ndarray,
+                   tally: _Tally) -> tuple[bytes, int]:
+        """Rows of ids into out, the missing ones initialised; (missing bitmap, how many missing)."""
+        start = time.perf_counter()
+        positions = self.store.pull_into(schema.name, ids, out)
+        tally.store_time("pull", start)
+        num_missing = len(positions)
+        m = self.metrics
+        m.child(m.rows, "Pull", schema.name).inc(len(ids))
+        tally.bytes_in += nbytes_in
+        tally.bytes_out += out.nbytes
+        if not num_missing:
+            return b"", 0
+        fill_initial_rows(schema, ids[positions], out, positions)
+        m.child(m.missing_rows, schema.name).inc(num_missing)
+        missing = np.zeros(len(ids), dtype=bool)
+        missing[positions] = True
+        return codec.encode_mask(missing), num_missing
+
+    def Push(self, request, context):
+        with self._call("Push", context):
+            tally = _Tally()
+            try:
+                plan = self._push_plan(request, tally)
+                self._still_wanted(context, "push")
+                return ps_pb2.PushResponse(rows_written=self._push_rows(*plan, tally))
+            finally:
+                tally.report(self.metrics, "Push")
+
+    def PushMany(self, request, context):
+        with self._call("PushMany", context):
+            tally = _Tally()
+            try:
+                # every entry checked before any is written: a bad one writes nothing
+                plans = [self._push_plan(p, tally) for p in request.pushes]
+                self._still_wanted(context, "push")
+                return ps_pb2.PushManyResponse(
+                    pushes=[ps_pb2.PushResponse(rows_written=self._push_rows(*plan, tally)) for plan in plans])
+            finally:
+                tally.report(self.metrics, "Push")
+
+    def _push_plan(self, request, tally: _Tally) -> tuple[TableSchema, np.ndarray, np.ndarray]:
+        """(schema, ids, rows) of a PushRequest read by wire.parse_push_request."""
+        schema = self._schema(request.table, tally)
+        ids = codec.decode_ids(request.ids, schema.name)
+        if request.rows_from is None:
+            return schema, ids, codec.decode_rows(request.rows, schema, len(ids))
+        if len(request.rows):
+            raise InvalidArgument(f"push to {schema.name!r} carries rows both in the message and in a segment (rows_from)")
+        return schema, ids, self._segment_rows(*request.rows_from, schema, len(ids))
+
+    def _push_rows(self, schema: TableSchema, ids: np.ndarray, rows: np.ndarray, tally: _Tally) -> int:
+        start = time.perf_counter()
+        written = self.store.push(schema.name, ids, rows)
+        tally.store_time("push", start)
+        self.metrics.child(self.metrics.rows, "Push", schema.name).inc(written)
+        tally.bytes_in += ids.nbytes + rows.nbytes
+        return written
+
+    def Delete(self, request, context):
+        with self._call("Delete", context):
+            schema = self._schema(request.table)
+            ids = codec.decode_ids(request.ids, schema.name)
+            self._still_wanted(context, "delete")
+            with self._backend("delete"):
+                deleted = self.store.delete(schema.name, ids)
+            self._count("Delete", schema.name, deleted, len(request.ids), 0)
+            return ps_pb2.DeleteResponse(rows_deleted=deleted)
+
+    # -- whole tables -----------------------------------------------------------
+
+    def Export(self, request, context) -> Iterator[ps_pb2.RowChunk]:
+        with self._call("Export", context):
+            schema = self._schema(request.table)
+            fit = max(1, (self.max_message_bytes - MESSAGE_OVERHEAD) // (schema.row_bytes + 8))
+            default = max(1, DEFAULT_EXPORT_CHUNK_BYTES // (schema.row_bytes + 8))
+            per_chunk = min(request.rows_per_chunk or default, fit)
+            first = ps_pb2.RowChunk(spec=schema.to_proto())
+            total = 0
+            with self._backend("export"):
+                chunks = self.store.export(schema.name, per_chunk)
+            for ids, rows in chunks:
+                if first is not None:
+                    chunk, first = first, None
+                else:
+                    chunk = ps_pb2.RowChunk()
+                chunk.ids = codec.encode_ids(ids)
+                chunk.rows = np.ascontiguousarray(rows).tobytes()
+                total += len(ids)
+                self._count("Export", schema.name, len(ids), 0, len(chunk.ids) + len(chunk.rows))
+                yield chunk
+            if first is not None:  # an empty table still tells its schema
+                yield first
+            log.info("exported table %s (%d rows)", schema.name, total)
+
+    def Import(self, request_iterator, context):
+        with self._call("Import", context):
+            schema = None
+            written = 0
+            for chunk in request_iterator:
+                first = schema is None
+                if first:
+                    if not chunk.HasField("spec"):
+                        raise InvalidArgument("the first chunk of an import must carry the table's spec")
+                    schema = self._fitting(TableSchema.from_proto(chunk.spec))
+                elif chunk.HasField("spec") and TableSchema.from_proto(chunk.spec) != schema:
+                    raise InvalidArgument(f"import into {schema.name!r}: a later chunk carries another spec")
+                ids = codec.decode_ids(chunk.ids, schema.name)
+                rows = codec.decode_rows(chunk.rows, schema, len(ids))
+                if first:  # only once the first chunk checked out: a refused import clears nothing
+                    with self._backend("create_table"):
+                        self.store.create_table(schema)
+                    if chunk.replace:
+                        with self._backend("clear"):
+                            self.store.clear(schema.name)
+                if len(ids):
+                    with self._backend("push"):
+                        written += self.store.push(schema.name, ids, rows)
+                self._count("Import", schema.name, len(ids), len(chunk.ids) + len(chunk.rows), 0)
+            if schema is None:
+                raise InvalidArgument("import stream was empty: send at least one chunk with the table's spec")
+            log.info("imported %d rows into table %s", written, schema.name)
+            return ps_pb2.ImportResponse(table=self._info(schema), rows_written=written)
+
+    # -- same-host row transfer (shm.py) ----------------------------------------
+
+    def AttachSegment(self, request, context):
+        with self._call("AttachSegment", context):
+            return ps_pb2.AttachSegmentResponse(segment=self.segments.attach(request.path, request.size, request.token))
+
+    def DetachSegment(self, request, context):
+        with self._call("DetachSegment", context):
+            return ps_pb2.DetachSegmentResponse(detached=self.segments.detach(request.segment))
+
+    # -- stats ------------------------------------------------------------------
+
+    def Stats(self, request, context):
+        with self._call("Stats", context):
+            with self._backend("list_tables"):
+                schemas = self.store.list_tables()
+            methods = []
+            for metric in self.metrics.requests.collect():
+                per: dict[str, list[int]] = {}
+                for s in metric.samples:
+                    if not s.name.endswith("_total"):
+                        continue
+                    entry = per.setdefault(s.labels["method"], [0, 0])
+                    entry[0] += int(s.value)
+                    if s.labels["code"] != "OK":
+                        entry[1] += int(s.value)
+            rows: dict[str, int] = {}  # per method, over all tables
+            for metric in self.metrics.rows.collect():
+                for s in metric.samples:
+                    if s.name.endswith("_total"):
+                        rows[s.labels["method"]] = rows.get(s.labels["method"], 0) + int(s.value)
+            for name in sorted(per):
+                methods.append(
+                    ps_pb2.MethodStats(method=name, requests=per[name][0], errors=per[name][1], rows=rows.get(name, 0))
+                )
+            return ps_pb2.StatsResponse(
+                backend=self.store.kind,
+                version=__version__,
+                uptime_seconds=time.time() - self.started,
+                tables=[self._info(s) for s in schemas],
+                methods=methods,
+            )

@@ -1,0 +1,262 @@
+"""Real redis-server processes for tests, benchmarks and demos: standalone (plain, ACL/password, TLS) and a 3-master Cluster.
+
+Each server gets a free loopback port, its own temp dir and a config file there (no
+persistence: `save ""`, `appendonly no`), and is terminated by `stop()`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+REPO = Path(__file__).resolve().parents[2]
+SETUP_HINT = "run scripts/setup_env.sh (it puts redis-server and redis-cli in .bin/), or set DYNEMB_REDIS_SERVER"
+
+
+def find_binary(name: str = "redis-server") -> str:
+    """DYNEMB_REDIS_SERVER (redis-cli: next to it), else the repo's .bin/, else PATH."""
+    env = os.environ.get("DYNEMB_REDIS_SERVER")
+    candidates = []
+    if env:
+        candidates.append(env if name == "redis-server" else str(Path(env).with_name(name)))
+    candidates += [str(REPO / ".bin" / name), shutil.which(name)]
+    for c in candidates:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    raise FileNotFoundError(f"no {name} binary found (tried {[c for c in candidates if c]}): {SETUP_HINT}")
+
+
+_handed_out: set[int] = set()
+
+
+def free_port() -> int:
+    """A loopback port free now and not handed out before in this process (a node needs two)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+
+
+class RedisProcess:
+    """One redis-server. `config` lines are added to the generated redis.conf.
+
+    `client_kwargs` are what a redis-py client needs to reach it (TLS, password), used to
+    wait for it to answer. The port stays the same across stop()/start(), so a restarted
+    server is at the same URL; its dir too, so a dump.rdb written by SAVE is loaded again.
+    """
+
+    def __init__(
+        self, config: list[str] = (), *, tls: bool = False, unix_socket: bool = False, client_kwargs: dict | None = None
+    ) -> None:
+        self.port = free_port()
+        self.tls = tls
+        self.dir = tempfile.mkdtemp(prefix="dynemb-redis-test-")
+        self.config = list(config)
+        keys = {line.split()[0] for line in self.config if line.split()}
+        if "cluster-enabled" in keys and "cluster-port" not in keys:
+            # a cluster node's bus defaults to port + 10000, which may be taken or past 65535
+            self.config.append(f"cluster-port {free_port()}")
+        # also listen on <dir>/redis.sock (a short path: sun_path holds ~107 bytes)
+        self.unix_socket = os.path.join(self.dir, "redis.sock") if unix_socket else None
+        if self.unix_socket:
+            self.config += [f"unixsocket {self.unix_socket}", "unixsocketperm 700"]
+        self.client_kwargs = dict(client_kwargs or {})
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def host(self) -> str:
+        return "127.0.0.1"
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"{'rediss' if self.tls else 'redis'}://{self.address}/0"
+
+    @property
+    def log_path(self) -> str:
+        return os.path.join(self.dir, "redis.log")
+
+    def log(self) -> str:
+        try:
+            return Path(self.log_path).read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def start(self, timeout: float = 15.0) -> "RedisProcess":
+        """Start it and wait until it answers PING; a server that fails to start is cleaned up."""
+        port_lines = ["port 0", f"tls-port {self.port}"] if self.tls else [f"port {self.port}"]
+        lines = [
+            *port_lines,
+            "bind 127.0.0.1",
+            'save ""',
+            "appendonly no",
+            f"dir {self.dir}",
+            f"logfile {self.log_path}",
+            *self.config,
+        ]
+        conf = os.path.join(self.dir, "redis.conf")
+        Path(conf).write_text("\n".join(lines) + "\n")
+        self.proc = subprocess.Popen([find_binary(), conf], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        try:
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def client(self, **kw) -> redis.Redis:
+        return redis.Redis(host=self.host, port=self.port, ssl=self.tls, **{**self.client_kwargs, **kw})
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        client = self.client(socket_connect_timeout=0.5, socket_timeout=2)
+        try:
+            while True:
+                try:
+                    client.ping()
+                    return
+                except (redis.ConnectionError, redis.TimeoutError) as exc:  # BusyLoadingError too
+                    if self.proc.poll() is not None:
+                        raise RuntimeError(f"redis-server on {self.address} exited at start:\n{self.log()}") from None
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"redis-server on {self.address} did not answer PING in {timeout}s "
+                            f"({exc}):\n{self.log()}"
+                        ) from None
+                    time.sleep(0.05)
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> "RedisProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class RedisClusterProcesses:
+    """A Redis Cluster of `masters` nodes (no replicas) on loopback, made with `redis-cli --cluster create`.
+
+    With `tls_files` (from make_tls_files) clients and the cluster bus use TLS only.
+    """
+
+    def __init__(
+        self, masters: int = 3, tls_files: dict[str, str] | None = None, acl: tuple[str, str] | None = None
+    ) -> None:
+        self.tls_files = tls_files
+        self.acl = acl
+        client_kwargs: dict = {}
+        extra_config: list[str] = []
+        if acl:  # a user with every right; the default user is locked out
+            extra_config += [f"user {acl[0]} on >{acl[1]} ~* &* +@all", "user default off"]
+            client_kwargs.update(username=acl[0], password=acl[1])
+        if tls_files:  # clients and the cluster bus both over TLS
+            extra_config += [
+                f"tls-cert-file {tls_files['cert']}",
+                f"tls-key-file {tls_files['key']}",
+                f"tls-ca-cert-file {tls_files['ca']}",
+                "tls-auth-clients no",
+                "tls-cluster yes",
+            ]
+            client_kwargs["ssl_ca_certs"] = tls_files["ca"]
+        self.nodes = [
+            # the cluster bus port is chosen too, so it need not be port + 10000
+            RedisProcess(
+                [
+                    "cluster-enabled yes",
+                    "cluster-config-file nodes.conf",
+                    f"cluster-port {free_port()}",
+                    "cluster-node-timeout 5000",
+                    *extra_config,
+                ],
+                tls=bool(tls_files),
+                client_kwargs=client_kwargs,
+            )
+            for _ in range(masters)
+        ]
+
+    @property
+    def addresses(self) -> list[str]:
+        return [n.address for n in self.nodes]
+
+    @property
+    def url(self) -> str:
+        return f"{'rediss' if self.tls_files else 'redis'}+cluster://" + ",".join(self.addresses)
+
+    def start(self, timeout: float = 30.0) -> "RedisClusterProcesses":
+        try:
+            self._start(timeout)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _start(self, timeout: float) -> None:
+        for n in self.nodes:
+            n.start()
+        cmd = [find_binary("redis-cli"), "--cluster", "create", *self.addresses]
+        cmd += ["--cluster-replicas", "0", "--cluster-yes"]
+        if self.tls_files:
+            cmd += ["--tls", "--cacert", self.tls_files["ca"]]
+        if self.acl:
+            cmd += ["--user", self.acl[0], "--pass", self.acl[1], "--no-auth-warning"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+        deadline = time.monotonic() + timeout
+        for n in self.nodes:
+            c = n.client()
+            try:
+                while c.cluster("INFO").get("cluster_state") != "ok":
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"cluster node {n.address} never reached cluster_state:ok:\n{n.log()}")
+                    time.sleep(0.1)
+            finally:
+                c.close()
+
+    def close(self) -> None:
+        for n in self.nodes:
+            n.close()
+
+
+def make_tls_files(directory: str) -> dict[str, str]:
+    """A throwaway CA and a server certificate for localhost / 127.0.0.1 (trustme), as PEM files."""
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("localhost", "127.0.0.1")
+    paths = {"ca": os.path.join(directory, "ca.pem"), "cert": os.path.join(directory, "server.pem"),
+             "key": os.path.join(directory, "server.key")}
+    ca.cert_pem.write_to_path(paths["ca"])
+    cert.cert_chain_pems[0].write_to_path(paths["cert"])
+    for extra in cert.cert_chain_pems[1:]:
+        extra.write_to_path(paths["cert"], append=True)
+    cert.private_key_pem.write_to_path(paths["key"])
+    return paths

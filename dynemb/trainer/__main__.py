@@ -1,0 +1,5 @@
+import sys
+
+from dynemb.trainer.cli import main
+
+sys.exit(main())

@@ -1,0 +1,366 @@
+"""Checkpoints of a training job, consistent across all ranks and the PS, taken at a step
+boundary (no batch in flight), and restore that continues training exactly. The folder
+layout, manifest and chains are dynemb/trainer/checkpoint_format.py's.
+
+What goes in: dynamic tables' rows from the PS (flushed first; rank 0 writes them, gathered
+from every rank where each keeps the rows of its own IDs in-process), full
+tables' rows per rank, each rank's ID transformers and row-sparse Adam step, and the dense
+parameters with their optimizer (rank 0; DDP keeps them equal on every rank). The data
+position is the step: batches(start=step) resumes the stream there.
+
+A full checkpoint holds every row; an incremental one (--checkpoint-full-every k > 1) only
+the rows of IDs the training touched since the previous checkpoint (its `parent`); restore
+applies the chain from the last full one on. The dense part is small and saved whole each
+time. torch.save rather than torch.distributed.checkpoint for it: DCP loads into tensors that
+already exist, and a fresh job's optimizer creates its state only at its first step.
+
+All ranks call save() and restore() together; the folder must be one all ranks see (a shared
+filesystem when ranks are on several machines).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from dynemb.idtransformer.hashing import owner_of
+from dynemb.trainer.config import TrainConfig
+from dynemb.trainer.model import Built, dense_parameters
+from dynemb.trainer.row_store import RowStore
+from dynemb.trainer.checkpoint_format import (FORMAT, VERSION, CheckpointError, chain, checkpoints,
+                                       files_digest, read_manifest, step_folder, verify, write_manifest)
+from dynemb.trainer.table_files import TableReader, TableWriter
+from dynemb.trainer.table_rows import find_tables
+
+class Checkpointer:
+    """Saves a job's checkpoints and restores one; tracks the IDs touched between checkpoints
+    (for incremental ones)."""
+
+    def __init__(self, cfg: TrainConfig, built: Built, dynamic, store: RowStore) -> None:
+        self.cfg, self.built, self.dynamic, self.store = cfg, built, dynamic, store
+        self.root = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.saved = 0  # checkpoints this job wrote (full every checkpoint_full_every)
+        self.last: str | None = None  # the newest checkpoint's folder name, the next one's parent
+        self.touched: dict[str, list[np.ndarray]] = {name: [] for name in built.table_names}
+
+    # -- between checkpoints ------------------------------------------------------
+
+    def tap(self, batches):
+        """The training batches, unchanged; with incremental checkpoints their IDs (global,
+        before any transform) are noted on the way."""
+        for batch in batches:
+            if self.cfg.checkpoint_full_every > 1:
+                kjt = batch.sparse_features
+                for key, name in zip(self.built.features, self.built.table_names):
+                    self.touched[name].append(np.unique(kjt[key].values().numpy()))
+            yield batch
+
+    def _touched_everywhere(self) -> dict[str, np.ndarray]:
+        """Per table, every ID any rank touched since the last checkpoint."""
+        mine = {n: np.unique(np.concatenate(v)) if v else np.zeros(0, np.int64) for n, v in self.touched.items()}
+        every = [None] * self.world
+        dist.all_gather_object(every, mine)
+        return {n: np.unique(np.concatenate([e[n] for e in every])).astype(np.int64) for n in mine}
+
+    # -- save ---------------------------------------------------------------------
+
+    def save(self, step: int) -> Path:
+        """Collective, at a step boundary: every rank calls it after the same step."""
+        full = self.last is None or self.saved % self.cfg.checkpoint_full_every == 0
+        touched = None if full else self._touched_everywhere()
+        final = self.root / step_folder(step)
+        work = self.root / (step_folder(step) + ".partial")
+
+        def prepare() -> None:
+            if self.rank == 0:
+                shutil.rmtree(work, ignore_errors=True)
+                work.mkdir(parents=True)
+
+        self._agree(step, work, prepare)
+        if self.dynamic is not None:
+            self.dynamic.flush()
+            dist.barrier()  # every rank's rows are on the PS
+
+        def write_parts() -> None:
+            self._save_tables(work, touched)
+            self._save_rank(work / f"rank-{self.rank:05d}.pt")
+            if self.rank == 0:
+                self._save_dense(work / "dense.pt")
+
+        self._agree(step, work, write_parts)
+
+        def publish() -> None:
+            if self.rank == 0:
+                manifest = {
+                    "format": FORMAT, "version": VERSION, "step": step, "world_size": self.world,
+                    "kind": "full" if full else "incremental", "parent": None if full else self.last,
+                    "dynamic": self.dynamic is not None, "optimizer": self.cfg.optimizer,
+                    "tables": {n: self.built.schemas[n].to_dict() for n in self.built.table_names},
+                    "config": dataclasses.asdict(self.cfg),
+                    "files": files_digest(work),
+                }
+                write_manifest(work, manifest, final)
+                self._retain()
+
+        self._agree(step, work, publish)
+        self.saved += 1
+        self.last = final.name
+        self.touched = {name: [] for name in self.touched}
+        return final
+
+    def _agree(self, step: int, work: Path, part) -> None:
+        """Run this rank's part of a save; if it failed to write on any rank (disk full, no
+        permission, ...), every rank raises the same CheckpointError and the half-written
+        folder goes. Collective: no rank is left waiting at a barrier for one that failed."""
+        try:
+            part()
+            mine = None
+        except OSError as exc:
+            where = f"{exc.filename}: " if exc.filename else ""
+            mine = f"rank {self.rank}: {where}{exc.strerror or exc}"
+        except Exception as exc:  # noqa: BLE001 - whatever it is, every rank must hear of it
+            mine = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        every = [None] * self.world
+        dist.all_gather_object(every, mine)
+        problems = [p for p in every if p is not None]
+        if problems:
+            if self.rank == 0:
+                shutil.rmtree(work, ignore_errors=True)
+            kept = f"the last one, {self.root / self.last}, is intact" if self.last else "no earlier one exists"
+            raise CheckpointError(f"checkpoint at step {step} could not be written ({'; '.join(problems)}); {kept}")
+
+    def _save_tables(self, work: Path, touched: dict[str, np.ndarray] | None) -> None:
+        names = self.built.table_names
+        if self.dynamic is not None:
+            # rank 0 writes each table: read from the PS all ranks share, or gathered from every
+            # rank's own store (per-rank stores hold the rows of the IDs their rank owns)
+            if self.rank != 0 and not self.store.per_rank:
+                return
+            failure: Exception | None = None
+            for name in tqdm(names, desc="checkpoint: tables", unit="table",
+                             disable=not self.cfg.progress or self.rank != 0):
+                schema = self.built.schemas[name]
+                chunks = self._table_rows(schema, None if touched is None else touched[name])
+                # a failure is raised once every table's rounds are over: the other ranks are
+                # still sending (or rank 0 still taking) this table's rows and the next ones'
+                try:
+                    if self.rank != 0:
+                        for _ in chunks:  # this rank's rows, sent to rank 0
+                            pass
+                        continue
+                    with TableWriter(work / "tables" / name, schema, source={"kind": "checkpoint"}) as w:
+                        for ids, rows in chunks:
+                            rows = np.asarray(rows, dtype=schema.np_dtype)
+                            w.write(ids, rows[:, : schema.dim], rows[:, schema.dim:])
+                except Exception as exc:  # noqa: BLE001 - raised below
+                    if not self.store.per_rank:  # rank 0 alone: nothing to keep in step with
+                        raise
+                    failure = failure or exc
+                    for _ in chunks:  # the rest of this table's rounds
+                        pass
+            if failure is not None:
+                raise failure
+            return
+        for name, r in find_tables(self.built.model).items():
+            schema = self.built.schemas[name]
+            local = torch.arange(r.local_rows)
+            if touched is not None:  # this rank's rows among the touched IDs
+                ids = torch.from_numpy(touched[name])
+                local = (ids[(ids >= r.row_offset) & (ids < r.row_offset + r.local_rows)] - r.row_offset).long()
+            rows = r.read(local).numpy().astype(schema.np_dtype)
+            with TableWriter(work / "tables" / name / f"rank-{self.rank:05d}", schema,
+                             source={"kind": "checkpoint", "rank": self.rank}) as w:
+                w.write(local.numpy() + r.row_offset, rows[:, : schema.dim], rows[:, schema.dim:])
+
+    def _table_rows(self, schema, touched: np.ndarray | None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(ids, rows) chunks of a dynamic table for a checkpoint (every row, or those of the
+        touched IDs), on rank 0; with per-rank stores a collective, in which every rank sends
+        its own rows to rank 0 and gets nothing."""
+        table, per_rank = schema.name, self.store.per_rank
+        ids = touched if touched is None or not per_rank else touched[self._owned(touched)]
+
+        def rows() -> Iterator[tuple[np.ndarray, np.ndarray]]:  # read in the rounds: errors surface there
+            if ids is None:
+                yield from self.store.export(table)
+            elif len(ids):
+                yield ids, self.store.pull(table, ids)
+
+        return self._gather_at_rank0(rows()) if per_rank else rows()
+
+    def _gather_at_rank0(self, mine: Iterator[tuple]) -> Iterator[tuple]:
+        """Collective: every rank's chunks, yielded on rank 0 (elsewhere nothing), a chunk
+        from each rank at a time, so that rank 0 never holds more than a chunk of each. A rank
+        whose rows cannot be read says so in its place and goes on with the rounds, so no rank
+        is left waiting; each raises once the rounds are over (rank 0 naming the rank)."""
+        failed: list[str] = []
+        own_error: Exception | None = None
+        while True:
+            try:
+                chunk = next(mine, None) if own_error is None else None
+            except Exception as exc:  # noqa: BLE001 - raised after the rounds
+                own_error, chunk = exc, f"rank {self.rank}: {type(exc).__name__}: {exc}"
+            got = [None] * self.world if self.rank == 0 else None
+            dist.gather_object(chunk, got, dst=0)
+            more = [self.rank != 0 or any(c is not None for c in got)]
+            dist.broadcast_object_list(more, src=0)
+            if not more[0]:
+                break
+            if self.rank == 0:
+                failed += [c for c in got if isinstance(c, str)]
+                yield from (c for c in got if c is not None and not isinstance(c, str))
+        if own_error is not None:
+            raise own_error
+        if failed:
+            raise RuntimeError("could not read the rows to save: " + "; ".join(failed))
+
+    def _owned(self, ids: np.ndarray) -> np.ndarray:
+        """Mask of the ids this rank owns (the sharded ID transformer's owner_of)."""
+        return owner_of(torch.from_numpy(np.ascontiguousarray(ids, np.int64)), self.world).numpy() == self.rank
+
+    def _save_rank(self, path: Path) -> None:
+        state: dict = {"rank": self.rank}
+        if self.dynamic is not None:
+            state["transformers"] = {n: t.local.state_dict() for n, t in self.dynamic.transformers.items()}
+        adam = self.built.optimizer.sparse_adam
+        if adam is not None:
+            state["sparse_adam"] = adam.state_dict()
+        _save_torch(state, path)
+
+    def _save_dense(self, path: Path) -> None:
+        params = {k: v.detach().clone() for k, v in dense_parameters(self.built.model).items()}
+        _save_torch({"parameters": params, "optimizer": self.built.dense_optimizer.state_dict()}, path)
+
+    def _retain(self) -> None:
+        """Keep the newest checkpoint_keep checkpoints and every one their chains build on."""
+        have = checkpoints(self.root)
+        keep: set[Path] = set()
+        for c in have[-self.cfg.checkpoint_keep:]:
+            keep.update(chain(c))
+        for c in have:
+            if c not in keep:
+                shutil.rmtree(c, ignore_errors=True)
+
+    # -- restore ------------------------------------------------------------------
+
+    def resolve(self, which: str) -> Path:
+        if which == "latest":
+            have = checkpoints(self.root)
+            if not have:
+                raise CheckpointError(f"resume latest: no checkpoint in {self.root}")
+            return have[-1]
+        return Path(which)
+
+    def restore(self, which: str) -> int:
+        """Collective: load the checkpoint (a folder or "latest") into the model, the PS and
+        the ID transformers; returns its step, where training goes on."""
+        folder = self.resolve(which)
+        problem = [None]
+        if self.rank == 0:  # check everything before anything changes; all ranks stop alike
+            try:
+                links = chain(folder)
+                docs = [verify(c, progress=self.cfg.progress) for c in links]
+                self._check_fits(folder, docs[-1])
+            except (CheckpointError, OSError) as exc:
+                problem = [str(exc)]
+        dist.broadcast_object_list(problem, src=0)
+        if problem[0] is not None:
+            raise CheckpointError(problem[0])
+        links = chain(folder)
+        doc = read_manifest(folder)
+        self._restore_tables(links)
+        rank_state = torch.load(folder / f"rank-{self.rank:05d}.pt", weights_only=False)
+        if self.dynamic is not None:
+            for name, t in self.dynamic.transformers.items():
+                t.local.load_state_dict(rank_state["transformers"][name])
+            self._pull_resident()
+        if self.built.optimizer.sparse_adam is not None:
+            self.built.optimizer.sparse_adam.load_state_dict(rank_state["sparse_adam"])
+        dense = torch.load(folder / "dense.pt", weights_only=False)
+        with torch.no_grad():
+            for k, p in dense_parameters(self.built.model).items():
+                p.copy_(dense["parameters"][k])
+        self.built.dense_optimizer.init_state()  # its state is made lazily: make it, then overwrite
+        self.built.dense_optimizer.load_state_dict(dense["optimizer"])
+        self.last = folder.name
+        dist.barrier()
+        return int(doc["step"])
+
+    def _check_fits(self, folder: Path, doc: dict) -> None:
+        if doc.get("config") is None:
+            raise CheckpointError(f"{folder}: holds PS tables only (made by `dynemb checkpoint save`), not a "
+                                  f"training job's state; put them on a PS with `dynemb checkpoint restore`")
+        if doc["world_size"] != self.world:
+            raise CheckpointError(f"{folder}: written by {doc['world_size']} ranks, this job has {self.world} "
+                                  f"(restoring onto another number of ranks is not supported yet)")
+        if doc["dynamic"] != (self.dynamic is not None):
+            raise CheckpointError(f"{folder}: {'dynamic' if doc['dynamic'] else 'full'} tables, this job's are "
+                                  f"{'dynamic' if self.dynamic is not None else 'full'}")
+        if doc["optimizer"] != self.cfg.optimizer:
+            raise CheckpointError(f"{folder}: optimizer {doc['optimizer']}, this job's is {self.cfg.optimizer}")
+        want = {n: self.built.schemas[n].to_dict() for n in self.built.table_names}
+        if doc["tables"] != want:
+            differ = sorted(set(want) ^ set(doc["tables"])) or [n for n in want if want[n] != doc["tables"][n]]
+            raise CheckpointError(f"{folder}: its tables differ from this job's ({', '.join(differ[:5])})")
+
+    def _restore_tables(self, links: list[Path]) -> None:
+        names = self.built.table_names
+        if self.dynamic is not None:
+            # into the PS all ranks share (rank 0 does it), or into each rank's own store the
+            # rows of the IDs that rank owns (every rank reads the files)
+            per_rank = self.store.per_rank
+            if self.rank == 0 or per_rank:
+                for name in tqdm(names, desc="restore: tables", unit="table",
+                                 disable=not self.cfg.progress or self.rank != 0):
+                    schema = self.built.schemas[name]
+                    base, *deltas = [TableReader(c / "tables" / name) for c in links]
+
+                    def rows(reader: TableReader) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+                        for ids, e, s in reader.chunks(verify=False):
+                            if per_rank:
+                                mine = self._owned(ids)
+                                ids, e, s = ids[mine], e[mine], s[mine]
+                            if len(ids):
+                                yield ids, np.concatenate([e, s], axis=1)
+
+                    self.store.replace(schema, rows(base))
+                    for delta in deltas:
+                        for ids, r in rows(delta):
+                            self.store.push(schema.name, ids, r)
+            dist.barrier()  # the PS holds the checkpoint's rows before any rank pulls
+            return
+        for name, r in find_tables(self.built.model).items():
+            for c in links:
+                for ids, e, s in TableReader(c / "tables" / name / f"rank-{self.rank:05d}").chunks(verify=False):
+                    local = torch.from_numpy(ids - r.row_offset)
+                    r.write(local, torch.from_numpy(np.concatenate([e, s], axis=1)).float())
+
+    def _pull_resident(self) -> None:
+        """The rows of the IDs the restored transformers hold, from the PS into their slots."""
+        for name, t in self.dynamic.transformers.items():
+            local = t.local
+            slots = torch.nonzero(local.last_access != -1).squeeze(1)
+            if len(slots):
+                ids = local.slot_id[slots].numpy()
+                rows = self.store.pull(self.built.schemas[name].name, ids)
+                self.dynamic.rows[name].write(slots, torch.from_numpy(np.asarray(rows, dtype=np.float32)))
+
+
+def _save_torch(obj, path: Path) -> None:
+    """torch.save through memory: its own writer reports a full disk as "basic_ios::clear:
+    iostream error"; Python's names the file and the reason."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    try:
+        with open(path, "wb") as f:
+            f.write(buf.getbuffer())
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from None

@@ -1,0 +1,242 @@
+"""Checkpoint folders on disk: the manifest, its checks, incremental chains, and the
+operations that need no training job (`dynemb checkpoint save|restore|inspect`).
+
+    <root>/step-00000100/
+        manifest.json      written last: format, version, step, world size, kind ("full" or
+                           "incremental"), parent (the checkpoint an incremental one builds on),
+                           tables (name -> PS schema), the job's config, and "files": the
+                           sha256 of every other file in the folder
+        dense.pt           dense parameters + dense optimizer (training checkpoints)
+        rank-00000.pt ...  per rank: ID transformers' state, row-sparse Adam's step
+        tables/<table>/    a table folder (dynemb/trainer/table_files.py), or one per rank
+                           (tables/<table>/rank-00000/ ...) for tables not behind the PS
+
+`dynemb checkpoint save` writes the same layout with only tables/ (kind "full", no step, no
+config): a consistent, checksummed copy of PS tables, which `restore` puts back on any PS.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from dynemb.common.errors import UserError
+from dynemb.ps_server.schema import TableSchema
+from dynemb.trainer.table_files import MANIFEST as TABLE_MANIFEST
+from dynemb.trainer.table_files import TableReader, TableWriter, check_no_conflict
+
+FORMAT = "dynemb.checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(UserError, ValueError):
+    """A checkpoint that cannot be used: missing, corrupt, or not of this job."""
+
+
+def step_folder(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(4 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def files_digest(folder: Path) -> dict[str, str]:
+    """sha256 of every file under folder (but a manifest), by relative path."""
+    return {str(p.relative_to(folder)): _sha256(p)
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name not in (MANIFEST, f".{MANIFEST}.tmp")}
+
+
+def write_manifest(work: Path, manifest: dict, final: Path) -> None:
+    """The manifest last, then the whole folder renamed into place: a checkpoint is either
+    complete or absent (a cut-off save leaves only a .partial folder)."""
+    tmp = work / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2, default=str) + "\n")
+    os.replace(tmp, work / MANIFEST)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(work, final)
+
+
+def read_manifest(folder: str | os.PathLike) -> dict:
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{folder}: no {MANIFEST} (not a checkpoint, or one cut short)")
+    try:
+        doc = json.loads(path.read_text())
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("version") != VERSION:
+        got = (doc.get("format"), doc.get("version")) if isinstance(doc, dict) else (None, None)
+        raise CheckpointError(f"{path}: format {got[0]!r} version {got[1]!r}, expected {FORMAT!r} version {VERSION}")
+    for key, kind in (("files", dict), ("tables", dict), ("kind", str)):
+        if not isinstance(doc.get(key), kind):
+            raise CheckpointError(f"{path}: field {key!r} missing or not a {kind.__name__}")
+    return doc
+
+
+def verify(folder: str | os.PathLike, progress: bool = False) -> dict:
+    """The manifest, after checking every file it lists against its sha256 (and that no
+    table file is there that it does not list)."""
+    folder = Path(folder)
+    doc = read_manifest(folder)
+    for rel, digest in tqdm(sorted(doc["files"].items()), desc=f"verify {folder.name}", unit="file",
+                            disable=not progress):
+        path = folder / rel
+        if not path.is_file():
+            raise CheckpointError(f"{path}: listed in {MANIFEST} but missing")
+        if _sha256(path) != digest:
+            raise CheckpointError(f"{path}: sha256 differs from {MANIFEST} (corrupt or changed)")
+    return doc
+
+
+def checkpoints(root: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints under root, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.name.startswith("step-") and (p / MANIFEST).is_file())
+
+
+def chain(folder: str | os.PathLike) -> list[Path]:
+    """The checkpoints to apply, the last full one first, ending with `folder`."""
+    out = [Path(folder)]
+    while (parent := read_manifest(out[0]).get("parent")) is not None:
+        if not (out[0].parent / parent).is_dir():
+            raise CheckpointError(f"{out[0]}: builds on {parent}, which is not in {out[0].parent} "
+                                  f"(an incremental checkpoint needs its chain back to a full one)")
+        out.insert(0, out[0].parent / parent)
+        if len(out) > 10_000:
+            raise CheckpointError(f"{folder}: parent chain does not end in a full checkpoint")
+    return out
+
+
+def table_parts(folder: Path, key: str) -> list[Path]:
+    """The table folders of one table in one checkpoint: tables/<key>/ itself, or its
+    per-rank folders."""
+    base = folder / "tables" / key
+    if (base / TABLE_MANIFEST).is_file():
+        return [base]
+    parts = sorted(p for p in base.glob("rank-*") if (p / TABLE_MANIFEST).is_file())
+    if not parts and not base.is_dir():
+        raise CheckpointError(f"{folder}: no folder tables/{key} for table {key!r} of its manifest")
+    return parts
+
+
+def _rows(reader: TableReader, bar=None) -> Iterable[tuple[np.ndarray, np.ndarray]]:
+    for ids, emb, state in reader.chunks(verify=False):
+        if bar is not None:
+            bar.update(len(ids))
+        yield ids, np.concatenate([emb, state], axis=1)
+
+
+# -- operations on a PS, no training job -----------------------------------------------
+
+
+def save_tables(client, names: list[str], out: str | os.PathLike, progress: bool = True) -> Path:
+    """A checkpoint of PS tables (kind full, tables only) in folder `out`."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out}: exists and is not empty; pick a new folder")
+    infos = [client.describe_table(n) for n in names]  # a missing table fails before any file
+    work = out.with_name(out.name + ".partial")
+    shutil.rmtree(work, ignore_errors=True)
+    for info in infos:
+        schema = info.schema
+        with TableWriter(work / "tables" / schema.name, schema, source={"kind": "checkpoint save"}) as w, \
+                tqdm(total=info.num_rows, unit="row", unit_scale=True, desc=f"save {schema.name}",
+                     disable=not progress) as bar:
+            for ids, rows in client.export(schema.name):
+                w.write(ids, rows[:, : schema.dim], rows[:, schema.dim:])
+                bar.update(len(ids))
+    work.mkdir(parents=True, exist_ok=True)
+    manifest = {
+        "format": FORMAT, "version": VERSION, "step": None, "world_size": None, "kind": "full",
+        "parent": None, "dynamic": True, "optimizer": None, "source": "dynemb checkpoint save",
+        "tables": {i.schema.name: i.schema.to_dict() for i in infos}, "config": None,
+        "files": files_digest(work),
+    }
+    if out.exists():
+        out.rmdir()
+    write_manifest(work, manifest, out)
+    return out
+
+
+def restore_tables(client, folder: str | os.PathLike, tables: list[str] | None = None,
+                   progress: bool = True) -> dict[str, int]:
+    """Put a checkpoint's tables (its whole chain applied) on a PS: each table's rows there
+    are replaced by the checkpoint's. Everything is checked before the first write.
+    Returns rows written per PS table."""
+    links = chain(folder)
+    docs = [verify(c, progress=progress) for c in links]
+    keys = list(docs[-1]["tables"])
+    if tables:
+        unknown = [t for t in tables if t not in keys]
+        if unknown:
+            raise CheckpointError(f"{folder}: no table {unknown}; it has {keys}")
+        keys = tables
+    plan = []
+    for key in keys:
+        schema = TableSchema.from_dict(docs[-1]["tables"][key])
+        check_no_conflict(client, schema, f"{folder}: table {key}")
+        plan.append((key, schema, [[TableReader(p) for p in table_parts(c, key)] for c in links]))
+    written = {}
+    for key, schema, per_link in plan:
+        deltas = per_link[1:]
+        total = sum(r.num_rows for link in per_link for r in link)
+        with tqdm(total=total, unit="row", unit_scale=True, desc=f"restore {schema.name}",
+                  disable=not progress) as bar:
+            n = client.import_rows(schema, (c for r in per_link[0] for c in _rows(r, bar)), replace=True)
+            for link in deltas:
+                for reader in link:
+                    for ids, rows in _rows(reader, bar):
+                        client.push(schema.name, ids, rows)
+                        n += len(ids)
+        written[schema.name] = n
+    return written
+
+
+def describe(folder: str | os.PathLike) -> str:
+    """What `dynemb checkpoint inspect` prints: a checkpoint's manifest in a few lines, or
+    the checkpoints under a root folder."""
+    folder = Path(folder)
+    if not (folder / MANIFEST).is_file() and folder.is_dir():
+        found = checkpoints(folder)
+        if not found:
+            raise CheckpointError(f"{folder}: no {MANIFEST} here and no step-*/ checkpoints under it")
+        lines = [f"{len(found)} checkpoint(s) in {folder}:"]
+        for c in found:
+            doc = read_manifest(c)
+            parent = f" <- {doc['parent']}" if doc.get("parent") else ""
+            lines.append(f"  {c.name}  step {doc.get('step')}  {doc['kind']}{parent}")
+        return "\n".join(lines)
+    doc = read_manifest(folder)
+    size = sum((folder / rel).stat().st_size for rel in doc["files"] if (folder / rel).is_file())
+    lines = [
+        f"checkpoint {folder}",
+        f"  step         {doc.get('step')}" + ("" if doc.get("config") else "  (PS tables only: dynemb checkpoint save)"),
+        f"  kind         {doc['kind']}" + (f", builds on {doc['parent']}" if doc.get("parent") else ""),
+        f"  chain        {' -> '.join(c.name for c in chain(folder))}",
+    ]
+    if doc.get("world_size") is not None:
+        lines.append(f"  ranks        {doc['world_size']}")
+        lines.append(f"  tables       {'dynamic (PS)' if doc.get('dynamic') else 'full (per rank)'}, "
+                     f"optimizer {doc.get('optimizer')}")
+    lines.append(f"  files        {len(doc['files'])}, {size / 2**20:.1f} MiB")
+    lines.append(f"  {'table':<24} {'rows':>10}  schema")
+    for key, spec in doc["tables"].items():
+        rows = sum(TableReader(p).num_rows for p in table_parts(folder, key))
+        lines.append(f"  {key:<24} {rows:>10}  {spec['name']} dim={spec['dim']} state_width={spec['state_width']} "
+                     f"dtype={spec['dtype']}")
+    return "\n".join(lines)

@@ -1,0 +1,242 @@
+"""Training configuration: dataclasses, read from flags or a YAML/JSON file (flags win).
+
+    dynemb train --config run.yaml --steps 500
+    torchrun --nproc_per_node 2 -m dynemb.trainer --optimizer adagrad --capacity-fraction 0.1
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+
+
+def optimizer_state_width(optimizer: str, dim: int) -> int:
+    """Floats of optimizer state per row, stored after the embedding in a PS row."""
+    return {"sgd": 0, "adagrad": dim, "rowwise_adagrad": 1, "adam": 2 * dim}[optimizer]
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"  # "synthetic" or a Criteo TSV file / folder of them
+    num_dense: int = 13
+    num_sparse: int = 26
+    universe: int = 100_000  # synthetic: distinct IDs per sparse feature
+    zipf: float = 1.05  # synthetic: skew of the ID draw
+    ids_per_feature: int = 1  # synthetic: IDs per sample and feature (bag size)
+    eval_fraction: float = 0.1  # TSV: share of lines held out for evaluation
+    skip_bad_lines: bool = False  # TSV: skip malformed lines (logged, counted) instead of stopping
+    data_seed: int = 0  # synthetic: which stream of batches
+
+
+@dataclass
+class TableConfig:
+    """Dynamic-table settings, the same for every sparse feature's table."""
+
+    dim: int = 16
+    capacity_fraction: float = 0.1  # device rows, as a share of the ID universe
+    capacity: int = 0  # device rows per table across all ranks (overrides the fraction)
+    policy: str = "hybrid"  # lru | lfu | hybrid
+    evict_fraction: float = 0.05
+    admit_threshold: int = 1
+    ttl_steps: int = 0  # 0: no TTL
+    init_scale: float = 0.0  # uniform(-s, s) for never-seen IDs; 0: 1/sqrt(dim)
+    dynamic: bool = True  # False: plain TorchRec tables holding the whole universe
+
+
+@dataclass
+class TrainConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    table: TableConfig = field(default_factory=TableConfig)
+    optimizer: str = "rowwise_adagrad"
+    lr: float = 0.05
+    dense_lr: float = 0.05
+    batch_size: int = 512
+    steps: int = 300
+    eval_batches: int = 20
+    dense_arch: list[int] = field(default_factory=lambda: [64, 16])
+    over_arch: list[int] = field(default_factory=lambda: [64, 32, 1])
+    pipeline: bool = True  # TrainPipelineSparseDist: next batch's transform/pull overlaps
+    prefetch: int = 1  # batches a thread transforms ahead of the loop (dynemb/trainer/prefetch.py); 0: inline
+    transform_priority: str = "idle"  # that thread's scheduling: idle (SCHED_IDLE), low (nice 19), normal
+    ps: str = ""  # PS address(es), comma-separated; "" = embedded store in each rank's process
+    ps_table_prefix: str = "dynemb_"
+    ps_tls_ca: str = ""  # CA certificate (PEM) of a TLS PS; the auth token comes from DYNEMB_PS_AUTH_TOKEN
+    ps_tls_cert: str = ""  # this trainer's certificate and key (PEM), for a PS that wants mutual TLS
+    ps_tls_key: str = ""
+    ps_timeout_seconds: float = 600.0  # how long one pull/push keeps retrying an unreachable PS
+    ps_attempt_seconds: float = 30.0  # how long one try may take before it is abandoned and retried
+    metrics_port: int = 0  # each rank serves /metrics on metrics_port + its local rank; 0: off
+    metrics_address: str = "127.0.0.1"  # 0.0.0.0 where Prometheus scrapes from another host or pod
+    metrics_linger_seconds: float = 0.0  # keep /metrics up this long after the job, for a last scrape
+    seed: int = 0
+    checkpoint_dir: str = ""  # where checkpoints go (step-NNNNNNNN/ folders); "" = none
+    checkpoint_every: int = 0  # steps between checkpoints (0: only with --checkpoint-at-end)
+    checkpoint_full_every: int = 1  # every k-th checkpoint is full, the others incremental
+    checkpoint_keep: int = 3  # newest checkpoints kept (plus what their chains need)
+    checkpoint_at_end: bool = False
+    resume: str = ""  # a checkpoint folder, or "latest" (in checkpoint_dir)
+    log_every: int = 20
+    progress: bool = True
+    # per-table settings over `table`, by table name (t_0 ... t_{num_sparse-1}); file only:
+    #   tables: {t_3: {capacity: 50000, policy: lru}, t_7: {admit_threshold: 2}}
+    tables: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer {self.optimizer!r} is not one of {OPTIMIZERS}")
+        if self.prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0 (batches transformed ahead), got {self.prefetch}")
+        if self.transform_priority not in ("idle", "low", "normal"):
+            raise ValueError(f"transform_priority must be idle, low or normal, got {self.transform_priority!r}")
+        if self.batch_size < 1 or self.steps < 0:
+            raise ValueError("batch_size must be >= 1 and steps >= 0")
+        if not self.data.zipf > 0 or self.data.universe < 1:
+            raise ValueError(f"zipf must be > 0 (got {self.data.zipf}) and universe >= 1 (got {self.data.universe})")
+        if (self.checkpoint_every or self.checkpoint_at_end) and not self.checkpoint_dir:
+            raise ValueError("checkpoint_every / checkpoint_at_end need checkpoint_dir")
+        if self.resume == "latest" and not self.checkpoint_dir:
+            raise ValueError("resume 'latest' needs checkpoint_dir")
+        if self.checkpoint_every < 0 or self.checkpoint_full_every < 1 or self.checkpoint_keep < 1:
+            raise ValueError("checkpoint_every must be >= 0, checkpoint_full_every and checkpoint_keep >= 1")
+        if self.ps_timeout_seconds <= 0 or self.ps_attempt_seconds <= 0:
+            raise ValueError("ps_timeout_seconds and ps_attempt_seconds must be > 0")
+        if not 0 <= self.metrics_port < 65536 or self.metrics_linger_seconds < 0:
+            raise ValueError(f"metrics_port must be in [0, 65535] (got {self.metrics_port}) and "
+                             f"metrics_linger_seconds >= 0 (got {self.metrics_linger_seconds})")
+        if self.dense_arch[-1] != self.table.dim:
+            raise ValueError(f"dense_arch must end at the embedding dim {self.table.dim}, got {self.dense_arch}")
+        names = {f"t_{i}" for i in range(self.data.num_sparse)}
+        per_table = {f.name for f in dataclasses.fields(TableConfig)} - {"dim", "dynamic"}
+        for name, over in self.tables.items():
+            if name not in names:
+                raise ValueError(f"tables: no table {name!r} (the tables are t_0 ... t_{self.data.num_sparse - 1})")
+            bad = set(over) - per_table
+            if bad:
+                raise ValueError(f"tables.{name}: {sorted(bad)} cannot be set per table (only {sorted(per_table)})")
+
+    def table_config(self, name: str) -> TableConfig:
+        """The settings of one table: `table` with that table's entries in `tables` over it."""
+        return dataclasses.replace(self.table, **self.tables.get(name, {}))
+
+
+# -- flags and files --------------------------------------------------------------
+
+HELP = {
+    "source": "'synthetic', or a Criteo TSV file or folder of *.tsv/*.txt files",
+    "num_dense": "dense features per sample",
+    "num_sparse": "sparse features per sample (one table each)",
+    "universe": "synthetic: distinct IDs per feature (also the rows of a full table)",
+    "zipf": "synthetic: Zipf exponent of the ID draw over the universe (> 0; ID k-1 has probability ~ k^-zipf)",
+    "ids_per_feature": "synthetic: IDs per sample and feature (bag size)",
+    "eval_fraction": "TSV: share of lines held out for evaluation",
+    "skip_bad_lines": "TSV: skip a malformed line (each logged with file, line and reason; counted at the end) "
+                      "instead of stopping the job",
+    "data_seed": "synthetic: which stream of batches",
+    "dim": "embedding dimension",
+    "capacity_fraction": "device rows per table, as a share of the universe",
+    "capacity": "device rows per table across all ranks (overrides --capacity-fraction)",
+    "policy": "eviction: lru, lfu or hybrid (LFU with decay, Redis-style)",
+    "evict_fraction": "share of a rank's rows freed at once when its table is full",
+    "admit_threshold": "sightings before an ID gets a row (1: at once)",
+    "ttl_steps": "IDs idle longer than this many steps go first (0: no TTL)",
+    "init_scale": "never-seen IDs start uniform(-s, s); 0 means 1/sqrt(dim)",
+    "dynamic": "dynamic tables over the PS (--no-dynamic: plain full TorchRec tables)",
+    "optimizer": "sgd, adagrad, rowwise_adagrad, adam (fused into backward; Adam on CPU through dynemb/trainer/sparse_adam.py)",
+    "lr": "learning rate of the embedding tables",
+    "dense_lr": "learning rate of the dense layers",
+    "batch_size": "samples per step and rank",
+    "steps": "training steps",
+    "eval_batches": "held-out batches per rank for AUC and log-loss",
+    "dense_arch": "bottom MLP sizes, comma-separated; the last must equal --dim",
+    "over_arch": "top MLP sizes, comma-separated; the last is 1",
+    "pipeline": "TrainPipelineSparseDist: the next batch's transform, pull and input dist overlap",
+    "prefetch": "batches that a thread of their own transforms (IDs to slots, rows pulled and pushed) ahead "
+                "of the training loop; 0: on the training thread",
+    "transform_priority": "scheduling of that thread: idle (Linux SCHED_IDLE: only on cores the training threads "
+                          "leave free; fastest where the job has the machine), low (nice 19: milder, where other "
+                          "busy processes share it), normal",
+    "ps": "PS address(es) host:port, comma-separated; empty: the embedded store, in-process (each rank keeps "
+          "the rows of the IDs it owns; they last as long as the job, and its checkpoints)",
+    "ps_table_prefix": "prefix of the PS table names (several jobs can share one PS)",
+    "ps_tls_ca": "CA certificate (PEM) to reach a TLS PS; a PS that wants a token gets env DYNEMB_PS_AUTH_TOKEN",
+    "ps_tls_cert": "client certificate (PEM) for a PS that wants mutual TLS (--tls-client-ca)",
+    "ps_tls_key": "private key (PEM) of --ps-tls-cert",
+    "ps_timeout_seconds": "how long a pull or push keeps retrying a PS that is down, restarting or unreachable "
+                          "before the step fails (retries are safe: every PS call is idempotent)",
+    "ps_attempt_seconds": "how long one try of a PS call may take before it is abandoned and retried "
+                          "(a paused or cut-off PS is not waited on to the end)",
+    "metrics_port": "each rank serves Prometheus /metrics on this port + its local rank "
+                    "(its rank within the machine or pod, env LOCAL_RANK; 0: off)",
+    "metrics_address": "address of the ranks' /metrics endpoints (0.0.0.0: reachable from other hosts and pods)",
+    "metrics_linger_seconds": "keep /metrics up this long after training, so Prometheus scrapes the final counts",
+    "seed": "seed of the model and the tables' initializers",
+    "checkpoint_dir": "folder for checkpoints (one step-NNNNNNNN/ folder each; shared by all ranks)",
+    "checkpoint_every": "steps between checkpoints (0: none during training)",
+    "checkpoint_full_every": "every k-th checkpoint holds every row; the ones between only rows changed since the last",
+    "checkpoint_keep": "newest checkpoints to keep (older ones go, unless a kept one builds on them)",
+    "checkpoint_at_end": "also checkpoint after the last step",
+    "resume": "continue from a checkpoint: its folder, or 'latest' in --checkpoint-dir",
+    "log_every": "steps between progress-bar updates",
+    "progress": "show the progress bar (rank 0)",
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _fields(cls) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if f.name not in ("data", "table", "tables")]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML or JSON file with any of the settings below (flags override it)")
+    for group, cls in (("training", TrainConfig), ("data", DataConfig), ("tables", TableConfig)):
+        g = p.add_argument_group(group)
+        for f in _fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            kind = type(default)
+            text = HELP.get(f.name, "")
+            dest = f"{group}.{f.name}"
+            if kind is bool:
+                g.add_argument(_flag(f.name), dest=dest, action=argparse.BooleanOptionalAction, default=None,
+                               help=f"{text} [default {default}]")
+            elif kind is list:
+                g.add_argument(_flag(f.name), dest=dest, default=None, metavar="N,N,...",
+                               help=f"{text} [default {','.join(map(str, default))}]")
+            else:
+                g.add_argument(_flag(f.name), dest=dest, type=kind, default=None, metavar=f.name.upper(),
+                               help=f"{text} [default {default!r}]" if kind is str else f"{text} [default {default}]")
+
+
+def _read_file(path: str) -> dict:
+    text = Path(path).read_text()
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+
+        return yaml.safe_load(text) or {}
+    return json.loads(text)
+
+
+def from_args(args: argparse.Namespace) -> TrainConfig:
+    raw = _read_file(args.config) if args.config else {}
+    data = dict(raw.pop("data", {}) or {})
+    table = dict(raw.pop("table", {}) or {})
+    train = raw
+    for key, value in vars(args).items():
+        if value is None or "." not in key:
+            continue
+        group, name = key.split(".", 1)
+        if isinstance(value, str) and name in ("dense_arch", "over_arch"):
+            value = [int(v) for v in value.split(",")]
+        {"training": train, "data": data, "tables": table}[group][name] = value
+    for name, d, cls in (("file", train, TrainConfig), ("data", data, DataConfig), ("table", table, TableConfig)):
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown {name} settings: {sorted(unknown)}")
+    return TrainConfig(data=DataConfig(**data), table=TableConfig(**table), **train)

@@ -1,0 +1,439 @@
+"""Dynamic tables: a batch of global IDs in, the same batch over device rows out.
+
+For every table, a ShardedIDTransformer maps the batch's IDs to rows of the table (each
+rank owning the IDs that hash to it and a block of rows, matching TorchRec's row-wise
+sharding). On the owner, in batched tensor ops (one gather and one scatter per step for all
+tables, where their rows share one storage: dynemb/trainer/row_group.py): the rows of evicted IDs,
+with their optimizer state, are read from the TBE and pushed to the PS first (their rows are
+about to be reused), then the rows of admitted IDs are pulled (a never-seen ID comes back
+initialised by the table's initializer) and written in.
+The batch's slots are pinned until `release_oldest()` says the batch is through backward and
+the optimizer step, so a batch in flight never has a row pushed or reused under it.
+A batch that some owner refuses (too many distinct IDs for a table, no room) raises
+BatchRefused on every rank, after the shares of it that went through have had their rows moved
+and their pins released: the tables stay consistent, and the caller may go on with other
+(smaller) batches.
+
+    tables = DynamicTables(find_tables(model), specs, store, metrics)
+    for batch in tables.wrap(batches):   # transform + pull/push as each batch is fetched
+        ...train on batch...
+        tables.release_oldest()
+    tables.flush()                       # push every resident row (checkpoints, tests)
+
+With `wrap(batches, ahead=1)` a batch's rows move while the caller trains on earlier
+batches: the push and pull it starts are finished (pulled rows written in) when the next
+batch is transformed, or by `settle()`. That is for a caller that fetches batch j + 1 before
+it runs batch j's forward, as TorchRec's TrainPipelineSparseDist does (it fetches j + 2):
+the PS round trip then overlaps a step of compute instead of stalling the main thread. The
+slots involved are not in any batch in flight (pins), so nothing reads or writes them
+meanwhile. With `wrap(batches, window=w)` a thread of their own transforms the batches ahead
+of the caller instead, and hands each over with its rows in place (dynemb/trainer/prefetch.py),
+through `transform_stream`: the same transforms with one exchange between the ranks per
+batch instead of three.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from array import array
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dynemb.idtransformer.policy import EvictionPolicy
+from dynemb.idtransformer.sharded import BatchRefused, ShardedIDTransformer, ShareResults, release_tables, transform_blocks
+from dynemb.idtransformer.stream import TransformStream
+from dynemb.ps_server.schema import TableSchema
+from dynemb.trainer.metrics import TrainerMetrics
+from dynemb.trainer.prefetch import TransformAhead
+from dynemb.trainer.row_group import RowGroup
+from dynemb.trainer.row_store import RowStore
+from dynemb.trainer.table_rows import TableRows
+
+log = logging.getLogger("dynemb.trainer")
+
+
+@dataclass
+class DynamicTableSpec:
+    name: str  # the TorchRec table's name
+    features: list[str]  # the KJT keys it serves
+    ps_schema: TableSchema  # its PS table (name, dim, state width, initializer)
+    policy: EvictionPolicy
+    admit_threshold: int = 1
+
+
+@dataclass
+class _Layout:
+    """Where a KJT's values of dynamic tables are: their positions (grouped by table, in the
+    order of DynamicTables.names; a slice when they are the first values already in that
+    order), those values, and how many each table has."""
+    order: torch.Tensor | slice
+    ids: torch.Tensor
+    sizes: list[int]
+
+
+@dataclass
+class _Moves:
+    """One batch's row moves in flight: the push of its evicted rows, the pull of its admitted
+    ones, and where what the pull returns goes: the admitted table rows of every table (in
+    the order of self.transformers) and how many each has."""
+    push: object  # Future or None
+    pull: object  # Future or None
+    admitted_slots: torch.Tensor
+    admitted_counts: list[int]
+
+
+@dataclass
+class _Share:
+    """This rank's share of a batch, every table at once, table after table (in the order of
+    DynamicTables.names): the admitted and evicted IDs with their table rows, how many of each
+    per table, and per table the IDs looked up, hits and rejections (for the metrics)."""
+    admitted_ids: torch.Tensor
+    admitted_slots: torch.Tensor
+    admitted: list[int]
+    evicted_ids: torch.Tensor
+    evicted_slots: torch.Tensor
+    evicted: list[int]
+    looked: list[int]
+    hits: list[int]
+    rejected: list[int]
+
+    @staticmethod
+    def of(results) -> "_Share":
+        """From a batch's results: whole where the transform gave them whole (ShareResults),
+        else joined from each table's."""
+        if isinstance(results, ShareResults) and results.whole:
+            many = results.many
+            f, c = many.flat, many.counts
+            return _Share(f["admitted_ids"], f["admitted_slots"], c["admitted_ids"], f["evicted_ids"],
+                          f["evicted_slots"], c["evicted_ids"], many.sizes, many.hits, [0] * len(many.sizes))
+        owned = [out.owned for out in results]
+
+        def cat(field: str) -> torch.Tensor:
+            return torch.cat([getattr(o, field) for o in owned]) if owned else torch.zeros(0, dtype=torch.int64)
+
+        return _Share(cat("admitted_ids"), cat("admitted_slots"), [o.admitted_ids.shape[0] for o in owned],
+                      cat("evicted_ids"), cat("evicted_slots"), [o.evicted_ids.shape[0] for o in owned],
+                      [o.slots.shape[0] for o in owned], [int(o.hits) for o in owned],
+                      [o.rejected_ids.shape[0] for o in owned])
+
+
+class DynamicTables:
+    def __init__(self, rows: dict[str, TableRows], specs: list[DynamicTableSpec], store: RowStore,
+                 metrics: TrainerMetrics | None = None, group: dist.ProcessGroup | None = None) -> None:
+        self.specs = {s.name: s for s in specs}
+        self.store, self.metrics, self.group = store, metrics, group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.rows: dict[str, TableRows] = {}
+        self.transformers: dict[str, ShardedIDTransformer] = {}
+        self.feature_table: dict[str, str] = {}
+        for spec in specs:
+            r = rows[spec.name]
+            if r.state_width != spec.ps_schema.state_width or r.dim != spec.ps_schema.dim:
+                raise ValueError(
+                    f"table {spec.name}: the model's rows are {r.dim} wide with {r.state_width} optimizer values, "
+                    f"its PS table {spec.ps_schema.name} {spec.ps_schema.dim} and {spec.ps_schema.state_width}"
+                )
+            t = ShardedIDTransformer(r.local_rows, spec.policy, spec.admit_threshold, group=group)
+            if t.offset != r.row_offset:
+                raise ValueError(
+                    f"table {spec.name}: rank {self.rank} holds rows from {r.row_offset}, but its ID owner block "
+                    f"starts at {t.offset}: the table needs row-wise sharding with {r.local_rows} rows per rank"
+                )
+            self.rows[spec.name], self.transformers[spec.name] = r, t
+            for f in spec.features:
+                self.feature_table[f] = spec.name
+            store.create_table(spec.ps_schema)
+        self.names = list(self.transformers)  # every rank lists the tables in one order
+        self.ps_names = [self.specs[n].ps_schema.name for n in self.names]
+        self.group = RowGroup([self.rows[n] for n in self.names])  # one gather/scatter for all, where it can
+        self.in_flight: deque[list] = deque()
+        # where the metrics keep these tables (rows of TableStats' arrays, in the order of names)
+        self._stat_rows = None if metrics is None else metrics.tables.add_tables(self.names)
+        self._capacity = np.array([self.transformers[n].capacity_per_rank for n in self.names], dtype=np.float64)
+        self.last_hit_rate = 0.0
+        self.hit_rates = array("d")  # per transformed batch, in order (8 bytes a step)
+        self.ahead = 0  # see wrap()
+        self._keys_seen: tuple | None = None  # the KJT keys _key_table was made for
+        self._key_table: tuple[torch.Tensor, bool] = (torch.zeros(0, dtype=torch.int64), True)
+        self._moving: deque[_Moves] = deque()  # started, not yet settled (at most `ahead`)
+        # releases the caller asked for while a transform thread owns the tables (prefetch.py);
+        # None: none does, release_oldest releases at once
+        self._deferred: int | None = None
+        self._releases = threading.Condition()
+
+    # -- one batch ------------------------------------------------------------------
+
+    def transform(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """Collective: every rank calls it with its own batch, in the same order. The batch's
+        rows are in place on return, or (with self.ahead) by the next call or settle()."""
+        self.settle()  # first: the rows of earlier batches in place before any slot is looked at
+        layout = self._layout(kjt)
+        tables = [self.transformers[n] for n in self.names]
+        try:
+            slots, results = transform_blocks(tables, layout.ids, layout.sizes, pin=True)
+        except BatchRefused as refused:
+            refused.add_note(f"the tables by number, from table 0: {', '.join(self.names)}")
+            self._finish_refused(refused)
+            raise
+        self._took(results, keep=self.ahead)
+        return self._over_slots(kjt, layout, slots)
+
+    def transform_stream(self, batches: Iterator[Batch], before_each: Callable[[], bool]) -> Iterator[Batch]:
+        """Collective: the batches over device rows, as transform gives them one by one, but with
+        one exchange between the ranks per batch instead of three (dynemb/idtransformer/stream.py):
+        batch k is yielded, its rows in place, once batch k + 1's IDs have gone out.
+        before_each() is called before each transform of this rank's share (prefetch.py makes
+        room there); False stops the stream."""
+        stream = TransformStream([self.transformers[n] for n in self.names], pin=True)
+
+        def upcoming() -> tuple:
+            batch = next(batches, None) if stream.taking else None
+            if batch is None:
+                return None, None, None
+            layout = self._layout(batch.sparse_features)
+            return layout.ids, layout.sizes, (batch, layout)
+
+        stream.exchange(*upcoming())
+        while stream.open:
+            try:
+                answered = stream.exchange(*upcoming())
+            except BatchRefused as refused:  # the batch this rank took its share of last
+                refused.add_note(f"the tables by number, from table 0: {', '.join(self.names)}")
+                release_tables([self.transformers[n] for n in self.names], self.in_flight.pop())
+                raise
+            if answered is not None:
+                (batch, layout), slots, _ = answered
+                yield Batch(batch.dense_features, self._over_slots(batch.sparse_features, layout, slots), batch.labels)
+            if stream.received is not None:
+                if not before_each():
+                    return
+                self._took(stream.transform_received(), keep=0)
+        if stream.dropped:
+            log.warning("rank %d had %d more batches than another rank: not trained on", self.rank,
+                        len(stream.dropped))
+
+    def _layout(self, kjt: KeyedJaggedTensor) -> "_Layout":
+        """The KJT's values grouped by table (its features' segments, in key order): one
+        stable sort by each value's table; values of no dynamic table sort last and stay as
+        they are. Keys that already come table after table (the usual case) need no sort: the
+        values of dynamic tables are then the first ones."""
+        key_table, grouped = self._key_tables(kjt.keys())
+        per_key = torch.tensor(kjt.length_per_key())
+        sizes = torch.zeros(len(self.names) + 1, dtype=torch.int64).index_add_(0, key_table, per_key).tolist()
+        n_dynamic = sum(sizes) - sizes[-1]
+        if grouped:
+            return _Layout(slice(0, n_dynamic), kjt.values()[:n_dynamic], sizes[:-1])
+        order = torch.argsort(key_table.repeat_interleave(per_key), stable=True)[:n_dynamic]
+        return _Layout(order, kjt.values()[order], sizes[:-1])
+
+    def _took(self, results: list, keep: int) -> None:
+        """This rank's share of a batch transformed: pinned until released, its rows moving
+        (settled but for the `keep` latest batches), counted."""
+        self.in_flight.append(results)
+        share = _Share.of(results)
+        self._moving.append(self._start_moves(share))
+        self.settle(keep=keep)
+        looked, hit = self._count(share)
+        self.last_hit_rate = hit / max(looked, 1)
+        self.hit_rates.append(self.last_hit_rate)
+
+    @staticmethod
+    def _over_slots(kjt: KeyedJaggedTensor, layout: "_Layout", slots: torch.Tensor) -> KeyedJaggedTensor:
+        """The KJT with its dynamic tables' IDs replaced by their slots."""
+        values, lengths = kjt.values(), kjt.lengths()
+        new_values = values.clone()
+        new_values[layout.order] = slots
+        keep = torch.ones_like(values, dtype=torch.bool)  # features of no dynamic table keep their IDs
+        keep[layout.order] = slots >= 0
+        if bool(keep.all()):
+            return KeyedJaggedTensor(keys=kjt.keys(), values=new_values, lengths=lengths, weights=kjt.weights_or_none())
+        # IDs not admitted yet (below the admission threshold) are left out of their bags
+        segment = torch.repeat_interleave(torch.arange(len(lengths)), lengths.long())
+        dropped = torch.zeros(len(lengths), dtype=torch.int64).index_add_(0, segment, (~keep).long())
+        weights = kjt.weights_or_none()
+        return KeyedJaggedTensor(keys=kjt.keys(), values=new_values[keep],
+                                 lengths=(lengths.long() - dropped).to(lengths.dtype),
+                                 weights=None if weights is None else weights[keep])
+
+    def _finish_refused(self, refused: BatchRefused) -> None:
+        """A refused batch (every rank gets here together): the shares of it that went
+        through, on this rank's tables, are finished as a batch's moves are, and their pins
+        released: evicted rows pushed (no row lost), admitted rows pulled and written in (their
+        slots hold their own rows), nothing left pinned. The batch is not trained on, so the
+        caller may go on with other batches. Finishing rather than undoing: see
+        transform_tables (an evicted ID's slot may already be another's)."""
+        share = _Share.of(refused.results)
+        try:
+            self._count(share)
+            self._finish_moves(self._start_moves(share))
+        finally:
+            release_tables([self.transformers[n] for n in self.names], refused.results)
+
+    def _key_tables(self, keys: list[str]) -> tuple[torch.Tensor, bool]:
+        """For each KJT key, the index of its table in self.transformers (len: none); and
+        whether those come in non-decreasing order (the values already grouped by table)."""
+        key = tuple(keys)
+        if key != self._keys_seen:
+            index = {name: i for i, name in enumerate(self.transformers)}
+            table = [index.get(self.feature_table.get(k), len(index)) for k in keys]
+            self._key_table = (torch.tensor(table, dtype=torch.int64), table == sorted(table))
+            self._keys_seen = key
+        return self._key_table
+
+    def settle(self, keep: int = 0) -> None:
+        """Finish the row moves started by earlier batches, all but the `keep` latest: a failed
+        push raises here; pulled rows are written into their slots."""
+        while len(self._moving) > keep:
+            self._finish_moves(self._moving.popleft())
+
+    def _start_moves(self, share: _Share) -> "_Moves":
+        """Evicted rows out, then admitted rows in: every table's rows in one push and one pull
+        (one call per PS each, not one per table), read in one gather (RowGroup). The evicted
+        rows are read now: their slots may be handed out as soon as this returns."""
+        evicted, evicting = {}, []  # evicting: the tables' numbers
+        counts = share.evicted
+        if sum(counts):  # first: their rows are about to be reused
+            data = self.group.read(share.evicted_slots, counts)
+            ids, at = share.evicted_ids.numpy(), 0
+            for k, n in enumerate(counts):
+                if n:
+                    evicted[self.ps_names[k]] = (ids[at:at + n], data[k].numpy())
+                    evicting.append(k)
+                at += n
+        pulling, wanted = [], {}
+        ids, at = share.admitted_ids.numpy(), 0
+        for k, n in enumerate(share.admitted):
+            if n:
+                wanted[self.ps_names[k]] = ids[at:at + n]
+                pulling.append(k)
+            at += n
+        start = time.perf_counter()
+        push = self._timed(self.store.push_many_async(evicted), evicting, "push", start) if evicted else None
+        pull = self._timed(self.store.pull_many_async(wanted), pulling, "pull", start) if pulling else None
+        return _Moves(push, pull, share.admitted_slots, share.admitted)
+
+    def _finish_moves(self, moves: "_Moves") -> None:
+        if moves.push is not None:  # on the PS before their slots take other rows; a failed push fails the step
+            moves.push.result()
+        if moves.pull is not None:
+            got = moves.pull.result()
+            self.group.write(moves.admitted_slots, moves.admitted_counts,
+                             [got[t] if n else None for t, n in zip(self.ps_names, moves.admitted_counts)])
+
+    def _timed(self, fut, tables: list[int], op: str, start: float):
+        """Observe the call's time (from `start` to its reply) for each of its tables (by number)
+        when it completes, in whichever thread completes it: the push and the pull overlap, so
+        one timer around both would say nothing per direction."""
+        if self.metrics is not None:
+            rows, stats = self._stat_rows[tables], self.metrics.tables
+            fut.add_done_callback(lambda _, t0=start: stats.observe(op, rows, time.perf_counter() - t0))
+        return fut
+
+    def _count(self, share: _Share) -> tuple[int, int]:
+        """(looked up, hits) among the IDs this rank owns, over all tables; metrics updated,
+        all tables at once."""
+        looked, hits = np.array(share.looked, dtype=np.int64), np.array(share.hits, dtype=np.int64)
+        if self.metrics is not None:
+            admitted, evicted = np.array(share.admitted, dtype=np.int64), np.array(share.evicted, dtype=np.int64)
+            # TABLE_COUNTERS' columns; misses are new IDs and rejected ones alike
+            self.metrics.tables.count(
+                self._stat_rows, np.stack([looked, hits, looked - hits, admitted, evicted,
+                                           np.array(share.rejected, dtype=np.int64), admitted, evicted], 1),
+                np.array([self.transformers[n].local.resident for n in self.names]) / self._capacity)
+        return int(looked.sum()), int(hits.sum())
+
+    def release_oldest(self) -> None:
+        """The oldest batch in flight is through backward and the optimizer step. While a
+        transform thread owns the tables (dynemb/trainer/prefetch.py), it applies the release."""
+        with self._releases:
+            if self._deferred is not None:
+                self._deferred += 1
+                self._releases.notify_all()
+                return
+        self._release_now()
+
+    def _release_now(self) -> None:
+        release_tables([self.transformers[n] for n in self.names], self.in_flight.popleft())
+
+    def defer_releases(self) -> None:
+        """From now on a transform thread applies release_oldest's releases (make_room)."""
+        with self._releases:
+            if self._deferred is not None:
+                raise RuntimeError("these tables already have a transform thread")
+            self._deferred = 0
+
+    def make_room(self, keep: int, stop: threading.Event) -> bool:
+        """The transform thread, before a transform: apply the caller's releases until at most
+        `keep` batches are in flight, waiting for them as needed, and no further (see
+        prefetch.py: what is pinned at a transform depends on the batches alone). False if
+        `stop` was set meanwhile."""
+        with self._releases:
+            need = len(self.in_flight) - keep
+            while self._deferred < need:
+                if stop.is_set():
+                    return False
+                self._releases.wait(0.05)  # the timeout: `stop` has no way to notify
+            take = max(need, 0)
+            self._deferred -= take
+        for _ in range(take):
+            self._release_now()
+        return True
+
+    def end_deferred_releases(self) -> None:
+        """The transform thread is done: the releases asked for and not applied are applied,
+        and release_oldest releases at once again."""
+        with self._releases:
+            for _ in range(self._deferred or 0):
+                self._release_now()
+            self._deferred = None
+
+    def wrap(self, batches: Iterator[Batch], ahead: int = 0, window: int = 0,
+             priority: str = "normal") -> Iterator[Batch]:
+        """The batches over device rows. ahead=1: a batch's rows may still be moving when it is
+        yielded, until the next one is fetched (or settle()); see the module's docstring.
+        window > 0: a thread of their own transforms them ahead of the caller, with their rows
+        in place when yielded, scheduled at `priority` (dynemb/trainer/prefetch.py, where `window` and
+        `priority` are explained)."""
+        if ahead not in (0, 1):
+            raise ValueError(f"ahead must be 0 or 1, got {ahead}")
+        if window:
+            if ahead:
+                raise ValueError("batches transformed ahead come with their rows in place: ahead must be 0")
+            transformed = TransformAhead(self, batches, window, priority=priority)
+            try:
+                yield from transformed
+            finally:
+                transformed.close()
+            return
+        self.ahead = ahead
+        try:
+            for batch in batches:
+                yield Batch(batch.dense_features, self.transform(batch.sparse_features), batch.labels)
+        finally:
+            self.ahead = 0
+            self.settle()
+
+    # -- whole tables ------------------------------------------------------------------
+
+    def flush(self) -> int:
+        """Push every resident row (with its optimizer state) to the PS; rows stay resident."""
+        self.settle()
+        pushed = 0
+        for name, t in self.transformers.items():
+            local = t.local
+            slots = torch.nonzero(local.last_access != -1).squeeze(1)
+            if len(slots):
+                ids = local.slot_id[slots]
+                self.store.push(self.specs[name].ps_schema.name, ids.numpy(), self.rows[name].read(slots).numpy())
+                pushed += len(slots)
+        return pushed

@@ -1,0 +1,146 @@
+"""The DLRM (torchrec.models.dlrm) with one row-wise sharded, fused-optimizer table per sparse
+feature, under DistributedModelParallel; and the PS schema of each table.
+
+A dynamic table has `capacity` rows in all (capacity / world_size per rank, the owner
+blocks of the sharded ID transformer); a full table has one row per ID of the universe,
+initialised row by row with the same initializer the PS uses for a never-seen ID, so a
+full model and a dynamic one start from the same values.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.types import ShardingType
+from torchrec.models.dlrm import DLRM, DLRMTrain
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+from dynemb.ps_server.initializer import initial_rows
+from dynemb.ps_server.schema import Initializer, TableSchema
+from dynemb.trainer.config import TrainConfig, optimizer_state_width
+from dynemb.trainer.data import feature_names
+from dynemb.trainer.sparse_adam import RowSparseAdam, TrainedOptimizer, fused_tbes
+from dynemb.trainer.table_rows import find_tables
+
+
+class RowWiseSharder(EmbeddingBagCollectionSharder):
+    """TorchRec leaves row-wise out of the sharding types it offers on CPU; it works there
+    (see DESIGN.md), and the dynamic tables need it: a rank's rows are one contiguous block."""
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        types = super().sharding_types(compute_device_type)
+        return types if ShardingType.ROW_WISE.value in types else [*types, ShardingType.ROW_WISE.value]
+
+
+def _sparse_optimizer(cfg: TrainConfig, device: torch.device):
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD, {"lr": cfg.lr}
+    if cfg.optimizer == "adagrad":
+        return torch.optim.Adagrad, {"lr": cfg.lr, "eps": 1e-8}
+    if cfg.optimizer == "rowwise_adagrad":
+        return RowWiseAdagrad, {"lr": cfg.lr, "eps": 1e-8}
+    if device.type == "cuda":
+        return torch.optim.Adam, {"lr": cfg.lr, "eps": 1e-8}
+    # FBGEMM's CPU TBE has no Adam: the tables run exact SGD at learning rate 1 and
+    # RowSparseAdam turns that into Adam (see dynemb/trainer/sparse_adam.py)
+    return torch.optim.SGD, {"lr": 1.0}
+
+
+def _dense_optimizer(cfg: TrainConfig):
+    if cfg.optimizer == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=cfg.dense_lr)
+    if cfg.optimizer == "adam":
+        return lambda params: torch.optim.Adam(params, lr=cfg.dense_lr)
+    return lambda params: torch.optim.Adagrad(params, lr=cfg.dense_lr)
+
+
+def table_rows_total(cfg: TrainConfig, world_size: int, name: str) -> int:
+    """Rows of a table across all ranks: the universe for a full table; for a dynamic one
+    its capacity, rounded up to equal blocks per rank."""
+    t = cfg.table_config(name)
+    if not t.dynamic:
+        return cfg.data.universe
+    cap = t.capacity or math.ceil(cfg.data.universe * t.capacity_fraction)
+    per_rank = max(1, math.ceil(cap / world_size))
+    return per_rank * world_size
+
+
+def ps_schema(cfg: TrainConfig, feature: int) -> TableSchema:
+    scale = cfg.table_config(f"t_{feature}").init_scale or 1.0 / math.sqrt(cfg.table.dim)
+    return TableSchema(
+        name=f"{cfg.ps_table_prefix}t_{feature}",
+        dim=cfg.table.dim,
+        state_width=optimizer_state_width(cfg.optimizer, cfg.table.dim),
+        dtype="fp32",
+        initializer=Initializer("uniform", -scale, scale, seed=cfg.seed * 1000 + feature),
+    )
+
+
+@dataclass
+class Built:
+    model: DistributedModelParallel
+    optimizer: TrainedOptimizer  # TorchRec's CombinedOptimizer, plus RowSparseAdam for Adam on CPU
+    table_names: list[str]
+    features: list[str]
+    schemas: dict[str, TableSchema]  # by TorchRec table name
+    model_rows_full: int  # the ID universe: rows of a full table
+    dense_optimizer: KeyedOptimizerWrapper = None  # the dense layers' part of `optimizer`
+
+
+def build(cfg: TrainConfig, device: torch.device = torch.device("cpu")) -> Built:
+    world = dist.get_world_size()
+    features = feature_names(cfg.data.num_sparse)
+    tables = [
+        EmbeddingBagConfig(name=f"t_{i}", embedding_dim=cfg.table.dim,
+                           num_embeddings=table_rows_total(cfg, world, f"t_{i}"), feature_names=[f])
+        for i, f in enumerate(features)
+    ]
+    torch.manual_seed(cfg.seed)  # the dense layers start alike in every run of this config
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    dlrm = DLRM(
+        embedding_bag_collection=ebc, dense_in_features=cfg.data.num_dense,
+        dense_arch_layer_sizes=cfg.dense_arch, over_arch_layer_sizes=cfg.over_arch, dense_device=device,
+    )
+    train_model = DLRMTrain(dlrm)
+    opt_class, opt_args = _sparse_optimizer(cfg, device)
+    apply_optimizer_in_backward(opt_class, train_model.model.sparse_arch.parameters(), opt_args)
+
+    constraints = {
+        t.name: ParameterConstraints(
+            sharding_types=[ShardingType.ROW_WISE.value], compute_kernels=[EmbeddingComputeKernel.FUSED.value]
+        )
+        for t in tables
+    }
+    sharders = [RowWiseSharder()]
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device=device.type),
+                                       constraints=constraints)
+    plan = planner.collective_plan(train_model, sharders, dist.GroupMember.WORLD)
+    model = DistributedModelParallel(train_model, device=device, plan=plan, sharders=sharders)
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())), _dense_optimizer(cfg))
+    sparse_adam = None
+    if cfg.optimizer == "adam" and device.type == "cpu":
+        sparse_adam = RowSparseAdam(fused_tbes(model), lr=cfg.lr, eps=1e-8)
+    optimizer = TrainedOptimizer(CombinedOptimizer([model.fused_optimizer, dense]), sparse_adam)
+
+    schemas = {t.name: ps_schema(cfg, i) for i, t in enumerate(tables)}
+    if not cfg.table.dynamic:  # every ID's row starts as the PS would hand it out
+        for name, r in find_tables(model).items():
+            ids = torch.arange(r.row_offset, r.row_offset + r.local_rows)
+            r.write(torch.arange(r.local_rows), torch.from_numpy(initial_rows(schemas[name], ids.numpy())))
+    return Built(model, optimizer, [t.name for t in tables], features, schemas, cfg.data.universe, dense)
+
+
+def dense_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    return dict(in_backward_optimizer_filter(model.named_parameters()))

@@ -1,0 +1,150 @@
+"""The parameter server as the trainer sees it: create a table, pull rows, push rows.
+
+- RemoteRowStore: the gRPC PS (one or many addresses) through ps_server.client.PSClient.
+- LocalRowStore: the embedded store inside the trainer's own process (no gRPC in the way),
+  rows of never-pushed IDs initialised exactly as the PS does. In a job of several ranks each
+  rank has one of its own (per_rank) holding the rows of the IDs it owns (owner_of): only an
+  ID's owner moves its rows (the sharded ID transformer), so the ranks never need each
+  other's, and a step's pulls and pushes cost no process hop, no gRPC and no copy between
+  processes.
+Both return float32 rows of width dim + optimizer-state width. The *_many_async verbs move
+several tables' rows at once and return futures: the remote store makes one call per PS (in
+order with every other call on those tables); the local one runs them at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
+
+import numpy as np
+
+from dynemb.ps_server.backends.base import rows_out
+from dynemb.ps_server.backends.embedded import EmbeddedStore
+from dynemb.ps_server.client import PSClient
+from dynemb.ps_server.initializer import fill_initial_rows
+from dynemb.ps_server.schema import TableSchema
+
+
+class RowStore:
+    # True: each rank of the job has a store of its own, holding the rows of the IDs that rank
+    # owns; False: one PS that every rank shares
+    per_rank = False
+
+    def create_table(self, schema: TableSchema) -> None:
+        raise NotImplementedError
+
+    def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def export(self, table: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Every (ids, rows) the table holds, in chunks."""
+        raise NotImplementedError
+
+    def replace(self, schema: TableSchema, chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
+        """The table (created where absent) holds exactly the rows of `chunks` afterwards."""
+        raise NotImplementedError
+
+    def push_many_async(self, rows_by_table: dict[str, tuple[np.ndarray, np.ndarray]]) -> Future:
+        """Several tables' pushes at once (the remote store: one call per PS)."""
+        def push_all() -> None:
+            for table, (ids, rows) in rows_by_table.items():
+                self.push(table, ids, rows)
+
+        return _done(push_all)
+
+    def pull_many_async(self, ids_by_table: dict[str, np.ndarray]) -> Future:
+        """{table: rows} of several tables' pulls at once."""
+        return _done(lambda: {t: self.pull(t, ids) for t, ids in ids_by_table.items()})
+
+    def close(self) -> None:
+        pass
+
+
+def _done(fn, *args) -> Future:
+    f: Future = Future()
+    try:
+        f.set_result(fn(*args))
+    except Exception as e:  # noqa: BLE001 - handed to the caller through the future
+        f.set_exception(e)
+    return f
+
+
+def _then(inner: Future, fn) -> Future:
+    """A future of fn(inner's result), or of inner's exception."""
+    fut: Future = Future()
+
+    def finish(f: Future) -> None:
+        if f.exception() is not None:
+            fut.set_exception(f.exception())
+        else:
+            fut.set_result(fn(f.result()))
+
+    inner.add_done_callback(finish)
+    return fut
+
+
+class LocalRowStore(RowStore):
+    def __init__(self, store: EmbeddedStore | None = None, per_rank: bool = False) -> None:
+        self.store = store or EmbeddedStore()
+        self.per_rank = per_rank
+
+    def create_table(self, schema: TableSchema) -> None:
+        self.store.create_table(schema)
+
+    def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
+        schema = self.store.schema(table)
+        rows = rows_out(None, len(ids), schema)
+        missing = self.store.pull_into(table, ids, rows)
+        if len(missing):
+            fill_initial_rows(schema, ids[missing], rows, missing)
+        return rows
+
+    def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
+        self.store.push(table, ids, np.ascontiguousarray(rows, dtype=np.float32))
+
+    def export(self, table: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        return self.store.export(table, 1 << 16)
+
+    def replace(self, schema: TableSchema, chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
+        self.store.create_table(schema)
+        self.store.clear(schema.name)
+        for ids, rows in chunks:
+            self.push(schema.name, ids, rows)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class RemoteRowStore(RowStore):
+    def __init__(self, addresses: str, **client_args) -> None:
+        self.client = PSClient([a.strip() for a in addresses.split(",") if a.strip()], **client_args)
+        self.client.wait_ready()
+
+    def create_table(self, schema: TableSchema) -> None:
+        self.client.create_table_from_schema(schema)
+
+    def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
+        return self.client.pull(table, ids).rows
+
+    def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
+        self.client.push(table, ids, np.ascontiguousarray(rows, dtype=np.float32))
+
+    def export(self, table: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        return self.client.export(table)
+
+    def replace(self, schema: TableSchema, chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
+        self.client.import_rows(schema, chunks, replace=True)
+
+    def push_many_async(self, rows_by_table: dict[str, tuple[np.ndarray, np.ndarray]]) -> Future:
+        return self.client.push_many_async(
+            {t: (ids, np.ascontiguousarray(rows, dtype=np.float32)) for t, (ids, rows) in rows_by_table.items()})
+
+    def pull_many_async(self, ids_by_table: dict[str, np.ndarray]) -> Future:
+        return _then(self.client.pull_many_async(ids_by_table), lambda got: {t: r.rows for t, r in got.items()})
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,81 @@
+"""Rows of a sharded TorchRec table, with their optimizer state, read and written in batches.
+
+DistributedModelParallel with the FUSED compute kernel keeps each rank's shard of a table in
+an FBGEMM TBE (SplitTableBatchedEmbeddingBagsCodegen); `split_embedding_weights()` and
+`split_optimizer_states()` are views of its storage, one per table. TableRows gathers, for
+one table, this rank's weight view (local_rows, dim), its optimizer-state views and where
+its block starts in the table (row-wise sharding: one contiguous block per rank). A PS row
+is the embedding followed by the optimizer state flattened (Adagrad: dim momentum values;
+row-wise Adagrad: one; Adam: m then v, dim each; SGD: none).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class TableRows:
+    name: str
+    weights: torch.Tensor  # (local_rows, dim)
+    states: list[torch.Tensor]  # each (local_rows, k)
+    row_offset: int  # the table row of local row 0
+
+    @property
+    def dim(self) -> int:
+        return self.weights.shape[1]
+
+    @property
+    def local_rows(self) -> int:
+        return self.weights.shape[0]
+
+    @property
+    def state_width(self) -> int:
+        return sum(s.shape[1] for s in self.states)
+
+    def read(self, local: torch.Tensor) -> torch.Tensor:
+        """(n, dim + state_width) float32 rows at local row indices."""
+        with torch.no_grad():
+            return torch.cat([self.weights[local].float()] + [s[local].float() for s in self.states], dim=1)
+
+    def write(self, local: torch.Tensor, rows: torch.Tensor) -> None:
+        """Written through .data, which autograd does not version: a transform thread
+        (dynemb/trainer/prefetch.py) writes rows while a batch's forward and backward are under way,
+        and the TBE's backward would refuse a weights tensor changed since its forward. The
+        rows written are never the batch's own (those slots are pinned), so its gradient is
+        the same."""
+        with torch.no_grad():
+            self.weights.data[local] = rows[:, : self.dim].to(self.weights.dtype)
+            at = self.dim
+            for s in self.states:
+                s.data[local] = rows[:, at : at + s.shape[1]].to(s.dtype)
+                at += s.shape[1]
+
+
+def find_tables(model: nn.Module) -> dict[str, TableRows]:
+    """Every fused-kernel table of the sharded embedding modules (EmbeddingBagCollection and
+    EmbeddingCollection) inside `model`, by name."""
+    from torchrec.distributed.embedding import ShardedEmbeddingCollection
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+
+    found: dict[str, TableRows] = {}
+    for module in model.modules():
+        if not isinstance(module, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)):
+            continue
+        for lookup in module._lookups:
+            lookup = getattr(lookup, "module", lookup)  # a DDP-wrapped lookup (data-parallel tables)
+            for emb in lookup._emb_modules:
+                tbe = getattr(emb, "emb_module", None)
+                if tbe is None or not hasattr(tbe, "split_optimizer_states"):
+                    raise TypeError(f"table group {emb.config.embedding_names} does not use the FUSED compute kernel")
+                weights = tbe.split_embedding_weights()
+                adam = getattr(tbe, "dynemb_adam", None)  # Adam on CPU: dynemb/trainer/sparse_adam.py
+                states = adam.states if adam is not None else tbe.split_optimizer_states()
+                for k, table in enumerate(emb.config.embedding_tables):
+                    offset = table.local_metadata.shard_offsets[0] if table.local_metadata is not None else 0
+                    st = [s if s.dim() == 2 else s.view(-1, 1) for s in (states[k] if k < len(states) else [])]
+                    found[table.name] = TableRows(table.name, weights[k], st, int(offset))
+    return found

@@ -1,0 +1,169 @@
+"""`dynemb tf ls|migrate`: look into a TensorFlow checkpoint and move its embedding tables into
+PS tables or table files, without TensorFlow installed."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+FORMATS = """\
+CKPT is any of:
+  a checkpoint prefix (model.ckpt-1000, ckpt-3) or its .index file     TF1 Saver, TF2 tf.train.Checkpoint
+  a folder with a `checkpoint` file                                    its latest checkpoint
+  a SavedModel folder                                                  its variables/
+  model.weights.h5, model.keras                                        Keras 3
+TensorFlow Recommenders-Addons dynamic tables (-keys/-values, _mht_XofY shards) are found in
+any of the checkpoints and listed by their own name.
+"""
+
+MIGRATE_EPILOG = FORMATS + """
+--table NAME=TENSOR[,key=value...] (repeat for several tables):
+  NAME              the PS table / table folder to write
+  TENSOR            a tensor or table as `dynemb tf ls CKPT` lists it (TF2: the object path
+                    without /.ATTRIBUTES/VARIABLE_VALUE will do; Keras: the layer name)
+  offset=N          ids: row r gets id N + r (the default, with N = 0)
+  vocab=FILE        ids: line r of FILE is row r's id (one per line, as many lines as rows)
+  vocab-kind=tokens the vocabulary lines are tokens: id = XXH64(UTF-8 bytes, seed 0) as
+                    int64; vocab-kind=ids (the default): each line is an integer id
+  accumulator=T, m=T, v=T
+                    optimizer slots, where `tf ls` found none (or to override)
+  TFRA tables bring their own ids (their keys).
+
+--optimizer is what you will train with in dynemb; its per-row state is filled from the
+checkpoint's slots: adagrad <- the Adagrad accumulator; rowwise_adagrad <- the mean of each
+row's accumulator; adam <- Adam's m and v; sgd keeps none. Missing slots start at
+--state-init. Everything (names, shapes, ids, checksums, the PS's schemas) is checked before
+anything is written.
+
+examples:
+  dynemb tf ls model.ckpt-1000
+  dynemb tf migrate model.ckpt-1000 --optimizer adagrad --ps localhost:50051 \\
+      --table user=emb/user --table item=emb/item,vocab=items.txt,vocab-kind=tokens
+  dynemb tf migrate saved_model/ --optimizer adam --out tables/ --table user=model/user_emb,offset=1000000
+  dynemb tf migrate model.keras --optimizer rowwise_adagrad --ps ps-0:50051 --table user=user_emb
+"""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from dynemb.ps_server.cli import add_client_flags
+
+    tf = sub.add_parser("tf", help="list TensorFlow checkpoints' tensors; migrate tables to the PS or table files",
+                        description="Read TensorFlow checkpoints (no TensorFlow needed): list their tensors and "
+                        "tables, move embedding tables with their optimizer state into PS tables or table folders.",
+                        epilog=FORMATS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    tf_sub = tf.add_subparsers(dest="tf_command", metavar="COMMAND", required=True)
+
+    p = tf_sub.add_parser("ls", help="list a checkpoint's tensors, and the tables (with slots) it has",
+                          description="List every tensor (name, dtype, shape, role) and every embedding table "
+                          "found, with its optimizer slots: the names `dynemb tf migrate --table` takes.",
+                          epilog=FORMATS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", metavar="CKPT")
+    p.set_defaults(func=cmd_ls)
+
+    p = tf_sub.add_parser("migrate", help="move tables (with optimizer state) into PS tables or table folders",
+                          description="Move embedding tables of a TensorFlow checkpoint, with their optimizer "
+                          "slots, into PS tables (--ps) or table folders (--out).",
+                          epilog=MIGRATE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", metavar="CKPT")
+    p.add_argument("--table", action="append", required=True, metavar="NAME=TENSOR[,key=value...]",
+                   help="a table to move (repeat for several); see below")
+    p.add_argument("--optimizer", required=True, choices=("sgd", "adagrad", "rowwise_adagrad", "adam"),
+                   help="the optimizer dynemb will train these tables with: sets the state kept per row")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", metavar="DIR", help="write table folders DIR/<NAME>/ (see `dynemb checkpoint`)")
+    add_client_flags(p, ps_default=None, ps_group=where)
+    p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32", help="table dtype [default fp32]")
+    p.add_argument("--init", choices=("zeros", "constant", "uniform", "normal"), default="zeros",
+                   help="how the PS fills rows of ids never written, for a table it creates [default zeros]")
+    p.add_argument("--init-a", type=float, default=0.0, help="constant value / uniform low / normal mean")
+    p.add_argument("--init-b", type=float, default=0.0, help="uniform high / normal std")
+    p.add_argument("--init-seed", type=int, default=0)
+    p.add_argument("--state-init", type=float, default=0.0,
+                   help="optimizer state of new rows and of rows whose slots the checkpoint lacks [default 0]")
+    p.add_argument("--replace", action="store_true", help="--ps: delete the tables' rows on the PS first")
+    p.add_argument("--overwrite", action="store_true", help="--out: replace table folders that hold files")
+    p.add_argument("--rows-per-shard", type=int, default=1 << 20, help="--out: rows per shard file [default %(default)s]")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_migrate)
+
+
+def _shape(shape) -> str:
+    return "[" + ", ".join(str(n) for n in shape) + "]"
+
+
+def _columns(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]) - 1)]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+
+
+def cmd_ls(args) -> int:
+    from dynemb.trainer.tf.source import open_source
+
+    src = open_source(args.checkpoint)
+    tensors = src.tensors()
+    tables = src.tables()
+    aliases = {v: k for k, v in src.aliases.items()}
+    role: dict[str, str] = {}
+    for t in tables.values():
+        shown = aliases.get(t.name, t.name)
+        for part in t.values.parts:
+            role[part] = f"values of table {shown}" if t.keys is not None else "table"
+        for part in t.keys.parts if t.keys is not None else ():
+            role[part] = f"keys of table {shown}"
+        for slot, rows in t.slots.items():
+            for part in rows.parts:
+                role.setdefault(part, f"{slot} slot of {shown}")
+    print(f"{src.path}: {src.kind}, {len(tensors)} tensors")
+    rows = [("TENSOR", "DTYPE", "SHAPE", "ROLE")]
+    rows += [(t.name, t.dtype, _shape(t.shape), role.get(t.name, "")) for t in tensors]
+    for line in _columns(rows):
+        print(line.rstrip())
+    print()
+    if not tables:
+        print("no tables (2-D float tensors) found")
+        return 0
+    print("tables (--table NAME=TABLE takes the first column):")
+    rows = [("TABLE", "ROWS", "DIM", "DTYPE", "KIND", "SLOTS")]
+    for name, t in sorted(tables.items()):
+        slots = ", ".join(f"{k}={r.label}" for k, r in sorted(t.slots.items())) or "-"
+        if t.note:
+            slots += f" ({t.note})"
+        rows.append((aliases.get(name, name), str(t.values.num_rows), str(t.values.shape[1]), t.values.dtype,
+                     t.kind, slots))
+    for line in _columns(rows):
+        print("  " + line.rstrip())
+    return 0
+
+
+def cmd_migrate(args) -> int:
+    from dynemb.ps_server.schema import Initializer
+    from dynemb.trainer.tf import migrate
+    from dynemb.trainer.tf.errors import CheckpointError
+    from dynemb.trainer.tf.source import open_source
+
+    if args.rows_per_shard < 1:
+        raise CheckpointError(f"--rows-per-shard must be >= 1, got {args.rows_per_shard}")
+    specs = [migrate.TableSpec.parse(t) for t in args.table]
+    init = Initializer(args.init, args.init_a, args.init_b, args.init_seed, args.state_init)
+    src = open_source(args.checkpoint)
+    plans = migrate.plan(src, specs, args.optimizer, args.dtype, init)
+    migrate.verify(plans, progress=not args.quiet)
+    for p in plans:
+        for note in p.notes:
+            print(f"note: {note}", file=sys.stderr)
+    if args.out:
+        folders = migrate.to_files(args.out, plans, src, rows_per_shard=args.rows_per_shard,
+                                   overwrite=args.overwrite, progress=not args.quiet)
+        targets = {name: f"folder {folder}" for name, folder in folders.items()}
+    else:
+        from dynemb.ps_server.cli import client_from_args
+
+        with client_from_args(args) as ps:
+            migrate.check_ps(ps, plans)
+            migrate.to_ps(ps, plans, replace=args.replace, progress=not args.quiet)
+        targets = {p.schema.name: f"PS table {p.schema.name}" for p in plans}
+    for p in plans:
+        slots = ", ".join(f"{k}={r.label}" for k, r in p.slots.items()) or "none"
+        print(f"migrated {p.source.values.label} ({p.num_rows} rows x {p.schema.dim}, {args.optimizer} state "
+              f"from slots: {slots}) -> {targets[p.schema.name]}")
+    return 0

@@ -1,0 +1,297 @@
+"""The training job: read top to bottom.
+
+    dynemb train --steps 300                      # one process, embedded PS in-process
+    torchrun --nproc_per_node 2 -m dynemb.trainer ...    # N ranks (gloo on CPU); each rank keeps the
+                                                  # rows of its own IDs in-process unless --ps
+
+1. torch.distributed up (a one-process group when not under torchrun);
+2. the PS: --ps addresses, or the embedded store in each rank's process (a rank holds the
+   rows of the IDs it owns: row_store.LocalRowStore);
+3. the DLRM under DistributedModelParallel (model.py), dynamic tables in front of it
+   (dynamic.py) unless --no-dynamic;
+4. the loop: TrainPipelineSparseDist (batch i+1's transform, PS pull and input
+   distribution happen while batch i trains), or a plain loop with --no-pipeline;
+5. evaluation: AUC and log-loss over held-out batches, all ranks together.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from dynemb.idtransformer.hashing import owner_of
+from dynemb.idtransformer.policy import EvictionPolicy
+from dynemb.ps_server.client import RetryPolicy
+from dynemb.trainer.checkpoint import Checkpointer
+from dynemb.trainer.collectives import all_gather_ragged
+from dynemb.trainer.config import TrainConfig
+from dynemb.trainer.data import SyntheticCriteo, criteo_tsv_batches
+from dynemb.trainer.dynamic import DynamicTables, DynamicTableSpec
+from dynemb.trainer.metrics import TrainerMetrics
+from dynemb.trainer.model import Built, build
+from dynemb.trainer.row_store import LocalRowStore, RemoteRowStore, RowStore
+from dynemb.trainer.table_rows import find_tables
+
+log = logging.getLogger("dynemb.trainer")
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)  # this rank's loss per step
+    first_step: int = 0  # the step the job began at (> 0 when resumed from a checkpoint)
+    auc: float = float("nan")
+    logloss: float = float("nan")
+    samples_per_second: float = 0.0
+    hit_rate: float = float("nan")
+    hit_rates: list[float] = field(default_factory=list)  # dynamic tables: this rank's, per batch
+    # with train(..., collect_tables=True): this rank's block of every table after training,
+    # {name: (first row, rows (n, dim + state width))}; dynamic tables read back from the PS
+    tables: dict = field(default_factory=dict)
+
+
+def init_distributed() -> bool:
+    """Join torchrun's group, or make a one-process one. True if this call created it."""
+    if dist.is_initialized():
+        return False
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group("gloo")
+    else:
+        # an in-process store: a group of one needs no rendezvous (and no port)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return True
+
+
+def open_row_store(cfg: TrainConfig) -> RowStore:
+    if cfg.ps:
+        # every PS call is idempotent, so a PS that is down or hangs is simply tried again, for
+        # up to ps_timeout_seconds, each try given ps_attempt_seconds
+        retry = RetryPolicy(attempts=None, max_backoff=5.0, attempt_timeout=cfg.ps_attempt_seconds)
+        return RemoteRowStore(cfg.ps, timeout=cfg.ps_timeout_seconds, retry=retry,
+                              auth_token=os.environ.get("DYNEMB_PS_AUTH_TOKEN") or None,
+                              tls_ca=cfg.ps_tls_ca or None, tls_cert=cfg.ps_tls_cert or None,
+                              tls_key=cfg.ps_tls_key or None)
+    return LocalRowStore(per_rank=dist.get_world_size() > 1)
+
+
+def make_dynamic(cfg: TrainConfig, built: Built, store: RowStore, metrics: TrainerMetrics) -> DynamicTables:
+    specs = []
+    for name, feature in zip(built.table_names, built.features):
+        t = cfg.table_config(name)
+        policy = EvictionPolicy(t.policy, evict_fraction=t.evict_fraction, ttl_steps=t.ttl_steps or None)
+        specs.append(DynamicTableSpec(name, [feature], built.schemas[name], policy, t.admit_threshold))
+    # a process group of their own: their collectives (the IDs' exchange) may run on a
+    # transform thread (cfg.prefetch) beside the training loop's on the default group
+    group = dist.new_group(backend=dist.get_backend())
+    return DynamicTables(find_tables(built.model), specs, store, metrics, group=group)
+
+
+def batches(cfg: TrainConfig, split: int, start: int = 0):
+    """This rank's batches of a split (0: training, from batch `start` on; 1: held out)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if cfg.data.source == "synthetic":
+        data = SyntheticCriteo(cfg.data, cfg.batch_size, rank, world)
+        return data.train_batches(start) if split == 0 else data.eval_batches(cfg.eval_batches)
+    return itertools.islice(criteo_tsv_batches(cfg.data, cfg.batch_size, rank, world, split), start, None)
+
+
+def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
+    created = init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = open_row_store(cfg)
+    metrics = TrainerMetrics(rank)
+    if cfg.metrics_port:  # + local rank: every machine's (or pod's) ranks serve on the same ports
+        metrics.serve(cfg.metrics_port + int(os.environ.get("LOCAL_RANK", "0")), cfg.metrics_address)
+    try:
+        built = build(cfg)
+        dynamic = make_dynamic(cfg, built, store, metrics) if cfg.table.dynamic else None
+        ckpt = Checkpointer(cfg, built, dynamic, store) if cfg.checkpoint_dir or cfg.resume else None
+        first_step = ckpt.restore(cfg.resume) if cfg.resume else 0
+        result = _loop(cfg, built, dynamic, metrics, ckpt, first_step)
+        result.first_step = first_step
+        if cfg.checkpoint_at_end and result.losses:
+            ckpt.save(first_step + len(result.losses))
+        result.auc, result.logloss = evaluate(cfg, built, dynamic)
+        if dynamic is not None:
+            dynamic.flush()  # the PS holds every row the job has trained
+            if world > 1:  # ... from every rank, before any rank reads rows back
+                dist.barrier()
+        if collect_tables:
+            result.tables = _collect_tables(built, dynamic, store)
+        if cfg.metrics_port and cfg.metrics_linger_seconds:
+            time.sleep(cfg.metrics_linger_seconds)  # the final counts stay up for Prometheus' next scrape
+        return result
+    finally:
+        store.close()
+        if created:
+            dist.destroy_process_group()
+
+
+def _loop(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None, metrics: TrainerMetrics,
+          ckpt: Checkpointer | None = None, first_step: int = 0) -> TrainResult:
+    """Steps first_step .. cfg.steps - 1. With checkpoints, in segments that end at each
+    checkpoint step: the pipeline drains there (no batch in flight) and a fresh one starts."""
+    rank = dist.get_rank()
+    result = TrainResult()
+    data = iter(batches(cfg, split=0, start=first_step))
+    if ckpt is not None:
+        data = ckpt.tap(data)  # the global IDs each batch touches (incremental checkpoints)
+    # With cfg.prefetch, a thread transforms batches ahead (dynemb/trainer/prefetch.py): its window is
+    # what the loop does inline (3 for the pipeline, 1 for a plain loop; see there) plus one
+    # per batch ahead. Without, the pipeline's fetch of batch i + 2 before batch i's forward
+    # lets a batch's rows move while the step before it computes (ahead=1: settled when the
+    # next one is fetched).
+    transform_window = (3 if cfg.pipeline else 1) + cfg.prefetch if cfg.prefetch else 0
+    ahead = 1 if cfg.pipeline and not transform_window else 0
+    model, optimizer = built.model, built.optimizer
+    model.train()
+    every = cfg.checkpoint_every if ckpt is not None else 0
+    pipeline = None
+    current = None  # the segment's batch generator: closing it stops its transform thread
+
+    def segment(end: int):
+        """The batches up to step `end`, and the function that trains one of them."""
+        nonlocal pipeline, current
+
+        def limited_batches():
+            part = itertools.islice(data, end - k)
+            # wrapped per segment: at its end every row move is settled and the transform
+            # thread, if any, is done, before a checkpoint is taken
+            yield from part if dynamic is None else dynamic.wrap(part, ahead=ahead, window=transform_window,
+                                                                    priority=cfg.transform_priority)
+
+        limited = current = limited_batches()
+        if not cfg.pipeline:
+
+            def plain() -> torch.Tensor:
+                batch = next(limited)
+                optimizer.zero_grad()
+                loss, _ = model(batch)
+                loss.backward()
+                optimizer.step()
+                return loss
+
+            return plain
+        from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+        if pipeline is not None:
+            pipeline.detach()
+        pipeline = TrainPipelineSparseDist(model, optimizer, torch.device("cpu"))
+        return lambda: pipeline.progress(limited)[0]  # DLRMTrain's output: (loss, logits, labels)
+
+    bar = tqdm(total=cfg.steps, initial=first_step, desc=f"train (rank {rank})", unit="step",
+               disable=not cfg.progress or rank != 0)
+    start, window = time.perf_counter(), []
+    k = first_step
+    step = segment(_next_boundary(k, every, cfg.steps))
+    try:
+        while k < cfg.steps:
+            try:
+                loss = step()
+            except StopIteration:
+                break
+            if dynamic is not None:
+                dynamic.release_oldest()
+            result.losses.append(float(loss.detach()))
+            window.append(result.losses[-1])
+            metrics.steps.labels(metrics.rank).inc()
+            metrics.samples.labels(metrics.rank).inc(cfg.batch_size)
+            if (k + 1) % cfg.log_every == 0 or k + 1 == cfg.steps:
+                elapsed = time.perf_counter() - start
+                rate = len(result.losses) * cfg.batch_size * dist.get_world_size() / elapsed
+                metrics.samples_per_second.labels(metrics.rank).set(rate / dist.get_world_size())
+                metrics.loss.labels(metrics.rank).set(float(np.mean(window)))
+                post = {"loss": f"{np.mean(window):.4f}", "samples/s": f"{rate:,.0f}"}
+                if dynamic is not None:
+                    post["hit"] = f"{dynamic.last_hit_rate:.3f}"
+                bar.set_postfix(post)
+                window = []
+            bar.update(1)
+            k += 1
+            if every and k % every == 0 and k < cfg.steps:  # drained: the segment ended here
+                current.close()  # a plain loop's has not seen its end: its thread is joined
+                ckpt.save(k)
+                step = segment(_next_boundary(k, every, cfg.steps))
+    finally:  # a step that raised leaves no transform thread behind
+        current.close()
+    bar.close()
+    if cfg.pipeline:
+        pipeline.detach()  # the model's own forward back, for evaluation
+    elapsed = time.perf_counter() - start
+    result.samples_per_second = len(result.losses) * cfg.batch_size * dist.get_world_size() / max(elapsed, 1e-9)
+    if dynamic is not None:
+        result.hit_rate = dynamic.last_hit_rate
+        result.hit_rates = list(dynamic.hit_rates[: len(result.losses)])  # not the ones fetched ahead
+        while dynamic.in_flight:  # batches the pipeline fetched but the step limit cut off
+            dynamic.release_oldest()
+    return result
+
+
+def _next_boundary(k: int, every: int, steps: int) -> int:
+    return min(steps, (k // every + 1) * every) if every else steps
+
+
+def _collect_tables(built: Built, dynamic: DynamicTables | None, store: RowStore) -> dict:
+    out = {}
+    for name, r in find_tables(built.model).items():
+        if dynamic is None:
+            out[name] = (r.row_offset, r.read(torch.arange(r.local_rows)).numpy())
+        else:  # the same block of IDs, as the PS has them (IDs are < the universe here)
+            rank, world = dist.get_rank(), dist.get_world_size()
+            block = -(-built.model_rows_full // world)
+            first = rank * block
+            ids = np.arange(first, min(first + block, built.model_rows_full), dtype=np.int64)
+            table = built.schemas[name].name
+            out[name] = (first, store.pull(table, ids) if not store.per_rank else
+                         _pull_from_owners(store, table, ids, built.model_rows_full))
+    return out
+
+
+def _pull_from_owners(store: RowStore, table: str, ids: np.ndarray, universe: int) -> np.ndarray:
+    """Collective, per-rank stores: the rows of `ids` (this rank's), each from its owner's store."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    every = torch.arange(universe)
+    mine = every[owner_of(every, world) == rank].numpy()
+    got = [None] * world
+    dist.all_gather_object(got, (mine, store.pull(table, mine)))  # every owner's rows, to every rank
+    rows = np.empty((len(ids), got[0][1].shape[1]), np.float32)
+    for owned, owned_rows in got if len(ids) else []:
+        at = np.searchsorted(ids, owned)  # ids: ascending
+        hit = (at < len(ids)) & (ids[np.minimum(at, len(ids) - 1)] == owned)
+        rows[at[hit]] = owned_rows[hit]
+    return rows
+
+
+@torch.no_grad()
+def evaluate(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None) -> tuple[float, float]:
+    """AUC and log-loss over every rank's held-out batches."""
+    from torchmetrics.functional.classification import binary_auroc
+
+    model = built.model
+    model.eval()
+    logits, labels = [], []
+    data = batches(cfg, split=1)
+    if dynamic is not None:
+        data = dynamic.wrap(data)
+    for batch in data:
+        _, (_, logit, label) = model(batch)
+        logits.append(logit.reshape(-1))
+        labels.append(label.reshape(-1))
+        if dynamic is not None:
+            dynamic.release_oldest()
+    model.train()
+    local = torch.stack([torch.cat(logits), torch.cat(labels)]) if logits else torch.zeros(2, 0)
+    every = torch.cat(all_gather_ragged(local), dim=1)
+    if every.shape[1] == 0:
+        return float("nan"), float("nan")
+    logit, label = every[0], every[1]
+    auc = float(binary_auroc(torch.sigmoid(logit), label.long()))
+    logloss = float(torch.nn.functional.binary_cross_entropy_with_logits(logit, label))
+    return auc, logloss
