@@ -1,4 +1,6 @@
-"""The `dynemb` command: `ps` (parameter server), `train`, `checkpoint` (table files), `tf` (TensorFlow migration), `demo`."""
+"""The `dynemb` command, on top of every part: `ps` (parameter server), `train`, `checkpoint`,
+`table` (portable table folders), `tf` (TensorFlow migration), `demo`.
+"""
 
 from __future__ import annotations
 
@@ -20,13 +22,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     from dynemb import demo
     from dynemb.ps_server import cli as ps_cli
-    from dynemb.trainer import checkpoint_cli
+    from dynemb.trainer import checkpoint_cli, table_cli
     from dynemb.trainer import cli as train_cli
     from dynemb.trainer.tf import cli as tf_cli
 
     ps_cli.add_parser(sub)
     train_cli.add_parser(sub)
     checkpoint_cli.add_parser(sub)
+    table_cli.add_parser(sub)
     tf_cli.add_parser(sub)
     demo.add_parser(sub)
     return parser

@@ -1,4 +1,4 @@
-"""Portable table files (dynemb/trainer/table_files.py) and `dynemb checkpoint export|import`, against
+"""Portable table files (dynemb/trainer/table_files.py) and `dynemb table export|import`, against
 real PS processes: embedded → files → Redis-backed, bit for bit; corrupt, truncated and missing
 shards, bad manifests and schema clashes refused before anything is written."""
 
@@ -234,13 +234,13 @@ def test_cli_export_import_end_to_end(embedded_client, redis_ps, redis_client, t
     _, ids_b, rows_b = fill(embedded_client, b, "fp16", n=20, dim=3, state_width=0, seed=2)
     out = tmp_path / "out"
     ps = embedded_client.addresses[0]
-    res = dynemb("checkpoint", "export", "--ps", ps, "--table", a, "--table", b, "--out", str(out),
+    res = dynemb("table", "export", "--ps", ps, "--table", a, "--table", b, "--out", str(out),
                  "--rows-per-shard", "16", "--quiet")
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines() == [f"exported {a}: 50 rows in 4 shard(s) -> {out / a}",
                                        f"exported {b}: 20 rows in 2 shard(s) -> {out / b}"]
 
-    res = dynemb("checkpoint", "import", str(out), "--ps", redis_ps.address, "--quiet")
+    res = dynemb("table", "import", str(out), "--ps", redis_ps.address, "--quiet")
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines() == [f"imported {out / a} -> table {a}: 50 rows",
                                        f"imported {out / b} -> table {b}: 20 rows"]
@@ -248,18 +248,32 @@ def test_cli_export_import_end_to_end(embedded_client, redis_ps, redis_client, t
     assert same_bits(redis_client.pull(b, ids_b).rows, rows_b)
 
     renamed = unique("cli_renamed")
-    res = dynemb("checkpoint", "import", str(out), "--table", b, "--as", renamed, "--ps", redis_ps.address)
+    res = dynemb("table", "import", str(out), "--table", b, "--as", renamed, "--ps", redis_ps.address)
     assert res.returncode == 0, res.stderr
     assert "import " + renamed in res.stderr  # the progress bar
     assert same_bits(redis_client.pull(renamed, ids_b).rows, rows_b)
 
     (copy_of / "part-00001.safetensors").write_bytes(b"not a shard")
-    res = dynemb("checkpoint", "import", str(copy_of), "--as", unique("bad"), "--ps", redis_ps.address)
+    res = dynemb("table", "import", str(copy_of), "--as", unique("bad"), "--ps", redis_ps.address)
     assert res.returncode == 1
     assert res.stderr.strip().splitlines()[-1].startswith(f"dynemb: error: {copy_of / 'part-00001.safetensors'}: sha256 is")
     assert "Traceback" not in res.stderr
 
-    res = dynemb("checkpoint", "import", str(out), "--as", "x", "--ps", redis_ps.address)
+    res = dynemb("table", "import", str(out), "--as", "x", "--ps", redis_ps.address)
     assert res.returncode == 1 and "--as names one table, but 2 would be imported" in res.stderr
-    res = dynemb("checkpoint", "export", "--ps", ps, "--table", "no_such_table", "--out", str(tmp_path / "none"))
+    res = dynemb("table", "export", "--ps", ps, "--table", "no_such_table", "--out", str(tmp_path / "none"))
     assert res.returncode == 1 and "NOT_FOUND" in res.stderr and not (tmp_path / "none").exists()
+
+
+def test_the_old_checkpoint_export_import_names_still_work_for_one_release(embedded_client, tmp_path):
+    name = unique("old_cli")
+    _, ids, rows = fill(embedded_client, name, "fp32", n=10, seed=3)
+    ps = embedded_client.addresses[0]
+    res = dynemb("checkpoint", "export", "--ps", ps, "--table", name, "--out", str(tmp_path), "--quiet")
+    assert res.returncode == 0, res.stderr
+    assert "this command is now `dynemb table export`" in res.stderr
+    renamed = unique("old_cli_back")
+    res = dynemb("checkpoint", "import", str(tmp_path / name), "--as", renamed, "--ps", ps, "--quiet")
+    assert res.returncode == 0, res.stderr
+    assert "this command is now `dynemb table import`" in res.stderr
+    assert same_bits(embedded_client.pull(renamed, ids).rows, rows)
