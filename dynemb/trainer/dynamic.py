@@ -130,7 +130,7 @@ class DynamicTables:
     def __init__(self, rows: dict[str, TableRows], specs: list[DynamicTableSpec], store: RowStore,
                  metrics: TrainerMetrics | None = None, group: dist.ProcessGroup | None = None) -> None:
         self.specs = {s.name: s for s in specs}
-        self.store, self.metrics, self.group = store, metrics, group
+        self.store, self.metrics, self.process_group = store, metrics, group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.rows: dict[str, TableRows] = {}
@@ -155,7 +155,7 @@ class DynamicTables:
             store.create_table(spec.ps_schema)
         self.names = list(self.transformers)  # every rank lists the tables in one order
         self.ps_names = [self.specs[n].ps_schema.name for n in self.names]
-        self.group = RowGroup([self.rows[n] for n in self.names])  # one gather/scatter for all, where it can
+        self.row_group = RowGroup([self.rows[n] for n in self.names])  # one gather/scatter for all, where it can
         self.in_flight: deque[list] = deque()
         # where the metrics keep these tables (rows of TableStats' arrays, in the order of names)
         self._stat_rows = None if metrics is None else metrics.tables.add_tables(self.names)
@@ -303,7 +303,7 @@ class DynamicTables:
         evicted, evicting = {}, []  # evicting: the tables' numbers
         counts = share.evicted
         if sum(counts):  # first: their rows are about to be reused
-            data = self.group.read(share.evicted_slots, counts)
+            data = self.row_group.read(share.evicted_slots, counts)
             ids, at = share.evicted_ids.numpy(), 0
             for k, n in enumerate(counts):
                 if n:
@@ -327,7 +327,7 @@ class DynamicTables:
             moves.push.result()
         if moves.pull is not None:
             got = moves.pull.result()
-            self.group.write(moves.admitted_slots, moves.admitted_counts,
+            self.row_group.write(moves.admitted_slots, moves.admitted_counts,
                              [got[t] if n else None for t, n in zip(self.ps_names, moves.admitted_counts)])
 
     def _timed(self, fut, tables: list[int], op: str, start: float):
