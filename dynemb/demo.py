@@ -1,5 +1,5 @@
-"""`dynemb demo`: the main job for now. Starts a PS on the embedded store, creates a table,
-pulls and pushes rows through the client, and prints what happened."""
+"""`dynemb demo`: the PS on its own. Starts a PS on the embedded store, creates a table, pulls
+and pushes rows through the client, and prints what happened. The training job is `dynemb train`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo",
         help="start a PS on the embedded store, create a table, pull and push rows, print what happened",
-        description="The main job: a PS on the embedded store (or --backend), one table, "
+        description="The PS on its own: a PS on the embedded store (or --backend), one table, "
         "a few rounds of pull → update → push through PSClient, then the PS's stats.",
     )
     p.add_argument("--backend", default="", help="PS backend URL [default: embedded]")

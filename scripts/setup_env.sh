@@ -21,7 +21,7 @@ if [ "$(cat $stamp 2>/dev/null)" != "$want" ]; then
   pipi() { $VPY -m pip install -q --disable-pip-version-check "$@" >>"$log" 2>&1 || { cat "$log"; echo "[setup] pip install $* failed" >&2; exit 1; }; }
   : > "$log"
   pipi -U pip wheel setuptools
-  # torch==2.13.0 is the CPU build on this machine's disk; see ../shared/DESIGN.md.
+  # torch==2.13.0 is the CPU build on this machine's disk; see docs/design.md.
   pipi -r requirements/torch.txt
   # torchrec's metadata asks for the CUDA fbgemm-gpu, which does not load on a CPU torch.
   pipi --no-deps -r requirements/torchrec.txt

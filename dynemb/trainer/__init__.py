@@ -1,1 +1,2 @@
-"""TorchRec training behind the ID transformer (later issues)."""
+"""TorchRec training behind dynamic tables: the DLRM job (`dynemb train`, `torchrun -m dynemb.trainer`),
+checkpoints, portable table files and TensorFlow migration (`tf/`)."""

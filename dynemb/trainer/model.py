@@ -37,7 +37,7 @@ from dynemb.trainer.table_rows import find_tables
 
 class RowWiseSharder(EmbeddingBagCollectionSharder):
     """TorchRec leaves row-wise out of the sharding types it offers on CPU; it works there
-    (see DESIGN.md), and the dynamic tables need it: a rank's rows are one contiguous block."""
+    (see docs/design.md), and the dynamic tables need it: a rank's rows are one contiguous block."""
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         types = super().sharding_types(compute_device_type)
