@@ -8,9 +8,10 @@ import time
 import grpc
 import numpy as np
 import pytest
+from helpers import wait_until
+from ps_procs import wait_for_health
 
 from dynemb.protos import ps_pb2, ps_pb2_grpc
-from ps_procs import wait_for_health
 from dynemb.ps_server.client import PSClient, RetryPolicy
 from dynemb.ps_server.errors import InvalidArgument, TableExists, TableNotFound, Unavailable
 
@@ -227,39 +228,104 @@ def test_an_import_whose_stream_fails_stops_reading_its_source(make_ps):
         assert other.describe_table("midway").schema.dim == 2
 
 
-def test_a_push_the_client_gave_up_on_is_not_applied_late(make_ps):
-    """A push that waited in the PS past its deadline (every worker busy, or the PS paused) is
-    not written when its turn comes: the client has sent it again, maybe to another replica,
-    and maybe newer rows for the same ids since."""
-    import queue
-    import threading
+class _Aborted(Exception):
+    pass
 
-    proc = make_ps("--workers", "1")
+
+class _Context:
+    """A grpc.ServicerContext as far as the service's handlers use it, its deadline set by the test."""
+
+    def __init__(self, remaining: float, active: bool) -> None:
+        self.remaining, self.active = remaining, active
+        self.code = None
+
+    def time_remaining(self) -> float:
+        return self.remaining
+
+    def is_active(self) -> bool:
+        return self.active
+
+    def abort(self, code, details):
+        self.code = code
+        raise _Aborted(details)
+
+
+@pytest.mark.parametrize("remaining,active", [(0.0, True), (5.0, False)], ids=["deadline-passed", "cancelled"])
+@pytest.mark.parametrize("method", ["Push", "PushMany", "Delete"])
+def test_the_ps_does_not_apply_a_write_given_up_on_in_its_handler(method, remaining, active):
+    """The service's own check, with the deadline under the test's control: past it (grpc's
+    thread may not have marked the call ended yet), or cancelled, a write changes nothing."""
+    from dynemb.ps_server.backends.embedded import EmbeddedStore
+    from dynemb.ps_server.metrics import PSMetrics
+    from dynemb.ps_server.schema import TableSchema
+    from dynemb.ps_server.service import ParameterServerService
+    from dynemb.ps_server.wire import parse_push_many_request, parse_push_request
+
+    store = EmbeddedStore()
+    service = ParameterServerService(store, PSMetrics(), 4 << 20)
+    store.create_table(TableSchema("late", dim=2))
+    ids = np.arange(5, dtype=np.int64)
+    store.push("late", ids, np.zeros((5, 2), np.float32))
+    push = ps_pb2.PushRequest(table="late", ids=ids.tobytes(), rows=np.ones((5, 2), np.float32).tobytes())
+    requests = {
+        "Push": lambda: parse_push_request(push.SerializeToString()),
+        "PushMany": lambda: parse_push_many_request(ps_pb2.PushManyRequest(pushes=[push]).SerializeToString()),
+        "Delete": lambda: ps_pb2.DeleteRequest(table="late", ids=ids.tobytes()),
+    }
+    handler = getattr(service, method)
+    context = _Context(remaining, active)
+    with pytest.raises(_Aborted, match="client gave up"):
+        handler(requests[method](), context)
+    assert context.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    out = np.full((5, 2), -1.0, np.float32)
+    assert len(store.pull_into("late", ids, out)) == 0 and not out.any()
+    # the same call with time left is applied: the fake context does reach the store
+    handler(requests[method](), _Context(5.0, True))
+    if method == "Delete":
+        assert store.num_rows("late") == 0
+    else:
+        assert len(store.pull_into("late", ids, out)) == 0 and (out == 1).all()
+
+
+def _request_codes(ps, method: str) -> dict[str, float]:
+    """{status code: requests} the PS counted for `method`."""
+    return {line.split('code="')[1].split('"')[0]: float(line.split()[-1]) for line in ps.metrics_text().splitlines()
+            if line.startswith("dynemb_ps_requests_total") and f'method="{method}"' in line}
+
+
+def test_a_push_the_client_gave_up_on_is_not_applied_late(redis_process, make_ps):
+    """A push whose handler was still waiting on the store when its deadline passed (Redis
+    paused here) is not written once the store answers: the client has sent it again, maybe to
+    another replica, and maybe newer rows for the same ids since. (A push still queued for a
+    worker at its deadline is dropped by grpc itself, before any handler of ours runs.)"""
+    import os
+    import signal
+
+    redis_proc = redis_process()
+    proc = make_ps("--backend", redis_proc.url, "--namespace", "late")
     ids = np.arange(20, dtype=np.int64)
-    with PSClient(proc.address, retry=RetryPolicy(attempts=1), timeout=30) as ps:
+    with PSClient(proc.address, retry=RetryPolicy(attempts=1), timeout=30) as ps, \
+            grpc.insecure_channel(proc.address) as channel:
         ps.create_table("late", dim=2)
         ps.push("late", ids, np.zeros((20, 2), np.float32))
-        channel = grpc.insecure_channel(proc.address)
-        stub = ps_pb2_grpc.ParameterServerStub(channel)
-        # an Import stream held open keeps the PS's only worker busy
-        held: queue.Queue = queue.Queue()
-
-        def chunks():
-            yield ps_pb2.RowChunk(spec=ps_pb2.TableSpec(name="other", dim=2, dtype=ps_pb2.FP32))
-            held.get()
-
-        importing = threading.Thread(target=lambda: stub.Import(chunks(), timeout=30), daemon=True)
-        importing.start()
-        time.sleep(0.5)
         stale = ps_pb2.PushRequest(table="late", ids=ids.tobytes(), rows=np.ones((20, 2), np.float32).tobytes())
-        with pytest.raises(grpc.RpcError) as info:
-            stub.Push(stale, timeout=0.5)  # waits for the worker past its deadline
-        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        held.put(None)
-        importing.join(30)
-        time.sleep(0.5)  # the stale push has had its turn by now
+        os.kill(redis_proc.proc.pid, signal.SIGSTOP)
+        try:
+            call = ps_pb2_grpc.ParameterServerStub(channel).Push.future(stale, timeout=2)
+            # its handler runs, waiting on the store, before the deadline
+            wait_until(lambda: "dynemb_ps_inflight_requests 1.0" in proc.metrics_text() or call.done(),
+                       timeout=10, what="the push's handler to start")
+            with pytest.raises(grpc.RpcError) as info:
+                call.result()
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "dynemb_ps_inflight_requests 1.0" in proc.metrics_text()  # still in the handler
+        finally:
+            os.kill(redis_proc.proc.pid, signal.SIGCONT)
+        # the store answers, the handler goes on and refuses to write
+        codes = wait_until(lambda: (c := _request_codes(proc, "Push")) and sum(c.values()) == 2 and c,
+                           timeout=15, what="the stale push's handler to end")
+        assert codes == {"OK": 1.0, "DEADLINE_EXCEEDED": 1.0}
         assert ps.pull("late", ids).rows.tolist() == [[0.0, 0.0]] * 20
-        channel.close()
 
 
 def test_undecodable_request_bytes(stored):

@@ -27,8 +27,15 @@ from dynemb.ps_server.initializer import fill_initial_rows
 from dynemb.ps_server.metrics import PSMetrics
 from dynemb.ps_server.schema import TableSchema, check_name
 from dynemb.ps_server.shm import SegmentTable
-from dynemb.ps_server.wire import (MESSAGE_OVERHEAD, MalformedMessage, ReplyPlan, build_pull_many_response, build_pull_response,
-                            parse_push_many_request, parse_push_request)
+from dynemb.ps_server.wire import (
+    MESSAGE_OVERHEAD,
+    MalformedMessage,
+    ReplyPlan,
+    build_pull_many_response,
+    build_pull_response,
+    parse_push_many_request,
+    parse_push_request,
+)
 
 log = logging.getLogger("dynemb.ps")
 
@@ -53,7 +60,7 @@ def _undecodable(method: str, request_type, data: bytes) -> InvalidArgument:
 _IN_PLACE = {"Push": parse_push_request, "PushMany": parse_push_many_request}
 
 
-def _decoding(servicer: "ParameterServerService", name: str, handler, request_type, streaming: bool):
+def _decoding(servicer: ParameterServerService, name: str, handler, request_type, streaming: bool):
     """`handler` taking the request as bytes: grpc's own decoding step would answer bytes that
     are no valid message with INTERNAL "Exception deserializing request!"."""
     if streaming:
@@ -80,7 +87,7 @@ def _decoding(servicer: "ParameterServerService", name: str, handler, request_ty
     return handle
 
 
-def add_to_server(servicer: "ParameterServerService", server: grpc.Server) -> None:
+def add_to_server(servicer: ParameterServerService, server: grpc.Server) -> None:
     """Register the service like the generated add_..._to_server, except that requests are
     decoded by the handler (see _decoding) and a handler may return an already serialized
     reply (bytes), as Pull does."""
@@ -192,12 +199,14 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         to another replica, and may have sent newer rows for the same ids since; applying the
         old one now would put stale rows back. gRPC itself drops a request whose deadline passed
         before its handler started (all workers busy, the PS paused); this covers the time the
-        handler spent on it since (decoding a big batch). A write already in the store's hands
-        when the deadline passes still lands: see the README's note on replicas."""
-        if not context.is_active():
+        handler spent on it since (decoding a big batch, a slow store). The deadline is read off
+        the clock as well: is_active() turns false only once grpc's own thread has seen the call
+        end, which lags on a busy PS. A write already in the store's hands when the deadline
+        passes still lands: see the README's note on replicas."""
+        if context.time_remaining() <= 0 or not context.is_active():
             raise Abandoned(f"{what} not written: the client gave up on it (deadline passed or cancelled)")
 
-    def _backend(self, op: str) -> "_StoreTimer":
+    def _backend(self, op: str) -> _StoreTimer:
         return _StoreTimer(self.metrics.child(self.metrics.backend_latency, op))
 
     def _fitting(self, schema: TableSchema) -> TableSchema:
@@ -384,7 +393,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         if request.rows_from is None:
             return schema, ids, codec.decode_rows(request.rows, schema, len(ids))
         if len(request.rows):
-            raise InvalidArgument(f"push to {schema.name!r} carries rows both in the message and in a segment (rows_from)")
+            raise InvalidArgument(
+                f"push to {schema.name!r} carries rows both in the message and in a segment (rows_from)")
         return schema, ids, self._segment_rows(*request.rows_from, schema, len(ids))
 
     def _push_rows(self, schema: TableSchema, ids: np.ndarray, rows: np.ndarray, tally: _Tally) -> int:
