@@ -16,17 +16,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xxhash
+from tf_fixture_values import FIXTURES, Known
 
-from dynemb.testing.local_ps import REPO
 from dynemb.ps_server.client import PSClient
 from dynemb.ps_server.errors import TableNotFound
 from dynemb.ps_server.initializer import float_to_bf16_bits
 from dynemb.ps_server.schema import Initializer
-from tf_fixture_values import FIXTURES, Known
+from dynemb.testing.local_ps import REPO
 from dynemb.trainer.table_files import TableReader
 from dynemb.trainer.tf import migrate
 from dynemb.trainer.tf.bundle import Bundle
-from dynemb.trainer.tf.errors import CheckpointError
+from dynemb.trainer.tf.errors import TFMigrationError
 from dynemb.trainer.tf.source import open_source
 
 FIX = Path(__file__).parent / "fixtures" / "tf"
@@ -220,8 +220,9 @@ def test_a_corrupt_data_file_is_refused_and_nothing_is_written(embedded_client, 
     raw[entry.offset + 5] ^= 0x01
     data.write_bytes(bytes(raw))
     good, bad = unique("good"), unique("bad")
-    with pytest.raises(CheckpointError, match=r"model\.ckpt-100\.data-00000-of-00001: tensor 'emb/user' .* has "
-                                              r"CRC-32C 0x[0-9a-f]{8}, the index records 0x[0-9a-f]{8}: the data file is corrupt"):
+    with pytest.raises(TFMigrationError, match=r"model\.ckpt-100\.data-00000-of-00001: tensor 'emb/user' .* has "
+                                               r"CRC-32C 0x[0-9a-f]{8}, the index records 0x[0-9a-f]{8}: "
+                                               r"the data file is corrupt"):
         run_migrate(str(tf1_copy), [f"{good}=emb/item", f"{bad}=emb/user"], "adam", ps=embedded_client)
     assert_nothing_written(embedded_client, good, bad)  # the good table waits for the bad one's check
 
@@ -232,14 +233,14 @@ def test_truncated_files_are_refused(tmp_path, tf1_copy):
     size = data.stat().st_size
     with open(data, "r+b") as f:
         f.truncate(size // 2)
-    with pytest.raises(CheckpointError, match=rf"data-00000-of-00001: {size // 2} bytes, but tensor .* is at bytes "
+    with pytest.raises(TFMigrationError, match=rf"data-00000-of-00001: {size // 2} bytes, but tensor .* is at bytes "
                                               r"\[\d+, \d+\): the file is truncated"):
         run_migrate(str(tf1_copy), ["a=emb/item", "b=emb/user"], "adam", out=tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
     index = Path(f"{prefix}.index")
     index.write_bytes(index.read_bytes()[:-20])
-    with pytest.raises(CheckpointError, match=r"model\.ckpt-100\.index: not a TensorFlow checkpoint index"):
+    with pytest.raises(TFMigrationError, match=r"model\.ckpt-100\.index: not a TensorFlow checkpoint index"):
         open_source(str(tf1_copy))
 
 
@@ -249,21 +250,24 @@ def test_a_corrupt_index_block_is_refused(tf1_copy):
     at = raw.find(b"emb/item")  # a key inside the data block
     raw[at] ^= 0x20
     index.write_bytes(bytes(raw))
-    with pytest.raises(CheckpointError, match=r"\.index: the block at byte 0 fails its CRC-32C check: the file is corrupt"):
+    with pytest.raises(TFMigrationError,
+                       match=r"\.index: the block at byte 0 fails its CRC-32C check: the file is corrupt"):
         open_source(str(tf1_copy))
 
 
 def test_unreadable_dtype_and_non_float_tables_are_refused(tmp_path):
     source = open_source(str(FIX / "tf1_saver"))
-    with pytest.raises(CheckpointError, match=r"tensor 'misc/complex' has dtype complex64 \(TensorFlow DataType 8\), "
+    with pytest.raises(TFMigrationError, match=r"tensor 'misc/complex' has dtype complex64 \(TensorFlow DataType 8\), "
                                               r"which dynemb cannot read as numbers"):
         source.rows("misc/complex").read(0, 2)
-    with pytest.raises(CheckpointError, match=r"table 'c' \(misc/complex\): dtype complex64; an embedding must be a "
+    with pytest.raises(TFMigrationError, match=r"table 'c' \(misc/complex\): dtype complex64; an embedding must be a "
                                               r"float tensor"):
         run_migrate("tf1_saver", ["c=misc/complex"], "sgd", out=tmp_path)
-    with pytest.raises(CheckpointError, match=r"table 'b' \(beta1_power\): shape \[\]; an embedding table is \(rows, dim\)"):
+    with pytest.raises(TFMigrationError,
+                       match=r"table 'b' \(beta1_power\): shape \[\]; an embedding table is \(rows, dim\)"):
         run_migrate("tf1_saver", ["b=beta1_power"], "sgd", out=tmp_path)
-    with pytest.raises(CheckpointError, match=r"no tensor or table named 'emb/nope'; tables found: emb/item, emb/tag, emb/user"):
+    with pytest.raises(TFMigrationError,
+                       match=r"no tensor or table named 'emb/nope'; tables found: emb/item, emb/tag, emb/user"):
         run_migrate("tf1_saver", ["x=emb/nope"], "sgd", out=tmp_path)
     assert not any(tmp_path.iterdir())
 
@@ -271,11 +275,11 @@ def test_unreadable_dtype_and_non_float_tables_are_refused(tmp_path):
 def test_shapes_that_do_not_fit_the_target_are_refused(embedded_client, tmp_path):
     name = unique("dim8")
     embedded_client.create_table(name, dim=8, state_width=8)
-    with pytest.raises(CheckpointError, match=rf"table '{name}' exists on the PS with dim 8 \(the checkpoint needs 4\), "
-                                              r"state_width 8 \(the checkpoint needs 4\)"):
+    with pytest.raises(TFMigrationError, match=rf"table '{name}' exists on the PS with dim 8 \(the checkpoint needs "
+                                               r"4\), state_width 8 \(the checkpoint needs 4\)"):
         run_migrate("tf1_saver", [f"{name}=emb/user"], "adagrad", ps=embedded_client)
     assert embedded_client.describe_table(name).num_rows == 0
-    with pytest.raises(CheckpointError, match=r"slot accumulator \(emb/item/Adam\) has shape \[6, 8\], the table's "
+    with pytest.raises(TFMigrationError, match=r"slot accumulator \(emb/item/Adam\) has shape \[6, 8\], the table's "
                                               r"values are \[10, 4\]"):
         run_migrate("tf1_saver", ["u=emb/user,accumulator=emb/item/Adam"], "adagrad", out=tmp_path)
 
@@ -287,7 +291,7 @@ def test_shapes_that_do_not_fit_the_target_are_refused(embedded_client, tmp_path
 ])
 def test_bad_vocabularies_are_refused(tmp_path, lines, message):
     (tmp_path / "ids.txt").write_text("\n".join(lines) + "\n")
-    with pytest.raises(CheckpointError, match=message):
+    with pytest.raises(TFMigrationError, match=message):
         run_migrate("tf1_saver", [f"v=emb/item,vocab={tmp_path / 'ids.txt'}"], "adam", out=tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -299,8 +303,21 @@ def test_bad_vocabularies_are_refused(tmp_path, lines, message):
     ("a=emb/item,vocab-kind=words", "vocab-kind must be ids or tokens"),
 ])
 def test_bad_table_specs(spec, message):
-    with pytest.raises(CheckpointError, match=message):
+    with pytest.raises(TFMigrationError, match=message):
         migrate.TableSpec.parse(spec)
+
+
+def test_the_tf_error_is_not_the_training_checkpoint_error():
+    """dynemb/trainer/tf's error once shared its name with checkpoint_format.CheckpointError, an
+    unrelated class: `except CheckpointError` caught one and not the other, by name alone."""
+    from dynemb.common.errors import UserError
+    from dynemb.trainer import checkpoint_format
+    from dynemb.trainer.tf import errors
+
+    assert not hasattr(errors, "CheckpointError")
+    assert issubclass(TFMigrationError, UserError)  # the CLI prints it in one line
+    assert not issubclass(TFMigrationError, checkpoint_format.CheckpointError)
+    assert not issubclass(checkpoint_format.CheckpointError, TFMigrationError)
 
 
 def test_keras_files_corrupt_or_truncated(tmp_path):
@@ -311,11 +328,11 @@ def test_keras_files_corrupt_or_truncated(tmp_path):
     at = info.header_offset + 30 + len(info.filename) + len(info.extra) + info.compress_size // 2
     raw[at] ^= 0xFF
     keras.write_bytes(bytes(raw))
-    with pytest.raises(CheckpointError, match=r"model\.keras: not a readable \.keras archive .*CRC"):
+    with pytest.raises(TFMigrationError, match=r"model\.keras: not a readable \.keras archive .*CRC"):
         open_source(str(keras))
     h5 = tmp_path / "model.weights.h5"
     h5.write_bytes((FIX / "keras_weights" / "model.weights.h5").read_bytes()[:5000])
-    with pytest.raises(CheckpointError, match=r"model\.weights\.h5: not a readable HDF5 file"):
+    with pytest.raises(TFMigrationError, match=r"model\.weights\.h5: not a readable HDF5 file"):
         open_source(str(h5))
 
 
@@ -324,7 +341,7 @@ def test_checkpoint_paths(tmp_path):
     for given in (tf1, tf1 / "model.ckpt-100", tf1 / "model.ckpt-100.index"):
         assert open_source(str(given)).path.endswith("model.ckpt-100")
     assert open_source(str(FIX / "saved_model")).kind == "SavedModel variables"
-    with pytest.raises(CheckpointError, match="not a checkpoint"):
+    with pytest.raises(TFMigrationError, match="not a checkpoint"):
         open_source(str(tmp_path / "nothing"))
 
 
@@ -397,6 +414,7 @@ def test_cli_migrate_into_a_ps_and_into_files(embedded_ps, embedded_client, tmp_
                  "--table", "x=misc/complex")
     assert res.returncode == 1 and "Traceback" not in res.stderr
     assert res.stderr.strip().splitlines()[-1] == ("dynemb: error: table 'x' (misc/complex): dtype complex64; an "
-                                                   "embedding must be a float tensor (float32, float64, float16, bfloat16)")
+                                                   "embedding must be a float tensor (float32, float64, float16, "
+                                                   "bfloat16)")
     res = dynemb("tf", "migrate", "tests/fixtures/tf/tf1_saver", "--table", "x=emb/user", "--out", str(tmp_path))
     assert res.returncode == 2 and "--optimizer" in res.stderr

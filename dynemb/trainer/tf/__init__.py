@@ -10,5 +10,5 @@ dynemb (`dynemb tf ls|migrate`).
     keras_h5.py    Keras .weights.h5 and .keras files
     migrate.py     tensors → PS tables or table files: ids, optimizer state, checks
     cli.py         the `dynemb tf` command
-    errors.py      CheckpointError, the one error raised
+    errors.py      TFMigrationError, the one error raised
 """

@@ -9,7 +9,7 @@ SavedModel's variables/ all store their tensors this way.
 Written by hand because nothing outside TensorFlow reads this format and TensorFlow is a
 2 GB dependency we must not need for a migration. Every tensor read is checked against the
 CRC-32C its entry records; a truncated data file, a corrupt byte, an unknown dtype or a
-missing slice is a CheckpointError that names the file and tensor.
+missing slice is a TFMigrationError that names the file and tensor.
 
 A partitioned variable (tf.compat.v1.fixed_size_partitioner) is one entry with the full
 shape and a list of slices; each slice is its own entry under a key that encodes (name,
@@ -28,7 +28,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from dynemb.protos import tf_bundle_pb2 as pb
-from dynemb.trainer.tf.errors import CheckpointError
+from dynemb.trainer.tf.errors import TFMigrationError
 from dynemb.trainer.tf.sstable import read_table, read_varint, unmask_crc
 
 # TensorFlow DataType → (name, numpy storage). bfloat16 is kept as its 16 bits (uint16).
@@ -119,7 +119,7 @@ class Bundle:
             with open(self.index_path, "rb") as f:
                 data = f.read()
         except FileNotFoundError:
-            raise CheckpointError(f"{self.index_path}: no such file (a checkpoint prefix P has P.index "
+            raise TFMigrationError(f"{self.index_path}: no such file (a checkpoint prefix P has P.index "
                                   f"and P.data-00000-of-0000N)") from None
         self.entries: dict[str, pb.BundleEntryProto] = {}
         self._slice_entries: dict[bytes, pb.BundleEntryProto] = {}
@@ -131,16 +131,16 @@ class Bundle:
                     continue
                 entry = pb.BundleEntryProto.FromString(value)
             except DecodeError:
-                raise CheckpointError(f"{self.index_path}: the entry of key {key!r} does not parse: the index "
+                raise TFMigrationError(f"{self.index_path}: the entry of key {key!r} does not parse: the index "
                                       f"is corrupt") from None
             if key[:1] == b"\x00":
                 self._slice_entries[key] = entry
             else:
                 self.entries[key.decode("utf-8", errors="replace")] = entry
         if header is None:
-            raise CheckpointError(f"{self.index_path}: no bundle header (the entry with the empty key)")
+            raise TFMigrationError(f"{self.index_path}: no bundle header (the entry with the empty key)")
         if header.endianness != pb.BundleHeaderProto.LITTLE:
-            raise CheckpointError(f"{self.index_path}: a big-endian checkpoint; only little-endian ones are read")
+            raise TFMigrationError(f"{self.index_path}: a big-endian checkpoint; only little-endian ones are read")
         self.num_shards = max(1, header.num_shards)
         self._data: dict[int, np.ndarray] = {}
 
@@ -153,7 +153,7 @@ class Bundle:
         try:
             return self.entries[name]
         except KeyError:
-            raise CheckpointError(f"{self.prefix}: no tensor named {name!r}") from None
+            raise TFMigrationError(f"{self.prefix}: no tensor named {name!r}") from None
 
     def info(self, name: str) -> TensorInfo:
         e = self.entry(name)
@@ -167,13 +167,13 @@ class Bundle:
     def _file(self, shard: int, name: str) -> np.ndarray:
         if shard not in self._data:
             if not 0 <= shard < self.num_shards:
-                raise CheckpointError(f"{self.index_path}: tensor {name!r} is in data shard {shard}, but the "
+                raise TFMigrationError(f"{self.index_path}: tensor {name!r} is in data shard {shard}, but the "
                                       f"header says there are {self.num_shards}")
             path = self.data_path(shard)
             try:
                 size = os.path.getsize(path)
             except FileNotFoundError:
-                raise CheckpointError(f"{path}: no such file (tensor {name!r} is stored there)") from None
+                raise TFMigrationError(f"{path}: no such file (tensor {name!r} is stored there)") from None
             self._data[shard] = np.memmap(path, mode="r", dtype=np.uint8) if size else np.zeros(0, np.uint8)
         return self._data[shard]
 
@@ -181,7 +181,7 @@ class Bundle:
         data = self._file(entry.shard_id, name)
         end = entry.offset + entry.size
         if entry.offset < 0 or end > len(data):
-            raise CheckpointError(f"{self.data_path(entry.shard_id)}: {len(data)} bytes, but tensor {name!r} "
+            raise TFMigrationError(f"{self.data_path(entry.shard_id)}: {len(data)} bytes, but tensor {name!r} "
                                   f"is at bytes [{entry.offset}, {end}): the file is truncated")
         return data[entry.offset: end]
 
@@ -196,12 +196,12 @@ class Bundle:
             ext = _extents(sl, shape)
             key = slice_key(name, ext)
             if key not in self._slice_entries:
-                raise CheckpointError(f"{self.index_path}: slice {ext} of partitioned tensor {name!r} is listed "
+                raise TFMigrationError(f"{self.index_path}: slice {ext} of partitioned tensor {name!r} is listed "
                                       f"but has no entry: the index is corrupt")
             pieces.append((self._slice_entries[key], ext))
         stored = sum(math.prod(self._piece_shape(shape, ext)) for _, ext in pieces)
         if stored != math.prod(shape):
-            raise CheckpointError(f"{self.index_path}: the slices of {name!r} hold {stored} values, its shape "
+            raise TFMigrationError(f"{self.index_path}: the slices of {name!r} hold {stored} values, its shape "
                                   f"{list(shape)} has {math.prod(shape)}")
         return pieces
 
@@ -212,7 +212,7 @@ class Bundle:
     def _numeric(self, name: str) -> tuple[str, np.dtype, tuple[int, ...]]:
         e = self.entry(name)
         if e.dtype not in DTYPES:
-            raise CheckpointError(f"{self.prefix}: tensor {name!r} has dtype {dtype_name(e.dtype)} "
+            raise TFMigrationError(f"{self.prefix}: tensor {name!r} has dtype {dtype_name(e.dtype)} "
                                   f"(TensorFlow DataType {e.dtype}), which dynemb cannot read as numbers")
         tag, np_dtype = DTYPES[e.dtype]
         return tag, np_dtype, tuple(d.size for d in e.shape.dim)
@@ -220,7 +220,7 @@ class Bundle:
     def _check_piece_size(self, entry, shape, np_dtype, name: str) -> None:
         want = math.prod(shape) * np_dtype.itemsize
         if entry.size != want:
-            raise CheckpointError(f"{self.index_path}: tensor {name!r} has {entry.size} bytes, its shape "
+            raise TFMigrationError(f"{self.index_path}: tensor {name!r} has {entry.size} bytes, its shape "
                                   f"{list(shape)} of {np_dtype} needs {want}: the index is corrupt")
 
     # -- checks -------------------------------------------------------------------
@@ -236,7 +236,7 @@ class Bundle:
                 for lo in range(0, len(raw), 64 << 20):
                     crc = google_crc32c.extend(crc, raw[lo: lo + (64 << 20)])
             if crc != unmask_crc(entry.crc32c):
-                raise CheckpointError(f"{self.data_path(entry.shard_id)}: tensor {name!r} (bytes [{entry.offset}, "
+                raise TFMigrationError(f"{self.data_path(entry.shard_id)}: tensor {name!r} (bytes [{entry.offset}, "
                                       f"{entry.offset + entry.size})) has CRC-32C {crc:#010x}, the index records "
                                       f"{unmask_crc(entry.crc32c):#010x}: the data file is corrupt")
 
@@ -251,7 +251,7 @@ class Bundle:
         shape = tuple(d.size for d in e.shape.dim)
         if e.dtype == STRING:
             if e.slices:
-                raise CheckpointError(f"{self.prefix}: partitioned string tensor {name!r} is not supported")
+                raise TFMigrationError(f"{self.prefix}: partitioned string tensor {name!r} is not supported")
             values, _ = self._strings(self._raw(e, name), math.prod(shape), name)
             return np.array(values, dtype=object).reshape(shape)
         if not shape:
@@ -266,7 +266,7 @@ class Bundle:
             return self.read(name)[lo:hi]
         _, np_dtype, shape = self._numeric(name)
         if not shape:
-            raise CheckpointError(f"{self.prefix}: tensor {name!r} is a scalar; it has no rows")
+            raise TFMigrationError(f"{self.prefix}: tensor {name!r} is a scalar; it has no rows")
         lo, hi = max(0, lo), min(hi, shape[0])
         out = np.empty((max(0, hi - lo), *shape[1:]), dtype=np_dtype)
         for entry, ext in self._pieces(name):
@@ -297,7 +297,7 @@ class Bundle:
             # TensorFlow checksums each length as uint32 (uint64 beyond that), not as its varint
             crc = google_crc32c.extend(crc, struct.pack("<I", n) if n <= 0xFFFFFFFF else struct.pack("<Q", n))
         if pos + 4 > len(buf):
-            raise CheckpointError(f"{where}: truncated")
+            raise TFMigrationError(f"{where}: truncated")
         crc = google_crc32c.extend(crc, buf[pos: pos + 4])
         pos += 4
         values = []
@@ -306,5 +306,5 @@ class Bundle:
             crc = google_crc32c.extend(crc, buf[pos: pos + n])
             pos += n
         if pos > len(buf):
-            raise CheckpointError(f"{where}: its strings run past its {len(buf)} bytes: the file is corrupt")
+            raise TFMigrationError(f"{where}: its strings run past its {len(buf)} bytes: the file is corrupt")
         return values, crc

@@ -82,7 +82,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="optimizer state of new rows and of rows whose slots the checkpoint lacks [default 0]")
     p.add_argument("--replace", action="store_true", help="--ps: delete the tables' rows on the PS first")
     p.add_argument("--overwrite", action="store_true", help="--out: replace table folders that hold files")
-    p.add_argument("--rows-per-shard", type=int, default=1 << 20, help="--out: rows per shard file [default %(default)s]")
+    p.add_argument("--rows-per-shard", type=int, default=1 << 20,
+                   help="--out: rows per shard file [default %(default)s]")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_migrate)
 
@@ -138,11 +139,11 @@ def cmd_ls(args) -> int:
 def cmd_migrate(args) -> int:
     from dynemb.ps_server.schema import Initializer
     from dynemb.trainer.tf import migrate
-    from dynemb.trainer.tf.errors import CheckpointError
+    from dynemb.trainer.tf.errors import TFMigrationError
     from dynemb.trainer.tf.source import open_source
 
     if args.rows_per_shard < 1:
-        raise CheckpointError(f"--rows-per-shard must be >= 1, got {args.rows_per_shard}")
+        raise TFMigrationError(f"--rows-per-shard must be >= 1, got {args.rows_per_shard}")
     specs = [migrate.TableSpec.parse(t) for t in args.table]
     init = Initializer(args.init, args.init_a, args.init_b, args.init_seed, args.state_init)
     src = open_source(args.checkpoint)

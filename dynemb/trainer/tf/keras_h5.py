@@ -25,7 +25,7 @@ import zipfile
 import numpy as np
 
 from dynemb.trainer.tf.bundle import TensorInfo
-from dynemb.trainer.tf.errors import CheckpointError
+from dynemb.trainer.tf.errors import TFMigrationError
 from dynemb.trainer.tf.source import FLOAT_DTYPES, Rows, Source, Table
 
 SLOT_KINDS = {"adam": ("m", "v"), "adagrad": ("accumulator",)}
@@ -52,9 +52,9 @@ class KerasSource(Source):
                 self.kind = "Keras 3 weights (.weights.h5)"
                 self.file = h5py.File(path, "r")
         except FileNotFoundError:
-            raise CheckpointError(f"{path}: no such file") from None
+            raise TFMigrationError(f"{path}: no such file") from None
         except OSError as exc:
-            raise CheckpointError(f"{path}: not a readable HDF5 file (truncated or corrupt?): {exc}") from None
+            raise TFMigrationError(f"{path}: not a readable HDF5 file (truncated or corrupt?): {exc}") from None
         self.datasets: dict[str, object] = {}
         self.file.visititems(lambda name, obj: self.datasets.__setitem__(name, obj)
                              if isinstance(obj, h5py.Dataset) else None)
@@ -63,7 +63,7 @@ class KerasSource(Source):
         try:
             with zipfile.ZipFile(path) as z:
                 if WEIGHTS_MEMBER not in z.namelist():
-                    raise CheckpointError(f"{path}: a zip without {WEIGHTS_MEMBER}; not a Keras 3 .keras file "
+                    raise TFMigrationError(f"{path}: a zip without {WEIGHTS_MEMBER}; not a Keras 3 .keras file "
                                           f"(it has {z.namelist()[:5]})")
                 spool = tempfile.TemporaryFile()
                 with z.open(WEIGHTS_MEMBER) as member:  # raises BadZipFile on a CRC-32 mismatch
@@ -73,7 +73,7 @@ class KerasSource(Source):
         except FileNotFoundError:
             raise
         except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError) as exc:
-            raise CheckpointError(f"{path}: not a readable .keras archive (truncated or corrupt?): {exc}") from None
+            raise TFMigrationError(f"{path}: not a readable .keras archive (truncated or corrupt?): {exc}") from None
 
     def _info(self, name: str) -> TensorInfo:
         ds = self.datasets[name]
@@ -86,14 +86,14 @@ class KerasSource(Source):
     def rows(self, name: str) -> Rows:
         name = self.aliases.get(name, name)
         if name not in self.datasets:
-            raise CheckpointError(f"{self.path}: no dataset named {name!r} (see `dynemb tf ls`)")
+            raise TFMigrationError(f"{self.path}: no dataset named {name!r} (see `dynemb tf ls`)")
         ds, info = self.datasets[name], self._info(name)
 
         def read(lo: int, hi: int) -> np.ndarray:
             try:
                 return np.asarray(ds[lo:hi])
             except OSError as exc:
-                raise CheckpointError(f"{self.path}: dataset {name!r} cannot be read (truncated or "
+                raise TFMigrationError(f"{self.path}: dataset {name!r} cannot be read (truncated or "
                                       f"corrupt?): {exc}") from None
 
         def verify() -> None:  # no checksums in HDF5: read every row, so a truncated file fails here

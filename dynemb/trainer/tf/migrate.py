@@ -51,7 +51,7 @@ import numpy as np
 from dynemb.ps_server.initializer import bf16_bits_to_float, float_to_bf16_bits
 from dynemb.ps_server.schema import Initializer, TableSchema
 from dynemb.trainer.config import optimizer_state_width
-from dynemb.trainer.tf.errors import CheckpointError
+from dynemb.trainer.tf.errors import TFMigrationError
 from dynemb.trainer.tf.source import FLOAT_DTYPES, Rows, Source, Table
 
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
@@ -73,27 +73,27 @@ class TableSpec:
     slots: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def parse(cls, text: str) -> "TableSpec":
+    def parse(cls, text: str) -> TableSpec:
         head, *options = text.split(",")
         table, eq, tensor = head.partition("=")
         if not eq or not table or not tensor:
-            raise CheckpointError(f"--table {text!r}: expected NAME=TENSOR[,key=value...]")
+            raise TFMigrationError(f"--table {text!r}: expected NAME=TENSOR[,key=value...]")
         spec = cls(table, tensor)
         for opt in options:
             key, eq, value = opt.partition("=")
             if not eq or key not in SPEC_KEYS:
-                raise CheckpointError(f"--table {text!r}: {opt!r} is not one of "
+                raise TFMigrationError(f"--table {text!r}: {opt!r} is not one of "
                                       + ", ".join(f"{k}=..." for k in SPEC_KEYS))
             if key == "offset":
                 try:
                     spec.offset = int(value)
                 except ValueError:
-                    raise CheckpointError(f"--table {text!r}: offset must be an integer, got {value!r}") from None
+                    raise TFMigrationError(f"--table {text!r}: offset must be an integer, got {value!r}") from None
             elif key == "vocab":
                 spec.vocab = value
             elif key == "vocab-kind":
                 if value not in ("ids", "tokens"):
-                    raise CheckpointError(f"--table {text!r}: vocab-kind must be ids or tokens, got {value!r}")
+                    raise TFMigrationError(f"--table {text!r}: vocab-kind must be ids or tokens, got {value!r}")
                 spec.vocab_kind = value
             else:
                 spec.slots[key] = value
@@ -133,29 +133,29 @@ def read_vocab(path: str, kind: str, rows: int, table: str) -> np.ndarray:
         with open(path, "rb") as f:
             lines = f.read().split(b"\n")
     except OSError as exc:
-        raise CheckpointError(f"vocabulary of table {table!r}: cannot read {path}: {exc.strerror}") from None
+        raise TFMigrationError(f"vocabulary of table {table!r}: cannot read {path}: {exc.strerror}") from None
     if lines and lines[-1] == b"":
         lines.pop()  # the final newline
     lines = [ln[:-1] if ln.endswith(b"\r") else ln for ln in lines]
     if len(lines) != rows:
-        raise CheckpointError(f"{path}: {len(lines)} lines, but the tensor of table {table!r} has {rows} rows "
+        raise TFMigrationError(f"{path}: {len(lines)} lines, but the tensor of table {table!r} has {rows} rows "
                               f"(line k names row k)")
     if kind == "tokens":
         for k, ln in enumerate(lines):
             try:
                 ln.decode("utf-8")
             except UnicodeDecodeError:
-                raise CheckpointError(f"{path}:{k + 1}: not UTF-8: {ln[:40]!r}") from None
+                raise TFMigrationError(f"{path}:{k + 1}: not UTF-8: {ln[:40]!r}") from None
         return token_ids(lines)
     ids = np.empty(rows, dtype=np.int64)
     for k, ln in enumerate(lines):
         try:
             value = int(ln.strip())
         except ValueError:
-            raise CheckpointError(f"{path}:{k + 1}: {ln[:40].decode('utf-8', 'replace')!r} is not an integer id "
+            raise TFMigrationError(f"{path}:{k + 1}: {ln[:40].decode('utf-8', 'replace')!r} is not an integer id "
                                   f"(vocab-kind=ids; use vocab-kind=tokens for words)") from None
         if not -(1 << 63) <= value <= INT64_MAX:
-            raise CheckpointError(f"{path}:{k + 1}: id {value} does not fit in int64")
+            raise TFMigrationError(f"{path}:{k + 1}: id {value} does not fit in int64")
         ids[k] = value
     return ids
 
@@ -165,7 +165,7 @@ def _check_distinct(ids: np.ndarray, what: str) -> None:
     if len(uniq) != len(ids):
         dup = uniq[counts > 1][0]
         rows = np.flatnonzero(ids == dup)[:2]
-        raise CheckpointError(f"{what}: id {dup} appears more than once (rows {rows[0]} and {rows[1]}); "
+        raise TFMigrationError(f"{what}: id {dup} appears more than once (rows {rows[0]} and {rows[1]}); "
                               f"each row needs its own id")
 
 
@@ -174,7 +174,7 @@ def _ids_of(spec: TableSpec, table: Table) -> np.ndarray | None:
     what = f"table {spec.table!r}"
     if table.keys is not None:
         if spec.vocab or spec.offset:
-            raise CheckpointError(f"--table {spec.table}: {table.name!r} is a TFRA table whose keys are the ids; "
+            raise TFMigrationError(f"--table {spec.table}: {table.name!r} is a TFRA table whose keys are the ids; "
                                   f"offset and vocab apply to plain tensors")
         table.keys.verify()  # checked before use: a corrupt key must not read as a duplicate
         keys = table.keys.read(0, n)
@@ -183,18 +183,18 @@ def _ids_of(spec: TableSpec, table: Table) -> np.ndarray | None:
         elif table.keys.dtype in ("int64", "int32", "int16", "int8", "uint8", "uint16", "uint32"):
             ids = keys.astype(np.int64)
         else:
-            raise CheckpointError(f"{what}: TFRA keys of dtype {table.keys.dtype} cannot be ids "
+            raise TFMigrationError(f"{what}: TFRA keys of dtype {table.keys.dtype} cannot be ids "
                                   f"(integers or strings)")
         _check_distinct(ids, f"{what}: the TFRA keys")
         return ids
     if spec.vocab:
         if spec.offset:
-            raise CheckpointError(f"--table {spec.table}: give offset or vocab, not both")
+            raise TFMigrationError(f"--table {spec.table}: give offset or vocab, not both")
         ids = read_vocab(spec.vocab, spec.vocab_kind, n, spec.table)
         _check_distinct(ids, f"{spec.vocab}")
         return ids
     if spec.offset + max(n - 1, 0) > INT64_MAX or spec.offset < -(1 << 63):
-        raise CheckpointError(f"{what}: offset {spec.offset} + {n} rows goes past the int64 id range")
+        raise TFMigrationError(f"{what}: offset {spec.offset} + {n} rows goes past the int64 id range")
     return None
 
 
@@ -223,21 +223,21 @@ def plan(source: Source, specs: list[TableSpec], optimizer: str, dtype: str = "f
          initializer: Initializer | None = None) -> list[Plan]:
     """Check every spec against the checkpoint and build its plan (reads ids, no values)."""
     if optimizer not in OPTIMIZERS:
-        raise CheckpointError(f"optimizer {optimizer!r} is not one of {OPTIMIZERS}")
+        raise TFMigrationError(f"optimizer {optimizer!r} is not one of {OPTIMIZERS}")
     initializer = initializer or Initializer()
     names = [s.table for s in specs]
     if len(set(names)) != len(names):
-        raise CheckpointError(f"a table name is given twice: {names}")
+        raise TFMigrationError(f"a table name is given twice: {names}")
     plans = []
     for spec in specs:
         table = source.table(spec.tensor)
         values = table.values
         what = f"table {spec.table!r} ({values.label})"
         if values.dtype not in FLOAT_DTYPES:
-            raise CheckpointError(f"{what}: dtype {values.dtype}; an embedding must be a float tensor "
+            raise TFMigrationError(f"{what}: dtype {values.dtype}; an embedding must be a float tensor "
                                   f"({', '.join(FLOAT_DTYPES)})")
         if len(values.shape) != 2 or values.shape[1] < 1:
-            raise CheckpointError(f"{what}: shape {list(values.shape)}; an embedding table is (rows, dim)")
+            raise TFMigrationError(f"{what}: shape {list(values.shape)}; an embedding table is (rows, dim)")
         n, dim = values.shape
         schema = TableSchema(spec.table, dim, optimizer_state_width(optimizer, dim), dtype, initializer)
         slots = dict(table.slots)
@@ -252,9 +252,9 @@ def plan(source: Source, specs: list[TableSpec], optimizer: str, dtype: str = "f
                              f"{initializer.state_init:g}")
                 continue
             if rows.dtype not in FLOAT_DTYPES:
-                raise CheckpointError(f"{what}: slot {key} ({rows.label}) has dtype {rows.dtype}, not a float type")
+                raise TFMigrationError(f"{what}: slot {key} ({rows.label}) has dtype {rows.dtype}, not a float type")
             if not _slot_shape_ok(rows, n, dim, optimizer == "rowwise_adagrad"):
-                raise CheckpointError(f"{what}: slot {key} ({rows.label}) has shape {list(rows.shape)}, the table's "
+                raise TFMigrationError(f"{what}: slot {key} ({rows.label}) has shape {list(rows.shape)}, the table's "
                                       f"values are {[n, dim]}")
         unused = sorted(set(slots) - set(needed))
         if unused:
@@ -317,7 +317,7 @@ def check_ps(client, plans: list[Plan]) -> None:
         diffs = [f"{k} {getattr(have, k)!r} (the checkpoint needs {getattr(p.schema, k)!r})"
                  for k in ("dim", "state_width", "dtype") if getattr(have, k) != getattr(p.schema, k)]
         if diffs:
-            raise CheckpointError(f"table {p.schema.name!r} exists on the PS with " + ", ".join(diffs)
+            raise TFMigrationError(f"table {p.schema.name!r} exists on the PS with " + ", ".join(diffs)
                                   + "; migrate into another table or drop it first")
         p.schema = have
 
@@ -349,7 +349,7 @@ def to_files(out: str | os.PathLike, plans: list[Plan], source: Source, *, rows_
     folders = {p.schema.name: os.path.join(out, p.schema.name) for p in plans}
     for folder in folders.values():  # all checked before the first is written
         if existing_files(folder) and not overwrite:
-            raise CheckpointError(f"{folder}: already holds table files; choose another --out or overwrite")
+            raise TFMigrationError(f"{folder}: already holds table files; choose another --out or overwrite")
     for p in plans:
         origin = {"kind": "tensorflow", "checkpoint": str(source.path), "format": source.kind,
                   "tensor": p.source.values.label, "optimizer": p.optimizer,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from google.protobuf.message import DecodeError
 
 from dynemb.protos import tf_bundle_pb2 as pb
-from dynemb.trainer.tf.errors import CheckpointError
+from dynemb.trainer.tf.errors import TFMigrationError
 
 # slot names → dynemb's canonical ones (accumulator, m, v); others keep their own name
 SLOT_NAMES = {"accumulator": "accumulator", "m": "m", "v": "v", "momentum": "momentum"}
@@ -37,7 +37,7 @@ def slots(graph_bytes: bytes, path: str) -> dict[str, dict[str, str]]:
     try:
         graph.ParseFromString(graph_bytes)
     except DecodeError:
-        raise CheckpointError(f"{path}: the object graph (_CHECKPOINTABLE_OBJECT_GRAPH) does not parse") from None
+        raise TFMigrationError(f"{path}: the object graph (_CHECKPOINTABLE_OBJECT_GRAPH) does not parse") from None
     nodes = graph.nodes
 
     def key_of(node_id: int) -> str | None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dynemb.trainer.tf.bundle import Bundle, TensorInfo
-from dynemb.trainer.tf.errors import CheckpointError
+from dynemb.trainer.tf.errors import TFMigrationError
 
 FLOAT_DTYPES = ("float32", "float64", "float16", "bfloat16")
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
@@ -37,7 +37,7 @@ class Rows:
     dtype: str  # TensorFlow's dtype name: float32, bfloat16 (as uint16 bits), int64, string...
     shape: tuple[int, ...]
     read: Callable[[int, int], np.ndarray]  # rows [lo, hi)
-    verify: Callable[[], None]  # checksums; raises CheckpointError
+    verify: Callable[[], None]  # checksums; raises TFMigrationError
     missing: Callable[[int, int], np.ndarray] | None = None  # rows absent (key-aligned slots)
     parts: tuple[str, ...] = ()  # every tensor read (default: the label)
 
@@ -68,7 +68,7 @@ def bundle_rows(bundle: Bundle, name: str) -> Rows:
 def concat_rows(parts: list[Rows], label: str) -> Rows:
     """Several tensors of equal trailing shape read as one, in order."""
     if len({p.shape[1:] for p in parts}) > 1 or len({p.dtype for p in parts}) > 1:
-        raise CheckpointError(f"{label}: its parts differ in dtype or shape: "
+        raise TFMigrationError(f"{label}: its parts differ in dtype or shape: "
                               + ", ".join(f"{p.label} {p.dtype} {list(p.shape)}" for p in parts))
     bounds = np.cumsum([0] + [p.num_rows for p in parts])
 
@@ -119,7 +119,7 @@ class Source:
         known = {t.name for t in self.tensors()}
         if name not in known:
             hint = ", ".join(sorted(tables)[:8])
-            raise CheckpointError(f"{self.path}: no tensor or table named {name!r}"
+            raise TFMigrationError(f"{self.path}: no tensor or table named {name!r}"
                                   + (f"; tables found: {hint}" if hint else "") + " (see `dynemb tf ls`)")
         return Table(name, self.rows(name))
 
@@ -168,7 +168,7 @@ def _latest_in(folder: str) -> str | None:
         return None
     m = re.search(r'^model_checkpoint_path:\s*"(.*)"\s*$', open(state, encoding="utf-8").read(), re.M)
     if not m:
-        raise CheckpointError(f"{state}: no model_checkpoint_path line")
+        raise TFMigrationError(f"{state}: no model_checkpoint_path line")
     path = m.group(1)
     if not os.path.isabs(path):
         return os.path.join(folder, path)
@@ -193,14 +193,14 @@ def open_source(path: str) -> Source:
         if latest is None:
             indexes = sorted(f for f in os.listdir(path) if f.endswith(".index"))
             if len(indexes) != 1:
-                raise CheckpointError(f"{path}: a folder without a `checkpoint` file or saved_model.pb, and "
+                raise TFMigrationError(f"{path}: a folder without a `checkpoint` file or saved_model.pb, and "
                                       f"{len(indexes)} .index files in it; give the checkpoint prefix itself")
             latest = os.path.join(path, indexes[0][: -len(".index")])
         path = latest
     if path.endswith(".index"):
         path = path[: -len(".index")]
     if not os.path.isfile(path + ".index"):
-        raise CheckpointError(f"{path}: not a checkpoint (no {path}.index), a checkpoint folder, a SavedModel, "
+        raise TFMigrationError(f"{path}: not a checkpoint (no {path}.index), a checkpoint folder, a SavedModel, "
                               f"or a Keras .weights.h5 / .keras file")
     bundle = Bundle(path)
     kind = "TF2 object-based checkpoint" if OBJECT_GRAPH_KEY in bundle.entries else "TF1 Saver checkpoint"

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import google_crc32c
 
-from dynemb.trainer.tf.errors import CheckpointError
+from dynemb.trainer.tf.errors import TFMigrationError
 
 MAGIC = 0xDB4775248B80FB57
 FOOTER_BYTES = 48
@@ -46,7 +46,7 @@ def read_varint(buf: bytes, pos: int, where: str) -> tuple[int, int]:
     result = shift = 0
     while True:
         if pos >= len(buf) or shift > 63:
-            raise CheckpointError(f"{where}: a varint runs past its block: the file is corrupt")
+            raise TFMigrationError(f"{where}: a varint runs past its block: the file is corrupt")
         byte = buf[pos]
         pos += 1
         result |= (byte & 0x7F) << shift
@@ -64,33 +64,33 @@ def _handle(buf: bytes, pos: int, where: str) -> tuple[int, int, int]:
 def _block(data: bytes, offset: int, size: int, path: str) -> bytes:
     end = offset + size + TRAILER_BYTES
     if offset < 0 or end > len(data):
-        raise CheckpointError(f"{path}: a block at bytes [{offset}, {end}) lies past the end of the "
+        raise TFMigrationError(f"{path}: a block at bytes [{offset}, {end}) lies past the end of the "
                               f"{len(data)}-byte file: the file is truncated or corrupt")
     block = data[offset: offset + size]
     kind = data[offset + size]
     (stored,) = struct.unpack_from("<I", data, offset + size + 1)
     if google_crc32c.value(data[offset: offset + size + 1]) != unmask_crc(stored):
-        raise CheckpointError(f"{path}: the block at byte {offset} fails its CRC-32C check: the file is corrupt")
+        raise TFMigrationError(f"{path}: the block at byte {offset} fails its CRC-32C check: the file is corrupt")
     if kind != 0:
-        raise CheckpointError(f"{path}: the block at byte {offset} is compressed (type {kind}); only "
+        raise TFMigrationError(f"{path}: the block at byte {offset} is compressed (type {kind}); only "
                               f"uncompressed tables (what TensorFlow writes) are read")
     return block
 
 
 def _entries(block: bytes, where: str) -> Iterator[tuple[bytes, bytes]]:
     if len(block) < 4:
-        raise CheckpointError(f"{where}: a block of {len(block)} bytes is too short: the file is corrupt")
+        raise TFMigrationError(f"{where}: a block of {len(block)} bytes is too short: the file is corrupt")
     (restarts,) = struct.unpack_from("<I", block, len(block) - 4)
     end = len(block) - 4 - 4 * restarts
     if end < 0:
-        raise CheckpointError(f"{where}: a block claims {restarts} restart points: the file is corrupt")
+        raise TFMigrationError(f"{where}: a block claims {restarts} restart points: the file is corrupt")
     pos, key = 0, b""
     while pos < end:
         shared, pos = read_varint(block, pos, where)
         fresh, pos = read_varint(block, pos, where)
         size, pos = read_varint(block, pos, where)
         if shared > len(key) or pos + fresh + size > end:
-            raise CheckpointError(f"{where}: an entry runs past its block: the file is corrupt")
+            raise TFMigrationError(f"{where}: an entry runs past its block: the file is corrupt")
         key = key[:shared] + block[pos: pos + fresh]
         pos += fresh
         yield key, block[pos: pos + size]
@@ -100,12 +100,12 @@ def _entries(block: bytes, where: str) -> Iterator[tuple[bytes, bytes]]:
 def read_table(data: bytes, path: str) -> Iterator[tuple[bytes, bytes]]:
     """Every (key, value) of a table file's bytes, in key order; blocks are CRC-checked."""
     if len(data) < FOOTER_BYTES:
-        raise CheckpointError(f"{path}: {len(data)} bytes is too short for a checkpoint index "
+        raise TFMigrationError(f"{path}: {len(data)} bytes is too short for a checkpoint index "
                               f"(a {FOOTER_BYTES}-byte footer at least): the file is truncated")
     footer = data[-FOOTER_BYTES:]
     (magic,) = struct.unpack_from("<Q", footer, FOOTER_BYTES - 8)
     if magic != MAGIC:
-        raise CheckpointError(f"{path}: not a TensorFlow checkpoint index (its last 8 bytes are not the "
+        raise TFMigrationError(f"{path}: not a TensorFlow checkpoint index (its last 8 bytes are not the "
                               f"table magic number): the file is truncated, corrupt or of another kind")
     _, _, pos = _handle(footer, 0, path)  # the metaindex: TensorFlow's bundles keep nothing there
     index_offset, index_size, _ = _handle(footer, pos, path)

@@ -20,7 +20,7 @@ import re
 import numpy as np
 
 from dynemb.trainer.tf.bundle import Bundle, TensorInfo
-from dynemb.trainer.tf.errors import CheckpointError
+from dynemb.trainer.tf.errors import TFMigrationError
 from dynemb.trainer.tf.source import Rows, Table, bundle_rows, concat_rows
 
 TF1 = re.compile(r"^(?:.*/)?(?P<table>[^/]+)_mht_(?P<i>\d+)of(?P<n>\d+)-(?P<part>keys|values)$")
@@ -41,7 +41,7 @@ def _groups(infos: dict[str, TensorInfo]) -> dict[str, dict[int, dict[str, str]]
         if m:
             shard, n = int(m["i"]) - 1, int(m["n"])
             if counts.setdefault(m["table"], n) != n:
-                raise CheckpointError(f"TFRA table {m['table']!r}: its shards disagree on their count "
+                raise TFMigrationError(f"TFRA table {m['table']!r}: its shards disagree on their count "
                                       f"({counts[m['table']]} and {n}, at {name!r})")
         else:
             m = TF2.match(name)
@@ -55,7 +55,7 @@ def _groups(infos: dict[str, TensorInfo]) -> dict[str, dict[int, dict[str, str]]
             parts = shards.get(k, {})
             for part in ("keys", "values"):
                 if part not in parts:
-                    raise CheckpointError(f"TFRA table {table!r}: shard {k + 1} of {want} has no {part} tensor "
+                    raise TFMigrationError(f"TFRA table {table!r}: shard {k + 1} of {want} has no {part} tensor "
                                           f"(found: {sorted(n for s in shards.values() for n in s.values())})")
     return groups
 
@@ -66,7 +66,7 @@ def _table_rows(bundle: Bundle, table: str, shards: dict[int, dict[str, str]]) -
     for k in sorted(shards):
         kinfo, vinfo = bundle.info(shards[k]["keys"]), bundle.info(shards[k]["values"])
         if len(kinfo.shape) != 1 or len(vinfo.shape) != 2 or kinfo.shape[0] != vinfo.shape[0]:
-            raise CheckpointError(f"TFRA table {table!r}: shard {k + 1} has keys {list(kinfo.shape)} and values "
+            raise TFMigrationError(f"TFRA table {table!r}: shard {k + 1} has keys {list(kinfo.shape)} and values "
                                   f"{list(vinfo.shape)}; expected (n,) and (n, dim)")
     count = f"{len(shards)} shard{'s' if len(shards) > 1 else ''}"
     keys.label, values.label = f"{table} keys", f"{table} ({count})"
