@@ -71,58 +71,52 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Run a long-lived PS: gRPC service (with health checking and reflection) "
         "over the embedded store or Redis, and a Prometheus /metrics endpoint.",
     )
-    serve.add_argument("--address", default=_env("DYNEMB_PS_ADDRESS", "127.0.0.1:50051"),
-                       help="host:port to listen on; port 0 picks a free one. The default takes calls from this machine "
-                       "only: listening on every interface (0.0.0.0:50051, e.g. in a pod) is a choice you make "
-                       "[env DYNEMB_PS_ADDRESS, default %(default)s]")
-    serve.add_argument("--backend", default=_env("DYNEMB_PS_BACKEND", ""),
-                       help="where rows live: embedded:// (the default: in this process, lost on exit), "
-                       "embedded:///DIR (saved to DIR on shutdown, loaded at start), "
-                       "redis://[user:pass@]host:port/db, rediss://... (TLS), redis+cluster://host:port[,host:port] "
-                       "[env DYNEMB_PS_BACKEND]")
-    serve.add_argument("--namespace", default=_env("DYNEMB_NAMESPACE", "dynemb"),
-                       help="Redis key prefix, so several models share one Redis [env DYNEMB_NAMESPACE, default %(default)s]")
-    serve.add_argument("--max-message-mb", type=float, default=_env("DYNEMB_PS_MAX_MESSAGE_MB", 64.0, float),
-                       help="largest gRPC message in MiB, either way [env DYNEMB_PS_MAX_MESSAGE_MB, default %(default)s]")
-    serve.add_argument("--workers", type=int, default=_env("DYNEMB_PS_WORKERS", 16, int),
-                       help="request-handling threads [env DYNEMB_PS_WORKERS, default %(default)s]")
-    serve.add_argument("--auth-token", default=_env("DYNEMB_PS_AUTH_TOKEN"),
-                       help="require 'authorization: Bearer TOKEN' on every call (server reflection too; health "
-                       "checks too with --auth-health). Prefer the variable: a flag shows in `ps` "
-                       "[env DYNEMB_PS_AUTH_TOKEN]")
+    def option(flag: str, env: str, default, help: str, cast=str, shown: bool = True) -> None:
+        """A serve flag whose default comes from the environment variable `env`; its help says so."""
+        tail = f"[env {env}, default %(default)s]" if shown else f"[env {env}]"
+        kind = {} if cast is str else {"type": cast}
+        serve.add_argument(flag, default=_env(env, default, cast), help=f"{help} {tail}".lstrip(), **kind)
+
+    option("--address", "DYNEMB_PS_ADDRESS", "127.0.0.1:50051",
+           "host:port to listen on; port 0 picks a free one. The default takes calls from this machine only: "
+           "listening on every interface (0.0.0.0:50051, e.g. in a pod) is a choice you make")
+    option("--backend", "DYNEMB_PS_BACKEND", "",
+           "where rows live: embedded:// (the default: in this process, lost on exit), embedded:///DIR (saved to "
+           "DIR on shutdown, loaded at start), redis://[user:pass@]host:port/db, rediss://... (TLS), "
+           "redis+cluster://host:port[,host:port]", shown=False)
+    option("--namespace", "DYNEMB_NAMESPACE", "dynemb", "Redis key prefix, so several models share one Redis")
+    option("--max-message-mb", "DYNEMB_PS_MAX_MESSAGE_MB", 64.0, "largest gRPC message in MiB, either way", float)
+    option("--workers", "DYNEMB_PS_WORKERS", 16, "request-handling threads", int)
+    option("--auth-token", "DYNEMB_PS_AUTH_TOKEN", None,
+           "require 'authorization: Bearer TOKEN' on every call (server reflection too; health checks too with "
+           "--auth-health). Prefer the variable: a flag shows in `ps`", shown=False)
     serve.add_argument("--auth-health", action="store_true", default=_env("DYNEMB_PS_AUTH_HEALTH", False, _flag),
                        help="health checks need the token too (off by default so kubelet and load-balancer "
                        "probes, which send none, work) [env DYNEMB_PS_AUTH_HEALTH=1]")
-    serve.add_argument("--tls-cert", default=_env("DYNEMB_PS_TLS_CERT"), help="PEM certificate: serve TLS [env DYNEMB_PS_TLS_CERT]")
-    serve.add_argument("--tls-key", default=_env("DYNEMB_PS_TLS_KEY"), help="PEM private key of --tls-cert [env DYNEMB_PS_TLS_KEY]")
-    serve.add_argument("--tls-client-ca", default=_env("DYNEMB_PS_TLS_CLIENT_CA"),
-                       help="mutual TLS: accept only clients whose certificate this CA (PEM) signed "
-                       "[env DYNEMB_PS_TLS_CLIENT_CA]")
-    serve.add_argument("--metrics-port", type=int, default=_env("DYNEMB_PS_METRICS_PORT", 9090, int),
-                       help="port of the Prometheus /metrics endpoint; -1 turns it off, 0 picks a free one "
-                       "[env DYNEMB_PS_METRICS_PORT, default %(default)s]")
-    serve.add_argument("--metrics-address", default=_env("DYNEMB_PS_METRICS_ADDRESS", "127.0.0.1"),
-                       help="address of the /metrics endpoint (0.0.0.0: every interface) [env DYNEMB_PS_METRICS_ADDRESS, default %(default)s]")
-    serve.add_argument("--drain-seconds", type=float, default=_env("DYNEMB_PS_DRAIN_SECONDS", 30.0, float),
-                       help="on SIGTERM, how long in-flight requests may take [env DYNEMB_PS_DRAIN_SECONDS, default %(default)s]")
-    serve.add_argument("--not-serving-seconds", type=float, default=_env("DYNEMB_PS_NOT_SERVING_SECONDS", 1.0, float),
-                       help="on SIGTERM, how long health says NOT_SERVING while requests are still taken, before "
-                       "the port closes [env DYNEMB_PS_NOT_SERVING_SECONDS, default %(default)s]")
-    serve.add_argument("--redis-buckets", type=int, default=_env("DYNEMB_PS_REDIS_BUCKETS", 4096, int),
-                       help="Redis hashes per new table (fixed once a table exists) "
-                       "[env DYNEMB_PS_REDIS_BUCKETS, default %(default)s]")
-    serve.add_argument("--backend-check-seconds", type=float, default=_env("DYNEMB_PS_BACKEND_CHECK_SECONDS", 1.0, float),
-                       help="how often to ping the store; while it does not answer, health says NOT_SERVING "
-                       "[env DYNEMB_PS_BACKEND_CHECK_SECONDS, default %(default)s]")
-    serve.add_argument("--shm-max-mb", type=float, default=_env("DYNEMB_PS_SHM_MAX_MB", 4096.0, float),
-                       help="same-host clients' memory segments this PS maps at once, for row transfer without "
-                            "copies through gRPC; 0: none (such clients send rows as bytes) "
-                            "[env DYNEMB_PS_SHM_MAX_MB, default %(default)s]")
-    serve.add_argument("--shm-idle-seconds", type=float, default=_env("DYNEMB_PS_SHM_IDLE_SECONDS", 300.0, float),
-                       help="drop a segment unused this long (its client died) [env DYNEMB_PS_SHM_IDLE_SECONDS, "
-                            "default %(default)s]")
+    option("--tls-cert", "DYNEMB_PS_TLS_CERT", None, "PEM certificate: serve TLS", shown=False)
+    option("--tls-key", "DYNEMB_PS_TLS_KEY", None, "PEM private key of --tls-cert", shown=False)
+    option("--tls-client-ca", "DYNEMB_PS_TLS_CLIENT_CA", None,
+           "mutual TLS: accept only clients whose certificate this CA (PEM) signed", shown=False)
+    option("--metrics-port", "DYNEMB_PS_METRICS_PORT", 9090,
+           "port of the Prometheus /metrics endpoint; -1 turns it off, 0 picks a free one", int)
+    option("--metrics-address", "DYNEMB_PS_METRICS_ADDRESS", "127.0.0.1",
+           "address of the /metrics endpoint (0.0.0.0: every interface)")
+    option("--drain-seconds", "DYNEMB_PS_DRAIN_SECONDS", 30.0, "on SIGTERM, how long in-flight requests may take",
+           float)
+    option("--not-serving-seconds", "DYNEMB_PS_NOT_SERVING_SECONDS", 1.0,
+           "on SIGTERM, how long health says NOT_SERVING while requests are still taken, before the port closes",
+           float)
+    option("--redis-buckets", "DYNEMB_PS_REDIS_BUCKETS", 4096, "Redis hashes per new table (fixed once a table exists)",
+           int)
+    option("--backend-check-seconds", "DYNEMB_PS_BACKEND_CHECK_SECONDS", 1.0,
+           "how often to ping the store; while it does not answer, health says NOT_SERVING", float)
+    option("--shm-max-mb", "DYNEMB_PS_SHM_MAX_MB", 4096.0,
+           "same-host clients' memory segments this PS maps at once, for row transfer without copies through "
+           "gRPC; 0: none (such clients send rows as bytes)", float)
+    option("--shm-idle-seconds", "DYNEMB_PS_SHM_IDLE_SECONDS", 300.0,
+           "drop a segment unused this long (its client died)", float)
     serve.add_argument("--port-file", help="write the bound port here once serving (for scripts and tests)")
-    serve.add_argument("--log-level", default=_env("DYNEMB_LOG_LEVEL", "INFO"), help="[env DYNEMB_LOG_LEVEL, default %(default)s]")
+    option("--log-level", "DYNEMB_LOG_LEVEL", "INFO", "")
     serve.set_defaults(func=cmd_serve)
 
     def client_parser(name: str, help: str) -> argparse.ArgumentParser:

@@ -16,10 +16,14 @@ class PSError(Exception):
 
 
 class InvalidArgument(PSError, ValueError):
+    """A request the PS refuses as it is: a bad name, shape, dtype, size or value, named."""
+
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
 class TableNotFound(PSError, KeyError):
+    """No table of that name on the PS."""
+
     code = grpc.StatusCode.NOT_FOUND
 
     def __str__(self) -> str:  # KeyError would quote the message
@@ -27,10 +31,14 @@ class TableNotFound(PSError, KeyError):
 
 
 class TableExists(PSError):
+    """A table of that name exists with another schema (creating it again with the same one is fine)."""
+
     code = grpc.StatusCode.ALREADY_EXISTS
 
 
 class ResourceExhausted(PSError):
+    """Over a limit of the PS (message size, rows per request, shared memory); the message names it."""
+
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
@@ -53,6 +61,8 @@ class Abandoned(PSError):
 
 
 class Unauthenticated(PSError):
+    """A call without the PS's token, or with another one."""
+
     code = grpc.StatusCode.UNAUTHENTICATED
 
 

@@ -95,11 +95,11 @@ def cmd_inspect(args) -> int:
 def cmd_save(args) -> int:
     from dynemb.ps_server.cli import client_from_args
     from dynemb.trainer.checkpoint_format import save_tables
+    from dynemb.trainer.table_cli import chosen_tables
 
     with client_from_args(args) as ps:
-        names = args.table or [info.schema.name for info in ps.list_tables()]
+        names = chosen_tables(ps, args, "saved")
         if not names:
-            print(f"no tables on the PS at {args.ps}; nothing saved")
             return 0
         out = save_tables(ps, names, args.out, progress=not args.quiet)
     print(f"saved {len(names)} table(s) -> {out}")

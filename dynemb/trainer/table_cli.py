@@ -92,6 +92,20 @@ def _warned(command: Callable, old_name_of: str, verb: str) -> Callable:
     return run
 
 
+def chosen_tables(ps, args, done: str) -> list[str]:
+    """The tables `--table` names, else every table on the PS (saying so when there is none).
+
+    Args:
+        ps: a connected PSClient.
+        args: parsed flags with `table` (a list) and `ps` (the address, for the message).
+        done: what would have happened to them ("exported", "saved"), for the message.
+    """
+    names = args.table or [info.schema.name for info in ps.list_tables()]
+    if not names:
+        print(f"no tables on the PS at {args.ps}; nothing {done}")
+    return names
+
+
 def cmd_export(args) -> int:
     from pathlib import Path
 
@@ -99,10 +113,7 @@ def cmd_export(args) -> int:
     from dynemb.trainer.table_files import export_table
 
     with client_from_args(args) as ps:
-        names = args.table or [info.schema.name for info in ps.list_tables()]
-        if not names:
-            print(f"no tables on the PS at {args.ps}; nothing exported")
-            return 0
+        names = chosen_tables(ps, args, "exported")
         for name in names:
             ps.describe_table(name)  # a missing table fails before any file is written
         for name in names:
