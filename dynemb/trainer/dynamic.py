@@ -127,6 +127,21 @@ class _Share:
 
 
 class DynamicTables:
+    """The dynamic tables of one DMP model on this rank: global IDs in, rows in place out.
+
+    Args:
+        rows: the model's row-wise sharded tables (`find_tables(model)`), by table name.
+        specs: each dynamic table's policy, admission threshold, features and PS schema.
+        store: where rows go when evicted and come from when admitted (a PS client or the
+            rank's embedded store).
+        metrics: per-table counters, occupancy and PS latency, if given.
+        group: the process group of the ID owners [default: the world].
+
+    Raises:
+        ValueError: a table's rows are not as wide as its PS table, or not row-wise sharded
+            so that each rank's block of rows matches its block of IDs.
+    """
+
     def __init__(self, rows: dict[str, TableRows], specs: list[DynamicTableSpec], store: RowStore,
                  metrics: TrainerMetrics | None = None, group: dist.ProcessGroup | None = None) -> None:
         self.specs = {s.name: s for s in specs}
@@ -174,8 +189,19 @@ class DynamicTables:
     # -- one batch ------------------------------------------------------------------
 
     def transform(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """Collective: every rank calls it with its own batch, in the same order. The batch's
-        rows are in place on return, or (with self.ahead) by the next call or settle()."""
+        """Collective: every rank calls it with its own batch, in the same order.
+
+        Args:
+            kjt: the batch's sparse features, over global IDs.
+
+        Returns:
+            The same KJT over this rank's table rows (slots). The rows are in place on return,
+            or (with self.ahead) by the next call or settle().
+
+        Raises:
+            BatchRefused: a table cannot hold the batch's distinct IDs; the shares of the batch
+                that went through have had their rows moved and pins released.
+        """
         self.settle()  # first: the rows of earlier batches in place before any slot is looked at
         layout = self._layout(kjt)
         tables = [self.transformers[n] for n in self.names]
