@@ -276,9 +276,14 @@ def test_shapes_that_do_not_fit_the_target_are_refused(embedded_client, tmp_path
     name = unique("dim8")
     embedded_client.create_table(name, dim=8, state_width=8)
     with pytest.raises(TFMigrationError, match=rf"table '{name}' exists on the PS with dim 8 \(the checkpoint needs "
-                                               r"4\), state_width 8 \(the checkpoint needs 4\)"):
+                                               r"4\), state_width 8 \(--optimizer adagrad needs 4\)"):
         run_migrate("tf1_saver", [f"{name}=emb/user"], "adagrad", ps=embedded_client)
     assert embedded_client.describe_table(name).num_rows == 0
+    half = unique("bf16")
+    embedded_client.create_table(half, dim=4, state_width=4, dtype="bf16")
+    with pytest.raises(TFMigrationError, match=rf"table '{half}' exists on the PS with dtype 'bf16' \(--dtype asks "
+                                               r"for 'fp32'\)"):
+        run_migrate("tf1_saver", [f"{half}=emb/user"], "adagrad", ps=embedded_client)
     with pytest.raises(TFMigrationError, match=r"slot accumulator \(emb/item/Adam\) has shape \[6, 8\], the table's "
                                               r"values are \[10, 4\]"):
         run_migrate("tf1_saver", ["u=emb/user,accumulator=emb/item/Adam"], "adagrad", out=tmp_path)
@@ -338,16 +343,22 @@ def test_keras_files_corrupt_or_truncated(tmp_path):
 
 def test_checkpoint_paths(tmp_path):
     tf1 = FIX / "tf1_saver"
-    for given in (tf1, tf1 / "model.ckpt-100", tf1 / "model.ckpt-100.index"):
+    prefix = tf1 / "model.ckpt-100"
+    for given in (tf1, prefix, f"{prefix}.index", f"{prefix}.data-00000-of-00001"):
         assert open_source(str(given)).path.endswith("model.ckpt-100")
+    sharded = tmp_path / "model.ckpt-100.data-00001-of-00002"  # any shard names the prefix
+    with pytest.raises(TFMigrationError, match=r"model\.ckpt-100: not a checkpoint \(no .*/model\.ckpt-100\.index\)"):
+        open_source(str(sharded))
     assert open_source(str(FIX / "saved_model")).kind == "SavedModel variables"
     with pytest.raises(TFMigrationError, match="not a checkpoint"):
         open_source(str(tmp_path / "nothing"))
 
 
 def dynemb(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dynemb.cli", *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=120)
+    res = subprocess.run([sys.executable, "-m", "dynemb.cli", *args], capture_output=True, cwd=REPO, timeout=120)
+    # decoded by hand: text=True would turn the progress bars' carriage returns into newlines
+    res.stdout, res.stderr = res.stdout.decode(), res.stderr.decode()
+    return res
 
 
 TF1_LS = """\
@@ -418,3 +429,77 @@ def test_cli_migrate_into_a_ps_and_into_files(embedded_ps, embedded_client, tmp_
                                                    "bfloat16)")
     res = dynemb("tf", "migrate", "tests/fixtures/tf/tf1_saver", "--table", "x=emb/user", "--out", str(tmp_path))
     assert res.returncode == 2 and "--optimizer" in res.stderr
+
+
+def screen(text: str) -> list[str]:
+    """What a terminal shows of TEXT: each line as its carriage returns left it overwritten."""
+    shown = []
+    for line in text.split("\n"):
+        row = ""
+        for part in line.split("\r"):
+            row = part + row[len(part):]
+        shown.append(row.rstrip())
+    return shown
+
+
+def test_cli_errors_name_real_flags_and_leave_no_progress_bar(tmp_path, tf1_copy):
+    out = str(tmp_path / "out")
+    assert dynemb("tf", "migrate", str(tf1_copy), "--optimizer", "sgd", "--out", out, "--table", "a=emb/item",
+                  "--quiet").returncode == 0
+    res = dynemb("tf", "migrate", str(tf1_copy), "--optimizer", "sgd", "--out", out, "--table", "a=emb/item")
+    assert res.returncode == 1
+    assert screen(res.stderr)[-2:] == [f"dynemb: error: {out}/a: already holds table files; choose another --out or "
+                                       f"give --overwrite", ""]
+    res = dynemb("tf", "migrate", str(tf1_copy), "--optimizer", "sgd", "--out", out, "--table", "a=emb/item",
+                 "--overwrite", "--quiet")
+    assert res.returncode == 0, res.stderr
+
+    # a corrupt tensor met while the verify bar is drawn: the error line shows the error alone
+    entry = Bundle(str(tf1_copy / "model.ckpt-100"))._pieces("emb/user")[1][0]
+    data = tf1_copy / "model.ckpt-100.data-00000-of-00001"
+    raw = bytearray(data.read_bytes())
+    raw[entry.offset] ^= 0x01
+    data.write_bytes(bytes(raw))
+    res = dynemb("tf", "migrate", str(data), "--optimizer", "sgd", "--out", str(tmp_path / "new"),
+                 "--table", "a=emb/item", "--table", "b=emb/user")
+    assert res.returncode == 1 and "verify" in res.stderr  # the bar was drawn, then cleared
+    assert [ln for ln in screen(res.stderr) if ln] == [ln for ln in screen(res.stderr) if ln.startswith("dynemb:")]
+    assert screen(res.stderr)[-2].startswith("dynemb: error: ") and "the data file is corrupt" in res.stderr
+
+
+def test_a_failure_while_writing_clears_the_progress_bar(tmp_path, capsys):
+    source = open_source(str(FIX / "tf1_saver"))
+    plans = migrate.plan(source, [migrate.TableSpec.parse("t=emb/user")], "adagrad")
+    read = plans[0].source.values.read
+
+    def failing(lo: int, hi: int) -> np.ndarray:
+        if lo >= 4:
+            raise TFMigrationError("the disk is full")  # stands for any error of a later chunk
+        return read(lo, hi)
+
+    plans[0].source.values.read = failing
+    with pytest.raises(TFMigrationError, match="the disk is full"):
+        migrate.to_files(tmp_path, plans, source, rows_per_shard=4, chunk_rows=4, progress=True)
+    err = capsys.readouterr().err
+    assert "migrate t" in err and not any(screen(err))  # drawn, then nothing left on screen
+
+
+def test_every_flag_a_message_names_is_a_real_flag():
+    """A message that names a flag must name one the parser has (not `overwrite` for --overwrite)."""
+    import argparse
+    import ast
+    import re
+
+    from dynemb.trainer.tf import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers())
+    commands = parser._subparsers._group_actions[0].choices["tf"]._subparsers._group_actions[0].choices
+    flags = {f for p in commands.values() for a in p._actions for f in a.option_strings}
+    named = set()
+    for path in Path(cli.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                named |= {(f, path.name) for f in re.findall(r"(?<![\w-])--[a-z][a-z-]*", node.value)}
+    assert {"--overwrite", "--table", "--dtype"} <= {f for f, _ in named}
+    assert sorted((f, where) for f, where in named if f not in flags) == []

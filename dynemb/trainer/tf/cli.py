@@ -8,7 +8,8 @@ import sys
 
 FORMATS = """\
 CKPT is any of:
-  a checkpoint prefix (model.ckpt-1000, ckpt-3) or its .index file     TF1 Saver, TF2 tf.train.Checkpoint
+  a checkpoint prefix (model.ckpt-1000, ckpt-3), its .index or         TF1 Saver, TF2 tf.train.Checkpoint
+    .data-00000-of-0000N file
   a folder with a `checkpoint` file                                    its latest checkpoint
   a SavedModel folder                                                  its variables/
   model.weights.h5, model.keras                                        Keras 3

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -265,13 +266,41 @@ def plan(source: Source, specs: list[TableSpec], optimizer: str, dtype: str = "f
     return plans
 
 
-def verify(plans: list[Plan], progress: bool = True) -> None:
-    """The CRC-32C (or, for HDF5, a full read) of every tensor the plans use."""
+@contextmanager
+def progress_bar(progress: bool, **kwargs) -> Iterator:
+    """A tqdm bar (kwargs are tqdm's) that an error clears instead of leaving it half drawn.
+
+    Args:
+        progress: False gives a disabled bar (updates do nothing, nothing is printed).
+    Returns:
+        A context manager yielding the bar; on leaving it the bar is closed, and kept on the
+        screen only if its `leave` says so and no exception is on its way out.
+    """
     from tqdm import tqdm
 
+    bar = tqdm(disable=not progress, **kwargs)
+    try:
+        yield bar
+    except BaseException:
+        # The CLI prints the error next: a stopped bar left above (or before) it reads as
+        # work still under way, so it goes.
+        bar.leave = False
+        raise
+    finally:
+        bar.close()
+
+
+def verify(plans: list[Plan], progress: bool = True) -> None:
+    """The CRC-32C (or, for HDF5, a full read) of every tensor the plans use.
+
+    Raises:
+        TFMigrationError: a tensor whose bytes do not match its checksum, or cannot be read.
+    """
     tensors = [r for p in plans for r in p.tensors()]
-    for rows in tqdm(tensors, desc="verify", unit="tensor", disable=not progress, leave=False):
-        rows.verify()
+    with progress_bar(progress, total=len(tensors), desc="verify", unit="tensor", leave=False) as bar:
+        for rows in tensors:
+            rows.verify()
+            bar.update()
 
 
 def chunks(p: Plan, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -314,7 +343,10 @@ def check_ps(client, plans: list[Plan]) -> None:
             have = client.describe_table(p.schema.name).schema
         except TableNotFound:
             continue
-        diffs = [f"{k} {getattr(have, k)!r} (the checkpoint needs {getattr(p.schema, k)!r})"
+        # each figure's source named, so the user knows which flag (if any) would change it
+        why = {"dim": "the checkpoint needs", "state_width": f"--optimizer {p.optimizer} needs",
+               "dtype": "--dtype asks for"}
+        diffs = [f"{k} {getattr(have, k)!r} ({why[k]} {getattr(p.schema, k)!r})"
                  for k in ("dim", "state_width", "dtype") if getattr(have, k) != getattr(p.schema, k)]
         if diffs:
             raise TFMigrationError(f"table {p.schema.name!r} exists on the PS with " + ", ".join(diffs)
@@ -324,12 +356,10 @@ def check_ps(client, plans: list[Plan]) -> None:
 
 def to_ps(client, plans: list[Plan], replace: bool = False, progress: bool = True,
           chunk_rows: int = DEFAULT_CHUNK_ROWS) -> dict[str, int]:
-    from tqdm import tqdm
-
+    """Stream each plan's rows into its PS table (check_ps first). Returns {table: rows written}."""
     written = {}
     for p in plans:
-        with tqdm(total=p.num_rows, unit="row", desc=f"migrate {p.schema.name}",
-                  disable=not progress) as bar:
+        with progress_bar(progress, total=p.num_rows, unit="row", desc=f"migrate {p.schema.name}") as bar:
             def rows(p=p, bar=bar):
                 for ids, emb, state in chunks(p, chunk_rows):
                     bar.update(len(ids))
@@ -341,15 +371,19 @@ def to_ps(client, plans: list[Plan], replace: bool = False, progress: bool = Tru
 
 def to_files(out: str | os.PathLike, plans: list[Plan], source: Source, *, rows_per_shard: int,
              overwrite: bool = False, progress: bool = True, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> dict[str, str]:
-    """Write each plan to OUT/<table>/ (dynemb/trainer/table_files.py); returns the folders."""
-    from tqdm import tqdm
+    """Write each plan to OUT/<table>/ (dynemb/trainer/table_files.py).
 
+    Returns:
+        {table: its folder}.
+    Raises:
+        TFMigrationError: a folder already holds table files and overwrite is False.
+    """
     from dynemb.trainer.table_files import TableWriter, existing_files
 
     folders = {p.schema.name: os.path.join(out, p.schema.name) for p in plans}
     for folder in folders.values():  # all checked before the first is written
         if existing_files(folder) and not overwrite:
-            raise TFMigrationError(f"{folder}: already holds table files; choose another --out or overwrite")
+            raise TFMigrationError(f"{folder}: already holds table files; choose another --out or give --overwrite")
     for p in plans:
         origin = {"kind": "tensorflow", "checkpoint": str(source.path), "format": source.kind,
                   "tensor": p.source.values.label, "optimizer": p.optimizer,
@@ -359,8 +393,7 @@ def to_files(out: str | os.PathLike, plans: list[Plan], source: Source, *, rows_
                           f"row index + {p.spec.offset}")}
         with TableWriter(folders[p.schema.name], p.schema, rows_per_shard=rows_per_shard, source=origin,
                          overwrite=overwrite) as w, \
-                tqdm(total=p.num_rows, unit="row", desc=f"migrate {p.schema.name}",
-                     disable=not progress) as bar:
+                progress_bar(progress, total=p.num_rows, unit="row", desc=f"migrate {p.schema.name}") as bar:
             for ids, emb, state in chunks(p, chunk_rows):
                 w.write(ids, emb, state)
                 bar.update(len(ids))

@@ -2,7 +2,7 @@
 
     open_source("ckpt_dir/")            a folder with a `checkpoint` file: its latest checkpoint
     open_source("ckpt_dir/ckpt-3")      a checkpoint prefix (ckpt-3.index beside it)
-    open_source("ckpt_dir/ckpt-3.index")
+    open_source("ckpt_dir/ckpt-3.index")   or ckpt-3.data-00000-of-00001: the same prefix
     open_source("saved_model/")         a SavedModel: its variables/variables bundle
     open_source("model.weights.h5")     Keras 3 weights (h5py)
     open_source("model.keras")          Keras 3 model archive (its model.weights.h5)
@@ -177,7 +177,12 @@ def _latest_in(folder: str) -> str | None:
 
 
 def open_source(path: str) -> Source:
-    """Open a checkpoint prefix, .index, checkpoint folder, SavedModel, .weights.h5 or .keras."""
+    """Open a checkpoint prefix (or one of its .index / .data-NNNNN-of-NNNNN files), a checkpoint
+    folder, a SavedModel, a .weights.h5 or a .keras file.
+
+    Raises:
+        TFMigrationError: the path is none of these, or its files cannot be read.
+    """
     path = str(path)
     lower = path.lower()
     if lower.endswith((".h5", ".hdf5", ".keras")):
@@ -197,8 +202,8 @@ def open_source(path: str) -> Source:
                                       f"{len(indexes)} .index files in it; give the checkpoint prefix itself")
             latest = os.path.join(path, indexes[0][: -len(".index")])
         path = latest
-    if path.endswith(".index"):
-        path = path[: -len(".index")]
+    # the files of a prefix P are P.index and P.data-00000-of-0000N: any of them names P
+    path = re.sub(r"\.(index|data-\d{5}-of-\d{5})$", "", path)
     if not os.path.isfile(path + ".index"):
         raise TFMigrationError(f"{path}: not a checkpoint (no {path}.index), a checkpoint folder, a SavedModel, "
                               f"or a Keras .weights.h5 / .keras file")
