@@ -133,25 +133,27 @@ def make_saved_model(out: Path) -> None:
     tf.saved_model.save(root, str(out))
 
 
-def _keras_model(optimizer, known):
+def _keras_model(optimizer, known, embeddings=(("user_emb", 11, 4), ("item_emb", 5, 6))):
+    """A Keras 3 model: an Embedding layer (name, rows, dim) per input, flattened, concatenated,
+    then a Dense layer `head`; trained one step so the optimizer's slots exist, then given the
+    known values. A `known` key is a layer (its embeddings) or a variable path (head/kernel)."""
     import keras
     import numpy as np
 
-    users = keras.Input((1,), dtype="int32", name="user")
-    items = keras.Input((1,), dtype="int32", name="item")
-    u = keras.layers.Embedding(11, 4, name="user_emb")(users)
-    i = keras.layers.Embedding(5, 6, name="item_emb")(items)
-    x = keras.layers.Concatenate()([keras.layers.Flatten()(u), keras.layers.Flatten()(i)])
-    model = keras.Model([users, items], keras.layers.Dense(1, name="head")(x))
+    inputs = [keras.Input((1,), dtype="int32", name=name.removesuffix("_emb")) for name, _, _ in embeddings]
+    concat = keras.layers.Concatenate()
+    x = concat([keras.layers.Flatten()(keras.layers.Embedding(rows, dim, name=name)(one))
+                for (name, rows, dim), one in zip(embeddings, inputs)])
+    model = keras.Model(inputs, keras.layers.Dense(1, name="head")(x))
     model.compile(optimizer=optimizer, loss="mse")
-    model.fit([np.arange(10) % 11, np.arange(10) % 5], np.ones(10), epochs=1, verbose=0)
+    model.fit([np.arange(10) % rows for _, rows, _ in embeddings], np.ones(10), epochs=1, verbose=0)
     paths = [v.path for v in model.trainable_variables]
+    lists = {"accumulator": "_accumulators", "m": "_momentums", "v": "_velocities"}
     for name, k in known.items():
-        var = model.get_layer(name).embeddings
+        var = model.trainable_variables[paths.index(name)] if name in paths else model.get_layer(name).embeddings
         var.assign(k.array())
         index = paths.index(var.path)
         for slot in k.slots:
-            lists = {"accumulator": "_accumulators", "m": "_momentums", "v": "_velocities"}
             getattr(optimizer, lists[slot])[index].assign(k.slot(slot))
     return model
 
@@ -170,6 +172,18 @@ def make_keras_model(out: Path) -> None:
 
     model = _keras_model(keras.optimizers.Adagrad(0.01), FIXTURES["keras_model"])
     model.save(str(out / "model.keras"))
+
+
+def make_keras_checkpoint(out: Path) -> None:
+    """A Keras model saved with tf.train.Checkpoint, not model.save: the checkpoint keys of its
+    variables are the optimizer's (optimizer/_trainable_variables/N), their layer names are only
+    in the object graph. Two embeddings of one shape, so that shape cannot tell them apart."""
+    tf = quiet_tf()
+    import keras
+
+    optimizer = keras.optimizers.Adam(0.01)
+    model = _keras_model(optimizer, FIXTURES["keras_checkpoint"], (("user_emb", 10, 4), ("item_emb", 10, 4)))
+    tf.train.Checkpoint(model=model, optimizer=optimizer).save(str(out / "ckpt"))
 
 
 def make_tfra_tf1(out: Path) -> None:

@@ -47,6 +47,9 @@ CASES = [
     ("keras_weights/model.weights.h5", "layers/embedding_1/vars/0", FIXTURES["keras_weights"]["item_emb"], "adam"),
     ("keras_model/model.keras", "user_emb", FIXTURES["keras_model"]["user_emb"], "adagrad"),
     ("keras_model/model.keras", "item_emb", FIXTURES["keras_model"]["item_emb"], "rowwise_adagrad"),
+    # keys optimizer/_trainable_variables/N; the names below are the object graph's
+    ("keras_checkpoint", "user_emb", FIXTURES["keras_checkpoint"]["user_emb/embeddings"], "adam"),
+    ("keras_checkpoint", "item_emb/embeddings", FIXTURES["keras_checkpoint"]["item_emb/embeddings"], "adam"),
 ]
 IDS = [f"{c[0].split('/')[0]}:{c[1].split('/')[-1] if 'vars' not in c[1] else 'item_emb'}:{c[3]}" for c in CASES]
 
@@ -132,6 +135,29 @@ def test_every_format_into_a_real_ps(embedded_client, path, tensor, known, optim
     assert not got.missing.any()
     assert np.array_equal(got.rows, np.concatenate([emb, state], axis=1))
     assert embedded_client.describe_table(name).schema.state_width == state.shape[1]
+
+
+def test_keras_layers_saved_with_tf_train_checkpoint_are_found_by_their_names(tmp_path):
+    """Keys say optimizer/_trainable_variables/N; the object graph knows user_emb/embeddings."""
+    source = open_source(str(FIX / "keras_checkpoint"))
+    key = "optimizer/_trainable_variables/{}/.ATTRIBUTES/VARIABLE_VALUE"
+    for names, n in ((("user_emb", "user_emb/embeddings", "model/_operations/2/_embeddings"), 0),
+                     (("item_emb", "item_emb/embeddings", "model/_operations/3/_embeddings"), 1),
+                     (("head", "head/kernel", "model/_operations/7/_kernel"), 2)):
+        for name in (*names, key.format(n), key.format(n).removesuffix("/.ATTRIBUTES/VARIABLE_VALUE")):
+            assert source.table(name).name == key.format(n), name
+        assert source.shown(key.format(n)) == names[1]
+    # the two embeddings have one shape: each keeps its own values and slots
+    known = FIXTURES["keras_checkpoint"]
+    run_migrate("keras_checkpoint", ["u=user_emb", "i=item_emb", "h=head"], "adam", out=tmp_path)
+    for table, name in (("u", "user_emb/embeddings"), ("i", "item_emb/embeddings"), ("h", "head/kernel")):
+        assert_rows_equal(read_folder(tmp_path / table), expected(known[name], "adam"))
+    # a slot by the optimizer's name for it; a name two variables share is refused, not guessed
+    run_migrate("keras_checkpoint", ["w=user_emb,m=adam/item_emb_embeddings_momentum"], "adam", out=tmp_path)
+    assert np.array_equal(read_folder(tmp_path / "w")[2][:, :4], known["item_emb/embeddings"].slot("m"))
+    with pytest.raises(TFMigrationError, match=r"'Variable' could name any of model/item, model/user; give one of "
+                                               r"those names"):
+        run_migrate("tf2_slot_variables", ["x=Variable"], "adam", out=tmp_path)
 
 
 def test_adagrad_accumulator_into_each_target_optimizer(tmp_path):
@@ -375,7 +401,7 @@ emb/user/Adagrad  float32    [10, 4]  accumulator slot of emb/user
 global_step       int64      []
 misc/complex      complex64  [2, 2]
 
-tables (--table NAME=TABLE takes the first column):
+tables (--table NAME=TENSOR takes the first column):
   TABLE     ROWS  DIM  DTYPE     KIND                             SLOTS
   emb/item  6     8    float32   variable                         m=emb/item/Adam, v=emb/item/Adam_1
   emb/tag   5     4    bfloat16  variable                         -
@@ -394,6 +420,16 @@ def test_cli_ls():
     assert "m/user_de_Adam_m_mht_2of2-values                         float32  [5, 4]  m slot of user_de" in res.stdout
     res = dynemb("tf", "ls", "tests/fixtures/tf/keras_model/model.keras")
     assert "optimizer/vars/2           float32  [11, 4]  accumulator slot of user_emb" in res.stdout
+    res = dynemb("tf", "ls", "tests/fixtures/tf/keras_checkpoint")
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert ("optimizer/_trainable_variables/1/.ATTRIBUTES/VARIABLE_VALUE  float32  [10, 4]  item_emb/embeddings"
+            "                table") in lines
+    assert ("optimizer/_variables/2/.ATTRIBUTES/VARIABLE_VALUE            float32  [10, 4]  "
+            "adam/user_emb_embeddings_momentum  m slot of user_emb/embeddings") in lines
+    assert ("  user_emb/embeddings  10    4    float32  variable  m=adam/user_emb_embeddings_momentum, "
+            "v=adam/user_emb_embeddings_velocity  user_emb, optimizer/_trainable_variables/0, "
+            "model/_operations/2/_embeddings") in lines
 
 
 def test_cli_migrate_into_a_ps_and_into_files(embedded_ps, embedded_client, tmp_path):

@@ -98,4 +98,12 @@ FIXTURES: dict[str, dict[str, Known]] = {
         "user_emb": Known(11, 4, 71, slots={"accumulator": ("positive", 72)}),
         "item_emb": Known(5, 6, 73, slots={"accumulator": ("positive", 74)}),
     },
+    # a Keras 3 model (Adam) saved with tf.train.Checkpoint(model=..., optimizer=...): keys are
+    # optimizer/_trainable_variables/N, the layer paths are in the object graph; two embeddings
+    # of one shape, and the Dense kernel (a 2-D float variable that is no embedding)
+    "keras_checkpoint": {
+        "user_emb/embeddings": Known(10, 4, 81, slots={"m": ("values", 82), "v": ("positive", 83)}),
+        "item_emb/embeddings": Known(10, 4, 84, slots={"m": ("values", 85), "v": ("positive", 86)}),
+        "head/kernel": Known(8, 1, 87, slots={"m": ("values", 88), "v": ("positive", 89)}),
+    },
 }

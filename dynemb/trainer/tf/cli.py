@@ -21,7 +21,10 @@ MIGRATE_EPILOG = FORMATS + """
 --table NAME=TENSOR[,key=value...] (repeat for several tables):
   NAME              the PS table / table folder to write
   TENSOR            a tensor or table as `dynemb tf ls CKPT` lists it (TF2: the object path
-                    without /.ATTRIBUTES/VARIABLE_VALUE will do; Keras: the layer name)
+                    without /.ATTRIBUTES/VARIABLE_VALUE will do, and so will any name in its
+                    ALSO column: the variable's own name, e.g. a Keras layer path
+                    user_emb/embeddings, the layer alone, other object paths; Keras files:
+                    the layer name)
   offset=N          ids: row r gets id N + r (the default, with N = 0)
   vocab=FILE        ids: line r of FILE is row r's id (one per line, as many lines as rows)
   vocab-kind=tokens the vocabulary lines are tokens: id = XXH64(UTF-8 bytes, seed 0) as
@@ -104,10 +107,9 @@ def cmd_ls(args) -> int:
     src = open_source(args.checkpoint)
     tensors = src.tensors()
     tables = src.tables()
-    aliases = {v: k for k, v in src.aliases.items()}
     role: dict[str, str] = {}
     for t in tables.values():
-        shown = aliases.get(t.name, t.name)
+        shown = src.shown(t.name)
         for part in t.values.parts:
             role[part] = f"values of table {shown}" if t.keys is not None else "table"
         for part in t.keys.parts if t.keys is not None else ():
@@ -116,25 +118,33 @@ def cmd_ls(args) -> int:
             for part in rows.parts:
                 role.setdefault(part, f"{slot} slot of {shown}")
     print(f"{src.path}: {src.kind}, {len(tensors)} tensors")
-    rows = [("TENSOR", "DTYPE", "SHAPE", "ROLE")]
-    rows += [(t.name, t.dtype, _shape(t.shape), role.get(t.name, "")) for t in tensors]
+    # the object graph's names of the variables (a Keras model's layer paths), where it has them
+    named = bool(src.variable_names)
+    rows = [("TENSOR", "DTYPE", "SHAPE") + (("VARIABLE",) if named else ()) + ("ROLE",)]
+    rows += [(t.name, t.dtype, _shape(t.shape)) + ((src.variable_names.get(t.name, ""),) if named else ())
+             + (role.get(t.name, ""),) for t in tensors]
     for line in _columns(rows):
         print(line.rstrip())
     print()
     if not tables:
         print("no tables (2-D float tensors) found")
         return 0
-    print("tables (--table NAME=TABLE takes the first column):")
-    rows = [("TABLE", "ROWS", "DIM", "DTYPE", "KIND", "SLOTS")]
-    for name, t in sorted(tables.items()):
-        slots = ", ".join(f"{k}={r.label}" for k, r in sorted(t.slots.items())) or "-"
+    print(_table_section("tables", src, tables))
+    return 0
+
+
+def _table_section(title: str, src, tables: dict) -> str:
+    """One listing of tables: the names --table takes, sizes, kinds, slots and other names."""
+    also = any(src.other_names(name) for name in tables)
+    head = "--table NAME=TENSOR takes the first column" + (" or a name in ALSO" if also else "")
+    rows = [("TABLE", "ROWS", "DIM", "DTYPE", "KIND", "SLOTS") + (("ALSO",) if also else ())]
+    for name, t in sorted(tables.items(), key=lambda item: src.shown(item[0])):
+        slots = ", ".join(f"{k}={src.shown(r.label)}" for k, r in sorted(t.slots.items())) or "-"
         if t.note:
             slots += f" ({t.note})"
-        rows.append((aliases.get(name, name), str(t.values.num_rows), str(t.values.shape[1]), t.values.dtype,
-                     t.kind, slots))
-    for line in _columns(rows):
-        print("  " + line.rstrip())
-    return 0
+        rows.append((src.shown(name), str(t.values.num_rows), str(t.values.shape[1]), t.values.dtype, t.kind, slots)
+                    + ((", ".join(src.other_names(name)) or "-",) if also else ()))
+    return "\n".join([f"{title} ({head}):"] + ["  " + line.rstrip() for line in _columns(rows)])
 
 
 def cmd_migrate(args) -> int:

@@ -83,8 +83,11 @@ class KerasSource(Source):
     def tensors(self) -> list[TensorInfo]:
         return [self._info(n) for n in sorted(self.datasets, key=_natural)]
 
+    def _is_tensor(self, name: str) -> bool:
+        return name in self.datasets
+
     def rows(self, name: str) -> Rows:
-        name = self.aliases.get(name, name)
+        name = self.resolve(name)
         if name not in self.datasets:
             raise TFMigrationError(f"{self.path}: no dataset named {name!r} (see `dynemb tf ls`)")
         ds, info = self.datasets[name], self._info(name)
@@ -114,7 +117,6 @@ class KerasSource(Source):
         opt_name = str(self.file["optimizer/vars"].attrs.get("name", "")) if "optimizer/vars" in self.file else ""
         kinds = next((k for key, k in SLOT_KINDS.items() if key in opt_name.lower()), ())
         tables: dict[str, Table] = {}
-        by_layer: dict[str, list[str]] = {}
         for info in model:
             if len(info.shape) != 2:
                 continue
@@ -128,10 +130,11 @@ class KerasSource(Source):
                               f"variables have shape {list(info.shape)}; name them in --table (" +
                               ", ".join(f"{k}=optimizer/vars/N" for k in kinds) + ")")
             tables[info.name] = table
-            by_layer.setdefault(str(self.layer_name(info.name)), []).append(info.name)
-        for layer, names in by_layer.items():
-            if len(names) == 1 and layer not in tables:
-                self.aliases[layer] = names[0]
+            self.add_alias(str(self.layer_name(info.name) or ""), info.name)
+        for name in tables:  # a layer with one table: listed by the layer's name
+            layer = str(self.layer_name(name) or "")
+            if self.aliases.get(layer) == name:
+                self.show(name, layer)
         return tables
 
 

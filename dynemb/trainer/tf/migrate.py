@@ -4,8 +4,10 @@ Each table is given as a spec, `NAME=TENSOR[,key=value...]`:
 
     NAME            the PS table (or table folder) to write
     TENSOR          a tensor of the checkpoint (TF2: its key or its object path without
-                    /.ATTRIBUTES/VARIABLE_VALUE; Keras: the dataset path or the layer name;
-                    TFRA: the dynamic table's name), as `dynemb tf ls` lists them
+                    /.ATTRIBUTES/VARIABLE_VALUE, or a name the object graph gives it: the
+                    variable's own name, its layer's, another object path; Keras: the dataset
+                    path or the layer name; TFRA: the dynamic table's name), as `dynemb tf ls`
+                    lists them
     offset=N        row r gets id N + r (default 0)
     vocab=FILE      row r gets the id on line r of FILE (UTF-8, one entry per line, as many
                     lines as the tensor has rows, no id twice)

@@ -1,4 +1,5 @@
-"""Optimizer slots of TF2 object-based checkpoints (and SavedModels), from the object graph.
+"""Optimizer slots and variable names of TF2 object-based checkpoints (and SavedModels), from
+the object graph.
 
 A TF2 checkpoint stores, under _CHECKPOINTABLE_OBJECT_GRAPH, the graph of objects saved:
 each node's children (by local name), the tensors it holds (checkpoint keys), and, on an
@@ -11,9 +12,19 @@ optimizer node, its slot variables. Two kinds of optimizer show up:
   whose i-th entry belongs to the i-th trainable variable.
 
 slots() returns {variable key: {canonical slot name: slot key}}.
+
+A variable's checkpoint key is the first path to it found breadth-first, which may say little:
+a Keras model saved with tf.train.Checkpoint(model=..., optimizer=...) has its variables under
+optimizer/_trainable_variables/N (three steps from the root) rather than under
+model/_operations/2/_embeddings (four). variables() returns, per key, what else the graph
+knows: the variable's own name (its `full_name`; Keras 3: the layer path, user_emb/embeddings)
+and the other object paths that lead to it.
 """
 
 from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
@@ -32,12 +43,67 @@ def _value_key(node: pb.TrackableObjectGraph.TrackableObject) -> str | None:
     return None
 
 
-def slots(graph_bytes: bytes, path: str) -> dict[str, dict[str, str]]:
+def parse(graph_bytes: bytes, path: str) -> pb.TrackableObjectGraph:
+    """The object graph stored under _CHECKPOINTABLE_OBJECT_GRAPH.
+
+    Raises:
+        TFMigrationError: it does not parse.
+    """
     graph = pb.TrackableObjectGraph()
     try:
         graph.ParseFromString(graph_bytes)
     except DecodeError:
         raise TFMigrationError(f"{path}: the object graph (_CHECKPOINTABLE_OBJECT_GRAPH) does not parse") from None
+    return graph
+
+
+@dataclass(frozen=True)
+class VariableNames:
+    """What the object graph calls a variable besides its checkpoint key."""
+
+    name: str  # its own name (tf.Variable name; Keras 3: the variable's path, layer/variable)
+    paths: tuple[str, ...]  # object paths to it other than its key's, shortest first
+
+
+def _escape(local_name: str) -> str:
+    """A local name as checkpoint keys spell it (TensorFlow escapes '.' and '/')."""
+    return local_name.replace(".", "..").replace("/", ".S")
+
+
+def variables(graph: pb.TrackableObjectGraph) -> dict[str, VariableNames]:
+    """{checkpoint key of a variable: its VariableNames}.
+
+    Each other path is the first path to one of the variable's parents plus the edge from it:
+    one per parent, so a graph with cycles (a Keras model tracks its optimizer) stays finite.
+    """
+    nodes = graph.nodes
+    first = {0: ""}  # node → its first path breadth-first, the one its keys are built from
+    queue = deque([0])
+    while queue:
+        node = queue.popleft()
+        for c in nodes[node].children:
+            if c.node_id not in first and 0 <= c.node_id < len(nodes):
+                first[c.node_id] = f"{first[node]}/{_escape(c.local_name)}".lstrip("/")
+                queue.append(c.node_id)
+    paths: dict[int, list[str]] = {}
+    for node in sorted(first):
+        for c in nodes[node].children:
+            if 0 <= c.node_id < len(nodes):
+                paths.setdefault(c.node_id, []).append(f"{first[node]}/{_escape(c.local_name)}".lstrip("/"))
+    out = {}
+    for node_id, node in enumerate(nodes):
+        key = _value_key(node)
+        if key is None:
+            continue
+        full_name = next(a.full_name for a in node.attributes if a.name == "VARIABLE_VALUE")
+        own = key.removesuffix("/.ATTRIBUTES/VARIABLE_VALUE")
+        others = sorted({p for p in paths.get(node_id, ()) if p != own}, key=lambda p: (p.count("/"), p))
+        out[key] = VariableNames(full_name.removesuffix(":0"), tuple(others))
+    return out
+
+
+def slots(graph: pb.TrackableObjectGraph) -> dict[str, dict[str, str]]:
+    """{variable key: {canonical slot name (accumulator, m, v...): slot key}}."""
     nodes = graph.nodes
 
     def key_of(node_id: int) -> str | None:

@@ -27,6 +27,8 @@ from dynemb.trainer.tf.errors import TFMigrationError
 FLOAT_DTYPES = ("float32", "float64", "float16", "bfloat16")
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 VALUE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
+# an object-path step that is a position in a list: Keras 3 lists, Keras 2 layer-N
+POSITIONAL = re.compile(r"(^|/)(\d+|layer(_with_weights)?-\d+)(/|$)")
 
 
 @dataclass
@@ -86,16 +88,62 @@ def concat_rows(parts: list[Rows], label: str) -> Rows:
 
 
 class Source:
-    """A checkpoint's tensors and tables. Subclasses fill `kind`, tensors() and _find()."""
+    """A checkpoint's tensors and tables. Subclasses fill `kind`, tensors() and _find().
+
+    A tensor answers to its own name and to aliases (a TF2 key without /.ATTRIBUTES/...,
+    a variable's name or other object paths, a layer's name), which _find() registers with
+    add_alias() and shows with show().
+    """
 
     kind = "checkpoint"
 
     def __init__(self, path: str) -> None:
         self.path = path
         self._tables: dict[str, Table] | None = None
-        self.aliases: dict[str, str] = {}  # other names a table answers to
+        self.aliases: dict[str, str] = {}  # other names a tensor answers to → its name
+        self.ambiguous: dict[str, set[str]] = {}  # names several tensors would answer to → those
+        self.variable_names: dict[str, str] = {}  # tensor → the variable name its object graph gives
+        self._shown: dict[str, str] = {}  # tensor → the name `dynemb tf ls` lists it by
+
+    def add_alias(self, alias: str, name: str) -> None:
+        """Let `alias` name tensor `name`; an alias claimed by two tensors names neither."""
+        if alias == name or not alias or self._is_tensor(alias):  # a tensor's own name stays its own
+            return
+        if alias in self.ambiguous or self.aliases.get(alias, name) != name:
+            self.ambiguous.setdefault(alias, set()).update({name, self.aliases.pop(alias, name)})
+            return
+        self.aliases[alias] = name
+
+    def show(self, name: str, shown: str) -> None:
+        """List tensor `name` as `shown` (an alias of it)."""
+        self._shown[name] = shown
+
+    def shown(self, name: str) -> str:
+        """The name `dynemb tf ls` lists a tensor or table by."""
+        return self._shown.get(name, name)
+
+    def other_names(self, name: str) -> list[str]:
+        """The aliases of a tensor other than its shown name, shortest first."""
+        return sorted((a for a, n in self.aliases.items() if n == name and a != self.shown(name)),
+                      key=lambda a: (a.count("/"), a))
+
+    def resolve(self, name: str) -> str:
+        """The tensor an alias (or its own name) names.
+
+        Raises:
+            TFMigrationError: the name is an alias of several tensors.
+        """
+        self.tables()  # registers the aliases
+        if name in self.ambiguous:
+            raise TFMigrationError(f"{self.path}: {name!r} could name any of "
+                                   + ", ".join(sorted(self.shown(n) for n in self.ambiguous[name]))
+                                   + "; give one of those names (see `dynemb tf ls`)")
+        return self.aliases.get(name, name)
 
     def tensors(self) -> list[TensorInfo]:
+        raise NotImplementedError
+
+    def _is_tensor(self, name: str) -> bool:
         raise NotImplementedError
 
     def rows(self, name: str) -> Rows:
@@ -105,20 +153,26 @@ class Source:
         raise NotImplementedError
 
     def tables(self) -> dict[str, Table]:
+        """{tensor name: Table} of every 2-D float variable and TFRA table, found once."""
         if self._tables is None:
-            self._tables = self._find()
+            self._tables = {}  # while _find() runs: it reads rows by their own names
+            try:
+                self._tables = self._find()
+            except BaseException:
+                self._tables = None
+                raise
         return self._tables
 
     def table(self, name: str) -> Table:
         """The table a --table spec names: a found table (or an alias of one), else any 2-D
         tensor of that name, without slots."""
         tables = self.tables()
-        name = self.aliases.get(name, name)
+        name = self.resolve(name)
         if name in tables:
             return tables[name]
         known = {t.name for t in self.tensors()}
         if name not in known:
-            hint = ", ".join(sorted(tables)[:8])
+            hint = ", ".join(sorted(self.shown(n) for n in tables)[:8])
             raise TFMigrationError(f"{self.path}: no tensor or table named {name!r}"
                                   + (f"; tables found: {hint}" if hint else "") + " (see `dynemb tf ls`)")
         return Table(name, self.rows(name))
@@ -133,8 +187,11 @@ class BundleSource(Source):
     def tensors(self) -> list[TensorInfo]:
         return [self.bundle.info(n) for n in self.bundle.names()]
 
+    def _is_tensor(self, name: str) -> bool:
+        return name in self.bundle.entries
+
     def rows(self, name: str) -> Rows:
-        name = self.aliases.get(name, name)
+        name = self.resolve(name)
         if name not in self.bundle.entries and name + VALUE_SUFFIX in self.bundle.entries:
             name += VALUE_SUFFIX
         return bundle_rows(self.bundle, name)
@@ -144,8 +201,10 @@ class BundleSource(Source):
 
         infos = {t.name: t for t in self.tensors()}
         found = tfra.find(self.bundle, infos)
+        names: dict[str, objects.VariableNames] = {}
         if OBJECT_GRAPH_KEY in infos:
-            slots = objects.slots(self.bundle.read(OBJECT_GRAPH_KEY)[()], self.path)
+            graph = objects.parse(self.bundle.read(OBJECT_GRAPH_KEY)[()], self.path)
+            slots, names = objects.slots(graph), objects.variables(graph)
         else:
             slots = saver.slots(infos)
         slot_names = {s for per in slots.values() for s in per.values()}
@@ -156,9 +215,32 @@ class BundleSource(Source):
             found[name] = Table(name, bundle_rows(self.bundle, name),
                                 slots={s: bundle_rows(self.bundle, t) for s, t in per.items()},
                                 kind=f"partitioned variable ({info.slices} slices)" if info.slices else "variable")
-            if name.endswith(VALUE_SUFFIX):
-                self.aliases[name.removesuffix(VALUE_SUFFIX)] = name
+        self._name_variables(infos, names, found)
         return found
+
+    def _name_variables(self, infos: dict[str, TensorInfo], names: dict, tables: dict[str, Table]) -> None:
+        """Aliases from the key, the object graph and the layer; each tensor shown by the most
+        telling name that is its alone."""
+        for key in infos:
+            self.add_alias(key.removesuffix(VALUE_SUFFIX), key)
+            var = names.get(key)
+            if var is not None:
+                self.variable_names[key] = var.name
+                for alias in (var.name, *var.paths):
+                    self.add_alias(alias, key)
+        for key in tables:  # the layer (user_emb for user_emb/embeddings), where one table is its
+            layer = names[key].name.rpartition("/")[0] if key in names else ""
+            self.add_alias(layer, key)
+        for key in infos:
+            short = key.removesuffix(VALUE_SUFFIX)
+            self.show(key, short if self.aliases.get(short) == key else key)
+            # A key through a list (optimizer/_trainable_variables/0, model/_operations/2/...)
+            # tells only positions: the variable's own name (user_emb/embeddings) tells more.
+            # Other keys name attributes (model/user), which tf.Variable's default name
+            # ("Variable") does not beat.
+            own = self.variable_names.get(key, "")
+            if POSITIONAL.search(short) and self.aliases.get(own) == key:
+                self.show(key, own)
 
 
 def _latest_in(folder: str) -> str | None:
