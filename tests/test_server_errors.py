@@ -12,8 +12,13 @@ from helpers import wait_until
 from ps_procs import wait_for_health
 
 from dynemb.protos import ps_pb2, ps_pb2_grpc
+from dynemb.ps_server.backends.embedded import EmbeddedStore
 from dynemb.ps_server.client import PSClient, RetryPolicy
 from dynemb.ps_server.errors import InvalidArgument, TableExists, TableNotFound, Unavailable
+from dynemb.ps_server.metrics import PSMetrics
+from dynemb.ps_server.schema import TableSchema
+from dynemb.ps_server.service import ParameterServerService
+from dynemb.ps_server.wire import parse_push_many_request, parse_push_request
 
 
 @pytest.fixture
@@ -181,8 +186,6 @@ def test_redis_refuses_auth(redis_auth, make_ps):
 
 def test_import_into_a_table_of_another_schema_fails_cleanly(stored):
     ps, _, table, ids, rows = stored
-    from dynemb.ps_server.schema import TableSchema
-
     clash = TableSchema(table, dim=5, state_width=2)
     drawn = []
 
@@ -203,7 +206,6 @@ def test_an_import_whose_stream_fails_stops_reading_its_source(make_ps):
     schema under the stream): the client stops drawing from the source instead of reading it
     to the end, and says why."""
     from dynemb.ps_server.errors import PSError
-    from dynemb.ps_server.schema import TableSchema
 
     proc = make_ps()
     schema = TableSchema("midway", dim=4)
@@ -255,12 +257,6 @@ class _Context:
 def test_the_ps_does_not_apply_a_write_given_up_on_in_its_handler(method, remaining, active):
     """The service's own check, with the deadline under the test's control: past it (grpc's
     thread may not have marked the call ended yet), or cancelled, a write changes nothing."""
-    from dynemb.ps_server.backends.embedded import EmbeddedStore
-    from dynemb.ps_server.metrics import PSMetrics
-    from dynemb.ps_server.schema import TableSchema
-    from dynemb.ps_server.service import ParameterServerService
-    from dynemb.ps_server.wire import parse_push_many_request, parse_push_request
-
     store = EmbeddedStore()
     service = ParameterServerService(store, PSMetrics(), 4 << 20)
     store.create_table(TableSchema("late", dim=2))
@@ -285,6 +281,23 @@ def test_the_ps_does_not_apply_a_write_given_up_on_in_its_handler(method, remain
         assert store.num_rows("late") == 0
     else:
         assert len(store.pull_into("late", ids, out)) == 0 and (out == 1).all()
+
+
+def test_an_unexpected_error_with_a_huge_message_still_arrives():
+    """An INTERNAL error's message is the exception's, which may quote anything: it is cut to
+    fit the client's metadata limit."""
+
+    class Broken(EmbeddedStore):
+        def schema(self, table):
+            raise RuntimeError("x" * 100_000)
+
+    context = _Context(5.0, True)
+    with pytest.raises(_Aborted) as info:
+        ParameterServerService(Broken(), PSMetrics(), 4 << 20).DescribeTable(
+            ps_pb2.DescribeTableRequest(table="t"), context)
+    assert context.code == grpc.StatusCode.INTERNAL
+    assert "DescribeTable failed inside the PS: RuntimeError: xxx" in str(info.value)
+    assert str(info.value).endswith("(cut from 100050 characters)") and len(str(info.value)) < 4100
 
 
 def _request_codes(ps, method: str) -> dict[str, float]:
@@ -347,19 +360,49 @@ def test_undecodable_request_bytes(stored):
     channel.close()
 
 
-def test_a_huge_name_is_quoted_short(stored):
-    """An error quoting a hostile name in full never arrived: the client's 16 KiB metadata
-    limit turned it into RESOURCE_EXHAUSTED "received metadata size exceeds hard limit"."""
+def test_huge_input_is_quoted_short(stored):
+    """An error quoting a hostile value in full never arrived: the client's 16 KiB metadata
+    limit turned it into RESOURCE_EXHAUSTED "received metadata size exceeds hard limit". Every
+    request field an error may quote, over-long, on every method that takes it."""
     _, stub, _, _, _ = stored
     name = "n" * 200_000
+    spec = ps_pb2.TableSpec(name=name, dim=1, dtype=ps_pb2.FP32)
+    ids = np.arange(2, dtype=np.int64).tobytes()
+    push = ps_pb2.PushRequest(table=name, ids=ids, rows=np.zeros(2, np.float32).tobytes())
+    pull = ps_pb2.PullRequest(table=name, ids=ids)
     for call, req in (
         (stub.DescribeTable, ps_pb2.DescribeTableRequest(table=name)),
-        (stub.CreateTable, ps_pb2.CreateTableRequest(spec=ps_pb2.TableSpec(name=name, dim=1, dtype=ps_pb2.FP32))),
+        (stub.DropTable, ps_pb2.DropTableRequest(table=name)),
+        (stub.Pull, pull),
+        (stub.PullMany, ps_pb2.PullManyRequest(pulls=[pull])),
+        (stub.Push, push),
+        (stub.PushMany, ps_pb2.PushManyRequest(pushes=[push])),
+        (stub.Delete, ps_pb2.DeleteRequest(table=name, ids=ids)),
+        (lambda r: list(stub.Export(r)), ps_pb2.ExportRequest(table=name)),
+        (lambda r: stub.Import(iter([r])), ps_pb2.RowChunk(spec=spec)),
+        (stub.CreateTable, ps_pb2.CreateTableRequest(spec=spec)),
         (stub.CreateTable, ps_pb2.CreateTableRequest(spec=ps_pb2.TableSpec(name=name, dim=1, dtype=42))),
+        (stub.AttachSegment, ps_pb2.AttachSegmentRequest(path="/proc/1/fd/" + name, size=1 << 20, token=b"t" * 16)),
     ):
         err = status_of(call, req)
-        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
-        assert "(200000 characters)" in err.details() and len(err.details()) < 500
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (type(req).__name__, err.details()[:200])
+        assert "(200000 characters)" in err.details() or "(200011 characters)" in err.details()
+        assert len(err.details()) < 500
+
+
+def test_a_pull_of_many_tables_too_big_names_a_few(make_ps):
+    """The reply-size error of a PullMany listed every table: thousands of names over the
+    metadata limit."""
+    proc = make_ps("--max-message-mb", "0.0625")
+    names = [f"{k:04d}" + "x" * 120 for k in range(300)]
+    with PSClient(proc.address) as ps, grpc.insecure_channel(proc.address) as channel:
+        for name in names:
+            ps.create_table(name, dim=64)  # 300 x 2 rows of 256 bytes: over 64 KiB
+        ids = np.arange(2, dtype=np.int64).tobytes()
+        many = ps_pb2.PullManyRequest(pulls=[ps_pb2.PullRequest(table=n, ids=ids) for n in names])
+        err = status_of(ps_pb2_grpc.ParameterServerStub(channel).PullMany, many)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max message size" in err.details() and "and 297 more" in err.details() and len(err.details()) < 1000
 
 
 def test_a_refused_first_import_chunk_clears_nothing(stored):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import socket
 
+from dynemb.common.errors import shown
 from dynemb.ps_server.errors import InvalidArgument
 
 SEPARATOR = "|"
@@ -21,7 +22,7 @@ SEPARATOR = "|"
 def split_hostport(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit():
-        raise InvalidArgument(f"PS address {address!r} is not host:port")
+        raise InvalidArgument(f"PS address {shown(address)} is not host:port")
     return host.strip("[]"), int(port)
 
 
@@ -37,7 +38,8 @@ def channel_target(address: str) -> tuple[str, str | None]:
         try:
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except socket.gaierror as exc:
-            raise InvalidArgument(f"PS replica {replica!r} of {address!r} does not resolve: {exc.strerror}") from None
+            raise InvalidArgument(
+                f"PS replica {shown(replica)} of {shown(address)} does not resolve: {exc.strerror}") from None
         for family, _, _, _, sockaddr in infos:
             if family == socket.AF_INET and f"{sockaddr[0]}:{port}" not in ipv4:
                 ipv4.append(f"{sockaddr[0]}:{port}")

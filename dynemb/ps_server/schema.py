@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from dynemb.common.errors import shown
 from dynemb.protos import ps_pb2
 from dynemb.ps_server.errors import InvalidArgument
 
@@ -33,17 +34,6 @@ _INIT_FROM_PROTO[ps_pb2.Initializer.KIND_UNSPECIFIED] = "zeros"
 
 NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}")  # the whole name (fullmatch: `$` lets "t\n" through)
 MAX_ROW_WIDTH = 1 << 16
-SHOWN_NAME_CHARS = 64
-
-
-def shown(name) -> str:
-    """A name as an error message quotes it: a hostile one may be megabytes, and a status
-    message over the client's metadata limit (16 KiB) never arrives at all."""
-    if isinstance(name, str) and len(name) > SHOWN_NAME_CHARS:
-        return f"{name[:SHOWN_NAME_CHARS]!r}... ({len(name)} characters)"
-    return repr(name)
-
-
 def check_name(name: str, what: str = "table name") -> str:
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise InvalidArgument(
@@ -64,7 +54,7 @@ class Initializer:
 
     def __post_init__(self) -> None:
         if self.kind not in INITIALIZERS:
-            raise InvalidArgument(f"initializer kind {self.kind!r} is not one of {INITIALIZERS}")
+            raise InvalidArgument(f"initializer kind {shown(self.kind)} is not one of {INITIALIZERS}")
         # NaN would also make a schema unequal to itself: a table could never be re-created
         bad = {k: v for k, v in (("a", self.a), ("b", self.b), ("state_init", self.state_init)) if not math.isfinite(v)}
         if bad:
@@ -80,11 +70,21 @@ class Initializer:
         )
 
     @classmethod
-    def from_proto(cls, msg: ps_pb2.Initializer) -> "Initializer":
+    def from_proto(cls, msg: ps_pb2.Initializer) -> Initializer:
         kind = _INIT_FROM_PROTO.get(msg.kind)
         if kind is None:
             raise InvalidArgument(f"unknown initializer kind {msg.kind}")
         return cls(kind=kind, a=msg.a, b=msg.b, seed=msg.seed, state_init=msg.state_init)
+
+
+def _initializer_fields(d):
+    """d, if it names only Initializer's fields (Initializer(**d) would quote a stray key whole)."""
+    if isinstance(d, dict) and not set(d) <= _INITIALIZER_FIELDS:
+        raise InvalidArgument(f"unknown initializer field(s) {shown(sorted(map(str, set(d) - _INITIALIZER_FIELDS)))}")
+    return d
+
+
+_INITIALIZER_FIELDS = {f.name for f in fields(Initializer)}
 
 
 @dataclass(frozen=True)
@@ -100,17 +100,17 @@ class TableSchema:
     def __post_init__(self) -> None:
         check_name(self.name)
         if not isinstance(self.dim, int) or self.dim < 1:
-            raise InvalidArgument(f"table {self.name!r}: dim must be an integer >= 1, got {self.dim!r}")
+            raise InvalidArgument(f"table {self.name!r}: dim must be an integer >= 1, got {shown(self.dim)}")
         if not isinstance(self.state_width, int) or self.state_width < 0:
             raise InvalidArgument(
-                f"table {self.name!r}: state_width must be an integer >= 0, got {self.state_width!r}"
+                f"table {self.name!r}: state_width must be an integer >= 0, got {shown(self.state_width)}"
             )
         if self.dim + self.state_width > MAX_ROW_WIDTH:
             raise InvalidArgument(
                 f"table {self.name!r}: row width {self.dim + self.state_width} exceeds {MAX_ROW_WIDTH}"
             )
         if self.dtype not in DTYPES:
-            raise InvalidArgument(f"table {self.name!r}: dtype {self.dtype!r} is not one of {tuple(DTYPES)}")
+            raise InvalidArgument(f"table {self.name!r}: dtype {shown(self.dtype)} is not one of {tuple(DTYPES)}")
 
     @property
     def width(self) -> int:
@@ -135,7 +135,7 @@ class TableSchema:
         )
 
     @classmethod
-    def from_proto(cls, msg: ps_pb2.TableSpec) -> "TableSchema":
+    def from_proto(cls, msg: ps_pb2.TableSpec) -> TableSchema:
         dtype = _DTYPE_FROM_PROTO.get(msg.dtype)
         if dtype is None:
             raise InvalidArgument(
@@ -165,11 +165,11 @@ class TableSchema:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TableSchema":
+    def from_dict(cls, d: dict) -> TableSchema:
         return cls(
             name=d["name"],
             dim=int(d["dim"]),
             state_width=int(d.get("state_width", 0)),
             dtype=d.get("dtype", "fp32"),
-            initializer=Initializer(**d.get("initializer", {})),
+            initializer=Initializer(**_initializer_fields(d.get("initializer", {}))),
         )

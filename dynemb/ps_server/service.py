@@ -41,6 +41,18 @@ log = logging.getLogger("dynemb.ps")
 
 # Room left in a message for everything but the packed ids and rows.
 DEFAULT_EXPORT_CHUNK_BYTES = 4 << 20
+# A status message travels in metadata, which the client takes up to 16 KiB of: a longer one
+# arrives as RESOURCE_EXHAUSTED "received metadata size exceeds hard limit", the real error lost.
+MAX_DETAILS_CHARS = 4000
+
+
+def _details(text: str) -> str:
+    """An error message cut to fit the client's metadata limit (what it quotes is capped by
+    shown() already; this catches a message built from anything else, like an unexpected
+    exception's)."""
+    if len(text) <= MAX_DETAILS_CHARS:
+        return text
+    return f"{text[:MAX_DETAILS_CHARS]}... (cut from {len(text)} characters)"
 
 
 def _serialize(message_type):
@@ -171,7 +183,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             yield
         except PSError as exc:
             code = exc.code
-            context.abort(code, str(exc))
+            context.abort(code, _details(str(exc)))
         except GeneratorExit:  # a reply stream (Export) the client stopped reading
             code = grpc.StatusCode.CANCELLED
             raise
@@ -185,7 +197,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         except Exception as exc:  # a bug or an unexpected store failure: report, keep serving
             code = grpc.StatusCode.INTERNAL
             log.exception("%s failed", method)
-            context.abort(code, f"{method} failed inside the PS: {type(exc).__name__}: {exc}")
+            context.abort(code, _details(f"{method} failed inside the PS: {type(exc).__name__}: {exc}"))
         finally:
             m.inflight.dec()
             m.child(m.latency, method).observe(time.perf_counter() - start)
@@ -330,8 +342,10 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         if reply_bytes > self.max_message_bytes:
             n = sum(len(ids) for _, ids in plans)
             row_bytes = max(s.row_bytes for s, _ in plans)
+            names = list(dict.fromkeys(s.name for s, _ in plans))  # a PullMany may name thousands
+            tables = ", ".join(map(repr, names[:3])) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
             raise ResourceExhausted(
-                f"{what} of {n} rows from table {', '.join(repr(s.name) for s, _ in plans)} needs a "
+                f"{what} of {n} rows from table {tables} needs a "
                 f"{reply_bytes}-byte reply, over this PS's max message size of {self.max_message_bytes} bytes; "
                 f"pull at most {(self.max_message_bytes - MESSAGE_OVERHEAD) // (row_bytes + 1)} ids per request"
             )

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from dynemb.common.errors import shown
 from dynemb.ps_server.errors import InvalidArgument, PSError, ResourceExhausted, SegmentUnusable
-from dynemb.ps_server.schema import shown
 
 log = logging.getLogger("dynemb.ps.shm")
 
@@ -359,7 +359,7 @@ class Leases:
                 out[k] = (seg, offset)
         return out
 
-    def __enter__(self) -> "Leases":
+    def __enter__(self) -> Leases:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from dynemb.common.errors import UserError
+from dynemb.common.errors import UserError, shown
 from dynemb.ps_server.schema import TableSchema
 from dynemb.trainer.table_files import MANIFEST as TABLE_MANIFEST
 from dynemb.trainer.table_files import TableReader, TableWriter, check_no_conflict
@@ -79,7 +79,8 @@ def read_manifest(folder: str | os.PathLike) -> dict:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("version") != VERSION:
         got = (doc.get("format"), doc.get("version")) if isinstance(doc, dict) else (None, None)
-        raise CheckpointError(f"{path}: format {got[0]!r} version {got[1]!r}, expected {FORMAT!r} version {VERSION}")
+        raise CheckpointError(
+            f"{path}: format {shown(got[0])} version {shown(got[1])}, expected {FORMAT!r} version {VERSION}")
     for key, kind in (("files", dict), ("tables", dict), ("kind", str)):
         if not isinstance(doc.get(key), kind):
             raise CheckpointError(f"{path}: field {key!r} missing or not a {kind.__name__}")
@@ -130,7 +131,7 @@ def table_parts(folder: Path, key: str) -> list[Path]:
         return [base]
     parts = sorted(p for p in base.glob("rank-*") if (p / TABLE_MANIFEST).is_file())
     if not parts and not base.is_dir():
-        raise CheckpointError(f"{folder}: no folder tables/{key} for table {key!r} of its manifest")
+        raise CheckpointError(f"{folder}: no folder under tables/ for table {shown(key)} of its manifest")
     return parts
 
 
@@ -184,15 +185,15 @@ def restore_tables(client, folder: str | os.PathLike, tables: list[str] | None =
     if tables:
         unknown = [t for t in tables if t not in keys]
         if unknown:
-            raise CheckpointError(f"{folder}: no table {unknown}; it has {keys}")
+            raise CheckpointError(f"{folder}: no table {shown(unknown)}; it has {shown(keys)}")
         keys = tables
     plan = []
     for key in keys:
         schema = TableSchema.from_dict(docs[-1]["tables"][key])
-        check_no_conflict(client, schema, f"{folder}: table {key}")
+        check_no_conflict(client, schema, f"{folder}: table {shown(key)}")
         plan.append((key, schema, [[TableReader(p) for p in table_parts(c, key)] for c in links]))
     written = {}
-    for key, schema, per_link in plan:
+    for _, schema, per_link in plan:
         deltas = per_link[1:]
         total = sum(r.num_rows for link in per_link for r in link)
         with tqdm(total=total, unit="row", unit_scale=True, desc=f"restore {schema.name}",
@@ -225,7 +226,8 @@ def describe(folder: str | os.PathLike) -> str:
     size = sum((folder / rel).stat().st_size for rel in doc["files"] if (folder / rel).is_file())
     lines = [
         f"checkpoint {folder}",
-        f"  step         {doc.get('step')}" + ("" if doc.get("config") else "  (PS tables only: dynemb checkpoint save)"),
+        f"  step         {doc.get('step')}"
+        + ("" if doc.get("config") else "  (PS tables only: dynemb checkpoint save)"),
         f"  kind         {doc['kind']}" + (f", builds on {doc['parent']}" if doc.get("parent") else ""),
         f"  chain        {' -> '.join(c.name for c in chain(folder))}",
     ]

@@ -22,6 +22,7 @@ import xxhash
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from dynemb.common.errors import shown
 from dynemb.trainer.config import DataConfig
 from dynemb.trainer.zipf import BoundedZipf
 
@@ -53,7 +54,8 @@ class SyntheticCriteo:
     def __init__(self, cfg: DataConfig, batch_size: int, rank: int = 0, world_size: int = 1) -> None:
         self.cfg, self.batch_size, self.rank, self.world_size = cfg, batch_size, rank, world_size
         self.keys = feature_names(cfg.num_sparse)
-        self.dense_weights = np.random.default_rng([cfg.data_seed, 7]).normal(0, 1, cfg.num_dense) / np.sqrt(cfg.num_dense)
+        rng = np.random.default_rng([cfg.data_seed, 7])
+        self.dense_weights = rng.normal(0, 1, cfg.num_dense) / np.sqrt(cfg.num_dense)
         self.draw_ids = BoundedZipf(cfg.zipf, cfg.universe)  # ID k - 1 with probability ~ k^-zipf
 
     def batch(self, step: int, split: int = 0) -> Batch:
@@ -107,15 +109,18 @@ def parse_criteo_line(line: str, num_dense: int = 13, num_sparse: int = 26, wher
         raise BadLine(f"{where}: expected {1 + num_dense + num_sparse} tab-separated columns, got {len(cols)}")
     try:
         label = float(cols[0])
+    except ValueError:  # its message would quote the whole column
+        label = None
+    if label not in (0.0, 1.0):
+        raise BadLine(f"{where}: label must be 0 or 1, got {shown(cols[0])}")
+    try:
         dense = [np.log1p(max(int(c), 0)) if c else 0.0 for c in cols[1 : 1 + num_dense]]
         cats = cols[1 + num_dense :]
         for c in cats:
             if c:
                 int(c, 16)  # must be hex
     except ValueError as e:
-        raise BadLine(f"{where}: {e}") from None
-    if label not in (0.0, 1.0):
-        raise BadLine(f"{where}: label must be 0 or 1, got {cols[0]!r}")
+        raise BadLine(f"{where}: {e}") from None  # int() quotes at most 200 characters
     ids = [_signed(xxhash.xxh64_intdigest(f"{i}:{c}".encode())) if c else None for i, c in enumerate(cats)]
     return label, dense, ids
 

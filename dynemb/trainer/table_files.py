@@ -60,7 +60,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dynemb.common.errors import UserError
+from dynemb.common.errors import UserError, shown
 from dynemb.ps_server.errors import InvalidArgument, TableNotFound
 from dynemb.ps_server.schema import TableSchema
 
@@ -115,7 +115,7 @@ class Manifest:
         }
 
     @classmethod
-    def read(cls, folder: str | os.PathLike) -> "Manifest":
+    def read(cls, folder: str | os.PathLike) -> Manifest:
         path = Path(folder) / MANIFEST
         if not path.is_file():
             what = "folder" if Path(folder).is_dir() else "no such folder"
@@ -133,11 +133,11 @@ class Manifest:
                 raise TableFileError(f"{path}: field {key!r} is missing")
             if not isinstance(doc[key], kind) or isinstance(doc[key], bool):
                 raise TableFileError(f"{path}: field {key!r} must be {getattr(kind, '__name__', kind)}, "
-                                     f"got {doc[key]!r}")
+                                     f"got {shown(doc[key])}")
             return doc[key]
 
         if need("format", str) != FORMAT:
-            raise TableFileError(f"{path}: field 'format' is {doc['format']!r}, expected {FORMAT!r}")
+            raise TableFileError(f"{path}: field 'format' is {shown(doc['format'])}, expected {FORMAT!r}")
         version = need("version", int)
         if version > VERSION or version < 1:
             raise TableFileError(f"{path}: format version {version} is not one this dynemb reads (1..{VERSION}); "
@@ -151,13 +151,14 @@ class Manifest:
         for k, entry in enumerate(need("shards", list)):
             where = f"{path}: shards[{k}]"
             if not isinstance(entry, dict) or not {"file", "rows", "sha256"} <= set(entry):
-                raise TableFileError(f"{where} must be an object with file, rows and sha256, got {entry!r}")
+                raise TableFileError(f"{where} must be an object with file, rows and sha256, got {shown(entry)}")
             if not isinstance(entry["file"], str) or not _SHARD_NAME.match(entry["file"]):
-                raise TableFileError(f"{where}.file must be a name like part-00000.safetensors, got {entry['file']!r}")
+                raise TableFileError(
+                    f"{where}.file must be a name like part-00000.safetensors, got {shown(entry['file'])}")
             if not isinstance(entry["rows"], int) or entry["rows"] < 0:
-                raise TableFileError(f"{where}.rows must be an integer >= 0, got {entry['rows']!r}")
+                raise TableFileError(f"{where}.rows must be an integer >= 0, got {shown(entry['rows'])}")
             if not isinstance(entry["sha256"], str) or not re.fullmatch(r"[0-9a-f]{64}", entry["sha256"]):
-                raise TableFileError(f"{where}.sha256 must be 64 hex digits, got {entry['sha256']!r}")
+                raise TableFileError(f"{where}.sha256 must be 64 hex digits, got {shown(entry['sha256'])}")
             shards.append(Shard(entry["file"], entry["rows"], entry["sha256"]))
         if sum(s.rows for s in shards) != num_rows:
             raise TableFileError(f"{path}: num_rows is {num_rows} but the shards hold "
@@ -252,7 +253,7 @@ class TableWriter:
             self._closed = True
         return manifest
 
-    def __enter__(self) -> "TableWriter":
+    def __enter__(self) -> TableWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -306,7 +307,7 @@ class TableReader:
             with safe_open(str(path), framework="numpy") as f:
                 keys = set(f.keys())
                 if keys != set(TENSORS):
-                    raise TableFileError(f"{path}: holds tensors {sorted(keys)}, expected {list(TENSORS)}")
+                    raise TableFileError(f"{path}: holds tensors {shown(sorted(keys))}, expected {list(TENSORS)}")
                 for name, (dtype, shape) in want.items():
                     sl = f.get_slice(name)
                     if (sl.get_dtype(), list(sl.get_shape())) != (dtype, shape):

@@ -24,11 +24,12 @@ def open_store(url: str = "", *, namespace: str = "dynemb", **options) -> Store:
         from dynemb.ps_server.backends.redis_store import RedisStore
 
         return RedisStore.from_url(url, namespace=namespace, **options)
+    from dynemb.common.errors import shown
     from dynemb.ps_server.errors import InvalidArgument
 
     raise InvalidArgument(
-        f"backend URL {_without_password(url)!r}: scheme {scheme!r} is not one of embedded://, redis://, rediss://, "
-        f"redis+cluster://, rediss+cluster://"
+        f"backend URL {shown(_without_password(url))}: scheme {shown(scheme)} is not one of embedded://, redis://, "
+        f"rediss://, redis+cluster://, rediss+cluster://"
     )
 
 

@@ -38,6 +38,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
+from dynemb.common.errors import shown
 from dynemb.ps_server.backends.base import Store, rows_out
 from dynemb.ps_server.backends.redis_tls import check_tls_files, untrusted_hint
 from dynemb.ps_server.codec import rows_for_table
@@ -132,12 +133,12 @@ def _split_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict]:
     for part in filter(None, hosts.split(",")):
         host, sep, port = part.rpartition(":")
         if not sep or not port.isdigit():
-            raise InvalidArgument(f"cluster URL node {part!r} must be host:port")
+            raise InvalidArgument(f"cluster URL node {shown(part)} must be host:port")
         nodes.append((unquote(host.strip("[]")), int(port)))
     if not nodes:
         raise InvalidArgument("a cluster URL needs at least one host:port, e.g. redis+cluster://10.0.0.1:7000")
     if path.strip("/") not in ("", "0"):
-        raise InvalidArgument(f"Redis Cluster has only database 0, the URL asks for /{path}")
+        raise InvalidArgument(f"Redis Cluster has only database 0, the URL asks for {shown('/' + path)}")
     # redis-py's parser on a single-host URL with the same userinfo and query
     probe = f"{'rediss' if tls else 'redis'}://{userinfo + '@' if userinfo else ''}{hosts.split(',')[0]}/"
     pairs = parse_qsl(query)
@@ -189,7 +190,7 @@ class RedisStore(Store):
         num_buckets: int = 4096,
         socket_timeout: float = 10.0,
         **kw,
-    ) -> "RedisStore":
+    ) -> RedisStore:
         """redis://, rediss://, unix://, redis+cluster://, rediss+cluster:// (see the module doc).
 
         Extra keywords go to redis-py (ssl_ca_certs=, ssl_cert_reqs=, max_connections=...);
@@ -223,7 +224,7 @@ class RedisStore(Store):
                 client.connection_pool.connection_class(**ckw)
                 check_tls_files(options)
             else:
-                raise InvalidArgument(f"not a Redis URL scheme: {scheme!r}")
+                raise InvalidArgument(f"not a Redis URL scheme: {shown(scheme)}")
         except PSError:
             raise
         except TypeError as exc:
