@@ -160,6 +160,34 @@ def test_keras_layers_saved_with_tf_train_checkpoint_are_found_by_their_names(tm
         run_migrate("tf2_slot_variables", ["x=Variable"], "adam", out=tmp_path)
 
 
+@pytest.mark.parametrize("path, embeddings, others", [
+    ("keras_checkpoint", ["item_emb/embeddings", "user_emb/embeddings"], ["head/kernel"]),  # Embedding layers
+    ("keras_weights/model.weights.h5", ["item_emb", "user_emb"], ["head"]),  # h5 keys layers/embedding...
+    ("tf1_saver", ["emb/item", "emb/tag", "emb/user"], []),  # emb in the names; emb/user is partitioned too
+    ("tfra_tf1", ["item_de", "user_de"], []),  # TFRA tables
+    ("tf2_slot_variables", [], ["model/item", "model/user"]),  # nothing says embedding
+])
+def test_likely_embeddings_are_told_from_other_2d_variables(path, embeddings, others):
+    source = open_source(str(FIX / path))
+    found = {source.shown(n): t.embedding for n, t in source.tables().items()}
+    assert found == {**dict.fromkeys(embeddings, True), **dict.fromkeys(others, False)}
+
+
+def test_moving_a_variable_that_is_no_embedding_says_so(tmp_path):
+    _, plans = run_migrate("keras_checkpoint", ["h=head", "u=user_emb"], "adam", out=tmp_path)
+    assert [n for n in plans[0].notes if "embedding" in n] == [
+        "'h': head/kernel is not named or made like an embedding (it is listed under other 2-D variables by "
+        "`dynemb tf ls`); moved all the same"]
+    assert not [n for n in plans[1].notes if "embedding" in n]
+    res = dynemb("tf", "migrate", "tests/fixtures/tf/keras_checkpoint", "--optimizer", "adam", "--out", str(tmp_path),
+                 "--table", "h2=head", "--table", "u2=user_emb", "--quiet")
+    assert res.returncode == 0, res.stderr
+    assert "note: 'h2': head/kernel is not named or made like an embedding" in res.stderr
+    assert res.stdout.splitlines()[1] == (  # the names `tf ls` lists, not optimizer/_trainable_variables/0/...
+        f"migrated user_emb/embeddings (10 rows x 4, adam state from slots: m=adam/user_emb_embeddings_momentum, "
+        f"v=adam/user_emb_embeddings_velocity) -> folder {tmp_path / 'u2'}")
+
+
 def test_adagrad_accumulator_into_each_target_optimizer(tmp_path):
     known = FIXTURES["tf1_saver"]["emb/user"]
     for optimizer in ("sgd", "adagrad", "rowwise_adagrad"):
@@ -401,11 +429,57 @@ emb/user/Adagrad  float32    [10, 4]  accumulator slot of emb/user
 global_step       int64      []
 misc/complex      complex64  [2, 2]
 
-tables (--table NAME=TENSOR takes the first column):
+embedding tables (--table NAME=TENSOR takes the first column):
   TABLE     ROWS  DIM  DTYPE     KIND                             SLOTS
   emb/item  6     8    float32   variable                         m=emb/item/Adam, v=emb/item/Adam_1
   emb/tag   5     4    bfloat16  variable                         -
   emb/user  10    4    float32   partitioned variable (3 slices)  accumulator=emb/user/Adagrad
+"""
+
+
+# a Keras model saved with tf.train.Checkpoint: names from the object graph, the Dense kernel apart
+KERAS_CHECKPOINT_LS = """\
+tests/fixtures/tf/keras_checkpoint/ckpt-1: TF2 object-based checkpoint, 16 tensors
+TENSOR                                                       DTYPE    SHAPE    VARIABLE                           ROLE
+_CHECKPOINTABLE_OBJECT_GRAPH                                 string   []
+optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE             int64    []       adam/iteration
+optimizer/_learning_rate/.ATTRIBUTES/VARIABLE_VALUE          float32  []       adam/learning_rate
+optimizer/_trainable_variables/0/.ATTRIBUTES/VARIABLE_VALUE  float32  [10, 4]  user_emb/embeddings                \
+table
+optimizer/_trainable_variables/1/.ATTRIBUTES/VARIABLE_VALUE  float32  [10, 4]  item_emb/embeddings                \
+table
+optimizer/_trainable_variables/2/.ATTRIBUTES/VARIABLE_VALUE  float32  [8, 1]   head/kernel                        \
+other 2-D variable
+optimizer/_trainable_variables/3/.ATTRIBUTES/VARIABLE_VALUE  float32  [1]      head/bias
+optimizer/_variables/2/.ATTRIBUTES/VARIABLE_VALUE            float32  [10, 4]  adam/user_emb_embeddings_momentum  m \
+slot of user_emb/embeddings
+optimizer/_variables/3/.ATTRIBUTES/VARIABLE_VALUE            float32  [10, 4]  adam/user_emb_embeddings_velocity  v \
+slot of user_emb/embeddings
+optimizer/_variables/4/.ATTRIBUTES/VARIABLE_VALUE            float32  [10, 4]  adam/item_emb_embeddings_momentum  m \
+slot of item_emb/embeddings
+optimizer/_variables/5/.ATTRIBUTES/VARIABLE_VALUE            float32  [10, 4]  adam/item_emb_embeddings_velocity  v \
+slot of item_emb/embeddings
+optimizer/_variables/6/.ATTRIBUTES/VARIABLE_VALUE            float32  [8, 1]   adam/head_kernel_momentum          m \
+slot of head/kernel
+optimizer/_variables/7/.ATTRIBUTES/VARIABLE_VALUE            float32  [8, 1]   adam/head_kernel_velocity          v \
+slot of head/kernel
+optimizer/_variables/8/.ATTRIBUTES/VARIABLE_VALUE            float32  [1]      adam/head_bias_momentum
+optimizer/_variables/9/.ATTRIBUTES/VARIABLE_VALUE            float32  [1]      adam/head_bias_velocity
+save_counter/.ATTRIBUTES/VARIABLE_VALUE                      int64    []       save_counter
+
+embedding tables (--table NAME=TENSOR takes the first column, or a name in ALSO):
+  TABLE                ROWS  DIM  DTYPE    KIND      \
+SLOTS                                                                     ALSO
+  item_emb/embeddings  10    4    float32  variable  m=adam/item_emb_embeddings_momentum, \
+v=adam/item_emb_embeddings_velocity  item_emb, optimizer/_trainable_variables/1, model/_operations/3/_embeddings
+  user_emb/embeddings  10    4    float32  variable  m=adam/user_emb_embeddings_momentum, \
+v=adam/user_emb_embeddings_velocity  user_emb, optimizer/_trainable_variables/0, model/_operations/2/_embeddings
+
+other 2-D variables (not named or made like embeddings, e.g. a Dense kernel; --table NAME=TENSOR takes the first \
+column, or a name in ALSO):
+  TABLE        ROWS  DIM  DTYPE    KIND      SLOTS                                                     ALSO
+  head/kernel  8     1    float32  variable  m=adam/head_kernel_momentum, v=adam/head_kernel_velocity  head, \
+optimizer/_trainable_variables/2, model/_operations/7/_kernel
 """
 
 
@@ -422,14 +496,7 @@ def test_cli_ls():
     assert "optimizer/vars/2           float32  [11, 4]  accumulator slot of user_emb" in res.stdout
     res = dynemb("tf", "ls", "tests/fixtures/tf/keras_checkpoint")
     assert res.returncode == 0, res.stderr
-    lines = res.stdout.splitlines()
-    assert ("optimizer/_trainable_variables/1/.ATTRIBUTES/VARIABLE_VALUE  float32  [10, 4]  item_emb/embeddings"
-            "                table") in lines
-    assert ("optimizer/_variables/2/.ATTRIBUTES/VARIABLE_VALUE            float32  [10, 4]  "
-            "adam/user_emb_embeddings_momentum  m slot of user_emb/embeddings") in lines
-    assert ("  user_emb/embeddings  10    4    float32  variable  m=adam/user_emb_embeddings_momentum, "
-            "v=adam/user_emb_embeddings_velocity  user_emb, optimizer/_trainable_variables/0, "
-            "model/_operations/2/_embeddings") in lines
+    assert res.stdout == KERAS_CHECKPOINT_LS
 
 
 def test_cli_migrate_into_a_ps_and_into_files(embedded_ps, embedded_client, tmp_path):

@@ -111,7 +111,8 @@ def cmd_ls(args) -> int:
     for t in tables.values():
         shown = src.shown(t.name)
         for part in t.values.parts:
-            role[part] = f"values of table {shown}" if t.keys is not None else "table"
+            role[part] = (f"values of table {shown}" if t.keys is not None else
+                          "table" if t.embedding else "other 2-D variable")
         for part in t.keys.parts if t.keys is not None else ():
             role[part] = f"keys of table {shown}"
         for slot, rows in t.slots.items():
@@ -129,14 +130,24 @@ def cmd_ls(args) -> int:
     if not tables:
         print("no tables (2-D float tensors) found")
         return 0
-    print(_table_section("tables", src, tables))
+    embeddings = {n: t for n, t in tables.items() if t.embedding}
+    others = {n: t for n, t in tables.items() if not t.embedding}
+    if embeddings:
+        print(_table_section("embedding tables", src, embeddings))
+    else:
+        print("no embedding tables: no TFRA table, partitioned variable or Keras Embedding layer, and no name with "
+              "embedding or emb in it")
+    if others:
+        print()
+        print(_table_section("other 2-D variables", src, others,
+                             "not named or made like embeddings, e.g. a Dense kernel; "))
     return 0
 
 
-def _table_section(title: str, src, tables: dict) -> str:
+def _table_section(title: str, src, tables: dict, why: str = "") -> str:
     """One listing of tables: the names --table takes, sizes, kinds, slots and other names."""
     also = any(src.other_names(name) for name in tables)
-    head = "--table NAME=TENSOR takes the first column" + (" or a name in ALSO" if also else "")
+    head = why + "--table NAME=TENSOR takes the first column" + (", or a name in ALSO" if also else "")
     rows = [("TABLE", "ROWS", "DIM", "DTYPE", "KIND", "SLOTS") + (("ALSO",) if also else ())]
     for name, t in sorted(tables.items(), key=lambda item: src.shown(item[0])):
         slots = ", ".join(f"{k}={src.shown(r.label)}" for k, r in sorted(t.slots.items())) or "-"
@@ -175,7 +186,8 @@ def cmd_migrate(args) -> int:
             migrate.to_ps(ps, plans, replace=args.replace, progress=not args.quiet)
         targets = {p.schema.name: f"PS table {p.schema.name}" for p in plans}
     for p in plans:
-        slots = ", ".join(f"{k}={r.label}" for k, r in p.slots.items()) or "none"
-        print(f"migrated {p.source.values.label} ({p.num_rows} rows x {p.schema.dim}, {args.optimizer} state "
-              f"from slots: {slots}) -> {targets[p.schema.name]}")
+        # by the names `tf ls` lists (user_emb/embeddings, not optimizer/_trainable_variables/0/...)
+        slots = ", ".join(f"{k}={src.shown(r.label)}" for k, r in p.slots.items()) or "none"
+        print(f"migrated {src.shown(p.source.values.label)} ({p.num_rows} rows x {p.schema.dim}, {args.optimizer} "
+              f"state from slots: {slots}) -> {targets[p.schema.name]}")
     return 0

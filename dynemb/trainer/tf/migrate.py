@@ -259,6 +259,9 @@ def plan(source: Source, specs: list[TableSpec], optimizer: str, dtype: str = "f
             if not _slot_shape_ok(rows, n, dim, optimizer == "rowwise_adagrad"):
                 raise TFMigrationError(f"{what}: slot {key} ({rows.label}) has shape {list(rows.shape)}, the table's "
                                       f"values are {[n, dim]}")
+        if not table.embedding and table.name in source.tables():
+            notes.append(f"{spec.table!r}: {source.shown(table.name)} is not named or made like an embedding (it is "
+                         f"listed under other 2-D variables by `dynemb tf ls`); moved all the same")
         unused = sorted(set(slots) - set(needed))
         if unused:
             notes.append(f"{spec.table!r}: slot(s) {', '.join(unused)} not kept (optimizer {optimizer} has no use "

@@ -27,6 +27,8 @@ from dynemb.trainer.tf.errors import TFMigrationError
 FLOAT_DTYPES = ("float32", "float64", "float16", "bfloat16")
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 VALUE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
+# a name that says embedding: embedding(s), Keras' Embedding layer (and its h5 key), emb, embs
+EMBEDDING_NAME = re.compile(r"embed|(^|[^a-z])embs?([^a-z]|$)", re.I)
 # an object-path step that is a position in a list: Keras 3 lists, Keras 2 layer-N
 POSITIONAL = re.compile(r"(^|/)(\d+|layer(_with_weights)?-\d+)(/|$)")
 
@@ -53,12 +55,18 @@ class Rows:
 
 @dataclass
 class Table:
+    """A 2-D float tensor (or TFRA table) that --table can move, with its optimizer slots."""
+
     name: str
     values: Rows
     keys: Rows | None = None  # the ids, where the checkpoint stores them (TFRA)
     slots: dict[str, Rows] = field(default_factory=dict)
     kind: str = "variable"
     note: str = ""  # e.g. why slots were not matched
+    # Likely an embedding: a TFRA table, a partitioned variable, or a name that says so (a
+    # Keras Embedding layer's variable is `embeddings`). Others (a Dense kernel) are listed
+    # apart by `dynemb tf ls`, and still move when named.
+    embedding: bool = False
 
 
 def bundle_rows(bundle: Bundle, name: str) -> Rows:
@@ -161,6 +169,9 @@ class Source:
             except BaseException:
                 self._tables = None
                 raise
+            for name, t in self._tables.items():
+                names = (name, self.variable_names.get(name, ""), *(a for a, n in self.aliases.items() if n == name))
+                t.embedding = t.embedding or any(EMBEDDING_NAME.search(n) for n in names)
         return self._tables
 
     def table(self, name: str) -> Table:
@@ -214,7 +225,8 @@ class BundleSource(Source):
             per = slots.get(name, {})
             found[name] = Table(name, bundle_rows(self.bundle, name),
                                 slots={s: bundle_rows(self.bundle, t) for s, t in per.items()},
-                                kind=f"partitioned variable ({info.slices} slices)" if info.slices else "variable")
+                                kind=f"partitioned variable ({info.slices} slices)" if info.slices else "variable",
+                                embedding=bool(info.slices))  # only embeddings are worth partitioning
         self._name_variables(infos, names, found)
         return found
 

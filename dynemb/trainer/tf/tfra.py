@@ -126,5 +126,5 @@ def find(bundle: Bundle, infos: dict[str, TensorInfo]) -> dict[str, Table]:
         keys, values = parts[name]
         slots = {slot: _aligned(keys, *parts[s]) for s, (owner, slot) in slot_of.items() if owner == name}
         count = f"{len(shards)} shard{'s' if len(shards) > 1 else ''}"
-        tables[name] = Table(name, values, keys=keys, slots=slots, kind=f"TFRA table ({count})")
+        tables[name] = Table(name, values, keys=keys, slots=slots, kind=f"TFRA table ({count})", embedding=True)
     return tables
