@@ -266,13 +266,19 @@ def tf1_copy(tmp_path) -> Path:
     return dst
 
 
-def test_a_corrupt_data_file_is_refused_and_nothing_is_written(embedded_client, tf1_copy):
-    prefix = tf1_copy / "model.ckpt-100"
-    entry = Bundle(str(prefix))._pieces("emb/user")[1][0]  # the second slice of emb/user
+def corrupt_emb_user(tf1: Path) -> Path:
+    """Flip a bit in the second slice of emb/user in a copy of tf1_saver; returns the data file."""
+    prefix = tf1 / "model.ckpt-100"
+    entry = Bundle(str(prefix))._pieces("emb/user")[1][0]
     data = Path(f"{prefix}.data-00000-of-00001")
     raw = bytearray(data.read_bytes())
     raw[entry.offset + 5] ^= 0x01
     data.write_bytes(bytes(raw))
+    return data
+
+
+def test_a_corrupt_data_file_is_refused_and_nothing_is_written(embedded_client, tf1_copy):
+    corrupt_emb_user(tf1_copy)
     good, bad = unique("good"), unique("bad")
     with pytest.raises(TFMigrationError, match=r"model\.ckpt-100\.data-00000-of-00001: tensor 'emb/user' .* has "
                                                r"CRC-32C 0x[0-9a-f]{8}, the index records 0x[0-9a-f]{8}: "
@@ -558,11 +564,7 @@ def test_cli_errors_name_real_flags_and_leave_no_progress_bar(tmp_path, tf1_copy
     assert res.returncode == 0, res.stderr
 
     # a corrupt tensor met while the verify bar is drawn: the error line shows the error alone
-    entry = Bundle(str(tf1_copy / "model.ckpt-100"))._pieces("emb/user")[1][0]
-    data = tf1_copy / "model.ckpt-100.data-00000-of-00001"
-    raw = bytearray(data.read_bytes())
-    raw[entry.offset] ^= 0x01
-    data.write_bytes(bytes(raw))
+    data = corrupt_emb_user(tf1_copy)
     res = dynemb("tf", "migrate", str(data), "--optimizer", "sgd", "--out", str(tmp_path / "new"),
                  "--table", "a=emb/item", "--table", "b=emb/user")
     assert res.returncode == 1 and "verify" in res.stderr  # the bar was drawn, then cleared

@@ -120,7 +120,7 @@ class Bundle:
                 data = f.read()
         except FileNotFoundError:
             raise TFMigrationError(f"{self.index_path}: no such file (a checkpoint prefix P has P.index "
-                                  f"and P.data-00000-of-0000N)") from None
+                                   f"and P.data-00000-of-0000N)") from None
         self.entries: dict[str, pb.BundleEntryProto] = {}
         self._slice_entries: dict[bytes, pb.BundleEntryProto] = {}
         header = None
@@ -132,7 +132,7 @@ class Bundle:
                 entry = pb.BundleEntryProto.FromString(value)
             except DecodeError:
                 raise TFMigrationError(f"{self.index_path}: the entry of key {key!r} does not parse: the index "
-                                      f"is corrupt") from None
+                                       f"is corrupt") from None
             if key[:1] == b"\x00":
                 self._slice_entries[key] = entry
             else:
@@ -168,7 +168,7 @@ class Bundle:
         if shard not in self._data:
             if not 0 <= shard < self.num_shards:
                 raise TFMigrationError(f"{self.index_path}: tensor {name!r} is in data shard {shard}, but the "
-                                      f"header says there are {self.num_shards}")
+                                       f"header says there are {self.num_shards}")
             path = self.data_path(shard)
             try:
                 size = os.path.getsize(path)
@@ -182,7 +182,7 @@ class Bundle:
         end = entry.offset + entry.size
         if entry.offset < 0 or end > len(data):
             raise TFMigrationError(f"{self.data_path(entry.shard_id)}: {len(data)} bytes, but tensor {name!r} "
-                                  f"is at bytes [{entry.offset}, {end}): the file is truncated")
+                                   f"is at bytes [{entry.offset}, {end}): the file is truncated")
         return data[entry.offset: end]
 
     def _pieces(self, name: str) -> list[tuple[pb.BundleEntryProto, list[tuple[int, int]] | None]]:
@@ -197,12 +197,12 @@ class Bundle:
             key = slice_key(name, ext)
             if key not in self._slice_entries:
                 raise TFMigrationError(f"{self.index_path}: slice {ext} of partitioned tensor {name!r} is listed "
-                                      f"but has no entry: the index is corrupt")
+                                       f"but has no entry: the index is corrupt")
             pieces.append((self._slice_entries[key], ext))
         stored = sum(math.prod(self._piece_shape(shape, ext)) for _, ext in pieces)
         if stored != math.prod(shape):
             raise TFMigrationError(f"{self.index_path}: the slices of {name!r} hold {stored} values, its shape "
-                                  f"{list(shape)} has {math.prod(shape)}")
+                                   f"{list(shape)} has {math.prod(shape)}")
         return pieces
 
     @staticmethod
@@ -213,7 +213,7 @@ class Bundle:
         e = self.entry(name)
         if e.dtype not in DTYPES:
             raise TFMigrationError(f"{self.prefix}: tensor {name!r} has dtype {dtype_name(e.dtype)} "
-                                  f"(TensorFlow DataType {e.dtype}), which dynemb cannot read as numbers")
+                                   f"(TensorFlow DataType {e.dtype}), which dynemb cannot read as numbers")
         tag, np_dtype = DTYPES[e.dtype]
         return tag, np_dtype, tuple(d.size for d in e.shape.dim)
 
@@ -221,7 +221,7 @@ class Bundle:
         want = math.prod(shape) * np_dtype.itemsize
         if entry.size != want:
             raise TFMigrationError(f"{self.index_path}: tensor {name!r} has {entry.size} bytes, its shape "
-                                  f"{list(shape)} of {np_dtype} needs {want}: the index is corrupt")
+                                   f"{list(shape)} of {np_dtype} needs {want}: the index is corrupt")
 
     # -- checks -------------------------------------------------------------------
 
@@ -237,7 +237,7 @@ class Bundle:
                     crc = google_crc32c.extend(crc, raw[lo: lo + (64 << 20)])
             if crc != unmask_crc(entry.crc32c):
                 raise TFMigrationError(f"{self.data_path(entry.shard_id)}: tensor {name!r} (bytes [{entry.offset}, "
-                                      f"{entry.offset + entry.size})) has CRC-32C {crc:#010x}, the index records "
+                                       f"{entry.offset + entry.size})) has CRC-32C {crc:#010x}, the index records "
                                       f"{unmask_crc(entry.crc32c):#010x}: the data file is corrupt")
 
     def _count(self, name: str) -> int:

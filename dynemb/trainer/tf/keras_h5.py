@@ -64,7 +64,7 @@ class KerasSource(Source):
             with zipfile.ZipFile(path) as z:
                 if WEIGHTS_MEMBER not in z.namelist():
                     raise TFMigrationError(f"{path}: a zip without {WEIGHTS_MEMBER}; not a Keras 3 .keras file "
-                                          f"(it has {z.namelist()[:5]})")
+                                           f"(it has {z.namelist()[:5]})")
                 spool = tempfile.TemporaryFile()
                 with z.open(WEIGHTS_MEMBER) as member:  # raises BadZipFile on a CRC-32 mismatch
                     shutil.copyfileobj(member, spool, 4 << 20)
@@ -97,7 +97,7 @@ class KerasSource(Source):
                 return np.asarray(ds[lo:hi])
             except OSError as exc:
                 raise TFMigrationError(f"{self.path}: dataset {name!r} cannot be read (truncated or "
-                                      f"corrupt?): {exc}") from None
+                                       f"corrupt?): {exc}") from None
 
         def verify() -> None:  # no checksums in HDF5: read every row, so a truncated file fails here
             step = max(1, (16 << 20) // max(1, ds.dtype.itemsize * int(np.prod(ds.shape[1:], dtype=np.int64))))

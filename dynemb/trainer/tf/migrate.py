@@ -86,7 +86,7 @@ class TableSpec:
             key, eq, value = opt.partition("=")
             if not eq or key not in SPEC_KEYS:
                 raise TFMigrationError(f"--table {text!r}: {opt!r} is not one of "
-                                      + ", ".join(f"{k}=..." for k in SPEC_KEYS))
+                                       + ", ".join(f"{k}=..." for k in SPEC_KEYS))
             if key == "offset":
                 try:
                     spec.offset = int(value)
@@ -142,7 +142,7 @@ def read_vocab(path: str, kind: str, rows: int, table: str) -> np.ndarray:
     lines = [ln[:-1] if ln.endswith(b"\r") else ln for ln in lines]
     if len(lines) != rows:
         raise TFMigrationError(f"{path}: {len(lines)} lines, but the tensor of table {table!r} has {rows} rows "
-                              f"(line k names row k)")
+                               f"(line k names row k)")
     if kind == "tokens":
         for k, ln in enumerate(lines):
             try:
@@ -156,7 +156,7 @@ def read_vocab(path: str, kind: str, rows: int, table: str) -> np.ndarray:
             value = int(ln.strip())
         except ValueError:
             raise TFMigrationError(f"{path}:{k + 1}: {ln[:40].decode('utf-8', 'replace')!r} is not an integer id "
-                                  f"(vocab-kind=ids; use vocab-kind=tokens for words)") from None
+                                   f"(vocab-kind=ids; use vocab-kind=tokens for words)") from None
         if not -(1 << 63) <= value <= INT64_MAX:
             raise TFMigrationError(f"{path}:{k + 1}: id {value} does not fit in int64")
         ids[k] = value
@@ -169,7 +169,7 @@ def _check_distinct(ids: np.ndarray, what: str) -> None:
         dup = uniq[counts > 1][0]
         rows = np.flatnonzero(ids == dup)[:2]
         raise TFMigrationError(f"{what}: id {dup} appears more than once (rows {rows[0]} and {rows[1]}); "
-                              f"each row needs its own id")
+                               f"each row needs its own id")
 
 
 def _ids_of(spec: TableSpec, table: Table) -> np.ndarray | None:
@@ -178,7 +178,7 @@ def _ids_of(spec: TableSpec, table: Table) -> np.ndarray | None:
     if table.keys is not None:
         if spec.vocab or spec.offset:
             raise TFMigrationError(f"--table {spec.table}: {table.name!r} is a TFRA table whose keys are the ids; "
-                                  f"offset and vocab apply to plain tensors")
+                                   f"offset and vocab apply to plain tensors")
         table.keys.verify()  # checked before use: a corrupt key must not read as a duplicate
         keys = table.keys.read(0, n)
         if table.keys.dtype == "string":
@@ -187,7 +187,7 @@ def _ids_of(spec: TableSpec, table: Table) -> np.ndarray | None:
             ids = keys.astype(np.int64)
         else:
             raise TFMigrationError(f"{what}: TFRA keys of dtype {table.keys.dtype} cannot be ids "
-                                  f"(integers or strings)")
+                                   f"(integers or strings)")
         _check_distinct(ids, f"{what}: the TFRA keys")
         return ids
     if spec.vocab:
@@ -238,7 +238,7 @@ def plan(source: Source, specs: list[TableSpec], optimizer: str, dtype: str = "f
         what = f"table {spec.table!r} ({values.label})"
         if values.dtype not in FLOAT_DTYPES:
             raise TFMigrationError(f"{what}: dtype {values.dtype}; an embedding must be a float tensor "
-                                  f"({', '.join(FLOAT_DTYPES)})")
+                                   f"({', '.join(FLOAT_DTYPES)})")
         if len(values.shape) != 2 or values.shape[1] < 1:
             raise TFMigrationError(f"{what}: shape {list(values.shape)}; an embedding table is (rows, dim)")
         n, dim = values.shape
@@ -258,7 +258,7 @@ def plan(source: Source, specs: list[TableSpec], optimizer: str, dtype: str = "f
                 raise TFMigrationError(f"{what}: slot {key} ({rows.label}) has dtype {rows.dtype}, not a float type")
             if not _slot_shape_ok(rows, n, dim, optimizer == "rowwise_adagrad"):
                 raise TFMigrationError(f"{what}: slot {key} ({rows.label}) has shape {list(rows.shape)}, the table's "
-                                      f"values are {[n, dim]}")
+                                       f"values are {[n, dim]}")
         if not table.embedding and table.name in source.tables():
             notes.append(f"{spec.table!r}: {source.shown(table.name)} is not named or made like an embedding (it is "
                          f"listed under other 2-D variables by `dynemb tf ls`); moved all the same")
@@ -355,7 +355,7 @@ def check_ps(client, plans: list[Plan]) -> None:
                  for k in ("dim", "state_width", "dtype") if getattr(have, k) != getattr(p.schema, k)]
         if diffs:
             raise TFMigrationError(f"table {p.schema.name!r} exists on the PS with " + ", ".join(diffs)
-                                  + "; migrate into another table or drop it first")
+                                   + "; migrate into another table or drop it first")
         p.schema = have
 
 

@@ -79,7 +79,7 @@ def concat_rows(parts: list[Rows], label: str) -> Rows:
     """Several tensors of equal trailing shape read as one, in order."""
     if len({p.shape[1:] for p in parts}) > 1 or len({p.dtype for p in parts}) > 1:
         raise TFMigrationError(f"{label}: its parts differ in dtype or shape: "
-                              + ", ".join(f"{p.label} {p.dtype} {list(p.shape)}" for p in parts))
+                               + ", ".join(f"{p.label} {p.dtype} {list(p.shape)}" for p in parts))
     bounds = np.cumsum([0] + [p.num_rows for p in parts])
 
     def read(lo: int, hi: int) -> np.ndarray:
@@ -185,7 +185,7 @@ class Source:
         if name not in known:
             hint = ", ".join(sorted(self.shown(n) for n in tables)[:8])
             raise TFMigrationError(f"{self.path}: no tensor or table named {name!r}"
-                                  + (f"; tables found: {hint}" if hint else "") + " (see `dynemb tf ls`)")
+                                   + (f"; tables found: {hint}" if hint else "") + " (see `dynemb tf ls`)")
         return Table(name, self.rows(name))
 
 
@@ -293,14 +293,14 @@ def open_source(path: str) -> Source:
             indexes = sorted(f for f in os.listdir(path) if f.endswith(".index"))
             if len(indexes) != 1:
                 raise TFMigrationError(f"{path}: a folder without a `checkpoint` file or saved_model.pb, and "
-                                      f"{len(indexes)} .index files in it; give the checkpoint prefix itself")
+                                       f"{len(indexes)} .index files in it; give the checkpoint prefix itself")
             latest = os.path.join(path, indexes[0][: -len(".index")])
         path = latest
     # the files of a prefix P are P.index and P.data-00000-of-0000N: any of them names P
     path = re.sub(r"\.(index|data-\d{5}-of-\d{5})$", "", path)
     if not os.path.isfile(path + ".index"):
         raise TFMigrationError(f"{path}: not a checkpoint (no {path}.index), a checkpoint folder, a SavedModel, "
-                              f"or a Keras .weights.h5 / .keras file")
+                               f"or a Keras .weights.h5 / .keras file")
     bundle = Bundle(path)
     kind = "TF2 object-based checkpoint" if OBJECT_GRAPH_KEY in bundle.entries else "TF1 Saver checkpoint"
     return BundleSource(path, bundle, kind)

@@ -73,7 +73,7 @@ def _block(data: bytes, offset: int, size: int, path: str) -> bytes:
         raise TFMigrationError(f"{path}: the block at byte {offset} fails its CRC-32C check: the file is corrupt")
     if kind != 0:
         raise TFMigrationError(f"{path}: the block at byte {offset} is compressed (type {kind}); only "
-                              f"uncompressed tables (what TensorFlow writes) are read")
+                               f"uncompressed tables (what TensorFlow writes) are read")
     return block
 
 
@@ -101,12 +101,12 @@ def read_table(data: bytes, path: str) -> Iterator[tuple[bytes, bytes]]:
     """Every (key, value) of a table file's bytes, in key order; blocks are CRC-checked."""
     if len(data) < FOOTER_BYTES:
         raise TFMigrationError(f"{path}: {len(data)} bytes is too short for a checkpoint index "
-                              f"(a {FOOTER_BYTES}-byte footer at least): the file is truncated")
+                               f"(a {FOOTER_BYTES}-byte footer at least): the file is truncated")
     footer = data[-FOOTER_BYTES:]
     (magic,) = struct.unpack_from("<Q", footer, FOOTER_BYTES - 8)
     if magic != MAGIC:
         raise TFMigrationError(f"{path}: not a TensorFlow checkpoint index (its last 8 bytes are not the "
-                              f"table magic number): the file is truncated, corrupt or of another kind")
+                               f"table magic number): the file is truncated, corrupt or of another kind")
     _, _, pos = _handle(footer, 0, path)  # the metaindex: TensorFlow's bundles keep nothing there
     index_offset, index_size, _ = _handle(footer, pos, path)
     for _, handle in _entries(_block(data, index_offset, index_size, path), path):

@@ -42,7 +42,7 @@ def _groups(infos: dict[str, TensorInfo]) -> dict[str, dict[int, dict[str, str]]
             shard, n = int(m["i"]) - 1, int(m["n"])
             if counts.setdefault(m["table"], n) != n:
                 raise TFMigrationError(f"TFRA table {m['table']!r}: its shards disagree on their count "
-                                      f"({counts[m['table']]} and {n}, at {name!r})")
+                                       f"({counts[m['table']]} and {n}, at {name!r})")
         else:
             m = TF2.match(name)
             if not m:
@@ -56,7 +56,7 @@ def _groups(infos: dict[str, TensorInfo]) -> dict[str, dict[int, dict[str, str]]
             for part in ("keys", "values"):
                 if part not in parts:
                     raise TFMigrationError(f"TFRA table {table!r}: shard {k + 1} of {want} has no {part} tensor "
-                                          f"(found: {sorted(n for s in shards.values() for n in s.values())})")
+                                           f"(found: {sorted(n for s in shards.values() for n in s.values())})")
     return groups
 
 
@@ -67,7 +67,7 @@ def _table_rows(bundle: Bundle, table: str, shards: dict[int, dict[str, str]]) -
         kinfo, vinfo = bundle.info(shards[k]["keys"]), bundle.info(shards[k]["values"])
         if len(kinfo.shape) != 1 or len(vinfo.shape) != 2 or kinfo.shape[0] != vinfo.shape[0]:
             raise TFMigrationError(f"TFRA table {table!r}: shard {k + 1} has keys {list(kinfo.shape)} and values "
-                                  f"{list(vinfo.shape)}; expected (n,) and (n, dim)")
+                                   f"{list(vinfo.shape)}; expected (n,) and (n, dim)")
     count = f"{len(shards)} shard{'s' if len(shards) > 1 else ''}"
     keys.label, values.label = f"{table} keys", f"{table} ({count})"
     return keys, values
