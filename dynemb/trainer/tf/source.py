@@ -112,11 +112,13 @@ class Source:
         self.ambiguous: dict[str, set[str]] = {}  # names several tensors would answer to → those
         self.variable_names: dict[str, str] = {}  # tensor → the variable name its object graph gives
         self._shown: dict[str, str] = {}  # tensor → the name `dynemb tf ls` lists it by
+        self._aliases_of: dict[str, list[str]] | None = None  # tensor → its aliases (built on demand)
 
     def add_alias(self, alias: str, name: str) -> None:
         """Let `alias` name tensor `name`; an alias claimed by two tensors names neither."""
         if alias == name or not alias or self._is_tensor(alias):  # a tensor's own name stays its own
             return
+        self._aliases_of = None
         if alias in self.ambiguous or self.aliases.get(alias, name) != name:
             self.ambiguous.setdefault(alias, set()).update({name, self.aliases.pop(alias, name)})
             return
@@ -130,10 +132,17 @@ class Source:
         """The name `dynemb tf ls` lists a tensor or table by."""
         return self._shown.get(name, name)
 
+    def names_of(self, name: str) -> list[str]:
+        """A tensor's aliases (an index kept apart: a checkpoint may hold many thousand tensors)."""
+        if self._aliases_of is None:
+            self._aliases_of = {}
+            for a, n in self.aliases.items():
+                self._aliases_of.setdefault(n, []).append(a)
+        return self._aliases_of.get(name, [])
+
     def other_names(self, name: str) -> list[str]:
         """The aliases of a tensor other than its shown name, shortest first."""
-        return sorted((a for a, n in self.aliases.items() if n == name and a != self.shown(name)),
-                      key=lambda a: (a.count("/"), a))
+        return sorted((a for a in self.names_of(name) if a != self.shown(name)), key=lambda a: (a.count("/"), a))
 
     def resolve(self, name: str) -> str:
         """The tensor an alias (or its own name) names.
@@ -170,7 +179,7 @@ class Source:
                 self._tables = None
                 raise
             for name, t in self._tables.items():
-                names = (name, self.variable_names.get(name, ""), *(a for a, n in self.aliases.items() if n == name))
+                names = (name, self.variable_names.get(name, ""), *self.names_of(name))
                 t.embedding = t.embedding or any(EMBEDDING_NAME.search(n) for n in names)
         return self._tables
 
