@@ -6,12 +6,9 @@ import sys
 from pathlib import Path
 
 LOAD = """
-import hashlib, torch
-from pathlib import Path
 from torch.utils import cpp_extension
 from dynemb.idtransformer import kernel
-digest = hashlib.sha1(kernel.SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
-print(cpp_extension._get_build_directory(f"dynemb_idt_{digest}", verbose=False))
+print(cpp_extension._get_build_directory(kernel.build_name(), verbose=False))
 """
 
 

@@ -1,7 +1,7 @@
-"""The kernel's routing ops (csrc/slot_map.cpp, routing section) against their torch-ops
-references in dynemb/idtransformer/route.py: the same send order, permutation and counts, and the
-same regrouping of blocks, on random inputs with empty tables, one to five ranks and IDs
-anywhere in int64."""
+"""The kernel's routing ops (csrc/route.cpp) against their torch-ops references in
+dynemb/idtransformer/route.py: the same send order, permutation and counts, and the same
+regrouping of blocks, on random inputs with empty tables, one to five ranks and IDs anywhere in
+int64."""
 
 from __future__ import annotations
 

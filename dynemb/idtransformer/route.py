@@ -12,9 +12,9 @@ in which order.
     back = transpose_blocks(mine, recv_counts.t())    # and back
 
 An ID's owner is hashing.owner_of (xxh64(id) % world, the PS client's sharding). On CPU the
-compiled kernel does each in one or two passes (csrc/slot_map.cpp, its routing section); the
-torch-ops versions (CUDA, or tables on the torch backend) give the same results and are the
-reference the tests hold the kernel to.
+compiled kernel does each in one or two passes (csrc/route.cpp); the torch-ops versions (CUDA,
+or tables on the torch backend) give the same results and are the reference the tests hold the
+kernel to.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-// CPU kernel of the ID transformer (see ../transformer.py and ../slot_map.py).
+// CPU kernel of the ID transformer (see ../transformer.py and ../slot_map.py): the slot map and
+// a batch's two passes (lookup, then admit), for one table or many in one call. The routing of
+// a sharded transform's IDs is route.cpp's, the hashes both use hash.h's.
 //
 // Written by hand because no library does it: TorchRec's MCH keeps sorted arrays (a binary
 // search per ID, a re-sort per eviction), HierarchicalKV is CUDA-only and places keys by
@@ -36,21 +38,14 @@
 
 #include <sys/mman.h>
 
+#include "hash.h"
+#include "ids.h"
+
 namespace dynemb {
 namespace {
 
 constexpr int32_t kEmpty = -1;
 constexpr int32_t kFree = -1;
-constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ULL;
-
-inline uint64_t fmix64(uint64_t x) {  // MurmurHash3's finaliser: a full 64-bit avalanche
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdULL;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ULL;
-  x ^= x >> 33;
-  return x;
-}
 
 struct Entry {
   uint32_t tag;
@@ -145,12 +140,6 @@ inline uint32_t hits_of(int64_t m) { return uint32_t(uint64_t(m) >> 48); }
 inline int64_t make_meta(int32_t last, uint32_t freq, uint32_t pins, uint32_t hits) {
   return int64_t(uint64_t(uint32_t(last)) | uint64_t(freq) << 32 | uint64_t(pins) << 40 | uint64_t(hits) << 48);
 }
-
-at::Tensor flat_ids(const at::Tensor& ids) {
-  TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong, "ids must be a CPU int64 tensor");
-  return ids.contiguous().view({-1});
-}
-
 
 // An uninitialised CPU tensor on 2 MiB-aligned memory advised to use 2 MiB pages. The map,
 // the records and the batch set are read at random: with 4 KiB pages nearly every access
@@ -1005,129 +994,4 @@ TORCH_LIBRARY_IMPL(dynemb_idt, CPU, m) {
   m.impl("find", dynemb::find);
   m.impl("insert", dynemb::insert);
   m.impl("erase", dynemb::erase);
-}
-
-// ============================================================================================
-// Routing of a sharded transform's IDs (../route.py, ../sharded.py): which rank owns each ID,
-// and the blocks of the all_to_all laid out by counting sort, in place of torch's hash ops,
-// stable sorts and bincounts (~0.9 ms of torch ops a step for 26 tables x 512 IDs). A section
-// of its own, registered by its own library fragment below.
-// ============================================================================================
-
-namespace dynemb {
-namespace {
-
-// XXH64 of an id's 8 little-endian bytes, seed 0: the PS client's shard hash (ps_server/hashing.py),
-// as idtransformer/hashing.py computes it in torch ops.
-inline uint64_t rotl64(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
-
-inline uint64_t xxh64_of_id(int64_t id) {
-  constexpr uint64_t P1 = 0x9E3779B185EBCA87ULL, P2 = 0xC2B2AE3D27D4EB4FULL, P3 = 0x165667B19E3779F9ULL,
-                     P4 = 0x85EBCA77C2B2AE63ULL, P5 = 0x27D4EB2F165667C5ULL;
-  uint64_t h = P5 + 8;
-  h ^= rotl64(uint64_t(id) * P2, 31) * P1;
-  h = rotl64(h, 27) * P1 + P4;
-  h ^= h >> 33;
-  h *= P2;
-  h ^= h >> 29;
-  h *= P3;
-  return h ^ (h >> 32);
-}
-
-// The send layout of a sharded transform. ids holds the tables' IDs end to end (table t's are
-// the sizes[t] after those of tables 0..t-1); an ID's destination is xxh64(id) % world. Returns
-// (send, position, counts): send holds the IDs grouped by (destination, table) bucket, buckets in
-// that order and each in the IDs' own order (what a stable sort by destination * T + table
-// gives), ids[i] at send[position[i]] (so the answers come back by a gather); counts (world * T)
-// the bucket sizes. Two passes: hash and count, then place.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> route(const at::Tensor& ids_in, at::IntArrayRef sizes,
-                                                      int64_t world) {
-  const at::Tensor ids = flat_ids(ids_in);
-  const int64_t T = int64_t(sizes.size()), n = ids.numel();
-  TORCH_CHECK(world >= 1, "route: world size must be at least 1, got ", world);
-  TORCH_CHECK(world * std::max<int64_t>(T, 1) < (int64_t(1) << 31), "route: too many (rank, table) buckets");
-  int64_t total = 0;
-  for (const int64_t s : sizes) {
-    TORCH_CHECK(s >= 0, "route: a block's size is negative");
-    total += s;
-  }
-  TORCH_CHECK(total == n, "route: the blocks' sizes add up to ", total, ", not to the ", n, " ids");
-  const int64_t* id = ids.data_ptr<int64_t>();
-  at::Tensor counts = at::zeros({world * T}, ids.options());
-  int64_t* count = counts.data_ptr<int64_t>();
-  std::vector<int32_t> bucket(static_cast<size_t>(n));  // destination * T + table of each id
-  const bool pow2 = (world & (world - 1)) == 0;  // the usual world sizes: a mask, not a division
-  const uint64_t W = uint64_t(world);
-  for (int64_t t = 0, i = 0; t < T; ++t) {
-    for (const int64_t end = i + sizes[t]; i < end; ++i) {
-      const uint64_t h = xxh64_of_id(id[i]);
-      const int64_t b = int64_t(pow2 ? h & (W - 1) : h % W) * T + t;
-      bucket[size_t(i)] = int32_t(b);
-      ++count[b];
-    }
-  }
-  std::vector<int64_t> fill(size_t(world * T));  // where each bucket's next id goes
-  for (int64_t b = 0, pos = 0; b < world * T; ++b) {
-    fill[size_t(b)] = pos;
-    pos += count[b];
-  }
-  at::Tensor send = at::empty({n}, ids.options()), position = at::empty({n}, ids.options());
-  int64_t* s = send.data_ptr<int64_t>();
-  int64_t* pos = position.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t p = fill[size_t(bucket[size_t(i)])]++;
-    s[p] = id[i];
-    pos[i] = p;
-  }
-  return {send, position, counts};
-}
-
-// x laid out in blocks (r, c), row after row, of counts[r][c] elements (counts: 2-D int64, any
-// strides), laid out again column after column: blocks (0, 0), (1, 0), ... (0, 1), (1, 1), ...
-// The receive side's (source, table) blocks become (table, source) ones; with counts.t() the
-// same op puts them back.
-at::Tensor transpose_blocks(const at::Tensor& x_in, const at::Tensor& counts) {
-  TORCH_CHECK(x_in.device().is_cpu(), "transpose_blocks: x must be a CPU tensor");
-  TORCH_CHECK(counts.device().is_cpu() && counts.scalar_type() == at::kLong && counts.dim() == 2,
-              "transpose_blocks: counts must be a 2-D CPU int64 tensor");
-  const at::Tensor x = x_in.contiguous().view({-1});
-  const int64_t R = counts.size(0), C = counts.size(1);
-  const auto cnt = counts.accessor<int64_t, 2>();
-  std::vector<int64_t> start(size_t(R * C));  // of block (r, c) in x
-  int64_t total = 0;
-  for (int64_t r = 0; r < R; ++r) {
-    for (int64_t c = 0; c < C; ++c) {
-      TORCH_CHECK(cnt[r][c] >= 0, "transpose_blocks: a count is negative");
-      start[size_t(r * C + c)] = total;
-      total += cnt[r][c];
-    }
-  }
-  TORCH_CHECK(total == x.numel(), "transpose_blocks: the counts add up to ", total, ", not to the ", x.numel(),
-              " elements");
-  at::Tensor out = at::empty({total}, x.options());
-  const size_t width = x.element_size();
-  const char* src = static_cast<const char*>(x.data_ptr());
-  char* dst = static_cast<char*>(out.data_ptr());
-  for (int64_t c = 0; c < C; ++c) {
-    for (int64_t r = 0; r < R; ++r) {
-      const size_t bytes = size_t(cnt[r][c]) * width;
-      if (bytes == 0) continue;  // (an empty tensor's data may be null)
-      std::memcpy(dst, src + size_t(start[size_t(r * C + c)]) * width, bytes);
-      dst += bytes;
-    }
-  }
-  return out;
-}
-
-}  // namespace
-}  // namespace dynemb
-
-TORCH_LIBRARY_FRAGMENT(dynemb_idt, m) {
-  m.def("route(Tensor ids, int[] sizes, int world) -> (Tensor, Tensor, Tensor)");
-  m.def("transpose_blocks(Tensor x, Tensor counts) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(dynemb_idt, CPU, m) {
-  m.impl("route", dynemb::route);
-  m.impl("transpose_blocks", dynemb::transpose_blocks);
 }
