@@ -10,6 +10,9 @@ element, hence this small counter-based generator.
 
 from __future__ import annotations
 
+from types import ModuleType
+from typing import Literal
+
 import numpy as np
 
 from dynemb.ps_server.schema import TableSchema
@@ -87,7 +90,7 @@ def initial_rows(schema: TableSchema, ids: np.ndarray) -> np.ndarray:
 
 
 _KINDS = {"zeros": 0, "constant": 1, "uniform": 2}
-_native = None
+_native: ModuleType | Literal[False] | None = None  # None: not tried yet; False: no compiler here
 
 
 def fill_initial_rows(schema: TableSchema, ids: np.ndarray, out: np.ndarray, positions: np.ndarray) -> None:

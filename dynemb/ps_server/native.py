@@ -32,6 +32,8 @@ def id_index() -> ModuleType:
                                    python_module=True)
             loader = importlib.machinery.ExtensionFileLoader(NAME, str(path))
             spec = importlib.util.spec_from_file_location(NAME, str(path), loader=loader)
+            if spec is None:
+                raise ImportError(f"cannot make an import spec for the id index module at {path}")
             module = importlib.util.module_from_spec(spec)
             loader.exec_module(module)
             _module = module

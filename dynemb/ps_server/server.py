@@ -16,6 +16,7 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -24,11 +25,11 @@ from prometheus_client import start_http_server
 
 from dynemb.common.version import __version__
 from dynemb.protos import ps_pb2
-from dynemb.ps_server.auth import TokenAuthInterceptor
-from dynemb.ps_server.backends import Store, open_store
-from dynemb.ps_server.backend_watch import BackendWatch
-from dynemb.ps_server.metrics import PSMetrics
 from dynemb.ps_server import shm
+from dynemb.ps_server.auth import TokenAuthInterceptor
+from dynemb.ps_server.backend_watch import BackendWatch
+from dynemb.ps_server.backends import Store, open_store
+from dynemb.ps_server.metrics import PSMetrics
 from dynemb.ps_server.service import ParameterServerService, add_to_server
 from dynemb.ps_server.shm import SegmentTable
 
@@ -69,7 +70,8 @@ class ServeConfig:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("TLS needs both a certificate (--tls-cert) and its key (--tls-key)")
         if self.tls_client_ca and not self.tls_cert:
-            raise ValueError("mutual TLS (--tls-client-ca) needs the PS's own certificate and key (--tls-cert, --tls-key)")
+            raise ValueError(
+                "mutual TLS (--tls-client-ca) needs the PS's own certificate and key (--tls-cert, --tls-key)")
         if self.auth_health and not self.auth_token:
             raise ValueError("--auth-health closes health checks to callers without the token: set --auth-token")
         if self.max_message_bytes < 64 << 10:
@@ -96,7 +98,7 @@ class PSServer:
         self.backend_watch = BackendWatch(store, config.backend_check_seconds, self._backend_changed)
         self.port: int | None = None
         self.metrics_port: int | None = None
-        self._metrics_http = None
+        self._metrics_http: WSGIServer | None = None
         self._stopped = threading.Event()
         interceptors = ([TokenAuthInterceptor(config.auth_token, open_health=not config.auth_health,
                                               on_deny=self._count_refusal)]
@@ -122,9 +124,11 @@ class PSServer:
             self._grpc,
         )
 
-    def start(self) -> "PSServer":
+    def start(self) -> PSServer:
         cfg = self.config
         if cfg.tls_cert:
+            if not cfg.tls_key:  # __post_init__ refuses this; the config was changed since
+                raise ValueError("TLS needs both a certificate (--tls-cert) and its key (--tls-key)")
             with open(cfg.tls_cert, "rb") as f:
                 cert = f.read()
             with open(cfg.tls_key, "rb") as f:
@@ -141,8 +145,9 @@ class PSServer:
         if not self.port:
             raise OSError(f"could not listen on {cfg.address}")
         if cfg.metrics_port is not None:
-            self._metrics_http, _ = start_http_server(cfg.metrics_port, cfg.metrics_address, registry=self.metrics.registry)
-            self.metrics_port = self._metrics_http.server_port
+            metrics_http, _ = start_http_server(cfg.metrics_port, cfg.metrics_address, registry=self.metrics.registry)
+            self._metrics_http = metrics_http
+            self.metrics_port = metrics_http.server_port
         self._grpc.start()
         self.metrics.info.labels(self.store.kind, __version__).set(1)
         self.metrics.serving.set(1)

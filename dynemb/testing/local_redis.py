@@ -1,4 +1,5 @@
-"""Real redis-server processes for tests, benchmarks and demos: standalone (plain, ACL/password, TLS) and a 3-master Cluster.
+"""Real redis-server processes for tests, benchmarks and demos: standalone (plain, ACL/password,
+TLS) and a 3-master Cluster.
 
 Each server gets a free loopback port, its own temp dir and a config file there (no
 persistence: `save ""`, `appendonly no`), and is terminated by `stop()`.
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -23,7 +25,7 @@ SETUP_HINT = "run scripts/setup_env.sh (it puts redis-server and redis-cli in .b
 def find_binary(name: str = "redis-server") -> str:
     """DYNEMB_REDIS_SERVER (redis-cli: next to it), else the repo's .bin/, else PATH."""
     env = os.environ.get("DYNEMB_REDIS_SERVER")
-    candidates = []
+    candidates: list[str | None] = []
     if env:
         candidates.append(env if name == "redis-server" else str(Path(env).with_name(name)))
     candidates += [str(REPO / ".bin" / name), shutil.which(name)]
@@ -56,7 +58,12 @@ class RedisProcess:
     """
 
     def __init__(
-        self, config: list[str] = (), *, tls: bool = False, unix_socket: bool = False, client_kwargs: dict | None = None
+        self,
+        config: Sequence[str] = (),
+        *,
+        tls: bool = False,
+        unix_socket: bool = False,
+        client_kwargs: dict | None = None,
     ) -> None:
         self.port = free_port()
         self.tls = tls
@@ -95,7 +102,7 @@ class RedisProcess:
         except OSError:
             return ""
 
-    def start(self, timeout: float = 15.0) -> "RedisProcess":
+    def start(self, timeout: float = 15.0) -> RedisProcess:
         """Start it and wait until it answers PING; a server that fails to start is cleaned up."""
         port_lines = ["port 0", f"tls-port {self.port}"] if self.tls else [f"port {self.port}"]
         lines = [
@@ -121,6 +128,9 @@ class RedisProcess:
         return redis.Redis(host=self.host, port=self.port, ssl=self.tls, **{**self.client_kwargs, **kw})
 
     def wait_ready(self, timeout: float) -> None:
+        proc = self.proc
+        if proc is None:
+            raise RuntimeError(f"redis-server on {self.address} is not started: call start(), not wait_ready()")
         deadline = time.monotonic() + timeout
         client = self.client(socket_connect_timeout=0.5, socket_timeout=2)
         try:
@@ -129,7 +139,7 @@ class RedisProcess:
                     client.ping()
                     return
                 except (redis.ConnectionError, redis.TimeoutError) as exc:  # BusyLoadingError too
-                    if self.proc.poll() is not None:
+                    if proc.poll() is not None:
                         raise RuntimeError(f"redis-server on {self.address} exited at start:\n{self.log()}") from None
                     if time.monotonic() > deadline:
                         raise RuntimeError(
@@ -154,7 +164,7 @@ class RedisProcess:
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def __enter__(self) -> "RedisProcess":
+    def __enter__(self) -> RedisProcess:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -210,7 +220,7 @@ class RedisClusterProcesses:
     def url(self) -> str:
         return f"{'rediss' if self.tls_files else 'redis'}+cluster://" + ",".join(self.addresses)
 
-    def start(self, timeout: float = 30.0) -> "RedisClusterProcesses":
+    def start(self, timeout: float = 30.0) -> RedisClusterProcesses:
         try:
             self._start(timeout)
         except BaseException:

@@ -25,6 +25,7 @@ import io
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,13 +33,24 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from dynemb.idtransformer.hashing import owner_of
+from dynemb.trainer.checkpoint_format import (
+    FORMAT,
+    VERSION,
+    CheckpointError,
+    chain,
+    checkpoints,
+    files_digest,
+    read_manifest,
+    step_folder,
+    verify,
+    write_manifest,
+)
 from dynemb.trainer.config import TrainConfig
 from dynemb.trainer.model import Built, dense_parameters
 from dynemb.trainer.row_store import RowStore
-from dynemb.trainer.checkpoint_format import (FORMAT, VERSION, CheckpointError, chain, checkpoints,
-                                       files_digest, read_manifest, step_folder, verify, write_manifest)
 from dynemb.trainer.table_files import TableReader, TableWriter
 from dynemb.trainer.table_rows import find_tables
+
 
 class Checkpointer:
     """Saves a job's checkpoints and restores one; tracks the IDs touched between checkpoints
@@ -51,6 +63,12 @@ class Checkpointer:
         self.saved = 0  # checkpoints this job wrote (full every checkpoint_full_every)
         self.last: str | None = None  # the newest checkpoint's folder name, the next one's parent
         self.touched: dict[str, list[np.ndarray]] = {name: [] for name in built.table_names}
+
+    def _directory(self) -> Path:
+        """The folder checkpoints go in (TrainConfig refuses to save or resume 'latest' without it)."""
+        if self.root is None:
+            raise CheckpointError("no checkpoint folder: set checkpoint_dir (--checkpoint-dir)")
+        return self.root
 
     # -- between checkpoints ------------------------------------------------------
 
@@ -67,7 +85,7 @@ class Checkpointer:
     def _touched_everywhere(self) -> dict[str, np.ndarray]:
         """Per table, every ID any rank touched since the last checkpoint."""
         mine = {n: np.unique(np.concatenate(v)) if v else np.zeros(0, np.int64) for n, v in self.touched.items()}
-        every = [None] * self.world
+        every: list[Any] = [None] * self.world
         dist.all_gather_object(every, mine)
         return {n: np.unique(np.concatenate([e[n] for e in every])).astype(np.int64) for n in mine}
 
@@ -77,8 +95,9 @@ class Checkpointer:
         """Collective, at a step boundary: every rank calls it after the same step."""
         full = self.last is None or self.saved % self.cfg.checkpoint_full_every == 0
         touched = None if full else self._touched_everywhere()
-        final = self.root / step_folder(step)
-        work = self.root / (step_folder(step) + ".partial")
+        root = self._directory()
+        final = root / step_folder(step)
+        work = root / (step_folder(step) + ".partial")
 
         def prepare() -> None:
             if self.rank == 0:
@@ -121,6 +140,7 @@ class Checkpointer:
         """Run this rank's part of a save; if it failed to write on any rank (disk full, no
         permission, ...), every rank raises the same CheckpointError and the half-written
         folder goes. Collective: no rank is left waiting at a barrier for one that failed."""
+        mine: str | None
         try:
             part()
             mine = None
@@ -129,13 +149,14 @@ class Checkpointer:
             mine = f"rank {self.rank}: {where}{exc.strerror or exc}"
         except Exception as exc:  # noqa: BLE001 - whatever it is, every rank must hear of it
             mine = f"rank {self.rank}: {type(exc).__name__}: {exc}"
-        every = [None] * self.world
+        every: list[Any] = [None] * self.world
         dist.all_gather_object(every, mine)
         problems = [p for p in every if p is not None]
         if problems:
             if self.rank == 0:
                 shutil.rmtree(work, ignore_errors=True)
-            kept = f"the last one, {self.root / self.last}, is intact" if self.last else "no earlier one exists"
+            # work is <root>/step-NNNNNNNN.partial
+            kept = f"the last one, {work.parent / self.last}, is intact" if self.last else "no earlier one exists"
             raise CheckpointError(f"checkpoint at step {step} could not be written ({'; '.join(problems)}); {kept}")
 
     def _save_tables(self, work: Path, touched: dict[str, np.ndarray] | None) -> None:
@@ -174,8 +195,9 @@ class Checkpointer:
             schema = self.built.schemas[name]
             local = torch.arange(r.local_rows)
             if touched is not None:  # this rank's rows among the touched IDs
-                ids = torch.from_numpy(touched[name])
-                local = (ids[(ids >= r.row_offset) & (ids < r.row_offset + r.local_rows)] - r.row_offset).long()
+                touched_ids = torch.from_numpy(touched[name])
+                in_block = (touched_ids >= r.row_offset) & (touched_ids < r.row_offset + r.local_rows)
+                local = (touched_ids[in_block] - r.row_offset).long()
             rows = r.read(local).numpy().astype(schema.np_dtype)
             with TableWriter(work / "tables" / name / f"rank-{self.rank:05d}", schema,
                              source={"kind": "checkpoint", "rank": self.rank}) as w:
@@ -203,18 +225,19 @@ class Checkpointer:
         is left waiting; each raises once the rounds are over (rank 0 naming the rank)."""
         failed: list[str] = []
         own_error: Exception | None = None
+        chunk: tuple | str | None  # a chunk, what went wrong reading it, or None: no more
         while True:
             try:
                 chunk = next(mine, None) if own_error is None else None
             except Exception as exc:  # noqa: BLE001 - raised after the rounds
                 own_error, chunk = exc, f"rank {self.rank}: {type(exc).__name__}: {exc}"
-            got = [None] * self.world if self.rank == 0 else None
+            got: list[Any] | None = [None] * self.world if self.rank == 0 else None  # rank 0's alone
             dist.gather_object(chunk, got, dst=0)
-            more = [self.rank != 0 or any(c is not None for c in got)]
+            more = [got is None or any(c is not None for c in got)]
             dist.broadcast_object_list(more, src=0)
             if not more[0]:
                 break
-            if self.rank == 0:
+            if got is not None:
                 failed += [c for c in got if isinstance(c, str)]
                 yield from (c for c in got if c is not None and not isinstance(c, str))
         if own_error is not None:
@@ -241,7 +264,7 @@ class Checkpointer:
 
     def _retain(self) -> None:
         """Keep the newest checkpoint_keep checkpoints and every one their chains build on."""
-        have = checkpoints(self.root)
+        have = checkpoints(self._directory())
         keep: set[Path] = set()
         for c in have[-self.cfg.checkpoint_keep:]:
             keep.update(chain(c))
@@ -253,7 +276,7 @@ class Checkpointer:
 
     def resolve(self, which: str) -> Path:
         if which == "latest":
-            have = checkpoints(self.root)
+            have = checkpoints(self._directory())
             if not have:
                 raise CheckpointError(f"resume latest: no checkpoint in {self.root}")
             return have[-1]
@@ -263,7 +286,7 @@ class Checkpointer:
         """Collective: load the checkpoint (a folder or "latest") into the model, the PS and
         the ID transformers; returns its step, where training goes on."""
         folder = self.resolve(which)
-        problem = [None]
+        problem: list[str | None] = [None]
         if self.rank == 0:  # check everything before anything changes; all ranks stop alike
             try:
                 links = chain(folder)
@@ -333,8 +356,8 @@ class Checkpointer:
 
                     self.store.replace(schema, rows(base))
                     for delta in deltas:
-                        for ids, r in rows(delta):
-                            self.store.push(schema.name, ids, r)
+                        for ids, delta_rows in rows(delta):
+                            self.store.push(schema.name, ids, delta_rows)
             dist.barrier()  # the PS holds the checkpoint's rows before any rank pulls
             return
         for name, r in find_tables(self.built.model).items():

@@ -146,7 +146,8 @@ HELP = {
     "ttl_steps": "IDs idle longer than this many steps go first (0: no TTL)",
     "init_scale": "never-seen IDs start uniform(-s, s); 0 means 1/sqrt(dim)",
     "dynamic": "dynamic tables over the PS (--no-dynamic: plain full TorchRec tables)",
-    "optimizer": "sgd, adagrad, rowwise_adagrad, adam (fused into backward; Adam on CPU through dynemb/trainer/sparse_adam.py)",
+    "optimizer": "sgd, adagrad, rowwise_adagrad, adam "
+                 "(fused into backward; Adam on CPU through dynemb/trainer/sparse_adam.py)",
     "lr": "learning rate of the embedding tables",
     "dense_lr": "learning rate of the dense layers",
     "batch_size": "samples per step and rank",
@@ -199,7 +200,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for group, cls in (("training", TrainConfig), ("data", DataConfig), ("tables", TableConfig)):
         g = p.add_argument_group(group)
         for f in _fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            else:
+                raise TypeError(f"{cls.__name__}.{f.name} has no default; every setting needs one")
             kind = type(default)
             text = HELP.get(f.name, "")
             dest = f"{group}.{f.name}"

@@ -61,8 +61,9 @@ class RowGroup:
             offsets = [t.row_offset for t in tables]
             flats = [_flat([t.weights for t in tables], offsets)]
             flats += [_flat([t.states[j] for t in tables], offsets) for j in range(len(tables[0].states))]
-            if all(f is not None for f in flats):
-                self.flats = flats
+            found = [f for f in flats if f is not None]
+            if len(found) == len(flats):
+                self.flats = found
 
     @property
     def shared(self) -> bool:
@@ -86,16 +87,21 @@ class RowGroup:
 
     def write(self, slots: torch.Tensor, counts: list[int], rows: list[np.ndarray | torch.Tensor | None]) -> None:
         """Write rows[t] (None where counts[t] is 0) at table t's rows in `slots` (as read)."""
-        rows = [_tensor(r) for r, n in zip(rows, counts) if n]
+        given: list[torch.Tensor] = []
+        for i, (r, n) in enumerate(zip(rows, counts)):
+            if n:
+                if r is None:
+                    raise ValueError(f"RowGroup.write: rows[{i}] is None, but counts[{i}] is {n}")
+                given.append(_tensor(r))
         if self.flats is None:
-            parts = iter(rows)
+            parts = iter(given)
             for t, s, n in zip(self.tables, torch.split(slots, counts), counts):
                 if n:
                     t.write(s - t.row_offset, next(parts))
             return
-        if not rows:
+        if not given:
             return
-        data = torch.cat(rows)
+        data = torch.cat(given)
         with torch.no_grad():
             at = 0
             for f in self.flats:

@@ -18,9 +18,14 @@ one (rows, dim) tensor each per table, and travel with the rows to the PS (Table
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
+
+# An FBGEMM TBE (SplitTableBatchedEmbeddingBagsCodegen). fbgemm_gpu ships no type information,
+# and nn.Module's type knows none of its methods (split_embedding_weights, feature_table_map, ...).
+FusedTBE = Any
 
 
 @dataclass
@@ -39,12 +44,12 @@ class _TBEAdam:
         return [[m, v] for m, v in zip(self.m, self.v)]
 
 
-def fused_tbes(model: nn.Module) -> list[nn.Module]:
+def fused_tbes(model: nn.Module) -> list[FusedTBE]:
     """The FBGEMM TBEs of the sharded embedding modules inside a DMP model."""
     from torchrec.distributed.embedding import ShardedEmbeddingCollection
     from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 
-    out = []
+    out: list[FusedTBE] = []
     for module in model.modules():
         if isinstance(module, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)):
             for lookup in module._lookups:
@@ -57,7 +62,7 @@ class RowSparseAdam:
     """Adam on fused exact-SGD (learning rate 1) tables; call step() after each training
     backward, before the next training forward (TrainedOptimizer does)."""
 
-    def __init__(self, tbes: list[nn.Module], lr: float, betas: tuple[float, float] = (0.9, 0.999),
+    def __init__(self, tbes: list[FusedTBE], lr: float, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0) -> None:
         """tbes: FBGEMM TBEs running exact SGD at learning rate 1 (`fused_tbes(model)` of a DMP model)."""
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay

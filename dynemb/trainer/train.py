@@ -20,7 +20,9 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -113,10 +115,11 @@ def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
         built = build(cfg)
         dynamic = make_dynamic(cfg, built, store, metrics) if cfg.table.dynamic else None
         ckpt = Checkpointer(cfg, built, dynamic, store) if cfg.checkpoint_dir or cfg.resume else None
-        first_step = ckpt.restore(cfg.resume) if cfg.resume else 0
+        first_step = ckpt.restore(cfg.resume) if ckpt is not None and cfg.resume else 0
         result = _loop(cfg, built, dynamic, metrics, ckpt, first_step)
         result.first_step = first_step
         if cfg.checkpoint_at_end and result.losses:
+            assert ckpt is not None, "TrainConfig refuses checkpoint_at_end without checkpoint_dir"
             ckpt.save(first_step + len(result.losses))
         result.auc, result.logloss = evaluate(cfg, built, dynamic)
         if dynamic is not None:
@@ -154,11 +157,11 @@ def _loop(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None, metrics
     model.train()
     every = cfg.checkpoint_every if ckpt is not None else 0
     pipeline = None
-    current = None  # the segment's batch generator: closing it stops its transform thread
 
-    def segment(end: int):
-        """The batches up to step `end`, and the function that trains one of them."""
-        nonlocal pipeline, current
+    def segment(end: int) -> tuple[Generator, Callable[[], torch.Tensor]]:
+        """The batches up to step `end` (a generator: closing it stops its transform thread),
+        and the function that trains one of them."""
+        nonlocal pipeline
 
         def limited_batches():
             part = itertools.islice(data, end - k)
@@ -167,7 +170,7 @@ def _loop(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None, metrics
             yield from part if dynamic is None else dynamic.wrap(part, ahead=ahead, window=transform_window,
                                                                     priority=cfg.transform_priority)
 
-        limited = current = limited_batches()
+        limited = limited_batches()
         if not cfg.pipeline:
 
             def plain() -> torch.Tensor:
@@ -178,19 +181,19 @@ def _loop(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None, metrics
                 optimizer.step()
                 return loss
 
-            return plain
+            return limited, plain
         from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
         if pipeline is not None:
             pipeline.detach()
-        pipeline = TrainPipelineSparseDist(model, optimizer, torch.device("cpu"))
-        return lambda: pipeline.progress(limited)[0]  # DLRMTrain's output: (loss, logits, labels)
+        pipeline = this = TrainPipelineSparseDist(model, optimizer, torch.device("cpu"))
+        return limited, lambda: this.progress(limited)[0]  # DLRMTrain's output: (loss, logits, labels)
 
     bar = tqdm(total=cfg.steps, initial=first_step, desc=f"train (rank {rank})", unit="step",
                disable=not cfg.progress or rank != 0)
     start, window = time.perf_counter(), []
     k = first_step
-    step = segment(_next_boundary(k, every, cfg.steps))
+    current, step = segment(_next_boundary(k, every, cfg.steps))
     try:
         while k < cfg.steps:
             try:
@@ -217,12 +220,13 @@ def _loop(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None, metrics
             k += 1
             if every and k % every == 0 and k < cfg.steps:  # drained: the segment ended here
                 current.close()  # a plain loop's has not seen its end: its thread is joined
+                assert ckpt is not None, "every > 0 only with a Checkpointer"
                 ckpt.save(k)
-                step = segment(_next_boundary(k, every, cfg.steps))
+                current, step = segment(_next_boundary(k, every, cfg.steps))
     finally:  # a step that raised leaves no transform thread behind
         current.close()
     bar.close()
-    if cfg.pipeline:
+    if pipeline is not None:  # cfg.pipeline: the first segment() made one
         pipeline.detach()  # the model's own forward back, for evaluation
     elapsed = time.perf_counter() - start
     result.samples_per_second = len(result.losses) * cfg.batch_size * dist.get_world_size() / max(elapsed, 1e-9)
@@ -259,7 +263,7 @@ def _pull_from_owners(store: RowStore, table: str, ids: np.ndarray, universe: in
     rank, world = dist.get_rank(), dist.get_world_size()
     every = torch.arange(universe)
     mine = every[owner_of(every, world) == rank].numpy()
-    got = [None] * world
+    got: list[Any] = [None] * world
     dist.all_gather_object(got, (mine, store.pull(table, mine)))  # every owner's rows, to every rank
     rows = np.empty((len(ids), got[0][1].shape[1]), np.float32)
     for owned, owned_rows in got if len(ids) else []:

@@ -82,13 +82,13 @@ class EmbeddedStore(Store):
         self.directory = Path(directory) if directory else None
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._load()
+            self._load(self.directory)
 
-    def _load(self) -> None:
+    def _load(self, directory: Path) -> None:
         from safetensors import safe_open  # only with a directory
         from safetensors.numpy import load_file
 
-        for path in sorted(self.directory.glob(f"*{SNAPSHOT_SUFFIX}")):
+        for path in sorted(directory.glob(f"*{SNAPSHOT_SUFFIX}")):
             with safe_open(str(path), framework="numpy") as f:
                 schema = TableSchema.from_dict(json.loads(f.metadata()["schema"]))
             tensors = load_file(str(path))

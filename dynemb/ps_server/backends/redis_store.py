@@ -201,6 +201,7 @@ class RedisStore(Store):
         # short: the PS client retries with its own backoff and deadline
         retry = kw.pop("retry", None) or Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.2), retries)
         kw.setdefault("socket_connect_timeout", min(socket_timeout, 5.0))
+        client: redis.Redis | redis.cluster.RedisCluster
         try:
             if scheme in ("redis+cluster", "rediss+cluster"):
                 nodes, url_kw = _split_cluster_url(url)
@@ -216,12 +217,13 @@ class RedisStore(Store):
                 except _REDIS_ERRORS as exc:  # it connects at once, to learn the slot map
                     raise _translate(exc, f"Redis Cluster {address}", options.get("password")) from None
             elif scheme in ("redis", "rediss", "unix"):
-                client = redis.Redis.from_url(url, socket_timeout=socket_timeout, retry=retry, **kw)
-                ckw = client.connection_pool.connection_kwargs
+                standalone = redis.Redis.from_url(url, socket_timeout=socket_timeout, retry=retry, **kw)
+                client = standalone
+                ckw = standalone.connection_pool.connection_kwargs
                 options = ckw
                 address = ckw["path"] if "path" in ckw else f"{ckw.get('host', 'localhost')}:{ckw.get('port', 6379)}"
                 # building a connection (no I/O) rejects misspelt options now, not at the first request
-                client.connection_pool.connection_class(**ckw)
+                standalone.connection_pool.connection_class(**ckw)
                 check_tls_files(options)
             else:
                 raise InvalidArgument(f"not a Redis URL scheme: {shown(scheme)}")
@@ -265,7 +267,7 @@ class RedisStore(Store):
             raise TableNotFound(
                 f"table {table!r} does not exist in Redis namespace {self.namespace!r} ({self.address})"
             )
-        return self._parse_meta(table, raw)
+        return self._parse_meta(table, _raw(raw))
 
     def _parse_meta(self, table: str, raw: bytes) -> _TableMeta:
         have = self._cache.get(table)
@@ -307,7 +309,7 @@ class RedisStore(Store):
     def list_tables(self) -> list[TableSchema]:
         with self._redis():
             entries = self.client.hgetall(self._meta_key)
-        metas = [self._parse_meta(name.decode(), raw) for name, raw in entries.items()]
+        metas = [self._parse_meta(_raw(name).decode(), _raw(raw)) for name, raw in entries.items()]
         return sorted((m.schema for m in metas), key=lambda s: s.name)
 
     def _each_bucket(self, meta: _TableMeta, *command) -> list:
@@ -437,7 +439,8 @@ class RedisStore(Store):
         rows_left = np.zeros((0, schema.width), dtype=schema.np_dtype)
         i = 0
         while i < len(nonempty):
-            group, size = [], 0
+            group: list[int] = []
+            size = 0
             while i < len(nonempty) and (not group or size + lens[nonempty[i]] <= target):
                 group.append(nonempty[i])
                 size += int(lens[nonempty[i]])
@@ -474,8 +477,16 @@ class RedisStore(Store):
     def close(self) -> None:
         with contextlib.suppress(*_REDIS_ERRORS):
             self.client.close()
-            if not self.cluster:
+            if not isinstance(self.client, redis.cluster.RedisCluster):  # i.e. not self.cluster
                 self.client.connection_pool.disconnect()
+
+
+def _raw(value: bytes | str) -> bytes:
+    """A reply as the bytes it is: redis-py types replies bytes | str, as it cannot know that
+    this store's client does not decode responses (every reply is raw bytes)."""
+    if isinstance(value, str):
+        raise PSError("the Redis client decodes responses (decode_responses=True); RedisStore needs raw bytes")
+    return value
 
 
 def _as_ids(ids: np.ndarray) -> np.ndarray:
