@@ -48,7 +48,7 @@ class build_lock:
         fcntl.flock(self.fd, fcntl.LOCK_EX)
         stale = self.build / "lock"
         if stale.exists():
-            warnings.warn(f"removing {stale}, left by a build of {self.what} that was cut off")
+            warnings.warn(f"removing {stale}, left by a build of {self.what} that was cut off", stacklevel=1)
             stale.unlink(missing_ok=True)
         return self
 
@@ -68,7 +68,8 @@ def cache_root() -> Path:
 
 # no -march=native: a cache folder may be shared by machines with different CPUs
 # -ffp-contract=off: floating point as written (the PS's initial rows must match numpy's bit for bit)
-FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-exceptions", "-fvisibility=hidden", "-Wall", "-ffp-contract=off")
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-exceptions", "-fvisibility=hidden", "-Wall",
+         "-ffp-contract=off")
 
 
 def compile_library(source: Path, name: str, what: str, *, depends: tuple[Path, ...] = (),
@@ -83,7 +84,8 @@ def compile_library(source: Path, name: str, what: str, *, depends: tuple[Path, 
     if python_module:
         flags.append(f"-I{sysconfig.get_paths()['include']}")
     tag = digest(*(p.read_bytes() for p in (source, *depends)), sysconfig.get_platform().encode(),
-                 str(sysconfig.get_config_var("EXT_SUFFIX")).encode(), " ".join([compiler, *FLAGS, str(python_module)]).encode())
+                 str(sysconfig.get_config_var("EXT_SUFFIX")).encode(),
+                 " ".join([compiler, *FLAGS, str(python_module)]).encode())
     build = cache_root() / f"{name}_{tag}"
     lib = build / f"{name}.so"
     if lib.exists():  # written by rename once complete, so it is whole if it is there

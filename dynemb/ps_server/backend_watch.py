@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from dynemb.ps_server.backends.base import Store
 from dynemb.ps_server.errors import PSError
@@ -47,7 +47,7 @@ class BackendWatch:
             self.on_change(up)
         return up
 
-    def start(self) -> "BackendWatch":
+    def start(self) -> BackendWatch:
         self._thread.start()
         return self
 

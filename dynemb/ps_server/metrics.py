@@ -47,11 +47,13 @@ class PSMetrics:
         )
         self.inflight = Gauge("dynemb_ps_inflight_requests", "RPCs being handled now", registry=r)
         self.serving = Gauge("dynemb_ps_serving", "1 while the PS accepts requests, 0 while draining", registry=r)
-        self.backend_up = Gauge("dynemb_ps_backend_up", "1 while the store (Redis) answers pings, 0 while it is away", registry=r)
+        self.backend_up = Gauge("dynemb_ps_backend_up", "1 while the store (Redis) answers pings, 0 while it is away",
+                                registry=r)
         self.shm_segments = Gauge(
             "dynemb_ps_shm_segments", "Client memory segments attached for same-host row transfer", registry=r)
         self.shm_bytes = Gauge("dynemb_ps_shm_bytes", "Bytes of the attached segments", registry=r)
-        self.info = Gauge("dynemb_ps_info", "Constant 1, labelled with the backend and version", ["backend", "version"], registry=r)
+        self.info = Gauge("dynemb_ps_info", "Constant 1, labelled with the backend and version", ["backend", "version"],
+                          registry=r)
         self._children: dict = {}
 
     def child(self, metric, *labels):

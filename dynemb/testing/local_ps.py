@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -48,7 +47,7 @@ class LocalPS:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> "LocalPS":
+    def start(self, timeout: float = 30.0) -> LocalPS:
         port_file = os.path.join(self.dir, "port")
         cmd = [sys.executable, "-m", "dynemb.cli", "ps", "serve", "--address", "127.0.0.1:0",
                "--metrics-port", "0", "--metrics-address", "127.0.0.1", "--port-file", port_file, *self.args]
@@ -96,7 +95,7 @@ class LocalPS:
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def __enter__(self) -> "LocalPS":
+    def __enter__(self) -> LocalPS:
         return self.start()
 
     def __exit__(self, *exc) -> None:

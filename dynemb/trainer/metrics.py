@@ -120,7 +120,8 @@ class TrainerMetrics:
         self.samples_per_second = Gauge("dynemb_trainer_samples_per_second",
                                         "This rank's mean training throughput since the job started", ["rank"],
                                         registry=r)
-        self.loss = Gauge("dynemb_trainer_loss", "Recent training loss (mean over the last steps)", ["rank"], registry=r)
+        self.loss = Gauge("dynemb_trainer_loss", "Recent training loss (mean over the last steps)", ["rank"],
+                          registry=r)
         self.steps = Counter("dynemb_trainer_steps", "Training steps done", ["rank"], registry=r)
 
     def serve(self, port: int, address: str = "127.0.0.1"):

@@ -99,7 +99,10 @@ class Built:
     dense_optimizer: KeyedOptimizerWrapper = None  # the dense layers' part of `optimizer`
 
 
-def build(cfg: TrainConfig, device: torch.device = torch.device("cpu")) -> Built:
+_CPU = torch.device("cpu")
+
+
+def build(cfg: TrainConfig, device: torch.device = _CPU) -> Built:
     world = dist.get_world_size()
     features = feature_names(cfg.data.num_sparse)
     tables = [
