@@ -21,14 +21,15 @@
 // The kernel follows the torch-ops version in slot_map.py/transformer.py step for step
 // (same hash, same coin flips, same victim order, same free-slot order), so the two give
 // identical results; the tests hold them to it.
+//
+// It runs on the calling thread: built without OpenMP, and with nothing split over threads
+// (bench/RESULTS.md, idtransformer_bench, has the measurement behind that).
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -327,6 +328,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> 
   return {slots, l.new_ids, l.new_counts, l.seen, at::scalar_tensor(l.hits, ids.options()), kLookupDone};
 }
 
+// ---- Victims ---------------------------------------------------------------------------------
+// When the table is short of free slots, max(need - free, evict_min) movable slots are freed,
+// lowest keys first, and handed out in slot order, ties to the lowest slot. The ways to pick them:
+// - victims_under_sampled_bound is the fastest where it applies (a large table, a few percent of
+//   it to free): one pass over the records that computes no key but those under a sampled bound.
+// - lowest_exact stays because the bound cannot always decide (much to free, a skewed sample) and
+//   costs more than a whole selection on a small table (8,192 sampled keys, 256 bisections): it
+//   computes every key and finds the cut by nth_element.
+// - transformer._lowest (torch ops) is the reference the tests hold both to, and the CUDA path's.
+// Removed: three counting passes that split a large table's exact selection over threads, no
+// faster than lowest_exact on one thread (a 10^6-slot table freeing 30%: ~21 ms a batch either
+// way); and the small tables' key-and-slot words (lowest_by_sort), replaced by lowest_exact's
+// count of the ties at the cut.
+
 // Eviction key of a slot: (primary << 32) | last access, lowest first; kNotMovable for a
 // free slot, one this batch uses (touched at this step) or a pinned one. primary is 0 for
 // an ID past the TTL (those go first, the most idle first), else 1 for LRU and 1 + counter
@@ -371,78 +386,102 @@ struct Scorer {
   }
 };
 
-// Tables up to this many slots pick victims by a partial sort (lowest_by_sort).
-constexpr int64_t kSmallTable = 16384;
+// Of keys offered in slot order, which are among the n lowest (ties to the lowest slots): those
+// below the n-th lowest, `key`, and the first `ties` equal to it.
+struct Cut {
+  uint64_t key;
+  int64_t ties;
 
-// The n lowest keys' slots, ascending, ties to the lowest slot: select_victims' answer for a
-// small table (a trainer rank's share of one feature's table: thousands of slots, one call
-// per table and step), where clearing pass 2's 65,536-bucket histograms alone costs more
-// than a partial sort of its keys.
-// Each movable slot is one word, key << kSlotBits | slot (a key is below 2^41: a primary of at
-// most 257 above a 32-bit step), so the selection compares plain integers, not pairs.
-constexpr int kSlotBits = 14;
-static_assert(kSmallTable <= (int64_t(1) << kSlotBits), "a small table's slots fit kSlotBits");
-
-at::Tensor lowest_by_sort(const uint64_t* keys, int64_t C, int64_t n) {
-  static thread_local std::vector<uint64_t> storage;  // kept: a fresh one per call page-faults
-  storage.resize(size_t(C));
-  uint64_t* movable = storage.data();
-  auto make_words = [&]() {  // the movable slots' words; how many
-    int64_t count = 0;
-    for (int64_t s = 0; s < C; ++s) {  // written without a branch: most slots are movable
-      movable[count] = keys[s] << kSlotBits | uint64_t(s);
-      count += keys[s] != kNotMovable;
-    }
-    return count;
-  };
-  int64_t m = make_words();
-  if (n < m && m >= 4 * n && m >= 1024) {
-    // Usually n is a small share of m (a step's admissions against a table's slots): a
-    // quantile of an evenly spaced sample bounds the n-th lowest word from above, and the
-    // selection runs on the words at or below it only. Exact either way: every word below the
-    // n-th lowest is kept; a bound that keeps fewer than n words falls back to all of them.
-    constexpr int64_t kSample = 128;
-    uint64_t sample[kSample];
-    for (int64_t i = 0; i < kSample; ++i) sample[i] = movable[i * m / kSample];
-    const double expect = double(n) * kSample / double(m);
-    const int64_t k = std::min<int64_t>(kSample - 1, int64_t(expect + 3.0 * std::sqrt(expect) + 2.0));
-    std::nth_element(sample, sample + k, sample + kSample);
-    const uint64_t bound = sample[k];
-    int64_t kept = 0;
-    for (int64_t i = 0; i < m; ++i) {  // in place, without a branch: kept <= i
-      movable[kept] = movable[i];
-      kept += movable[i] <= bound;
-    }
-    m = kept >= n ? kept : make_words();  // too few kept: the compaction overwrote words, make them again
+  // n of m (1 <= n <= m) keys, reordered to find it.
+  static Cut nth(uint64_t* keys, int64_t m, int64_t n) {
+    std::nth_element(keys, keys + (n - 1), keys + m);
+    const uint64_t k = keys[n - 1];
+    return {k, 1 + int64_t(std::count(keys, keys + (n - 1), k))};
   }
-  if (n < m) std::nth_element(movable, movable + n, movable + m);
-  at::Tensor out = at::empty({n}, at::kLong);
+
+  inline bool take(uint64_t k) {  // written without a branch: called once per slot
+    const bool at = k == key;
+    const bool taken = (k < key) | (at & (ties > 0));
+    ties -= int64_t(at & taken);
+    return taken;
+  }
+};
+
+// The victims, found by computing every key: the n = min(movable, max(short_by, evict_min))
+// lowest keys' slots, ascending. Too few movable slots: returns an undefined tensor and sets
+// *short_of_room to how many there are.
+at::Tensor lowest_exact(const Record* rec, int64_t C, const Scorer& sc, int64_t short_by, int64_t evict_min,
+                        int64_t* short_of_room) {
+  static thread_local std::vector<uint64_t> keys_storage, movable_storage;  // kept: fresh ones page-fault
+  keys_storage.resize(size_t(C));
+  movable_storage.resize(size_t(C));
+  uint64_t* keys = keys_storage.data();
+  uint64_t* movable = movable_storage.data();
+  for (int64_t s = 0; s < C; ++s) keys[s] = sc.key(rec[s].meta);
+  auto gather = [&]() {  // the movable keys, in slot order; how many
+    int64_t m = 0;
+    for (int64_t s = 0; s < C; ++s) {  // written without a branch: most slots are movable
+      movable[m] = keys[s];
+      m += keys[s] != kNotMovable;
+    }
+    return m;
+  };
+  int64_t m = gather();
+  if (m < short_by) {
+    *short_of_room = m;
+    return at::Tensor();
+  }
+  const int64_t n = std::min(m, std::max(short_by, evict_min));
+  Cut cut{kNotMovable, 0};  // all movable: n == m
+  if (n < m) {
+    if (2 * n <= m && m >= 1024) {
+      // n is at most half of m (usually a small share: a step's admissions against a table's
+      // slots): a quantile of an evenly spaced sample bounds the n-th lowest key from above,
+      // and the selection runs on the keys at or below it only. Exact either way: every key up
+      // to the n-th lowest is kept; a bound that keeps fewer than n keys falls back to all.
+      constexpr int64_t kSample = 128;
+      uint64_t sample[kSample];
+      for (int64_t i = 0; i < kSample; ++i) sample[i] = movable[i * m / kSample];
+      const double expect = double(n) * kSample / double(m);
+      const int64_t k = std::min<int64_t>(kSample - 1, int64_t(expect + 3.0 * std::sqrt(expect) + 2.0));
+      std::nth_element(sample, sample + k, sample + kSample);
+      const uint64_t bound = sample[k];
+      int64_t kept = 0;
+      for (int64_t i = 0; i < m; ++i) {  // in place, without a branch: kept <= i
+        movable[kept] = movable[i];
+        kept += movable[i] <= bound;
+      }
+      m = kept >= n ? kept : gather();  // too few kept: the compaction overwrote keys, gather them again
+    }
+    cut = Cut::nth(movable, m, n);
+  }
+  at::Tensor out = at::empty({n + 1}, at::kLong);  // + 1: the branch-free loop writes one past the last
   int64_t* o = out.data_ptr<int64_t>();
-  constexpr uint64_t kSlotMask = (uint64_t(1) << kSlotBits) - 1;
-  for (int64_t i = 0; i < n; ++i) o[i] = int64_t(movable[i] & kSlotMask);
-  std::sort(o, o + n);
-  return out;
+  int64_t w = 0;
+  for (int64_t s = 0; s < C; ++s) {
+    o[w] = s;
+    w += cut.take(keys[s]);
+  }
+  return out.narrow(0, 0, n);
 }
 
 // A large table's victims in one pass over its records, where a sample allows: a quantile of
 // the keys of an evenly spaced sample of slots bounds the n-th lowest key from above (n the
-// victims the caller most likely needs, max(need - free, evict_min)), and one pass over the
+// victims the caller most likely needs, max(short_by, evict_min)), and one pass over the
 // records counts the movable slots and keeps the (key, slot) pairs at or below the bound: a
-// few percent of the table, where select_victims' counting passes write and read a key per
-// slot three times. Exact: the n lowest pairs are all kept whenever at least n are, and the
-// answer is theirs. Not done (done = false) when the bound keeps too few (or too many: more
+// few percent of the table. Exact: the n lowest keys are all kept whenever at least n are, and
+// the answer is theirs. Not done (done = false) when the bound keeps too few (or too many: more
 // than kKeptPerVictim per victim), the sample finds too few movable slots, or the table needs
-// all its movable slots: the counting passes then decide. Chunks as in select_victims,
-// concatenated in order, so the victims do not depend on the thread count.
+// all its movable slots: lowest_exact then decides.
 struct Sampled {
   bool done;
   at::Tensor victims;  // undefined with done: too few movable slots (*short_of_room set)
 };
 
-Sampled victims_under_sampled_bound(const Record* rec, int64_t C, const Scorer& sc, int64_t need, int64_t free,
+Sampled victims_under_sampled_bound(const Record* rec, int64_t C, const Scorer& sc, int64_t short_by,
                                     int64_t evict_min, int64_t* short_of_room) {
-  constexpr int64_t kSample = 8192, kKeptPerVictim = 4, kGrain = 1 << 16;
-  const int64_t want = std::max(need - free, evict_min);
+  constexpr int64_t kSample = 8192, kKeptPerVictim = 4;
+  const int64_t want = std::max(short_by, evict_min);
   if (want <= 0 || want * 4 > C) return {false, at::Tensor()};
   static thread_local std::vector<uint64_t> sample;
   sample.resize(size_t(kSample));
@@ -468,199 +507,50 @@ Sampled victims_under_sampled_bound(const Record* rec, int64_t C, const Scorer& 
     below[f] = lo;
   }
   const int32_t now = sc.now;
-  const int64_t chunks = (C + kGrain - 1) / kGrain;
-  static thread_local std::vector<std::vector<std::pair<uint64_t, int64_t>>> kept_by_chunk;
-  // the caller's, by reference: a thread_local named inside the parallel lambda would be each
-  // worker thread's own
-  auto& kept_storage = kept_by_chunk;
-  kept_storage.resize(size_t(chunks));
-  std::vector<int64_t> movable(size_t(chunks), 0);
-  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; ++c) {
-      auto& kept = kept_storage[size_t(c)];
-      kept.clear();
-      int64_t m = 0;
-      for (int64_t s = c * kGrain; s < std::min(C, (c + 1) * kGrain); ++s) {
-        const int64_t meta = rec[s].meta;
-        const int32_t last = last_of(meta);
-        const bool can_move = (last != kFree) & (last != now) & (pins_of(meta) == 0);  // as Scorer::key
-        m += can_move;
-        if (can_move & (last <= below[freq_of(meta)]))  // rare: a well-predicted branch
-          kept.emplace_back(sc.key(meta), s);
-      }
-      movable[size_t(c)] = m;
-    }
-  });
+  static thread_local std::vector<uint64_t> kept_keys, scratch;
+  static thread_local std::vector<int64_t> kept_slots;
+  kept_keys.clear();
+  kept_slots.clear();
   int64_t n_movable = 0;
-  size_t n_kept = 0;
-  for (int64_t c = 0; c < chunks; ++c) {
-    n_movable += movable[size_t(c)];
-    n_kept += kept_storage[size_t(c)].size();
+  for (int64_t s = 0; s < C; ++s) {
+    const int64_t meta = rec[s].meta;
+    const int32_t last = last_of(meta);
+    const bool can_move = (last != kFree) & (last != now) & (pins_of(meta) == 0);  // as Scorer::key
+    n_movable += can_move;
+    if (can_move & (last <= below[freq_of(meta)])) {  // rare: a well-predicted branch
+      kept_keys.push_back(sc.key(meta));
+      kept_slots.push_back(s);
+    }
   }
-  if (n_movable < need - free) {
+  if (n_movable < short_by) {
     *short_of_room = n_movable;
     return {true, at::Tensor()};
   }
   const int64_t n = std::min(n_movable, want);
-  if (n == n_movable || int64_t(n_kept) < n || int64_t(n_kept) > kKeptPerVictim * n + kSample)
-    return {false, at::Tensor()};
-  // Slots are distinct, so (key, slot) orders the pairs totally: the n lowest are those at or
-  // below the n-th, found on a copy; the chunks' pairs are in slot order, so they come out sorted.
-  static thread_local std::vector<std::pair<uint64_t, int64_t>> scratch;
-  scratch.clear();
-  for (const auto& kept : kept_storage) scratch.insert(scratch.end(), kept.begin(), kept.end());
-  std::nth_element(scratch.begin(), scratch.begin() + (n - 1), scratch.end());
-  const std::pair<uint64_t, int64_t> cut = scratch[size_t(n - 1)];
+  const int64_t n_kept = int64_t(kept_keys.size());
+  if (n == n_movable || n_kept < n || n_kept > kKeptPerVictim * n + kSample) return {false, at::Tensor()};
+  scratch.assign(kept_keys.begin(), kept_keys.end());  // the kept stay in slot order for the pass below
+  Cut cut = Cut::nth(scratch.data(), n_kept, n);
   at::Tensor out = at::empty({n + 1}, at::kLong);  // + 1: the branch-free loop writes one past the last
   int64_t* o = out.data_ptr<int64_t>();
   int64_t w = 0;
-  for (const auto& kept : kept_storage)
-    for (const auto& pair : kept) {
-      o[w] = pair.second;
-      w += pair <= cut;
-    }
+  for (int64_t i = 0; i < n_kept; ++i) {
+    o[w] = kept_slots[size_t(i)];
+    w += cut.take(kept_keys[size_t(i)]);
+  }
   return {true, out.narrow(0, 0, n)};
 }
 
-// The victims: the n = min(movable, max(need - free, evict_min)) lowest keys, ascending by
-// slot, ties to the lowest slot (as transformer._lowest). A selection by counting rather
-// than a sort: pass 1 computes every key and counts the primaries (257 values) to find the
-// primary P at the cut; pass 2 counts, among keys with primary P, how long each was idle
-// (last access is the rest of the key; idle >= 65536 shares one bucket, settled by sorting
-// that bucket if the cut falls in it); pass 3 collects. Each pass is split over threads in
-// fixed chunks whose counts are summed or concatenated in chunk order, so the victims do
-// not depend on the thread count.
-// Too few movable slots: returns an undefined tensor and sets *short_of_room to how many
-// there are (the caller raises: no C++ exception crosses into Python on this path, which has
-// crashed where the extension's and torch's C++ runtimes differ).
-at::Tensor select_victims(const Record* rec, int64_t C, const Scorer& sc, int64_t need, int64_t free,
-                          int64_t evict_min, int64_t* short_of_room) {
+// The victims (see above), or, with too few movable slots, an undefined tensor and
+// *short_of_room set to how many there are (the caller reports no room).
+at::Tensor select_victims(const Record* rec, int64_t C, const Scorer& sc, int64_t short_by, int64_t evict_min,
+                          int64_t* short_of_room) {
+  constexpr int64_t kSmallTable = 16384;  // and below: lowest_exact straight away
   if (C > kSmallTable) {
-    Sampled quick = victims_under_sampled_bound(rec, C, sc, need, free, evict_min, short_of_room);
+    Sampled quick = victims_under_sampled_bound(rec, C, sc, short_by, evict_min, short_of_room);
     if (quick.done) return quick.victims;
   }
-  static thread_local std::vector<uint64_t> keys_storage;  // kept: a fresh one page-faults
-  keys_storage.resize(size_t(C));
-  uint64_t* keys = keys_storage.data();
-  constexpr int64_t kGrain = 1 << 16;
-  const int64_t chunks = (C + kGrain - 1) / kGrain;
-  auto chunk_end = [&](int64_t c) { return std::min(C, (c + 1) * kGrain); };
-  std::vector<std::array<int64_t, 258>> part(static_cast<size_t>(chunks));
-  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; ++c) {
-      // four histograms taken in turn: most keys share a primary, and increments of one
-      // counter would wait on each other
-      int64_t h4[4][258] = {};
-      for (int64_t s = c * kGrain; s < chunk_end(c); ++s) {
-        const uint64_t k = sc.key(rec[s].meta);
-        keys[s] = k;
-        ++h4[s & 3][k == kNotMovable ? 257 : size_t(k >> 32)];
-      }
-      auto& h = part[size_t(c)];
-      for (size_t i = 0; i < h.size(); ++i) h[i] = h4[0][i] + h4[1][i] + h4[2][i] + h4[3][i];
-    }
-  });
-  std::array<int64_t, 258> hist{};
-  for (const auto& h : part)
-    for (size_t i = 0; i < hist.size(); ++i) hist[i] += h[i];
-  const int64_t n_movable = C - hist[257];
-  const int64_t short_by = need - free;
-  if (n_movable < short_by) {
-    *short_of_room = n_movable;
-    return at::Tensor();
-  }
-  const int64_t n = std::min(n_movable, std::max(short_by, evict_min));
-  if (C <= kSmallTable) return lowest_by_sort(keys, C, n);
-
-  uint64_t primary = 0;
-  int64_t r = n;  // still to take once every key of a lower primary is taken
-  while (r > hist[primary]) r -= hist[primary++];
-
-  // pass 2: idle - 1 of the keys at the cut primary (idle >= 1: this step's keys are not
-  // movable), one histogram per task (a histogram per chunk would be megabytes to clear).
-  // Most keys at the cut fall in a few recent buckets, unpredictably mixed with keys of
-  // other primaries: those are counted without a branch, in four small histograms in turn.
-  constexpr int64_t kOver = 65535, kRecent = 64;
-  const int64_t tasks = std::min<int64_t>(at::get_num_threads(), chunks);
-  std::vector<int32_t> by_task(size_t(tasks * (kOver + 1)), 0);
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      int32_t* h = &by_task[size_t(t * (kOver + 1))];
-      int32_t recent[4][kRecent] = {};
-      for (int64_t s = C * t / tasks; s < C * (t + 1) / tasks; ++s) {
-        const uint64_t k = keys[s];
-        const bool at_p = (k >> 32) == primary;  // never for kNotMovable: primary <= 256
-        const uint64_t i = std::min<uint64_t>(uint64_t(int64_t(sc.now) - int32_t(uint32_t(k)) - 1), kOver);
-        recent[s & 3][std::min<uint64_t>(i, kRecent - 1)] += at_p & (i < kRecent);
-        if (at_p && i >= kRecent) ++h[i];
-      }
-      for (int64_t i = 0; i < kRecent; ++i) h[i] += recent[0][i] + recent[1][i] + recent[2][i] + recent[3][i];
-    }
-  });
-  std::vector<int64_t> by_idle(size_t(kOver + 1), 0);
-  for (int64_t t = 0; t < tasks; ++t)
-    for (int64_t i = 0; i <= kOver; ++i) by_idle[size_t(i)] += by_task[size_t(t * (kOver + 1) + i)];
-  uint64_t cut;
-  int64_t take_at_cut;
-  int64_t b = kOver;  // the most idle first: they have the lowest keys
-  while (r > by_idle[size_t(b)]) r -= by_idle[size_t(b--)];
-  if (b < kOver) {
-    cut = primary << 32 | uint32_t(int64_t(sc.now) - 1 - b);
-    take_at_cut = r;
-  } else {  // the cut is among the long idle: order those exactly
-    std::vector<std::pair<uint64_t, int64_t>> over;
-    for (int64_t s = 0; s < C; ++s) {
-      const uint64_t k = keys[s];
-      if (k != kNotMovable && (k >> 32) == primary && int64_t(sc.now) - int32_t(uint32_t(k)) - 1 >= kOver)
-        over.emplace_back(k, s);
-    }
-    std::sort(over.begin(), over.end());
-    cut = over[size_t(r - 1)].first;
-    take_at_cut = 0;
-    for (int64_t i = 0; i < r; ++i) take_at_cut += over[size_t(i)].first == cut;
-  }
-
-  // pass 3: per chunk, the slots below the cut and those at it (bit 31 set), in slot order,
-  // written without a branch from the chunk's start on; the ties at the cut go to the lowest
-  // slots, so chunk by chunk in order
-  static thread_local std::vector<uint32_t> picked_storage;
-  picked_storage.resize(size_t(C));
-  uint32_t* picked = picked_storage.data();
-  std::vector<int64_t> n_picked(size_t(chunks), 0), at_cut(size_t(chunks), 0);
-  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; ++c) {
-      uint32_t* w = picked + c * kGrain;
-      int64_t n_w = 0, ties = 0;
-      for (int64_t s = c * kGrain; s < chunk_end(c); ++s) {
-        const uint64_t k = keys[s];
-        w[n_w] = uint32_t(s) | (k == cut ? 0x80000000u : 0u);
-        n_w += k <= cut;
-        ties += k == cut;
-      }
-      n_picked[size_t(c)] = n_w;
-      at_cut[size_t(c)] = ties;
-    }
-  });
-  std::vector<int64_t> offset(size_t(chunks) + 1, 0), ties_taken(size_t(chunks), 0);
-  int64_t ties_left = take_at_cut;
-  for (int64_t c = 0; c < chunks; ++c) {
-    ties_taken[size_t(c)] = std::min(ties_left, at_cut[size_t(c)]);
-    ties_left -= ties_taken[size_t(c)];
-    offset[size_t(c) + 1] = offset[size_t(c)] + n_picked[size_t(c)] - at_cut[size_t(c)] + ties_taken[size_t(c)];
-  }
-  at::Tensor out = at::empty({offset[size_t(chunks)]}, at::kLong);
-  int64_t* o = out.data_ptr<int64_t>();
-  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; ++c) {
-      int64_t* w = o + offset[size_t(c)];
-      int64_t ties = ties_taken[size_t(c)];
-      for (int64_t i = 0; i < n_picked[size_t(c)]; ++i) {
-        const uint32_t x = picked[c * kGrain + i];
-        if (!(x & 0x80000000u) || ties-- > 0) *w++ = int64_t(x & 0x7FFFFFFFu);
-      }
-    }
-  });
-  return out;
+  return lowest_exact(rec, C, sc, short_by, evict_min, short_of_room);
 }
 
 // Second half of a batch, after lookup and admission: make room for the admitted new IDs
@@ -723,7 +613,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> 
   at::Tensor victims = at::empty({0}, opt), victim_ids = at::empty({0}, opt);
   if (need > free) {
     int64_t movable = -1;
-    victims = select_victims(rec, C, Scorer(now, kind, ttl, decay_steps), need, free, evict_min, &movable);
+    victims = select_victims(rec, C, Scorer(now, kind, ttl, decay_steps), need - free, evict_min, &movable);
     if (movable >= 0) {
       at::Tensor none = at::empty({0}, opt);
       return {none, none, none, none, none, movable};
@@ -778,10 +668,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> 
     map.put(a_id[a], int32_t(a_slot[a]));
   }
   int64_t* out = slots_t.data_ptr<int64_t>();
-  at::parallel_for(0, slots_t.numel(), 1 << 15, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
-      if (out[i] < 0) out[i] = new_slot[size_t(-(out[i] + 2))];
-  });
+  for (int64_t i = 0; i < slots_t.numel(); ++i)
+    if (out[i] < 0) out[i] = new_slot[size_t(-(out[i] + 2))];
   if (new_pins)
     for (int64_t i = 0; i < n_seen; ++i) rec[seen[i]].meta += int64_t(1) << 40;
   at::Tensor distinct = at::empty({n_seen + need}, opt);
