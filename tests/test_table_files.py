@@ -176,13 +176,13 @@ def test_truncated_and_missing_shards(redis_client, copy_of):
 def test_a_shard_with_the_right_checksum_but_wrong_tensors(copy_of):
     from safetensors.numpy import save_file
 
-    from dynemb.trainer.table_files import _sha256
+    from dynemb.trainer.table_files import sha256_of
 
     path = copy_of / "part-00000.safetensors"
     save_file({"ids": np.arange(30), "embeddings": np.zeros((30, 5), np.float32),
                "state": np.zeros((30, 1), np.float32)}, str(path))
     doc = json.loads((copy_of / MANIFEST).read_text())
-    doc["shards"][0]["sha256"] = _sha256(path)
+    doc["shards"][0]["sha256"] = sha256_of(path)
     (copy_of / MANIFEST).write_text(json.dumps(doc))
     with pytest.raises(TableFileError, match=r"part-00000\.safetensors: tensor 'embeddings' is F32 \[30, 5\], "
                                              r"expected F32 \[30, 4\]"):

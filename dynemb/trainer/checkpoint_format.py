@@ -17,7 +17,6 @@ config): a consistent, checksummed copy of PS tables, which `restore` puts back 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -30,7 +29,7 @@ from tqdm import tqdm
 from dynemb.common.errors import UserError, shown
 from dynemb.ps_server.schema import TableSchema
 from dynemb.trainer.table_files import MANIFEST as TABLE_MANIFEST
-from dynemb.trainer.table_files import TableReader, TableWriter, check_no_conflict
+from dynemb.trainer.table_files import TableReader, TableWriter, check_no_conflict, sha256_of
 
 FORMAT = "dynemb.checkpoint"
 VERSION = 1
@@ -45,17 +44,9 @@ def step_folder(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(4 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
 def files_digest(folder: Path) -> dict[str, str]:
     """sha256 of every file under folder (but a manifest), by relative path."""
-    return {str(p.relative_to(folder)): _sha256(p)
+    return {str(p.relative_to(folder)): sha256_of(p)
             for p in sorted(folder.rglob("*")) if p.is_file() and p.name not in (MANIFEST, f".{MANIFEST}.tmp")}
 
 
@@ -97,7 +88,7 @@ def verify(folder: str | os.PathLike, progress: bool = False) -> dict:
         path = folder / rel
         if not path.is_file():
             raise CheckpointError(f"{path}: listed in {MANIFEST} but missing")
-        if _sha256(path) != digest:
+        if sha256_of(path) != digest:
             raise CheckpointError(f"{path}: sha256 differs from {MANIFEST} (corrupt or changed)")
     return doc
 

@@ -82,12 +82,10 @@ def shard_name(index: int) -> str:
     return f"part-{index:05d}.safetensors"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def sha256_of(path: Path) -> str:
+    """The file's sha256, hex (what table.json and checkpoint manifests record)."""
     with open(path, "rb") as f:
-        while block := f.read(4 << 20):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 @dataclass(frozen=True)
@@ -195,7 +193,8 @@ class TableWriter:
         old = existing_files(self.folder)
         if old and not overwrite:
             raise TableFileError(f"{self.folder}: already holds table files ({', '.join(p.name for p in old[:3])}"
-                                 f"{'...' if len(old) > 3 else ''}); choose an empty folder or overwrite")
+                                 f"{'...' if len(old) > 3 else ''}); choose an empty folder, or replace them "
+                                 f"(`dynemb table export --overwrite`)")
         # The manifest goes first: an overwrite cut short must not leave one listing new parts.
         for p in sorted(old, key=lambda p: p.name != MANIFEST):
             p.unlink()
@@ -237,7 +236,7 @@ class TableWriter:
                                 "dtype": self.schema.dtype})
         except Exception as exc:  # SafetensorError: an I/O error (disk full...) arrives as its text only
             raise OSError(f"{path}: could not write the shard ({exc})") from exc
-        self._shards.append(Shard(name, rows, _sha256(path)))
+        self._shards.append(Shard(name, rows, sha256_of(path)))
         rest = len(ids) - rows
         self._pending = [(ids[rows:], emb[rows:], st[rows:])] if rest else []
         self._pending_rows = rest
@@ -295,7 +294,7 @@ class TableReader:
         path = self.folder / shard.file
         if not path.is_file():
             raise TableFileError(f"{path}: missing (listed in {self.folder / MANIFEST})")
-        got = _sha256(path)
+        got = sha256_of(path)
         if got != shard.sha256:
             raise TableFileError(f"{path}: sha256 is {got}, {MANIFEST} says {shard.sha256}: the file is "
                                  f"corrupt or truncated ({path.stat().st_size} bytes)")

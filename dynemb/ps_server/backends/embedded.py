@@ -24,10 +24,10 @@ from pathlib import Path
 import numpy as np
 
 from dynemb.ps_server import native
-from dynemb.ps_server.backends.base import Store, rows_out
+from dynemb.ps_server.backends.base import Store, check_same_schema, rows_out
 from dynemb.ps_server.backends.id_index import IdIndex
 from dynemb.ps_server.codec import rows_for_table
-from dynemb.ps_server.errors import TableExists, TableNotFound
+from dynemb.ps_server.errors import TableNotFound
 from dynemb.ps_server.schema import TableSchema
 
 
@@ -136,11 +136,7 @@ class EmbeddedStore(Store):
             if have is None:
                 self._tables[schema.name] = _Table(schema)
                 return True
-        if have.schema != schema:
-            raise TableExists(
-                f"table {schema.name!r} already exists with another schema: "
-                f"stored {have.schema.to_dict()}, requested {schema.to_dict()}"
-            )
+        check_same_schema(have.schema, schema)
         return False
 
     def schema(self, table: str) -> TableSchema:

@@ -39,7 +39,7 @@ from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from dynemb.common.errors import shown
-from dynemb.ps_server.backends.base import Store, rows_out
+from dynemb.ps_server.backends.base import Store, check_same_schema, rows_out
 from dynemb.ps_server.backends.redis_tls import check_tls_files, untrusted_hint
 from dynemb.ps_server.codec import rows_for_table
 from dynemb.ps_server.errors import (
@@ -47,7 +47,6 @@ from dynemb.ps_server.errors import (
     InvalidArgument,
     PSError,
     ResourceExhausted,
-    TableExists,
     TableNotFound,
 )
 from dynemb.ps_server.hashing import bucket_of  # re-exported: bench/raw_redis.py reads the same buckets
@@ -295,12 +294,7 @@ class RedisStore(Store):
             # HSETNX: of several PS processes creating one table, exactly one wins
             if self.client.hsetnx(self._meta_key, schema.name, raw):
                 return True
-        stored = self._meta(schema.name).schema
-        if stored != schema:
-            raise TableExists(
-                f"table {schema.name!r} already exists in Redis namespace {self.namespace!r} with another "
-                f"schema: stored {stored.to_dict()}, requested {schema.to_dict()}"
-            )
+        check_same_schema(self._meta(schema.name).schema, schema, f" in Redis namespace {self.namespace!r}")
         return False
 
     def schema(self, table: str) -> TableSchema:
