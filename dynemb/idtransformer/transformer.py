@@ -288,15 +288,6 @@ class IDTransformer:
         self.last_access[victims] = FREE
         return evicted, victims
 
-    def _pin(self, held: torch.Tensor) -> None:
-        """held: distinct slots; all get one more pin or, when one is at 255, none does."""
-        if self.backend == "kernel":
-            self._kernel_pin(held, 1, RuntimeError(_PINS_FULL))
-            return
-        if bool((self.pins[held] == _MAX_PINS).any()):
-            raise RuntimeError(_PINS_FULL)
-        self.pins[held] += 1
-
     def _kernel_pin(self, held: torch.Tensor, delta: int, refused: Exception) -> None:
         """The kernel checks every count first and changes nothing when one would pass 255 or go
         below 0 (it returns a code rather than throw across into Python)."""
@@ -325,16 +316,6 @@ class IDTransformer:
         if bool((self.pins[held] == 0).any()):
             raise ValueError(_NOT_PINNED)
         self.pins[held] -= 1
-
-    def expire(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Evict now every unpinned ID idle longer than policy.ttl_steps: (ids, slots)."""
-        if self.policy.ttl_steps is None:
-            raise ValueError("this transformer's policy has no ttl_steps")
-        idle = self.step - self.last_access.to(torch.int64)
-        gone = (self.last_access != FREE) & (idle > self.policy.ttl_steps) & (self.pins == 0)
-        evicted = self._evict(torch.nonzero(gone).squeeze(1))
-        self.resident -= len(evicted[0])
-        return evicted
 
     # -- state -------------------------------------------------------------------
 
