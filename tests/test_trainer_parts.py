@@ -25,7 +25,8 @@ def test_flags_override_a_yaml_file(tmp_path):
     f.write_text("optimizer: adagrad\nsteps: 7\ndata:\n  universe: 5000\ntable:\n  dim: 8\n  policy: lru\n"
                  "dense_arch: [32, 8]\n")
     cfg = parse("--config", str(f), "--steps", "9", "--capacity-fraction", "0.2", "--no-pipeline")
-    assert (cfg.optimizer, cfg.steps, cfg.data.universe, cfg.table.dim, cfg.table.policy) == ("adagrad", 9, 5000, 8, "lru")
+    got = (cfg.optimizer, cfg.steps, cfg.data.universe, cfg.table.dim, cfg.table.policy)
+    assert got == ("adagrad", 9, 5000, 8, "lru")
     assert cfg.table.capacity_fraction == 0.2 and cfg.pipeline is False and cfg.dense_arch == [32, 8]
     j = tmp_path / "run.json"
     j.write_text(json.dumps({"lr": 0.5, "data": {"zipf": 1.3}}))
@@ -169,7 +170,9 @@ def test_row_sparse_adam_is_lazy_adam_on_fbgemm_cpu_tables():
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-        ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
 
     from dynemb.trainer.sparse_adam import RowSparseAdam
 
@@ -245,22 +248,44 @@ def test_dynemb_train_on_a_criteo_tsv_file(tmp_path):
     assert 0.0 <= got["auc"] <= 1.0 and got["hit_rate"] < 1.0
 
 
+def test_a_finished_training_leaves_no_gloo_thread_behind():
+    """`dynemb train` joins its process groups' gloo threads before it exits. They ran on into
+    interpreter shutdown, where one finishing a collective's work takes the GIL and aborts the
+    process ("terminate called without an active exception"): the default group could never be
+    freed (torch.distributed.optim, imported after it was made, kept it in a default argument),
+    and both groups waited in the job's cyclic garbage."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    flags = ["--steps", "3", "--num-sparse", "3", "--universe", "1000", "--dim", "8", "--dense-arch", "8",
+             "--over-arch", "8,1", "--batch-size", "16", "--eval-batches", "1", "--no-progress"]
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from helpers import gloo_threads; "
+            "from dynemb.trainer.cli import main; "
+            f"code = main({flags!r}); print('exit', code, 'gloo threads left:', gloo_threads())")
+    run = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.splitlines()[-1] == "exit 0 gloo threads left: []", run.stdout[-2000:]
+
+
 def test_train_cli_names_bad_settings():
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-m", "dynemb.trainer", "--optimizer", "lamb"], capture_output=True, text=True,
-                         timeout=120)
+    run = subprocess.run([sys.executable, "-m", "dynemb.trainer", "--optimizer", "lamb"], capture_output=True,
+                         text=True, timeout=120)
     assert run.returncode == 2 and "optimizer 'lamb' is not one of" in run.stderr
 
 
 def test_per_table_settings_from_a_file(tmp_path):
     import torch.distributed as dist
 
+    from dynemb.trainer.metrics import TrainerMetrics
     from dynemb.trainer.model import build
+    from dynemb.trainer.row_store import LocalRowStore
     from dynemb.trainer.table_rows import find_tables
     from dynemb.trainer.train import init_distributed, make_dynamic
-    from dynemb.trainer.row_store import LocalRowStore
 
     f = tmp_path / "run.yaml"
     f.write_text("data: {num_sparse: 3, universe: 1000}\ntable: {dim: 8, capacity_fraction: 0.1}\n"
@@ -273,8 +298,9 @@ def test_per_table_settings_from_a_file(tmp_path):
         built = build(cfg)
         rows = {name: r.local_rows for name, r in find_tables(built.model).items()}
         assert rows == {"t_0": 100, "t_1": 40, "t_2": 100}
-        assert built.schemas["t_2"].initializer.b == 0.5 and built.schemas["t_0"].initializer.b == pytest.approx(8 ** -0.5)
-        dyn = make_dynamic(cfg, built, LocalRowStore(), __import__("dynemb.trainer.metrics").trainer.metrics.TrainerMetrics(0))
+        assert built.schemas["t_2"].initializer.b == 0.5
+        assert built.schemas["t_0"].initializer.b == pytest.approx(8 ** -0.5)
+        dyn = make_dynamic(cfg, built, LocalRowStore(), TrainerMetrics(0))
         assert dyn.specs["t_1"].policy.kind == "lru" and dyn.specs["t_1"].admit_threshold == 2
         assert dyn.specs["t_0"].policy.kind == "hybrid" and dyn.specs["t_0"].admit_threshold == 1
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -44,11 +45,7 @@ def quiet_library_warnings() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dynemb.idtransformer.sharded import BatchRefused
-    from dynemb.idtransformer.transformer import NoRoom, TooManyIDs
     from dynemb.trainer.config import from_args
-    from dynemb.trainer.data import BadLine
-    from dynemb.trainer.train import train
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     quiet_library_warnings()
@@ -58,6 +55,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"dynemb train: error: {e}", file=sys.stderr)
         return 2
     rank = int(os.environ.get("RANK", "0"))
+    try:
+        return _train(args, cfg, rank)
+    finally:
+        # The job's process groups live on in its cyclic garbage (the model, a failed step's
+        # frames) until a collection: made now, their gloo threads are joined while the
+        # interpreter is whole. Left to interpreter shutdown, a thread that finishes a
+        # collective's work there takes the GIL and aborts the process ("terminate called
+        # without an active exception"), the job's exit status lost.
+        gc.collect()
+
+
+def _train(args: argparse.Namespace, cfg, rank: int) -> int:
+    from dynemb.idtransformer.sharded import BatchRefused
+    from dynemb.idtransformer.transformer import NoRoom, TooManyIDs
+    from dynemb.trainer.data import BadLine
+    from dynemb.trainer.train import train
+
     try:
         result = train(cfg)
     except BadLine as e:

@@ -14,6 +14,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+# Before any process group exists: torchrec's apply_optimizer_in_backward imports
+# torch.distributed.optim on its first call, and a default argument there
+# (zero_redundancy_optimizer._broadcast_object's group=dist.group.WORLD) then captures the
+# default group for good. destroy_process_group() could no longer free it, and its gloo threads
+# ran on into interpreter shutdown, where one finishing a collective's work takes the GIL and
+# aborts the process ("terminate called without an active exception").
+import torch.distributed.optim  # noqa: F401
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed import DistributedModelParallel

@@ -17,6 +17,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from helpers import leave_process_groups  # noqa: E402
 from test_trainer_exact import config  # noqa: E402
 
 from dynemb.trainer.checkpoint_format import CheckpointError  # noqa: E402
@@ -53,7 +54,7 @@ def main() -> None:
     said += "\n" + "; ".join(words)
     with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
         f.write(said)
-    dist.destroy_process_group()
+    leave_process_groups()  # no gloo thread left to abort the exit
 
 
 if __name__ == "__main__":

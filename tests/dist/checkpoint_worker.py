@@ -14,6 +14,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from helpers import leave_process_groups  # noqa: E402
 from test_trainer_exact import config  # noqa: E402
 
 from dynemb.trainer.train import train  # noqa: E402
@@ -40,7 +41,7 @@ def main() -> None:
         for name, (start, rows) in result.tables.items():
             arrays[f"{tag}_table_{name}"], arrays[f"{tag}_first_{name}"] = rows, np.array(start)
     np.savez(os.path.join(out, f"rank{rank}.npz"), **arrays)
-    dist.destroy_process_group()
+    leave_process_groups()  # no gloo thread left to abort the exit
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from helpers import leave_process_groups  # noqa: E402
 from test_trainer_exact import config  # noqa: E402
 
 from dynemb.trainer.train import train  # noqa: E402
@@ -33,7 +34,7 @@ def main() -> None:
         dfirst, drows = dyn.tables[name]
         arrays[f"dyn_{name}"], arrays[f"dyn_{name}_first"] = drows, np.array(dfirst)
     np.savez(os.path.join(out, f"rank{rank}.npz"), **arrays)
-    dist.destroy_process_group()
+    leave_process_groups()  # no gloo thread left to abort the exit
 
 
 if __name__ == "__main__":
