@@ -21,10 +21,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from deploy_files import DEPLOY, dashboard_exprs, redis_conf_lines, tool
+
 from dynemb.testing.local_ps import LocalPS, _die_with_parent
 from dynemb.testing.local_redis import RedisProcess, free_port, make_tls_files
+from dynemb.testing.process import end_process
 
 # enough steps that Prometheus (1 s scrapes) sees the counters move: rate() needs two samples
 # that differ, and 40 steps ran in well under a second
@@ -88,11 +89,7 @@ class Prometheus:
         return json.loads(urllib.request.urlopen(url, timeout=10).read())["data"]["activeTargets"]
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        end_process(self.proc, timeout=20)
         self.log.close()
 
 

@@ -5,7 +5,6 @@ and tests; it stops when closed (or its `with` block ends). Redis: dynemb/testin
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import time
 from pathlib import Path
 
 from dynemb.ps_server.parent_watch import PARENT_ENV
+from dynemb.testing.process import TempDirProcess, end_process
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,7 +31,7 @@ def _die_with_parent() -> None:
 
 
 
-class LocalPS:
+class LocalPS(TempDirProcess):
     """`dynemb ps serve` in a child process on a free port; `address` once started."""
 
     def __init__(self, *args: str, env: dict | None = None, log_path: str | None = None) -> None:
@@ -79,24 +79,7 @@ class LocalPS:
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int | None:
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        code = self.proc.returncode
+        code = end_process(self.proc, sig, timeout)
         self.proc = None
         self._log.close()
         return code
-
-    def close(self) -> None:
-        self.stop()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> LocalPS:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import redis
 
+from dynemb.testing.process import TempDirProcess, end_process
+
 REPO = Path(__file__).resolve().parents[2]
 SETUP_HINT = "run scripts/setup_env.sh (it puts redis-server and redis-cli in .bin/), or set DYNEMB_REDIS_SERVER"
 
@@ -49,7 +51,7 @@ def free_port() -> int:
             return port
 
 
-class RedisProcess:
+class RedisProcess(TempDirProcess):
     """One redis-server. `config` lines are added to the generated redis.conf.
 
     `client_kwargs` are what a redis-py client needs to reach it (TLS, password), used to
@@ -151,24 +153,9 @@ class RedisProcess:
             client.close()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            end_process(self.proc)
         self.proc = None
-
-    def close(self) -> None:
-        self.stop()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> RedisProcess:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class RedisClusterProcesses:
