@@ -25,6 +25,7 @@ Portable table folders (one table each, no manifest): `dynemb table export|impor
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from dynemb.ps_server.cli import add_client_flags
+    from dynemb.trainer.table_cli import table_flag
 
     ck = sub.add_parser("checkpoint", help="inspect, save and restore checkpoints",
                         description="Checkpoints: inspect a training job's checkpoints, save PS "
@@ -50,8 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                           epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_client_flags(p)
     p.add_argument("--out", required=True, help="the checkpoint folder to create (must not hold files)")
-    p.add_argument("--table", action="append", default=[],
-                   help="a table to save (repeat for several) [default: every table on the PS]")
+    table_flag(p, "a table to save (repeat for several) [default: every table on the PS]")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_save)
 
@@ -64,8 +64,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                           epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folder", help="a checkpoint folder (with manifest.json)")
     add_client_flags(p)
-    p.add_argument("--table", action="append", default=[],
-                   help="restore only this table (repeat for several) [default: all]")
+    table_flag(p, "restore only this table (repeat for several) [default: all]")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_restore)
 

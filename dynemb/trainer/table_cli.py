@@ -54,8 +54,7 @@ def add_table_commands(sub: argparse._SubParsersAction, old_name_of: str = "") -
                           epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_client_flags(p)
     p.add_argument("--out", required=True, help="folder to write the table folders in (created if absent)")
-    p.add_argument("--table", action="append", default=[],
-                   help="a table to export (repeat for several) [default: every table on the PS]")
+    table_flag(p, "a table to export (repeat for several) [default: every table on the PS]")
     p.add_argument("--rows-per-shard", type=int, default=1 << 20,
                    help="rows per part-NNNNN.safetensors file [default %(default)s]")
     p.add_argument("--overwrite", action="store_true", help="replace table folders that already hold files")
@@ -70,14 +69,18 @@ def add_table_commands(sub: argparse._SubParsersAction, old_name_of: str = "") -
                           epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folder", help="a table folder (with table.json) or a folder of them")
     add_client_flags(p)
-    p.add_argument("--table", action="append", default=[],
-                   help="import only this table of FOLDER (repeat for several) [default: all]")
+    table_flag(p, "import only this table of FOLDER (repeat for several) [default: all]")
     p.add_argument("--as", dest="rename", metavar="NAME",
                    help="the PS table name, when importing exactly one table [default: its own name]")
     p.add_argument("--replace", action="store_true",
                    help="delete the table's rows on the PS before writing (otherwise rows are added/overwritten)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_warned(cmd_import, old_name_of, "import"))
+
+
+def table_flag(p: argparse.ArgumentParser, help: str) -> None:
+    """`--table NAME`, repeatable: the tables a command works on."""
+    p.add_argument("--table", action="append", default=[], metavar="NAME", help=help)
 
 
 def _warned(command: Callable, old_name_of: str, verb: str) -> Callable:
