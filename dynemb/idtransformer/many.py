@@ -25,11 +25,7 @@ from __future__ import annotations
 import torch
 
 from dynemb.idtransformer.ids import as_int64_ids
-from dynemb.idtransformer.slot_map import COIN_SEED, MAP_SEED
-from dynemb.idtransformer.transformer import (_KIND_CODE, _NOT_PINNED, _PIN_REFUSED, _PINS_FULL, IDTransformer,
-                                       TransformResult, _no_room, too_many_ids)
-
-_TOO_MANY = -3  # transform_many's status for a block with more distinct IDs than the table has slots
+from dynemb.idtransformer.transformer import _PINS_FULL, IDTransformer, TransformResult, _no_room, too_many_ids
 
 
 class ManyResult:
@@ -59,8 +55,7 @@ class ManyResult:
             no_ids = self.slots[:0]
             self._results = [
                 None if e is not None else TransformResult(
-                    slots, parts["admitted_ids"][k], parts["admitted_slots"][k], parts["evicted_ids"][k],
-                    parts["evicted_slots"][k], no_ids, hits[k], parts["distinct_slots"][k])
+                    slots=slots, rejected_ids=no_ids, hits=hits[k], **{f: parts[f][k] for f in self.FIELDS})
                 for k, (slots, e) in enumerate(zip(torch.split(self.slots, sizes), self.errors))]
         return self._results
 
@@ -72,6 +67,11 @@ class ManyResult:
 
 def transform_many(tables: list[IDTransformer], ids: torch.Tensor, sizes: list[int], pin: bool = False,
                    bases: list[int] | None = None) -> ManyResult:
+    """Transform every table's block of IDs (see the module).
+
+    Args: tables; ids: their blocks end to end, sizes[t] of table t's; pin: pin every slot the
+    blocks use; bases: per table, added to the slots handed out (default 0).
+    Returns: the ManyResult (slots, per table the result or the error)."""
     if len(sizes) != len(tables):
         raise ValueError(f"{len(tables)} tables but {len(sizes)} block sizes")
     ids = as_int64_ids(ids).reshape(-1)
@@ -115,46 +115,36 @@ def _one(t: IDTransformer, block: torch.Tensor, pin: bool, base: int):
     return out.slots, out, None
 
 
-def _policy_params(t: IDTransformer) -> tuple:
-    """The kernel's per-table constants, in transform_many's params order from kInitialFreq on
-    (the arguments transformer._lookup and _admit give lookup and admit)."""
-    p = t.policy
-    return (p.initial_freq, p.decay_steps if p.kind == "hybrid" else 0, _KIND_CODE[p.kind],
-            -1 if p.ttl_steps is None else p.ttl_steps, p.decay_steps, int(p.evict_fraction * t.capacity))
-
-
 def _kernel_many(tables: list[IDTransformer], ids: torch.Tensor, sizes: list[int], pin: bool,
                  bases: list[int]) -> ManyResult:
     if not tables:
         return ManyResult(ids[:0], [], [])
-    params: list[int] = []
-    for t, n, base in zip(tables, sizes, bases):
-        params += (n, t.step, t.resident, base, *_policy_params(t))
-    log_factors = [-1.0 if t.policy.kind == "lru" else t.policy.log_factor for t in tables]
-    slots, admitted, admitted_slots, evicted, evicted_slots, distinct, info = tables[0].map.ops.transform_many(
-        [t.map.entries for t in tables], [t.records for t in tables], ids, params, log_factors, pin,
-        MAP_SEED, COIN_SEED)
-    info = info.tolist()  # per table: status, hits, admitted, evicted, distinct, extra
+    k = tables[0].kernel_map.ops
+    out = k.transform_many([t.kernel_map.entries for t in tables], [t.records for t in tables], ids, sizes, bases,
+                           [x for t in tables for x in t.kernel_settings()], [t.policy.log_factor for t in tables],
+                           pin)
+    info = [k.Info(*row) for row in out.info.tolist()]
     errors: list[Exception | None] = []
-    for t, (status, _, n_admitted, n_evicted, _, extra) in zip(tables, info):
-        error = None
-        if status == _TOO_MANY:  # refused before anything was done: no step taken
-            error = too_many_ids(extra, t.capacity)
-        elif status == _PIN_REFUSED:  # a slot at 255 pins: refused before anything was done
+    for t, row in zip(tables, info):
+        error: Exception | None = None
+        if row.status == k.Status.too_many:  # refused before anything was done: no step taken
+            error = too_many_ids(row.distinct_ids, t.capacity)
+        elif row.status == k.Status.pins_full:  # a slot at 255 pins: refused before anything was done
             error = RuntimeError(_PINS_FULL)
         else:
             t.step += 1  # a batch refused for want of room was still seen
-            if status >= 0:  # no room, nothing admitted
-                error = _no_room(extra, t.capacity - t.resident, status)
+            if row.status == k.Status.no_room:  # nothing admitted
+                error = _no_room(row.new_ids, t.capacity - t.resident, row.movable)
             else:
-                t.resident += n_admitted - n_evicted
+                t.resident += row.admitted - row.evicted
         errors.append(error)
     # a failed table has none of these (its counts are 0), and its result is None
-    columns = list(zip(*info))
-    flat = dict(zip(ManyResult.FIELDS, (admitted, admitted_slots, evicted, evicted_slots, distinct)))
-    counts = dict(zip(ManyResult.FIELDS, (columns[2], columns[2], columns[3], columns[3], columns[4])))
-    hits = [0 if e is not None else h for h, e in zip(columns[1], errors)]
-    return ManyResult(slots, None, errors, flat, counts, list(sizes), hits)
+    flat = {f: getattr(out, f) for f in ManyResult.FIELDS}
+    per_table = {"admitted_ids": "admitted", "admitted_slots": "admitted", "evicted_ids": "evicted",
+                 "evicted_slots": "evicted", "distinct_slots": "distinct_slots"}
+    counts = {f: [getattr(row, per_table[f]) for row in info] for f in ManyResult.FIELDS}
+    hits = [0 if e is not None else row.hits for row, e in zip(info, errors)]
+    return ManyResult(out.slots, None, errors, flat, counts, list(sizes), hits)
 
 
 def release_many_flat(tables: list[IDTransformer], distinct_slots: torch.Tensor,
@@ -162,8 +152,8 @@ def release_many_flat(tables: list[IDTransformer], distinct_slots: torch.Tensor,
     """release_many with every table's distinct slots in one tensor, table after table
     (counts[t] of table t's, as ManyResult.flat has them): one kernel call, nothing to cut or
     join. Every table must be on the kernel."""
-    status = tables[0].map.ops.pin_many([t.records for t in tables], distinct_slots, counts, -1).tolist()
-    return [t._pin_error(s, ValueError(_NOT_PINNED)) for t, s in zip(tables, status)]
+    status = tables[0].kernel_map.ops.release_many([t.records for t in tables], distinct_slots, counts).tolist()
+    return [t.release_error(s) for t, s in zip(tables, status)]
 
 
 def release_many(tables: list[IDTransformer], distinct_slots: list[torch.Tensor]) -> list[Exception | None]:
@@ -174,10 +164,9 @@ def release_many(tables: list[IDTransformer], distinct_slots: list[torch.Tensor]
     fast = [k for k, t in enumerate(tables) if t.backend == "kernel"]
     if fast:
         held = [distinct_slots[k] for k in fast]
-        status = tables[fast[0]].map.ops.pin_many([tables[k].records for k in fast], torch.cat(held),
-                                                  [h.shape[0] for h in held], -1).tolist()
-        for k, s in zip(fast, status):
-            errors[k] = tables[k]._pin_error(s, ValueError(_NOT_PINNED))
+        errors_fast = release_many_flat([tables[k] for k in fast], torch.cat(held), [h.shape[0] for h in held])
+        for k, error in zip(fast, errors_fast):
+            errors[k] = error
     for k, t in enumerate(tables):
         if t.backend != "kernel":
             try:

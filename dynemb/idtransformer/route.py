@@ -19,21 +19,32 @@ kernel to.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from dynemb.idtransformer.hashing import owner_of
 from dynemb.idtransformer.kernel import ops
 
 
-def route(ids: torch.Tensor, sizes: list[int], world: int,
-          kernel: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(send, position, counts) of int64 ids laid out in blocks of `sizes` (see the module)."""
+class Routed(NamedTuple):
+    """The send layout of int64 IDs laid out in blocks (see the module)."""
+
+    send: torch.Tensor  # the IDs by (destination rank, table) bucket
+    position: torch.Tensor  # where each ID is in send
+    counts: torch.Tensor  # (world * tables,) bucket sizes, rank-major
+
+
+def route(ids: torch.Tensor, sizes: list[int], world: int, kernel: bool) -> Routed:
+    """Args: ids (int64), laid out in blocks of `sizes`, one per table; world: the ranks; kernel:
+    the compiled kernel (CPU), else torch ops. Returns: their Routed layout (see the module)."""
     if kernel:
-        return ops().route(ids, sizes, world)
+        out = ops().route(ids, sizes, world)
+        return Routed(out.send, out.position, out.counts)
     return route_torch(ids, sizes, world)
 
 
-def route_torch(ids: torch.Tensor, sizes: list[int], world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def route_torch(ids: torch.Tensor, sizes: list[int], world: int) -> Routed:
     n_tables = len(sizes)
     table_of = torch.repeat_interleave(torch.arange(n_tables, device=ids.device),
                                        torch.tensor(sizes, dtype=torch.int64, device=ids.device))
@@ -41,7 +52,7 @@ def route_torch(ids: torch.Tensor, sizes: list[int], world: int) -> tuple[torch.
     order = torch.argsort(bucket, stable=True)
     position = torch.empty_like(order)
     position[order] = torch.arange(order.numel(), device=ids.device)
-    return ids[order], position, torch.bincount(bucket, minlength=world * n_tables)
+    return Routed(ids[order], position, torch.bincount(bucket, minlength=world * n_tables))
 
 
 def transpose_blocks(x: torch.Tensor, counts: torch.Tensor, kernel: bool) -> torch.Tensor:

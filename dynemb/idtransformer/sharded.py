@@ -301,7 +301,8 @@ def _results(flat_slots: torch.Tensor, sizes: list[int], owned: list[TransformRe
 def _nothing(device: torch.device) -> TransformResult:
     """A refused share's result: nothing looked up, admitted, evicted or pinned."""
     none = torch.zeros(0, dtype=torch.int64, device=device)
-    return TransformResult(none, none, none, none, none, none, 0, none)
+    return TransformResult(slots=none, admitted_ids=none, admitted_slots=none, evicted_ids=none, evicted_slots=none,
+                           rejected_ids=none, hits=0, distinct_slots=none)
 
 
 def _refused(results: list[ShardedTransformResult], errors: list[Exception | None], refused_by: list[list[int]],

@@ -28,22 +28,18 @@ per ID or per probe step (bench/idtransformer_bench.py --device cuda counts them
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from dynemb.idtransformer.admission import CountMinSketch
 from dynemb.idtransformer.ids import as_int64_ids
 from dynemb.idtransformer.policy import EvictionPolicy
-from dynemb.idtransformer.slot_map import COIN_SEED, MAP_SEED, coin, make_slot_map
+from dynemb.idtransformer.slot_map import COIN_SEED, MAP_SEED, KernelSlotMap, coin, make_slot_map
 
 FREE = -1
 _MAX_PINS = 255
 _MAX_HITS = 0xFFFF  # the kernel counts a batch's sightings of an ID in 16 bits
-_KIND_CODE = {"lru": 0, "lfu": 1, "hybrid": 2}
-# the kernel's status codes (csrc/slot_map.cpp): lookup's, admit's besides movable >= 0, pin's
-_LOOKUP_DONE, _LOOKUP_PINS_FULL = 0, 1
-_ADMITTED, _PIN_REFUSED = -1, -2
-_PIN_APPLIED, _PIN_OUT_OF_RANGE, _SLOT_OUT_OF_RANGE = 0, 1, 2
 _PINS_FULL = f"a slot is pinned by {_MAX_PINS} batches in flight: release finished batches"
 _NOT_PINNED = "release of slots that are not pinned (released twice?)"
 
@@ -61,6 +57,27 @@ class TransformResult:
     hits: torch.Tensor | int = 0
     # every slot the batch uses, once (resident ones seen, then the admitted): what pin holds
     distinct_slots: torch.Tensor | None = None
+
+
+class Lookup(NamedTuple):
+    """A batch's first pass (hits touched, the missing listed)."""
+
+    slots: torch.Tensor  # a hit's slot; the k-th distinct missing ID (in order of first sighting): -(k + 2)
+    new_ids: torch.Tensor  # the distinct missing IDs, k-th at k
+    new_counts: torch.Tensor  # their sightings in the batch (int32)
+    seen: torch.Tensor  # the distinct resident slots the batch uses
+    hits: torch.Tensor  # sightings of resident IDs (0-dim)
+
+
+class Admission(NamedTuple):
+    """A batch's second pass (room made, the admitted placed, the placeholders replaced)."""
+
+    admitted_ids: torch.Tensor
+    admitted_slots: torch.Tensor
+    evicted_ids: torch.Tensor
+    evicted_slots: torch.Tensor
+    distinct_slots: torch.Tensor  # every slot the batch uses: the seen, then the admitted
+    pinned: bool  # whether the distinct slots were pinned here (the kernel does that with pin)
 
 
 class TooManyIDs(ValueError):
@@ -172,46 +189,64 @@ class IDTransformer:
         #    distinct missing ID (in order of first sighting) gets -(k + 2) for now. With pin,
         #    a hit whose slot is at 255 pins refuses the batch here, with nothing changed (the
         #    new IDs would start at 0 pins: only the hits can be full).
-        slots, new_ids, new_counts, seen, hits = self._lookup(flat, pin)
+        looked = self._lookup(flat, pin)
+        new_ids = looked.new_ids
         try:
             # 2. Admission (admit None: all admitted; the kernel needs no flags for that).
             if self.sketch is not None and len(new_ids):
-                admit = self.sketch.add(new_ids, new_counts) >= self.admit_threshold
+                admit = self.sketch.add(new_ids, looked.new_counts) >= self.admit_threshold
             elif self.backend == "kernel":
                 admit = None
             else:
                 admit = torch.ones_like(new_ids, dtype=torch.bool)
             # 3. Room (eviction), slots for the admitted, placeholders replaced; with pin, the
             #    kernel also pins the batch's slots (checked in step 1: none is at 255).
-            admitted, admitted_slots, evicted_ids, evicted_slots, distinct, pinned = self._admit(
-                slots, new_ids, admit, seen, pin)
-            self.resident += len(admitted) - len(evicted_ids)
-            if pin and not pinned:
-                self.pins[distinct] += 1
+            room = self._admit(looked.slots, new_ids, admit, looked.seen, pin)
+            self.resident += len(room.admitted_ids) - len(room.evicted_ids)
+            if pin and not room.pinned:
+                self.pins[room.distinct_slots] += 1
         finally:
             # even a batch refused for want of room was seen: its resident IDs were touched
             self.step += 1
-        rejected = new_ids[:0] if admit is None else new_ids[~admit]
-        return TransformResult(slots.reshape(ids.shape), admitted, admitted_slots, evicted_ids, evicted_slots,
-                               rejected, hits, distinct)
+        return TransformResult(
+            slots=looked.slots.reshape(ids.shape), admitted_ids=room.admitted_ids,
+            admitted_slots=room.admitted_slots, evicted_ids=room.evicted_ids, evicted_slots=room.evicted_slots,
+            rejected_ids=new_ids[:0] if admit is None else new_ids[~admit], hits=looked.hits,
+            distinct_slots=room.distinct_slots)
 
     def _check_step(self) -> None:
         if self.step >= (1 << 31) - 1:
             raise OverflowError("the transformer's step counter is at 2^31 - 1 (last_access is int32)")
 
-    def _lookup(self, flat: torch.Tensor, pin: bool) -> tuple[torch.Tensor, ...]:
-        """(slots with placeholders, new ids, their counts, resident slots seen, hits); with
-        pin, raises the pins-full error before changing anything when a hit's slot is at 255."""
+    @property
+    def kernel_map(self) -> KernelSlotMap:
+        """The compiled kernel's map and ops (backend "kernel")."""
+        if not isinstance(self.map, KernelSlotMap):
+            raise RuntimeError(f"this transformer's backend is {self.backend!r}, not the kernel")
+        return self.map
+
+    @property
+    def evict_min(self) -> int:
+        """Slots freed at least when the table is short (policy.evict_fraction of it)."""
+        return int(self.policy.evict_fraction * self.capacity)
+
+    def kernel_settings(self) -> list[int]:
+        """This table's settings (policy and state) as the kernel's ops take them."""
+        p, k = self.policy, self.kernel_map.ops
+        return k.settings(step=self.step, resident=self.resident, kind=k.Kind[p.kind], initial_freq=p.initial_freq,
+                          decay_steps=p.decay_steps, ttl=-1 if p.ttl_steps is None else p.ttl_steps,
+                          evict_min=self.evict_min, map_seed=MAP_SEED, coin_seed=COIN_SEED)
+
+    def _lookup(self, flat: torch.Tensor, pin: bool) -> Lookup:
+        """The batch's first pass; with pin, raises the pins-full error before changing anything
+        when a hit's slot is at 255."""
         p = self.policy
         if self.backend == "kernel":
-            *out, status = self.map.ops.lookup(
-                self.map.entries, self.records, flat, self.step, MAP_SEED, COIN_SEED,
-                -1.0 if p.kind == "lru" else p.log_factor, p.initial_freq, p.decay_steps if p.kind == "hybrid" else 0,
-                pin,
-            )
-            if status == _LOOKUP_PINS_FULL:  # the kernel put back what it had touched
+            k = self.kernel_map.ops
+            out = k.lookup(self.kernel_map.entries, self.records, flat, self.kernel_settings(), p.log_factor, pin)
+            if out.status == k.Status.pins_full:  # the kernel put back what it had touched
                 raise RuntimeError(_PINS_FULL)
-            return tuple(out)
+            return Lookup(out.slots, out.new_ids, out.new_counts, out.seen, out.hits)
         uniq, inverse, counts = torch.unique(flat, return_inverse=True, return_counts=True)
         slots = self.map.find(uniq)
         hit = slots >= 0
@@ -231,31 +266,27 @@ class IDTransformer:
         first = torch.full_like(uniq, n).scatter_reduce_(0, inverse, torch.arange(n, device=flat.device), "amin")
         missing = torch.nonzero(~hit).squeeze(1)
         missing = missing[torch.argsort(first[missing])]
-        k = torch.empty_like(uniq)
-        k[missing] = torch.arange(len(missing), device=flat.device)
-        slots = torch.where(hit, slots, -(k + 2))[inverse]
-        return slots, uniq[missing], counts[missing].to(torch.int32), seen, (slots >= 0).sum()
+        kth = torch.empty_like(uniq)  # each missing ID's index among the new
+        kth[missing] = torch.arange(len(missing), device=flat.device)
+        slots = torch.where(hit, slots, -(kth + 2))[inverse]
+        return Lookup(slots, uniq[missing], counts[missing].to(torch.int32), seen, (slots >= 0).sum())
 
     def _admit(self, slots: torch.Tensor, new_ids: torch.Tensor, admit: torch.Tensor | None, seen: torch.Tensor,
-               pin: bool):
-        """(admitted ids, their slots, evicted ids, their slots, distinct slots, pinned: whether
-        the distinct slots were pinned here, as the kernel does with pin)."""
+               pin: bool) -> Admission:
+        """The batch's second pass; raises NoRoom, or the pins-full error, with nothing changed."""
         p = self.policy
-        evict_min = int(p.evict_fraction * self.capacity)
         if self.backend == "kernel":
-            *out, status = self.map.ops.admit(
-                self.map.entries, self.records, slots, new_ids, admit, seen, pin, self.step, self.resident,
-                MAP_SEED, _KIND_CODE[p.kind], -1 if p.ttl_steps is None else p.ttl_steps, p.decay_steps,
-                p.initial_freq, evict_min,
-            )
-            if status >= 0:  # no room: nothing changed
+            k, settings = self.kernel_map.ops, self.kernel_settings()
+            out = k.admit(self.kernel_map.entries, self.records, slots, new_ids, admit, seen, settings, pin)
+            if out.status == k.Status.no_room:
                 need = len(new_ids) if admit is None else int(admit.sum())
-                raise _no_room(need, self.capacity - self.resident, status)
-            if status == _PIN_REFUSED:  # nothing changed; lookup with pin refuses such a batch first
+                raise _no_room(need, self.capacity - self.resident, out.movable)
+            if out.status == k.Status.pins_full:  # lookup with pin refuses such a batch first
                 raise RuntimeError(_PINS_FULL)
-            return (*out, pin)
+            return Admission(out.admitted_ids, out.admitted_slots, out.evicted_ids, out.evicted_slots,
+                             out.distinct_slots, pin)
         admitted = new_ids[admit]
-        evicted_ids, evicted_slots = self._make_room(len(admitted), evict_min)
+        evicted_ids, evicted_slots = self._make_room(len(admitted), self.evict_min)
         free = torch.nonzero(self.last_access == FREE).squeeze(1)[: len(admitted)]
         self.slot_id[free] = admitted
         self.map.insert(admitted, free)
@@ -265,7 +296,7 @@ class IDTransformer:
         new_slots.masked_scatter_(admit, free)  # (no host sync, unlike a boolean index_put)
         if len(new_ids):
             slots.copy_(torch.where(slots < 0, new_slots[(-(slots + 2)).clamp(min=0)], slots))
-        return admitted, free, evicted_ids, evicted_slots, torch.cat([seen, free]), False
+        return Admission(admitted, free, evicted_ids, evicted_slots, torch.cat([seen, free]), False)
 
     def _make_room(self, need: int, evict_min: int) -> tuple[torch.Tensor, torch.Tensor]:
         free = self.capacity - self.resident
@@ -288,18 +319,12 @@ class IDTransformer:
         self.last_access[victims] = FREE
         return evicted, victims
 
-    def _kernel_pin(self, held: torch.Tensor, delta: int, refused: Exception) -> None:
-        """The kernel checks every count first and changes nothing when one would pass 255 or go
-        below 0 (it returns a code rather than throw across into Python)."""
-        error = self._pin_error(self.map.ops.pin(self.records, held, delta), refused)
-        if error is not None:
-            raise error
-
-    def _pin_error(self, status: int, refused: Exception) -> Exception | None:
-        """What the kernel's pin status means: None (applied), refused, or a slot out of range."""
-        if status == _PIN_OUT_OF_RANGE:
-            return refused
-        if status == _SLOT_OUT_OF_RANGE:  # as the torch path's indexing would refuse it
+    def release_error(self, status: int) -> Exception | None:
+        """What the kernel's release status means: None (released), or the error to raise."""
+        k = self.kernel_map.ops
+        if status == k.Status.not_pinned:
+            return ValueError(_NOT_PINNED)
+        if status == k.Status.slot_out_of_range:  # as the torch path's indexing would refuse it
             return IndexError(f"slot out of range for a table of {self.capacity} slots")
         return None
 
@@ -311,7 +336,9 @@ class IDTransformer:
             held = torch.unique(held)
             held = held[held >= 0]
         if self.backend == "kernel":
-            self._kernel_pin(held, -1, ValueError(_NOT_PINNED))
+            error = self.release_error(self.kernel_map.ops.release(self.records, held))
+            if error is not None:
+                raise error
             return
         if bool((self.pins[held] == 0).any()):
             raise ValueError(_NOT_PINNED)

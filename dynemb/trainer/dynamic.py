@@ -238,8 +238,9 @@ class DynamicTables:
                 release_tables([self.transformers[n] for n in self.names], self.in_flight.pop())
                 raise
             if answered is not None:
-                (batch, layout), slots, _ = answered
-                yield Batch(batch.dense_features, self._over_slots(batch.sparse_features, layout, slots), batch.labels)
+                batch, layout = answered.tag
+                yield Batch(batch.dense_features, self._over_slots(batch.sparse_features, layout, answered.slots),
+                            batch.labels)
             if stream.received is not None:
                 if not before_each():
                     return

@@ -24,6 +24,10 @@
 //
 // It runs on the calling thread: built without OpenMP, and with nothing split over threads
 // (bench/RESULTS.md, idtransformer_bench, has the measurement behind that).
+//
+// What Python and this file share is defined here once and read by Python from the extension:
+// the status codes, the policy kinds, the per-table settings and the columns of
+// transform_many's info (the op `names`), and each op's named returns (its schema).
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -35,6 +39,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include <sys/mman.h>
@@ -42,8 +48,79 @@
 #include "hash.h"
 #include "ids.h"
 
+// What an op reports instead of throwing (no C++ exception crosses into Python on these paths:
+// that has crashed where the extension's and torch's C++ runtimes differ).
+#define DYNEMB_STATUS(X) \
+  X(ok)                  \
+  X(no_room)           /* not enough slots free or movable: nothing admitted */ \
+  X(pins_full)         /* a slot the batch uses has 255 pins: nothing changed */ \
+  X(too_many)          /* more distinct IDs than the table has slots: nothing done */ \
+  X(not_pinned)        /* a release of a slot with no pin: nothing changed */ \
+  X(slot_out_of_range) /* a release of a slot outside the table: nothing changed */
+
+#define DYNEMB_KIND(X) X(lru) X(lfu) X(hybrid)  // policy.py's kinds
+
+// A table's settings, as the ops that transform take them: int64 values in this order, table
+// after table, which Python fills by name (names("settings")).
+#define DYNEMB_SETTINGS(X) \
+  X(step)                  \
+  X(resident)     /* IDs resident before the call */ \
+  X(kind)         /* a Kind */ \
+  X(initial_freq) \
+  X(decay_steps)  /* hybrid: idle steps per point of decay */ \
+  X(ttl)          /* idle steps before an ID expires; -1: no TTL */ \
+  X(evict_min)    /* slots freed at least, when the table is short */ \
+  X(map_seed)     \
+  X(coin_seed)
+
+// transform_many's info, one row per table (see transform_many).
+#define DYNEMB_MANY_INFO(X) \
+  X(status) X(hits) X(admitted) X(evicted) X(distinct_slots) X(new_ids) X(movable) X(distinct_ids)
+
+#define DYNEMB_ENUMERATOR(name) name,
+#define DYNEMB_NAME(name) #name,
+#define DYNEMB_FIELD(name) int64_t name;
+#define DYNEMB_PLUS_ONE(name) +1
+
 namespace dynemb {
 namespace {
+
+enum class Status : int64_t { DYNEMB_STATUS(DYNEMB_ENUMERATOR) };
+enum class Kind : int64_t { DYNEMB_KIND(DYNEMB_ENUMERATOR) };
+enum class Info : int64_t { DYNEMB_MANY_INFO(DYNEMB_ENUMERATOR) };
+constexpr int64_t kSettings = 0 DYNEMB_SETTINGS(DYNEMB_PLUS_ONE);
+constexpr int64_t kInfo = 0 DYNEMB_MANY_INFO(DYNEMB_PLUS_ONE);
+
+struct Settings {
+  DYNEMB_SETTINGS(DYNEMB_FIELD)
+  Kind policy() const { return Kind(kind); }
+};
+
+// Table t's settings from the values of all tables.
+Settings settings_of(at::IntArrayRef values, int64_t t) {
+  TORCH_CHECK(int64_t(values.size()) >= (t + 1) * kSettings, "expected ", kSettings, " settings per table, got ",
+              values.size(), " values for ", t + 1, " tables");
+  const int64_t* v = values.data() + t * kSettings;
+  Settings s;
+  int64_t i = 0;
+#define DYNEMB_READ(name) s.name = v[i++];
+  DYNEMB_SETTINGS(DYNEMB_READ)
+#undef DYNEMB_READ
+  TORCH_CHECK(s.kind >= 0 && s.kind <= int64_t(Kind::hybrid), "settings: no policy kind ", s.kind);
+  TORCH_CHECK(s.decay_steps >= 1 && s.ttl >= -1 && s.evict_min >= 0 && s.step >= 0 && s.step < (int64_t(1) << 31),
+              "settings: decay_steps must be >= 1, ttl >= -1, evict_min >= 0 and step in [0, 2^31)");
+  return s;
+}
+
+// The names of a list the Python side reads from here: "status", "kind", "settings" (in the
+// order the ops take them) or "info" (transform_many's columns).
+std::vector<std::string> names(std::string which) {
+  if (which == "status") return {DYNEMB_STATUS(DYNEMB_NAME)};
+  if (which == "kind") return {DYNEMB_KIND(DYNEMB_NAME)};
+  if (which == "settings") return {DYNEMB_SETTINGS(DYNEMB_NAME)};
+  if (which == "info") return {DYNEMB_MANY_INFO(DYNEMB_NAME)};
+  TORCH_CHECK(false, "names: no list called '", which, "' (status, kind, settings, info)");
+}
 
 constexpr int32_t kEmpty = -1;
 constexpr int32_t kFree = -1;
@@ -159,7 +236,6 @@ at::Tensor huge_empty(at::IntArrayRef size, at::ScalarType dtype) {
   return at::from_blob(p, size, [](void* q) { std::free(q); }, at::TensorOptions().dtype(dtype));
 }
 
-
 // Uniform [0, 1) per (id, step): the log counter's coin, the same as slot_map.coin.
 inline double coin(int64_t id, int64_t step, uint64_t seed) {
   uint64_t r = fmix64(uint64_t(id) * kGolden ^ ((uint64_t(step) << 32) ^ seed));
@@ -169,31 +245,31 @@ inline double coin(int64_t id, int64_t step, uint64_t seed) {
 // One pass over a batch. A resident ID gets its slot; on its first sighting in the batch its
 // counter is decayed (hybrid: idle steps / decay_steps points) and last access set to step;
 // after the pass each resident ID seen is bumped once with probability 1 - (1 - p)^hits,
-// p = 1 / ((freq - initial_freq) * log_factor + 1) (policy.bump). A missing ID gets -(k + 2),
-// k its index among the batch's distinct missing IDs in order of first sighting.
-// decay_steps 0: no decay; log_factor < 0: no counter (LRU).
+// p = 1 / ((freq - initial_freq) * log_factor + 1) (policy.bump; LRU keeps no counter). A
+// missing ID gets -(k + 2), k its index among the batch's distinct missing IDs in order of
+// first sighting.
 // With pin (the batch is to be pinned), a resident ID whose slot already has 255 pins stops
-// the pass: every record touched so far is put back as it was and pins_full is set, with
-// empty tensors, nothing changed (only the resident can be at 255: the admitted start at 0
-// pins, so this is the whole of the batch's pin check).
-// Writes the slots into `slots_out` (n int64, contiguous) and returns (new_ids, new_counts,
-// the distinct resident slots seen, the number of sightings of resident IDs: the result's
-// `hits`, pins_full).
+// the pass: every record touched so far is put back as it was and the status is pins_full,
+// with empty tensors, nothing changed (only the resident can be at 255: the admitted start at
+// 0 pins, so this is the whole of the batch's pin check).
+// Writes the slots into `slots_out` (n int64, contiguous) and returns the new IDs, their
+// counts, the distinct resident slots seen, the number of sightings of resident IDs (the
+// result's `hits`) and the status.
 struct Looked {
   at::Tensor new_ids, new_counts, seen;
   int64_t hits;
-  bool pins_full;
+  Status status;
 };
 
 Looked lookup_into(const at::Tensor& entries, const at::Tensor& records, const at::Tensor& ids,
-                   const at::Tensor& slots_out, int64_t step, int64_t map_seed, int64_t coin_seed, double log_factor,
-                   int64_t initial_freq, int64_t decay_steps, bool pin) {
-  Map map(entries, records, map_seed);
+                   const at::Tensor& slots_out, const Settings& st, double log_factor, bool pin) {
+  Map map(entries, records, st.map_seed);
   Record* rec = records_of(records);
-  TORCH_CHECK(decay_steps >= 0, "decay_steps must be >= 0 (0: no decay)");
+  const bool counter = st.policy() != Kind::lru;
+  const int64_t decay_steps = st.policy() == Kind::hybrid ? st.decay_steps : 0;  // 0: no decay
   const int64_t n = ids.numel();
   const int64_t* id = ids.data_ptr<int64_t>();
-  const int32_t now = int32_t(step);
+  const int32_t now = int32_t(st.step);
   TORCH_CHECK(slots_out.scalar_type() == at::kLong && slots_out.is_contiguous() && slots_out.numel() == n,
               "lookup: slots_out must be contiguous int64, one per id");
   int64_t* out = slots_out.data_ptr<int64_t>();
@@ -259,7 +335,7 @@ Looked lookup_into(const at::Tensor& entries, const at::Tensor& records, const a
           if (pins_of(m) == 255) {  // refused: undo the touches, nothing else was changed yet
             for (size_t j = 0; j < touched.size(); ++j) rec[touched[j]].meta = touched_meta[j];
             at::Tensor none = at::empty({0}, ids.options());
-            return {none, none.to(at::kInt), none, 0, true};
+            return {none, none.to(at::kInt), none, 0, Status::pins_full};
           }
           touched_meta.push_back(m);
         }
@@ -294,12 +370,12 @@ Looked lookup_into(const at::Tensor& entries, const at::Tensor& records, const a
     const int32_t s = touched[i];
     const int64_t m = rec[s].meta;
     uint32_t f = freq_of(m);
-    if (log_factor >= 0 && f < 255) {
+    if (counter && f < 255) {
       // as policy.bump computes it, without pow (slow for a base near 1)
-      const double p = 1.0 / (double(std::max<int64_t>(int64_t(f) - initial_freq, 0)) * log_factor + 1.0);
+      const double p = 1.0 / (double(std::max<int64_t>(int64_t(f) - st.initial_freq, 0)) * log_factor + 1.0);
       const uint32_t h = hits_of(m);
       const double p_batch = h == 1 ? 1.0 - (1.0 - p) : 1.0 - std::exp(double(h) * std::log1p(-p));
-      if (coin(rec[s].id, step, uint64_t(coin_seed)) < p_batch) ++f;
+      if (coin(rec[s].id, st.step, uint64_t(st.coin_seed)) < p_batch) ++f;
     }
     rec[s].meta = make_meta(last_of(m), f, pins_of(m), 0);
   }
@@ -309,23 +385,20 @@ Looked lookup_into(const at::Tensor& entries, const at::Tensor& records, const a
   std::memcpy(counts_t.data_ptr<int32_t>(), new_counts.data(), new_counts.size() * sizeof(int32_t));
   at::Tensor touched_t = at::empty({int64_t(touched.size())}, ids.options());
   std::copy(touched.begin(), touched.end(), touched_t.data_ptr<int64_t>());
-  return {new_ids_t, counts_t, touched_t, hits, false};
+  return {new_ids_t, counts_t, touched_t, hits, Status::ok};
 }
 
-// Returns (slots, new_ids, new_counts, the distinct resident slots seen, the number of
-// sightings of resident IDs as a 0-dim tensor: the result's `hits`, status: kLookupDone or
-// kLookupPinsFull, see lookup_into).
-constexpr int64_t kLookupDone = 0, kLookupPinsFull = 1;
-
+// lookup_into for one table's batch: returns (slots with placeholders, new_ids, new_counts,
+// seen, hits as a 0-dim tensor, status: ok or pins_full, when nothing changed).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> lookup(
-    const at::Tensor& entries, const at::Tensor& records, const at::Tensor& ids_in, int64_t step, int64_t map_seed,
-    int64_t coin_seed, double log_factor, int64_t initial_freq, int64_t decay_steps, bool pin) {
+    const at::Tensor& entries, const at::Tensor& records, const at::Tensor& ids_in, at::IntArrayRef settings,
+    double log_factor, bool pin) {
   at::Tensor ids = flat_ids(ids_in);
   at::Tensor slots = at::empty({ids.numel()}, ids.options());
-  Looked l = lookup_into(entries, records, ids, slots, step, map_seed, coin_seed, log_factor, initial_freq, decay_steps,
-                         pin);
-  if (l.pins_full) return {l.new_ids, l.new_ids, l.new_counts, l.seen, at::scalar_tensor(0, ids.options()), kLookupPinsFull};
-  return {slots, l.new_ids, l.new_counts, l.seen, at::scalar_tensor(l.hits, ids.options()), kLookupDone};
+  const Looked l = lookup_into(entries, records, ids, slots, settings_of(settings, 0), log_factor, pin);
+  const bool done = l.status == Status::ok;
+  return {done ? slots : l.new_ids, l.new_ids, l.new_counts, l.seen,
+          at::scalar_tensor(l.hits, ids.options()), int64_t(l.status)};
 }
 
 // ---- Victims ---------------------------------------------------------------------------------
@@ -350,14 +423,14 @@ constexpr uint64_t kNotMovable = ~uint64_t(0);
 
 struct Scorer {
   int32_t now;
-  int64_t kind;  // 0 lru, 1 lfu, 2 hybrid
-  int64_t ttl;   // -1: none
+  Kind kind;
+  int64_t ttl;  // -1: none
   int64_t decay_steps;
   double inv_decay;
 
-  Scorer(int32_t now_, int64_t kind_, int64_t ttl_, int64_t decay_steps_)
-      : now(now_), kind(kind_), ttl(ttl_), decay_steps(std::max<int64_t>(decay_steps_, 1)),
-        inv_decay(1.0 / double(std::max<int64_t>(decay_steps_, 1))) {}
+  explicit Scorer(const Settings& st)
+      : now(int32_t(st.step)), kind(st.policy()), ttl(st.ttl), decay_steps(st.decay_steps),
+        inv_decay(1.0 / double(st.decay_steps)) {}
 
   // idle / decay_steps without an integer division (tens of cycles, a million times):
   // the reciprocal's estimate corrected by one step either way.
@@ -375,11 +448,11 @@ struct Scorer {
     uint64_t primary;
     if (ttl >= 0 && idle > ttl) {
       primary = 0;
-    } else if (kind == 0) {
+    } else if (kind == Kind::lru) {
       primary = 1;
     } else {
       int64_t f = freq_of(m);
-      if (kind == 2) f = std::max<int64_t>(f - decay_points(idle), 0);
+      if (kind == Kind::hybrid) f = std::max<int64_t>(f - decay_points(idle), 0);
       primary = uint64_t(1 + f);
     }
     return primary << 32 | uint32_t(last);
@@ -553,28 +626,36 @@ at::Tensor select_victims(const Record* rec, int64_t C, const Scorer& sc, int64_
   return lowest_exact(rec, C, sc, short_by, evict_min, short_of_room);
 }
 
+// ---- Admission -------------------------------------------------------------------------------
+
 // Second half of a batch, after lookup and admission: make room for the admitted new IDs
 // (evicting, when the table is short, max(short, evict_min) movable slots, lowest keys
 // first), give them the lowest free slots in order, and write their slots over the
 // -(k + 2) placeholders in `slots`. admit: one flag per new ID, or none: all admitted. With
 // pin, every slot the batch uses (`seen`, from lookup, and the admitted) gets one more pin;
 // if one of the seen already has 255 (lookup with pin refuses such a batch first, so this is
-// a guard), the call changes nothing and returns kPinRefused.
-// Returns (admitted_ids, admitted_slots, evicted_ids, evicted_slots, distinct slots (seen,
-// then the admitted), status): status kAdmitted, kPinRefused (nothing changed), or, when
-// there was no room (nothing changed), how many slots could have been evicted (>= 0).
-constexpr int64_t kAdmitted = -1, kPinRefused = -2;
+// a guard), the call changes nothing and returns pins_full.
+// status: ok; pins_full or no_room (movable: how many slots could have been evicted), when
+// nothing changed and the tensors are empty.
+struct Admitted {
+  at::Tensor admitted_ids, admitted_slots, evicted_ids, evicted_slots, distinct_slots;  // distinct: seen, then admitted
+  Status status;
+  int64_t movable;
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> admit(
-    const at::Tensor& entries, const at::Tensor& records, const at::Tensor& slots_t, const at::Tensor& new_ids_t,
-    const std::optional<at::Tensor>& admit_t, const at::Tensor& seen_t, bool pin, int64_t step, int64_t resident,
-    int64_t map_seed, int64_t kind, int64_t ttl, int64_t decay_steps, int64_t initial_freq, int64_t evict_min) {
-  Map map(entries, records, map_seed);
+  static Admitted refused(const at::TensorOptions& opt, Status status, int64_t movable) {
+    at::Tensor none = at::empty({0}, opt);
+    return {none, none, none, none, none, status, movable};
+  }
+};
+
+Admitted admit_into(const at::Tensor& entries, const at::Tensor& records, const at::Tensor& slots_t,
+                    const at::Tensor& new_ids_t, const std::optional<at::Tensor>& admit_t, const at::Tensor& seen_t,
+                    bool pin, const Settings& st) {
+  Map map(entries, records, st.map_seed);
   Record* rec = records_of(records);
   TORCH_CHECK(slots_t.scalar_type() == at::kLong && slots_t.is_contiguous(), "slots must be contiguous int64");
   TORCH_CHECK(!admit_t || (admit_t->scalar_type() == at::kBool && admit_t->numel() == new_ids_t.numel()),
               "admit must be a bool tensor, one per new id");
-  TORCH_CHECK(kind >= 0 && kind <= 2 && (kind != 2 || decay_steps >= 1), "bad policy kind or decay_steps");
   TORCH_CHECK(seen_t.scalar_type() == at::kLong && seen_t.is_contiguous() && seen_t.dim() == 1,
               "seen must be a 1-d contiguous int64 tensor");
   at::Tensor new_ids = flat_ids(new_ids_t);
@@ -584,11 +665,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> 
   const at::Tensor admit_c = admit_t ? admit_t->contiguous() : at::Tensor();
   const bool* flags = admit_t ? admit_c.data_ptr<bool>() : nullptr;
   auto ok = [flags](int64_t k) { return flags == nullptr || flags[k]; };  // no flags: all admitted
-  const int32_t now = int32_t(step);
+  const int32_t now = int32_t(st.step);
   const auto opt = slots_t.options();
   int64_t need = 0;
   for (int64_t k = 0; k < n_new; ++k) need += ok(k);
-  const int64_t free = C - resident;
+  const int64_t free = C - st.resident;
   const int64_t* seen = seen_t.data_ptr<int64_t>();
   const int64_t n_seen = seen_t.numel();
   // Pins: only the seen can be at 255 (the admitted start at 0), and they are touched at
@@ -596,10 +677,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> 
   // the end.
   if (pin)
     for (int64_t i = 0; i < n_seen; ++i)
-      if (pins_of(rec[seen[i]].meta) == 255) {
-        at::Tensor none = at::empty({0}, opt);
-        return {none, none, none, none, none, kPinRefused};
-      }
+      if (pins_of(rec[seen[i]].meta) == 255) return Admitted::refused(opt, Status::pins_full, 0);
   const uint32_t new_pins = pin ? 1 : 0;
 
   // The admitted take the lowest free slots: the slots free before this call (all `free` of
@@ -613,11 +691,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> 
   at::Tensor victims = at::empty({0}, opt), victim_ids = at::empty({0}, opt);
   if (need > free) {
     int64_t movable = -1;
-    victims = select_victims(rec, C, Scorer(now, kind, ttl, decay_steps), need - free, evict_min, &movable);
-    if (movable >= 0) {
-      at::Tensor none = at::empty({0}, opt);
-      return {none, none, none, none, none, movable};
-    }
+    victims = select_victims(rec, C, Scorer(st), need - free, st.evict_min, &movable);
+    if (movable >= 0) return Admitted::refused(opt, Status::no_room, movable);
     const int64_t nv = victims.numel();
     const int64_t* v = victims.data_ptr<int64_t>();
     victim_ids = at::empty({nv}, opt);
@@ -664,7 +739,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> 
       __builtin_prefetch(&rec[a_slot[a + kAhead]], 1);
     }
     rec[a_slot[a]].id = a_id[a];
-    rec[a_slot[a]].meta = make_meta(now, uint32_t(initial_freq), new_pins, 0);
+    rec[a_slot[a]].meta = make_meta(now, uint32_t(st.initial_freq), new_pins, 0);
     map.put(a_id[a], int32_t(a_slot[a]));
   }
   int64_t* out = slots_t.data_ptr<int64_t>();
@@ -675,26 +750,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> 
   at::Tensor distinct = at::empty({n_seen + need}, opt);
   std::memcpy(distinct.data_ptr<int64_t>(), seen, size_t(n_seen) * sizeof(int64_t));
   std::memcpy(distinct.data_ptr<int64_t>() + n_seen, a_slot, size_t(need) * sizeof(int64_t));
-  return {admitted, admitted_slots, victim_ids, victims, distinct, kAdmitted};
+  return {admitted, admitted_slots, victim_ids, victims, distinct, Status::ok, 0};
 }
 
-// Many tables' batches in one call (a trainer rank's tables at a step: one call instead of
-// two ops and their Python per table). Table t's IDs are the block of `ids` after those of
-// tables 0..t-1; its state is entries[t], records[t]; params holds kManyParams values per
-// table (see the enum) and log_factors one per table (lookup's log_factor). Each table is
-// transformed exactly as lookup then admit (no admission flags: all admitted) would, the
-// tables one after the other; a table that fails changes nothing in the others.
-// Returns (slots of all blocks, then for all tables in order: admitted ids, admitted slots,
-// evicted ids, evicted slots, distinct slots, and info: one row per table of kInfo values):
-// slots and the admitted and evicted slots are rows of the table, its local slot + base (the
-// row its block starts at); the distinct slots stay local (what pin and release take).
-// info's status is admit's (kAdmitted, kPinRefused, or the movable slots when there was no
-// room: the block's slots are then undefined), or kTooMany: the block has more distinct IDs
-// than the table has slots (extra says how many; nothing was done, the step not taken).
-constexpr int64_t kTooMany = -3;
-enum ManyParam { kSize, kStep, kResident, kBase, kInitialFreq, kLookupDecay, kKind, kTtl, kDecaySteps, kEvictMin,
-                 kManyParams };
-enum ManyInfo { kStatus, kHits, kNumAdmitted, kNumEvicted, kNumDistinct, kExtra, kInfo };
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t> admit(
+    const at::Tensor& entries, const at::Tensor& records, const at::Tensor& slots, const at::Tensor& new_ids,
+    const std::optional<at::Tensor>& admit, const at::Tensor& seen, at::IntArrayRef settings, bool pin) {
+  Admitted a = admit_into(entries, records, slots, new_ids, admit, seen, pin, settings_of(settings, 0));
+  return {a.admitted_ids, a.admitted_slots, a.evicted_ids, a.evicted_slots, a.distinct_slots, int64_t(a.status),
+          a.movable};
+}
+
+// ---- Many tables -----------------------------------------------------------------------------
 
 int64_t count_distinct(const at::Tensor& ids) {
   std::vector<int64_t> v(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel());
@@ -702,17 +769,30 @@ int64_t count_distinct(const at::Tensor& ids) {
   return int64_t(std::unique(v.begin(), v.end()) - v.begin());
 }
 
+// Many tables' batches in one call (a trainer rank's tables at a step: one call instead of
+// two ops and their Python per table). Table t's IDs are the sizes[t] of `ids` after those of
+// tables 0..t-1; its state is entries[t], records[t], its settings the t-th kSettings of
+// `settings` and its counter's log factor log_factors[t]. Each table is transformed exactly as
+// lookup then admit (no admission flags: all admitted) would, the tables one after the other;
+// a table that fails changes nothing in the others.
+// Returns the slots of all blocks, then for all tables in order the admitted ids and slots, the
+// evicted ids and slots, the distinct slots, and info: one row per table (DYNEMB_MANY_INFO):
+// the status (admit's; too_many: the block has more distinct IDs, distinct_ids of them, than
+// the table has slots, and nothing was done, the step not taken), hits, how many admitted,
+// evicted and distinct slots it has in the flat tensors, and with no_room the block's new IDs
+// and the movable slots. The slots handed out (the blocks' and the admitted and evicted ones)
+// are the table's local slot + bases[t] (the row its block starts at); the distinct slots stay
+// local (what release takes). A failed table's block of slots is undefined.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transform_many(
-    at::TensorList entries, at::TensorList records, const at::Tensor& ids_in, at::IntArrayRef params,
-    at::ArrayRef<double> log_factors, bool pin, int64_t map_seed, int64_t coin_seed) {
+    at::TensorList entries, at::TensorList records, const at::Tensor& ids_in, at::IntArrayRef sizes,
+    at::IntArrayRef bases, at::IntArrayRef settings, at::ArrayRef<double> log_factors, bool pin) {
   const int64_t T = int64_t(entries.size());
-  TORCH_CHECK(int64_t(records.size()) == T && int64_t(log_factors.size()) == T &&
-                  int64_t(params.size()) == T * kManyParams,
-              "transform_many: one entries, records, log_factor and ", int64_t(kManyParams), " params per table");
+  TORCH_CHECK(int64_t(records.size()) == T && int64_t(sizes.size()) == T && int64_t(bases.size()) == T &&
+                  int64_t(log_factors.size()) == T && int64_t(settings.size()) == T * kSettings,
+              "transform_many: one entries, records, size, base, log_factor and ", kSettings, " settings per table");
   at::Tensor ids = flat_ids(ids_in);
   int64_t total = 0;
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t n = params[t * kManyParams + kSize];
+  for (const int64_t n : sizes) {
     TORCH_CHECK(n >= 0, "transform_many: a block's size is negative");
     total += n;
   }
@@ -720,52 +800,50 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
               ids.numel(), " ids");
   at::Tensor slots = at::empty({ids.numel()}, ids.options());
   at::Tensor info = at::zeros({T, kInfo}, ids.options());
-  int64_t* inf = info.data_ptr<int64_t>();
   std::vector<at::Tensor> admitted, admitted_slots, evicted, evicted_slots, distinct;
   int64_t off = 0;
   for (int64_t t = 0; t < T; ++t) {
-    const int64_t* p = params.data() + t * kManyParams;
-    int64_t* row = inf + t * kInfo;
-    const int64_t n = p[kSize], C = records[t].size(0), base = p[kBase];
+    const Settings st = settings_of(settings, t);
+    int64_t* row = info.data_ptr<int64_t>() + t * kInfo;
+    auto set = [row](Info column, int64_t value) { row[int64_t(column)] = value; };
+    const int64_t n = sizes[t], C = records[t].size(0), base = bases[t];
     const at::Tensor block = ids.narrow(0, off, n), out = slots.narrow(0, off, n);
     off += n;
     if (n > C) {  // only then can it hold too many distinct IDs
       const int64_t d = count_distinct(block);
       if (d > C) {
-        row[kStatus] = kTooMany;
-        row[kExtra] = d;
+        set(Info::status, int64_t(Status::too_many));
+        set(Info::distinct_ids, d);
         continue;
       }
     }
-    const Looked l = lookup_into(entries[t], records[t], block, out, p[kStep], map_seed, coin_seed, log_factors[t],
-                                 p[kInitialFreq], p[kLookupDecay], pin);
-    if (l.pins_full) {  // refused before anything changed in this table
-      row[kStatus] = kPinRefused;
+    const Looked l = lookup_into(entries[t], records[t], block, out, st, log_factors[t], pin);
+    if (l.status != Status::ok) {  // refused before anything changed in this table
+      set(Info::status, int64_t(l.status));
       continue;
     }
-    auto [a_ids, a_slots, v_ids, v_slots, held, status] =
-        admit(entries[t], records[t], out, l.new_ids, std::nullopt, l.seen, pin, p[kStep], p[kResident], map_seed,
-              p[kKind], p[kTtl], p[kDecaySteps], p[kInitialFreq], p[kEvictMin]);
-    row[kStatus] = status;
-    row[kHits] = l.hits;
-    if (status >= 0) {  // no room: nothing admitted
-      row[kExtra] = l.new_ids.numel();
+    Admitted a = admit_into(entries[t], records[t], out, l.new_ids, std::nullopt, l.seen, pin, st);
+    set(Info::status, int64_t(a.status));
+    set(Info::hits, l.hits);
+    if (a.status != Status::ok) {  // no room: nothing admitted
+      set(Info::new_ids, l.new_ids.numel());
+      set(Info::movable, a.movable);
       continue;
     }
     if (base != 0) {
       int64_t* o = out.data_ptr<int64_t>();
       for (int64_t i = 0; i < n; ++i) o[i] += o[i] >= 0 ? base : 0;
-      a_slots.add_(base);
-      v_slots.add_(base);
+      a.admitted_slots.add_(base);
+      a.evicted_slots.add_(base);
     }
-    row[kNumAdmitted] = a_ids.numel();
-    row[kNumEvicted] = v_ids.numel();
-    row[kNumDistinct] = held.numel();
-    admitted.push_back(a_ids);
-    admitted_slots.push_back(a_slots);
-    evicted.push_back(v_ids);
-    evicted_slots.push_back(v_slots);
-    distinct.push_back(held);
+    set(Info::admitted, a.admitted_ids.numel());
+    set(Info::evicted, a.evicted_ids.numel());
+    set(Info::distinct_slots, a.distinct_slots.numel());
+    admitted.push_back(a.admitted_ids);
+    admitted_slots.push_back(a.admitted_slots);
+    evicted.push_back(a.evicted_ids);
+    evicted_slots.push_back(a.evicted_slots);
+    distinct.push_back(a.distinct_slots);
   }
   auto cat = [&](const std::vector<at::Tensor>& parts) {
     return parts.empty() ? at::empty({0}, ids.options()) : at::cat(parts);
@@ -773,45 +851,43 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   return {slots, cat(admitted), cat(admitted_slots), cat(evicted), cat(evicted_slots), cat(distinct), info};
 }
 
-// Add delta (+1 or -1) to the pin count of each of `slots` (distinct), all or none: returns
-// kPinApplied, kPinOutOfRange if a count would leave [0, 255] (nothing changed), or
-// kSlotOutOfRange for a slot outside the table (nothing changed). An indicator, not an
-// exception, as select_victims' short_of_room.
-constexpr int64_t kPinApplied = 0, kPinOutOfRange = 1, kSlotOutOfRange = 2;
+// ---- Pins and the map ------------------------------------------------------------------------
 
-int64_t pin(const at::Tensor& records, const at::Tensor& slots_t, int64_t delta) {
+// Take one pin off each of `slots` (distinct), all or none: returns ok, not_pinned if one has
+// none (nothing changed), or slot_out_of_range for a slot outside the table (nothing changed).
+// (A batch's pins are taken by admit.)
+int64_t release(const at::Tensor& records, const at::Tensor& slots_t) {
   Record* rec = records_of(records);
-  TORCH_CHECK(delta == 1 || delta == -1, "pin: delta must be +1 or -1");
-  TORCH_CHECK(slots_t.device().is_cpu() && slots_t.scalar_type() == at::kLong, "pin: slots must be CPU int64");
+  TORCH_CHECK(slots_t.device().is_cpu() && slots_t.scalar_type() == at::kLong, "release: slots must be CPU int64");
   at::Tensor slots = slots_t.contiguous();
   const int64_t* sl = slots.data_ptr<int64_t>();
   const int64_t n = slots.numel(), C = records.size(0);
-  const uint32_t limit = delta > 0 ? 255 : 0;  // the count that cannot move further this way
   for (int64_t i = 0; i < n; ++i) {
-    if (sl[i] < 0 || sl[i] >= C) return kSlotOutOfRange;
-    if (pins_of(rec[sl[i]].meta) == limit) return kPinOutOfRange;
+    if (sl[i] < 0 || sl[i] >= C) return int64_t(Status::slot_out_of_range);
+    if (pins_of(rec[sl[i]].meta) == 0) return int64_t(Status::not_pinned);
   }
-  const int64_t step = delta * (int64_t(1) << 40);  // the count is bits 40-47; no carry: checked
-  for (int64_t i = 0; i < n; ++i) rec[sl[i]].meta += step;
-  return kPinApplied;
+  for (int64_t i = 0; i < n; ++i) rec[sl[i]].meta -= int64_t(1) << 40;  // the count is bits 40-47; checked above
+  return int64_t(Status::ok);
 }
 
-// pin for many tables in one call: table t's slots are the counts[t] of `slots` after those of
-// the tables before it; each table all or none, as pin. Returns pin's status per table.
-at::Tensor pin_many(at::TensorList records, const at::Tensor& slots_in, at::IntArrayRef counts, int64_t delta) {
-  TORCH_CHECK(records.size() == counts.size(), "pin_many: one count per table");
-  TORCH_CHECK(slots_in.device().is_cpu() && slots_in.scalar_type() == at::kLong, "pin_many: slots must be CPU int64");
+// release for many tables in one call: table t's slots are the counts[t] of `slots` after those
+// of the tables before it; each table all or none, as release. Returns its status per table.
+at::Tensor release_many(at::TensorList records, const at::Tensor& slots_in, at::IntArrayRef counts) {
+  TORCH_CHECK(records.size() == counts.size(), "release_many: one count per table");
+  TORCH_CHECK(slots_in.device().is_cpu() && slots_in.scalar_type() == at::kLong,
+              "release_many: slots must be CPU int64");
   const at::Tensor slots = slots_in.contiguous().view({-1});
   int64_t total = 0;
   for (const int64_t n : counts) {
-    TORCH_CHECK(n >= 0, "pin_many: a count is negative");
+    TORCH_CHECK(n >= 0, "release_many: a count is negative");
     total += n;
   }
-  TORCH_CHECK(total == slots.numel(), "pin_many: the counts add up to ", total, ", not to the ", slots.numel(), " slots");
+  TORCH_CHECK(total == slots.numel(), "release_many: the counts add up to ", total, ", not to the ", slots.numel(),
+              " slots");
   at::Tensor status = at::empty({int64_t(counts.size())}, at::kLong);
   int64_t off = 0;
   for (size_t t = 0; t < counts.size(); ++t) {
-    status.data_ptr<int64_t>()[t] = pin(records[t], slots.narrow(0, off, counts[t]), delta);
+    status.data_ptr<int64_t>()[t] = release(records[t], slots.narrow(0, off, counts[t]));
     off += counts[t];
   }
   return status;
@@ -828,45 +904,49 @@ at::Tensor find(const at::Tensor& entries, const at::Tensor& records, const at::
   return slots;
 }
 
-// Enter the IDs held in `slots` (per their records) into the map; none may be there yet.
-void insert(const at::Tensor& entries, const at::Tensor& records, const at::Tensor& slots_in, int64_t map_seed) {
-  Map map(entries, records, map_seed);
+// Each slot of `slots_in` (checked against the table), with the ID its record holds.
+template <typename F>
+void for_each_held(const Map& map, const at::Tensor& records, const at::Tensor& slots_in, const char* what, F f) {
   at::Tensor slots = slots_in.to(at::kLong).contiguous().view({-1});
   const int64_t* sl = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < slots.numel(); ++i) {
-    TORCH_CHECK(sl[i] >= 0 && sl[i] < records.size(0), "insert: slot ", sl[i], " out of range");
-    map.put(map.rec[sl[i]].id, int32_t(sl[i]));
+    TORCH_CHECK(sl[i] >= 0 && sl[i] < records.size(0), what, ": slot ", sl[i], " out of range");
+    f(map.rec[sl[i]].id, int32_t(sl[i]));
   }
+}
+
+// Enter the IDs held in `slots` (per their records) into the map; none may be there yet.
+void insert(const at::Tensor& entries, const at::Tensor& records, const at::Tensor& slots, int64_t map_seed) {
+  Map map(entries, records, map_seed);
+  for_each_held(map, records, slots, "insert", [&](int64_t id, int32_t slot) { map.put(id, slot); });
 }
 
 // Remove the IDs held in `slots` (per their records) from the map.
-void erase(const at::Tensor& entries, const at::Tensor& records, const at::Tensor& slots_in, int64_t map_seed) {
+void erase(const at::Tensor& entries, const at::Tensor& records, const at::Tensor& slots, int64_t map_seed) {
   Map map(entries, records, map_seed);
-  at::Tensor slots = slots_in.to(at::kLong).contiguous().view({-1});
-  const int64_t* sl = slots.data_ptr<int64_t>();
-  for (int64_t i = 0; i < slots.numel(); ++i) {
-    TORCH_CHECK(sl[i] >= 0 && sl[i] < records.size(0), "erase: slot ", sl[i], " out of range");
-    map.erase_slot(map.rec[sl[i]].id, int32_t(sl[i]));
-  }
+  for_each_held(map, records, slots, "erase", [&](int64_t id, int32_t slot) { map.erase_slot(id, slot); });
 }
-
 
 }  // namespace
 }  // namespace dynemb
 
+// The ops, their returns named: Python's kernel.ops() gives an op's returns as a named tuple of
+// these names, so neither side copies the other's order.
 TORCH_LIBRARY(dynemb_idt, m) {
+  m.def("names(str which) -> str[]", dynemb::names);
   m.def(
-      "lookup(Tensor entries, Tensor(a!) records, Tensor ids, int step, int map_seed, int coin_seed, "
-      "float log_factor, int initial_freq, int decay_steps, bool pin) -> (Tensor, Tensor, Tensor, Tensor, Tensor, int)");
+      "lookup(Tensor entries, Tensor(a!) records, Tensor ids, int[] settings, float log_factor, bool pin) -> "
+      "(Tensor slots, Tensor new_ids, Tensor new_counts, Tensor seen, Tensor hits, int status)");
   m.def(
       "admit(Tensor(a!) entries, Tensor(b!) records, Tensor(c!) slots, Tensor new_ids, Tensor? admit, Tensor seen, "
-      "bool pin, int step, int resident, int map_seed, int kind, int ttl, int decay_steps, int initial_freq, "
-      "int evict_min) -> (Tensor, Tensor, Tensor, Tensor, Tensor, int)");
+      "int[] settings, bool pin) -> (Tensor admitted_ids, Tensor admitted_slots, Tensor evicted_ids, "
+      "Tensor evicted_slots, Tensor distinct_slots, int status, int movable)");
   m.def(
-      "transform_many(Tensor(a!)[] entries, Tensor(b!)[] records, Tensor ids, int[] params, float[] log_factors, "
-      "bool pin, int map_seed, int coin_seed) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def("pin(Tensor(a!) records, Tensor slots, int delta) -> int");
-  m.def("pin_many(Tensor(a!)[] records, Tensor slots, int[] counts, int delta) -> Tensor");
+      "transform_many(Tensor(a!)[] entries, Tensor(b!)[] records, Tensor ids, int[] sizes, int[] bases, "
+      "int[] settings, float[] log_factors, bool pin) -> (Tensor slots, Tensor admitted_ids, Tensor admitted_slots, "
+      "Tensor evicted_ids, Tensor evicted_slots, Tensor distinct_slots, Tensor info)");
+  m.def("release(Tensor(a!) records, Tensor slots) -> int");
+  m.def("release_many(Tensor(a!)[] records, Tensor slots, int[] counts) -> Tensor");
   m.def("huge_empty(int[] size, ScalarType dtype) -> Tensor", dynemb::huge_empty);
   m.def("find(Tensor entries, Tensor records, Tensor ids, int map_seed) -> Tensor");
   m.def("insert(Tensor(a!) entries, Tensor records, Tensor slots, int map_seed) -> ()");
@@ -877,8 +957,8 @@ TORCH_LIBRARY_IMPL(dynemb_idt, CPU, m) {
   m.impl("lookup", dynemb::lookup);
   m.impl("admit", dynemb::admit);
   m.impl("transform_many", dynemb::transform_many);
-  m.impl("pin", dynemb::pin);
-  m.impl("pin_many", dynemb::pin_many);
+  m.impl("release", dynemb::release);
+  m.impl("release_many", dynemb::release_many);
   m.impl("find", dynemb::find);
   m.impl("insert", dynemb::insert);
   m.impl("erase", dynemb::erase);
