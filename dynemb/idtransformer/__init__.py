@@ -1,6 +1,12 @@
 """ID transformer: unbounded int64 IDs → slots of a bounded table, batch by batch.
 
-transformer.py (IDTransformer, one table on one device), sharded.py (ShardedIDTransformer,
-each rank owning the IDs that hash to it; route.py lays out its exchange), policy.py (LRU / LFU / hybrid / TTL scoring),
-admission.py (count-min sketch), slot_map.py + csrc/slot_map.cpp (the map and the CPU kernel).
+- transformer.py: IDTransformer, one table on one device (transform, release, state).
+- many.py: all of a rank's tables in one call (transform_many, release_many).
+- sharded.py: ShardedIDTransformer and transform_tables, each rank owning the IDs that hash to it;
+  stream.py: TransformStream, the same with one exchange per batch; route.py lays the exchange out.
+- policy.py: eviction scores (LRU / LFU / hybrid, TTL); admission.py: the count-min sketch.
+- slot_map.py: the id → slot maps (the kernel's, and a sorted one in torch ops for CUDA).
+- kernel.py builds and loads the CPU kernel: csrc/slot_map.cpp (the map, lookup, admission,
+  eviction), csrc/route.cpp (the exchange's routing), csrc/hash.h (the hashes both use).
+- hashing.py: XXH64 in torch ops (an ID's owner rank); ids.py: what counts as an ID.
 """
