@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+import uuid
 from collections.abc import Callable
-from typing import TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from dynemb.ps_server.client import PSClient
+    from dynemb.trainer.config import TrainConfig
 
 T = TypeVar("T")
 
@@ -48,3 +59,49 @@ def leave_process_groups() -> None:
     gc.collect()
     left = gloo_threads()
     assert not left, f"gloo threads outlive the process groups: {left}"
+
+
+def torchrun(nproc: int, script: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """`script` under torchrun on nproc local ranks (gloo), its output captured."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
+         *args],
+        capture_output=True, text=True, timeout=timeout, env=env,
+    )
+
+
+def config(optimizer: str, dynamic: bool, **extra) -> TrainConfig:
+    """A small training job (6 tables, 100 steps unless `steps` is given) that trains in seconds."""
+    from dynemb.trainer.config import DataConfig, TableConfig, TrainConfig
+
+    return TrainConfig(
+        data=DataConfig(num_sparse=6, universe=6000, zipf=1.1, ids_per_feature=2),
+        table=TableConfig(dim=8, capacity_fraction=0.1, dynamic=dynamic, evict_fraction=0.1),
+        optimizer=optimizer, lr=0.1, dense_lr=0.05, batch_size=48, eval_batches=2,
+        dense_arch=[16, 8], over_arch=[16, 1], progress=False, **({"steps": 100} | extra),
+    )
+
+
+def unique(prefix: str) -> str:
+    """A table name no other test uses."""
+    return f"{prefix}_{uuid.uuid4().hex[:8]}"
+
+
+def fill(ps: PSClient, name: str, dtype: str, n: int, dim: int = 6, state_width: int = 6, seed: int = 0):
+    """A table of n rows whose values are arbitrary bit patterns (NaNs, infinities, -0 included)."""
+    from dynemb.ps_server.schema import Initializer, TableSchema
+
+    rng = np.random.default_rng(seed)
+    schema = TableSchema(name, dim, state_width, dtype, Initializer("normal", 0.0, 0.02, seed=7, state_init=0.1))
+    ps.create_table_from_schema(schema)
+    ids = rng.choice(1 << 62, n, replace=False).astype(np.int64) - (1 << 61)
+    bits = rng.integers(0, np.iinfo(np.uint32).max, (n, schema.width), dtype=np.uint32, endpoint=True)
+    rows = bits.view(np.float32) if dtype == "fp32" else bits.astype(np.uint16)
+    rows = rows.view(schema.np_dtype) if dtype != "fp32" else rows
+    ps.push(name, ids, rows)
+    return schema, ids, rows
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))

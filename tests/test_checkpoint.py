@@ -5,15 +5,14 @@ the job that was not stopped; bad checkpoints are refused with the problem named
 from __future__ import annotations
 
 import contextlib
-
 import json
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import config, torchrun
 
-from test_trainer_exact import config
 from dynemb.trainer.checkpoint_format import MANIFEST, CheckpointError, checkpoints, read_manifest
 from dynemb.trainer.train import train
 
@@ -153,8 +152,6 @@ def test_two_torchrun_ranks_resume_exactly(tmp_path, optimizer, tables, ps):
     rank's own store (rank 0 gathers them into the checkpoint; each rank takes back its own)
     or in a PS process both ranks share (the resumed job's restore replaces the rows the first
     job left there at step 40)."""
-    from test_sharded_idtransformer import torchrun
-
     from dynemb.testing.local_ps import LocalPS
 
     worker = Path(__file__).parent / "dist" / "checkpoint_worker.py"
@@ -187,8 +184,6 @@ def test_a_rank_that_cannot_save_its_share_fails_every_rank_alike(tmp_path, faul
     go through every round together (no rank is left waiting, their collectives stay paired),
     both raise the same CheckpointError naming the rank and the cause, and no half-written
     folder stays."""
-    from test_sharded_idtransformer import torchrun
-
     worker = Path(__file__).parent / "dist" / "checkpoint_fail_worker.py"
     done = torchrun(2, worker, str(tmp_path), fault, timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]

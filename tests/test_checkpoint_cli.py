@@ -11,11 +11,10 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import config, fill, same_bits, unique
 
-from dynemb.testing.local_ps import REPO, LocalPS
 from dynemb.ps_server.client import PSClient
-from test_table_files import fill, same_bits, unique
-from test_trainer_exact import config
+from dynemb.testing.local_ps import REPO, LocalPS
 from dynemb.trainer.train import train
 
 
@@ -135,5 +134,6 @@ def test_a_corrupt_checkpoint_or_a_schema_clash_writes_nothing(job, make_ps, tmp
                                                                                   "--verify"]):
             res = dynemb("checkpoint", *args, "--quiet")
             assert res.returncode == 1, res.stdout
-            assert res.stderr.strip().splitlines()[-1] == f"dynemb: error: {shard}: sha256 differs from manifest.json (corrupt or changed)"
+            last = res.stderr.strip().splitlines()[-1]
+            assert last == f"dynemb: error: {shard}: sha256 differs from manifest.json (corrupt or changed)"
         assert [t.schema.name for t in client.list_tables()] == ["dynemb_t_4"]

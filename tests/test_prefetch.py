@@ -10,10 +10,10 @@ import time
 import numpy as np
 import pytest
 import torch.distributed as dist
+from helpers import config
 
 from dynemb.idtransformer.sharded import BatchRefused
 from dynemb.idtransformer.transformer import TooManyIDs
-from test_trainer_exact import config
 from dynemb.trainer.dynamic import DynamicTables
 from dynemb.trainer.model import build
 from dynemb.trainer.train import batches, init_distributed, make_dynamic, open_row_store, train

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import torchrun
 
 from dynemb.idtransformer.policy import EvictionPolicy
 from dynemb.idtransformer.sharded import BatchRefused, ShardedIDTransformer, release_tables, transform_tables
@@ -97,8 +98,6 @@ def test_dynamic_tables_finish_a_refused_batch_on_one_process(one_process_group,
 
 @pytest.mark.parametrize("shared,ahead", [(True, 0), (False, 1)], ids=["one-storage", "per-table-ahead"])
 def test_dynamic_tables_finish_a_refused_batch_on_two_ranks(shared, ahead):
-    from test_sharded_idtransformer import torchrun
-
     run = torchrun(2, WORKER, "shared" if shared else "separate", str(ahead))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     for rank in range(2):

@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import torchrun
 
 WORKER = Path(__file__).parent / "dist" / "sharded_idtransformer_worker.py"
-
-
-def torchrun(nproc: int, script: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script), *args],
-        capture_output=True, text=True, timeout=timeout, env=env,
-    )
 
 
 @pytest.mark.parametrize("world,policy", [(2, "hybrid"), (4, "lru")])

@@ -12,11 +12,12 @@ import uuid
 
 import numpy as np
 import pytest
+from helpers import fill, same_bits, unique
 
-from dynemb.testing.local_ps import REPO, LocalPS
 from dynemb.ps_server.client import PSClient
 from dynemb.ps_server.errors import TableNotFound
-from dynemb.ps_server.schema import Initializer, TableSchema
+from dynemb.ps_server.schema import TableSchema
+from dynemb.testing.local_ps import REPO, LocalPS
 from dynemb.trainer.table_files import (
     MANIFEST,
     Manifest,
@@ -39,27 +40,6 @@ def redis_ps(redis_url):
 def redis_client(redis_ps):
     with PSClient(redis_ps.address, timeout=30) as client:
         yield client
-
-
-def unique(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:8]}"
-
-
-def fill(ps: PSClient, name: str, dtype: str, n: int, dim: int = 6, state_width: int = 6, seed: int = 0):
-    """A table of n rows whose values are arbitrary bit patterns (NaNs, infinities, -0 included)."""
-    rng = np.random.default_rng(seed)
-    schema = TableSchema(name, dim, state_width, dtype, Initializer("normal", 0.0, 0.02, seed=7, state_init=0.1))
-    ps.create_table_from_schema(schema)
-    ids = rng.choice(1 << 62, n, replace=False).astype(np.int64) - (1 << 61)
-    bits = rng.integers(0, np.iinfo(np.uint32).max, (n, schema.width), dtype=np.uint32, endpoint=True)
-    rows = bits.view(np.float32) if dtype == "fp32" else bits.astype(np.uint16)
-    rows = rows.view(schema.np_dtype) if dtype != "fp32" else rows
-    ps.push(name, ids, rows)
-    return schema, ids, rows
-
-
-def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
@@ -165,7 +145,8 @@ def test_truncated_and_missing_shards(redis_client, copy_of):
     with open(path, "r+b") as f:
         f.truncate(size - 100)
     table = unique("trunc")
-    with pytest.raises(TableFileError, match=rf"part-00001\.safetensors: sha256 .* corrupt or truncated \({size - 100} bytes\)"):
+    truncated = rf"part-00001\.safetensors: sha256 .* corrupt or truncated \({size - 100} bytes\)"
+    with pytest.raises(TableFileError, match=truncated):
         import_table(redis_client, copy_of, table=table, progress=False)
     path.unlink()
     with pytest.raises(TableFileError, match=r"part-00001\.safetensors: missing \(listed in .*table\.json\)"):
@@ -256,7 +237,8 @@ def test_cli_export_import_end_to_end(embedded_client, redis_ps, redis_client, t
     (copy_of / "part-00001.safetensors").write_bytes(b"not a shard")
     res = dynemb("table", "import", str(copy_of), "--as", unique("bad"), "--ps", redis_ps.address)
     assert res.returncode == 1
-    assert res.stderr.strip().splitlines()[-1].startswith(f"dynemb: error: {copy_of / 'part-00001.safetensors'}: sha256 is")
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"dynemb: error: {copy_of / 'part-00001.safetensors'}: sha256 is")
     assert "Traceback" not in res.stderr
 
     res = dynemb("table", "import", str(out), "--as", "x", "--ps", redis_ps.address)

@@ -8,18 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import config, torchrun
 
-from dynemb.trainer.config import DataConfig, TableConfig, TrainConfig
 from dynemb.trainer.train import train
-
-
-def config(optimizer: str, dynamic: bool, **extra) -> TrainConfig:
-    return TrainConfig(
-        data=DataConfig(num_sparse=6, universe=6000, zipf=1.1, ids_per_feature=2),
-        table=TableConfig(dim=8, capacity_fraction=0.1, dynamic=dynamic, evict_fraction=0.1),
-        optimizer=optimizer, lr=0.1, dense_lr=0.05, batch_size=48, eval_batches=2,
-        dense_arch=[16, 8], over_arch=[16, 1], progress=False, **({"steps": 100} | extra),
-    )
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
@@ -47,8 +38,6 @@ def test_two_torchrun_ranks_train_exactly_like_full_tables(optimizer, ps, tmp_pa
     the rows of each rank's IDs in its own in-process store (the default), or in a PS process
     that both ranks share; each rank's losses and its block of every table equal the full
     model's."""
-    from test_sharded_idtransformer import torchrun
-
     from dynemb.testing.local_ps import LocalPS
 
     worker = Path(__file__).parent / "dist" / "trainer_exact_worker.py"

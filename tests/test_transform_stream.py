@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
-from test_sharded_idtransformer import torchrun
+from helpers import torchrun
 
 WORKER = Path(__file__).parent / "dist" / "transform_stream_worker.py"
 sys.path.insert(0, str(WORKER.parent))

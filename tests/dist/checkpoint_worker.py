@@ -14,8 +14,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from helpers import leave_process_groups  # noqa: E402
-from test_trainer_exact import config  # noqa: E402
+from helpers import config, leave_process_groups  # noqa: E402
 
 from dynemb.trainer.train import train  # noqa: E402
 
