@@ -65,8 +65,13 @@ ID = st.integers(-(1 << 63), (1 << 63) - 1) | st.integers(0, 40)
 )
 @BACKENDS
 def test_invariants_on_random_streams(backend, batches, kind, threshold, ttl):
-    t = make(backend, capacity=16, policy=EvictionPolicy(kind, evict_fraction=0.25, ttl_steps=ttl),
-                      admit_threshold=threshold, sketch_width=1 << 12)
+    t = make(
+        backend,
+        capacity=16,
+        policy=EvictionPolicy(kind, evict_fraction=0.25, ttl_steps=ttl),
+        admit_threshold=threshold,
+        sketch_width=1 << 12,
+    )
     ref, seen = Reference(), {}
     for batch in batches:
         out = t.transform(torch.tensor(batch, dtype=torch.int64))
@@ -181,8 +186,13 @@ def test_ids_past_the_ttl_are_evicted_first(backend):
 @BACKENDS
 def test_state_round_trip_gives_the_same_output(backend):
     def fresh():
-        return make(backend, capacity=32, policy=EvictionPolicy("hybrid", evict_fraction=0.25),
-                    admit_threshold=2, sketch_width=1 << 12)
+        return make(
+            backend,
+            capacity=32,
+            policy=EvictionPolicy("hybrid", evict_fraction=0.25),
+            admit_threshold=2,
+            sketch_width=1 << 12,
+        )
 
     gen = torch.Generator().manual_seed(1)
     stream = [torch.randint(0, 60, (20,), generator=gen) for _ in range(30)]
@@ -216,8 +226,10 @@ def test_kernel_and_torch_backends_agree_call_by_call(other, seed, kind, thresho
     admissions, evictions and state on the same stream: skewed ids, repeats, pins, releases,
     TTLs."""
     policy = EvictionPolicy(kind, evict_fraction=fraction, ttl_steps=ttl, log_factor=1.0, decay_steps=3)
-    k, t = (make(side, capacity=64, policy=policy, admit_threshold=threshold, sketch_width=1 << 10)
-            for side in ("kernel", other))
+    k, t = (
+        make(side, capacity=64, policy=policy, admit_threshold=threshold, sketch_width=1 << 10)
+        for side in ("kernel", other)
+    )
     gen = torch.Generator().manual_seed(seed)
     held = []
     for step in range(40):
@@ -278,8 +290,11 @@ def _aged_state(capacity: int, step: int, gen: torch.Generator) -> dict:
     old = torch.rand(capacity, generator=gen) < 0.2
     last[old] = torch.randint(0, 3000, (int(old.sum()),), generator=gen, dtype=torch.int32) * 10
     return {
-        "capacity": capacity, "step": step, "slots": torch.arange(capacity),
-        "ids": torch.randperm(capacity, generator=gen) * 7919 + 13, "last_access": last,
+        "capacity": capacity,
+        "step": step,
+        "slots": torch.arange(capacity),
+        "ids": torch.randperm(capacity, generator=gen) * 7919 + 13,
+        "last_access": last,
         "freq": torch.randint(4, 8, (capacity,), generator=gen, dtype=torch.uint8),
         "pins": (torch.rand(capacity, generator=gen) < 0.01).to(torch.uint8),
     }
@@ -299,8 +314,12 @@ def test_kernel_matches_the_torch_ops_on_a_large_aged_table(kind, fraction):
     for t in sides.values():
         t.load_state_dict(state)
     for step in range(6):
-        ids = torch.cat([torch.randint(-(1 << 62), 1 << 62, (25_000,), generator=gen),
-                         state["ids"][torch.randint(0, capacity, (25_000,), generator=gen)]])
+        ids = torch.cat(
+            [
+                torch.randint(-(1 << 62), 1 << 62, (25_000,), generator=gen),
+                state["ids"][torch.randint(0, capacity, (25_000,), generator=gen)],
+            ]
+        )
         out = {b: t.transform(ids, pin=step == 1) for b, t in sides.items()}
         for field in ("slots", "admitted_ids", "admitted_slots", "evicted_ids", "evicted_slots"):
             assert torch.equal(getattr(out["kernel"], field), getattr(out["torch"], field)), f"step {step} {field}"
@@ -321,8 +340,9 @@ def test_victims_under_a_sampled_bound_match_the_torch_ops(kind, layout, size):
     the keys (small) or to its exact selection (large)."""
     capacity, sample, new = (4000, 128, 300) if size == "small" else (3 * (1 << 16) + 1234, 8192, 6000)
     step = 200_000
-    policy = EvictionPolicy(kind.split("+")[0], evict_fraction=0.02, decay_steps=3,
-                            ttl_steps=20 if kind.endswith("+ttl") else None)
+    policy = EvictionPolicy(
+        kind.split("+")[0], evict_fraction=0.02, decay_steps=3, ttl_steps=20 if kind.endswith("+ttl") else None
+    )
     gen = torch.Generator().manual_seed(5)
     state = _aged_state(capacity, step, gen)
     state["pins"].zero_()
@@ -355,11 +375,13 @@ def test_a_state_that_breaks_the_tables_rules_is_refused(backend):
     good = _aged_state(100, 200_000, gen)
     t = make(backend, capacity=100)
     t.load_state_dict(good)  # as made
-    bad = [("last_access", lambda s: s["last_access"].__setitem__(3, 200_001), "outside steps 0..200000"),
-           ("ids", lambda s: s["ids"].__setitem__(1, int(s["ids"][0])), "a slot or an ID twice"),
-           ("slots", lambda s: s["slots"].__setitem__(0, 100), "slots outside [0, 100)"),
-           ("freq", lambda s: s.__setitem__("freq", s["freq"][:50]), "freq has shape (50,)")]
-    for what, spoil, message in bad:
+    bad = [
+        ("last_access", lambda s: s["last_access"].__setitem__(3, 200_001), "outside steps 0..200000"),
+        ("ids", lambda s: s["ids"].__setitem__(1, int(s["ids"][0])), "a slot or an ID twice"),
+        ("slots", lambda s: s["slots"].__setitem__(0, 100), "slots outside [0, 100)"),
+        ("freq", lambda s: s.__setitem__("freq", s["freq"][:50]), "freq has shape (50,)"),
+    ]
+    for _what, spoil, message in bad:
         state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in good.items()}
         spoil(state)
         with pytest.raises(ValueError, match=re.escape(message)):
@@ -396,8 +418,13 @@ def test_a_batch_refused_for_pins_changes_nothing(backend, threshold):
     """A pinned transform that would take a slot past 255 pins is refused before anything is
     admitted, evicted, touched, counted or stepped: state_dict() is as before the call, and the
     same batch goes through once a batch in flight is released, its evictions reported."""
-    t = make(backend, capacity=4, policy=EvictionPolicy("hybrid", evict_fraction=0.5),
-             admit_threshold=threshold, sketch_width=1 << 12)
+    t = make(
+        backend,
+        capacity=4,
+        policy=EvictionPolicy("hybrid", evict_fraction=0.5),
+        admit_threshold=threshold,
+        sketch_width=1 << 12,
+    )
     for _ in range(threshold):
         t.transform(torch.tensor([1, 2, 3, 4]))
     assert len(t) == 4
@@ -428,16 +455,24 @@ _OP = st.one_of(
 
 
 @settings(max_examples=30, deadline=None)
-@given(ops=st.lists(_OP, min_size=1, max_size=30), kind=st.sampled_from(["lru", "lfu", "hybrid"]),
-       threshold=st.integers(1, 2))
+@given(
+    ops=st.lists(_OP, min_size=1, max_size=30),
+    kind=st.sampled_from(["lru", "lfu", "hybrid"]),
+    threshold=st.integers(1, 2),
+)
 @BACKENDS
 def test_no_eviction_is_lost_across_pin_refusals(backend, ops, kind, threshold):
     """Random batches, with slots pinned up to 255 and batches released: an ID that leaves the
     map is reported evicted exactly once (the reference follows only the reports and must
     match the transformer's residents after every call), a batch is refused for pins exactly
     when one of its resident IDs is at 255, and then state_dict() is unchanged."""
-    t = make(backend, capacity=6, policy=EvictionPolicy(kind, evict_fraction=0.34),
-             admit_threshold=threshold, sketch_width=1 << 12)
+    t = make(
+        backend,
+        capacity=6,
+        policy=EvictionPolicy(kind, evict_fraction=0.34),
+        admit_threshold=threshold,
+        sketch_width=1 << 12,
+    )
     ref, held = Reference(), []
 
     def pins_of(i: int) -> int:
@@ -472,8 +507,9 @@ def test_no_eviction_is_lost_across_pin_refusals(backend, ops, kind, threshold):
         elif held:
             t.release(held.pop(op[1] % len(held)).distinct_slots, distinct=True)
         state = t.state_dict()
-        assert dict(zip(state["ids"].tolist(), state["slots"].tolist())) == ref.where, \
+        assert dict(zip(state["ids"].tolist(), state["slots"].tolist())) == ref.where, (
             "the map and the reported admissions/evictions disagree: an ID left unreported"
+        )
     while held:
         t.release(held.pop().distinct_slots, distinct=True)
     assert int(t.pins.sum()) == 0

@@ -14,12 +14,20 @@ print(cpp_extension._get_build_directory(kernel.build_name(), verbose=False))
 
 def test_a_stale_build_lock_is_removed_not_waited_on():
     root = Path(__file__).resolve().parents[1]
-    build = Path(subprocess.run([sys.executable, "-c", LOAD], cwd=root, check=True,
-                                capture_output=True, text=True).stdout.strip())
+    build = Path(
+        subprocess.run(
+            [sys.executable, "-c", LOAD], cwd=root, check=True, capture_output=True, text=True
+        ).stdout.strip()
+    )
     build.mkdir(parents=True, exist_ok=True)
     (build / "lock").touch()  # what a killed build leaves
-    done = subprocess.run([sys.executable, "-c", "from dynemb.idtransformer.kernel import ops; ops(); print('loaded')"],
-                          cwd=root, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [sys.executable, "-c", "from dynemb.idtransformer.kernel import ops; ops(); print('loaded')"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stderr
     assert "loaded" in done.stdout
     assert "left by a build of the ID transformer's kernel that was cut off" in done.stderr
@@ -32,8 +40,11 @@ def test_a_second_checkout_of_the_same_source_reuses_the_build(tmp_path):
     import shutil
 
     root = Path(__file__).resolve().parents[1]
-    build = Path(subprocess.run([sys.executable, "-c", LOAD], cwd=root, check=True,
-                                capture_output=True, text=True).stdout.strip())
+    build = Path(
+        subprocess.run(
+            [sys.executable, "-c", LOAD], cwd=root, check=True, capture_output=True, text=True
+        ).stdout.strip()
+    )
     load = "from dynemb.idtransformer.kernel import ops; ops(); print('loaded')"
     subprocess.run([sys.executable, "-c", load], cwd=root, check=True, capture_output=True, timeout=240)
     built = {p.name: p.stat().st_mtime_ns for p in build.iterdir() if p.suffix in (".so", ".ninja", ".o")}

@@ -17,8 +17,14 @@ import torch
 # Odd 64-bit multipliers, one per sketch row (multiply-shift hashing: the top bits of
 # id * a are near-uniform for odd a). Written as signed int64, as torch stores them.
 _MULTIPLIERS = (
-    0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB86659FD93,
-    0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x85EBCA77C2B2AE63, 0x27D4EB2F165667C5,
+    0x9E3779B97F4A7C15,
+    0xBF58476D1CE4E5B9,
+    0x94D049BB133111EB,
+    0xD6E8FEB86659FD93,
+    0xC2B2AE3D27D4EB4F,
+    0x165667B19E3779F9,
+    0x85EBCA77C2B2AE63,
+    0x27D4EB2F165667C5,
 )
 _MAX_COUNT = (1 << 31) - 1
 

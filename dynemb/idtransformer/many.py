@@ -38,10 +38,16 @@ class ManyResult:
 
     FIELDS = ("admitted_ids", "admitted_slots", "evicted_ids", "evicted_slots", "distinct_slots")
 
-    def __init__(self, slots: torch.Tensor, results: list[TransformResult | None] | None,
-                 errors: list[Exception | None], flat: dict[str, torch.Tensor] | None = None,
-                 counts: dict[str, list[int]] | None = None, sizes: list[int] | None = None,
-                 hits: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        slots: torch.Tensor,
+        results: list[TransformResult | None] | None,
+        errors: list[Exception | None],
+        flat: dict[str, torch.Tensor] | None = None,
+        counts: dict[str, list[int]] | None = None,
+        sizes: list[int] | None = None,
+        hits: list[int] | None = None,
+    ) -> None:
         self.slots, self.errors = slots, errors
         self._results = results
         self.flat, self.counts = flat, counts
@@ -54,9 +60,13 @@ class ManyResult:
             parts = {f: torch.split(self.flat[f], self.counts[f]) for f in self.FIELDS}
             no_ids = self.slots[:0]
             self._results = [
-                None if e is not None else TransformResult(
-                    slots=slots, rejected_ids=no_ids, hits=hits[k], **{f: parts[f][k] for f in self.FIELDS})
-                for k, (slots, e) in enumerate(zip(torch.split(self.slots, sizes), self.errors))]
+                None
+                if e is not None
+                else TransformResult(
+                    slots=slots, rejected_ids=no_ids, hits=hits[k], **{f: parts[f][k] for f in self.FIELDS}
+                )
+                for k, (slots, e) in enumerate(zip(torch.split(self.slots, sizes), self.errors))
+            ]
         return self._results
 
     @property
@@ -65,8 +75,9 @@ class ManyResult:
         return next((e for e in self.errors if e is not None), None)
 
 
-def transform_many(tables: list[IDTransformer], ids: torch.Tensor, sizes: list[int], pin: bool = False,
-                   bases: list[int] | None = None) -> ManyResult:
+def transform_many(
+    tables: list[IDTransformer], ids: torch.Tensor, sizes: list[int], pin: bool = False, bases: list[int] | None = None
+) -> ManyResult:
     """Transform every table's block of IDs (see the module).
 
     Args: tables; ids: their blocks end to end, sizes[t] of table t's; pin: pin every slot the
@@ -86,8 +97,13 @@ def transform_many(tables: list[IDTransformer], ids: torch.Tensor, sizes: list[i
     # some one by one: the kernel's tables still in one call, the results put back in order
     blocks = torch.split(ids, sizes)
     pick = [i for i, f in enumerate(fast) if f]
-    many = _kernel_many([tables[i] for i in pick], torch.cat([blocks[i] for i in pick]) if pick else ids[:0],
-                        [sizes[i] for i in pick], pin, [bases[i] for i in pick])
+    many = _kernel_many(
+        [tables[i] for i in pick],
+        torch.cat([blocks[i] for i in pick]) if pick else ids[:0],
+        [sizes[i] for i in pick],
+        pin,
+        [bases[i] for i in pick],
+    )
     from_kernel = dict(zip(pick, zip(torch.split(many.slots, [sizes[i] for i in pick]), many.results, many.errors)))
     parts, results, errors = [], [], []
     for i, (t, block, base) in enumerate(zip(tables, blocks, bases)):
@@ -115,14 +131,22 @@ def _one(t: IDTransformer, block: torch.Tensor, pin: bool, base: int):
     return out.slots, out, None
 
 
-def _kernel_many(tables: list[IDTransformer], ids: torch.Tensor, sizes: list[int], pin: bool,
-                 bases: list[int]) -> ManyResult:
+def _kernel_many(
+    tables: list[IDTransformer], ids: torch.Tensor, sizes: list[int], pin: bool, bases: list[int]
+) -> ManyResult:
     if not tables:
         return ManyResult(ids[:0], [], [])
     k = tables[0].kernel_map.ops
-    out = k.transform_many([t.kernel_map.entries for t in tables], [t.records for t in tables], ids, sizes, bases,
-                           [x for t in tables for x in t.kernel_settings()], [t.policy.log_factor for t in tables],
-                           pin)
+    out = k.transform_many(
+        [t.kernel_map.entries for t in tables],
+        [t.records for t in tables],
+        ids,
+        sizes,
+        bases,
+        [x for t in tables for x in t.kernel_settings()],
+        [t.policy.log_factor for t in tables],
+        pin,
+    )
     info = [k.Info(*row) for row in out.info.tolist()]
     errors: list[Exception | None] = []
     for t, row in zip(tables, info):
@@ -140,15 +164,21 @@ def _kernel_many(tables: list[IDTransformer], ids: torch.Tensor, sizes: list[int
         errors.append(error)
     # a failed table has none of these (its counts are 0), and its result is None
     flat = {f: getattr(out, f) for f in ManyResult.FIELDS}
-    per_table = {"admitted_ids": "admitted", "admitted_slots": "admitted", "evicted_ids": "evicted",
-                 "evicted_slots": "evicted", "distinct_slots": "distinct_slots"}
+    per_table = {
+        "admitted_ids": "admitted",
+        "admitted_slots": "admitted",
+        "evicted_ids": "evicted",
+        "evicted_slots": "evicted",
+        "distinct_slots": "distinct_slots",
+    }
     counts = {f: [getattr(row, per_table[f]) for row in info] for f in ManyResult.FIELDS}
     hits = [0 if e is not None else row.hits for row, e in zip(info, errors)]
     return ManyResult(out.slots, None, errors, flat, counts, list(sizes), hits)
 
 
-def release_many_flat(tables: list[IDTransformer], distinct_slots: torch.Tensor,
-                      counts: list[int]) -> list[Exception | None]:
+def release_many_flat(
+    tables: list[IDTransformer], distinct_slots: torch.Tensor, counts: list[int]
+) -> list[Exception | None]:
     """release_many with every table's distinct slots in one tensor, table after table
     (counts[t] of table t's, as ManyResult.flat has them): one kernel call, nothing to cut or
     join. Every table must be on the kernel."""

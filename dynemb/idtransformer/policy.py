@@ -82,3 +82,6 @@ class EvictionPolicy:
         # (1 - p)^h as the kernel computes it (exactly so for h == 1)
         p_batch = torch.where(h == 1, 1.0 - (1.0 - p), 1.0 - torch.exp(h * torch.log1p(-p)))
         return torch.where((draw < p_batch) & (freq < MAX_FREQ), freq + 1, freq)
+
+
+DEFAULT_POLICY = EvictionPolicy()

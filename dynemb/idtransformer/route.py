@@ -46,8 +46,9 @@ def route(ids: torch.Tensor, sizes: list[int], world: int, kernel: bool) -> Rout
 
 def route_torch(ids: torch.Tensor, sizes: list[int], world: int) -> Routed:
     n_tables = len(sizes)
-    table_of = torch.repeat_interleave(torch.arange(n_tables, device=ids.device),
-                                       torch.tensor(sizes, dtype=torch.int64, device=ids.device))
+    table_of = torch.repeat_interleave(
+        torch.arange(n_tables, device=ids.device), torch.tensor(sizes, dtype=torch.int64, device=ids.device)
+    )
     bucket = owner_of(ids, world) * n_tables + table_of  # (destination, table); one hash call for all
     order = torch.argsort(bucket, stable=True)
     position = torch.empty_like(order)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from dynemb.idtransformer.ids import as_int64_ids
 from dynemb.idtransformer.many import ManyResult, release_many, release_many_flat, transform_many
-from dynemb.idtransformer.policy import EvictionPolicy
+from dynemb.idtransformer.policy import DEFAULT_POLICY, EvictionPolicy
 from dynemb.idtransformer.route import route, transpose_blocks
 from dynemb.idtransformer.transformer import IDTransformer, TransformResult
 
@@ -70,7 +70,7 @@ class ShardedIDTransformer:
     def __init__(
         self,
         capacity_per_rank: int,
-        policy: EvictionPolicy = EvictionPolicy(),
+        policy: EvictionPolicy = DEFAULT_POLICY,
         admit_threshold: int = 1,
         group: dist.ProcessGroup | None = None,
         device: torch.device | str = "cpu",
@@ -151,8 +151,9 @@ class ShareResults(Sequence):
             return False  # some released per table: that path says which
         if self.released:
             raise ValueError("this batch was not transformed with pin=True (or was released already)")
-        errors = release_many_flat([t.local for t in tables], self.many.flat["distinct_slots"],
-                                   self.many.counts["distinct_slots"])
+        errors = release_many_flat(
+            [t.local for t in tables], self.many.flat["distinct_slots"], self.many.counts["distinct_slots"]
+        )
         self.released = True
         for k, item in enumerate(self._items or []):
             if errors[k] is None:
@@ -186,8 +187,9 @@ def _exchange(send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
     return recv
 
 
-def transform_tables(tables: list[ShardedIDTransformer], ids: list[torch.Tensor],
-                     pin: bool = False) -> list[ShardedTransformResult]:
+def transform_tables(
+    tables: list[ShardedIDTransformer], ids: list[torch.Tensor], pin: bool = False
+) -> list[ShardedTransformResult]:
     """Collective: transform one batch of IDs per table, for all tables in one exchange (one
     all_to_all of counts, one of IDs, one of rows, whatever the number of tables). Every
     rank passes the same tables in the same order (the same group).
@@ -215,8 +217,9 @@ def transform_tables(tables: list[ShardedIDTransformer], ids: list[torch.Tensor]
     return results
 
 
-def transform_blocks(tables: list[ShardedIDTransformer], ids: torch.Tensor, sizes: list[int],
-                     pin: bool = False) -> tuple[torch.Tensor, list[ShardedTransformResult]]:
+def transform_blocks(
+    tables: list[ShardedIDTransformer], ids: torch.Tensor, sizes: list[int], pin: bool = False
+) -> tuple[torch.Tensor, list[ShardedTransformResult]]:
     """transform_tables over the tables' IDs laid end to end (table t's are the sizes[t] after
     those of tables 0..t-1): (the slots of all, in that layout; each table's result, whose
     slots are views of them)."""
@@ -257,16 +260,22 @@ def transform_blocks(tables: list[ShardedIDTransformer], ids: torch.Tensor, size
     return flat_slots, results
 
 
-def transform_share(tables: list[ShardedIDTransformer], received: torch.Tensor, recv_matrix: torch.Tensor,
-                    pin: bool, kernel: bool) -> tuple[ManyResult, torch.Tensor, torch.Tensor]:
+def transform_share(
+    tables: list[ShardedIDTransformer], received: torch.Tensor, recv_matrix: torch.Tensor, pin: bool, kernel: bool
+) -> tuple[ManyResult, torch.Tensor, torch.Tensor]:
     """An owner's part of a sharded transform: the IDs it received, in (source, table) blocks of
     recv_matrix's sizes, transformed per table with the requests of rank 0 first, then rank 1,
     .... Returns (what transform_many gave, the answers in (source, table) blocks, each table's
     refusal flag as int64). A refused table's answers are -2: the owner answers anyway, or the
     other ranks would hang."""
     mine_sizes = recv_matrix.sum(0).tolist()
-    many = transform_many([t.local for t in tables], transpose_blocks(received, recv_matrix, kernel), mine_sizes,
-                          pin, [t.offset for t in tables])
+    many = transform_many(
+        [t.local for t in tables],
+        transpose_blocks(received, recv_matrix, kernel),
+        mine_sizes,
+        pin,
+        [t.offset for t in tables],
+    )
     if many.error is not None:
         for block, error in zip(torch.split(many.slots, mine_sizes), many.errors):
             if error is not None:
@@ -276,8 +285,9 @@ def transform_share(tables: list[ShardedIDTransformer], received: torch.Tensor, 
     return many, answers, refused
 
 
-def _answer(answers: torch.Tensor, refused: torch.Tensor, recv_per_rank: list[int], send_per_rank: list[int],
-            group) -> tuple[torch.Tensor, torch.Tensor]:
+def _answer(
+    answers: torch.Tensor, refused: torch.Tensor, recv_per_rank: list[int], send_per_rank: list[int], group
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The exchange of answers, each owner's block to a rank followed by its refusal flags (one
     per table): (the answers to this rank's IDs, every owner's flags as a (world, tables)
     matrix). Riding on the answers, the flags reach every rank, one that asked a refusing owner
@@ -290,24 +300,40 @@ def _answer(answers: torch.Tensor, refused: torch.Tensor, recv_per_rank: list[in
     return torch.cat(parts[0::2]), torch.stack(parts[1::2])
 
 
-def _results(flat_slots: torch.Tensor, sizes: list[int], owned: list[TransformResult | None],
-             pin: bool) -> list[ShardedTransformResult]:
+def _results(
+    flat_slots: torch.Tensor, sizes: list[int], owned: list[TransformResult | None], pin: bool
+) -> list[ShardedTransformResult]:
     """Each table's result; a share this rank refused (owned None) as an empty one."""
     owned = [out if out is not None else _nothing(flat_slots.device) for out in owned]
-    return [ShardedTransformResult(slots, out, out.distinct_slots if pin else None)
-            for slots, out in zip(torch.split(flat_slots, sizes), owned)]
+    return [
+        ShardedTransformResult(slots, out, out.distinct_slots if pin else None)
+        for slots, out in zip(torch.split(flat_slots, sizes), owned)
+    ]
 
 
 def _nothing(device: torch.device) -> TransformResult:
     """A refused share's result: nothing looked up, admitted, evicted or pinned."""
     none = torch.zeros(0, dtype=torch.int64, device=device)
-    return TransformResult(slots=none, admitted_ids=none, admitted_slots=none, evicted_ids=none, evicted_slots=none,
-                           rejected_ids=none, hits=0, distinct_slots=none)
+    return TransformResult(
+        slots=none,
+        admitted_ids=none,
+        admitted_slots=none,
+        evicted_ids=none,
+        evicted_slots=none,
+        rejected_ids=none,
+        hits=0,
+        distinct_slots=none,
+    )
 
 
-def _refused(results: list[ShardedTransformResult], errors: list[Exception | None], refused_by: list[list[int]],
-             rank: int) -> BatchRefused:
+def _refused(
+    results: list[ShardedTransformResult], errors: list[Exception | None], refused_by: list[list[int]], rank: int
+) -> BatchRefused:
     parts = [f"rank {rank} refused its share of table {t}: {e}" for t, e in enumerate(errors) if e is not None]
-    parts += [f"rank {r} refused its share of table {t} (that rank's error says why)"
-              for t, ranks in enumerate(refused_by) for r in ranks if r != rank]
+    parts += [
+        f"rank {r} refused its share of table {t} (that rank's error says why)"
+        for t, ranks in enumerate(refused_by)
+        for r in ranks
+        if r != rank
+    ]
     return BatchRefused("batch refused: " + "; ".join(parts), results, errors, refused_by)

@@ -142,7 +142,7 @@ def coin(ids: torch.Tensor, step: int) -> torch.Tensor:
     return _lsr(r, 11).to(torch.float64) * 2.0**-53
 
 
-def make_slot_map(capacity: int, records: torch.Tensor, backend: str) -> KernelSlotMap | TorchSlotMap:
+def make_slot_map(capacity: int, records: torch.Tensor, backend: str) -> KernelSlotMap | SortedSlotMap:
     if backend == "kernel":
         return KernelSlotMap(capacity, records)
     if backend == "torch":

@@ -34,7 +34,7 @@ import torch
 
 from dynemb.idtransformer.admission import CountMinSketch
 from dynemb.idtransformer.ids import as_int64_ids
-from dynemb.idtransformer.policy import EvictionPolicy
+from dynemb.idtransformer.policy import DEFAULT_POLICY, EvictionPolicy
 from dynemb.idtransformer.slot_map import COIN_SEED, MAP_SEED, KernelSlotMap, coin, make_slot_map
 
 FREE = -1
@@ -118,7 +118,7 @@ class IDTransformer:
     def __init__(
         self,
         capacity: int,
-        policy: EvictionPolicy = EvictionPolicy(),
+        policy: EvictionPolicy = DEFAULT_POLICY,
         admit_threshold: int = 1,
         sketch_width: int = 1 << 20,
         sketch_depth: int = 4,
@@ -209,10 +209,15 @@ class IDTransformer:
             # even a batch refused for want of room was seen: its resident IDs were touched
             self.step += 1
         return TransformResult(
-            slots=looked.slots.reshape(ids.shape), admitted_ids=room.admitted_ids,
-            admitted_slots=room.admitted_slots, evicted_ids=room.evicted_ids, evicted_slots=room.evicted_slots,
-            rejected_ids=new_ids[:0] if admit is None else new_ids[~admit], hits=looked.hits,
-            distinct_slots=room.distinct_slots)
+            slots=looked.slots.reshape(ids.shape),
+            admitted_ids=room.admitted_ids,
+            admitted_slots=room.admitted_slots,
+            evicted_ids=room.evicted_ids,
+            evicted_slots=room.evicted_slots,
+            rejected_ids=new_ids[:0] if admit is None else new_ids[~admit],
+            hits=looked.hits,
+            distinct_slots=room.distinct_slots,
+        )
 
     def _check_step(self) -> None:
         if self.step >= (1 << 31) - 1:
@@ -233,9 +238,17 @@ class IDTransformer:
     def kernel_settings(self) -> list[int]:
         """This table's settings (policy and state) as the kernel's ops take them."""
         p, k = self.policy, self.kernel_map.ops
-        return k.settings(step=self.step, resident=self.resident, kind=k.Kind[p.kind], initial_freq=p.initial_freq,
-                          decay_steps=p.decay_steps, ttl=-1 if p.ttl_steps is None else p.ttl_steps,
-                          evict_min=self.evict_min, map_seed=MAP_SEED, coin_seed=COIN_SEED)
+        return k.settings(
+            step=self.step,
+            resident=self.resident,
+            kind=k.Kind[p.kind],
+            initial_freq=p.initial_freq,
+            decay_steps=p.decay_steps,
+            ttl=-1 if p.ttl_steps is None else p.ttl_steps,
+            evict_min=self.evict_min,
+            map_seed=MAP_SEED,
+            coin_seed=COIN_SEED,
+        )
 
     def _lookup(self, flat: torch.Tensor, pin: bool) -> Lookup:
         """The batch's first pass; with pin, raises the pins-full error before changing anything
@@ -271,8 +284,9 @@ class IDTransformer:
         slots = torch.where(hit, slots, -(kth + 2))[inverse]
         return Lookup(slots, uniq[missing], counts[missing].to(torch.int32), seen, (slots >= 0).sum())
 
-    def _admit(self, slots: torch.Tensor, new_ids: torch.Tensor, admit: torch.Tensor | None, seen: torch.Tensor,
-               pin: bool) -> Admission:
+    def _admit(
+        self, slots: torch.Tensor, new_ids: torch.Tensor, admit: torch.Tensor | None, seen: torch.Tensor, pin: bool
+    ) -> Admission:
         """The batch's second pass; raises NoRoom, or the pins-full error, with nothing changed."""
         p = self.policy
         if self.backend == "kernel":
@@ -283,8 +297,9 @@ class IDTransformer:
                 raise _no_room(need, self.capacity - self.resident, out.movable)
             if out.status == k.Status.pins_full:  # lookup with pin refuses such a batch first
                 raise RuntimeError(_PINS_FULL)
-            return Admission(out.admitted_ids, out.admitted_slots, out.evicted_ids, out.evicted_slots,
-                             out.distinct_slots, pin)
+            return Admission(
+                out.admitted_ids, out.admitted_slots, out.evicted_ids, out.evicted_slots, out.distinct_slots, pin
+            )
         admitted = new_ids[admit]
         evicted_ids, evicted_slots = self._make_room(len(admitted), self.evict_min)
         free = torch.nonzero(self.last_access == FREE).squeeze(1)[: len(admitted)]
@@ -403,4 +418,3 @@ def _check_state(state: dict) -> None:
     free[slots] = False
     if bool((last[free] != FREE).any()):
         raise ValueError("state has a last access on a slot no ID holds")
-
