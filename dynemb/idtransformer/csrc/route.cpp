@@ -29,12 +29,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> route(const at::Tensor& ids_in, a
   const int64_t T = int64_t(sizes.size()), n = ids.numel();
   TORCH_CHECK(world >= 1, "route: world size must be at least 1, got ", world);
   TORCH_CHECK(world * std::max<int64_t>(T, 1) < (int64_t(1) << 31), "route: too many (rank, table) buckets");
-  int64_t total = 0;
-  for (const int64_t s : sizes) {
-    TORCH_CHECK(s >= 0, "route: a block's size is negative");
-    total += s;
-  }
-  TORCH_CHECK(total == n, "route: the blocks' sizes add up to ", total, ", not to the ", n, " ids");
+  check_blocks(sizes, n, "route", "ids");
   const int64_t* id = ids.data_ptr<int64_t>();
   at::Tensor counts = at::zeros({world * T}, ids.options());
   int64_t* count = counts.data_ptr<int64_t>();

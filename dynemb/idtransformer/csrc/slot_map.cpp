@@ -478,7 +478,29 @@ struct Cut {
     ties -= int64_t(at & taken);
     return taken;
   }
+
+  // The n slots taken of `count` offered in slot order, slot_of(i) with key_of(i): ascending.
+  template <typename SlotOf, typename KeyOf>
+  at::Tensor slots(int64_t n, int64_t count, SlotOf slot_of, KeyOf key_of) {
+    at::Tensor out = at::empty({n + 1}, at::kLong);  // + 1: the branch-free loop writes one past the last
+    int64_t* o = out.data_ptr<int64_t>();
+    int64_t w = 0;
+    for (int64_t i = 0; i < count; ++i) {
+      o[w] = slot_of(i);
+      w += take(key_of(i));
+    }
+    return out.narrow(0, 0, n);
+  }
 };
+
+// A bound on the n-th lowest of m keys from `sample` (size of them, evenly spaced, reordered):
+// its quantile at the expected rank plus `sigmas` standard deviations and `slack`.
+uint64_t sampled_bound(uint64_t* sample, int64_t size, int64_t n, int64_t m, double sigmas, double slack) {
+  const double expect = double(n) * double(size) / double(m);
+  const int64_t k = std::min<int64_t>(size - 1, int64_t(expect + sigmas * std::sqrt(expect) + slack));
+  std::nth_element(sample, sample + k, sample + size);
+  return sample[k];
+}
 
 // The victims, found by computing every key: the n = min(movable, max(short_by, evict_min))
 // lowest keys' slots, ascending. Too few movable slots: returns an undefined tensor and sets
@@ -515,10 +537,7 @@ at::Tensor lowest_exact(const Record* rec, int64_t C, const Scorer& sc, int64_t 
       constexpr int64_t kSample = 128;
       uint64_t sample[kSample];
       for (int64_t i = 0; i < kSample; ++i) sample[i] = movable[i * m / kSample];
-      const double expect = double(n) * kSample / double(m);
-      const int64_t k = std::min<int64_t>(kSample - 1, int64_t(expect + 3.0 * std::sqrt(expect) + 2.0));
-      std::nth_element(sample, sample + k, sample + kSample);
-      const uint64_t bound = sample[k];
+      const uint64_t bound = sampled_bound(sample, kSample, n, m, 3.0, 2.0);
       int64_t kept = 0;
       for (int64_t i = 0; i < m; ++i) {  // in place, without a branch: kept <= i
         movable[kept] = movable[i];
@@ -528,14 +547,7 @@ at::Tensor lowest_exact(const Record* rec, int64_t C, const Scorer& sc, int64_t 
     }
     cut = Cut::nth(movable, m, n);
   }
-  at::Tensor out = at::empty({n + 1}, at::kLong);  // + 1: the branch-free loop writes one past the last
-  int64_t* o = out.data_ptr<int64_t>();
-  int64_t w = 0;
-  for (int64_t s = 0; s < C; ++s) {
-    o[w] = s;
-    w += cut.take(keys[s]);
-  }
-  return out.narrow(0, 0, n);
+  return cut.slots(n, C, [](int64_t s) { return s; }, [keys](int64_t s) { return keys[s]; });
 }
 
 // A large table's victims in one pass over its records, where a sample allows: a quantile of
@@ -559,10 +571,7 @@ Sampled victims_under_sampled_bound(const Record* rec, int64_t C, const Scorer& 
   static thread_local std::vector<uint64_t> sample;
   sample.resize(size_t(kSample));
   for (int64_t i = 0; i < kSample; ++i) sample[size_t(i)] = sc.key(rec[i * C / kSample].meta);
-  const double expect = double(want) * kSample / double(C);
-  const int64_t k = std::min<int64_t>(kSample - 1, int64_t(expect + 4.0 * std::sqrt(expect) + 8.0));
-  std::nth_element(sample.begin(), sample.begin() + k, sample.end());
-  const uint64_t bound = sample[size_t(k)];
+  const uint64_t bound = sampled_bound(sample.data(), kSample, want, C, 4.0, 8.0);
   if (bound == kNotMovable) return {false, at::Tensor()};  // the sample is mostly unmovable
 
   // For a given counter, a slot's key rises with its last access (the primary never falls as
@@ -604,14 +613,9 @@ Sampled victims_under_sampled_bound(const Record* rec, int64_t C, const Scorer& 
   if (n == n_movable || n_kept < n || n_kept > kKeptPerVictim * n + kSample) return {false, at::Tensor()};
   scratch.assign(kept_keys.begin(), kept_keys.end());  // the kept stay in slot order for the pass below
   Cut cut = Cut::nth(scratch.data(), n_kept, n);
-  at::Tensor out = at::empty({n + 1}, at::kLong);  // + 1: the branch-free loop writes one past the last
-  int64_t* o = out.data_ptr<int64_t>();
-  int64_t w = 0;
-  for (int64_t i = 0; i < n_kept; ++i) {
-    o[w] = kept_slots[size_t(i)];
-    w += cut.take(kept_keys[size_t(i)]);
-  }
-  return {true, out.narrow(0, 0, n)};
+  const int64_t* slot = kept_slots.data();
+  const uint64_t* key = kept_keys.data();
+  return {true, cut.slots(n, n_kept, [slot](int64_t i) { return slot[i]; }, [key](int64_t i) { return key[i]; })};
 }
 
 // The victims (see above), or, with too few movable slots, an undefined tensor and
@@ -791,13 +795,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
                   int64_t(log_factors.size()) == T && int64_t(settings.size()) == T * kSettings,
               "transform_many: one entries, records, size, base, log_factor and ", kSettings, " settings per table");
   at::Tensor ids = flat_ids(ids_in);
-  int64_t total = 0;
-  for (const int64_t n : sizes) {
-    TORCH_CHECK(n >= 0, "transform_many: a block's size is negative");
-    total += n;
-  }
-  TORCH_CHECK(total == ids.numel(), "transform_many: the blocks' sizes add up to ", total, ", not to the ",
-              ids.numel(), " ids");
+  check_blocks(sizes, ids.numel(), "transform_many", "ids");
   at::Tensor slots = at::empty({ids.numel()}, ids.options());
   at::Tensor info = at::zeros({T, kInfo}, ids.options());
   std::vector<at::Tensor> admitted, admitted_slots, evicted, evicted_slots, distinct;
@@ -877,13 +875,7 @@ at::Tensor release_many(at::TensorList records, const at::Tensor& slots_in, at::
   TORCH_CHECK(slots_in.device().is_cpu() && slots_in.scalar_type() == at::kLong,
               "release_many: slots must be CPU int64");
   const at::Tensor slots = slots_in.contiguous().view({-1});
-  int64_t total = 0;
-  for (const int64_t n : counts) {
-    TORCH_CHECK(n >= 0, "release_many: a count is negative");
-    total += n;
-  }
-  TORCH_CHECK(total == slots.numel(), "release_many: the counts add up to ", total, ", not to the ", slots.numel(),
-              " slots");
+  check_blocks(counts, slots.numel(), "release_many", "slots");
   at::Tensor status = at::empty({int64_t(counts.size())}, at::kLong);
   int64_t off = 0;
   for (size_t t = 0; t < counts.size(); ++t) {
