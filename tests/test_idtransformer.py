@@ -300,6 +300,23 @@ def _aged_state(capacity: int, step: int, gen: torch.Generator) -> dict:
     }
 
 
+def _both_from(state: dict, policy: EvictionPolicy) -> dict[str, IDTransformer]:
+    """A table on the kernel and one on the torch ops, both loaded with `state`."""
+    sides = {b: IDTransformer(state["capacity"], policy, backend=b) for b in ("kernel", "torch")}
+    for t in sides.values():
+        t.load_state_dict(state)
+    return sides
+
+
+def _transform_alike(sides: dict[str, IDTransformer], ids: torch.Tensor, pin: bool, what: str) -> dict:
+    """Both sides' results for ids, which must be the same, as must their state after."""
+    out = {b: t.transform(ids, pin=pin) for b, t in sides.items()}
+    for field in ("slots", "admitted_ids", "admitted_slots", "evicted_ids", "evicted_slots"):
+        assert torch.equal(getattr(out["kernel"], field), getattr(out["torch"], field)), f"{what} {field}"
+    assert torch.equal(sides["kernel"].records, sides["torch"].records), f"{what} records"
+    return out
+
+
 @pytest.mark.parametrize("fraction", [0.05, 0.3])
 @pytest.mark.parametrize("kind", ["lru", "hybrid"])
 def test_kernel_matches_the_torch_ops_on_a_large_aged_table(kind, fraction):
@@ -310,9 +327,7 @@ def test_kernel_matches_the_torch_ops_on_a_large_aged_table(kind, fraction):
     policy = EvictionPolicy(kind, evict_fraction=fraction, decay_steps=3)
     gen = torch.Generator().manual_seed(11)
     state = _aged_state(capacity, 200_000, gen)
-    sides = {b: IDTransformer(capacity, policy, backend=b) for b in ("kernel", "torch")}
-    for t in sides.values():
-        t.load_state_dict(state)
+    sides = _both_from(state, policy)
     for step in range(6):
         ids = torch.cat(
             [
@@ -320,10 +335,7 @@ def test_kernel_matches_the_torch_ops_on_a_large_aged_table(kind, fraction):
                 state["ids"][torch.randint(0, capacity, (25_000,), generator=gen)],
             ]
         )
-        out = {b: t.transform(ids, pin=step == 1) for b, t in sides.items()}
-        for field in ("slots", "admitted_ids", "admitted_slots", "evicted_ids", "evicted_slots"):
-            assert torch.equal(getattr(out["kernel"], field), getattr(out["torch"], field)), f"step {step} {field}"
-        assert torch.equal(sides["kernel"].records, sides["torch"].records), f"step {step} records"
+        out = _transform_alike(sides, ids, step == 1, f"step {step}")
         if step == 0:  # the table starts full
             assert len(out["torch"].evicted_ids) >= int(fraction * capacity)
 
@@ -350,17 +362,12 @@ def test_victims_under_a_sampled_bound_match_the_torch_ops(kind, layout, size):
         sampled = torch.arange(sample) * capacity // sample
         state["last_access"][:] = step - 1 - torch.randint(0, 5, (capacity,), generator=gen, dtype=torch.int32)
         state["last_access"][sampled] = torch.arange(sample, dtype=torch.int32)  # far older than the rest
-    sides = {b: IDTransformer(capacity, policy, backend=b) for b in ("kernel", "torch")}
-    for t in sides.values():
-        t.load_state_dict(state)
+    sides = _both_from(state, policy)
     for i in range(4):
         ids = torch.randint(-(1 << 62), 1 << 62, (new,), generator=gen)  # the first batch: all new, so
         if i:  # no slot is in use and the sample lands where the layout put the oldest
             ids = torch.cat([ids, state["ids"][torch.randint(0, capacity, (new * 2 // 3,), generator=gen)]])
-        out = {b: t.transform(ids, pin=i == 1) for b, t in sides.items()}
-        for field in ("slots", "admitted_ids", "admitted_slots", "evicted_ids", "evicted_slots"):
-            assert torch.equal(getattr(out["kernel"], field), getattr(out["torch"], field)), f"batch {i} {field}"
-        assert torch.equal(sides["kernel"].records, sides["torch"].records), f"batch {i} records"
+        out = _transform_alike(sides, ids, i == 1, f"batch {i}")
         assert len(out["torch"].evicted_ids) >= new // 3  # it did evict, a few percent of the table
         if i == 0 and layout == "oldest-where-sampled" and kind != "lfu":  # the oldest went first (LFU: the least used)
             oldest, evicted = set(sampled.tolist()), set(out["kernel"].evicted_slots.tolist())
