@@ -4,22 +4,29 @@ import numpy as np
 import pytest
 
 from dynemb.protos import ps_pb2
-from dynemb.ps_server.wire import encode_pull_response, encode_push_request
+from dynemb.ps_server.wire import ReplyPlan, build_pull_many_response, build_pull_response, encode_push_request
+
+
+def _pull(n: int, width: int, dtype: str, seed: int) -> tuple[ReplyPlan, ps_pb2.PullResponse]:
+    """A reply to build (the PS's own writer) and the same reply as the generated code has it."""
+    rng = np.random.default_rng(seed)
+    rows = rng.random((n, width)).astype(dtype) if dtype != "<u2" else rng.integers(0, 1 << 16, (n, width), dtype="<u2")
+    marks = rng.random(n) < 0.3
+    num_missing = int(marks.sum())
+    missing = np.packbits(marks, bitorder="little").tobytes() if num_missing else b""
+
+    def fill(out):
+        out[:] = rows
+        return missing, num_missing
+
+    plan = ReplyPlan(n, width, np.dtype(dtype), fill)
+    return plan, ps_pb2.PullResponse(rows=rows.tobytes(), missing=missing, num_missing=num_missing)
 
 
 @pytest.mark.parametrize("n,width,dtype", [(0, 4, "<f4"), (1, 1, "<f2"), (3, 7, "<u2"), (5000, 128, "<f4")])
-def test_pull_response_parses_as_generated(n, width, dtype):
-    rng = np.random.default_rng(n)
-    rows = rng.random((n, width)).astype(dtype) if dtype != "<u2" else rng.integers(0, 1 << 16, (n, width), dtype="<u2")
-    missing = np.packbits(rng.random(n) < 0.3, bitorder="little").tobytes()
-    num_missing = int(np.unpackbits(np.frombuffer(missing, np.uint8)).sum())
-    wire = encode_pull_response(rows, missing, num_missing)
-    parsed = ps_pb2.PullResponse.FromString(wire)
-    assert parsed.rows == rows.tobytes()
-    assert parsed.missing == missing
-    assert parsed.num_missing == num_missing
-    # byte-identical to what protobuf writes for the same message
-    assert wire == ps_pb2.PullResponse(rows=rows.tobytes(), missing=missing, num_missing=num_missing).SerializeToString()
+def test_pull_response_is_byte_identical_to_generated(n, width, dtype):
+    plan, want = _pull(n, width, dtype, n)
+    assert build_pull_response(plan) == want.SerializeToString()
 
 
 @pytest.mark.parametrize("table,n", [("t", 0), ("user.v2", 1), ("x" * 128, 3000)])
@@ -37,25 +44,20 @@ def test_push_request_parses_as_generated(table, n):
 
 def test_non_contiguous_rows_are_written_in_row_order():
     rows = np.arange(40, dtype=np.float32).reshape(8, 5)[::2]  # a strided view
-    parsed = ps_pb2.PullResponse.FromString(encode_pull_response(rows, b"", 0))
+    parsed = ps_pb2.PushRequest.FromString(encode_push_request("t", np.arange(4), rows))
     assert np.array_equal(np.frombuffer(parsed.rows, np.float32).reshape(4, 5), rows)
 
 
 def test_many_table_messages_are_byte_identical_to_generated():
-    from dynemb.ps_server.wire import (encode_pull_many_response, encode_push_many_request, pull_response_parts,
-                                push_request_parts)
+    from dynemb.ps_server.wire import encode_push_many_request, push_request_parts
 
     rng = np.random.default_rng(7)
     pulls, pushes = [], []
     for n in (0, 1, 300, 200_000):  # the last one's length needs a 3-byte varint
-        rows = rng.random((n, 4)).astype("<f4")
-        missing = np.packbits(rng.random(n) < 0.5, bitorder="little").tobytes()
-        pulls.append((rows, missing, n // 3))
-        pushes.append((f"t{n}", rng.integers(-(1 << 62), 1 << 62, n), rows))
-    got = encode_pull_many_response([pull_response_parts(*p) for p in pulls])
-    want = ps_pb2.PullManyResponse(pulls=[ps_pb2.PullResponse(rows=r.tobytes(), missing=m, num_missing=k)
-                                          for r, m, k in pulls]).SerializeToString()
-    assert got == want
+        pulls.append(_pull(n, 4, "<f4", n))
+        pushes.append((f"t{n}", rng.integers(-(1 << 62), 1 << 62, n), rng.random((n, 4)).astype("<f4")))
+    got = build_pull_many_response([plan for plan, _ in pulls])
+    assert got == ps_pb2.PullManyResponse(pulls=[want for _, want in pulls]).SerializeToString()
     got = encode_push_many_request([push_request_parts(*p) for p in pushes])
     want = ps_pb2.PushManyRequest(pushes=[ps_pb2.PushRequest(table=t, ids=i.astype("<i8").tobytes(), rows=r.tobytes())
                                           for t, i, r in pushes]).SerializeToString()
@@ -64,10 +66,16 @@ def test_many_table_messages_are_byte_identical_to_generated():
 
 # -- reading in place -------------------------------------------------------------
 
-from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
-from dynemb.ps_server.wire import (MalformedMessage, parse_pull_many_response, parse_pull_response,  # noqa: E402
-                            parse_push_many_request, parse_push_request)
+from dynemb.ps_server.wire import (  # noqa: E402
+    MalformedMessage,
+    parse_pull_many_response,
+    parse_pull_response,
+    parse_push_many_request,
+    parse_push_request,
+)
 
 _blobs = st.binary(max_size=300)
 
@@ -157,7 +165,6 @@ def test_each_damage_is_named(wire, why):
 # -- pull replies built in place -------------------------------------------------------
 
 from dynemb.ps_server import wire  # noqa: E402
-from dynemb.ps_server.wire import ReplyPlan, build_pull_many_response, build_pull_response  # noqa: E402
 
 
 def _plan(n: int, width: int, seed: int, dtype="<f4") -> tuple[ReplyPlan, np.ndarray, np.ndarray]:

@@ -56,15 +56,6 @@ def rows_for_table(rows: np.ndarray, schema: TableSchema, n: int) -> np.ndarray:
     return np.ascontiguousarray(rows, dtype=schema.np_dtype)
 
 
-def encode_rows(rows: np.ndarray, schema: TableSchema) -> bytes:
-    rows = np.asarray(rows)
-    if rows.ndim != 2 or rows.shape[1] != schema.width:
-        raise InvalidArgument(
-            f"rows for table {schema.name!r} must have shape (n, {schema.width}), got {rows.shape}"
-        )
-    return np.ascontiguousarray(rows, dtype=schema.np_dtype).tobytes()
-
-
 def encode_mask(mask: np.ndarray) -> bytes:
     return np.packbits(np.asarray(mask, dtype=bool), bitorder="little").tobytes()
 

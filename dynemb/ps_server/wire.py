@@ -217,10 +217,6 @@ def build_pull_many_response(plans: list[ReplyPlan]) -> bytes:
     return filled_bytes(capacity, fill)
 
 
-def encode_pull_response(rows: np.ndarray, missing: bytes, num_missing: int) -> bytes:
-    return b"".join(pull_response_parts(rows, missing, num_missing))
-
-
 def encode_push_request(table: str, ids: np.ndarray, rows: np.ndarray) -> bytes:
     return b"".join(push_request_parts(table, ids, rows))
 

@@ -38,10 +38,6 @@ def unmask_crc(masked: int) -> int:
     return ((rot >> 17) | (rot << 15)) & 0xFFFFFFFF
 
 
-def mask_crc(crc: int) -> int:
-    return ((((crc >> 15) | (crc << 17)) & 0xFFFFFFFF) + _MASK_DELTA) & 0xFFFFFFFF
-
-
 def read_varint(buf: bytes, pos: int, where: str) -> tuple[int, int]:
     result = shift = 0
     while True:
