@@ -153,6 +153,7 @@ class IDTransformer:
         self.sketch = CountMinSketch(sketch_width, sketch_depth, dev) if admit_threshold > 1 else None
         self.step = 0
         self.resident = 0
+        self._policy_settings: tuple | None = None  # (policy, the kernel's settings for it, where step and resident go)
 
     def __len__(self) -> int:
         return self.resident
@@ -237,18 +238,27 @@ class IDTransformer:
 
     def kernel_settings(self) -> list[int]:
         """This table's settings (policy and state) as the kernel's ops take them."""
-        p, k = self.policy, self.kernel_map.ops
-        return k.settings(
-            step=self.step,
-            resident=self.resident,
-            kind=k.Kind[p.kind],
-            initial_freq=p.initial_freq,
-            decay_steps=p.decay_steps,
-            ttl=-1 if p.ttl_steps is None else p.ttl_steps,
-            evict_min=self.evict_min,
-            map_seed=MAP_SEED,
-            coin_seed=COIN_SEED,
-        )
+        if self._policy_settings is None or self._policy_settings[0] is not self.policy:
+            # what the policy gives, found once: a trainer rank asks for 26 tables' a step
+            p, k = self.policy, self.kernel_map.ops
+            ttl = -1 if p.ttl_steps is None else p.ttl_steps
+            values = k.settings(
+                step=0,
+                resident=0,
+                kind=k.Kind[p.kind],
+                initial_freq=p.initial_freq,
+                decay_steps=p.decay_steps,
+                ttl=ttl,
+                evict_min=self.evict_min,
+                map_seed=MAP_SEED,
+                coin_seed=COIN_SEED,
+            )
+            at = k.settings_fields.index
+            self._policy_settings = (p, values, at("step"), at("resident"))
+        _, values, at_step, at_resident = self._policy_settings
+        values = values.copy()
+        values[at_step], values[at_resident] = self.step, self.resident
+        return values
 
     def _lookup(self, flat: torch.Tensor, pin: bool) -> Lookup:
         """The batch's first pass; with pin, raises the pins-full error before changing anything
