@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 if TYPE_CHECKING:
-    from dynemb.ps_server.client import PSClient
+    from dynemb.ps_server.client import PSClient, RetryPolicy
     from dynemb.trainer.config import TrainConfig
 
 T = TypeVar("T")
@@ -29,6 +30,22 @@ def wait_until(condition: Callable[[], T], timeout: float = 10.0, what: str = "t
         assert time.monotonic() < deadline, f"waited {timeout}s for {what}"
         time.sleep(interval)
     return value
+
+
+def noted_retry(**policy) -> tuple[RetryPolicy, threading.Event]:
+    """RetryPolicy(**policy), and an Event set once a call it governs has failed and is about to
+    be tried again: what a test waits for instead of sleeping while a PS is away."""
+    from dynemb.ps_server.client import RetryPolicy
+
+    retrying = threading.Event()
+
+    class Noted(RetryPolicy):
+        def backoffs(self):
+            for delay in super().backoffs():  # drawn after a try failed
+                retrying.set()
+                yield delay
+
+    return Noted(**policy), retrying
 
 
 def gloo_threads() -> list[str]:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
+from helpers import wait_until
 
-from dynemb.testing.local_ps import LocalPS
 from dynemb.ps_server.client import PSClient
+from dynemb.testing.local_ps import LocalPS
 
 
 @pytest.fixture
@@ -42,7 +41,5 @@ def embedded_client(embedded_ps):
 
 def wait_for_health(client: PSClient, want: str, timeout: float = 30.0) -> None:
     """Until every PS the client reaches answers health checks with `want` (SERVING, NOT_SERVING)."""
-    deadline = time.monotonic() + timeout
-    while (got := client.health(timeout=2)) != [want] * len(client.addresses):
-        assert time.monotonic() < deadline, f"PS health stayed {got}, expected {want}"
-        time.sleep(0.1)
+    wait_until(lambda: client.health(timeout=2) == [want] * len(client.addresses), timeout=timeout,
+               what=f"PS health {want}", interval=0.1)

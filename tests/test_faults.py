@@ -14,16 +14,16 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import numpy as np
 import pytest
+from helpers import wait_until
+from ps_procs import wait_for_health
 
+from dynemb.ps_server.client import PSClient
 from dynemb.testing.local_ps import REPO, LocalPS
 from dynemb.testing.local_redis import RedisProcess
-from ps_procs import wait_for_health
-from dynemb.ps_server.client import PSClient
 
 STEPS = 120
 TRAIN = ["--steps", str(STEPS), "--num-sparse", "4", "--universe", "4000", "--ids-per-feature", "2",
@@ -33,11 +33,26 @@ TRAIN = ["--steps", str(STEPS), "--num-sparse", "4", "--universe", "4000", "--id
 
 
 def start_training(ps: LocalPS, out, prefix: str, target: str | None = None) -> subprocess.Popen:
-    """The job, on `ps` (or on `target`, a --ps value)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "dynemb.cli", "train", "--ps", target or ps.address, "--ps-table-prefix", prefix,
-         "--result-json", str(out / f"{prefix}.json"), *TRAIN],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """The job, on `ps` (or on `target`, a --ps value); its stderr in a file (see stderr_of),
+    readable while it runs."""
+    with open(out / f"{prefix}.stderr", "w") as err:
+        job = subprocess.Popen(
+            [sys.executable, "-m", "dynemb.cli", "train", "--ps", target or ps.address, "--ps-table-prefix", prefix,
+             "--result-json", str(out / f"{prefix}.json"), *TRAIN],
+            cwd=REPO, stdout=subprocess.DEVNULL, stderr=err, text=True)
+    job.stderr_path = out / f"{prefix}.stderr"
+    return job
+
+
+def stderr_of(job: subprocess.Popen) -> str:
+    return job.stderr_path.read_text(errors="replace")
+
+
+def wait_for_log(job: subprocess.Popen, line: str) -> None:
+    """Until the job has logged `line` (it met the fault and retries), still running."""
+    wait_until(lambda: line in stderr_of(job) or job.poll() is not None, timeout=60, what=repr(line),
+               interval=0.1)
+    assert job.poll() is None, f"the trainer gave up during the fault: {stderr_of(job)[-3000:]}"
 
 
 def tables_of(address: str, prefix: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -70,11 +85,9 @@ def pushes_served(ps: LocalPS) -> float:
 
 def wait_for_rows(ps: LocalPS, job: subprocess.Popen, at_least: int, timeout: float = 120) -> None:
     """Until the job has pushed rows (it is mid-training, its tables evicting)."""
-    deadline = time.monotonic() + timeout
-    while pushed_rows(ps.address) < at_least:
-        assert job.poll() is None, f"training ended before the fault: {job.communicate()[1][-3000:]}"
-        assert time.monotonic() < deadline, "training pushed no rows in time"
-        time.sleep(0.2)
+    wait_until(lambda: pushed_rows(ps.address) >= at_least or job.poll() is not None, timeout=timeout,
+               what="training to push rows", interval=0.2)
+    assert job.poll() is None, f"training ended before the fault: {stderr_of(job)[-3000:]}"
 
 
 @pytest.fixture
@@ -94,7 +107,8 @@ def redis_ps(redis_url):
 
 
 def finish(job: subprocess.Popen) -> str:
-    out, err = job.communicate(timeout=600)
+    job.wait(timeout=600)
+    err = stderr_of(job)
     assert job.returncode == 0, err[-4000:]
     return err
 
@@ -119,11 +133,9 @@ def test_a_ps_killed_mid_training_and_restarted_loses_nothing(redis_ps, tmp_path
     job = start_training(ps, tmp_path, "killed_")
     wait_for_rows(ps, job, at_least=200)
     ps.stop(signal.SIGKILL)
-    time.sleep(3)  # the trainer's calls fail (UNAVAILABLE) and back off meanwhile
-    assert job.poll() is None, "the trainer gave up while the PS was down"
+    wait_for_log(job, "UNAVAILABLE; retrying")  # its calls fail and back off meanwhile
     ps = redis_ps("--address", f"127.0.0.1:{port}")  # the same address, the same Redis
-    err = finish(job)
-    assert "UNAVAILABLE; retrying" in err  # it did see the outage
+    finish(job)
     compare_with_unfaulted(tmp_path, ps, "killed_")
 
 
@@ -132,10 +144,11 @@ def test_a_paused_ps_past_the_try_deadline_loses_nothing(redis_ps, tmp_path):
     job = start_training(ps, tmp_path, "paused_")
     wait_for_rows(ps, job, at_least=200)
     os.kill(ps.proc.pid, signal.SIGSTOP)
-    time.sleep(4)  # > --ps-attempt-seconds 1: tries are abandoned and sent again
-    os.kill(ps.proc.pid, signal.SIGCONT)
-    err = finish(job)
-    assert "DEADLINE_EXCEEDED; retrying" in err
+    try:  # past --ps-attempt-seconds 1: a try is abandoned and sent again
+        wait_for_log(job, "DEADLINE_EXCEEDED; retrying")
+    finally:
+        os.kill(ps.proc.pid, signal.SIGCONT)
+    finish(job)
     compare_with_unfaulted(tmp_path, ps, "paused_")
 
 
@@ -169,13 +182,11 @@ def test_redis_restarted_mid_training_loses_nothing(tmp_path):
         store.stop()
         with PSClient(ps.address, timeout=5) as client:
             wait_for_health(client, "NOT_SERVING")  # probes see the PS cannot serve
-        time.sleep(2)  # the trainer's calls fail (UNAVAILABLE) and back off meanwhile
-        assert job.poll() is None, "the trainer gave up while Redis was down"
+        wait_for_log(job, "UNAVAILABLE; retrying")  # the trainer's calls fail and back off meanwhile
         store.start()  # the same port and folder: the AOF is loaded again
         with PSClient(ps.address, timeout=5) as client:
             wait_for_health(client, "SERVING")  # by itself
-        err = finish(job)
-        assert "UNAVAILABLE; retrying" in err
+        finish(job)
         compare_with_unfaulted(tmp_path, ps, "redis_")
     finally:
         ps.close()
@@ -239,11 +250,9 @@ def test_a_killed_rank_stops_the_job_and_a_restart_from_the_checkpoint_ends_the_
 
     ck = tmp_path / "faulted" / "ck"
     job = torchrun_training(ck, tmp_path / "faulted")
-    deadline = time.monotonic() + 300
-    while not checkpoints(ck):  # killed after its first checkpoint, mid-training
-        assert job.poll() is None, job.communicate()[1][-4000:]
-        assert time.monotonic() < deadline, "no checkpoint in time"
-        time.sleep(0.2)
+    # killed after its first checkpoint, mid-training
+    wait_until(lambda: checkpoints(ck) or job.poll() is not None, timeout=300, what="a checkpoint", interval=0.2)
+    assert job.poll() is None, job.communicate()[1][-4000:]
     victim = rank_pid(job.pid, 1)
     assert victim is not None
     os.kill(victim, signal.SIGKILL)

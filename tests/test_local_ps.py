@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+from helpers import wait_until
+
 
 def test_a_killed_parent_leaves_no_ps_behind():
     parent = subprocess.Popen(
@@ -19,19 +21,24 @@ def test_a_killed_parent_leaves_no_ps_behind():
     os.kill(ps_pid, 0)  # running
     parent.send_signal(signal.SIGKILL)
     parent.wait()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
+    gone_within(ps_pid, 20)
+
+
+def gone_within(pid: int, seconds: float) -> None:
+    """Until process pid is gone (a zombie counts: its parent, now init, reaps it); killed if not."""
+
+    def gone() -> bool:
         try:
-            os.kill(ps_pid, 0)
-        except ProcessLookupError:
-            return  # gone
-        # a zombie counts as gone: its parent (now init) reaps it
-        with open(f"/proc/{ps_pid}/stat") as f:
-            if f.read().split()[2] == "Z":
-                return
-        time.sleep(0.1)
-    os.kill(ps_pid, signal.SIGKILL)
-    raise AssertionError("the PS outlived its killed parent by 20 s")
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except FileNotFoundError:
+            return True
+
+    try:
+        wait_until(gone, timeout=seconds, what="the PS to end with its parent", interval=0.1)
+    except AssertionError:
+        os.kill(pid, signal.SIGKILL)
+        raise
 
 
 def test_a_ps_started_from_a_thread_outlives_the_thread_not_the_process():
@@ -45,20 +52,10 @@ def test_a_ps_started_from_a_thread_outlives_the_thread_not_the_process():
         ps_pid, address = parent.stdout.readline().split()
         from dynemb.ps_server.client import PSClient
 
-        time.sleep(1.0)  # the starting thread is long gone
+        time.sleep(1.0)  # the starting thread ended before the print: a death signal would have acted
         with PSClient(address, timeout=10) as ps:
             assert ps.health() == ["SERVING"]
     finally:
         parent.send_signal(signal.SIGKILL)
         parent.wait()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{ps_pid}/stat") as f:
-                if f.read().split()[2] == "Z":
-                    return
-        except FileNotFoundError:
-            return
-        time.sleep(0.1)
-    os.kill(int(ps_pid), signal.SIGKILL)
-    raise AssertionError("the PS outlived its killed parent by 20 s")
+    gone_within(int(ps_pid), 20)

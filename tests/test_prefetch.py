@@ -128,6 +128,7 @@ class _GatedTables:
 
     def __init__(self) -> None:
         self.gate = threading.Event()
+        self.entered = threading.Event()  # the thread is in the stream (its priority set before)
 
     def defer_releases(self) -> None:
         pass
@@ -136,6 +137,7 @@ class _GatedTables:
         pass
 
     def transform_stream(self, batches, before_each):
+        self.entered.set()
         self.gate.wait(30)
         yield from batches
 
@@ -148,12 +150,8 @@ def test_the_transform_thread_runs_at_the_priority_asked_for(priority):
 
     tables = _GatedTables()
     ahead = TransformAhead(tables, iter([1, 2, 3]), window=1, priority=priority)
-    for _ in range(500):
-        if ahead.native_id is not None:
-            break
-        time.sleep(0.01)
+    assert tables.entered.wait(10)
     tid = ahead.native_id
-    time.sleep(0.05)  # the thread sets its priority right after its id
     main_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     policy = os.sched_getscheduler(tid)
     assert policy == (os.SCHED_IDLE if priority == "idle" else os.SCHED_OTHER)

@@ -12,10 +12,11 @@ import time
 import grpc
 import numpy as np
 import pytest
+from helpers import noted_retry, wait_until
 
 from dynemb.protos import ps_pb2, ps_pb2_grpc
 from dynemb.ps_server import shm
-from dynemb.ps_server.client import PSClient, RetryPolicy
+from dynemb.ps_server.client import PSClient
 from dynemb.ps_server.errors import InvalidArgument, TableNotFound
 from dynemb.ps_server.schema import TableSchema
 from dynemb.ps_server.wire import encode_push_many_request, push_request_parts
@@ -32,13 +33,6 @@ def metric(proc, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"{name} not exported")
-
-
-def eventually(ok, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not ok():
-        assert time.monotonic() < deadline, "not within 10 s"
-        time.sleep(0.02)
 
 
 def attaches(ps: PSClient) -> int:
@@ -132,7 +126,7 @@ def test_an_expired_segment_is_replaced_within_the_call(make_ps):
         ids = np.arange(500, dtype=np.int64)
         rows = np.random.default_rng(1).random((500, 8), dtype=np.float32)
         a.push("t", ids, rows)
-        time.sleep(0.6)
+        time.sleep(0.6)  # a's segment idle past --shm-idle-seconds: time itself is the condition
         b.pull("t", ids)  # b's attach sweeps a's idle segment away
         assert metric(proc, "dynemb_ps_shm_segments") == 1
         before = attaches(a)
@@ -168,14 +162,15 @@ def test_a_ps_that_is_away_gets_rows_once_back(make_ps, tmp_path):
     address = first.address
     ids = np.arange(200, dtype=np.int64)
     rows = np.random.default_rng(5).random((200, 4), dtype=np.float32)
-    patient = RetryPolicy(attempts=None)  # as a trainer's client: retry for the whole deadline
+    # as a trainer's client: retry for the whole deadline
+    (patient, old_retrying), (fresh_patient, fresh_retrying) = noted_retry(attempts=None), noted_retry(attempts=None)
     with PSClient(address, timeout=60, retry=patient) as old:
         old.create_table("t", dim=4)
         old.push("t", ids, rows)
         assert first.stop() == 0
-        fresh = PSClient(address, timeout=60, retry=patient)  # its first call must attach while the PS is away
+        fresh = PSClient(address, timeout=60, retry=fresh_patient)  # its first call must attach while the PS is away
         pulls = [fresh.pull_async("t", ids), old.pull_async("t", ids)]
-        time.sleep(1.5)
+        assert old_retrying.wait(30) and fresh_retrying.wait(30)  # both tried while the PS was away
         # from this thread: the PS ends with the thread that started it (PR_SET_PDEATHSIG)
         make_ps("--backend", backend, "--address", address)
         for f in pulls:
@@ -201,7 +196,7 @@ def test_a_failed_call_drops_its_segment(ps_proc):
         # the segment that call held is detached and not reused: a PS still busy with an
         # abandoned try could write into it
         assert kept not in pool._free and not pool._free
-        eventually(lambda: metric(ps_proc, "dynemb_ps_shm_segments") == 0)  # detached without waiting
+        wait_until(lambda: metric(ps_proc, "dynemb_ps_shm_segments") == 0, what="the segment detached")
         ps.pull("t", np.arange(10))  # a new one
         assert len(pool._free) == 1 and pool._free[0] is not kept
 
@@ -260,24 +255,25 @@ def test_attach_refuses_what_it_must_not_map(make_ps, tmp_path):
     attach = s.AttachSegment
     req = ps_pb2.AttachSegmentRequest
     fd, token = _memfd(1 << 20)
-    expect(grpc.StatusCode.INVALID_ARGUMENT, "/proc/<pid>/fd/<fd>", attach, req(path="/etc/passwd", size=1 << 20, token=token))
-    expect(grpc.StatusCode.INVALID_ARGUMENT, "/proc/<pid>/fd/<fd>", attach, req(path=f"/proc/self/fd/{fd}", size=1 << 20, token=token))
-    expect(grpc.StatusCode.INVALID_ARGUMENT, "token", attach, req(path=f"/proc/{me}/fd/{fd}", size=1 << 20, token=b"x"))
-    expect(grpc.StatusCode.RESOURCE_EXHAUSTED, "--shm-max-mb", attach, req(path=f"/proc/{me}/fd/{fd}", size=3 << 20, token=token))
-    expect(grpc.StatusCode.FAILED_PRECONDITION, "size", attach, req(path=f"/proc/{me}/fd/{fd}", size=1 << 19, token=token))
-    expect(grpc.StatusCode.FAILED_PRECONDITION, "token", attach,
-           req(path=f"/proc/{me}/fd/{fd}", size=1 << 20, token=os.urandom(shm.TOKEN_BYTES)))
-    loose, loose_token = _memfd(1 << 20, seal=False)  # could shrink under the PS: SIGBUS
-    expect(grpc.StatusCode.FAILED_PRECONDITION, "sealed", attach, req(path=f"/proc/{me}/fd/{loose}", size=1 << 20, token=loose_token))
+    code, mib, mine = grpc.StatusCode, 1 << 20, f"/proc/{me}/fd"
+    expect(code.INVALID_ARGUMENT, "/proc/<pid>/fd/<fd>", attach, req(path="/etc/passwd", size=mib, token=token))
+    expect(code.INVALID_ARGUMENT, "/proc/<pid>/fd/<fd>", attach, req(path=f"/proc/self/fd/{fd}", size=mib, token=token))
+    expect(code.INVALID_ARGUMENT, "token", attach, req(path=f"{mine}/{fd}", size=mib, token=b"x"))
+    expect(code.RESOURCE_EXHAUSTED, "--shm-max-mb", attach, req(path=f"{mine}/{fd}", size=3 * mib, token=token))
+    expect(code.FAILED_PRECONDITION, "size", attach, req(path=f"{mine}/{fd}", size=mib // 2, token=token))
+    expect(code.FAILED_PRECONDITION, "token", attach,
+           req(path=f"{mine}/{fd}", size=mib, token=os.urandom(shm.TOKEN_BYTES)))
+    loose, loose_token = _memfd(mib, seal=False)  # could shrink under the PS: SIGBUS
+    expect(code.FAILED_PRECONDITION, "sealed", attach, req(path=f"{mine}/{loose}", size=mib, token=loose_token))
     plain = os.open(tmp_path / "rows", os.O_RDWR | os.O_CREAT)
-    os.ftruncate(plain, 1 << 20)
+    os.ftruncate(plain, mib)
     os.pwrite(plain, token, 0)
-    expect(grpc.StatusCode.FAILED_PRECONDITION, "not a memfd", attach, req(path=f"/proc/{me}/fd/{plain}", size=1 << 20, token=token))
+    expect(code.FAILED_PRECONDITION, "not a memfd", attach, req(path=f"{mine}/{plain}", size=mib, token=token))
     r, w = os.pipe()  # never opened: opening a pipe or device can block or act
-    expect(grpc.StatusCode.FAILED_PRECONDITION, "not a memory file", attach, req(path=f"/proc/{me}/fd/{r}", size=1 << 20, token=token))
-    expect(grpc.StatusCode.FAILED_PRECONDITION, "another host", attach, req(path="/proc/999999999/fd/3", size=1 << 20, token=token))
+    expect(code.FAILED_PRECONDITION, "not a memory file", attach, req(path=f"{mine}/{r}", size=mib, token=token))
+    expect(code.FAILED_PRECONDITION, "another host", attach, req(path="/proc/999999999/fd/3", size=mib, token=token))
     # and a proper one is taken, after all that
-    assert attach(req(path=f"/proc/{me}/fd/{fd}", size=1 << 20, token=token)).segment > 0
+    assert attach(req(path=f"{mine}/{fd}", size=mib, token=token)).segment > 0
     for f in (fd, loose, plain, r, w):
         os.close(f)
 
@@ -335,7 +331,7 @@ def test_a_client_that_dies_leaves_nothing_behind(make_ps):
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
                    env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert metric(proc, "dynemb_ps_shm_segments") == 1  # the client never detached
-    time.sleep(1.0)
+    time.sleep(1.0)  # idle past --shm-idle-seconds: time itself is the condition
     with PSClient(proc.address) as ps:
         ps.pull("t", np.arange(3))  # attaching sweeps the dead client's away
     assert metric(proc, "dynemb_ps_shm_segments") == 0  # and this client's was detached on close

@@ -3,8 +3,6 @@ server still serving, and nothing stored changed."""
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import numpy as np
 import pytest
@@ -217,9 +215,7 @@ def test_an_import_whose_stream_fails_stops_reading_its_source(make_ps):
             for k in range(2000):  # 48 MB if read to the end
                 drawn.append(k)
                 if k == 3:  # chunks 0-2 were sent; the next ones meet another schema
-                    deadline = time.monotonic() + 10
-                    while ps.describe_table("midway").num_rows < 2000 and time.monotonic() < deadline:
-                        time.sleep(0.01)
+                    wait_until(lambda: ps.describe_table("midway").num_rows >= 2000, what="chunks 0-1 written")
                     other.drop_table("midway")
                     other.create_table("midway", dim=2)
                 yield np.arange(1000, dtype=np.int64) + 1000 * k, rows
@@ -442,10 +438,8 @@ def test_a_cancelled_import_is_no_server_fault(stored, embedded_ps):
         assert sent.wait(10)
         call.cancel()
         release.set()
-    deadline = time.monotonic() + 10
-    while sum(import_codes().values()) - sum(before.values()) < 20 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    after = import_codes()
+    after = wait_until(lambda: (c := import_codes()) and sum(c.values()) - sum(before.values()) >= 20 and c,
+                       what="the 20 imports counted")
     new = {code: after[code] - before.get(code, 0) for code in after if after[code] != before.get(code, 0)}
     assert sum(new.values()) == 20 and set(new) <= {"CANCELLED", "OK"}, new
     assert "Traceback" not in embedded_ps.log()[log_start:]
@@ -475,10 +469,9 @@ def test_import_into_a_table_recreated_under_it(backend, new_dim, new_dtype, mak
 
     with PSClient(proc.address) as ps, grpc.insecure_channel(proc.address) as channel:
         call = ps_pb2_grpc.ParameterServerStub(channel).Import.future(chunks(), timeout=30)
-        deadline = time.monotonic() + 10
-        while not any(t.schema.name == "race" and t.num_rows == 3 for t in ps.list_tables()):
-            assert time.monotonic() < deadline and not call.done(), "the first chunk was not written"
-            time.sleep(0.02)
+        wait_until(lambda: call.done() or any(t.schema.name == "race" and t.num_rows == 3 for t in ps.list_tables()),
+                   what="the first chunk written")
+        assert not call.done(), call.exception()
         ps.drop_table("race")
         ps.create_table("race", dim=new_dim, dtype=new_dtype)
         go_on.set()

@@ -16,12 +16,13 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import noted_retry, wait_until
 
-from dynemb.testing.local_ps import REPO
-from dynemb.testing.local_redis import free_port, make_tls_files
 from dynemb.protos import ps_pb2, ps_pb2_grpc
 from dynemb.ps_server.client import PSClient, RetryPolicy
 from dynemb.ps_server.errors import TableNotFound, Unauthenticated
+from dynemb.testing.local_ps import REPO
+from dynemb.testing.local_redis import free_port, make_tls_files
 
 
 def grpcurl() -> str:
@@ -97,25 +98,20 @@ def test_sigterm_drains_in_flight_requests(make_ps):
     stub = ps_pb2_grpc.ParameterServerStub(channel)
     health = health_pb2_grpc.HealthStub(channel)
     in_flight = stub.Import.future(chunks(), timeout=60)
-    deadline = time.monotonic() + 10
-    written = 0
-    while written < 1000 and time.monotonic() < deadline:  # the first chunk arrived and was written
+
+    def written() -> int:
         try:
-            written = stub.DescribeTable(ps_pb2.DescribeTableRequest(table="drain"), timeout=2).num_rows
+            return stub.DescribeTable(ps_pb2.DescribeTableRequest(table="drain"), timeout=2).num_rows
         except grpc.RpcError as err:
             assert err.code() == grpc.StatusCode.NOT_FOUND
-        time.sleep(0.05)
-    assert written == 1000 and not in_flight.done()
+            return 0
+
+    assert wait_until(written, what="the first chunk written") == 1000 and not in_flight.done()
     sent_at = time.monotonic()
     proc.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 3
-    status = None
-    while time.monotonic() < deadline:
-        status = health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
-        if status == health_pb2.HealthCheckResponse.NOT_SERVING:
-            break
-        time.sleep(0.05)
-    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == not_serving, timeout=3,
+               what="health NOT_SERVING")
     go_on.set()
     reply = in_flight.result(timeout=30)
     assert reply.rows_written == 3000 and reply.table.num_rows == 3000
@@ -165,12 +161,12 @@ def test_retries_land_a_push_exactly_once(redis_url, redis_namespace, make_ps):
     first = make_ps("--backend", redis_url, "--namespace", redis_namespace, "--address", f"127.0.0.1:{port}")
     ids = np.arange(4000, dtype=np.int64)
     rows = np.random.default_rng(1).standard_normal((4000, 3)).astype(np.float32)
-    with PSClient(first.address, timeout=60, retry=RetryPolicy(attempts=100, max_backoff=0.2)) as ps:
+    retry, retrying = noted_retry(attempts=100, max_backoff=0.2)
+    with PSClient(first.address, timeout=60, retry=retry) as ps:
         ps.create_table("r", dim=3)
         first.stop()
         pending = ps.push_async("r", ids, rows)  # the PS is down: UNAVAILABLE, retried
-        time.sleep(0.5)
-        assert not pending.done()
+        assert retrying.wait(30) and not pending.done()
         make_ps("--backend", redis_url, "--namespace", redis_namespace, "--address", f"127.0.0.1:{port}")
         assert pending.result(timeout=60) == 4000
         assert ps.describe_table("r").num_rows == 4000
