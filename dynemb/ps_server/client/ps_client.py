@@ -1,0 +1,291 @@
+"""PSClient: one object for one or many PS addresses; its methods are the protocol's verbs.
+
+    ps = PSClient(["ps-0:50051", "ps-1:50051"])
+    ps.create_table("user", dim=64, state_width=1)
+    got = ps.pull("user", ids)            # got.rows (n, 65), got.missing (n,) bool
+    ps.push("user", ids, got.rows)
+    fut = ps.push_async("user", ids, rows)  # a concurrent.futures.Future
+
+Each verb delegates to the package's layers: the connection and its retries (transport.py, retry.py), ids
+sharded over the addresses and cut into messages (sharding.py), per-table call order (ordering.py), rows through
+shared memory with a PS on this host (shared_memory.py), row calls built on these (rows.py) and whole-table
+streams (streaming.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
+
+import numpy as np
+
+from dynemb.protos import ps_pb2
+from dynemb.ps_server.client import streaming
+from dynemb.ps_server.client.ordering import TableLanes
+from dynemb.ps_server.client.results import PullResult, TableInfo
+from dynemb.ps_server.client.retry import RetryPolicy
+from dynemb.ps_server.client.rows import RowTransfer, as_ids, as_rows
+from dynemb.ps_server.client.schema_cache import SchemaCache
+from dynemb.ps_server.client.sharding import Sharding
+from dynemb.ps_server.client.shared_memory import segment_pools
+from dynemb.ps_server.client.transport import Transport
+from dynemb.ps_server.errors import InvalidArgument, PSError, Unauthenticated
+from dynemb.ps_server.schema import Initializer, TableSchema
+
+DEFAULT_RETRY = RetryPolicy()
+
+
+class PSClient:
+    """A client of one or several PSes (one per shard of the ids).
+
+    Args:
+        addresses: `host:port` per shard (a list, or one string, comma-separated); `a|b` names replicas of a shard.
+        auth_token: the PS's shared token (`--auth-token`), sent on every call.
+        tls_ca: the CA that signs the PS's certificate, PEM bytes or a file path; implies TLS.
+        tls: force TLS on (system CAs when no tls_ca) or off; None: on when tls_ca or tls_cert is given.
+        tls_server_name: the name to check the PS's certificate against, when not the address's host.
+        tls_cert, tls_key: a client certificate and its key, for a PS that wants mutual TLS.
+        timeout: seconds a call may take, retries included, when the call gives none.
+        max_message_bytes: the largest message sent or received.
+        chunk_bytes: batches bigger than this go out as several messages at once (at most max_message_bytes).
+        retry: how a failed call is tried again within its deadline.
+        lanes: threads row operations spread over, by table (a table's calls keep their order).
+        shared_memory: rows through shared memory: None: with a PS on a loopback address; True: try every PS;
+            False: never.
+
+    Raises:
+        InvalidArgument: no address, an address or TLS setting that cannot be used.
+    """
+
+    def __init__(
+        self,
+        addresses: str | Sequence[str],
+        *,
+        auth_token: str | None = None,
+        tls_ca: str | bytes | None = None,
+        tls: bool | None = None,
+        tls_server_name: str | None = None,
+        tls_cert: str | bytes | None = None,
+        tls_key: str | bytes | None = None,
+        timeout: float = 60.0,
+        max_message_bytes: int = 64 << 20,
+        chunk_bytes: int = 16 << 20,
+        retry: RetryPolicy = DEFAULT_RETRY,
+        lanes: int = 8,
+        shared_memory: bool | None = None,
+    ) -> None:
+        if isinstance(addresses, str):
+            addresses = [a.strip() for a in addresses.split(",") if a.strip()]
+        if not addresses:
+            raise InvalidArgument("PSClient needs at least one PS address (host:port)")
+        self.addresses = list(addresses)
+        self.timeout = timeout
+        self.max_message_bytes = max_message_bytes
+        # Fewer, bigger messages won on 2 cores once replies were built with one copy (bench/RESULTS.md).
+        self.chunk_bytes = min(chunk_bytes, max_message_bytes)
+        self.retry = retry
+        self._transport = Transport(
+            self.addresses,
+            retry=retry,
+            auth_token=auth_token,
+            tls=tls,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            tls_server_name=tls_server_name,
+            max_message_bytes=max_message_bytes,
+        )
+        self._sharding = Sharding(len(self.addresses), self.chunk_bytes)
+        self._lanes = TableLanes(lanes)
+        # one segment kept per call that can be in flight: one per lane, and the lane of *_many calls
+        self._pools = segment_pools(self._transport, shared_memory, keep=len(self._lanes) + 1)
+        self._schemas = SchemaCache(lambda table: self.describe_table(table).schema)
+        self._rows = RowTransfer(self._transport, self._sharding, self._pools, self._schemas)
+
+    @property
+    def _stubs(self) -> list:
+        """Each shard's stub (tests replace a method of one to watch its calls)."""
+        return self._transport.stubs
+
+    def _deadline(self, timeout: float | None) -> float:
+        return time.monotonic() + (self.timeout if timeout is None else timeout)
+
+    def schema(self, table: str, refresh: bool = False) -> TableSchema:
+        """The table's schema: as this client last saw it, or (refresh) as the PSes describe it now."""
+        return self._schemas.get(table, refresh)
+
+    def _remember(self, schema: TableSchema) -> None:
+        self._schemas.remember(schema)
+
+    # -- tables -----------------------------------------------------------------
+
+    def create_table(
+        self,
+        name: str,
+        dim: int,
+        state_width: int = 0,
+        dtype: str = "fp32",
+        initializer: Initializer | None = None,
+        timeout: float | None = None,
+    ) -> TableInfo:
+        """Create the table on every PS; succeeds if it already exists with this schema."""
+        schema = TableSchema(name, dim, state_width, dtype, initializer or Initializer())
+        return self.create_table_from_schema(schema, timeout)
+
+    def create_table_from_schema(self, schema: TableSchema, timeout: float | None = None) -> TableInfo:
+        """create_table, from a TableSchema."""
+        req = ps_pb2.CreateTableRequest(spec=schema.to_proto())
+        replies = self._transport.to_every_shard("CreateTable", req, self._deadline(timeout))
+        self._remember(schema)
+        return TableInfo(schema, sum(r.table.num_rows for r in replies))
+
+    def describe_table(self, name: str, timeout: float | None = None) -> TableInfo:
+        """The table's schema and rows, summed over the PSes."""
+        req = ps_pb2.DescribeTableRequest(table=name)
+        replies = self._transport.to_every_shard("DescribeTable", req, self._deadline(timeout))
+        info = TableInfo.from_proto(replies[0])
+        self._remember(info.schema)
+        return TableInfo(info.schema, sum(r.num_rows for r in replies))
+
+    def list_tables(self, timeout: float | None = None) -> list[TableInfo]:
+        """Every table, by name, its rows summed over the PSes."""
+        replies = self._transport.to_every_shard("ListTables", ps_pb2.ListTablesRequest(), self._deadline(timeout))
+        merged: dict[str, TableInfo] = {}
+        for reply in replies:
+            for t in reply.tables:
+                info = TableInfo.from_proto(t)
+                prev = merged.get(info.schema.name)
+                merged[info.schema.name] = TableInfo(info.schema, info.num_rows + (prev.num_rows if prev else 0))
+        return [merged[k] for k in sorted(merged)]
+
+    def drop_table(self, name: str, missing_ok: bool = False, timeout: float | None = None) -> int:
+        """Drop the table on every PS; returns the rows dropped."""
+        req = ps_pb2.DropTableRequest(table=name, missing_ok=missing_ok)
+        replies = self._transport.to_every_shard("DropTable", req, self._deadline(timeout))
+        self._schemas.forget(name)
+        return sum(r.rows_dropped for r in replies)
+
+    # -- rows: a table's calls take effect in call order (ordering.py) -----------
+
+    def pull(self, table: str, ids, timeout: float | None = None) -> PullResult:
+        """The table's rows for ids, in their order; ids never pushed come initialised and marked missing."""
+        return self.pull_async(table, ids, timeout).result()
+
+    def push(self, table: str, ids, rows, timeout: float | None = None) -> int:
+        """Write one row per id (a repeated id's last row wins); returns the rows given."""
+        return self.push_async(table, ids, rows, timeout).result()
+
+    def delete(self, table: str, ids, timeout: float | None = None) -> int:
+        """Delete ids' rows; returns how many there were."""
+        return self.delete_async(table, ids, timeout).result()
+
+    def pull_async(self, table: str, ids, timeout: float | None = None) -> Future[PullResult]:
+        ids = as_ids(ids)
+        return self._lanes.submit(table, self._rows.pull, table, ids, self._deadline(timeout))
+
+    def push_async(self, table: str, ids, rows, timeout: float | None = None) -> Future[int]:
+        ids = as_ids(ids)
+        rows = as_rows(table, ids, rows)
+        return self._lanes.submit(table, self._rows.push, table, ids, rows, self._deadline(timeout))
+
+    def delete_async(self, table: str, ids, timeout: float | None = None) -> Future[int]:
+        ids = as_ids(ids)
+        return self._lanes.submit(table, self._rows.delete, table, ids, self._deadline(timeout))
+
+    def pull_many(self, ids_by_table: Mapping[str, object], timeout: float | None = None) -> dict[str, PullResult]:
+        """Several tables' pulls in one call per PS: {table: ids} -> {table: PullResult}."""
+        return self.pull_many_async(ids_by_table, timeout).result()
+
+    def push_many(self, rows_by_table: Mapping[str, tuple[object, object]], timeout: float | None = None) -> int:
+        """Several tables' pushes in one call per PS: {table: (ids, rows)}; rows written."""
+        return self.push_many_async(rows_by_table, timeout).result()
+
+    def pull_many_async(
+        self, ids_by_table: Mapping[str, object], timeout: float | None = None
+    ) -> Future[dict[str, PullResult]]:
+        wanted = {table: as_ids(ids) for table, ids in ids_by_table.items()}
+        return self._lanes.submit_many(wanted, self._rows.pull_many, wanted, self._deadline(timeout))
+
+    def push_many_async(
+        self, rows_by_table: Mapping[str, tuple[object, object]], timeout: float | None = None
+    ) -> Future[int]:
+        given = {}
+        for table, (ids, rows) in rows_by_table.items():
+            ids = as_ids(ids)
+            given[table] = (ids, as_rows(table, ids, rows))
+        return self._lanes.submit_many(given, self._rows.push_many, given, self._deadline(timeout))
+
+    # -- whole tables -----------------------------------------------------------
+
+    def export(
+        self, table: str, rows_per_chunk: int = 0, timeout: float | None = None
+    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Every (ids, rows) of the table, PS by PS, in chunks."""
+        schema = self.schema(table, refresh=True)
+        yield from streaming.export_rows(self._transport, schema, rows_per_chunk, timeout)
+
+    def import_rows(
+        self,
+        schema: TableSchema,
+        chunks: Iterable[tuple[np.ndarray, np.ndarray]],
+        replace: bool = False,
+        timeout: float | None = None,
+    ) -> int:
+        """Create the table where absent and write every (ids, rows) chunk, each id to its PS.
+
+        With replace=True each PS first deletes the table's rows. Returns rows written.
+        """
+        return self._lanes.submit(schema.name, self._import, schema, chunks, replace, timeout).result()
+
+    def _import(self, schema: TableSchema, chunks, replace: bool, timeout: float | None) -> int:
+        # Create the table (or find it with this schema) on every PS first: a clash of schemas or a row too big
+        # for a message is refused before a chunk of the source is read, whatever the timing of the streams'
+        # first replies.
+        self.create_table_from_schema(schema, timeout)
+        written = streaming.import_rows(self._transport, self._sharding, schema, chunks, replace, timeout)
+        self._remember(schema)
+        return written
+
+    # -- service ----------------------------------------------------------------
+
+    def stats(self, timeout: float | None = None) -> list[ps_pb2.StatsResponse]:
+        """Each PS's StatsResponse, in address order."""
+        return self._transport.to_every_shard("Stats", ps_pb2.StatsRequest(), self._deadline(timeout))
+
+    def health(self, timeout: float = 5.0) -> list[str]:
+        """Each PS's health status name (SERVING, NOT_SERVING...) or the error reaching it."""
+        return self._transport.health(timeout)
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Block until every PS answers health checks with SERVING.
+
+        Raises:
+            Unauthenticated: a PS refuses this client's health checks (waiting will not help).
+            PSError: not every PS was SERVING within timeout seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self.health(timeout=max(0.1, min(2.0, deadline - time.monotonic())))
+            if all(s == "SERVING" for s in status):
+                return
+            refused = [f"{a}: {s}" for a, s in zip(self.addresses, status) if s.startswith("UNAUTHENTICATED")]
+            if refused:  # waiting will not bring the token: say so now
+                raise Unauthenticated(f"PS refuses this client's health checks: {'; '.join(refused)}")
+            if time.monotonic() > deadline:
+                raise PSError(f"PS not ready after {timeout}s: {dict(zip(self.addresses, status))}")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        """Finish the calls submitted, detach shared memory and close the channels."""
+        self._lanes.close()
+        for pool in self._pools:
+            if pool is not None:
+                pool.close()
+        self._transport.close()
+
+    def __enter__(self) -> PSClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

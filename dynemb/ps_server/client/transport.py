@@ -1,0 +1,290 @@
+"""The client's connection to its PSes: one gRPC channel per shard address, TLS and the token, and calls made
+with retries inside a deadline (retry.py).
+
+- An address `a|b` names replicas of one shard (replicas.py): one channel that fails over between them.
+- Pull and PullMany replies are read in place and Push and PushMany requests go out pre-serialized (wire.py): the
+  stubs' methods for them are replaced by ones that take and give bytes, the same RPCs without protobuf's copies
+  of the rows.
+- `fanout` sends one request to each of several PSes at once and waits for all.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from dynemb.protos import ps_pb2, ps_pb2_grpc
+from dynemb.ps_server.auth import bearer_metadata
+from dynemb.ps_server.client.retry import Attempts, RetryPolicy
+from dynemb.ps_server.errors import DeadlineExceeded, InvalidArgument, PSError, from_rpc_error
+from dynemb.ps_server.replicas import channel_target
+
+log = logging.getLogger("dynemb.ps.client")
+
+# The stub methods that carry bytes (wire.py): name -> (request serializer, response deserializer)
+_BYTES_METHODS = {
+    "Pull": (ps_pb2.PullRequest.SerializeToString, None),
+    "PullMany": (ps_pb2.PullManyRequest.SerializeToString, None),
+    "Push": (bytes, ps_pb2.PushResponse.FromString),
+    "PushMany": (bytes, ps_pb2.PushManyResponse.FromString),
+}
+
+
+def read_pem(value: str | bytes | None) -> bytes | None:
+    """PEM bytes, read from the file when given a path.
+
+    Args:
+        value: a file path, the PEM bytes themselves, or None.
+
+    Returns:
+        The PEM bytes, or None.
+
+    Raises:
+        InvalidArgument: the file cannot be read.
+    """
+    if isinstance(value, str):
+        try:
+            with open(value, "rb") as f:
+                return f.read()
+        except OSError as exc:
+            raise InvalidArgument(f"cannot read TLS file {value}: {exc.strerror}") from None
+    return value
+
+
+def tls_credentials(
+    tls: bool | None, tls_ca: str | bytes | None, tls_cert: str | bytes | None, tls_key: str | bytes | None
+) -> tuple[grpc.ChannelCredentials | None, str | None]:
+    """The channel credentials for these TLS settings (see PSClient), and what to check when a call fails over TLS.
+
+    Returns:
+        (credentials, hint), both None without TLS.
+
+    Raises:
+        InvalidArgument: a client certificate without its key or the other way round, or a file that cannot be read.
+    """
+    if bool(tls_cert) != bool(tls_key):
+        raise InvalidArgument(
+            "a client certificate (tls_cert) needs its private key (tls_key), and the other way round"
+        )
+    if not (tls if tls is not None else (tls_ca is not None or tls_cert is not None)):
+        return None, None
+    hint = (
+        "over TLS: check that the PS's certificate is signed by the CA given (tls_ca) and names the address used, "
+        "and whether the PS wants a client certificate (mutual TLS: "
+        + ("is this one signed by the CA it trusts?)" if tls_cert else "give tls_cert and tls_key)")
+    )
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=read_pem(tls_ca), private_key=read_pem(tls_key), certificate_chain=read_pem(tls_cert)
+    )
+    return creds, hint
+
+
+def _channel(address: str, creds, options: list, tls_server_name: str | None) -> grpc.Channel:
+    """One shard's channel; `a|b` (replicas) fails over between them."""
+    target, authority = channel_target(address)
+    if authority is not None and creds is not None and not tls_server_name:
+        options = [*options, ("grpc.ssl_target_name_override", authority)]
+    if creds is not None:
+        return grpc.secure_channel(target, creds, options=options)
+    return grpc.insecure_channel(target, options=options)
+
+
+def _stub(channel: grpc.Channel) -> ps_pb2_grpc.ParameterServerStub:
+    """The channel's ParameterServer stub, its row-carrying methods taking and giving bytes."""
+    stub = ps_pb2_grpc.ParameterServerStub(channel)
+    for name, (serializer, deserializer) in _BYTES_METHODS.items():
+        rpc = channel.unary_unary(
+            f"/dynemb.ps.v1.ParameterServer/{name}", request_serializer=serializer, response_deserializer=deserializer
+        )
+        setattr(stub, name, rpc)
+    return stub
+
+
+class Transport:
+    """Channels and stubs to each shard's PS, and calls to them.
+
+    Args:
+        addresses: one per shard, `host:port` or replicas `host:port|host:port`.
+        retry: how a failed unary call is tried again.
+        auth_token: sent as `authorization: Bearer <token>` on every call, health checks included.
+        tls, tls_ca, tls_cert, tls_key, tls_server_name: as PSClient's.
+        max_message_bytes: the largest message sent or received.
+
+    Raises:
+        InvalidArgument: unusable TLS settings, or replicas that do not resolve.
+    """
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        retry: RetryPolicy,
+        auth_token: str | None = None,
+        tls: bool | None = None,
+        tls_ca: str | bytes | None = None,
+        tls_cert: str | bytes | None = None,
+        tls_key: str | bytes | None = None,
+        tls_server_name: str | None = None,
+        max_message_bytes: int = 64 << 20,
+    ) -> None:
+        self.addresses = list(addresses)
+        self.retry = retry
+        self.metadata = bearer_metadata(auth_token)
+        options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        if tls_server_name:
+            options.append(("grpc.ssl_target_name_override", tls_server_name))
+        creds, self._tls_hint = tls_credentials(tls, tls_ca, tls_cert, tls_key)
+        self.channels = [_channel(a, creds, options, tls_server_name) for a in self.addresses]
+        # a stub's methods are looked up at each call, not bound once: one can be swapped (tests watch calls so)
+        self.stubs = [_stub(c) for c in self.channels]
+
+    def error(self, err: grpc.RpcError, shard: int) -> PSError:
+        """The PSError for a failed call to a shard's PS, naming its address."""
+        exc = from_rpc_error(err, self.addresses[shard])
+        # a failed TLS handshake reaches gRPC's Python side as a bare "socket closed"
+        if self._tls_hint and err.code() == grpc.StatusCode.UNAVAILABLE:
+            exc.args = (f"{exc.args[0]}; {self._tls_hint}",)
+        return exc
+
+    def call(
+        self,
+        shard: int,
+        method: str,
+        request,
+        deadline: float,
+        *,
+        tries: Attempts | None = None,
+        sent: grpc.Future | None = None,
+    ):
+        """One unary RPC to one PS, tried again as the retry policy says until the deadline.
+
+        Args:
+            shard: which PS.
+            method: the RPC's name (Pull, CreateTable...).
+            request: its request message (bytes for Push and PushMany).
+            deadline: when the call must be done, in time.monotonic() seconds.
+            tries: the call's Attempts when already started (fanout), else a new one.
+            sent: a try already sent (a grpc future), whose outcome counts as the first.
+
+        Returns:
+            The RPC's response.
+
+        Raises:
+            PSError: the PS's error, or the last try's when none succeeded (DeadlineExceeded when time ran out).
+        """
+        if tries is None:
+            tries = self.retry.start(deadline)
+        while True:
+            try:
+                if sent is not None:
+                    attempt, sent = sent, None
+                    return attempt.result()
+                if tries.expired():
+                    raise DeadlineExceeded(
+                        f"DEADLINE_EXCEEDED: {method} to PS {self.addresses[shard]} did not succeed in time"
+                    )
+                rpc = getattr(self.stubs[shard], method)
+                return rpc(request, timeout=tries.timeout(), metadata=self.metadata)
+            except grpc.RpcError as err:
+                delay = tries.next_delay(err.code())
+                if delay is None:
+                    raise self.error(err, shard) from None
+                if tries.retries == 1:  # once per call: an outage is one line per call, not per try
+                    log.warning(
+                        "%s to PS %s: %s; retrying for up to %.0f s",
+                        method,
+                        self.addresses[shard],
+                        err.code().name,
+                        deadline - time.monotonic(),
+                    )
+                time.sleep(delay)
+
+    def fanout(self, method: str, calls: Sequence[tuple[int, object]], deadline: float) -> list:
+        """Several unary RPCs of one method, all sent at once, each retried as `call` does.
+
+        Args:
+            method: the RPC's name.
+            calls: (shard, request) pairs.
+            deadline: when every call must be done, in time.monotonic() seconds.
+
+        Returns:
+            The responses, in the order of calls.
+
+        Raises:
+            PSError: the first failed call's error, in the order of calls.
+        """
+        if len(calls) == 1:
+            shard, request = calls[0]
+            return [self.call(shard, method, request, deadline)]
+        tries = [self.retry.start(deadline) for _ in calls]
+        sent = [
+            getattr(self.stubs[shard], method).future(request, timeout=t.timeout(), metadata=self.metadata)
+            for (shard, request), t in zip(calls, tries)
+        ]
+        return [
+            self.call(shard, method, request, deadline, tries=t, sent=f)
+            for (shard, request), t, f in zip(calls, tries, sent)
+        ]
+
+    def to_every_shard(self, method: str, request, deadline: float) -> list:
+        """The same request to every PS at once (`fanout`); the responses in shard order."""
+        return self.fanout(method, [(shard, request) for shard in range(len(self.addresses))], deadline)
+
+    def send_once(self, shard: int, method: str, request, timeout: float) -> grpc.Future:
+        """A unary RPC sent and not waited on, nor retried; its grpc future."""
+        return getattr(self.stubs[shard], method).future(request, timeout=timeout, metadata=self.metadata)
+
+    def stream_to(self, shard: int, method: str, requests: Iterable, timeout: float | None) -> grpc.Future:
+        """A client-streaming RPC fed from requests, not retried (an iterator cannot be replayed); its future.
+
+        Its outcome is read with `result`.
+        """
+        return getattr(self.stubs[shard], method).future(requests, timeout=timeout or None, metadata=self.metadata)
+
+    def stream_from(self, shard: int, method: str, request, timeout: float | None) -> Iterator:
+        """The responses of a server-streaming RPC, not retried.
+
+        Raises:
+            PSError: the call failed, at the start or part way through.
+        """
+        try:
+            yield from getattr(self.stubs[shard], method)(request, timeout=timeout or None, metadata=self.metadata)
+        except grpc.RpcError as err:
+            raise self.error(err, shard) from None
+
+    def result(self, shard: int, future: Future | grpc.Future):
+        """The response of a call sent earlier to a shard's PS.
+
+        Raises:
+            PSError: the call failed.
+        """
+        try:
+            return future.result()
+        except grpc.RpcError as err:
+            raise self.error(err, shard) from None
+
+    def health(self, timeout: float) -> list[str]:
+        """Each PS's health status name (SERVING, NOT_SERVING...), or the error reaching it."""
+        out = []
+        for address, channel in zip(self.addresses, self.channels):
+            try:
+                # with the token: a PS run with --auth-health wants it on health checks too
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=timeout, metadata=self.metadata
+                )
+                out.append(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+            except grpc.RpcError as err:
+                out.append(f"{err.code().name}: {err.details()} ({address})")
+        return out
+
+    def close(self) -> None:
+        for channel in self.channels:
+            channel.close()
