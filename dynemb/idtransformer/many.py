@@ -53,11 +53,19 @@ class ManyResult:
         self.flat, self.counts = flat, counts
         self.sizes, self.hits = sizes, hits  # with flat: per table, IDs looked up and hits (0 if failed)
 
+    def flat_parts(self) -> tuple[dict[str, torch.Tensor], dict[str, list[int]], list[int], list[int]]:
+        """(flat, counts, sizes, hits): every table's share as the kernel gave it, whole.
+        Raises ValueError for a result made of per-table results (it has none of them)."""
+        flat, counts, sizes, hits = self.flat, self.counts, self.sizes, self.hits
+        if flat is None or counts is None or sizes is None or hits is None:
+            raise ValueError("this ManyResult holds per-table results, not the kernel's flat tensors")
+        return flat, counts, sizes, hits
+
     @property
     def results(self) -> list[TransformResult | None]:
-        if self._results is None:
-            sizes, hits = self.sizes, self.hits
-            parts = {f: torch.split(self.flat[f], self.counts[f]) for f in self.FIELDS}
+        if self._results is None:  # made with the kernel's flat tensors instead
+            flat, counts, sizes, hits = self.flat_parts()
+            parts = {f: torch.split(flat[f], counts[f]) for f in self.FIELDS}
             no_ids = self.slots[:0]
             self._results = [
                 None

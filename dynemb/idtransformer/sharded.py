@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 import torch.distributed as dist
@@ -59,9 +60,15 @@ class BatchRefused(RuntimeError):
     errors: per table, this rank's own refusal or None; refused_by: per table, the ranks that
     refused their share of it (the same on every rank)."""
 
-    def __init__(self, message: str, results: list, errors: list, refused_by: list[list[int]]) -> None:
+    def __init__(
+        self,
+        message: str,
+        results: Sequence[ShardedTransformResult],
+        errors: list[Exception | None],
+        refused_by: list[list[int]],
+    ) -> None:
         super().__init__(message)
-        self.results: list[ShardedTransformResult] = results
+        self.results: Sequence[ShardedTransformResult] = results  # a ShareResults, from transform_blocks
         self.errors: list[Exception | None] = errors
         self.refused_by = refused_by
 
@@ -108,7 +115,7 @@ class ShardedIDTransformer:
         self.local.load_state_dict(state["local"])
 
 
-class ShareResults(Sequence):
+class ShareResults(Sequence[ShardedTransformResult]):
     """A batch's results on this rank, one ShardedTransformResult per table (what
     transform_tables returns), each made when first looked at; `many` is this rank's share of
     every table at once (its ManyResult), for a caller that moves and releases all tables
@@ -125,7 +132,13 @@ class ShareResults(Sequence):
             self._items = _results(self.flat_slots, self.sizes, self.many.results, self.pin and not self.released)
         return self._items
 
-    def __getitem__(self, k):
+    @overload
+    def __getitem__(self, k: int) -> ShardedTransformResult: ...
+
+    @overload
+    def __getitem__(self, k: slice) -> list[ShardedTransformResult]: ...
+
+    def __getitem__(self, k: int | slice) -> ShardedTransformResult | list[ShardedTransformResult]:
         return self._made()[k]
 
     def __len__(self) -> int:
@@ -151,9 +164,8 @@ class ShareResults(Sequence):
             return False  # some released per table: that path says which
         if self.released:
             raise ValueError("this batch was not transformed with pin=True (or was released already)")
-        errors = release_many_flat(
-            [t.local for t in tables], self.many.flat["distinct_slots"], self.many.counts["distinct_slots"]
-        )
+        flat, counts, _, _ = self.many.flat_parts()  # whole: the kernel's, every table's at once
+        errors = release_many_flat([t.local for t in tables], flat["distinct_slots"], counts["distinct_slots"])
         self.released = True
         for k, item in enumerate(self._items or []):
             if errors[k] is None:
@@ -164,15 +176,18 @@ class ShareResults(Sequence):
         return True
 
 
-def release_tables(tables: list[ShardedIDTransformer], results: list[ShardedTransformResult] | ShareResults) -> None:
+def release_tables(tables: list[ShardedIDTransformer], results: Sequence[ShardedTransformResult]) -> None:
     """tables[t].release(results[t]) for every table (local: no communication), the tables on
-    the kernel in one call; the first error is raised once every table has been released."""
+    the kernel in one call; the first error is raised once every table has been released.
+    results: a list of them, or the ShareResults that transform_blocks gives."""
     if isinstance(results, ShareResults) and results.release_whole(tables):
         return
+    pinned: list[torch.Tensor] = []
     for out in results:
         if out.pinned is None:
             raise ValueError("this batch was not transformed with pin=True")
-    errors = release_many([t.local for t in tables], [out.pinned for out in results])
+        pinned.append(out.pinned)
+    errors = release_many([t.local for t in tables], pinned)
     for out, error in zip(results, errors):
         if error is None:
             out.pinned = None
@@ -189,7 +204,7 @@ def _exchange(send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
 
 def transform_tables(
     tables: list[ShardedIDTransformer], ids: list[torch.Tensor], pin: bool = False
-) -> list[ShardedTransformResult]:
+) -> Sequence[ShardedTransformResult]:
     """Collective: transform one batch of IDs per table, for all tables in one exchange (one
     all_to_all of counts, one of IDs, one of rows, whatever the number of tables). Every
     rank passes the same tables in the same order (the same group).
@@ -219,10 +234,10 @@ def transform_tables(
 
 def transform_blocks(
     tables: list[ShardedIDTransformer], ids: torch.Tensor, sizes: list[int], pin: bool = False
-) -> tuple[torch.Tensor, list[ShardedTransformResult]]:
+) -> tuple[torch.Tensor, Sequence[ShardedTransformResult]]:
     """transform_tables over the tables' IDs laid end to end (table t's are the sizes[t] after
     those of tables 0..t-1): (the slots of all, in that layout; each table's result, whose
-    slots are views of them)."""
+    slots are views of them: a ShareResults, or an empty list without tables)."""
     if not tables:
         return ids[:0], []
     first = tables[0]
@@ -304,10 +319,10 @@ def _results(
     flat_slots: torch.Tensor, sizes: list[int], owned: list[TransformResult | None], pin: bool
 ) -> list[ShardedTransformResult]:
     """Each table's result; a share this rank refused (owned None) as an empty one."""
-    owned = [out if out is not None else _nothing(flat_slots.device) for out in owned]
+    shares = [out if out is not None else _nothing(flat_slots.device) for out in owned]
     return [
         ShardedTransformResult(slots, out, out.distinct_slots if pin else None)
-        for slots, out in zip(torch.split(flat_slots, sizes), owned)
+        for slots, out in zip(torch.split(flat_slots, sizes), shares)
     ]
 
 
@@ -327,7 +342,7 @@ def _nothing(device: torch.device) -> TransformResult:
 
 
 def _refused(
-    results: list[ShardedTransformResult], errors: list[Exception | None], refused_by: list[list[int]], rank: int
+    results: Sequence[ShardedTransformResult], errors: list[Exception | None], refused_by: list[list[int]], rank: int
 ) -> BatchRefused:
     parts = [f"rank {rank} refused its share of table {t}: {e}" for t, e in enumerate(errors) if e is not None]
     parts += [

@@ -310,6 +310,8 @@ class IDTransformer:
             return Admission(
                 out.admitted_ids, out.admitted_slots, out.evicted_ids, out.evicted_slots, out.distinct_slots, pin
             )
+        # transform gives this path flags (None, all admitted, is the kernel's shorthand only)
+        assert admit is not None, "the torch backend's admission needs its flags"
         admitted = new_ids[admit]
         evicted_ids, evicted_slots = self._make_room(len(admitted), self.evict_min)
         free = torch.nonzero(self.last_access == FREE).squeeze(1)[: len(admitted)]

@@ -39,7 +39,8 @@ import threading
 import time
 from array import array
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,7 +50,14 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb.idtransformer.policy import EvictionPolicy
-from dynemb.idtransformer.sharded import BatchRefused, ShardedIDTransformer, ShareResults, release_tables, transform_blocks
+from dynemb.idtransformer.sharded import (
+    BatchRefused,
+    ShardedIDTransformer,
+    ShardedTransformResult,
+    ShareResults,
+    release_tables,
+    transform_blocks,
+)
 from dynemb.idtransformer.stream import TransformStream
 from dynemb.ps_server.schema import TableSchema
 from dynemb.trainer.metrics import TrainerMetrics
@@ -85,8 +93,8 @@ class _Moves:
     """One batch's row moves in flight: the push of its evicted rows, the pull of its admitted
     ones, and where what the pull returns goes: the admitted table rows of every table (in
     the order of self.transformers) and how many each has."""
-    push: object  # Future or None
-    pull: object  # Future or None
+    push: Future | None
+    pull: Future | None
     admitted_slots: torch.Tensor
     admitted_counts: list[int]
 
@@ -107,14 +115,13 @@ class _Share:
     rejected: list[int]
 
     @staticmethod
-    def of(results) -> "_Share":
+    def of(results: Sequence[ShardedTransformResult]) -> _Share:
         """From a batch's results: whole where the transform gave them whole (ShareResults),
         else joined from each table's."""
         if isinstance(results, ShareResults) and results.whole:
-            many = results.many
-            f, c = many.flat, many.counts
+            f, c, sizes, hits = results.many.flat_parts()
             return _Share(f["admitted_ids"], f["admitted_slots"], c["admitted_ids"], f["evicted_ids"],
-                          f["evicted_slots"], c["evicted_ids"], many.sizes, many.hits, [0] * len(many.sizes))
+                          f["evicted_slots"], c["evicted_ids"], sizes, hits, [0] * len(sizes))
         owned = [out.owned for out in results]
 
         def cat(field: str) -> torch.Tensor:
@@ -171,7 +178,7 @@ class DynamicTables:
         self.names = list(self.transformers)  # every rank lists the tables in one order
         self.ps_names = [self.specs[n].ps_schema.name for n in self.names]
         self.row_group = RowGroup([self.rows[n] for n in self.names])  # one gather/scatter for all, where it can
-        self.in_flight: deque[list] = deque()
+        self.in_flight: deque[Sequence[ShardedTransformResult]] = deque()
         # where the metrics keep these tables (rows of TableStats' arrays, in the order of names)
         self._stat_rows = None if metrics is None else metrics.tables.add_tables(self.names)
         self._capacity = np.array([self.transformers[n].capacity_per_rank for n in self.names], dtype=np.float64)
@@ -222,12 +229,12 @@ class DynamicTables:
         room there); False stops the stream."""
         stream = TransformStream([self.transformers[n] for n in self.names], pin=True)
 
-        def upcoming() -> tuple:
+        def upcoming() -> tuple[torch.Tensor | None, list[int] | None, tuple[Batch, _Layout] | None]:
             batch = next(batches, None) if stream.taking else None
             if batch is None:
                 return None, None, None
             layout = self._layout(batch.sparse_features)
-            return layout.ids, layout.sizes, (batch, layout)
+            return layout.ids, layout.sizes, (batch, layout)  # the tag: what the answers apply to
 
         stream.exchange(*upcoming())
         while stream.open:
@@ -238,9 +245,12 @@ class DynamicTables:
                 release_tables([self.transformers[n] for n in self.names], self.in_flight.pop())
                 raise
             if answered is not None:
-                batch, layout = answered.tag
-                yield Batch(batch.dense_features, self._over_slots(batch.sparse_features, layout, answered.slots),
-                            batch.labels)
+                tag = answered.tag  # upcoming()'s (batch, layout): the stream hands its tags back as given
+                assert isinstance(tag, tuple), f"a batch tagged {type(tag).__name__}, not (batch, layout)"
+                answered_batch, layout = tag
+                yield Batch(answered_batch.dense_features,
+                            self._over_slots(answered_batch.sparse_features, layout, answered.slots),
+                            answered_batch.labels)
             if stream.received is not None:
                 if not before_each():
                     return
@@ -249,7 +259,7 @@ class DynamicTables:
             log.warning("rank %d had %d more batches than another rank: not trained on", self.rank,
                         len(stream.dropped))
 
-    def _layout(self, kjt: KeyedJaggedTensor) -> "_Layout":
+    def _layout(self, kjt: KeyedJaggedTensor) -> _Layout:
         """The KJT's values grouped by table (its features' segments, in key order): one
         stable sort by each value's table; values of no dynamic table sort last and stay as
         they are. Keys that already come table after table (the usual case) need no sort: the
@@ -263,7 +273,7 @@ class DynamicTables:
         order = torch.argsort(key_table.repeat_interleave(per_key), stable=True)[:n_dynamic]
         return _Layout(order, kjt.values()[order], sizes[:-1])
 
-    def _took(self, results: list, keep: int) -> None:
+    def _took(self, results: Sequence[ShardedTransformResult], keep: int) -> None:
         """This rank's share of a batch transformed: pinned until released, its rows moving
         (settled but for the `keep` latest batches), counted."""
         self.in_flight.append(results)
@@ -275,7 +285,7 @@ class DynamicTables:
         self.hit_rates.append(self.last_hit_rate)
 
     @staticmethod
-    def _over_slots(kjt: KeyedJaggedTensor, layout: "_Layout", slots: torch.Tensor) -> KeyedJaggedTensor:
+    def _over_slots(kjt: KeyedJaggedTensor, layout: _Layout, slots: torch.Tensor) -> KeyedJaggedTensor:
         """The KJT with its dynamic tables' IDs replaced by their slots."""
         values, lengths = kjt.values(), kjt.lengths()
         new_values = values.clone()
@@ -311,7 +321,8 @@ class DynamicTables:
         whether those come in non-decreasing order (the values already grouped by table)."""
         key = tuple(keys)
         if key != self._keys_seen:
-            index = {name: i for i, name in enumerate(self.transformers)}
+            # (keyed by str | None: a key of no dynamic table has no table name, and gets len(index))
+            index: dict[str | None, int] = {name: i for i, name in enumerate(self.transformers)}
             table = [index.get(self.feature_table.get(k), len(index)) for k in keys]
             self._key_table = (torch.tensor(table, dtype=torch.int64), table == sorted(table))
             self._keys_seen = key
@@ -323,7 +334,7 @@ class DynamicTables:
         while len(self._moving) > keep:
             self._finish_moves(self._moving.popleft())
 
-    def _start_moves(self, share: _Share) -> "_Moves":
+    def _start_moves(self, share: _Share) -> _Moves:
         """Evicted rows out, then admitted rows in: every table's rows in one push and one pull
         (one call per PS each, not one per table), read in one gather (RowGroup). The evicted
         rows are read now: their slots may be handed out as soon as this returns."""
@@ -349,7 +360,7 @@ class DynamicTables:
         pull = self._timed(self.store.pull_many_async(wanted), pulling, "pull", start) if pulling else None
         return _Moves(push, pull, share.admitted_slots, share.admitted)
 
-    def _finish_moves(self, moves: "_Moves") -> None:
+    def _finish_moves(self, moves: _Moves) -> None:
         if moves.push is not None:  # on the PS before their slots take other rows; a failed push fails the step
             moves.push.result()
         if moves.pull is not None:
@@ -357,13 +368,18 @@ class DynamicTables:
             self.row_group.write(moves.admitted_slots, moves.admitted_counts,
                              [got[t] if n else None for t, n in zip(self.ps_names, moves.admitted_counts)])
 
-    def _timed(self, fut, tables: list[int], op: str, start: float):
+    def _timed(self, fut: Future, tables: list[int], op: str, start: float) -> Future:
         """Observe the call's time (from `start` to its reply) for each of its tables (by number)
         when it completes, in whichever thread completes it: the push and the pull overlap, so
         one timer around both would say nothing per direction."""
         if self.metrics is not None:
+            assert self._stat_rows is not None  # added to the metrics with them (__init__)
             rows, stats = self._stat_rows[tables], self.metrics.tables
-            fut.add_done_callback(lambda _, t0=start: stats.observe(op, rows, time.perf_counter() - t0))
+
+            def observe(_: Future) -> None:
+                stats.observe(op, rows, time.perf_counter() - start)
+
+            fut.add_done_callback(observe)
         return fut
 
     def _count(self, share: _Share) -> tuple[int, int]:
@@ -371,6 +387,7 @@ class DynamicTables:
         all tables at once."""
         looked, hits = np.array(share.looked, dtype=np.int64), np.array(share.hits, dtype=np.int64)
         if self.metrics is not None:
+            assert self._stat_rows is not None  # added to the metrics with them (__init__)
             admitted, evicted = np.array(share.admitted, dtype=np.int64), np.array(share.evicted, dtype=np.int64)
             # TABLE_COUNTERS' columns; misses are new IDs and rejected ones alike
             self.metrics.tables.count(
@@ -405,6 +422,8 @@ class DynamicTables:
         prefetch.py: what is pinned at a transform depends on the batches alone). False if
         `stop` was set meanwhile."""
         with self._releases:
+            if self._deferred is None:
+                raise RuntimeError("make_room is the transform thread's: defer_releases() first")
             need = len(self.in_flight) - keep
             while self._deferred < need:
                 if stop.is_set():

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import google_crc32c
@@ -185,7 +186,7 @@ class Bundle:
                                    f"is at bytes [{entry.offset}, {end}): the file is truncated")
         return data[entry.offset: end]
 
-    def _pieces(self, name: str) -> list[tuple[pb.BundleEntryProto, list[tuple[int, int]] | None]]:
+    def _pieces(self, name: str) -> Sequence[tuple[pb.BundleEntryProto, list[tuple[int, int]] | None]]:
         """(entry, extents) of each stored piece: the tensor itself, or each of its slices."""
         e = self.entry(name)
         if not e.slices:

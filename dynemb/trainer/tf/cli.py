@@ -115,8 +115,8 @@ def cmd_ls(args) -> int:
                           "table" if t.embedding else "other 2-D variable")
         for part in t.keys.parts if t.keys is not None else ():
             role[part] = f"keys of table {shown}"
-        for slot, rows in t.slots.items():
-            for part in rows.parts:
+        for slot, slot_rows in t.slots.items():
+            for part in slot_rows.parts:
                 role.setdefault(part, f"{slot} slot of {shown}")
     print(f"{src.path}: {src.kind}, {len(tensors)} tensors")
     # the object graph's names of the variables (a Keras model's layer paths), where it has them

@@ -21,12 +21,16 @@ import re
 import shutil
 import tempfile
 import zipfile
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dynemb.trainer.tf.bundle import TensorInfo
 from dynemb.trainer.tf.errors import TFMigrationError
 from dynemb.trainer.tf.source import FLOAT_DTYPES, Rows, Source, Table
+
+if TYPE_CHECKING:
+    import h5py
 
 SLOT_KINDS = {"adam": ("m", "v"), "adagrad": ("accumulator",)}
 WEIGHTS_MEMBER = "model.weights.h5"
@@ -41,23 +45,23 @@ def _h5():
 class KerasSource(Source):
     def __init__(self, path: str) -> None:
         super().__init__(path)
-        h5py = _h5()
+        h5 = _h5()  # (not named h5py: that name is the annotations' module, below)
         self._spool = None
         try:
             if path.lower().endswith(".keras"):
                 self.kind = "Keras 3 model archive (.keras)"
                 self._spool = self._unzip(path)
-                self.file = h5py.File(self._spool, "r")
+                self.file = h5.File(self._spool, "r")
             else:
                 self.kind = "Keras 3 weights (.weights.h5)"
-                self.file = h5py.File(path, "r")
+                self.file = h5.File(path, "r")
         except FileNotFoundError:
             raise TFMigrationError(f"{path}: no such file") from None
         except OSError as exc:
             raise TFMigrationError(f"{path}: not a readable HDF5 file (truncated or corrupt?): {exc}") from None
-        self.datasets: dict[str, object] = {}
+        self.datasets: dict[str, h5py.Dataset] = {}  # (h5py has no type information: Any to mypy)
         self.file.visititems(lambda name, obj: self.datasets.__setitem__(name, obj)
-                             if isinstance(obj, h5py.Dataset) else None)
+                             if isinstance(obj, h5.Dataset) else None)
 
     def _unzip(self, path: str):
         try:

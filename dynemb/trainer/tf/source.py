@@ -223,7 +223,12 @@ class BundleSource(Source):
         found = tfra.find(self.bundle, infos)
         names: dict[str, objects.VariableNames] = {}
         if OBJECT_GRAPH_KEY in infos:
-            graph = objects.parse(self.bundle.read(OBJECT_GRAPH_KEY)[()], self.path)
+            graph_bytes = self.bundle.read(OBJECT_GRAPH_KEY)[()]  # a string scalar: bytes
+            if not isinstance(graph_bytes, bytes):
+                info = infos[OBJECT_GRAPH_KEY]
+                raise TFMigrationError(f"{self.path}: the object graph ({OBJECT_GRAPH_KEY}) is not a string "
+                                       f"scalar but {info.dtype} {list(info.shape)}")
+            graph = objects.parse(graph_bytes, self.path)
             slots, names = objects.slots(graph), objects.variables(graph)
         else:
             slots = saver.slots(infos)
