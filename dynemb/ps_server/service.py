@@ -409,7 +409,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         if len(request.rows):
             raise InvalidArgument(
                 f"push to {schema.name!r} carries rows both in the message and in a segment (rows_from)")
-        return schema, ids, self._segment_rows(*request.rows_from, schema, len(ids))
+        segment, offset, size = request.rows_from
+        return schema, ids, self._segment_rows(segment, offset, size, schema, len(ids))
 
     def _push_rows(self, schema: TableSchema, ids: np.ndarray, rows: np.ndarray, tally: _Tally) -> int:
         start = time.perf_counter()
@@ -437,7 +438,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             fit = max(1, (self.max_message_bytes - MESSAGE_OVERHEAD) // (schema.row_bytes + 8))
             default = max(1, DEFAULT_EXPORT_CHUNK_BYTES // (schema.row_bytes + 8))
             per_chunk = min(request.rows_per_chunk or default, fit)
-            first = ps_pb2.RowChunk(spec=schema.to_proto())
+            first: ps_pb2.RowChunk | None = ps_pb2.RowChunk(spec=schema.to_proto())
             total = 0
             with self._backend("export"):
                 chunks = self.store.export(schema.name, per_chunk)

@@ -240,7 +240,7 @@ class SegmentPool:
     MIN_SIZE = 1 << 20
     MAX_SIZE = 1 << 30  # a call with more rows than this for one PS goes as bytes
 
-    def __init__(self, attach: Callable[[str, int, bytes, float], int], detach: Callable[[int], object],
+    def __init__(self, attach: Callable[[str, int, bytes, float], int], detach: Callable[[int], grpc.Future],
                  name: str, keep: int = 4, retry_seconds: float = 30.0) -> None:
         self._attach, self._detach, self.name = attach, detach, name
         self.keep = keep
@@ -350,6 +350,7 @@ class Leases:
                 by_shard.setdefault(shard, []).append(k)
         for shard, ks in by_shard.items():
             pool = self.pools[shard]
+            assert pool is not None  # by_shard holds only shards with a pool
             offsets, size = layout([pieces[k][1] for k in ks])
             seg = pool.take(size, self.deadline)
             if seg is None:

@@ -16,6 +16,7 @@ generated code, and that a damaged message raises MalformedMessage, never anythi
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,7 +49,7 @@ def _bytes_field(number: int, payload) -> list:
 
 
 def _array(a: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(a)).cast("B")
+    return np.ascontiguousarray(a).data.cast("B")
 
 
 def _nested(number: int, parts: list) -> list:
@@ -158,7 +159,8 @@ def _joined(plans: list[ReplyPlan]) -> bytes:
     return encode_pull_many_response(replies)
 
 
-_native_filled_bytes = None
+# the native module's filled_bytes; False where it cannot be built (see filled_bytes)
+_native_filled_bytes: Callable[[int, Callable[[memoryview], int]], bytes] | Literal[False] | None = None
 
 
 def filled_bytes(capacity: int, fill: Callable[[memoryview], int]) -> bytes:
@@ -260,6 +262,7 @@ def _fields(buf: memoryview, pos: int, end: int):
         number, wire_type = key >> 3, key & 7
         if number == 0:
             raise MalformedMessage("a field numbered 0")
+        value: int | memoryview | None
         if wire_type == 0:
             value, pos = _read_varint(buf, pos, end)
         elif wire_type == 2:

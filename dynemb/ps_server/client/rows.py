@@ -234,7 +234,7 @@ class RowTransfer:
             cut = self.sharding.split_rows(ids, rows, schema.row_bytes + ID_BYTES)
             pieces += [_Piece(shard, table, schema, i, rows=r) for shard, i, r in cut]
             total += len(ids)
-        self._exchange(rpc, pieces, lambda p, place: push_parts(p.table, p.ids, p.rows, place), deadline)
+        self._exchange(rpc, pieces, _push_piece, deadline)
         return total  # every row given was written (a repeated id's last row)
 
     def _exchange(
@@ -272,3 +272,8 @@ class RowTransfer:
             if on_reply is not None:
                 for (shard, ks), reply in zip(messages, replies):
                     on_reply(shard, [(pieces[k], places[k]) for k in ks], reply)
+
+
+def _push_piece(piece: _Piece, place: Place | None) -> list:
+    assert piece.rows is not None  # _push_once gives every piece its rows
+    return push_parts(piece.table, piece.ids, piece.rows, place)

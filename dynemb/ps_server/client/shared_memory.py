@@ -97,7 +97,8 @@ def push_parts(table: str, ids: np.ndarray, rows: np.ndarray, place: Place | Non
     if place is None:
         return push_request_parts(table, ids, rows)
     seg, offset = place
-    seg.rows(offset, *rows.shape, rows.dtype)[...] = rows
+    n, width = rows.shape
+    seg.rows(offset, n, width, rows.dtype)[...] = rows
     return push_request_parts(table, ids, None, (seg.segment, offset, rows.nbytes))
 
 

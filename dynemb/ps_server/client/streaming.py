@@ -72,7 +72,7 @@ def import_rows(
         PSError: a stream failed (reading of chunks stops at the first one that did).
     """
     per_id_bytes = schema.row_bytes + ID_BYTES
-    queues = [queue.Queue(maxsize=_QUEUED_CHUNKS) for _ in transport.addresses]
+    queues: list[queue.Queue] = [queue.Queue(maxsize=_QUEUED_CHUNKS) for _ in transport.addresses]
     done = object()
 
     def stream(q: queue.Queue):

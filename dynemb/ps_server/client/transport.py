@@ -135,7 +135,7 @@ class Transport:
         self.addresses = list(addresses)
         self.retry = retry
         self.metadata = bearer_metadata(auth_token)
-        options = [
+        options: list[tuple[str, int | str]] = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
         ]
