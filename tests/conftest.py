@@ -6,11 +6,12 @@ Tests keep apart by namespace (`redis_namespace`), never by flushing a server.
 
 from __future__ import annotations
 
+import fnmatch
 import uuid
 from dataclasses import dataclass
 
 import pytest
-
+from ps_procs import embedded_client, embedded_ps, make_ps  # noqa: F401  (fixtures, for every module)
 from redis_procs import RedisClusterProcesses, RedisProcess, find_binary, make_tls_files
 
 
@@ -159,4 +160,29 @@ def redis_process(redis_binaries):
     yield make
     for proc in made:
         proc.close()
-from ps_procs import embedded_client, embedded_ps, make_ps  # noqa: E402,F401
+
+
+# Markers (registered in pyproject.toml) of tests in modules whose owners keep them apart
+# from this file's edits; elsewhere a test carries its own @pytest.mark.slow / .dist.
+_MARKED_HERE = {  # module: {test name pattern (fnmatch, with parameters): marker}
+    "test_sharded_idtransformer.py": {"*": "dist"},
+    "test_transform_stream.py": {"test_a_stream_agrees_with_transform_tables_on_every_rank*": "dist"},
+    "test_kernel_build.py": {"test_a_second_checkout_of_the_same_source_reuses_the_build": "slow",
+                             "test_a_stale_build_lock_is_removed_not_waited_on": "slow"},
+    "test_idtransformer.py": {"test_kernel_matches_the_torch_ops_on_a_large_aged_table*": "slow",
+                              "test_kernel_and_torch_backends_agree_call_by_call[[]torch]": "slow",
+                              "test_no_eviction_is_lost_across_pin_refusals*": "slow",
+                              "test_victims_under_a_sampled_bound_match_the_torch_ops*-large]": "slow"},
+}
+_CLUSTER_FIXTURES = {"redis_cluster", "redis_tls_cluster"}
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """`cluster` on every test that starts a Redis Cluster (through its fixtures), and the
+    markers of _MARKED_HERE."""
+    for item in items:
+        if _CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.cluster)
+        for pattern, mark in _MARKED_HERE.get(item.path.name, {}).items():
+            if fnmatch.fnmatchcase(item.name, pattern):
+                item.add_marker(getattr(pytest.mark, mark))

@@ -38,6 +38,7 @@ def assert_same_tables(a, b):
     ("adam", False, 30, True),
 ], ids=["adagrad-dynamic-incremental", "adam-dynamic-full", "sgd-dynamic-plain", "rowwise-full-tables-incremental",
         "adam-full-tables"])
+@pytest.mark.slow
 def test_a_resumed_job_continues_exactly(tmp_path, optimizer, dynamic, resume_at, pipeline):
     ck = tmp_path / "ck"
     first = run(tmp_path, optimizer, dynamic, pipeline=pipeline, checkpoint_dir=str(ck), checkpoint_every=10,
@@ -146,6 +147,7 @@ def test_resume_latest_with_no_checkpoint_says_so(tmp_path):
 @pytest.mark.parametrize("optimizer,tables,ps", [("adam", "dynamic", ""), ("sgd", "dynamic", "process"),
                                                  ("rowwise_adagrad", "full", "")],
                          ids=["dynamic-in-process", "dynamic-ps-process", "full"])
+@pytest.mark.dist
 def test_two_torchrun_ranks_resume_exactly(tmp_path, optimizer, tables, ps):
     """2 gloo ranks: each rank's losses, hit rates and block of every table after resuming from
     an incremental checkpoint equal the uninterrupted job's. Dynamic tables' rows in each
@@ -177,6 +179,7 @@ def test_two_torchrun_ranks_resume_exactly(tmp_path, optimizer, tables, ps):
                                           err_msg=f"rank {rank} table {name}")
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("fault", ["write", "read"])
 def test_a_rank_that_cannot_save_its_share_fails_every_rank_alike(tmp_path, fault):
     """2 ranks, rows in each rank's store. write: rank 0 fails writing a table while rank 1
@@ -198,6 +201,7 @@ def test_a_rank_that_cannot_save_its_share_fails_every_rank_alike(tmp_path, faul
     assert not (tmp_path / "ck").exists() or list((tmp_path / "ck").iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_full_disk_fails_the_save_clearly_and_keeps_the_last_checkpoint(tmp_path):
     """A file-size limit (RLIMIT_FSIZE: writes fail with EFBIG, as on a full disk) that the
     step-10 checkpoint fits under and the step-20 one does not."""

@@ -17,6 +17,8 @@ from dynemb.ps_server.client import PSClient
 from dynemb.testing.local_ps import REPO, LocalPS
 from dynemb.trainer.train import train
 
+pytestmark = pytest.mark.slow  # a training job's checkpoints in its fixtures
+
 
 def dynemb(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dynemb.cli", *args], capture_output=True, text=True,
@@ -34,7 +36,7 @@ def job(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def redis_ps(redis_url):
-    ps = LocalPS("--backend", redis_url, "--namespace", unique("ck")).start()
+    ps = LocalPS("--backend", redis_url, "--namespace", unique("ck"), "--not-serving-seconds", "0").start()
     yield ps
     ps.close()
 
@@ -85,6 +87,7 @@ def test_restore_puts_a_training_chain_on_a_fresh_ps(job, make_ps):
             np.testing.assert_array_equal(got, rows, err_msg=f"table {name}")
 
 
+@pytest.mark.slow
 def test_save_and_restore_onto_another_backend_bit_for_bit(embedded_client, redis_ps, tmp_path):
     a, b = unique("save_a"), unique("save_b")
     _, ids_a, rows_a = fill(embedded_client, a, "fp32", n=300, seed=3)

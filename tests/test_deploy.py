@@ -16,7 +16,6 @@ from functools import lru_cache
 
 import pytest
 import yaml
-
 from deploy_files import (
     DEPLOY,
     OVERLAYS,
@@ -36,9 +35,10 @@ from deploy_files import (
     rule_groups,
     tool,
 )
+
 from dynemb import __version__
-from dynemb.testing.local_ps import REPO, LocalPS
 from dynemb.ps_server.client import PSClient
+from dynemb.testing.local_ps import REPO, LocalPS
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess:
@@ -274,6 +274,7 @@ def _torchrun_help() -> str:
                           text=True, timeout=120).stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_k8s_trainer_job_agrees_with_torchrun_and_dynemb_train(overlay, k8s_dir, tmp_path, monkeypatch):
     from dynemb.cli import build_parser
@@ -383,6 +384,7 @@ def test_k8s_redis_conf_starts_a_real_redis(folder, redis_process):
         assert client.info("cluster")["cluster_enabled"] == 1
 
 
+@pytest.mark.slow
 def test_make_secrets_makes_a_certificate_the_ps_and_its_client_accept(tmp_path):
     """make-secrets.sh's token and certificate work: a PS serves TLS with them, a client that
     trusts its CA and sends the token gets through, and the name in the k8s Service is covered."""
@@ -475,6 +477,7 @@ def test_systemd_unit_restarts_hardens_and_waits_for_the_drain():
     assert unit["Service.StateDirectory"] == ["dynemb"]
 
 
+@pytest.mark.slow
 def test_systemd_env_file_is_what_dynemb_ps_serve_reads(tmp_path):
     """Every variable in the example env file is one `dynemb ps serve` reads, and the PS starts
     with them (but for the address, ports and backend, which would need this host's 50051 and Redis)."""

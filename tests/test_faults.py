@@ -25,6 +25,8 @@ from dynemb.ps_server.client import PSClient
 from dynemb.testing.local_ps import REPO, LocalPS
 from dynemb.testing.local_redis import RedisProcess
 
+pytestmark = pytest.mark.slow
+
 STEPS = 120
 TRAIN = ["--steps", str(STEPS), "--num-sparse", "4", "--universe", "4000", "--ids-per-feature", "2",
          "--dim", "8", "--capacity-fraction", "0.1", "--evict-fraction", "0.1", "--batch-size", "48",
@@ -239,6 +241,7 @@ def final_tables(folder) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
     return out
 
 
+@pytest.mark.dist
 def test_a_killed_rank_stops_the_job_and_a_restart_from_the_checkpoint_ends_the_same(tmp_path):
     from dynemb.trainer.checkpoint_format import checkpoints, read_manifest
 

@@ -8,7 +8,10 @@ import subprocess
 import sys
 import time
 
+import pytest
 from helpers import wait_until
+
+pytestmark = pytest.mark.slow
 
 
 def test_a_killed_parent_leaves_no_ps_behind():

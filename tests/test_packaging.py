@@ -7,6 +7,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -40,6 +42,7 @@ def _imported_after(module: str, prefixes: tuple[str, ...]) -> list[str]:
     return eval(out.stdout)
 
 
+@pytest.mark.slow
 def test_the_trainer_does_not_import_test_scaffolding_or_redis():
     assert _imported_after("dynemb.trainer.train", ("dynemb.testing", "redis")) == []
 

@@ -27,6 +27,8 @@ from dynemb.testing.local_ps import LocalPS, _die_with_parent
 from dynemb.testing.local_redis import RedisProcess, free_port, make_tls_files
 from dynemb.testing.process import end_process
 
+pytestmark = [pytest.mark.slow, pytest.mark.dist]
+
 # enough steps that Prometheus (1 s scrapes) sees the counters move: rate() needs two samples
 # that differ, and 40 steps ran in well under a second
 STEPS, BATCH, TABLES, RANKS = 600, 64, 3, 2
@@ -125,9 +127,9 @@ def stack(tmp_path_factory, redis_binaries):
         trainer = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}", "-m",
              "dynemb.trainer", "--ps", f"localhost:{ps.port}", "--ps-tls-ca", tls["ca"], "--num-sparse", str(TABLES),
-             "--universe", "2000", "--capacity-fraction", "0.25", "--dim", "8", "--dense-arch", "8", "--over-arch", "8,1", "--batch-size",
-             str(BATCH), "--steps", str(STEPS), "--eval-batches", "1", "--no-progress",
-             "--metrics-port", str(metrics_port), "--metrics-linger-seconds", "12"],
+             "--universe", "2000", "--capacity-fraction", "0.25", "--dim", "8", "--dense-arch", "8",
+             "--over-arch", "8,1", "--batch-size", str(BATCH), "--steps", str(STEPS), "--eval-batches", "1",
+             "--no-progress", "--metrics-port", str(metrics_port), "--metrics-linger-seconds", "12"],
             stdout=trainer_log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
             env={**os.environ, "OMP_NUM_THREADS": "1", "DYNEMB_PS_AUTH_TOKEN": TOKEN})
         procs.append(trainer)

@@ -17,11 +17,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
+from ps_fuzz_requests import MAX_MESSAGE, Probe, Tables, probes
 
 from dynemb.protos import ps_pb2, ps_pb2_grpc
-from ps_fuzz_requests import MAX_MESSAGE, Probe, Tables, probes
 from dynemb.ps_server.client import PSClient
 from dynemb.ps_server.schema import Initializer, TableSchema
+
+pytestmark = pytest.mark.slow
 
 C = grpc.StatusCode
 MIN_REQUESTS = 10_000

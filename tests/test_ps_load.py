@@ -20,6 +20,8 @@ import pytest
 
 from bench.load_observe import growth
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -34,6 +34,7 @@ def three_shards(request, make_ps):
     return [make_ps().address for _ in range(3)]
 
 
+@pytest.mark.slow
 def test_many_tables_in_one_call_equal_one_call_per_table(three_shards):
     rng = np.random.default_rng(0)
     # a small message size: each shard's tables are packed into several messages
@@ -54,7 +55,7 @@ def test_many_tables_in_one_call_equal_one_call_per_table(three_shards):
             one = ps.pull(name, ids)
             np.testing.assert_array_equal(many[name].rows, one.rows, err_msg=name)
             np.testing.assert_array_equal(many[name].missing, one.missing, err_msg=name)
-        for name, (ids, rows) in given.items():  # and they are the rows pushed, in the table's dtype
+        for name, (_, rows) in given.items():  # and they are the rows pushed, in the table's dtype
             want = rows[-10:].astype(ps.schema(name).np_dtype)
             np.testing.assert_array_equal(many[name].rows[:10], want, err_msg=name)
             assert many[name].missing[:500].sum() == 0 and many[name].missing[500:].sum() > 0
@@ -90,7 +91,8 @@ def test_a_bad_entry_writes_nothing_of_any_entry(make_ps):
             (ps_pb2.PushRequest(table="item", ids=ids.tobytes(), rows=np.ones((10, 3), np.float16).tobytes()),
              grpc.StatusCode.INVALID_ARGUMENT, "item"),
             (ps_pb2.PushRequest(table="nope", ids=ids.tobytes(), rows=b""), grpc.StatusCode.NOT_FOUND, "nope"),
-            (ps_pb2.PushRequest(table="item", ids=b"1234567", rows=b""), grpc.StatusCode.INVALID_ARGUMENT, "multiple of 8"),
+            (ps_pb2.PushRequest(table="item", ids=b"1234567", rows=b""), grpc.StatusCode.INVALID_ARGUMENT,
+             "multiple of 8"),
         ]
         for bad, code, named in cases:
             with pytest.raises(grpc.RpcError) as info:

@@ -19,6 +19,7 @@ def with_ca(url: str, ca_file: str) -> str:
     return f"{url}?ssl_ca_certs={quote(ca_file)}"
 
 
+@pytest.mark.slow
 def test_rows_round_trip_through_a_ps_over_tls_redis(redis_tls, redis_namespace, make_ps):
     backend = with_ca(redis_tls.url, redis_tls.ca_file)
     assert backend.startswith("rediss://")

@@ -119,6 +119,7 @@ def test_a_ps_that_takes_no_segments_gets_rows_as_bytes(make_ps):
         assert metric(proc, "dynemb_ps_shm_segments") == 0
 
 
+@pytest.mark.slow
 def test_an_expired_segment_is_replaced_within_the_call(make_ps):
     proc = make_ps("--shm-idle-seconds", "0.3")
     with PSClient(proc.address) as a, PSClient(proc.address) as b:
@@ -136,6 +137,7 @@ def test_an_expired_segment_is_replaced_within_the_call(make_ps):
         assert attaches(a) == before + 1
 
 
+@pytest.mark.slow
 def test_a_restarted_ps_gets_new_segments(make_ps, tmp_path):
     backend = f"embedded://{tmp_path}/tables"
     first = make_ps("--backend", backend)
@@ -153,6 +155,7 @@ def test_a_restarted_ps_gets_new_segments(make_ps, tmp_path):
         assert np.array_equal(ps.pull_many({"t": ids})["t"].rows, rows * 2)
 
 
+@pytest.mark.slow
 def test_a_ps_that_is_away_gets_rows_once_back(make_ps, tmp_path):
     """Calls made while the PS is down wait for it (retries within the deadline), whether they
     hold a segment from before (then refused by the new PS: attached anew) or must attach one
@@ -320,6 +323,7 @@ def test_bad_segment_references_change_nothing(ps_proc):
     os.close(fd)
 
 
+@pytest.mark.slow
 def test_a_client_that_dies_leaves_nothing_behind(make_ps):
     """Its segment is dropped once idle; the memory goes with the last mapping (no file)."""
     proc = make_ps("--shm-idle-seconds", "0.5")

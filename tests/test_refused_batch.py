@@ -96,6 +96,7 @@ def test_dynamic_tables_finish_a_refused_batch_on_one_process(one_process_group,
     Scenario(LocalRowStore(), shared, ahead).run()
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("shared,ahead", [(True, 0), (False, 1)], ids=["one-storage", "per-table-ahead"])
 def test_dynamic_tables_finish_a_refused_batch_on_two_ranks(shared, ahead):
     run = torchrun(2, WORKER, "shared" if shared else "separate", str(ahead))

@@ -5,6 +5,7 @@ with certificates the test makes (Redis over TLS behind the PS: test_ps_rediss.p
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -15,10 +16,10 @@ import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from dynemb.testing.local_ps import REPO
 from dynemb.protos import ps_pb2
 from dynemb.ps_server.client import PSClient
 from dynemb.ps_server.errors import InvalidArgument, PSError
+from dynemb.testing.local_ps import REPO
 
 TOKEN = "tok-SECRET-7f3a9c"
 SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
@@ -32,7 +33,8 @@ def every_ps_rpc(channel: grpc.Channel, metadata) -> dict[str, grpc.StatusCode]:
         request = getattr(ps_pb2, method.input_type.name)()
         response = getattr(ps_pb2, method.output_type.name)
         path = f"/{SERVICE.full_name}/{method.name}"
-        kind = ("stream" if method.client_streaming else "unary") + "_" + ("stream" if method.server_streaming else "unary")
+        kind = "_".join("stream" if streaming else "unary"
+                        for streaming in (method.client_streaming, method.server_streaming))
         call = getattr(channel, kind)(path, request_serializer=type(request).SerializeToString,
                                       response_deserializer=response.FromString)
         arg = iter([request]) if method.client_streaming else request
@@ -100,8 +102,8 @@ def test_every_rpc_needs_the_token(make_ps, auth_health):
 
 def test_auth_health_without_a_token_is_refused_at_start():
     run = subprocess.run([sys.executable, "-m", "dynemb.cli", "ps", "serve", "--address", "127.0.0.1:0",
-                          "--metrics-port", "-1", "--auth-health"], capture_output=True, text=True, cwd=REPO, timeout=60,
-                         env={"PATH": "/usr/bin:/bin"})
+                          "--metrics-port", "-1", "--auth-health"], capture_output=True, text=True, cwd=REPO,
+                         timeout=60, env={"PATH": "/usr/bin:/bin"})
     assert run.returncode == 2 and "--auth-health" in run.stderr and "--auth-token" in run.stderr
 
 
@@ -113,6 +115,7 @@ def test_a_password_in_a_bad_backend_url_is_not_echoed():
     assert "hunter2pw" not in run.stderr + run.stdout
 
 
+@pytest.mark.slow
 def test_tokens_never_reach_logs_or_metrics(make_ps, redis_auth, tmp_path):
     """A PS at DEBUG level over a password-protected Redis, good and bad calls; then a training
     job and its checkpoint against it: neither secret shows anywhere."""
@@ -130,16 +133,17 @@ def test_tokens_never_reach_logs_or_metrics(make_ps, redis_auth, tmp_path):
     assert TOKEN not in str(info.value)
     out = tmp_path / "r.json"
     job = subprocess.run(
-        [sys.executable, "-m", "dynemb.trainer", "--ps", proc.address, "--steps", "4", "--batch-size", "16", "--universe", "500",
-         "--capacity-fraction", "0.3", "--num-sparse", "2", "--dim", "4", "--dense-arch", "8,4", "--eval-batches", "1", "--no-progress",
-         "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-at-end", "--result-json", str(out)],
-        capture_output=True, text=True, cwd=REPO, timeout=300, env={**__import__("os").environ, "DYNEMB_PS_AUTH_TOKEN": TOKEN})
+        [sys.executable, "-m", "dynemb.trainer", "--ps", proc.address, "--steps", "4", "--batch-size", "16",
+         "--universe", "500", "--capacity-fraction", "0.3", "--num-sparse", "2", "--dim", "4", "--dense-arch", "8,4",
+         "--eval-batches", "1", "--no-progress", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-at-end",
+         "--result-json", str(out)],
+        capture_output=True, text=True, cwd=REPO, timeout=300, env={**os.environ, "DYNEMB_PS_AUTH_TOKEN": TOKEN})
     assert job.returncode == 0, job.stderr[-3000:]
     metrics = proc.metrics_text()
     manifests = "".join(p.read_text() for p in (tmp_path / "ck").glob("*/manifest.json"))
     assert json.loads(out.read_text())["losses"] and manifests
     help_text = subprocess.run([sys.executable, "-m", "dynemb.cli", "ps", "serve", "--help"], capture_output=True,
-                               text=True, cwd=REPO, env={**__import__("os").environ, "DYNEMB_PS_AUTH_TOKEN": TOKEN}).stdout
+                               text=True, cwd=REPO, env={**os.environ, "DYNEMB_PS_AUTH_TOKEN": TOKEN}).stdout
     assert "DEBUG" in proc.log() and "UNAUTHENTICATED" in metrics  # it did log, and count the refusal
     for where, text in [("PS log", proc.log()), ("metrics", metrics), ("trainer output", job.stdout + job.stderr),
                         ("checkpoint manifest", manifests), ("serve --help", help_text)]:
@@ -164,6 +168,7 @@ def mtls(tmp_path_factory):
     return {k: str(v) for k, v in files.items()}
 
 
+@pytest.mark.slow
 def test_mutual_tls_accepts_only_clients_the_ca_signed(make_ps, mtls, tmp_path):
     proc = make_ps("--tls-cert", mtls["server"], "--tls-key", mtls["server_key"], "--tls-client-ca", mtls["ca"])
     address = f"localhost:{proc.port}"
@@ -187,9 +192,10 @@ def test_mutual_tls_accepts_only_clients_the_ca_signed(make_ps, mtls, tmp_path):
                          capture_output=True, text=True, cwd=REPO, timeout=60)
     assert cli.returncode == 0 and "m " in cli.stdout, cli.stderr
     job = subprocess.run(
-        [sys.executable, "-m", "dynemb.trainer", "--ps", address, "--ps-tls-ca", mtls["ca"], "--ps-tls-cert", mtls["client"],
-         "--ps-tls-key", mtls["client_key"], "--steps", "3", "--batch-size", "16", "--universe", "500",
-         "--num-sparse", "2", "--dim", "4", "--dense-arch", "8,4", "--eval-batches", "1", "--no-progress"],
+        [sys.executable, "-m", "dynemb.trainer", "--ps", address, "--ps-tls-ca", mtls["ca"],
+         "--ps-tls-cert", mtls["client"], "--ps-tls-key", mtls["client_key"], "--steps", "3", "--batch-size", "16",
+         "--universe", "500", "--num-sparse", "2", "--dim", "4", "--dense-arch", "8,4", "--eval-batches", "1",
+         "--no-progress"],
         capture_output=True, text=True, cwd=REPO, timeout=300)
     assert job.returncode == 0, job.stderr[-3000:]
     assert "mutual TLS" in proc.log()

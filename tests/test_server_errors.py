@@ -137,6 +137,7 @@ def test_oversized_messages(make_ps):
         channel.close()
 
 
+@pytest.mark.slow
 def test_redis_down_then_back(redis_process, make_ps):
     # an append-only file, so what was stored before the outage is there again after it
     redis_proc = redis_process(["appendonly yes", "appendfsync always"])
@@ -168,6 +169,7 @@ def test_redis_down_then_back(redis_process, make_ps):
         assert ps.pull("t", [3]).rows.tolist() == [[3.0, 3.0]]
 
 
+@pytest.mark.slow
 def test_redis_refuses_auth(redis_auth, make_ps):
     proc = make_ps("--backend", redis_auth.url_for(redis_auth.user, "wrong-password"))
     with PSClient(proc.address, retry=RetryPolicy(attempts=1)) as ps:
@@ -302,6 +304,7 @@ def _request_codes(ps, method: str) -> dict[str, float]:
             if line.startswith("dynemb_ps_requests_total") and f'method="{method}"' in line}
 
 
+@pytest.mark.slow
 def test_a_push_the_client_gave_up_on_is_not_applied_late(redis_process, make_ps):
     """A push whose handler was still waiting on the store when its deadline passed (Redis
     paused here) is not written once the store answers: the client has sent it again, maybe to
@@ -482,6 +485,7 @@ def test_import_into_a_table_recreated_under_it(backend, new_dim, new_dtype, mak
         assert ps.describe_table("race").num_rows == 0
 
 
+@pytest.mark.slow
 def test_a_call_past_its_deadline_says_so_by_its_code(make_ps):
     import os
     import signal

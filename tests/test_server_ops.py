@@ -81,6 +81,7 @@ def test_health_and_reflection_with_grpcurl(embedded_ps):
     assert out.returncode != 0 and "NotFound" in out.stderr and "nope" in out.stderr
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests(make_ps):
     proc = make_ps("--drain-seconds", "30", "--not-serving-seconds", "4")
     ids = np.arange(3000, dtype=np.int64)
@@ -156,6 +157,7 @@ def test_metrics(make_ps):
     assert 10 << 20 < m["process_resident_memory_bytes"] < 4 << 30 and m["process_cpu_seconds_total"] > 0
 
 
+@pytest.mark.slow
 def test_retries_land_a_push_exactly_once(redis_url, redis_namespace, make_ps):
     port = free_port()
     first = make_ps("--backend", redis_url, "--namespace", redis_namespace, "--address", f"127.0.0.1:{port}")
@@ -194,6 +196,7 @@ def dynemb(*args: str, env=None) -> subprocess.CompletedProcess:
                           timeout=120, cwd=REPO, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.slow
 def test_cli(embedded_ps):
     assert "ps" in dynemb("--help").stdout
     serve_help = dynemb("ps", "serve", "--help").stdout
@@ -224,6 +227,7 @@ def test_cli(embedded_ps):
     assert bad.returncode == 2 and "tls" in bad.stderr.lower()
 
 
+@pytest.mark.slow
 def test_demo_runs():
     out = dynemb("demo", "--rows", "20000")
     assert out.returncode == 0, out.stderr

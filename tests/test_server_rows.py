@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dynemb.testing.local_ps import LocalPS
 from dynemb.ps_server.client import PSClient
 from dynemb.ps_server.hashing import shard_of
 from dynemb.ps_server.schema import Initializer, TableSchema
+from dynemb.testing.local_ps import LocalPS
 
 DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
@@ -66,7 +66,7 @@ def test_round_trip_embedded(embedded_ps, dtype, shared_memory):
 
 @pytest.fixture(scope="module")
 def redis_ps(redis_url):
-    ps = LocalPS("--backend", redis_url, "--namespace", "rows_tests").start()
+    ps = LocalPS("--backend", redis_url, "--namespace", "rows_tests", "--not-serving-seconds", "0").start()
     yield ps
     ps.close()
 
@@ -77,6 +77,7 @@ def test_round_trip_redis(redis_ps, dtype):
         round_trip(ps, f"rt_{dtype}", dtype, seed=1)
 
 
+@pytest.mark.cluster
 def test_round_trip_redis_cluster(redis_cluster, make_ps):
     ps_proc = make_ps("--backend", redis_cluster.url, "--namespace", "cl")
     with PSClient(ps_proc.address) as ps:
@@ -92,6 +93,7 @@ def test_repeated_id_in_a_push_keeps_its_last_row(embedded_client):
     assert np.array_equal(embedded_client.pull("dups", [7, 8, 9]).rows, rows[[4, 1, 3]])
 
 
+@pytest.mark.slow
 def test_many_shards_each_ps_holds_its_own_ids(make_ps):
     procs = [make_ps() for _ in range(3)]
     addresses = [p.address for p in procs]
@@ -154,6 +156,7 @@ def test_export_then_import_reproduces_every_row(embedded_client, make_ps):
         assert target.pull("exp", [1]).missing.all()
 
 
+@pytest.mark.slow
 def test_restarted_ps_finds_tables_and_rows_in_redis(redis_url, redis_namespace, make_ps):
     rng = np.random.default_rng(6)
     ids = rng.choice(1 << 40, 5000, replace=False).astype(np.int64)
@@ -170,6 +173,7 @@ def test_restarted_ps_finds_tables_and_rows_in_redis(redis_url, redis_namespace,
         assert np.array_equal(ps.pull("kept", ids).rows, rows)
 
 
+@pytest.mark.slow
 def test_embedded_store_with_a_directory_survives_a_graceful_restart(make_ps, tmp_path):
     backend = f"embedded://{tmp_path}/tables"
     rng = np.random.default_rng(7)

@@ -31,7 +31,8 @@ from dynemb.trainer.table_files import (
 
 @pytest.fixture(scope="module")
 def redis_ps(redis_url):
-    ps = LocalPS("--backend", redis_url, "--namespace", f"tf{uuid.uuid4().hex[:8]}").start()
+    ps = LocalPS("--backend", redis_url, "--namespace", f"tf{uuid.uuid4().hex[:8]}", "--not-serving-seconds",
+                 "0").start()
     yield ps
     ps.close()
 
@@ -209,6 +210,7 @@ def dynemb(*args: str) -> subprocess.CompletedProcess:
                           cwd=REPO, timeout=120)
 
 
+@pytest.mark.slow
 def test_cli_export_import_end_to_end(embedded_client, redis_ps, redis_client, tmp_path, copy_of):
     a, b = unique("cli_a"), unique("cli_b")
     _, ids_a, rows_a = fill(embedded_client, a, "fp32", n=50, seed=1)

@@ -13,6 +13,7 @@ from helpers import config, torchrun
 from dynemb.trainer.train import train
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
 @pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "plain"])
 def test_dynamic_tables_train_exactly_like_full_ones(optimizer, pipeline):
@@ -33,6 +34,7 @@ def test_dynamic_tables_train_exactly_like_full_ones(optimizer, pipeline):
 
 @pytest.mark.parametrize("optimizer,ps", [("sgd", ""), ("adagrad", ""), ("rowwise_adagrad", ""), ("adam", ""),
                                           ("rowwise_adagrad", "process")], ids=lambda x: x or "in-process")
+@pytest.mark.dist
 def test_two_torchrun_ranks_train_exactly_like_full_tables(optimizer, ps, tmp_path):
     """2 gloo ranks under torchrun: row-wise shards, IDs owned by the rank holding their rows,
     the rows of each rank's IDs in its own in-process store (the default), or in a PS process

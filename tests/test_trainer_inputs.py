@@ -18,7 +18,8 @@ from dynemb.trainer.data import BadLine, criteo_tsv_batches
 
 BACKENDS = pytest.mark.parametrize("backend", ["kernel", "torch"])
 INT64 = torch.iinfo(torch.int64)
-EDGES = [INT64.min, INT64.min + 1, -(1 << 32), -2, -1, 0, 1, (1 << 31) - 1, 1 << 31, (1 << 32), INT64.max - 1, INT64.max]
+EDGES = [INT64.min, INT64.min + 1, -(1 << 32), -2, -1, 0, 1, (1 << 31) - 1, 1 << 31, (1 << 32), INT64.max - 1,
+         INT64.max]
 
 
 @BACKENDS
@@ -92,6 +93,7 @@ def test_a_malformed_line_is_named_or_skipped(tmp_path, bad, message):
     assert batch.labels.tolist() == [1.0, 0.0]  # the two good lines, nothing from the bad one
 
 
+@pytest.mark.slow
 def test_a_batch_whose_ids_are_all_missing_trains(tmp_path):
     """Lines with every categorical column empty make batches with no IDs at all."""
     lines = [_line(str(i % 2), cats=[""] * 26) for i in range(16)]
@@ -106,10 +108,11 @@ def test_a_batch_whose_ids_are_all_missing_trains(tmp_path):
 
 
 def _train(*flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dynemb.trainer", "--dim", "8", "--dense-arch", "16,8", "--no-progress",
-                           *flags], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "dynemb.trainer", "--dim", "8", "--dense-arch", "16,8",
+                           "--no-progress", *flags], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_the_training_cli_names_bad_data_and_too_small_tables(tmp_path):
     source = _tsv(tmp_path / "day.tsv", [_line()] * 5 + ["garbage\n"] + [_line("0")] * 10)
     run = _train("--source", source, "--batch-size", "4", "--steps", "3", "--capacity", "200", "--eval-fraction", "0")

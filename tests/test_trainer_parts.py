@@ -108,6 +108,7 @@ def test_synthetic_batches_are_reproducible_and_learnable():
     assert int(a.sparse_features.values().max()) < 1000
 
 
+@pytest.mark.slow
 def test_the_synthetic_data_is_learned():
     """The README's main job, shortened and with full tables: the held-out AUC says the model
     learned the labels' dependence on the dense features and on each ID's hidden score."""
@@ -220,6 +221,7 @@ def test_row_sparse_adam_is_lazy_adam_on_fbgemm_cpu_tables():
     assert adam.iter == 4
 
 
+@pytest.mark.slow
 def test_dynemb_train_on_a_criteo_tsv_file(tmp_path):
     """The CLI end to end on Criteo-format lines: trains, evaluates the held-out lines, and
     writes its figures."""
@@ -248,6 +250,7 @@ def test_dynemb_train_on_a_criteo_tsv_file(tmp_path):
     assert 0.0 <= got["auc"] <= 1.0 and got["hit_rate"] < 1.0
 
 
+@pytest.mark.slow
 def test_a_finished_training_leaves_no_gloo_thread_behind():
     """`dynemb train` joins its process groups' gloo threads before it exits. They ran on into
     interpreter shutdown, where one finishing a collective's work takes the GIL and aborts the
