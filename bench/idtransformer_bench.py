@@ -52,8 +52,13 @@ def sync(device: torch.device) -> None:
 
 
 def run_ours(args, batches, device) -> dict:
-    t = IDTransformer(args.capacity, EvictionPolicy("hybrid", evict_fraction=args.evict_fraction), device=device,
-                      backend=args.backend, admit_threshold=args.admit_threshold)
+    t = IDTransformer(
+        args.capacity,
+        EvictionPolicy("hybrid", evict_fraction=args.evict_fraction),
+        device=device,
+        backend=args.backend,
+        admit_threshold=args.admit_threshold,
+    )
     hits = total = 0
     elapsed = 0.0
     for k, b in enumerate(tqdm(batches, desc="idtransformer", unit="batch", leave=False)):
@@ -66,8 +71,12 @@ def run_ours(args, batches, device) -> dict:
             elapsed += time.perf_counter() - start
             hits += int((~torch.isin(x, out.admitted_ids) & (out.slots.reshape(-1) >= 0)).sum())
             total += x.numel()
-    result = {"ids_per_s": total / elapsed, "hit_rate": hits / total, "bytes_per_id": t.nbytes / len(t),
-              "resident": len(t)}
+    result = {
+        "ids_per_s": total / elapsed,
+        "hit_rate": hits / total,
+        "bytes_per_id": t.nbytes / len(t),
+        "resident": len(t),
+    }
     if device.type == "cuda":
         result["syncs"] = count_syncs(lambda: t.transform(batches[-1].to(device)))
     return result
@@ -92,8 +101,11 @@ def run_mch(args, batches, device) -> dict:
     from torchrec.sparse.jagged_tensor import JaggedTensor
 
     mch = MCHManagedCollisionModule(
-        zch_size=args.capacity, device=device, eviction_policy=DistanceLFU_EvictionPolicy(),
-        eviction_interval=10, input_hash_size=(1 << 63) - 1,
+        zch_size=args.capacity,
+        device=device,
+        eviction_policy=DistanceLFU_EvictionPolicy(),
+        eviction_interval=10,
+        input_hash_size=(1 << 63) - 1,
     )
     mch.train()
     hits = total = 0
@@ -124,30 +136,48 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=20, help="batches before timing [default %(default)s]")
     p.add_argument("--batches", type=int, default=20, help="timed batches [default %(default)s]")
     p.add_argument("--evict-fraction", type=float, default=0.05)
-    p.add_argument("--backend", default="auto", choices=["auto", "kernel", "torch"],
-                   help="slot map: the compiled CPU kernel, torch ops, or auto (kernel on CPU) [default %(default)s]")
-    p.add_argument("--admit-threshold", type=int, default=1,
-                   help="sightings before an ID gets a slot (1: every ID at once, as MCH) [default %(default)s]")
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "kernel", "torch"],
+        help="slot map: the compiled CPU kernel, torch ops, or auto (kernel on CPU) [default %(default)s]",
+    )
+    p.add_argument(
+        "--admit-threshold",
+        type=int,
+        default=1,
+        help="sightings before an ID gets a slot (1: every ID at once, as MCH) [default %(default)s]",
+    )
     p.add_argument("--skip-mch", action="store_true", help="time only ours (no ratio)")
-    p.add_argument("--folded", action="store_true",
-                   help="the stream of sessions 1-9: numpy's unbounded Zipf folded into the universe")
+    p.add_argument(
+        "--folded",
+        action="store_true",
+        help="the stream of sessions 1-9: numpy's unbounded Zipf folded into the universe",
+    )
     args = p.parse_args(argv)
     device = torch.device(args.device)
     batches = zipf_batches(args.warmup + args.batches, args.batch, args.universe, seed=0, folded=args.folded)
-    print(f"idtransformer_bench: Zipf(1.05) over {args.universe:,} IDs{' (folded)' if args.folded else ''}, batches of {args.batch:,}, capacity "
-          f"{args.capacity:,}, {args.warmup} warm-up + {args.batches} timed batches, device {device}, "
-          f"{torch.get_num_threads()} CPU threads")
+    print(
+        f"idtransformer_bench: Zipf(1.05) over {args.universe:,} IDs{' (folded)' if args.folded else ''}, "
+        f"batches of {args.batch:,}, capacity "
+        f"{args.capacity:,}, {args.warmup} warm-up + {args.batches} timed batches, device {device}, "
+        f"{torch.get_num_threads()} CPU threads"
+    )
     ours = run_ours(args, batches, device)
-    print(f"  idtransformer (hybrid)   {ours['ids_per_s']:>14,.0f} IDs/s   hit rate {ours['hit_rate']:.4f}   "
-          f"{ours['bytes_per_id']:.1f} bytes per resident ID ({ours['resident']:,} resident)")
+    print(
+        f"  idtransformer (hybrid)   {ours['ids_per_s']:>14,.0f} IDs/s   hit rate {ours['hit_rate']:.4f}   "
+        f"{ours['bytes_per_id']:.1f} bytes per resident ID ({ours['resident']:,} resident)"
+    )
     if "syncs" in ours:
         print(f"  host syncs in one batch's transform: {ours['syncs']}")
     if args.skip_mch:
         return 0
     mch = run_mch(args, batches, device)
     print(f"  MCH (DistanceLFU, 10)    {mch['ids_per_s']:>14,.0f} IDs/s   hit rate {mch['hit_rate']:.4f}")
-    print(f"  ratio IDs/s ours / MCH   {ours['ids_per_s'] / mch['ids_per_s']:>14.2f}   (goal >= 10; hit rate >= MCH's; "
-          f"<= 32 bytes per ID)")
+    print(
+        f"  ratio IDs/s ours / MCH   {ours['ids_per_s'] / mch['ids_per_s']:>14.2f}   (goal >= 10; hit rate >= MCH's; "
+        f"<= 32 bytes per ID)"
+    )
     return 0
 
 

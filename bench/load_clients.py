@@ -71,7 +71,10 @@ def _drive(k: int, client: PSClient, spec: LoadSpec, stop_at: float, stats: Clie
             elapsed = time.perf_counter() - start
             if method == "pull":
                 if got.missing.any():
-                    code, message = "MISSING_ROWS", f"{int(got.missing.sum())} of {len(ids)} prefilled ids came back missing"
+                    code, message = (
+                        "MISSING_ROWS",
+                        f"{int(got.missing.sum())} of {len(ids)} prefilled ids came back missing",
+                    )
                 elif not np.array_equal(got.rows, expected_rows(spec.patterns, ids)):
                     code, message = "WRONG_ROWS", "a pull returned values no push wrote"
         except PSError as exc:
@@ -134,11 +137,13 @@ def client_process(first_client: int, n_clients: int, spec: LoadSpec, live, barr
         errors.update(s.errors)
         for code, msg in s.first_error.items():
             first_error.setdefault(code, msg)
-    results.put({
-        "started": started,
-        "ended": ended,
-        "cpu_seconds": cpu_seconds,
-        "latencies": {m: np.concatenate([np.asarray(s.latencies[m]) for s in stats]) for m in ("pull", "push")},
-        "errors": dict(errors),
-        "first_error": first_error,
-    })
+    results.put(
+        {
+            "started": started,
+            "ended": ended,
+            "cpu_seconds": cpu_seconds,
+            "latencies": {m: np.concatenate([np.asarray(s.latencies[m]) for s in stats]) for m in ("pull", "push")},
+            "errors": dict(errors),
+            "first_error": first_error,
+        }
+    )

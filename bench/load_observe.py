@@ -68,8 +68,12 @@ class Growth:
     ratio: float  # at_end / at_warmup_end - 1
 
     def as_json(self) -> dict:
-        return {"at_warmup_end_bytes": int(self.at_warmup_end), "at_end_bytes": int(self.at_end),
-                "peak_bytes": int(self.peak), "growth": round(self.ratio, 4)}
+        return {
+            "at_warmup_end_bytes": int(self.at_warmup_end),
+            "at_end_bytes": int(self.at_end),
+            "peak_bytes": int(self.peak),
+            "growth": round(self.ratio, 4),
+        }
 
 
 def growth(times, values, warmup_end: float, end: float, window: float) -> Growth:

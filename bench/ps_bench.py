@@ -32,11 +32,11 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dynemb.testing.local_ps import LocalPS  # noqa: E402
-from dynemb.testing.local_redis import RedisProcess  # noqa: E402
 from dynemb.ps_server.backends.embedded import EmbeddedStore  # noqa: E402
 from dynemb.ps_server.client import PSClient  # noqa: E402
 from dynemb.ps_server.schema import TableSchema  # noqa: E402
+from dynemb.testing.local_ps import LocalPS  # noqa: E402
+from dynemb.testing.local_redis import RedisProcess  # noqa: E402
 
 TABLE = "bench"
 
@@ -61,8 +61,10 @@ def bench_redis(args, schema, ids, batches, rows) -> dict:
     from bench.raw_redis import RawRedisRows
 
     out = {}
-    with RedisProcess() as redis_proc, LocalPS("--backend", redis_proc.url, "--namespace", "bench",
-                                             "--log-level", "WARNING") as ps_proc:
+    with (
+        RedisProcess() as redis_proc,
+        LocalPS("--backend", redis_proc.url, "--namespace", "bench", "--log-level", "WARNING") as ps_proc,
+    ):
         rng = np.random.default_rng(1)
         with PSClient(ps_proc.address) as ps:
             ps.wait_ready()
@@ -151,8 +153,12 @@ def main(argv=None) -> int:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--state-width", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=20, help="timed batches per measurement [default %(default)s]")
-    parser.add_argument("--shards", type=int, default=1,
-                        help="also run the embedded part over this many PS processes [default %(default)s: no]")
+    parser.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="also run the embedded part over this many PS processes [default %(default)s: no]",
+    )
     parser.add_argument("--only", choices=("redis", "embedded"), help="run one part")
     parser.add_argument("--json", type=Path, default=Path(__file__).parent / "out" / "ps_bench.json")
     args = parser.parse_args(argv)
@@ -162,8 +168,10 @@ def main(argv=None) -> int:
     ids = rng.choice(1 << 62, size=args.rows, replace=False).astype(np.int64)
     batches = [ids[rng.integers(0, len(ids), args.batch)] for _ in range(args.rounds)]
     rows = rng.random((args.batch, schema.width), dtype=np.float32)
-    print(f"ps_bench: {args.rows:,} rows of {schema.width} fp32 ({schema.row_bytes} B), "
-          f"batches of {args.batch:,} ids, {args.rounds} timed batches each, {os.cpu_count()} CPUs")
+    print(
+        f"ps_bench: {args.rows:,} rows of {schema.width} fp32 ({schema.row_bytes} B), "
+        f"batches of {args.batch:,} ids, {args.rounds} timed batches each, {os.cpu_count()} CPUs"
+    )
 
     results = {"config": vars(args) | {"json": str(args.json)}}
     if args.only in (None, "redis"):

@@ -55,11 +55,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.load_clients import COUNTER_SLOTS, ERRORS, PULLS, PUSHES, ROWS, LoadSpec, client_process, expected_rows  # noqa: E402
 from bench.load_observe import MemorySampler, growth, ps_error_counts  # noqa: E402
-from dynemb.testing.local_ps import LocalPS  # noqa: E402
-from dynemb.testing.local_redis import RedisProcess  # noqa: E402
 from dynemb.ps_server.client import PSClient  # noqa: E402
 from dynemb.ps_server.errors import PSError  # noqa: E402
 from dynemb.ps_server.schema import TableSchema  # noqa: E402
+from dynemb.testing.local_ps import LocalPS  # noqa: E402
+from dynemb.testing.local_redis import RedisProcess  # noqa: E402
 
 MiB = 1 << 20
 PREFILL_CHUNK = 16384
@@ -85,50 +85,93 @@ def parse_args(argv) -> argparse.Namespace:
     load = p.add_argument_group("load")
     load.add_argument("--clients", type=int, default=64, help="concurrent clients [default %(default)s]")
     load.add_argument("--duration", type=float, help="seconds of load [default 60; 3600 with --soak]")
-    load.add_argument("--soak", action="store_true",
-                      help="release soak: 1 hour unless --duration, memory sampled every 10 s, a progress line a minute")
+    load.add_argument(
+        "--soak",
+        action="store_true",
+        help="release soak: 1 hour unless --duration, memory sampled every 10 s, a progress line a minute",
+    )
     # Threads in a few processes, not a process per client: a client's own work per call is
     # small next to the PS's (which issues one Redis command per touched bucket, ~1,000 per
     # batch of 1,024), and 64 processes would take the 2 cores' time from the PS being
     # measured. More than one process keeps the clients' GIL from adding to the latencies.
-    load.add_argument("--procs", type=int, default=2,
-                      help="client processes the clients are spread over, as threads [default %(default)s]")
+    load.add_argument(
+        "--procs",
+        type=int,
+        default=2,
+        help="client processes the clients are spread over, as threads [default %(default)s]",
+    )
     load.add_argument("--batch", type=int, default=1024, help="ids per pull or push [default %(default)s]")
-    load.add_argument("--pull-fraction", type=float, default=0.5,
-                      help="share of calls that are pulls, the rest pushes [default %(default)s]")
-    load.add_argument("--id-space", type=int, default=250_000,
-                      help="distinct ids the batches draw from, all written before the run [default %(default)s]")
+    load.add_argument(
+        "--pull-fraction",
+        type=float,
+        default=0.5,
+        help="share of calls that are pulls, the rest pushes [default %(default)s]",
+    )
+    load.add_argument(
+        "--id-space",
+        type=int,
+        default=250_000,
+        help="distinct ids the batches draw from, all written before the run [default %(default)s]",
+    )
     load.add_argument("--dim", type=int, default=64, help="embedding floats per row [default %(default)s]")
-    load.add_argument("--state-width", type=int, default=64,
-                      help="optimizer-state floats per row [default %(default)s]")
-    load.add_argument("--timeout", type=float, default=30.0,
-                      help="seconds one call may take before it counts as DEADLINE_EXCEEDED [default %(default)s]")
+    load.add_argument(
+        "--state-width", type=int, default=64, help="optimizer-state floats per row [default %(default)s]"
+    )
+    load.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        help="seconds one call may take before it counts as DEADLINE_EXCEEDED [default %(default)s]",
+    )
     load.add_argument("--seed", type=int, default=0)
 
     checks = p.add_argument_group("memory checks")
-    checks.add_argument("--warmup-fraction", type=float, default=0.2,
-                        help="leading share of the run that memory may grow in [default %(default)s]")
-    checks.add_argument("--max-rss-growth", type=float, default=0.10,
-                        help="most the PS's RSS may grow after warm-up, as a ratio [default %(default)s]")
-    checks.add_argument("--max-redis-growth", type=float, default=0.10,
-                        help="most Redis used_memory may grow after warm-up, as a ratio [default %(default)s]")
+    checks.add_argument(
+        "--warmup-fraction",
+        type=float,
+        default=0.2,
+        help="leading share of the run that memory may grow in [default %(default)s]",
+    )
+    checks.add_argument(
+        "--max-rss-growth",
+        type=float,
+        default=0.10,
+        help="most the PS's RSS may grow after warm-up, as a ratio [default %(default)s]",
+    )
+    checks.add_argument(
+        "--max-redis-growth",
+        type=float,
+        default=0.10,
+        help="most Redis used_memory may grow after warm-up, as a ratio [default %(default)s]",
+    )
     checks.add_argument("--sample-seconds", type=float, help="memory sampling interval [default 1; 10 with --soak]")
-    checks.add_argument("--report-seconds", type=float,
-                        help="a progress line this often [default: a sixth of the run, at least 10 s; 60 with --soak]")
+    checks.add_argument(
+        "--report-seconds",
+        type=float,
+        help="a progress line this often [default: a sixth of the run, at least 10 s; 60 with --soak]",
+    )
 
     where = p.add_argument_group("what to load (default: a redis-server and a PS started here)")
     where.add_argument("--ps", metavar="HOST:PORT", help="a running PS to load instead of starting one")
     where.add_argument("--ps-pid", type=int, help="with --ps on this machine: its process id, to sample its RSS")
     where.add_argument("--ps-metrics", metavar="URL", help="with --ps: its /metrics URL, to read its own error count")
-    where.add_argument("--redis", metavar="URL",
-                       help="redis://[user:pass@]host:port/db or rediss://...: the Redis to sample (with --ps) "
-                            "or to start the PS on (without); a standalone server")
-    where.add_argument("--namespace", default="ps_load",
-                       help="Redis key prefix of a PS started here [default %(default)s]")
+    where.add_argument(
+        "--redis",
+        metavar="URL",
+        help="redis://[user:pass@]host:port/db or rediss://...: the Redis to sample (with --ps) "
+        "or to start the PS on (without); a standalone server",
+    )
+    where.add_argument(
+        "--namespace", default="ps_load", help="Redis key prefix of a PS started here [default %(default)s]"
+    )
     where.add_argument("--table", default="ps_load", help="table to create and load [default %(default)s]")
     where.add_argument("--keep-table", action="store_true", help="leave the table in place at the end")
-    p.add_argument("--json", type=Path, default=Path(__file__).parent / "out" / "ps_load.json",
-                   help="also write the result here [default %(default)s]")
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=Path(__file__).parent / "out" / "ps_load.json",
+        help="also write the result here [default %(default)s]",
+    )
     args = p.parse_args(argv)
 
     args.duration = args.duration if args.duration is not None else (3600.0 if args.soak else 60.0)
@@ -147,8 +190,10 @@ def parse_args(argv) -> argparse.Namespace:
     if not 0.0 < args.warmup_fraction < 1.0:
         p.error(f"--warmup-fraction must be between 0 and 1 (both excluded), got {args.warmup_fraction}")
     if args.sample_seconds > args.duration * (1 - args.warmup_fraction) / 2:
-        p.error(f"--sample-seconds {args.sample_seconds} leaves fewer than 2 samples after warm-up "
-                f"of a {args.duration:g} s run")
+        p.error(
+            f"--sample-seconds {args.sample_seconds} leaves fewer than 2 samples after warm-up "
+            f"of a {args.duration:g} s run"
+        )
     if args.procs > args.clients:
         p.error(f"--procs {args.procs} is more than --clients {args.clients}")
     if args.ps is None and (args.ps_pid or args.ps_metrics):
@@ -173,19 +218,27 @@ def attach(args, stack: ExitStack) -> Target:
             redis_url = stack.enter_context(RedisProcess()).url
         except (FileNotFoundError, RuntimeError) as exc:
             raise SetupError(f"could not start redis-server: {exc}") from None
-    ps = LocalPS("--backend", redis_url, "--namespace", args.namespace, "--log-level", "WARNING",
-                 "--not-serving-seconds", "0")
+    ps = LocalPS(
+        "--backend", redis_url, "--namespace", args.namespace, "--log-level", "WARNING", "--not-serving-seconds", "0"
+    )
     try:
         stack.enter_context(ps)
     except RuntimeError as exc:
         raise SetupError(str(exc)) from None
-    return Target(ps.address, ps.proc.pid, redis_url, f"http://127.0.0.1:{ps.metrics_port}/metrics",
-                  f"a PS started here ({ps.address}, pid {ps.proc.pid}) over {redis_url}", ps)
+    return Target(
+        ps.address,
+        ps.proc.pid,
+        redis_url,
+        f"http://127.0.0.1:{ps.metrics_port}/metrics",
+        f"a PS started here ({ps.address}, pid {ps.proc.pid}) over {redis_url}",
+        ps,
+    )
 
 
 def prefill(client: PSClient, table: str, ids: np.ndarray, patterns: np.ndarray) -> None:
-    for lo in tqdm(range(0, len(ids), PREFILL_CHUNK), desc="prefill: every id of the id space", unit="chunk",
-                   leave=False):
+    for lo in tqdm(
+        range(0, len(ids), PREFILL_CHUNK), desc="prefill: every id of the id space", unit="chunk", leave=False
+    ):
         chunk = ids[lo : lo + PREFILL_CHUNK]
         client.push(table, chunk, expected_rows(patterns, chunk), timeout=600)
 
@@ -203,9 +256,15 @@ def run_load(args, spec: LoadSpec, sampler: MemorySampler) -> tuple[list[dict], 
     barrier = ctx.Barrier(args.procs + 1)
     results = ctx.Queue()
     bounds = np.linspace(0, args.clients, args.procs + 1).astype(int)
-    procs = [ctx.Process(target=client_process, args=(int(lo), int(hi - lo), spec, live, barrier, results),
-                         daemon=True, name=f"ps-load-clients-{k}")
-             for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]
+    procs = [
+        ctx.Process(
+            target=client_process,
+            args=(int(lo), int(hi - lo), spec, live, barrier, results),
+            daemon=True,
+            name=f"ps-load-clients-{k}",
+        )
+        for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))
+    ]
     for proc in procs:
         proc.start()
     try:
@@ -227,14 +286,19 @@ def run_load(args, spec: LoadSpec, sampler: MemorySampler) -> tuple[list[dict], 
             sampler.sample(t)
             totals = live_totals(live)
             bar.update(min(t, args.duration) - bar.n)
-            bar.set_postfix_str(f"{(totals[PULLS] + totals[PUSHES]) / t:.1f} req/s, errors {totals[ERRORS]}, "
-                                f"PS RSS {mib(sampler.ps_rss[-1])}", refresh=False)
+            bar.set_postfix_str(
+                f"{(totals[PULLS] + totals[PUSHES]) / t:.1f} req/s, errors {totals[ERRORS]}, "
+                f"PS RSS {mib(sampler.ps_rss[-1])}",
+                refresh=False,
+            )
             if t - last_report >= args.report_seconds - 1e-6:
                 d, span = totals - last_totals, t - last_report
-                tqdm.write(f"[{t:6.0f}/{args.duration:.0f} s] {(d[PULLS] + d[PUSHES]) / span:,.1f} req/s, "
-                           f"{d[ROWS] / span:,.0f} rows/s in the last {span:.0f} s; errors {totals[ERRORS]}; "
-                           f"PS RSS {mib(sampler.ps_rss[-1])}; Redis used_memory {mib(sampler.redis_used[-1])}",
-                           file=sys.stdout)
+                tqdm.write(
+                    f"[{t:6.0f}/{args.duration:.0f} s] {(d[PULLS] + d[PUSHES]) / span:,.1f} req/s, "
+                    f"{d[ROWS] / span:,.0f} rows/s in the last {span:.0f} s; errors {totals[ERRORS]}; "
+                    f"PS RSS {mib(sampler.ps_rss[-1])}; Redis used_memory {mib(sampler.redis_used[-1])}",
+                    file=sys.stdout,
+                )
                 sys.stdout.flush()
                 last_report, last_totals = t, totals
             next_at += args.sample_seconds
@@ -244,8 +308,10 @@ def run_load(args, spec: LoadSpec, sampler: MemorySampler) -> tuple[list[dict], 
         proc.join(30)
     errors = [r["setup_error"] for r in got if "setup_error" in r]
     if len(got) < len(procs):
-        errors.append(f"{len(procs) - len(got)} client process(es) died without a result (exit codes "
-                      f"{[p.exitcode for p in procs]})")
+        errors.append(
+            f"{len(procs) - len(got)} client process(es) died without a result (exit codes "
+            f"{[p.exitcode for p in procs]})"
+        )
     return [r for r in got if "setup_error" not in r], errors, cpu
 
 
@@ -264,8 +330,12 @@ def latency_row(lat: np.ndarray) -> dict:
     if len(lat) == 0:
         return {"count": 0, "p50_ms": None, "p99_ms": None, "max_ms": None}
     p50, p99 = np.percentile(lat, [50, 99]) * 1000
-    return {"count": int(len(lat)), "p50_ms": round(float(p50), 3), "p99_ms": round(float(p99), 3),
-            "max_ms": round(float(lat.max() * 1000), 3)}
+    return {
+        "count": int(len(lat)),
+        "p50_ms": round(float(p50), 3),
+        "p99_ms": round(float(p99), 3),
+        "max_ms": round(float(lat.max() * 1000), 3),
+    }
 
 
 def mib(x: float) -> str:
@@ -298,12 +368,25 @@ def main(argv=None) -> int:
         except (SetupError, PSError, OSError, ValueError, redis.RedisError, psutil.Error) as exc:
             print(f"ps_load: setup failed: {exc}", file=sys.stderr)
             return 2
-        print(f"ps_load: {args.clients} clients in {args.procs} process{'es' if args.procs > 1 else ''} for "
-              f"{args.duration:g} s against {target.describe}; batches of {args.batch:,} ids, {args.pull_fraction:.0%} pulls; rows of "
-              f"{args.dim} + {args.state_width} fp32 ({schema.row_bytes} B); {rows_before:,} rows stored "
-              f"(id space {args.id_space:,}, prefilled); {os.cpu_count()} CPUs", flush=True)
-        spec = LoadSpec(target.address, args.table, ids, patterns, args.batch, args.pull_fraction,
-                        args.timeout, args.duration, args.seed)
+        print(
+            f"ps_load: {args.clients} clients in {args.procs} process{'es' if args.procs > 1 else ''} for "
+            f"{args.duration:g} s against {target.describe}; batches of {args.batch:,} ids, "
+            f"{args.pull_fraction:.0%} pulls; rows of "
+            f"{args.dim} + {args.state_width} fp32 ({schema.row_bytes} B); {rows_before:,} rows stored "
+            f"(id space {args.id_space:,}, prefilled); {os.cpu_count()} CPUs",
+            flush=True,
+        )
+        spec = LoadSpec(
+            target.address,
+            args.table,
+            ids,
+            patterns,
+            args.batch,
+            args.pull_fraction,
+            args.timeout,
+            args.duration,
+            args.seed,
+        )
         failures: list[str] = []
         try:
             results, setup_errors, cpu = run_load(args, spec, sampler)
@@ -321,8 +404,19 @@ def main(argv=None) -> int:
             failures.append(f"the PS did not answer after the run: {exc}")
             rows_after, ps_errors_after = None, None
         cpu["clients"] = sum(r["cpu_seconds"] for r in results)
-        summary = summarize(args, target, schema, results, sampler, cpu, rows_before, rows_after,
-                            ps_errors_before, ps_errors_after, failures)
+        summary = summarize(
+            args,
+            target,
+            schema,
+            results,
+            sampler,
+            cpu,
+            rows_before,
+            rows_after,
+            ps_errors_before,
+            ps_errors_after,
+            failures,
+        )
     print_summary(args, summary)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(summary, indent=2) + "\n")
@@ -330,10 +424,12 @@ def main(argv=None) -> int:
     return 0 if summary["ok"] else 1
 
 
-def summarize(args, target, schema, results, sampler, cpu, rows_before, rows_after,
-              ps_errors_before, ps_errors_after, failures) -> dict:
-    lat = {m: np.concatenate([r["latencies"][m] for r in results]) if results else np.array([])
-           for m in ("pull", "push")}
+def summarize(
+    args, target, schema, results, sampler, cpu, rows_before, rows_after, ps_errors_before, ps_errors_after, failures
+) -> dict:
+    lat = {
+        m: np.concatenate([r["latencies"][m] for r in results]) if results else np.array([]) for m in ("pull", "push")
+    }
     errors_by_method: dict[str, dict[str, int]] = {"pull": {}, "push": {}}
     first_error: dict[str, str] = {}
     for r in results:
@@ -353,8 +449,10 @@ def summarize(args, target, schema, results, sampler, cpu, rows_before, rows_aft
     warmup_end = args.warmup_fraction * args.duration
     window = max(0.1 * args.duration, args.sample_seconds)
     memory = {}
-    for name, values, limit in (("ps_rss", sampler.ps_rss, args.max_rss_growth),
-                                ("redis_used_memory", sampler.redis_used, args.max_redis_growth)):
+    for name, values, limit in (
+        ("ps_rss", sampler.ps_rss, args.max_rss_growth),
+        ("redis_used_memory", sampler.redis_used, args.max_redis_growth),
+    ):
         if not values or np.isnan(values[0]):
             memory[name] = None
             continue
@@ -362,8 +460,10 @@ def summarize(args, target, schema, results, sampler, cpu, rows_before, rows_aft
         memory[name] = g.as_json() | {"limit": limit}
         if g.ratio > limit:
             what = "the PS's RSS" if name == "ps_rss" else "Redis used_memory"
-            failures.append(f"{what} grew {g.ratio:+.1%} after warm-up ({g.at_warmup_end / MiB:,.1f} -> "
-                            f"{g.at_end / MiB:,.1f} MiB), over the limit of {limit:.0%}")
+            failures.append(
+                f"{what} grew {g.ratio:+.1%} after warm-up ({g.at_warmup_end / MiB:,.1f} -> "
+                f"{g.at_end / MiB:,.1f} MiB), over the limit of {limit:.0%}"
+            )
 
     if errors:
         detail = "; ".join(f"{code} x{n} (first: {first_error.get(code, '')[:200]})" for code, n in errors.items())
@@ -372,13 +472,18 @@ def summarize(args, target, schema, results, sampler, cpu, rows_before, rows_aft
         failures.append("no call completed in the run")
     server_errors = None
     if ps_errors_before is not None and ps_errors_after is not None:
-        server_errors = {c: int(n - ps_errors_before.get(c, 0)) for c, n in ps_errors_after.items()
-                         if n - ps_errors_before.get(c, 0) > 0}
+        server_errors = {
+            c: int(n - ps_errors_before.get(c, 0))
+            for c, n in ps_errors_after.items()
+            if n - ps_errors_before.get(c, 0) > 0
+        }
         if server_errors:
             failures.append(f"the PS's /metrics counted errors during the run: {server_errors}")
     if rows_after is not None and rows_after != rows_before:
-        failures.append(f"the table held {rows_before:,} rows before the run and {rows_after:,} after; "
-                        "no call of the run adds a row")
+        failures.append(
+            f"the table held {rows_before:,} rows before the run and {rows_after:,} after; "
+            "no call of the run adds a row"
+        )
     return {
         "bench": "ps_load",
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -389,8 +494,8 @@ def summarize(args, target, schema, results, sampler, cpu, rows_before, rows_aft
         "requests": requests | {"all": total},
         "requests_per_s": round(total / span, 2) if span else 0.0,
         "rows_per_s": round(rows / span, 1) if span else 0.0,
-        "latency_ms": {m: latency_row(lat[m]) for m in ("pull", "push")} | {"all": latency_row(
-            np.concatenate([lat["pull"], lat["push"]]))},
+        "latency_ms": {m: latency_row(lat[m]) for m in ("pull", "push")}
+        | {"all": latency_row(np.concatenate([lat["pull"], lat["push"]]))},
         "errors": errors,
         "errors_total": sum(errors.values()),
         "errors_by_method": errors_by_method,
@@ -406,33 +511,48 @@ def summarize(args, target, schema, results, sampler, cpu, rows_before, rows_aft
 
 def print_summary(args, s: dict) -> None:
     span = s["seconds"] or float("nan")
-    print(f"\n{'method':<8}{'requests':>10}{'req/s':>10}{'rows/s':>12}{'p50 ms':>10}{'p99 ms':>10}"
-          f"{'max ms':>10}{'errors':>8}")
+    print(
+        f"\n{'method':<8}{'requests':>10}{'req/s':>10}{'rows/s':>12}{'p50 ms':>10}{'p99 ms':>10}"
+        f"{'max ms':>10}{'errors':>8}"
+    )
     for m in ("pull", "push", "all"):
         n, lat = s["requests"][m], s["latency_ms"][m]
         errs = s["errors_total"] if m == "all" else sum(s["errors_by_method"][m].values())
-        print(f"{m:<8}{n:>10,}{n / span:>10,.1f}{n * args.batch / span:>12,.0f}{ms(lat['p50_ms']):>10}"
-              f"{ms(lat['p99_ms']):>10}{ms(lat['max_ms']):>10}{errs:>8,}")
+        print(
+            f"{m:<8}{n:>10,}{n / span:>10,.1f}{n * args.batch / span:>12,.0f}{ms(lat['p50_ms']):>10}"
+            f"{ms(lat['p99_ms']):>10}{ms(lat['max_ms']):>10}{errs:>8,}"
+        )
     window = max(0.1 * args.duration, args.sample_seconds)
-    print(f"\nmemory: median over {window:g} s ending at warm-up's end ({args.warmup_fraction:.0%} of the run) "
-          f"and at the run's end; {s['memory_samples']} samples")
+    print(
+        f"\nmemory: median over {window:g} s ending at warm-up's end ({args.warmup_fraction:.0%} of the run) "
+        f"and at the run's end; {s['memory_samples']} samples"
+    )
     print(f"{'':<20}{'warm-up end':>14}{'end':>12}{'peak':>12}{'growth':>9}{'limit':>8}")
     for name, label in (("ps_rss", "PS RSS"), ("redis_used_memory", "Redis used_memory")):
         g = s["memory"][name]
         if g is None:
             print(f"{label:<20}  not measured" + (" (give --ps-pid)" if name == "ps_rss" else " (give --redis)"))
             continue
-        print(f"{label:<20}{g['at_warmup_end_bytes'] / MiB:>10,.1f} MiB{g['at_end_bytes'] / MiB:>8,.1f} MiB"
-              f"{g['peak_bytes'] / MiB:>8,.1f} MiB{g['growth']:>+9.1%}{g['limit']:>8.0%}")
+        print(
+            f"{label:<20}{g['at_warmup_end_bytes'] / MiB:>10,.1f} MiB{g['at_end_bytes'] / MiB:>8,.1f} MiB"
+            f"{g['peak_bytes'] / MiB:>8,.1f} MiB{g['growth']:>+9.1%}{g['limit']:>8.0%}"
+        )
     cpu = s["cpu_seconds"]
-    print("CPU seconds in the run: " + ", ".join(f"{k} {'n/a' if v is None else format(v, '.1f')}"
-                                                for k, v in (("PS", cpu.get("ps")), ("Redis", cpu.get("redis")),
-                                                             ("clients", cpu.get("clients"))))
-          + f" (of {s['seconds'] * s['cpus']:.0f} on {s['cpus']} CPUs)")
+    print(
+        "CPU seconds in the run: "
+        + ", ".join(
+            f"{k} {'n/a' if v is None else format(v, '.1f')}"
+            for k, v in (("PS", cpu.get("ps")), ("Redis", cpu.get("redis")), ("clients", cpu.get("clients")))
+        )
+        + f" (of {s['seconds'] * s['cpus']:.0f} on {s['cpus']} CPUs)"
+    )
     server = s["ps_metrics_errors"]
-    print(f"PS /metrics errors during the run: {'not read (give --ps-metrics)' if server is None else sum(server.values())}")
-    print(f"rows stored: {s['rows_stored']['before']:,} before, "
-          f"{'?' if s['rows_stored']['after'] is None else format(s['rows_stored']['after'], ',')} after")
+    errors = "not read (give --ps-metrics)" if server is None else sum(server.values())
+    print(f"PS /metrics errors during the run: {errors}")
+    print(
+        f"rows stored: {s['rows_stored']['before']:,} before, "
+        f"{'?' if s['rows_stored']['after'] is None else format(s['rows_stored']['after'], ',')} after"
+    )
     for f in s["failures"]:
         print(f"FAIL: {f}")
     if s["ok"]:

@@ -50,8 +50,9 @@ class RawGrpc:
     def __init__(self, row_bytes: int, workdir: Path) -> None:
         port_file = workdir / "raw_grpc.port"
         port_file.unlink(missing_ok=True)
-        self.proc = subprocess.Popen([sys.executable, __file__, "--row-bytes", str(row_bytes),
-                                      "--port-file", str(port_file)])
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--row-bytes", str(row_bytes), "--port-file", str(port_file)]
+        )
         deadline = time.monotonic() + 30
         while not port_file.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -63,7 +64,7 @@ class RawGrpc:
         self.pull = self.channel.unary_unary("/raw.Rows/Pull")
         self.push = self.channel.unary_unary("/raw.Rows/Push")
 
-    def __enter__(self) -> "RawGrpc":
+    def __enter__(self) -> RawGrpc:
         return self
 
     def __exit__(self, *exc) -> None:

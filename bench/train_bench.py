@@ -34,8 +34,19 @@ from dynemb.testing.local_ps import LocalPS  # noqa: E402
 
 
 def run(nproc: int, extra: list[str], out: Path) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "dynemb.trainer", "--no-progress", "--result-json", str(out), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "dynemb.trainer",
+        "--no-progress",
+        "--result-json",
+        str(out),
+        *extra,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // nproc)))
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
@@ -52,28 +63,55 @@ def main(argv=None) -> int:
     p.add_argument("--universe", type=int, default=100_000)
     p.add_argument("--capacity-fraction", type=float, default=0.1)
     p.add_argument("--optimizer", default="rowwise_adagrad")
-    p.add_argument("--pairs", type=int, default=1,
-                   help="plain and dynamic runs in this many alternating pairs; each pair's ratio, then their "
-                        "mean and median (the plain run alone moves by ~20%% between runs on a 2-core machine)")
-    p.add_argument("--prefetch", type=int, default=None,
-                   help="the dynamic run's --prefetch (batches transformed ahead by a thread); default: the trainer's")
-    p.add_argument("--transform-priority", default=None, choices=("idle", "low", "normal"),
-                   help="the dynamic run's --transform-priority; default: the trainer's")
-    p.add_argument("--ps-process", action="store_true",
-                   help="the dynamic run's rows in a PS process (dynemb ps serve, embedded backend) on this "
-                        "machine rather than in each rank's process")
+    p.add_argument(
+        "--pairs",
+        type=int,
+        default=1,
+        help="plain and dynamic runs in this many alternating pairs; each pair's ratio, then their "
+        "mean and median (the plain run alone moves by ~20%% between runs on a 2-core machine)",
+    )
+    p.add_argument(
+        "--prefetch",
+        type=int,
+        default=None,
+        help="the dynamic run's --prefetch (batches transformed ahead by a thread); default: the trainer's",
+    )
+    p.add_argument(
+        "--transform-priority",
+        default=None,
+        choices=("idle", "low", "normal"),
+        help="the dynamic run's --transform-priority; default: the trainer's",
+    )
+    p.add_argument(
+        "--ps-process",
+        action="store_true",
+        help="the dynamic run's rows in a PS process (dynemb ps serve, embedded backend) on this "
+        "machine rather than in each rank's process",
+    )
     args = p.parse_args(argv)
     if args.pairs < 1:
         p.error("--pairs must be at least 1")
-    common = ["--steps", str(args.steps), "--batch-size", str(args.batch_size), "--universe", str(args.universe),
-              "--optimizer", args.optimizer, "--eval-batches", "2"]
+    common = [
+        "--steps",
+        str(args.steps),
+        "--batch-size",
+        str(args.batch_size),
+        "--universe",
+        str(args.universe),
+        "--optimizer",
+        args.optimizer,
+        "--eval-batches",
+        "2",
+    ]
     dynamic = ["--capacity-fraction", str(args.capacity_fraction)]
     if args.prefetch is not None:
         dynamic += ["--prefetch", str(args.prefetch)]
     if args.transform_priority is not None:
         dynamic += ["--transform-priority", args.transform_priority]
-    print(f"train_bench: DLRM, 26 tables, {args.nproc} ranks (gloo, CPU), {args.steps} steps of {args.batch_size} "
-          f"per rank, universe {args.universe:,} IDs per table, {args.optimizer}")
+    print(
+        f"train_bench: DLRM, 26 tables, {args.nproc} ranks (gloo, CPU), {args.steps} steps of {args.batch_size} "
+        f"per rank, universe {args.universe:,} IDs per table, {args.optimizer}"
+    )
     where = "a PS process" if args.ps_process else "in-process PS"
     ratios = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -84,15 +122,21 @@ def main(argv=None) -> int:
                 dyn = run(args.nproc, common + dynamic + ps, Path(tmp) / "dyn.json")
             ratios.append(dyn["samples_per_second"] / full["samples_per_second"])
             head = f"pair {pair + 1}: " if args.pairs > 1 else ""
-            print(f"  {head}plain TorchRec, full tables           {full['samples_per_second']:>10,.0f} samples/s   "
-                  f"AUC {full['auc']:.4f}")
-            print(f"  {head}dynamic tables at {args.capacity_fraction:.0%}, {where:<13} "
-                  f"{dyn['samples_per_second']:>10,.0f} samples/s   AUC {dyn['auc']:.4f}   "
-                  f"hit rate {dyn['hit_rate']:.3f}")
+            print(
+                f"  {head}plain TorchRec, full tables           {full['samples_per_second']:>10,.0f} samples/s   "
+                f"AUC {full['auc']:.4f}"
+            )
+            print(
+                f"  {head}dynamic tables at {args.capacity_fraction:.0%}, {where:<13} "
+                f"{dyn['samples_per_second']:>10,.0f} samples/s   AUC {dyn['auc']:.4f}   "
+                f"hit rate {dyn['hit_rate']:.3f}"
+            )
             print(f"  {head}ratio dynamic / full                  {ratios[-1]:>10.2f}   (goal >= 0.8)")
     if args.pairs > 1:
-        print(f"  ratios {' '.join(f'{r:.2f}' for r in ratios)}   mean {statistics.mean(ratios):.2f}   "
-              f"median {statistics.median(ratios):.2f}   (goal >= 0.8)")
+        print(
+            f"  ratios {' '.join(f'{r:.2f}' for r in ratios)}   mean {statistics.mean(ratios):.2f}   "
+            f"median {statistics.median(ratios):.2f}   (goal >= 0.8)"
+        )
     return 0
 
 

@@ -99,9 +99,12 @@ def worker(rank: int, args, init_file: str) -> None:
         for mode, run in modes.items():
             tables = [ShardedIDTransformer(args.capacity, EvictionPolicy("hybrid")) for _ in range(args.tables)]
             total, cpu, process = run(tables, batches, args.warmup)
-            print(f"rank {rank} round {round_} {mode:>16}: {statistics.median(total):.2f} ms median a step, "
-                  f"{statistics.mean(total):.2f} mean; CPU a step: main thread {statistics.median(cpu):.2f} "
-                  f"median, process {process:.2f} ({args.steps} steps)", flush=True)
+            print(
+                f"rank {rank} round {round_} {mode:>16}: {statistics.median(total):.2f} ms median a step, "
+                f"{statistics.mean(total):.2f} mean; CPU a step: main thread {statistics.median(cpu):.2f} "
+                f"median, process {process:.2f} ({args.steps} steps)",
+                flush=True,
+            )
     dist.destroy_process_group()
 
 

@@ -36,11 +36,17 @@ def run(args) -> int:
     print(f"PS up on 127.0.0.1:{server.port} ({server.store.kind} store), metrics on :{server.metrics_port}/metrics")
     try:
         with PSClient(f"127.0.0.1:{server.port}") as ps:
-            info = ps.create_table("demo_items", dim=args.dim, state_width=args.state_width,
-                                   initializer=Initializer("uniform", -0.05, 0.05, seed=7))
+            info = ps.create_table(
+                "demo_items",
+                dim=args.dim,
+                state_width=args.state_width,
+                initializer=Initializer("uniform", -0.05, 0.05, seed=7),
+            )
             s = info.schema
-            print(f"created table {s.name}: dim={s.dim} state_width={s.state_width} dtype={s.dtype} "
-                  f"init={s.initializer.kind}[{s.initializer.a}, {s.initializer.b})")
+            print(
+                f"created table {s.name}: dim={s.dim} state_width={s.state_width} dtype={s.dtype} "
+                f"init={s.initializer.kind}[{s.initializer.a}, {s.initializer.b})"
+            )
 
             rng = np.random.default_rng(0)
             ids = rng.choice(1 << 62, size=args.rows, replace=False).astype(np.int64)
@@ -57,14 +63,18 @@ def run(args) -> int:
                 pulled += len(batch)
                 pushed += len(batch)
             elapsed = time.perf_counter() - start
-            print(f"pulled {pulled} rows ({missing} missing, returned initialised) and pushed {pushed} rows "
-                  f"in {elapsed:.2f}s: {(pulled + pushed) / elapsed:,.0f} rows/s")
+            print(
+                f"pulled {pulled} rows ({missing} missing, returned initialised) and pushed {pushed} rows "
+                f"in {elapsed:.2f}s: {(pulled + pushed) / elapsed:,.0f} rows/s"
+            )
 
             sample = ids[:3]
             again = ps.pull(s.name, sample)
-            print(f"pulled {len(sample)} ids again: missing={again.missing.tolist()}, "
-                  f"first values {np.round(again.embeddings[:, 0], 4).tolist()}, "
-                  f"state {again.state[:, 0].tolist()}")
+            print(
+                f"pulled {len(sample)} ids again: missing={again.missing.tolist()}, "
+                f"first values {np.round(again.embeddings[:, 0], 4).tolist()}, "
+                f"state {again.state[:, 0].tolist()}"
+            )
             info = ps.describe_table(s.name)
             print(f"table {s.name} now holds {info.num_rows} rows")
             for m in ps.stats()[0].methods:

@@ -52,8 +52,7 @@ def make_tf1_saver(out: Path) -> None:
     with tf.Graph().as_default():
         zeros = v1.zeros_initializer()
         with v1.variable_scope("emb"):
-            user = v1.get_variable("user", shape=[10, 4], initializer=zeros,
-                                   partitioner=v1.fixed_size_partitioner(3))
+            user = v1.get_variable("user", shape=[10, 4], initializer=zeros, partitioner=v1.fixed_size_partitioner(3))
             item = v1.get_variable("item", shape=[6, 8], initializer=zeros)
             tag = v1.get_variable("tag", shape=[5, 4], dtype=tf.bfloat16, initializer=zeros)
         v1.get_variable("misc/complex", shape=[2, 2], dtype=tf.complex64, initializer=zeros)  # no float
@@ -61,18 +60,24 @@ def make_tf1_saver(out: Path) -> None:
         adagrad, adam = v1.train.AdagradOptimizer(0.1), v1.train.AdamOptimizer(0.1)
         train = tf.group(
             adagrad.minimize(tf.reduce_sum(tf.nn.embedding_lookup(user, [1, 5])), var_list=list(user)),
-            adam.minimize(tf.reduce_sum(tf.gather(item, [0, 2])), var_list=[item], global_step=step))
+            adam.minimize(tf.reduce_sum(tf.gather(item, [0, 2])), var_list=[item], global_step=step),
+        )
         sets = []
         full = {"values": known["emb/user"].array(), "accumulator": known["emb/user"].slot("accumulator")}
         for part in user:
             lo = part._get_save_slice_info().var_offset[0]
             rows = slice(lo, lo + part.shape[0])
-            sets += [part.assign(full["values"][rows]),
-                     adagrad.get_slot(part, "accumulator").assign(full["accumulator"][rows])]
+            sets += [
+                part.assign(full["values"][rows]),
+                adagrad.get_slot(part, "accumulator").assign(full["accumulator"][rows]),
+            ]
         k = known["emb/item"]
-        sets += [item.assign(k.array()), adam.get_slot(item, "m").assign(k.slot("m")),
-                 adam.get_slot(item, "v").assign(k.slot("v")),
-                 tag.assign(tf.cast(known["emb/tag"].array(), tf.bfloat16))]
+        sets += [
+            item.assign(k.array()),
+            adam.get_slot(item, "m").assign(k.slot("m")),
+            adam.get_slot(item, "v").assign(k.slot("v")),
+            tag.assign(tf.cast(known["emb/tag"].array(), tf.bfloat16)),
+        ]
         with v1.Session() as sess:
             sess.run(v1.global_variables_initializer())
             sess.run(train)
@@ -142,8 +147,12 @@ def _keras_model(optimizer, known, embeddings=(("user_emb", 11, 4), ("item_emb",
 
     inputs = [keras.Input((1,), dtype="int32", name=name.removesuffix("_emb")) for name, _, _ in embeddings]
     concat = keras.layers.Concatenate()
-    x = concat([keras.layers.Flatten()(keras.layers.Embedding(rows, dim, name=name)(one))
-                for (name, rows, dim), one in zip(embeddings, inputs)])
+    x = concat(
+        [
+            keras.layers.Flatten()(keras.layers.Embedding(rows, dim, name=name)(one))
+            for (name, rows, dim), one in zip(embeddings, inputs)
+        ]
+    )
     model = keras.Model(inputs, keras.layers.Dense(1, name="head")(x))
     model.compile(optimizer=optimizer, loss="mse")
     model.fit([np.arange(10) % rows for _, rows, _ in embeddings], np.ones(10), epochs=1, verbose=0)
@@ -194,15 +203,17 @@ def make_tfra_tf1(out: Path) -> None:
     v1.disable_eager_execution()
     known = FIXTURES["tfra_tf1"]
     with tf.Graph().as_default():
-        user = de.get_variable("user_de", key_dtype=tf.int64, value_dtype=tf.float32, dim=4,
-                               devices=["/CPU:0", "/CPU:0"], initializer=0.0)
+        user = de.get_variable(
+            "user_de", key_dtype=tf.int64, value_dtype=tf.float32, dim=4, devices=["/CPU:0", "/CPU:0"], initializer=0.0
+        )
         item = de.get_variable("item_de", key_dtype=tf.int64, value_dtype=tf.float32, dim=3, initializer=0.0)
         ids = tf.constant([3, 17], tf.int64)  # the step creates slot rows for these two keys only
         adam = de.DynamicEmbeddingOptimizer(v1.train.AdamOptimizer(0.1))
         adagrad = de.DynamicEmbeddingOptimizer(v1.train.AdagradOptimizer(0.1))
         train = tf.group(
             adam.minimize(tf.reduce_sum(de.embedding_lookup(user, ids, name="user_lookup"))),
-            adagrad.minimize(tf.reduce_sum(de.embedding_lookup(item, ids, name="item_lookup"))))
+            adagrad.minimize(tf.reduce_sum(de.embedding_lookup(item, ids, name="item_lookup"))),
+        )
         keys = tf.constant(TFRA_KEYS, tf.int64)
         sets = []
         for var, opt, k in ((user, adam, known["user_de"]), (item, adagrad, known["item_de"])):
@@ -225,8 +236,9 @@ def make_tfra_tf2(out: Path) -> None:
 
     k = FIXTURES["tfra_tf2"]["words"]
     model = tf.Module()
-    model.words = tfra.dynamic_embedding.get_variable("words", key_dtype=tf.string, value_dtype=tf.float32,
-                                                      dim=4, devices=["/CPU:0", "/CPU:0"])
+    model.words = tfra.dynamic_embedding.get_variable(
+        "words", key_dtype=tf.string, value_dtype=tf.float32, dim=4, devices=["/CPU:0", "/CPU:0"]
+    )
     model.words.upsert(tf.constant(TFRA_STRING_KEYS), k.array())
     tf.train.Checkpoint(model=model).save(str(out / "ckpt"))
 
@@ -236,8 +248,12 @@ MAKERS = {name.removeprefix("make_"): fn for name, fn in globals().items() if na
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("fixtures", nargs="*", metavar="FIXTURE",
-                        help=f"which to write [default: all but {', '.join(TFRA)}]: {', '.join(MAKERS)}")
+    parser.add_argument(
+        "fixtures",
+        nargs="*",
+        metavar="FIXTURE",
+        help=f"which to write [default: all but {', '.join(TFRA)}]: {', '.join(MAKERS)}",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     unknown = [n for n in args.fixtures if n not in MAKERS]

@@ -167,12 +167,16 @@ def redis_process(redis_binaries):
 _MARKED_HERE = {  # module: {test name pattern (fnmatch, with parameters): marker}
     "test_sharded_idtransformer.py": {"*": "dist"},
     "test_transform_stream.py": {"test_a_stream_agrees_with_transform_tables_on_every_rank*": "dist"},
-    "test_kernel_build.py": {"test_a_second_checkout_of_the_same_source_reuses_the_build": "slow",
-                             "test_a_stale_build_lock_is_removed_not_waited_on": "slow"},
-    "test_idtransformer.py": {"test_kernel_matches_the_torch_ops_on_a_large_aged_table*": "slow",
-                              "test_kernel_and_torch_backends_agree_call_by_call[[]torch]": "slow",
-                              "test_no_eviction_is_lost_across_pin_refusals*": "slow",
-                              "test_victims_under_a_sampled_bound_match_the_torch_ops*-large]": "slow"},
+    "test_kernel_build.py": {
+        "test_a_second_checkout_of_the_same_source_reuses_the_build": "slow",
+        "test_a_stale_build_lock_is_removed_not_waited_on": "slow",
+    },
+    "test_idtransformer.py": {
+        "test_kernel_matches_the_torch_ops_on_a_large_aged_table*": "slow",
+        "test_kernel_and_torch_backends_agree_call_by_call[[]torch]": "slow",
+        "test_no_eviction_is_lost_across_pin_refusals*": "slow",
+        "test_victims_under_a_sampled_bound_match_the_torch_ops*-large]": "slow",
+    },
 }
 _CLUSTER_FIXTURES = {"redis_cluster", "redis_tls_cluster"}
 

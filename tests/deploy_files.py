@@ -8,7 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import yaml
@@ -83,7 +83,7 @@ def dashboard_exprs() -> list[tuple[str, str]]:
     return [(p["title"], t["expr"]) for p in dashboard()["panels"] for t in p.get("targets", [])]
 
 
-@lru_cache(maxsize=None)
+@cache
 def rendered(overlay: str, workdir: str) -> list[dict]:
     """`kubectl kustomize` of an overlay, on a copy of deploy/k8s with make-secrets.sh's files."""
     copy = Path(workdir) / "k8s"
@@ -91,8 +91,9 @@ def rendered(overlay: str, workdir: str) -> list[dict]:
         shutil.copytree(DEPLOY / "k8s", copy, ignore=shutil.ignore_patterns("secrets"))
         run = subprocess.run([str(copy / "make-secrets.sh")], capture_output=True, text=True, timeout=120)
         assert run.returncode == 0, run.stderr
-    run = subprocess.run([tool("kubectl"), "kustomize", str(copy / "overlays" / overlay)],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [tool("kubectl"), "kustomize", str(copy / "overlays" / overlay)], capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0, f"kubectl kustomize overlays/{overlay}:\n{run.stderr}"
     return [d for d in yaml.safe_load_all(run.stdout) if d]
 
@@ -105,8 +106,11 @@ def find(docs: list[dict], kind: str, name: str) -> dict:
 
 def named(docs: list[dict], kind: str, prefix: str) -> dict:
     """A generated ConfigMap or Secret (kustomize adds a hash suffix to its name)."""
-    hits = [d for d in docs if d["kind"] == kind and re.fullmatch(re.escape(prefix) + r"-[a-z0-9]{10}",
-                                                                      d["metadata"]["name"])]
+    hits = [
+        d
+        for d in docs
+        if d["kind"] == kind and re.fullmatch(re.escape(prefix) + r"-[a-z0-9]{10}", d["metadata"]["name"])
+    ]
     assert len(hits) == 1, f"{kind}/{prefix}-*: {len(hits)} found"
     return hits[0]
 
@@ -121,8 +125,13 @@ def ports(c: dict) -> dict[str, int]:
 
 def cli_env_names(*command: str) -> set[str]:
     """The DYNEMB_* variables a `dynemb ... --help` names."""
-    run = subprocess.run([tool("dynemb"), *command, "--help"], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "COLUMNS": "200"})
+    run = subprocess.run(
+        [tool("dynemb"), *command, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     assert run.returncode == 0, run.stderr
     return set(re.findall(r"env\s+(DYNEMB_[A-Z_]+)", run.stdout))  # a long help may wrap after "env"
 

@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-def wait_until(condition: Callable[[], T], timeout: float = 10.0, what: str = "the condition",
-               interval: float = 0.02) -> T:
+def wait_until(
+    condition: Callable[[], T], timeout: float = 10.0, what: str = "the condition", interval: float = 0.02
+) -> T:
     """Call `condition` until it returns something true, and return that; fail the test when it
     has not within `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -82,9 +83,19 @@ def torchrun(nproc: int, script: Path, *args: str, timeout: float = 240) -> subp
     """`script` under torchrun on nproc local ranks (gloo), its output captured."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
-         *args],
-        capture_output=True, text=True, timeout=timeout, env=env,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(script),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
     )
 
 
@@ -95,8 +106,15 @@ def config(optimizer: str, dynamic: bool, **extra) -> TrainConfig:
     return TrainConfig(
         data=DataConfig(num_sparse=6, universe=6000, zipf=1.1, ids_per_feature=2),
         table=TableConfig(dim=8, capacity_fraction=0.1, dynamic=dynamic, evict_fraction=0.1),
-        optimizer=optimizer, lr=0.1, dense_lr=0.05, batch_size=48, eval_batches=2,
-        dense_arch=[16, 8], over_arch=[16, 1], progress=False, **({"steps": 100} | extra),
+        optimizer=optimizer,
+        lr=0.1,
+        dense_lr=0.05,
+        batch_size=48,
+        eval_batches=2,
+        dense_arch=[16, 8],
+        over_arch=[16, 1],
+        progress=False,
+        **({"steps": 100} | extra),
     )
 
 

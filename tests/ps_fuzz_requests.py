@@ -25,8 +25,17 @@ from dynemb.ps_server.wire import _varint as wire_varint
 
 C = grpc.StatusCode
 # What a PS may answer to anything; CANCELLED only where the fuzzer cancels the call itself.
-ALLOWED = frozenset({C.OK, C.INVALID_ARGUMENT, C.NOT_FOUND, C.ALREADY_EXISTS, C.RESOURCE_EXHAUSTED,
-                     C.FAILED_PRECONDITION, C.OUT_OF_RANGE})
+ALLOWED = frozenset(
+    {
+        C.OK,
+        C.INVALID_ARGUMENT,
+        C.NOT_FOUND,
+        C.ALREADY_EXISTS,
+        C.RESOURCE_EXHAUSTED,
+        C.FAILED_PRECONDITION,
+        C.OUT_OF_RANGE,
+    }
+)
 # The rule of dynemb/protos/ps.proto for table names.
 VALID_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
@@ -61,8 +70,10 @@ class Probe:
             return f"<{type(p).__name__} {p.ByteSize()} bytes>"
 
         codes = sorted(c.name for c in self.codes)
-        return (f"Probe({self.method} {self.kind} {self.note!r} payload={show(self.payload)} codes={codes} "
-                f"words={self.words} cancel_after={self.cancel_after})")
+        return (
+            f"Probe({self.method} {self.kind} {self.note!r} payload={show(self.payload)} codes={codes} "
+            f"words={self.words} cancel_after={self.cancel_after})"
+        )
 
 
 @dataclass
@@ -98,8 +109,9 @@ def _ids(rng: np.random.Generator, n: int) -> bytes:
 
 # sizes around the edges: empty, a few, not a multiple of 8, around the message limit
 SIZES = st.one_of(st.integers(0, 48), st.sampled_from([7, 9, 63, 65, 1023, 4096, 65535, 65536, 262145]))
-UINT32_EDGES = st.one_of(st.integers(0, 9), st.sampled_from([65535, 65536, 65537, 1 << 31, 2**32 - 1]),
-                         st.integers(0, 2**32 - 1))
+UINT32_EDGES = st.one_of(
+    st.integers(0, 9), st.sampled_from([65535, 65536, 65537, 1 << 31, 2**32 - 1]), st.integers(0, 2**32 - 1)
+)
 UINT64_EDGES = st.one_of(st.integers(0, 9), st.sampled_from([1 << 63, 2**64 - 1]), st.integers(0, 2**64 - 1))
 ENUMS = st.one_of(st.integers(-1, 5), st.sampled_from([-(2**31), 2**31 - 1, 99]))
 DOUBLES = st.floats(allow_nan=True, allow_infinity=True)
@@ -195,13 +207,26 @@ def generic_probe(draw, tables: Tables) -> Probe:
         # badly named entry answers NOT_FOUND first
         bad = [t for t in _tables_of(method, msg) if not valid_name(t)]
         codes = frozenset({C.INVALID_ARGUMENT, C.NOT_FOUND}) if bad else ALLOWED
-        return Probe(method, "unary", msg, codes, ("table name",) if bad else (), words_for=C.INVALID_ARGUMENT,
-                     note="generic many")
+        return Probe(
+            method,
+            "unary",
+            msg,
+            codes,
+            ("table name",) if bad else (),
+            words_for=C.INVALID_ARGUMENT,
+            note="generic many",
+        )
     if table is not None and not valid_name(table):
         # the name is checked first by every method that takes one
         words = ("table name",) if method != "CreateTable" else ()
-        return Probe(method, "export" if method == "Export" else "unary", msg, frozenset({C.INVALID_ARGUMENT}),
-                     words, note="invalid name")
+        return Probe(
+            method,
+            "export" if method == "Export" else "unary",
+            msg,
+            frozenset({C.INVALID_ARGUMENT}),
+            words,
+            note="invalid name",
+        )
     return Probe(method, "export" if method == "Export" else "unary", msg, note="generic")
 
 
@@ -246,9 +271,17 @@ def _bad_rows_size(rng, v: TableSchema, n: int) -> int:
     """A row byte count that is NOT n rows of v (wrong dtype, width off by one, truncated...)."""
     right = n * v.row_bytes
     other_itemsize = 4 if v.np_dtype.itemsize == 2 else 2
-    options = [n * v.width * other_itemsize, right + 1, right - 1, right + v.row_bytes, right - v.row_bytes,
-               n * (v.width + 1) * v.np_dtype.itemsize, n * (v.width - 1) * v.np_dtype.itemsize,
-               0, int(rng.integers(0, 4 * right + 64))]
+    options = [
+        n * v.width * other_itemsize,
+        right + 1,
+        right - 1,
+        right + v.row_bytes,
+        right - v.row_bytes,
+        n * (v.width + 1) * v.np_dtype.itemsize,
+        n * (v.width - 1) * v.np_dtype.itemsize,
+        0,
+        int(rng.integers(0, 4 * right + 64)),
+    ]
     options = [s for s in options if s >= 0 and s != right]
     return int(rng.choice(options))
 
@@ -258,32 +291,57 @@ def victim_probe(draw, tables: Tables) -> Probe:
     """An invalid request that names a victim table: it must fail and change nothing."""
     v = draw(st.sampled_from(tables.victims))
     rng = _rng(draw)
-    what = draw(st.sampled_from(["push_rows", "ids_not_8", "spec", "bad_name", "other_name", "import",
-                                 "pull_too_many"]))
+    what = draw(
+        st.sampled_from(["push_rows", "ids_not_8", "spec", "bad_name", "other_name", "import", "pull_too_many"])
+    )
     n = draw(st.integers(0, 40))
     if what == "push_rows":
         if n == 0:
             n = 1
         rows = _blob(rng, _bad_rows_size(rng, v, n))
-        return Probe("Push", "unary", ps_pb2.PushRequest(table=v.name, ids=_ids(rng, n), rows=rows),
-                     frozenset({C.INVALID_ARGUMENT}), (v.name, "bytes"), note="rows not n x row size")
+        return Probe(
+            "Push",
+            "unary",
+            ps_pb2.PushRequest(table=v.name, ids=_ids(rng, n), rows=rows),
+            frozenset({C.INVALID_ARGUMENT}),
+            (v.name, "bytes"),
+            note="rows not n x row size",
+        )
     if what == "ids_not_8":
         ids = _ids(rng, n) + _blob(rng, draw(st.integers(1, 7)))
         method = draw(st.sampled_from(["Push", "Pull", "Delete"]))
         msg = REQUEST_TYPE[method](table=v.name, ids=ids)
         if method == "Push":
             msg.rows = _blob(rng, n * v.row_bytes)
-        return Probe(method, "unary", msg, frozenset({C.INVALID_ARGUMENT}), ("multiple of 8",),
-                     note="id bytes not a multiple of 8")
+        return Probe(
+            method,
+            "unary",
+            msg,
+            frozenset({C.INVALID_ARGUMENT}),
+            ("multiple of 8",),
+            note="id bytes not a multiple of 8",
+        )
     if what == "pull_too_many":  # a reply over the limit from a request under it: rows wider than ids
         v = draw(st.sampled_from([t for t in tables.victims if t.row_bytes >= 16]))
         k = MAX_MESSAGE // v.row_bytes + draw(st.integers(1, 1000))  # the rows alone are over the limit
-        return Probe("Pull", "unary", ps_pb2.PullRequest(table=v.name, ids=_ids(rng, k)),
-                     frozenset({C.RESOURCE_EXHAUSTED}), ("max message size",), note="reply too big")
+        return Probe(
+            "Pull",
+            "unary",
+            ps_pb2.PullRequest(table=v.name, ids=_ids(rng, k)),
+            frozenset({C.RESOURCE_EXHAUSTED}),
+            ("max message size",),
+            note="reply too big",
+        )
     if what == "spec":
         spec, code, words = draw(st.sampled_from(_spec_variants(v)))
-        return Probe("CreateTable", "unary", ps_pb2.CreateTableRequest(spec=spec), frozenset({code}), words,
-                     note="clashing or invalid spec")
+        return Probe(
+            "CreateTable",
+            "unary",
+            ps_pb2.CreateTableRequest(spec=spec),
+            frozenset({code}),
+            words,
+            note="clashing or invalid spec",
+        )
     if what in ("bad_name", "other_name"):
         if what == "bad_name":
             name, codes, words = draw(invalid_names(tables)), frozenset({C.INVALID_ARGUMENT}), ("table name",)
@@ -296,8 +354,7 @@ def victim_probe(draw, tables: Tables) -> Probe:
             msg.ids = _ids(rng, n)
         if method == "Push":
             msg.rows = _blob(rng, n * v.row_bytes)
-        return Probe(method, "export" if method == "Export" else "unary", msg, codes, words,
-                     note=f"name {what}")
+        return Probe(method, "export" if method == "Export" else "unary", msg, codes, words, note=f"name {what}")
     # an import whose first chunk is refused, so nothing after it is read
     first_kind = draw(st.sampled_from(["no_spec", "spec", "rows", "ids"]))
     replace = draw(st.booleans())
@@ -320,13 +377,21 @@ def victim_probe(draw, tables: Tables) -> Probe:
             first.ids = _ids(rng, m) + b"\x01"
             first.rows, words = _blob(rng, m * v.row_bytes), ("multiple of 8",)
     # later chunks would be valid rows for the victim: they must never be applied
-    later = [ps_pb2.RowChunk(ids=_ids(rng, 3), rows=_blob(rng, 3 * v.row_bytes))
-             for _ in range(draw(st.integers(0, 3)))]
+    later = [
+        ps_pb2.RowChunk(ids=_ids(rng, 3), rows=_blob(rng, 3 * v.row_bytes)) for _ in range(draw(st.integers(0, 3)))
+    ]
     cut = draw(st.one_of(st.none(), st.integers(1, 1 + len(later))))
     if cut is not None:
         codes = codes | {C.CANCELLED}
-    return Probe("Import", "import", [first, *later], codes, words, cancel_after=cut,
-                 note=f"import, bad first chunk ({first_kind})")
+    return Probe(
+        "Import",
+        "import",
+        [first, *later],
+        codes,
+        words,
+        cancel_after=cut,
+        note=f"import, bad first chunk ({first_kind})",
+    )
 
 
 def _mutate(rng, data: bytes) -> bytes:
@@ -338,7 +403,7 @@ def _mutate(rng, data: bytes) -> bytes:
             i = int(rng.integers(0, len(b)))
             b[i] ^= 1 << int(rng.integers(0, 8))
         elif op == 1 and b:
-            del b[int(rng.integers(0, len(b))):]
+            del b[int(rng.integers(0, len(b))) :]
         elif op == 2:
             i = int(rng.integers(0, len(b) + 1))
             b[i:i] = rng.bytes(int(rng.integers(1, 12)))
@@ -355,11 +420,20 @@ def _negative_spec(rng, name: str) -> bytes:
     """CreateTableRequest bytes whose spec has negative dim/state_width/dtype/kind: what the
     generated code refuses to write, a hostile client can still send."""
     init = b"\x08" + _varint(-int(rng.integers(1, 1 << 31)))  # kind
-    spec = (b"\x0a" + _varint(len(name.encode())) + name.encode()
-            + b"\x10" + _varint(-int(rng.integers(1, 1 << 31)))  # dim
-            + b"\x18" + _varint(-int(rng.integers(0, 1 << 31)))  # state_width
-            + b"\x20" + _varint(-int(rng.integers(1, 4)))  # dtype
-            + b"\x2a" + _varint(len(init)) + init)
+    spec = (
+        b"\x0a"
+        + _varint(len(name.encode()))
+        + name.encode()
+        + b"\x10"
+        + _varint(-int(rng.integers(1, 1 << 31)))  # dim
+        + b"\x18"
+        + _varint(-int(rng.integers(0, 1 << 31)))  # state_width
+        + b"\x20"
+        + _varint(-int(rng.integers(1, 4)))  # dtype
+        + b"\x2a"
+        + _varint(len(init))
+        + init
+    )
     return b"\x0a" + _varint(len(spec)) + spec
 
 
@@ -409,17 +483,27 @@ def raw_probe(draw, tables: Tables) -> Probe | None:
         chunks = [ps_pb2.RowChunk(spec=spec).SerializeToString(), data]
         if names_victim is None:
             codes = frozenset({C.INVALID_ARGUMENT, C.ALREADY_EXISTS})
-        return Probe(method, "raw_import", chunks, codes, words, words_for=C.INVALID_ARGUMENT,
-                     note=f"raw {how} after a good chunk")
+        return Probe(
+            method,
+            "raw_import",
+            chunks,
+            codes,
+            words,
+            words_for=C.INVALID_ARGUMENT,
+            note=f"raw {how} after a good chunk",
+        )
     return Probe(method, "raw", data, codes, words, note=f"raw {how}")
 
 
 def _scratch_spec(draw, name: str) -> ps_pb2.TableSpec:
     return ps_pb2.TableSpec(
-        name=name, dim=draw(st.integers(1, 9)), state_width=draw(st.integers(0, 3)),
+        name=name,
+        dim=draw(st.integers(1, 9)),
+        state_width=draw(st.integers(0, 3)),
         dtype=draw(st.sampled_from([ps_pb2.FP32, ps_pb2.FP16, ps_pb2.BF16])),
-        initializer=ps_pb2.Initializer(kind=draw(st.sampled_from([0, 1, 2, 3, 4])), a=-0.5, b=0.5,
-                                       seed=draw(st.integers(0, 3))),
+        initializer=ps_pb2.Initializer(
+            kind=draw(st.sampled_from([0, 1, 2, 3, 4])), a=-0.5, b=0.5, seed=draw(st.integers(0, 3))
+        ),
     )
 
 
@@ -436,33 +520,62 @@ def scratch_probe(draw, tables: Tables) -> Probe:
     name = draw(st.sampled_from(tables.scratch))
     spec = _scratch_spec(draw, name)
     n = draw(st.integers(0, 300))
-    what = draw(st.sampled_from(["create", "push", "pull", "delete", "export_cut", "import", "import_cut",
-                                 "import_inconsistent", "drop", "oversized"]))
+    what = draw(
+        st.sampled_from(
+            [
+                "create",
+                "push",
+                "pull",
+                "delete",
+                "export_cut",
+                "import",
+                "import_cut",
+                "import_inconsistent",
+                "drop",
+                "oversized",
+            ]
+        )
+    )
     if what == "oversized" and draw(st.integers(0, 9)):
         # grpc takes 0.1-0.6 s to refuse an oversized message: a few dozen per run, not hundreds
         what = "push"
     if what == "create":
         return Probe("CreateTable", "unary", ps_pb2.CreateTableRequest(spec=spec), note="scratch create")
     if what == "push":
-        return Probe("Push", "unary", ps_pb2.PushRequest(table=name, ids=_ids(rng, n),
-                                                          rows=_blob(rng, n * _row_bytes(spec))), note="scratch push")
+        return Probe(
+            "Push",
+            "unary",
+            ps_pb2.PushRequest(table=name, ids=_ids(rng, n), rows=_blob(rng, n * _row_bytes(spec))),
+            note="scratch push",
+        )
     if what in ("pull", "delete"):
         method = what.capitalize()
         return Probe(method, "unary", REQUEST_TYPE[method](table=name, ids=_ids(rng, n)), note=f"scratch {what}")
     if what == "drop":
-        return Probe("DropTable", "unary", ps_pb2.DropTableRequest(table=name, missing_ok=draw(st.booleans())),
-                     note="scratch drop")
+        return Probe(
+            "DropTable",
+            "unary",
+            ps_pb2.DropTableRequest(table=name, missing_ok=draw(st.booleans())),
+            note="scratch drop",
+        )
     if what == "export_cut":
         # a victim's export is read-only: abandoning it half-way must not disturb it either
         table = draw(st.sampled_from([name, *sorted(tables.victim_names)]))
-        return Probe("Export", "export", ps_pb2.ExportRequest(table=table, rows_per_chunk=draw(st.integers(1, 7))),
-                     ALLOWED | {C.CANCELLED}, cancel_after=draw(st.integers(0, 3)), note="export abandoned")
+        return Probe(
+            "Export",
+            "export",
+            ps_pb2.ExportRequest(table=table, rows_per_chunk=draw(st.integers(1, 7))),
+            ALLOWED | {C.CANCELLED},
+            cancel_after=draw(st.integers(0, 3)),
+            note="export abandoned",
+        )
     if what == "oversized":
         size = MAX_MESSAGE + draw(st.integers(1, 65536))
         method = draw(st.sampled_from(["Push", "Pull", "CreateTable", "Import"]))
         if method == "Push":
-            msg = ps_pb2.PushRequest(table=draw(st.sampled_from(sorted(tables.victim_names))), ids=b"",
-                                     rows=_blob(rng, size))
+            msg = ps_pb2.PushRequest(
+                table=draw(st.sampled_from(sorted(tables.victim_names))), ids=b"", rows=_blob(rng, size)
+            )
         elif method == "Pull":
             msg = ps_pb2.PullRequest(table=name, ids=_blob(rng, size // 8 * 8 + 8))
         elif method == "CreateTable":
@@ -470,10 +583,18 @@ def scratch_probe(draw, tables: Tables) -> Probe:
         else:
             chunks = [ps_pb2.RowChunk(spec=spec), ps_pb2.RowChunk(ids=_blob(rng, size // 8 * 8 + 8))]
             # the first chunk may clash with a scratch table of that name before the big one arrives
-            return Probe("Import", "import", chunks, frozenset({C.RESOURCE_EXHAUSTED, C.ALREADY_EXISTS}),
-                         ("larger than max",), words_for=C.RESOURCE_EXHAUSTED, note="oversized chunk")
-        return Probe(method, "unary", msg, frozenset({C.RESOURCE_EXHAUSTED}), ("larger than max",),
-                     note="oversized message")
+            return Probe(
+                "Import",
+                "import",
+                chunks,
+                frozenset({C.RESOURCE_EXHAUSTED, C.ALREADY_EXISTS}),
+                ("larger than max",),
+                words_for=C.RESOURCE_EXHAUSTED,
+                note="oversized chunk",
+            )
+        return Probe(
+            method, "unary", msg, frozenset({C.RESOURCE_EXHAUSTED}), ("larger than max",), note="oversized message"
+        )
     # imports into a scratch table
     k = draw(st.integers(1, 4))
     chunks = [ps_pb2.RowChunk(spec=spec, replace=draw(st.booleans()))]
@@ -494,8 +615,9 @@ def scratch_probe(draw, tables: Tables) -> Probe:
             chunks[i].ids += b"\x00"
         return Probe("Import", "import", chunks, ALLOWED - {C.OK}, note=f"import with a bad chunk ({broken})")
     cut = draw(st.integers(0, k)) if what == "import_cut" else None
-    return Probe("Import", "import", chunks, ALLOWED | ({C.CANCELLED} if cut is not None else set()),
-                 cancel_after=cut, note=what)
+    return Probe(
+        "Import", "import", chunks, ALLOWED | ({C.CANCELLED} if cut is not None else set()), cancel_after=cut, note=what
+    )
 
 
 def probes(tables: Tables) -> st.SearchStrategy:

@@ -41,5 +41,9 @@ def embedded_client(embedded_ps):
 
 def wait_for_health(client: PSClient, want: str, timeout: float = 30.0) -> None:
     """Until every PS the client reaches answers health checks with `want` (SERVING, NOT_SERVING)."""
-    wait_until(lambda: client.health(timeout=2) == [want] * len(client.addresses), timeout=timeout,
-               what=f"PS health {want}", interval=0.1)
+    wait_until(
+        lambda: client.health(timeout=2) == [want] * len(client.addresses),
+        timeout=timeout,
+        what=f"PS health {want}",
+        interval=0.1,
+    )

@@ -30,27 +30,50 @@ def assert_same_tables(a, b):
         np.testing.assert_array_equal(b.tables[name][1], rows, err_msg=f"table {name}")
 
 
-@pytest.mark.parametrize("optimizer,dynamic,resume_at,pipeline", [
-    ("adagrad", True, 20, True),           # incremental step 20 on full step 10
-    ("adam", True, 30, True),              # a full one; Adam's moments and step count
-    ("sgd", True, 20, False),              # the plain (unpipelined) loop
-    ("rowwise_adagrad", False, 20, True),  # full tables, per-rank files, incremental
-    ("adam", False, 30, True),
-], ids=["adagrad-dynamic-incremental", "adam-dynamic-full", "sgd-dynamic-plain", "rowwise-full-tables-incremental",
-        "adam-full-tables"])
+@pytest.mark.parametrize(
+    "optimizer,dynamic,resume_at,pipeline",
+    [
+        ("adagrad", True, 20, True),  # incremental step 20 on full step 10
+        ("adam", True, 30, True),  # a full one; Adam's moments and step count
+        ("sgd", True, 20, False),  # the plain (unpipelined) loop
+        ("rowwise_adagrad", False, 20, True),  # full tables, per-rank files, incremental
+        ("adam", False, 30, True),
+    ],
+    ids=[
+        "adagrad-dynamic-incremental",
+        "adam-dynamic-full",
+        "sgd-dynamic-plain",
+        "rowwise-full-tables-incremental",
+        "adam-full-tables",
+    ],
+)
 @pytest.mark.slow
 def test_a_resumed_job_continues_exactly(tmp_path, optimizer, dynamic, resume_at, pipeline):
     ck = tmp_path / "ck"
-    first = run(tmp_path, optimizer, dynamic, pipeline=pipeline, checkpoint_dir=str(ck), checkpoint_every=10,
-                checkpoint_full_every=2)
+    first = run(
+        tmp_path,
+        optimizer,
+        dynamic,
+        pipeline=pipeline,
+        checkpoint_dir=str(ck),
+        checkpoint_every=10,
+        checkpoint_full_every=2,
+    )
     assert [c.name for c in checkpoints(ck)] == ["step-00000010", "step-00000020", "step-00000030"]
     kinds = [read_manifest(c)["kind"] for c in checkpoints(ck)]
     assert kinds == ["full", "incremental", "full"]
     # the resumed job starts a fresh PS: every row it has comes from the checkpoint. Same
     # checkpoint flags (another folder): its pipeline drains where the first job's did, so
     # the ID transformers see the same pins (the losses match either way; the hits need it)
-    resumed = run(tmp_path, optimizer, dynamic, pipeline=pipeline, checkpoint_dir=str(tmp_path / "ck2"),
-                  checkpoint_every=10, resume=str(ck / f"step-{resume_at:08d}"))
+    resumed = run(
+        tmp_path,
+        optimizer,
+        dynamic,
+        pipeline=pipeline,
+        checkpoint_dir=str(tmp_path / "ck2"),
+        checkpoint_every=10,
+        resume=str(ck / f"step-{resume_at:08d}"),
+    )
     assert len(resumed.losses) == STEPS - resume_at
     np.testing.assert_array_equal(resumed.losses, first.losses[resume_at:])
     assert resumed.auc == first.auc and resumed.logloss == first.logloss
@@ -75,8 +98,7 @@ def test_checkpointing_does_not_change_training_and_latest_resumes(tmp_path):
 
 def test_retention_keeps_the_newest_and_what_they_build_on(tmp_path):
     ck = tmp_path / "ck"
-    run(tmp_path, "sgd", True, checkpoint_dir=str(ck), checkpoint_every=5, checkpoint_full_every=3,
-        checkpoint_keep=2)
+    run(tmp_path, "sgd", True, checkpoint_dir=str(ck), checkpoint_every=5, checkpoint_full_every=3, checkpoint_keep=2)
     # saved at 5 (full) 10 (inc) 15 (inc) 20 (full) 25 (inc) 30 (inc) 35 (full); keep 30, 35
     # and 30's chain (20, 25)
     assert [c.name for c in checkpoints(ck)] == [f"step-{s:08d}" for s in (20, 25, 30, 35)]
@@ -88,8 +110,17 @@ def test_retention_keeps_the_newest_and_what_they_build_on(tmp_path):
 def saved(tmp_path_factory):
     """One job's checkpoints (dynamic tables, adagrad): step 10 full, 20 incremental."""
     ck = tmp_path_factory.mktemp("saved") / "ck"
-    train(config("adagrad", dynamic=True, steps=20, checkpoint_dir=str(ck), checkpoint_every=10,
-                 checkpoint_full_every=2, checkpoint_at_end=True))
+    train(
+        config(
+            "adagrad",
+            dynamic=True,
+            steps=20,
+            checkpoint_dir=str(ck),
+            checkpoint_every=10,
+            checkpoint_full_every=2,
+            checkpoint_at_end=True,
+        )
+    )
     return ck
 
 
@@ -101,8 +132,16 @@ def copy_of(saved, tmp_path):
 
 def resume_error(ck: Path, which: str, **extra) -> str:
     with pytest.raises(CheckpointError) as err:
-        train(config(extra.pop("optimizer", "adagrad"), dynamic=extra.pop("dynamic", True), steps=30,
-                     checkpoint_dir=str(ck), resume=which, **extra))
+        train(
+            config(
+                extra.pop("optimizer", "adagrad"),
+                dynamic=extra.pop("dynamic", True),
+                steps=30,
+                checkpoint_dir=str(ck),
+                resume=which,
+                **extra,
+            )
+        )
     return str(err.value)
 
 
@@ -144,9 +183,11 @@ def test_resume_latest_with_no_checkpoint_says_so(tmp_path):
     assert "no checkpoint in" in resume_error(tmp_path / "empty", "latest")
 
 
-@pytest.mark.parametrize("optimizer,tables,ps", [("adam", "dynamic", ""), ("sgd", "dynamic", "process"),
-                                                 ("rowwise_adagrad", "full", "")],
-                         ids=["dynamic-in-process", "dynamic-ps-process", "full"])
+@pytest.mark.parametrize(
+    "optimizer,tables,ps",
+    [("adam", "dynamic", ""), ("sgd", "dynamic", "process"), ("rowwise_adagrad", "full", "")],
+    ids=["dynamic-in-process", "dynamic-ps-process", "full"],
+)
 @pytest.mark.dist
 def test_two_torchrun_ranks_resume_exactly(tmp_path, optimizer, tables, ps):
     """2 gloo ranks: each rank's losses, hit rates and block of every table after resuming from
@@ -171,12 +212,13 @@ def test_two_torchrun_ranks_resume_exactly(tmp_path, optimizer, tables, ps):
         np.testing.assert_array_equal(got["resumed_losses"], got["first_losses"][20:], err_msg=f"rank {rank}")
         np.testing.assert_array_equal(got["resumed_hit_rates"], got["first_hit_rates"][20:], err_msg=f"rank {rank}")
         assert got["resumed_auc"] == got["first_auc"]
-        names = [k[len("first_table_"):] for k in got.files if k.startswith("first_table_")]
+        names = [k[len("first_table_") :] for k in got.files if k.startswith("first_table_")]
         assert len(names) == 6
         for name in names:
             assert got[f"resumed_first_{name}"] == got[f"first_first_{name}"]
-            np.testing.assert_array_equal(got[f"resumed_table_{name}"], got[f"first_table_{name}"],
-                                          err_msg=f"rank {rank} table {name}")
+            np.testing.assert_array_equal(
+                got[f"resumed_table_{name}"], got[f"first_table_{name}"], err_msg=f"rank {rank} table {name}"
+            )
 
 
 @pytest.mark.dist
@@ -212,17 +254,49 @@ def test_a_full_disk_fails_the_save_clearly_and_keeps_the_last_checkpoint(tmp_pa
     from dynemb.testing.local_ps import REPO
     from dynemb.trainer.checkpoint_format import verify
 
-    flags = ["--steps", "30", "--num-sparse", "6", "--universe", "6000", "--ids-per-feature", "2", "--dim", "8",
-             "--capacity-fraction", "0.1", "--evict-fraction", "0.1", "--batch-size", "48", "--dense-arch", "16,8",
-             "--over-arch", "16,1", "--eval-batches", "2", "--optimizer", "adagrad", "--no-progress",
-             "--checkpoint-every", "10"]
+    flags = [
+        "--steps",
+        "30",
+        "--num-sparse",
+        "6",
+        "--universe",
+        "6000",
+        "--ids-per-feature",
+        "2",
+        "--dim",
+        "8",
+        "--capacity-fraction",
+        "0.1",
+        "--evict-fraction",
+        "0.1",
+        "--batch-size",
+        "48",
+        "--dense-arch",
+        "16,8",
+        "--over-arch",
+        "16,1",
+        "--eval-batches",
+        "2",
+        "--optimizer",
+        "adagrad",
+        "--no-progress",
+        "--checkpoint-every",
+        "10",
+    ]
 
     def dynemb_train(ck: Path, *extra: str, limit: int | None = None) -> subprocess.CompletedProcess:
         def cap() -> None:
             if limit is not None:
                 resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-        return subprocess.run([sys.executable, "-m", "dynemb.cli", "train", *flags, "--checkpoint-dir", str(ck),
-                               *extra], cwd=REPO, capture_output=True, text=True, timeout=600, preexec_fn=cap)
+
+        return subprocess.run(
+            [sys.executable, "-m", "dynemb.cli", "train", *flags, "--checkpoint-dir", str(ck), *extra],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            preexec_fn=cap,
+        )
 
     def biggest(folder: Path) -> int:
         return max(p.stat().st_size for p in folder.rglob("*") if p.is_file())

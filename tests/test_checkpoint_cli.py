@@ -21,16 +21,27 @@ pytestmark = pytest.mark.slow  # a training job's checkpoints in its fixtures
 
 
 def dynemb(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dynemb.cli", *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "dynemb.cli", *args], capture_output=True, text=True, cwd=REPO, timeout=300
+    )
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     """A finished job's checkpoints (step 10 full, step 20 incremental) and its final tables."""
     ck = tmp_path_factory.mktemp("job") / "ck"
-    result = train(config("adagrad", dynamic=True, steps=20, checkpoint_dir=str(ck), checkpoint_every=10,
-                          checkpoint_full_every=2, checkpoint_at_end=True), collect_tables=True)
+    result = train(
+        config(
+            "adagrad",
+            dynamic=True,
+            steps=20,
+            checkpoint_dir=str(ck),
+            checkpoint_every=10,
+            checkpoint_full_every=2,
+            checkpoint_at_end=True,
+        ),
+        collect_tables=True,
+    )
     return ck, result.tables
 
 
@@ -45,9 +56,11 @@ def test_inspect_lists_and_describes_checkpoints(job):
     ck, tables = job
     res = dynemb("checkpoint", "inspect", str(ck))
     assert res.returncode == 0, res.stderr
-    assert res.stdout.splitlines() == [f"2 checkpoint(s) in {ck}:",
-                                       "  step-00000010  step 10  full",
-                                       "  step-00000020  step 20  incremental <- step-00000010"]
+    assert res.stdout.splitlines() == [
+        f"2 checkpoint(s) in {ck}:",
+        "  step-00000010  step 10  full",
+        "  step-00000020  step 20  incremental <- step-00000010",
+    ]
     res = dynemb("checkpoint", "inspect", str(ck / "step-00000020"), "--verify", "--quiet")
     assert res.returncode == 0, res.stderr
     out = res.stdout
@@ -55,8 +68,10 @@ def test_inspect_lists_and_describes_checkpoints(job):
     assert "  chain        step-00000010 -> step-00000020" in out
     assert "  tables       dynamic (PS), optimizer adagrad" in out
     assert len([line for line in out.splitlines() if " dynemb_t_" in line]) == len(tables)
-    assert out.splitlines()[-2:] == [f"verified step-00000010: {count_files(ck / 'step-00000010')} files, sha256 match",
-                                     f"verified step-00000020: {count_files(ck / 'step-00000020')} files, sha256 match"]
+    assert out.splitlines()[-2:] == [
+        f"verified step-00000010: {count_files(ck / 'step-00000010')} files, sha256 match",
+        f"verified step-00000020: {count_files(ck / 'step-00000020')} files, sha256 match",
+    ]
 
 
 def test_a_reader_that_goes_away_ends_inspect_quietly(job):
@@ -64,8 +79,14 @@ def test_a_reader_that_goes_away_ends_inspect_quietly(job):
     ck, _ = job
     read, write = os.pipe()
     os.close(read)  # nobody will read: every write fails with EPIPE
-    res = subprocess.run([sys.executable, "-m", "dynemb.cli", "checkpoint", "inspect", str(ck / "step-00000020")],
-                         stdout=write, stderr=subprocess.PIPE, text=True, cwd=REPO, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "dynemb.cli", "checkpoint", "inspect", str(ck / "step-00000020")],
+        stdout=write,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     os.close(write)
     assert res.returncode == 141 and "Traceback" not in res.stderr and "BrokenPipe" not in res.stderr, res.stderr
 
@@ -133,8 +154,10 @@ def test_a_corrupt_checkpoint_or_a_schema_clash_writes_nothing(job, make_ps, tmp
 
         shard = sorted((ck / "step-00000010" / "tables" / "t_0").glob("*.safetensors"))[0]
         shard.write_bytes(shard.read_bytes()[:-7])
-        for args in (["restore", str(ck / "step-00000020"), "--ps", ps.address], ["inspect", str(ck / "step-00000020"),
-                                                                                  "--verify"]):
+        for args in (
+            ["restore", str(ck / "step-00000020"), "--ps", ps.address],
+            ["inspect", str(ck / "step-00000020"), "--verify"],
+        ):
             res = dynemb("checkpoint", *args, "--quiet")
             assert res.returncode == 1, res.stdout
             last = res.stderr.strip().splitlines()[-1]

@@ -66,8 +66,13 @@ def test_promtool_checks_the_rules_and_runs_their_unit_tests():
 
 def test_the_alerts_the_issue_asks_for_exist():
     alerts = {r["alert"] for g in rule_groups() for r in g["rules"] if "alert" in r}
-    assert {"DynembHitRateFalling", "DynembEvictionStorm", "DynembPSErrors", "DynembPSDown",
-            "DynembRedisMemoryNearLimit"} <= alerts
+    assert {
+        "DynembHitRateFalling",
+        "DynembEvictionStorm",
+        "DynembPSErrors",
+        "DynembPSDown",
+        "DynembRedisMemoryNearLimit",
+    } <= alerts
 
 
 def _scrape_jobs(config: str) -> set[str]:
@@ -82,8 +87,11 @@ def test_rules_and_dashboard_name_metrics_the_code_exports():
     recorded = {r["record"] for g in rule_groups() for r in g["rules"] if "record" in r}
     exprs = [("rule " + (r.get("record") or r.get("alert")), r["expr"]) for g in rule_groups() for r in g["rules"]]
     exprs += [("panel " + title, e) for title, e in dashboard_exprs()]
-    exprs += [("variable " + v["name"], v["query"]["query"]) for v in dashboard()["templating"]["list"]
-              if v["type"] == "query"]
+    exprs += [
+        ("variable " + v["name"], v["query"]["query"])
+        for v in dashboard()["templating"]["list"]
+        if v["type"] == "query"
+    ]
     redis_names = {"redis_up", "redis_memory_used_bytes", "redis_memory_max_bytes"}  # checked live in test_prometheus
     jobs = _scrape_jobs("prometheus.yml")
     assert jobs == _scrape_jobs("prometheus-k8s.yml") == {"dynemb-ps", "dynemb-trainer", "redis"}
@@ -100,10 +108,18 @@ def test_rules_and_dashboard_name_metrics_the_code_exports():
             assert name in recorded, f"{where}: recorded series {name} is not recorded"
         for job in re.findall(r'job="([^"]+)"', expr):
             assert job in jobs, f"{where}: job {job} is not scraped"
-    for needed in ("dynemb_trainer_hits_total", "dynemb_trainer_evictions_total", "dynemb_trainer_admissions_total",
-                   "dynemb_trainer_rows_pulled_total", "dynemb_trainer_ps_request_seconds_bucket",
-                   "dynemb_trainer_table_occupancy_ratio", "dynemb_trainer_samples_total", "dynemb_trainer_loss",
-                   "dynemb_ps_request_seconds_bucket", "dynemb_ps_errors_total"):
+    for needed in (
+        "dynemb_trainer_hits_total",
+        "dynemb_trainer_evictions_total",
+        "dynemb_trainer_admissions_total",
+        "dynemb_trainer_rows_pulled_total",
+        "dynemb_trainer_ps_request_seconds_bucket",
+        "dynemb_trainer_table_occupancy_ratio",
+        "dynemb_trainer_samples_total",
+        "dynemb_trainer_loss",
+        "dynemb_ps_request_seconds_bucket",
+        "dynemb_ps_errors_total",
+    ):
         assert needed in used, f"{needed} is in no rule or panel"
 
 
@@ -119,8 +135,12 @@ def test_metric_names_follow_prometheus_conventions():
     for name, names in labels.items():
         if name.startswith("dynemb_trainer_"):
             assert "rank" in names, f"{name} has no rank label"
-    for name in ("dynemb_trainer_hits_total", "dynemb_trainer_evictions_total", "dynemb_trainer_ps_request_seconds",
-                 "dynemb_ps_rows_total"):
+    for name in (
+        "dynemb_trainer_hits_total",
+        "dynemb_trainer_evictions_total",
+        "dynemb_trainer_ps_request_seconds",
+        "dynemb_ps_rows_total",
+    ):
         assert "table" in labels[name], name
     assert labels["dynemb_trainer_ps_request_seconds"] == ["op", "table", "rank"]
 
@@ -132,7 +152,7 @@ def test_docs_metrics_table_matches_the_code():
     documented = {name: (kind, [s.strip() for s in labels.split(",") if s.strip()]) for name, kind, labels in rows}
     types = {name: kind for name, kind in exported_samples().items()}
     labels = metric_labels()
-    assert set(documented) == set(labels), (set(documented) ^ set(labels))
+    assert set(documented) == set(labels), set(documented) ^ set(labels)
     for name, (kind, names) in documented.items():
         sample = name + ("_count" if kind == "histogram" else "")
         assert types[sample] == kind, name
@@ -157,8 +177,7 @@ def test_grafana_dashboard_is_what_its_builder_writes_and_well_formed():
     panels = [p for p in d["panels"] if p["type"] != "row"]
     assert len({p["id"] for p in d["panels"]}) == len(d["panels"])
     titles = " ".join(p["title"].lower() for p in panels)
-    for word in ("hit rate", "evictions", "admissions", "pulled and pushed", "latency", "occupancy", "samples",
-                 "loss"):
+    for word in ("hit rate", "evictions", "admissions", "pulled and pushed", "latency", "occupancy", "samples", "loss"):
         assert word in titles, word
     for p in panels:
         assert p["targets"] and p["datasource"]["uid"] == "${datasource}", p["title"]
@@ -270,8 +289,9 @@ def test_k8s_ps_agrees_with_its_cli(overlay, k8s_dir, monkeypatch):
 
 @lru_cache(maxsize=1)
 def _torchrun_help() -> str:
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--help"], capture_output=True,
-                          text=True, timeout=120).stdout
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--help"], capture_output=True, text=True, timeout=120
+    ).stdout
 
 
 @pytest.mark.slow
@@ -306,7 +326,7 @@ def test_k8s_trainer_job_agrees_with_torchrun_and_dynemb_train(overlay, k8s_dir,
     config_map = named(docs, "ConfigMap", "dynemb-train")
     mounts = {m["name"]: m["mountPath"] for m in trainer["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
-    trainer_args = args[split + 2:]
+    trainer_args = args[split + 2 :]
     files = {}
     for name, mount in mounts.items():
         source = volumes[name].get("configMap")
@@ -335,8 +355,9 @@ def test_k8s_trainer_job_agrees_with_torchrun_and_dynemb_train(overlay, k8s_dir,
     ps_service = find(docs, "Service", host)
     assert ps_service["spec"]["ports"][0]["port"] == int(port)
     token = next(e for e in trainer["env"] if e["name"] == "DYNEMB_PS_AUTH_TOKEN")
-    ps_token = next(e for e in container(find(docs, "Deployment", "dynemb-ps"), "ps")["env"]
-                    if e["name"] == "DYNEMB_PS_AUTH_TOKEN")
+    ps_token = next(
+        e for e in container(find(docs, "Deployment", "dynemb-ps"), "ps")["env"] if e["name"] == "DYNEMB_PS_AUTH_TOKEN"
+    )
     assert token["valueFrom"] == ps_token["valueFrom"]
     assert "DYNEMB_PS_AUTH_TOKEN" in (REPO / "dynemb" / "trainer" / "train.py").read_text()
     assert bool(cfg.ps_tls_ca) == overlay.endswith("tls")
@@ -360,8 +381,10 @@ def test_k8s_redis_is_durable_and_watched_by_redis_exporter(overlay, k8s_dir):
     assert exporter["image"] == f"oliver006/redis_exporter:v{tested}", "deploy the exporter version the tests run"
     service = find(docs, "Service", sts["spec"]["serviceName"])
     assert {p["name"]: p["port"] for p in service["spec"]["ports"]}["metrics"] == ports(exporter)["metrics"]
-    assert f"_metrics._tcp.{service['metadata']['name']}.dynemb.svc" in (
-        DEPLOY / "prometheus" / "prometheus-k8s.yml").read_text()
+    assert (
+        f"_metrics._tcp.{service['metadata']['name']}.dynemb.svc"
+        in (DEPLOY / "prometheus" / "prometheus-k8s.yml").read_text()
+    )
     if overlay == "cluster":
         create = find(docs, "Job", "dynemb-redis-cluster-create")
         script = named(docs, "ConfigMap", name)["data"]["create-cluster.sh"]
@@ -396,17 +419,42 @@ def test_make_secrets_makes_a_certificate_the_ps_and_its_client_accept(tmp_path)
     tls = k8s / "components" / "ps-tls" / "secrets"
     token = (k8s / "base" / "secrets" / "ps-token").read_text()
     assert re.fullmatch(r"[0-9a-f]{64}", token)
-    sans = subprocess.run(["openssl", "x509", "-in", str(tls / "tls.crt"), "-noout", "-ext", "subjectAltName"],
-                          capture_output=True, text=True, check=True).stdout
+    sans = subprocess.run(
+        ["openssl", "x509", "-in", str(tls / "tls.crt"), "-noout", "-ext", "subjectAltName"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "DNS:dynemb-ps," in sans and "DNS:localhost" in sans
-    ps = LocalPS("--tls-cert", str(tls / "tls.crt"), "--tls-key", str(tls / "tls.key"), "--not-serving-seconds", "0",
-                 env={"DYNEMB_PS_AUTH_TOKEN": token}).start()
+    ps = LocalPS(
+        "--tls-cert",
+        str(tls / "tls.crt"),
+        "--tls-key",
+        str(tls / "tls.key"),
+        "--not-serving-seconds",
+        "0",
+        env={"DYNEMB_PS_AUTH_TOKEN": token},
+    ).start()
     try:
         with PSClient(f"localhost:{ps.port}", tls_ca=str(tls / "ca.crt"), auth_token=token) as client:
             client.create_table("t", dim=2)
             assert client.health() == ["SERVING"]
-        run = subprocess.run([tool("dynemb"), "ps", "health", "--ps", f"localhost:{ps.port}", "--tls-ca",
-                              str(tls / "ca.crt"), "--timeout", "5"], capture_output=True, text=True, timeout=60)
+        run = subprocess.run(
+            [
+                tool("dynemb"),
+                "ps",
+                "health",
+                "--ps",
+                f"localhost:{ps.port}",
+                "--tls-ca",
+                str(tls / "ca.crt"),
+                "--timeout",
+                "5",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert run.returncode == 0 and "SERVING" in run.stdout, run.stderr  # the TLS overlay's probe
     finally:
         ps.close()
@@ -459,8 +507,9 @@ def test_systemd_unit_passes_systemd_analyze(tmp_path):
     text = text.replace(unit["Service.EnvironmentFile"][0], str(DEPLOY / "systemd" / "dynemb-ps.env"))
     local = tmp_path / "dynemb-ps.service"
     local.write_text(text)
-    run = subprocess.run([tool("systemd-analyze"), "verify", "--man=no", str(local)], capture_output=True,
-                         text=True, timeout=60)
+    run = subprocess.run(
+        [tool("systemd-analyze"), "verify", "--man=no", str(local)], capture_output=True, text=True, timeout=60
+    )
     problems = [line for line in (run.stdout + run.stderr).splitlines() if "dynemb-ps.service" in line]
     assert run.returncode == 0 and not problems, run.stdout + run.stderr
 
@@ -468,8 +517,15 @@ def test_systemd_unit_passes_systemd_analyze(tmp_path):
 def test_systemd_unit_restarts_hardens_and_waits_for_the_drain():
     unit = _unit()
     assert unit["Service.Restart"] == ["on-failure"]
-    for key in ("NoNewPrivileges", "ProtectSystem", "PrivateTmp", "ProtectHome", "RestrictAddressFamilies",
-                "SystemCallFilter", "CapabilityBoundingSet"):
+    for key in (
+        "NoNewPrivileges",
+        "ProtectSystem",
+        "PrivateTmp",
+        "ProtectHome",
+        "RestrictAddressFamilies",
+        "SystemCallFilter",
+        "CapabilityBoundingSet",
+    ):
         assert f"Service.{key}" in unit, key
     env = _env_file()
     drain = float(env["DYNEMB_PS_DRAIN_SECONDS"]) + float(env["DYNEMB_PS_NOT_SERVING_SECONDS"])

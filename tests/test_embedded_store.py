@@ -3,7 +3,8 @@ a given array, deletes that free rows for reuse."""
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dynemb.ps_server.backends.embedded import EmbeddedStore
 from dynemb.ps_server.schema import TableSchema

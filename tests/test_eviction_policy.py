@@ -53,7 +53,9 @@ def test_log_counter_grows_slower_as_it_grows():
     assert 4 < grown < 9
     many = policy.bump(torch.full((4,), 5, dtype=torch.uint8), torch.full((4,), 1000), torch.rand(4, generator=gen))
     assert torch.all(many == 6)  # a batch adds at most one point
-    top = policy.bump(torch.full((4,), MAX_FREQ, dtype=torch.uint8), torch.full((4,), 10**6), torch.rand(4, generator=gen))
+    top = policy.bump(
+        torch.full((4,), MAX_FREQ, dtype=torch.uint8), torch.full((4,), 10**6), torch.rand(4, generator=gen)
+    )
     assert torch.all(top == MAX_FREQ)
 
 

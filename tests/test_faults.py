@@ -28,10 +28,37 @@ from dynemb.testing.local_redis import RedisProcess
 pytestmark = pytest.mark.slow
 
 STEPS = 120
-TRAIN = ["--steps", str(STEPS), "--num-sparse", "4", "--universe", "4000", "--ids-per-feature", "2",
-         "--dim", "8", "--capacity-fraction", "0.1", "--evict-fraction", "0.1", "--batch-size", "48",
-         "--dense-arch", "16,8", "--over-arch", "16,1", "--eval-batches", "2", "--optimizer", "adagrad",
-         "--no-progress", "--ps-attempt-seconds", "1", "--ps-timeout-seconds", "120"]
+TRAIN = [
+    "--steps",
+    str(STEPS),
+    "--num-sparse",
+    "4",
+    "--universe",
+    "4000",
+    "--ids-per-feature",
+    "2",
+    "--dim",
+    "8",
+    "--capacity-fraction",
+    "0.1",
+    "--evict-fraction",
+    "0.1",
+    "--batch-size",
+    "48",
+    "--dense-arch",
+    "16,8",
+    "--over-arch",
+    "16,1",
+    "--eval-batches",
+    "2",
+    "--optimizer",
+    "adagrad",
+    "--no-progress",
+    "--ps-attempt-seconds",
+    "1",
+    "--ps-timeout-seconds",
+    "120",
+]
 
 
 def start_training(ps: LocalPS, out, prefix: str, target: str | None = None) -> subprocess.Popen:
@@ -39,9 +66,24 @@ def start_training(ps: LocalPS, out, prefix: str, target: str | None = None) -> 
     readable while it runs."""
     with open(out / f"{prefix}.stderr", "w") as err:
         job = subprocess.Popen(
-            [sys.executable, "-m", "dynemb.cli", "train", "--ps", target or ps.address, "--ps-table-prefix", prefix,
-             "--result-json", str(out / f"{prefix}.json"), *TRAIN],
-            cwd=REPO, stdout=subprocess.DEVNULL, stderr=err, text=True)
+            [
+                sys.executable,
+                "-m",
+                "dynemb.cli",
+                "train",
+                "--ps",
+                target or ps.address,
+                "--ps-table-prefix",
+                prefix,
+                "--result-json",
+                str(out / f"{prefix}.json"),
+                *TRAIN,
+            ],
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            text=True,
+        )
     job.stderr_path = out / f"{prefix}.stderr"
     return job
 
@@ -52,8 +94,7 @@ def stderr_of(job: subprocess.Popen) -> str:
 
 def wait_for_log(job: subprocess.Popen, line: str) -> None:
     """Until the job has logged `line` (it met the fault and retries), still running."""
-    wait_until(lambda: line in stderr_of(job) or job.poll() is not None, timeout=60, what=repr(line),
-               interval=0.1)
+    wait_until(lambda: line in stderr_of(job) or job.poll() is not None, timeout=60, what=repr(line), interval=0.1)
     assert job.poll() is None, f"the trainer gave up during the fault: {stderr_of(job)[-3000:]}"
 
 
@@ -68,7 +109,7 @@ def tables_of(address: str, prefix: str) -> dict[str, tuple[np.ndarray, np.ndarr
                 ids = np.concatenate([c[0] for c in chunks])
                 rows = np.concatenate([c[1] for c in chunks])
                 order = np.argsort(ids)
-                out[name[len(prefix):]] = (ids[order], rows[order])
+                out[name[len(prefix) :]] = (ids[order], rows[order])
     return out
 
 
@@ -80,15 +121,26 @@ def pushed_rows(address: str) -> int:
 def pushes_served(ps: LocalPS) -> float:
     """Push and PushMany calls `ps` answered OK (the trainer pushes evicted rows with PushMany)."""
     text = ps.metrics_text()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(('dynemb_ps_requests_total{code="OK",method="Push"}',
-                                   'dynemb_ps_requests_total{code="OK",method="PushMany"}')))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(
+            (
+                'dynemb_ps_requests_total{code="OK",method="Push"}',
+                'dynemb_ps_requests_total{code="OK",method="PushMany"}',
+            )
+        )
+    )
 
 
 def wait_for_rows(ps: LocalPS, job: subprocess.Popen, at_least: int, timeout: float = 120) -> None:
     """Until the job has pushed rows (it is mid-training, its tables evicting)."""
-    wait_until(lambda: pushed_rows(ps.address) >= at_least or job.poll() is not None, timeout=timeout,
-               what="training to push rows", interval=0.2)
+    wait_until(
+        lambda: pushed_rows(ps.address) >= at_least or job.poll() is not None,
+        timeout=timeout,
+        what="training to push rows",
+        interval=0.2,
+    )
     assert job.poll() is None, f"training ended before the fault: {stderr_of(job)[-3000:]}"
 
 
@@ -154,7 +206,6 @@ def test_a_paused_ps_past_the_try_deadline_loses_nothing(redis_ps, tmp_path):
     compare_with_unfaulted(tmp_path, ps, "paused_")
 
 
-
 def test_a_ps_replica_killed_mid_training_fails_over_to_another(redis_ps, tmp_path):
     first, second = redis_ps(), redis_ps()  # two PS processes over the same Redis and namespace
     replicas = f"{first.address}|{second.address}"
@@ -175,8 +226,9 @@ def test_redis_restarted_mid_training_loses_nothing(tmp_path):
     """Redis as the docs set it up for production: AOF on, fsync every second. A restart
     (SIGTERM: Redis writes its AOF out and exits) while trainers push."""
     store = RedisProcess(["appendonly yes", "appendfsync everysec"]).start()
-    ps = LocalPS("--backend", store.url, "--namespace", "aof", "--not-serving-seconds", "0",
-                 "--backend-check-seconds", "0.2")
+    ps = LocalPS(
+        "--backend", store.url, "--namespace", "aof", "--not-serving-seconds", "0", "--backend-check-seconds", "0.2"
+    )
     try:
         ps.start()
         job = start_training(ps, tmp_path, "redis_")
@@ -194,21 +246,66 @@ def test_redis_restarted_mid_training_loses_nothing(tmp_path):
         ps.close()
         store.close()
 
+
 # -- a trainer rank killed ---------------------------------------------------------
 
 # capacity: room for the 4 batches in flight at a transform (the pipeline's 3, one transformed ahead)
-RANKED = ["--steps", "60", "--num-sparse", "4", "--universe", "4000", "--ids-per-feature", "2", "--dim", "8",
-          "--capacity-fraction", "0.2", "--evict-fraction", "0.1", "--batch-size", "32", "--dense-arch", "16,8",
-          "--over-arch", "16,1", "--eval-batches", "2", "--optimizer", "adam", "--no-progress",
-          "--checkpoint-every", "10", "--checkpoint-at-end"]
+RANKED = [
+    "--steps",
+    "60",
+    "--num-sparse",
+    "4",
+    "--universe",
+    "4000",
+    "--ids-per-feature",
+    "2",
+    "--dim",
+    "8",
+    "--capacity-fraction",
+    "0.2",
+    "--evict-fraction",
+    "0.1",
+    "--batch-size",
+    "32",
+    "--dense-arch",
+    "16,8",
+    "--over-arch",
+    "16,1",
+    "--eval-batches",
+    "2",
+    "--optimizer",
+    "adam",
+    "--no-progress",
+    "--checkpoint-every",
+    "10",
+    "--checkpoint-at-end",
+]
 
 
 def torchrun_training(ck, out, *extra: str) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "dynemb.trainer",
-         *RANKED, "--checkpoint-dir", str(ck), "--result-json", str(out / "rank{rank}.json"), *extra],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "dynemb.trainer",
+            *RANKED,
+            "--checkpoint-dir",
+            str(ck),
+            "--result-json",
+            str(out / "rank{rank}.json"),
+            *extra,
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def rank_pid(launcher: int, local_rank: int) -> int | None:

@@ -11,8 +11,24 @@ from dynemb.ps_server.hashing import ROW_HASH_SEED, bucket_of, shard_of, xxh64_i
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 EDGE_IDS = np.array(
-    [0, 1, -1, 2, -2, 255, 256, -256, 1 << 32, (1 << 32) - 1, 1 << 56, -(1 << 56), INT64_MIN, INT64_MIN + 1,
-     INT64_MAX, INT64_MAX - 1],
+    [
+        0,
+        1,
+        -1,
+        2,
+        -2,
+        255,
+        256,
+        -256,
+        1 << 32,
+        (1 << 32) - 1,
+        1 << 56,
+        -(1 << 56),
+        INT64_MIN,
+        INT64_MIN + 1,
+        INT64_MAX,
+        INT64_MAX - 1,
+    ],
     dtype=np.int64,
 )
 SEEDS = [0, 1, 42, ROW_HASH_SEED, 0x5EED_1D, (1 << 63) - 1, 1 << 63, (1 << 64) - 1]

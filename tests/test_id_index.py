@@ -139,7 +139,7 @@ def test_growth_keeps_every_entry():
     values = rng.integers(0, 1 << 40, len(ids))
     caps = []
     for lo in range(0, len(ids), 7000):  # batches of mixed sizes, each growing the table
-        index.insert(ids[lo:lo + 7000], values[lo:lo + 7000])
+        index.insert(ids[lo : lo + 7000], values[lo : lo + 7000])
         caps.append(index.capacity)
         assert np.array_equal(index.lookup(ids[: lo + 7000]), values[: lo + 7000])
     assert caps == sorted(caps) and caps[-1] >= 2 * len(ids)
@@ -209,8 +209,9 @@ def test_repeated_absent_ids_get_one_value():
     index = IdIndex()
     index.insert(np.array([9]), np.array([7]))
     asked, spare = [], []
-    got = index.lookup_or_insert(np.array([4, 9, 4, 5, 9, 5, 4]), lambda k: asked.append(k) or np.arange(100, 100 + k),
-                                 spare.append)
+    got = index.lookup_or_insert(
+        np.array([4, 9, 4, 5, 9, 5, 4]), lambda k: asked.append(k) or np.arange(100, 100 + k), spare.append
+    )
     assert asked == [5]  # the five absent occurrences
     assert got.tolist() == [100, 7, 100, 102, 7, 102, 100]
     assert sorted(np.concatenate(spare).tolist()) == [101, 103, 104]  # given to repeats, unused
@@ -295,8 +296,11 @@ def test_scatter_writes_the_rows_given_and_refuses_what_is_outside():
 
 
 @settings(max_examples=60, deadline=None)
-@given(stored=st.lists(st.integers(-(1 << 63), (1 << 63) - 1), unique=True, max_size=60),
-       asked=st.lists(st.integers(-5, 5), max_size=80), width=st.integers(1, 9))
+@given(
+    stored=st.lists(st.integers(-(1 << 63), (1 << 63) - 1), unique=True, max_size=60),
+    asked=st.lists(st.integers(-5, 5), max_size=80),
+    width=st.integers(1, 9),
+)
 def test_pull_rows_is_a_lookup_then_a_gather(stored, asked, width):
     """pull_rows (one C call) = lookup, gather of the present, positions of the absent."""
     index = IdIndex()

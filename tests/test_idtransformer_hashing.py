@@ -10,10 +10,12 @@ from dynemb.ps_server.hashing import shard_of, xxh64_ids
 
 def test_xxh64_matches_xxhash_and_numpy():
     gen = torch.Generator().manual_seed(0)
-    ids = torch.cat([
-        torch.tensor([0, 1, -1, 256, -(1 << 63), (1 << 63) - 1], dtype=torch.int64),
-        torch.randint(-(1 << 63), (1 << 63) - 1, (3000,), generator=gen, dtype=torch.int64),
-    ])
+    ids = torch.cat(
+        [
+            torch.tensor([0, 1, -1, 256, -(1 << 63), (1 << 63) - 1], dtype=torch.int64),
+            torch.randint(-(1 << 63), (1 << 63) - 1, (3000,), generator=gen, dtype=torch.int64),
+        ]
+    )
     for seed in (0, 7, 0x6479_6E65_6D62):
         got = xxh64(ids, seed).numpy().view(np.uint64)
         want = [xxhash.xxh64_intdigest(int(i).to_bytes(8, "little", signed=True), seed) for i in ids.tolist()]

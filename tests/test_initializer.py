@@ -43,10 +43,18 @@ from dynemb.ps_server.initializer import fill_initial_rows  # noqa: E402
 
 
 @settings(max_examples=60, deadline=None)
-@given(kind=st.sampled_from(["zeros", "constant", "uniform", "normal"]),
-       a=st.floats(-1e6, 1e6), b=st.floats(-1e6, 1e6), seed=st.integers(0, (1 << 64) - 1),
-       dim=st.integers(1, 40), state=st.integers(0, 3), dtype=st.sampled_from(["fp32", "fp16", "bf16"]),
-       n=st.integers(0, 50), shift=st.integers(0, 3), data=st.data())
+@given(
+    kind=st.sampled_from(["zeros", "constant", "uniform", "normal"]),
+    a=st.floats(-1e6, 1e6),
+    b=st.floats(-1e6, 1e6),
+    seed=st.integers(0, (1 << 64) - 1),
+    dim=st.integers(1, 40),
+    state=st.integers(0, 3),
+    dtype=st.sampled_from(["fp32", "fp16", "bf16"]),
+    n=st.integers(0, 50),
+    shift=st.integers(0, 3),
+    data=st.data(),
+)
 def test_filling_in_place_gives_initial_rows_bit_for_bit(kind, a, b, seed, dim, state, dtype, n, shift, data):
     """The compiled loop (fp32: zeros, constant, uniform) and numpy agree on every bit, at any
     byte offset (rows inside a message start anywhere)."""
@@ -54,8 +62,7 @@ def test_filling_in_place_gives_initial_rows_bit_for_bit(kind, a, b, seed, dim, 
         a, b = min(a, b), max(a, b) + 1.0  # what the schema accepts
     b = abs(b) if kind == "normal" else b
     s = TableSchema("t", dim, state, dtype, Initializer(kind, a, b, seed=seed, state_init=0.5))
-    ids = np.array(data.draw(st.lists(st.integers(-(1 << 63), (1 << 63) - 1), min_size=n, max_size=n)),
-                   dtype=np.int64)
+    ids = np.array(data.draw(st.lists(st.integers(-(1 << 63), (1 << 63) - 1), min_size=n, max_size=n)), dtype=np.int64)
     rows = n + 3
     raw = np.zeros(rows * s.row_bytes + shift, np.uint8)
     out = np.frombuffer(raw.data, dtype=s.np_dtype, count=rows * s.width, offset=shift).reshape(rows, s.width)

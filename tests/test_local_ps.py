@@ -16,9 +16,14 @@ pytestmark = pytest.mark.slow
 
 def test_a_killed_parent_leaves_no_ps_behind():
     parent = subprocess.Popen(
-        [sys.executable, "-c", "from dynemb.testing.local_ps import LocalPS; import time; ps = LocalPS().start(); "
-                               "print(ps.proc.pid, flush=True); time.sleep(600)"],
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            "from dynemb.testing.local_ps import LocalPS; import time; ps = LocalPS().start(); "
+            "print(ps.proc.pid, flush=True); time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     ps_pid = int(parent.stdout.readline())
     os.kill(ps_pid, 0)  # running
@@ -47,9 +52,11 @@ def gone_within(pid: int, seconds: float) -> None:
 def test_a_ps_started_from_a_thread_outlives_the_thread_not_the_process():
     """The PS ends with the process that started it, not with the thread (what Linux's
     PR_SET_PDEATHSIG would do): a PS started from a worker thread keeps serving after it."""
-    code = ("from dynemb.testing.local_ps import LocalPS; import threading, time; box = []; "
-            "t = threading.Thread(target=lambda: box.append(LocalPS().start())); t.start(); t.join(); "
-            "print(box[0].proc.pid, box[0].address, flush=True); time.sleep(600)")
+    code = (
+        "from dynemb.testing.local_ps import LocalPS; import threading, time; box = []; "
+        "t = threading.Thread(target=lambda: box.append(LocalPS().start())); t.start(); t.join(); "
+        "print(box[0].proc.pid, box[0].address, flush=True); time.sleep(600)"
+    )
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         ps_pid, address = parent.stdout.readline().split()

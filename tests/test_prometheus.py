@@ -62,9 +62,16 @@ class Prometheus:
         self.port = free_port()
         self.log = open(workdir / "prometheus.log", "wb")
         self.proc = subprocess.Popen(
-            [tool("prometheus"), f"--config.file={config_path}", f"--storage.tsdb.path={workdir / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{self.port}"],
-            stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+            [
+                tool("prometheus"),
+                f"--config.file={config_path}",
+                f"--storage.tsdb.path={workdir / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
+        )
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -101,37 +108,96 @@ def stack(tmp_path_factory, redis_binaries):
     Prometheus, then a 2-rank torchrun trainer through the PS. Yields while the trainer's
     /metrics linger after its last step."""
     work = tmp_path_factory.mktemp("prometheus")
-    conf = [line for line in redis_conf_lines((DEPLOY / "k8s" / "redis" / "redis.conf").read_text())
-            if line.split()[0] not in ("port", "bind", "dir")]
+    conf = [
+        line
+        for line in redis_conf_lines((DEPLOY / "k8s" / "redis" / "redis.conf").read_text())
+        if line.split()[0] not in ("port", "bind", "dir")
+    ]
     redis = RedisProcess(conf).start()
     procs: list = []
     try:
         exporter_port = free_port()
         exporter_log = open(work / "redis_exporter.log", "wb")
-        procs.append(subprocess.Popen(
-            [tool("redis_exporter"), f"--redis.addr=redis://{redis.address}",
-             f"--web.listen-address=127.0.0.1:{exporter_port}"],
-            stdout=exporter_log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent))
+        procs.append(
+            subprocess.Popen(
+                [
+                    tool("redis_exporter"),
+                    f"--redis.addr=redis://{redis.address}",
+                    f"--web.listen-address=127.0.0.1:{exporter_port}",
+                ],
+                stdout=exporter_log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent,
+            )
+        )
         tls = make_tls_files(str(work))
-        ps = LocalPS("--backend", redis.url, "--namespace", "promtest", "--tls-cert", tls["cert"],
-                     "--tls-key", tls["key"], "--not-serving-seconds", "0", env={"DYNEMB_PS_AUTH_TOKEN": TOKEN}).start()
+        ps = LocalPS(
+            "--backend",
+            redis.url,
+            "--namespace",
+            "promtest",
+            "--tls-cert",
+            tls["cert"],
+            "--tls-key",
+            tls["key"],
+            "--not-serving-seconds",
+            "0",
+            env={"DYNEMB_PS_AUTH_TOKEN": TOKEN},
+        ).start()
         procs.append(ps)
         metrics_port = free_port_pair()
-        prom = Prometheus(work, {
-            "dynemb-ps": [f"127.0.0.1:{ps.metrics_port}"],
-            "dynemb-trainer": [f"127.0.0.1:{metrics_port + r}" for r in range(RANKS)],
-            "redis": [f"127.0.0.1:{exporter_port}"],
-        })
+        prom = Prometheus(
+            work,
+            {
+                "dynemb-ps": [f"127.0.0.1:{ps.metrics_port}"],
+                "dynemb-trainer": [f"127.0.0.1:{metrics_port + r}" for r in range(RANKS)],
+                "redis": [f"127.0.0.1:{exporter_port}"],
+            },
+        )
         procs.append(prom)
         trainer_log = open(work / "trainer.log", "wb")
         trainer = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}", "-m",
-             "dynemb.trainer", "--ps", f"localhost:{ps.port}", "--ps-tls-ca", tls["ca"], "--num-sparse", str(TABLES),
-             "--universe", "2000", "--capacity-fraction", "0.25", "--dim", "8", "--dense-arch", "8",
-             "--over-arch", "8,1", "--batch-size", str(BATCH), "--steps", str(STEPS), "--eval-batches", "1",
-             "--no-progress", "--metrics-port", str(metrics_port), "--metrics-linger-seconds", "12"],
-            stdout=trainer_log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "DYNEMB_PS_AUTH_TOKEN": TOKEN})
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={RANKS}",
+                "-m",
+                "dynemb.trainer",
+                "--ps",
+                f"localhost:{ps.port}",
+                "--ps-tls-ca",
+                tls["ca"],
+                "--num-sparse",
+                str(TABLES),
+                "--universe",
+                "2000",
+                "--capacity-fraction",
+                "0.25",
+                "--dim",
+                "8",
+                "--dense-arch",
+                "8",
+                "--over-arch",
+                "8,1",
+                "--batch-size",
+                str(BATCH),
+                "--steps",
+                str(STEPS),
+                "--eval-batches",
+                "1",
+                "--no-progress",
+                "--metrics-port",
+                str(metrics_port),
+                "--metrics-linger-seconds",
+                "12",
+            ],
+            stdout=trainer_log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "DYNEMB_PS_AUTH_TOKEN": TOKEN},
+        )
         procs.append(trainer)
 
         def trainer_output() -> str:

@@ -7,8 +7,13 @@ from dynemb.protos import generate, ps_pb2
 
 def test_checked_in_generated_code_matches_the_proto(tmp_path):
     paths = generate.generate(tmp_path)
-    assert sorted(p.name for p in paths) == ["ps_pb2.py", "ps_pb2.pyi", "ps_pb2_grpc.py",
-                                             "tf_bundle_pb2.py", "tf_bundle_pb2.pyi"]
+    assert sorted(p.name for p in paths) == [
+        "ps_pb2.py",
+        "ps_pb2.pyi",
+        "ps_pb2_grpc.py",
+        "tf_bundle_pb2.py",
+        "tf_bundle_pb2.pyi",
+    ]
     for path in paths:
         checked_in = generate.ROOT / "dynemb" / "protos" / path.name
         fresh, kept = path.read_bytes(), checked_in.read_bytes()
@@ -33,4 +38,6 @@ def test_generate_command_line(tmp_path, capsys):
     out = capsys.readouterr().out
     for name in generate.GENERATED:
         assert f"wrote {tmp_path / 'dynemb' / 'protos' / name}" in out
-        assert (tmp_path / "dynemb" / "protos" / name).read_bytes() == (generate.ROOT / "dynemb" / "protos" / name).read_bytes()
+        assert (tmp_path / "dynemb" / "protos" / name).read_bytes() == (
+            generate.ROOT / "dynemb" / "protos" / name
+        ).read_bytes()

@@ -34,8 +34,13 @@ SERVICE = "/dynemb.ps.v1.ParameterServer/"
 
 VICTIMS = [
     TableSchema("victim_fp32", dim=4, state_width=2, dtype="fp32", initializer=Initializer("uniform", -1.0, 1.0, 7)),
-    TableSchema("victim_fp16", dim=3, state_width=1, dtype="fp16",
-                initializer=Initializer("normal", 0.0, 0.1, 3, state_init=0.5)),
+    TableSchema(
+        "victim_fp16",
+        dim=3,
+        state_width=1,
+        dtype="fp16",
+        initializer=Initializer("normal", 0.0, 0.1, 3, state_init=0.5),
+    ),
     TableSchema("victim_bf16", dim=8, dtype="bf16"),
 ]
 
@@ -43,8 +48,11 @@ VICTIMS = [
 def victim_rows(schema: TableSchema, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Ids the fuzzer also uses (small ones, extremes) and rows of random bits (NaN payloads too)."""
     rng = np.random.default_rng(seed)
-    ids = np.unique(np.concatenate([np.arange(0, 300, 2), [-(1 << 63), (1 << 63) - 1, -1, 42, 43],
-                                    rng.integers(-(1 << 62), 1 << 62, 100)])).astype(np.int64)
+    ids = np.unique(
+        np.concatenate(
+            [np.arange(0, 300, 2), [-(1 << 63), (1 << 63) - 1, -1, 42, 43], rng.integers(-(1 << 62), 1 << 62, 100)]
+        )
+    ).astype(np.int64)
     raw = rng.bytes(len(ids) * schema.row_bytes)
     return ids, np.frombuffer(raw, dtype=schema.np_dtype).reshape(len(ids), schema.width)
 
@@ -76,13 +84,30 @@ class Fuzzer:
     """Sends probes over one channel and checks every answer."""
 
     def __init__(self, address: str) -> None:
-        self.channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 8 * MAX_MESSAGE),
-                                                               ("grpc.max_receive_message_length", 64 << 20)])
+        self.channel = grpc.insecure_channel(
+            address,
+            options=[("grpc.max_send_message_length", 8 * MAX_MESSAGE), ("grpc.max_receive_message_length", 64 << 20)],
+        )
         self.stub = ps_pb2_grpc.ParameterServerStub(self.channel)
         # no serializers: bytes go out as they are
-        self.raw_unary = {m: self.channel.unary_unary(SERVICE + m) for m in
-                          ("CreateTable", "DescribeTable", "ListTables", "DropTable", "Pull", "Push", "Delete",
-                           "PullMany", "PushMany", "Stats", "Import", "AttachSegment", "DetachSegment")}
+        self.raw_unary = {
+            m: self.channel.unary_unary(SERVICE + m)
+            for m in (
+                "CreateTable",
+                "DescribeTable",
+                "ListTables",
+                "DropTable",
+                "Pull",
+                "Push",
+                "Delete",
+                "PullMany",
+                "PushMany",
+                "Stats",
+                "Import",
+                "AttachSegment",
+                "DetachSegment",
+            )
+        }
         self.raw_export = self.channel.unary_stream(SERVICE + "Export")
         self.raw_import = self.channel.stream_unary(SERVICE + "Import")
         self.sent = 0
@@ -197,8 +222,14 @@ def test_fuzz_keeps_serving_and_victims_intact(fuzzed_ps):
     tables = Tables(VICTIMS)
     started = time.monotonic()
 
-    @settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
-              suppress_health_check=list(HealthCheck), print_blob=False)
+    @settings(
+        max_examples=EXAMPLES,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )
     @given(st.lists(probes(tables), min_size=BATCH, max_size=BATCH))
     def fuzz(batch):
         fuzzer.run(batch)
@@ -207,18 +238,24 @@ def test_fuzz_keeps_serving_and_victims_intact(fuzzed_ps):
         for v in VICTIMS:  # after every batch, so a failure points at the batch that did it
             ids, rows = stored[v.name]
             got = client.pull(v.name, ids)
-            changed = np.flatnonzero(got.missing | (got.rows.view(np.uint8).reshape(len(ids), -1)
-                                                    != rows.view(np.uint8).reshape(len(ids), -1)).any(axis=1))
-            assert not len(changed), (f"victim {v.name}: the rows of {len(changed)} ids changed or went, "
-                                      f"e.g. ids {ids[changed[:5]]}")
+            changed = np.flatnonzero(
+                got.missing
+                | (got.rows.view(np.uint8).reshape(len(ids), -1) != rows.view(np.uint8).reshape(len(ids), -1)).any(
+                    axis=1
+                )
+            )
+            assert not len(changed), (
+                f"victim {v.name}: the rows of {len(changed)} ids changed or went, e.g. ids {ids[changed[:5]]}"
+            )
 
     fuzz()
     elapsed = time.monotonic() - started
     print(f"\n{fuzzer.sent} requests in {elapsed:.1f}s; answers: {dict(sorted(fuzzer.codes.items()))}")
     assert fuzzer.sent >= MIN_REQUESTS
     # every kind of answer came up: the probes reach past validation as well as into it
-    assert {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "ALREADY_EXISTS", "RESOURCE_EXHAUSTED",
-            "CANCELLED"} <= set(fuzzer.codes)
+    assert {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "ALREADY_EXISTS", "RESOURCE_EXHAUSTED", "CANCELLED"} <= set(
+        fuzzer.codes
+    )
 
     assert ps.proc.poll() is None
     assert client.health() == ["SERVING"]

@@ -8,10 +8,10 @@ import itertools
 import numpy as np
 import pytest
 
-from dynemb.testing.local_ps import LocalPS
 from dynemb.ps_server.client import PSClient
 from dynemb.ps_server.initializer import bf16_bits_to_float, initial_rows
 from dynemb.ps_server.schema import Initializer
+from dynemb.testing.local_ps import LocalPS
 
 KINDS = {
     "zeros": Initializer("zeros", state_init=0.125),
@@ -29,9 +29,12 @@ def two_ps(redis_url):
     """One PS on the embedded store and one on Redis (a namespace of this module's own)."""
     import uuid
 
-    procs = [LocalPS("--not-serving-seconds", "0").start(),
-             LocalPS("--backend", redis_url, "--namespace", f"init{uuid.uuid4().hex[:8]}",
-                     "--not-serving-seconds", "0").start()]
+    procs = [
+        LocalPS("--not-serving-seconds", "0").start(),
+        LocalPS(
+            "--backend", redis_url, "--namespace", f"init{uuid.uuid4().hex[:8]}", "--not-serving-seconds", "0"
+        ).start(),
+    ]
     yield [p.address for p in procs]
     for p in procs:
         p.close()
@@ -110,8 +113,12 @@ def test_the_seed_changes_the_values(two_ps, kind):
         rows = []
         for seed in (base.seed, base.seed + 1):
             table = f"seed_{kind}_{seed}"
-            ps.create_table(table, dim=DIM, state_width=STATE,
-                            initializer=Initializer(kind, base.a, base.b, seed=seed, state_init=base.state_init))
+            ps.create_table(
+                table,
+                dim=DIM,
+                state_width=STATE,
+                initializer=Initializer(kind, base.a, base.b, seed=seed, state_init=base.state_init),
+            )
             rows.append(ps.pull(table, ids).rows)
     differ = np.any(rows[0][:, :DIM] != rows[1][:, :DIM], axis=1)
     assert differ.all()

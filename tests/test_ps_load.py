@@ -28,8 +28,14 @@ REPO = Path(__file__).resolve().parent.parent
 def run_bench(*args: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "ps_load.json"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, str(REPO / "bench" / "ps_load.py"), "--json", str(out), *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "ps_load.py"), "--json", str(out), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     lines = done.stdout.strip().splitlines()
     assert lines, f"no output (exit {done.returncode}):\n{done.stderr[-3000:]}"
     result = json.loads(lines[-1])
@@ -38,9 +44,23 @@ def run_bench(*args: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, 
 
 
 def test_short_run_passes_with_zero_errors_and_sane_figures(tmp_path):
-    done, r = run_bench("--clients", "4", "--procs", "2", "--duration", "4", "--batch", "256",
-                        "--id-space", "4000", "--pull-fraction", "0.5", "--warmup-fraction", "0.5",
-                        tmp_path=tmp_path)
+    done, r = run_bench(
+        "--clients",
+        "4",
+        "--procs",
+        "2",
+        "--duration",
+        "4",
+        "--batch",
+        "256",
+        "--id-space",
+        "4000",
+        "--pull-fraction",
+        "0.5",
+        "--warmup-fraction",
+        "0.5",
+        tmp_path=tmp_path,
+    )
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr[-3000:]}"
     assert r["ok"] and r["failures"] == [] and "PASS:" in done.stdout
     assert r["errors_total"] == 0 and r["errors"] == {}
@@ -66,10 +86,31 @@ def test_short_run_passes_with_zero_errors_and_sane_figures(tmp_path):
 
 def test_failed_calls_are_counted_by_status_code_and_fail_the_run(tmp_path, redis_server, redis_namespace, make_ps):
     ps = make_ps("--backend", redis_server.url, "--namespace", redis_namespace)
-    done, r = run_bench("--ps", ps.address, "--ps-pid", str(ps.proc.pid),
-                        "--ps-metrics", f"http://127.0.0.1:{ps.metrics_port}/metrics", "--redis", redis_server.url,
-                        "--clients", "2", "--procs", "1", "--duration", "2", "--sample-seconds", "0.5",
-                        "--batch", "2048", "--id-space", "4096", "--timeout", "0.003", tmp_path=tmp_path)
+    done, r = run_bench(
+        "--ps",
+        ps.address,
+        "--ps-pid",
+        str(ps.proc.pid),
+        "--ps-metrics",
+        f"http://127.0.0.1:{ps.metrics_port}/metrics",
+        "--redis",
+        redis_server.url,
+        "--clients",
+        "2",
+        "--procs",
+        "1",
+        "--duration",
+        "2",
+        "--sample-seconds",
+        "0.5",
+        "--batch",
+        "2048",
+        "--id-space",
+        "4096",
+        "--timeout",
+        "0.003",
+        tmp_path=tmp_path,
+    )
     assert done.returncode == 1, f"{done.stdout}\n{done.stderr[-3000:]}"
     assert not r["ok"]
     # 3 ms is far too short for 2,048 rows through the PS and Redis: those calls fail as such

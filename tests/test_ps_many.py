@@ -88,11 +88,17 @@ def test_a_bad_entry_writes_nothing_of_any_entry(make_ps):
         good = ps_pb2.PushRequest(table="user", ids=ids.tobytes(), rows=np.ones((10, 16), np.float32).tobytes())
         stub = ps_pb2_grpc.ParameterServerStub(grpc.insecure_channel(proc.address))
         cases = [
-            (ps_pb2.PushRequest(table="item", ids=ids.tobytes(), rows=np.ones((10, 3), np.float16).tobytes()),
-             grpc.StatusCode.INVALID_ARGUMENT, "item"),
+            (
+                ps_pb2.PushRequest(table="item", ids=ids.tobytes(), rows=np.ones((10, 3), np.float16).tobytes()),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "item",
+            ),
             (ps_pb2.PushRequest(table="nope", ids=ids.tobytes(), rows=b""), grpc.StatusCode.NOT_FOUND, "nope"),
-            (ps_pb2.PushRequest(table="item", ids=b"1234567", rows=b""), grpc.StatusCode.INVALID_ARGUMENT,
-             "multiple of 8"),
+            (
+                ps_pb2.PushRequest(table="item", ids=b"1234567", rows=b""),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "multiple of 8",
+            ),
         ]
         for bad, code, named in cases:
             with pytest.raises(grpc.RpcError) as info:
@@ -100,8 +106,14 @@ def test_a_bad_entry_writes_nothing_of_any_entry(make_ps):
             assert info.value.code() == code and named in info.value.details()
         assert ps.pull("user", ids).missing.all()  # the good entry before the bad one: not written
         with pytest.raises(grpc.RpcError) as info:
-            stub.PullMany(ps_pb2.PullManyRequest(pulls=[ps_pb2.PullRequest(table="user", ids=ids.tobytes()),
-                                                        ps_pb2.PullRequest(table="nope", ids=ids.tobytes())]))
+            stub.PullMany(
+                ps_pb2.PullManyRequest(
+                    pulls=[
+                        ps_pb2.PullRequest(table="user", ids=ids.tobytes()),
+                        ps_pb2.PullRequest(table="nope", ids=ids.tobytes()),
+                    ]
+                )
+            )
         assert info.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in info.value.details()
         assert stub.PullMany(ps_pb2.PullManyRequest(), timeout=10).pulls == []  # nothing asked, nothing answered
 

@@ -62,8 +62,12 @@ def test_rows_through_shared_memory_equal_rows_as_bytes(ps_proc, dtype):
         ids = rng.integers(-(1 << 63), (1 << 63) - 1, n, dtype=np.int64)
         ids[10:20] = ids[:10]  # repeated ids: the last row wins
         # any bits: the PS moves rows, it never reads them as numbers
-        rows = {t: rng.integers(0, 256, (n, w * fast.schema(t).np_dtype.itemsize), dtype=np.uint8)
-                .view(fast.schema(t).np_dtype) for t, w in (("a", 7), ("b", 3))}
+        rows = {
+            t: rng.integers(0, 256, (n, w * fast.schema(t).np_dtype.itemsize), dtype=np.uint8).view(
+                fast.schema(t).np_dtype
+            )
+            for t, w in (("a", 7), ("b", 3))
+        }
         assert fast.push("a", ids, rows["a"]) == n
         fast.push_many({"b": (ids, rows["b"])})
         for t in ("a", "b"):
@@ -264,8 +268,9 @@ def test_attach_refuses_what_it_must_not_map(make_ps, tmp_path):
     expect(code.INVALID_ARGUMENT, "token", attach, req(path=f"{mine}/{fd}", size=mib, token=b"x"))
     expect(code.RESOURCE_EXHAUSTED, "--shm-max-mb", attach, req(path=f"{mine}/{fd}", size=3 * mib, token=token))
     expect(code.FAILED_PRECONDITION, "size", attach, req(path=f"{mine}/{fd}", size=mib // 2, token=token))
-    expect(code.FAILED_PRECONDITION, "token", attach,
-           req(path=f"{mine}/{fd}", size=mib, token=os.urandom(shm.TOKEN_BYTES)))
+    expect(
+        code.FAILED_PRECONDITION, "token", attach, req(path=f"{mine}/{fd}", size=mib, token=os.urandom(shm.TOKEN_BYTES))
+    )
     loose, loose_token = _memfd(mib, seal=False)  # could shrink under the PS: SIGBUS
     expect(code.FAILED_PRECONDITION, "sealed", attach, req(path=f"{mine}/{loose}", size=mib, token=loose_token))
     plain = os.open(tmp_path / "rows", os.O_RDWR | os.O_CREAT)
@@ -288,28 +293,56 @@ def test_bad_segment_references_change_nothing(ps_proc):
         ids = np.arange(4, dtype=np.int64)
         ps.push("t", ids, np.ones((4, 2), np.float32))
     fd, token = _memfd(1 << 20)
-    seg = s.AttachSegment(ps_pb2.AttachSegmentRequest(path=f"/proc/{os.getpid()}/fd/{fd}", size=1 << 20,
-                                                      token=token)).segment
+    seg = s.AttachSegment(
+        ps_pb2.AttachSegmentRequest(path=f"/proc/{os.getpid()}/fd/{fd}", size=1 << 20, token=token)
+    ).segment
     pull = ps_pb2.PullRequest
     ref = ps_pb2.SegmentRef
     raw_push = grpc.insecure_channel(ps_proc.address).unary_unary(SERVICE + "Push")
     raw_push_many = grpc.insecure_channel(ps_proc.address).unary_unary(SERVICE + "PushMany")
     zeros = np.zeros((4, 2), np.float32)
-    expect(grpc.StatusCode.FAILED_PRECONDITION, "not attached", s.Pull,
-           pull(table="t", ids=ids.tobytes(), rows_to=ref(segment=seg + 1, offset=64, size=32)))
-    expect(grpc.StatusCode.INVALID_ARGUMENT, "inside segment", s.Pull,
-           pull(table="t", ids=ids.tobytes(), rows_to=ref(segment=seg, offset=(1 << 20) - 16, size=32)))
-    expect(grpc.StatusCode.INVALID_ARGUMENT, "inside segment", s.Pull,
-           pull(table="t", ids=ids.tobytes(), rows_to=ref(segment=seg, offset=0, size=32)))  # over the token
-    expect(grpc.StatusCode.INVALID_ARGUMENT, "another schema", s.Pull,
-           pull(table="t", ids=ids.tobytes(), rows_to=ref(segment=seg, offset=64, size=48)))
-    expect(grpc.StatusCode.INVALID_ARGUMENT, "both", raw_push,
-           b"".join(push_request_parts("t", ids, zeros, (seg, 64, 32))))
-    expect(grpc.StatusCode.FAILED_PRECONDITION, "not attached", raw_push,
-           b"".join(push_request_parts("t", ids, None, (seg + 1, 64, 32))))
+    expect(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "not attached",
+        s.Pull,
+        pull(table="t", ids=ids.tobytes(), rows_to=ref(segment=seg + 1, offset=64, size=32)),
+    )
+    expect(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "inside segment",
+        s.Pull,
+        pull(table="t", ids=ids.tobytes(), rows_to=ref(segment=seg, offset=(1 << 20) - 16, size=32)),
+    )
+    expect(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "inside segment",
+        s.Pull,
+        pull(table="t", ids=ids.tobytes(), rows_to=ref(segment=seg, offset=0, size=32)),
+    )  # over the token
+    expect(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "another schema",
+        s.Pull,
+        pull(table="t", ids=ids.tobytes(), rows_to=ref(segment=seg, offset=64, size=48)),
+    )
+    expect(
+        grpc.StatusCode.INVALID_ARGUMENT, "both", raw_push, b"".join(push_request_parts("t", ids, zeros, (seg, 64, 32)))
+    )
+    expect(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "not attached",
+        raw_push,
+        b"".join(push_request_parts("t", ids, None, (seg + 1, 64, 32))),
+    )
     # a PushMany whose second entry is bad writes neither
-    expect(grpc.StatusCode.INVALID_ARGUMENT, "inside segment", raw_push_many, encode_push_many_request([
-        push_request_parts("t", ids, None, (seg, 64, 32)), push_request_parts("t", ids, None, (seg, 1 << 21, 32))]))
+    expect(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "inside segment",
+        raw_push_many,
+        encode_push_many_request(
+            [push_request_parts("t", ids, None, (seg, 64, 32)), push_request_parts("t", ids, None, (seg, 1 << 21, 32))]
+        ),
+    )
     with PSClient(ps_proc.address, shared_memory=False) as ps:
         assert np.array_equal(ps.pull("t", ids).rows, np.ones((4, 2), np.float32))  # nothing changed
     # a good one goes through the memory both map
@@ -327,13 +360,19 @@ def test_bad_segment_references_change_nothing(ps_proc):
 def test_a_client_that_dies_leaves_nothing_behind(make_ps):
     """Its segment is dropped once idle; the memory goes with the last mapping (no file)."""
     proc = make_ps("--shm-idle-seconds", "0.5")
-    code = (f"import numpy as np, os; from dynemb.ps_server.client import PSClient; ps = PSClient('{proc.address}'); "
-            f"ps.create_table('t', dim=4); ps.pull('t', np.arange(9)); os._exit(0)")
+    code = (
+        f"import numpy as np, os; from dynemb.ps_server.client import PSClient; ps = PSClient('{proc.address}'); "
+        f"ps.create_table('t', dim=4); ps.pull('t', np.arange(9)); os._exit(0)"
+    )
     import subprocess
     import sys
 
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
-                   env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert metric(proc, "dynemb_ps_shm_segments") == 1  # the client never detached
     time.sleep(1.0)  # idle past --shm-idle-seconds: time itself is the condition
     with PSClient(proc.address) as ps:

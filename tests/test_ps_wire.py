@@ -59,8 +59,9 @@ def test_many_table_messages_are_byte_identical_to_generated():
     got = build_pull_many_response([plan for plan, _ in pulls])
     assert got == ps_pb2.PullManyResponse(pulls=[want for _, want in pulls]).SerializeToString()
     got = encode_push_many_request([push_request_parts(*p) for p in pushes])
-    want = ps_pb2.PushManyRequest(pushes=[ps_pb2.PushRequest(table=t, ids=i.astype("<i8").tobytes(), rows=r.tobytes())
-                                          for t, i, r in pushes]).SerializeToString()
+    want = ps_pb2.PushManyRequest(
+        pushes=[ps_pb2.PushRequest(table=t, ids=i.astype("<i8").tobytes(), rows=r.tobytes()) for t, i, r in pushes]
+    ).SerializeToString()
     assert got == want
 
 
@@ -103,7 +104,8 @@ def test_pull_many_response_reads_each_reply_in_order():
     replies = [ps_pb2.PullResponse(rows=bytes([k]) * k, missing=b"\x01" * k, num_missing=k) for k in range(4)]
     got = parse_pull_many_response(ps_pb2.PullManyResponse(pulls=replies).SerializeToString())
     assert [(bytes(g.rows), bytes(g.missing), g.num_missing) for g in got] == [
-        (r.rows, r.missing, r.num_missing) for r in replies]
+        (r.rows, r.missing, r.num_missing) for r in replies
+    ]
 
 
 def test_rows_are_read_in_place_not_copied():
@@ -115,8 +117,14 @@ def test_rows_are_read_in_place_not_copied():
 
 def test_unknown_fields_are_skipped_as_protobuf_does():
     # a newer writer's extra fields of every wire type: varint 7, fixed64 8, bytes 9, fixed32 10
-    extra = bytes([7 << 3 | 0, 0x96, 0x01, 8 << 3 | 1]) + b"\0" * 8 + bytes([9 << 3 | 2, 2]) + b"hi" + \
-        bytes([10 << 3 | 5]) + b"\0" * 4
+    extra = (
+        bytes([7 << 3 | 0, 0x96, 0x01, 8 << 3 | 1])
+        + b"\0" * 8
+        + bytes([9 << 3 | 2, 2])
+        + b"hi"
+        + bytes([10 << 3 | 5])
+        + b"\0" * 4
+    )
     wire = extra + ps_pb2.PushRequest(table="t", ids=b"\1" * 8, rows=b"\2" * 4).SerializeToString() + extra
     assert ps_pb2.PushRequest.FromString(wire).table == "t"  # the generated code agrees it is valid
     got = parse_push_request(wire)
@@ -128,8 +136,11 @@ def test_unknown_fields_are_skipped_as_protobuf_does():
 def test_damaged_messages_raise_malformed_message_and_nothing_else(data):
     """Cut or flip any byte of a valid message: the reader either reads something (as the
     generated code does) or raises MalformedMessage; what the generated code refuses, it refuses."""
-    wire = bytearray(ps_pb2.PushManyRequest(pushes=[
-        ps_pb2.PushRequest(table="tab", ids=b"\1" * 16, rows=b"\2" * 40)] * 2).SerializeToString())
+    wire = bytearray(
+        ps_pb2.PushManyRequest(
+            pushes=[ps_pb2.PushRequest(table="tab", ids=b"\1" * 16, rows=b"\2" * 40)] * 2
+        ).SerializeToString()
+    )
     if data.draw(st.booleans()):
         wire = wire[: data.draw(st.integers(0, len(wire) - 1))]
     else:
@@ -148,15 +159,18 @@ def test_damaged_messages_raise_malformed_message_and_nothing_else(data):
         assert not ours_ok, "the generated code refuses this message; the reader must too"
 
 
-@pytest.mark.parametrize("wire,why", [
-    (b"\x0a\x05abc", "claims 5 bytes"),
-    (b"\x0a", "varint runs past"),
-    (b"\x0a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", "over 10 bytes"),
-    (b"\x0b", "wire type 3"),
-    (b"\x00\x01", "numbered 0"),
-    (b"\x08\x01", "wire type 0, expected 2"),
-    (b"\x0a\x02\xff\xfe", "not valid UTF-8"),
-])
+@pytest.mark.parametrize(
+    "wire,why",
+    [
+        (b"\x0a\x05abc", "claims 5 bytes"),
+        (b"\x0a", "varint runs past"),
+        (b"\x0a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", "over 10 bytes"),
+        (b"\x0b", "wire type 3"),
+        (b"\x00\x01", "numbered 0"),
+        (b"\x08\x01", "wire type 0, expected 2"),
+        (b"\x0a\x02\xff\xfe", "not valid UTF-8"),
+    ],
+)
 def test_each_damage_is_named(wire, why):
     with pytest.raises(MalformedMessage, match=why):
         parse_push_request(wire)
@@ -184,8 +198,10 @@ def _check(reply, rows, missing):
     assert reply.rows == rows.tobytes()
     assert reply.num_missing == missing.sum()
     if reply.num_missing:
-        assert np.array_equal(np.unpackbits(np.frombuffer(reply.missing, np.uint8), bitorder="little",
-                                            count=len(missing)).astype(bool), missing)
+        assert np.array_equal(
+            np.unpackbits(np.frombuffer(reply.missing, np.uint8), bitorder="little", count=len(missing)).astype(bool),
+            missing,
+        )
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -236,13 +252,15 @@ _u64 = st.integers(0, (1 << 64) - 1)
 @given(pushes=st.lists(st.tuples(st.text(max_size=20), _blobs, st.tuples(_u64, _u64, _u64)), max_size=4))
 def test_push_requests_with_rows_from_read_as_generated_writes(pushes):
     for table, ids, (segment, offset, size) in pushes:
-        generated = ps_pb2.PushRequest(table=table, ids=ids, rows_from=ps_pb2.SegmentRef(
-            segment=segment, offset=offset, size=size)).SerializeToString()
+        generated = ps_pb2.PushRequest(
+            table=table, ids=ids, rows_from=ps_pb2.SegmentRef(segment=segment, offset=offset, size=size)
+        ).SerializeToString()
         got = parse_push_request(generated)
         assert (got.table, bytes(got.ids), bytes(got.rows), got.rows_from) == (table, ids, b"", (segment, offset, size))
         # and ours reads back the same through the generated code
-        ours = b"".join(push_request_parts(table, np.frombuffer(ids[: len(ids) // 8 * 8], "<i8"), None,
-                                           (segment, offset, size)))
+        ours = b"".join(
+            push_request_parts(table, np.frombuffer(ids[: len(ids) // 8 * 8], "<i8"), None, (segment, offset, size))
+        )
         back = ps_pb2.PushRequest.FromString(ours)
         assert (back.rows_from.segment, back.rows_from.offset, back.rows_from.size) == (segment, offset, size)
         assert back.HasField("rows_from") and back.rows == b""

@@ -28,13 +28,17 @@ def test_shown():
     assert len(long_list) < 200
 
 
-@pytest.mark.parametrize("make", [
-    lambda: TableSchema.from_dict(TableSchema("t", dim=2).to_dict() | {"dtype": HUGE}),
-    lambda: TableSchema.from_dict(TableSchema("t", dim=2).to_dict() | {"initializer": {"kind": HUGE}}),
-    lambda: TableSchema.from_dict(TableSchema("t", dim=2).to_dict() | {"initializer": {HUGE: 1.0}}),
-    lambda: TableSchema("t", dim=HUGE),
-    lambda: TableSchema("t", dim=1, state_width=[0] * 100_000),
-], ids=["dtype", "initializer-kind", "initializer-field", "dim", "state_width"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: TableSchema.from_dict(TableSchema("t", dim=2).to_dict() | {"dtype": HUGE}),
+        lambda: TableSchema.from_dict(TableSchema("t", dim=2).to_dict() | {"initializer": {"kind": HUGE}}),
+        lambda: TableSchema.from_dict(TableSchema("t", dim=2).to_dict() | {"initializer": {HUGE: 1.0}}),
+        lambda: TableSchema("t", dim=HUGE),
+        lambda: TableSchema("t", dim=1, state_width=[0] * 100_000),
+    ],
+    ids=["dtype", "initializer-kind", "initializer-field", "dim", "state_width"],
+)
 def test_a_schema_quotes_its_fields_short(make):
     with pytest.raises(InvalidArgument) as info:
         make()
@@ -42,19 +46,27 @@ def test_a_schema_quotes_its_fields_short(make):
 
 
 def _manifest(**changes) -> dict:
-    return {"format": "dynemb.table", "version": 1, "schema": TableSchema("t", dim=2).to_dict(), "num_rows": 1,
-            "shards": [{"file": "part-00000.safetensors", "rows": 1, "sha256": "0" * 64}]} | changes
+    return {
+        "format": "dynemb.table",
+        "version": 1,
+        "schema": TableSchema("t", dim=2).to_dict(),
+        "num_rows": 1,
+        "shards": [{"file": "part-00000.safetensors", "rows": 1, "sha256": "0" * 64}],
+    } | changes
 
 
-@pytest.mark.parametrize("doc", [
-    _manifest(format=HUGE),
-    _manifest(version=HUGE),
-    _manifest(schema={**TableSchema("t", dim=2).to_dict(), "name": HUGE}),
-    _manifest(shards=[HUGE]),
-    _manifest(shards=[{"file": HUGE, "rows": 1, "sha256": "0" * 64}]),
-    _manifest(shards=[{"file": "part-00000.safetensors", "rows": HUGE, "sha256": "0" * 64}]),
-    _manifest(shards=[{"file": "part-00000.safetensors", "rows": 1, "sha256": HUGE}]),
-])
+@pytest.mark.parametrize(
+    "doc",
+    [
+        _manifest(format=HUGE),
+        _manifest(version=HUGE),
+        _manifest(schema={**TableSchema("t", dim=2).to_dict(), "name": HUGE}),
+        _manifest(shards=[HUGE]),
+        _manifest(shards=[{"file": HUGE, "rows": 1, "sha256": "0" * 64}]),
+        _manifest(shards=[{"file": "part-00000.safetensors", "rows": HUGE, "sha256": "0" * 64}]),
+        _manifest(shards=[{"file": "part-00000.safetensors", "rows": 1, "sha256": HUGE}]),
+    ],
+)
 def test_a_table_manifest_quotes_its_fields_short(tmp_path, doc):
     (tmp_path / MANIFEST).write_text(json.dumps(doc))
     with pytest.raises(TableFileError) as info:

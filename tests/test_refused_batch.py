@@ -55,8 +55,7 @@ def test_the_error_carries_the_shares_that_went_through(one_process_group, refus
         t1_held = held[0].pinned.clone()
     before = [_resident(t) for t in tables]
     n_new = 10 if refusal != "no_room" else 3  # 10 > 8 slots: too many; 3 new with 0 movable: no room
-    batch = [torch.tensor([1000 * k + 1, 1000 * k + 2] + list(range(1000 * k + 500, 1000 * k + 504)))
-             for k in range(4)]
+    batch = [torch.tensor([1000 * k + 1, 1000 * k + 2] + list(range(1000 * k + 500, 1000 * k + 504))) for k in range(4)]
     batch[1] = torch.arange(n_new) + 1500
     with pytest.raises(BatchRefused) as caught:
         transform_tables(tables, batch, pin=True)

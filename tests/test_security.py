@@ -33,10 +33,12 @@ def every_ps_rpc(channel: grpc.Channel, metadata) -> dict[str, grpc.StatusCode]:
         request = getattr(ps_pb2, method.input_type.name)()
         response = getattr(ps_pb2, method.output_type.name)
         path = f"/{SERVICE.full_name}/{method.name}"
-        kind = "_".join("stream" if streaming else "unary"
-                        for streaming in (method.client_streaming, method.server_streaming))
-        call = getattr(channel, kind)(path, request_serializer=type(request).SerializeToString,
-                                      response_deserializer=response.FromString)
+        kind = "_".join(
+            "stream" if streaming else "unary" for streaming in (method.client_streaming, method.server_streaming)
+        )
+        call = getattr(channel, kind)(
+            path, request_serializer=type(request).SerializeToString, response_deserializer=response.FromString
+        )
         arg = iter([request]) if method.client_streaming else request
         try:
             reply = call(arg, timeout=10, metadata=metadata)
@@ -53,8 +55,11 @@ def every_ps_rpc(channel: grpc.Channel, metadata) -> dict[str, grpc.StatusCode]:
 def reflection_code(channel: grpc.Channel, metadata) -> grpc.StatusCode:
     stub = reflection_pb2_grpc.ServerReflectionStub(channel)
     try:
-        replies = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                                                 timeout=10, metadata=metadata))
+        replies = list(
+            stub.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10, metadata=metadata
+            )
+        )
         assert any(s.name == SERVICE.full_name for r in replies for s in r.list_services_response.service)
         return grpc.StatusCode.OK
     except grpc.RpcError as err:
@@ -101,16 +106,48 @@ def test_every_rpc_needs_the_token(make_ps, auth_health):
 
 
 def test_auth_health_without_a_token_is_refused_at_start():
-    run = subprocess.run([sys.executable, "-m", "dynemb.cli", "ps", "serve", "--address", "127.0.0.1:0",
-                          "--metrics-port", "-1", "--auth-health"], capture_output=True, text=True, cwd=REPO,
-                         timeout=60, env={"PATH": "/usr/bin:/bin"})
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dynemb.cli",
+            "ps",
+            "serve",
+            "--address",
+            "127.0.0.1:0",
+            "--metrics-port",
+            "-1",
+            "--auth-health",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin"},
+    )
     assert run.returncode == 2 and "--auth-health" in run.stderr and "--auth-token" in run.stderr
 
 
 def test_a_password_in_a_bad_backend_url_is_not_echoed():
-    run = subprocess.run([sys.executable, "-m", "dynemb.cli", "ps", "serve", "--address", "127.0.0.1:0",
-                          "--metrics-port", "-1", "--backend", "rediz://admin:hunter2pw@redis:6379/0"],
-                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dynemb.cli",
+            "ps",
+            "serve",
+            "--address",
+            "127.0.0.1:0",
+            "--metrics-port",
+            "-1",
+            "--backend",
+            "rediz://admin:hunter2pw@redis:6379/0",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
     assert run.returncode == 2 and "rediz" in run.stderr and "admin:***@redis" in run.stderr
     assert "hunter2pw" not in run.stderr + run.stdout
 
@@ -120,8 +157,16 @@ def test_tokens_never_reach_logs_or_metrics(make_ps, redis_auth, tmp_path):
     """A PS at DEBUG level over a password-protected Redis, good and bad calls; then a training
     job and its checkpoint against it: neither secret shows anywhere."""
     password = redis_auth.default_password
-    proc = make_ps("--auth-token", TOKEN, "--log-level", "DEBUG", "--backend", redis_auth.url_for(None, password),
-                   "--namespace", "secrets")
+    proc = make_ps(
+        "--auth-token",
+        TOKEN,
+        "--log-level",
+        "DEBUG",
+        "--backend",
+        redis_auth.url_for(None, password),
+        "--namespace",
+        "secrets",
+    )
     with PSClient(proc.address, auth_token=TOKEN) as ps:
         ps.create_table("t", dim=4)
         ps.push("t", [1, 2], np.ones((2, 4), np.float32))
@@ -133,20 +178,60 @@ def test_tokens_never_reach_logs_or_metrics(make_ps, redis_auth, tmp_path):
     assert TOKEN not in str(info.value)
     out = tmp_path / "r.json"
     job = subprocess.run(
-        [sys.executable, "-m", "dynemb.trainer", "--ps", proc.address, "--steps", "4", "--batch-size", "16",
-         "--universe", "500", "--capacity-fraction", "0.3", "--num-sparse", "2", "--dim", "4", "--dense-arch", "8,4",
-         "--eval-batches", "1", "--no-progress", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-at-end",
-         "--result-json", str(out)],
-        capture_output=True, text=True, cwd=REPO, timeout=300, env={**os.environ, "DYNEMB_PS_AUTH_TOKEN": TOKEN})
+        [
+            sys.executable,
+            "-m",
+            "dynemb.trainer",
+            "--ps",
+            proc.address,
+            "--steps",
+            "4",
+            "--batch-size",
+            "16",
+            "--universe",
+            "500",
+            "--capacity-fraction",
+            "0.3",
+            "--num-sparse",
+            "2",
+            "--dim",
+            "4",
+            "--dense-arch",
+            "8,4",
+            "--eval-batches",
+            "1",
+            "--no-progress",
+            "--checkpoint-dir",
+            str(tmp_path / "ck"),
+            "--checkpoint-at-end",
+            "--result-json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+        env={**os.environ, "DYNEMB_PS_AUTH_TOKEN": TOKEN},
+    )
     assert job.returncode == 0, job.stderr[-3000:]
     metrics = proc.metrics_text()
     manifests = "".join(p.read_text() for p in (tmp_path / "ck").glob("*/manifest.json"))
     assert json.loads(out.read_text())["losses"] and manifests
-    help_text = subprocess.run([sys.executable, "-m", "dynemb.cli", "ps", "serve", "--help"], capture_output=True,
-                               text=True, cwd=REPO, env={**os.environ, "DYNEMB_PS_AUTH_TOKEN": TOKEN}).stdout
+    help_text = subprocess.run(
+        [sys.executable, "-m", "dynemb.cli", "ps", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "DYNEMB_PS_AUTH_TOKEN": TOKEN},
+    ).stdout
     assert "DEBUG" in proc.log() and "UNAUTHENTICATED" in metrics  # it did log, and count the refusal
-    for where, text in [("PS log", proc.log()), ("metrics", metrics), ("trainer output", job.stdout + job.stderr),
-                        ("checkpoint manifest", manifests), ("serve --help", help_text)]:
+    for where, text in [
+        ("PS log", proc.log()),
+        ("metrics", metrics),
+        ("trainer output", job.stdout + job.stderr),
+        ("checkpoint manifest", manifests),
+        ("serve --help", help_text),
+    ]:
         assert TOKEN not in text, f"the auth token is in the {where}"
         assert password not in text, f"the Redis password is in the {where}"
 
@@ -158,8 +243,11 @@ def mtls(tmp_path_factory):
     ca, other_ca = trustme.CA(), trustme.CA()
     files = {"ca": folder / "ca.pem"}
     ca.cert_pem.write_to_path(str(files["ca"]))
-    for name, issuer, identity in [("server", ca, "localhost"), ("client", ca, "trainer-0"),
-                                   ("stranger", other_ca, "trainer-0")]:
+    for name, issuer, identity in [
+        ("server", ca, "localhost"),
+        ("client", ca, "trainer-0"),
+        ("stranger", other_ca, "trainer-0"),
+    ]:
         cert = issuer.issue_cert(identity)
         files[name] = folder / f"{name}.pem"
         files[f"{name}_key"] = folder / f"{name}.key"
@@ -179,24 +267,74 @@ def test_mutual_tls_accepts_only_clients_the_ca_signed(make_ps, mtls, tmp_path):
     from dynemb.ps_server.client import RetryPolicy
 
     for cert, key in [(None, None), (mtls["stranger"], mtls["stranger_key"])]:
-        with PSClient(address, tls_ca=mtls["ca"], tls_cert=cert, tls_key=key, timeout=5,
-                      retry=RetryPolicy(attempts=1)) as ps, pytest.raises(PSError) as info:
+        with (
+            PSClient(
+                address, tls_ca=mtls["ca"], tls_cert=cert, tls_key=key, timeout=5, retry=RetryPolicy(attempts=1)
+            ) as ps,
+            pytest.raises(PSError) as info,
+        ):
             ps.list_tables()
         assert info.value.code == grpc.StatusCode.UNAVAILABLE
         assert "mutual TLS" in str(info.value)  # the handshake failed: the error says what to check
     with pytest.raises(InvalidArgument, match="needs its private key"):
         PSClient(address, tls_ca=mtls["ca"], tls_cert=mtls["client"])
     # the CLI and the trainer take the same files
-    cli = subprocess.run([sys.executable, "-m", "dynemb.cli", "ps", "tables", "--ps", address, "--tls-ca", mtls["ca"],
-                          "--tls-cert", mtls["client"], "--tls-key", mtls["client_key"]],
-                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dynemb.cli",
+            "ps",
+            "tables",
+            "--ps",
+            address,
+            "--tls-ca",
+            mtls["ca"],
+            "--tls-cert",
+            mtls["client"],
+            "--tls-key",
+            mtls["client_key"],
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
     assert cli.returncode == 0 and "m " in cli.stdout, cli.stderr
     job = subprocess.run(
-        [sys.executable, "-m", "dynemb.trainer", "--ps", address, "--ps-tls-ca", mtls["ca"],
-         "--ps-tls-cert", mtls["client"], "--ps-tls-key", mtls["client_key"], "--steps", "3", "--batch-size", "16",
-         "--universe", "500", "--num-sparse", "2", "--dim", "4", "--dense-arch", "8,4", "--eval-batches", "1",
-         "--no-progress"],
-        capture_output=True, text=True, cwd=REPO, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "dynemb.trainer",
+            "--ps",
+            address,
+            "--ps-tls-ca",
+            mtls["ca"],
+            "--ps-tls-cert",
+            mtls["client"],
+            "--ps-tls-key",
+            mtls["client_key"],
+            "--steps",
+            "3",
+            "--batch-size",
+            "16",
+            "--universe",
+            "500",
+            "--num-sparse",
+            "2",
+            "--dim",
+            "4",
+            "--dense-arch",
+            "8,4",
+            "--eval-batches",
+            "1",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     assert job.returncode == 0, job.stderr[-3000:]
     assert "mutual TLS" in proc.log()
 

@@ -99,15 +99,40 @@ def test_bad_specs(stored):
         (ps_pb2.TableSpec(name="x", dim=0, dtype=ps_pb2.FP32), "dim"),
         (ps_pb2.TableSpec(name="has space", dim=4, dtype=ps_pb2.FP32), "table name"),
         (ps_pb2.TableSpec(name="x", dim=4), "dtype"),
-        (ps_pb2.TableSpec(name="x", dim=4, dtype=ps_pb2.FP32,
-                          initializer=ps_pb2.Initializer(kind=ps_pb2.Initializer.UNIFORM, a=1, b=0)), "b > a"),
+        (
+            ps_pb2.TableSpec(
+                name="x",
+                dim=4,
+                dtype=ps_pb2.FP32,
+                initializer=ps_pb2.Initializer(kind=ps_pb2.Initializer.UNIFORM, a=1, b=0),
+            ),
+            "b > a",
+        ),
         # NaN made a schema unequal to itself: the second create of one table said "another schema"
-        (ps_pb2.TableSpec(name="x", dim=4, dtype=ps_pb2.FP32,
-                          initializer=ps_pb2.Initializer(kind=ps_pb2.Initializer.CONSTANT, a=float("nan"))), "finite"),
-        (ps_pb2.TableSpec(name="x", dim=4, dtype=ps_pb2.FP32,
-                          initializer=ps_pb2.Initializer(kind=ps_pb2.Initializer.UNIFORM, a=float("-inf"))), "finite"),
-        (ps_pb2.TableSpec(name="x", dim=4, dtype=ps_pb2.FP32, initializer=ps_pb2.Initializer(state_init=float("inf"))),
-         "'state_init': inf"),
+        (
+            ps_pb2.TableSpec(
+                name="x",
+                dim=4,
+                dtype=ps_pb2.FP32,
+                initializer=ps_pb2.Initializer(kind=ps_pb2.Initializer.CONSTANT, a=float("nan")),
+            ),
+            "finite",
+        ),
+        (
+            ps_pb2.TableSpec(
+                name="x",
+                dim=4,
+                dtype=ps_pb2.FP32,
+                initializer=ps_pb2.Initializer(kind=ps_pb2.Initializer.UNIFORM, a=float("-inf")),
+            ),
+            "finite",
+        ),
+        (
+            ps_pb2.TableSpec(
+                name="x", dim=4, dtype=ps_pb2.FP32, initializer=ps_pb2.Initializer(state_init=float("inf"))
+            ),
+            "'state_init': inf",
+        ),
         # `$` in the name pattern matched before a final newline
         (ps_pb2.TableSpec(name="x\n", dim=4, dtype=ps_pb2.FP32), "table name"),
     ):
@@ -121,8 +146,10 @@ def test_oversized_messages(make_ps):
         ps.create_table("big", dim=64)
         ids = np.arange(6000, dtype=np.int64)
         rows = np.ones((len(ids), 64), np.float32)  # 1.5 MiB
-        channel = grpc.insecure_channel(proc.address, options=[("grpc.max_send_message_length", 64 << 20),
-                                                               ("grpc.max_receive_message_length", 64 << 20)])
+        channel = grpc.insecure_channel(
+            proc.address,
+            options=[("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)],
+        )
         stub = ps_pb2_grpc.ParameterServerStub(channel)
         err = status_of(stub.Push, ps_pb2.PushRequest(table="big", ids=ids.tobytes(), rows=rows.tobytes()))
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -149,8 +176,12 @@ def test_redis_down_then_back(redis_process, make_ps):
         ps.create_table("t", dim=2)
         ps.push("t", ids, rows)
         redis_proc.stop()
-        for attempt in (lambda: ps.pull("t", ids), lambda: ps.push("t", ids, rows + 1),
-                        lambda: ps.describe_table("t"), lambda: ps.create_table("t2", dim=2)):
+        for attempt in (
+            lambda: ps.pull("t", ids),
+            lambda: ps.push("t", ids, rows + 1),
+            lambda: ps.describe_table("t"),
+            lambda: ps.create_table("t2", dim=2),
+        ):
             with pytest.raises(Unavailable) as info:
                 attempt()
             assert info.value.code == grpc.StatusCode.UNAVAILABLE
@@ -183,7 +214,6 @@ def test_redis_refuses_auth(redis_auth, make_ps):
         assert not ps.pull("t", [1]).missing.any()
 
 
-
 def test_import_into_a_table_of_another_schema_fails_cleanly(stored):
     ps, _, table, ids, rows = stored
     clash = TableSchema(table, dim=5, state_width=2)
@@ -198,7 +228,6 @@ def test_import_into_a_table_of_another_schema_fails_cleanly(stored):
         ps.import_rows(clash, chunks())
     assert drawn == []  # refused before the source was read
     assert ps.describe_table(table).num_rows == len(ids)
-
 
 
 def test_an_import_whose_stream_fails_stops_reading_its_source(make_ps):
@@ -292,7 +321,8 @@ def test_an_unexpected_error_with_a_huge_message_still_arrives():
     context = _Context(5.0, True)
     with pytest.raises(_Aborted) as info:
         ParameterServerService(Broken(), PSMetrics(), 4 << 20).DescribeTable(
-            ps_pb2.DescribeTableRequest(table="t"), context)
+            ps_pb2.DescribeTableRequest(table="t"), context
+        )
     assert context.code == grpc.StatusCode.INTERNAL
     assert "DescribeTable failed inside the PS: RuntimeError: xxx" in str(info.value)
     assert str(info.value).endswith("(cut from 100050 characters)") and len(str(info.value)) < 4100
@@ -300,8 +330,11 @@ def test_an_unexpected_error_with_a_huge_message_still_arrives():
 
 def _request_codes(ps, method: str) -> dict[str, float]:
     """{status code: requests} the PS counted for `method`."""
-    return {line.split('code="')[1].split('"')[0]: float(line.split()[-1]) for line in ps.metrics_text().splitlines()
-            if line.startswith("dynemb_ps_requests_total") and f'method="{method}"' in line}
+    return {
+        line.split('code="')[1].split('"')[0]: float(line.split()[-1])
+        for line in ps.metrics_text().splitlines()
+        if line.startswith("dynemb_ps_requests_total") and f'method="{method}"' in line
+    }
 
 
 @pytest.mark.slow
@@ -316,8 +349,10 @@ def test_a_push_the_client_gave_up_on_is_not_applied_late(redis_process, make_ps
     redis_proc = redis_process()
     proc = make_ps("--backend", redis_proc.url, "--namespace", "late")
     ids = np.arange(20, dtype=np.int64)
-    with PSClient(proc.address, retry=RetryPolicy(attempts=1), timeout=30) as ps, \
-            grpc.insecure_channel(proc.address) as channel:
+    with (
+        PSClient(proc.address, retry=RetryPolicy(attempts=1), timeout=30) as ps,
+        grpc.insecure_channel(proc.address) as channel,
+    ):
         ps.create_table("late", dim=2)
         ps.push("late", ids, np.zeros((20, 2), np.float32))
         stale = ps_pb2.PushRequest(table="late", ids=ids.tobytes(), rows=np.ones((20, 2), np.float32).tobytes())
@@ -325,8 +360,11 @@ def test_a_push_the_client_gave_up_on_is_not_applied_late(redis_process, make_ps
         try:
             call = ps_pb2_grpc.ParameterServerStub(channel).Push.future(stale, timeout=2)
             # its handler runs, waiting on the store, before the deadline
-            wait_until(lambda: "dynemb_ps_inflight_requests 1.0" in proc.metrics_text() or call.done(),
-                       timeout=10, what="the push's handler to start")
+            wait_until(
+                lambda: "dynemb_ps_inflight_requests 1.0" in proc.metrics_text() or call.done(),
+                timeout=10,
+                what="the push's handler to start",
+            )
             with pytest.raises(grpc.RpcError) as info:
                 call.result()
             assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -334,8 +372,11 @@ def test_a_push_the_client_gave_up_on_is_not_applied_late(redis_process, make_ps
         finally:
             os.kill(redis_proc.proc.pid, signal.SIGCONT)
         # the store answers, the handler goes on and refuses to write
-        codes = wait_until(lambda: (c := _request_codes(proc, "Push")) and sum(c.values()) == 2 and c,
-                           timeout=15, what="the stale push's handler to end")
+        codes = wait_until(
+            lambda: (c := _request_codes(proc, "Push")) and sum(c.values()) == 2 and c,
+            timeout=15,
+            what="the stale push's handler to end",
+        )
         assert codes == {"OK": 1.0, "DEADLINE_EXCEEDED": 1.0}
         assert ps.pull("late", ids).rows.tolist() == [[0.0, 0.0]] * 20
 
@@ -408,8 +449,10 @@ def test_a_refused_first_import_chunk_clears_nothing(stored):
     """replace=True cleared the table before the first chunk's rows were checked."""
     ps, stub, table, ids, rows = stored
     spec = ps.describe_table(table).schema.to_proto()
-    for bad in (ps_pb2.RowChunk(spec=spec, replace=True, ids=ids[:3].tobytes(), rows=rows[:2].tobytes()),
-                ps_pb2.RowChunk(spec=spec, replace=True, ids=ids[:3].tobytes()[:-1], rows=rows[:3].tobytes())):
+    for bad in (
+        ps_pb2.RowChunk(spec=spec, replace=True, ids=ids[:3].tobytes(), rows=rows[:2].tobytes()),
+        ps_pb2.RowChunk(spec=spec, replace=True, ids=ids[:3].tobytes()[:-1], rows=rows[:3].tobytes()),
+    ):
         err = status_of(stub.Import, iter([bad]))
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert ps.describe_table(table).num_rows == len(ids)
@@ -424,8 +467,11 @@ def test_a_cancelled_import_is_no_server_fault(stored, embedded_ps):
 
     def import_codes():
         text = embedded_ps.metrics_text()
-        return {line.split('code="')[1].split('"')[0]: float(line.split()[-1]) for line in text.splitlines()
-                if line.startswith("dynemb_ps_requests_total") and 'method="Import"' in line}
+        return {
+            line.split('code="')[1].split('"')[0]: float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith("dynemb_ps_requests_total") and 'method="Import"' in line
+        }
 
     before, log_start = import_codes(), len(embedded_ps.log())
     spec = ps_pb2.TableSpec(name="cut_import", dim=2, dtype=ps_pb2.FP32)
@@ -441,8 +487,10 @@ def test_a_cancelled_import_is_no_server_fault(stored, embedded_ps):
         assert sent.wait(10)
         call.cancel()
         release.set()
-    after = wait_until(lambda: (c := import_codes()) and sum(c.values()) - sum(before.values()) >= 20 and c,
-                       what="the 20 imports counted")
+    after = wait_until(
+        lambda: (c := import_codes()) and sum(c.values()) - sum(before.values()) >= 20 and c,
+        what="the 20 imports counted",
+    )
     new = {code: after[code] - before.get(code, 0) for code in after if after[code] != before.get(code, 0)}
     assert sum(new.values()) == 20 and set(new) <= {"CANCELLED", "OK"}, new
     assert "Traceback" not in embedded_ps.log()[log_start:]
@@ -458,8 +506,14 @@ def test_import_into_a_table_recreated_under_it(backend, new_dim, new_dtype, mak
 
     args = ()
     if backend == "redis":
-        args = ("--backend", request.getfixturevalue("redis_url"),
-                "--namespace", request.getfixturevalue("redis_namespace"), "--redis-buckets", "8")
+        args = (
+            "--backend",
+            request.getfixturevalue("redis_url"),
+            "--namespace",
+            request.getfixturevalue("redis_namespace"),
+            "--redis-buckets",
+            "8",
+        )
     proc = make_ps(*args)
     spec = ps_pb2.TableSpec(name="race", dim=4, dtype=ps_pb2.FP16)
     rows = np.ones((3, 4), np.float16).tobytes()
@@ -472,8 +526,10 @@ def test_import_into_a_table_recreated_under_it(backend, new_dim, new_dtype, mak
 
     with PSClient(proc.address) as ps, grpc.insecure_channel(proc.address) as channel:
         call = ps_pb2_grpc.ParameterServerStub(channel).Import.future(chunks(), timeout=30)
-        wait_until(lambda: call.done() or any(t.schema.name == "race" and t.num_rows == 3 for t in ps.list_tables()),
-                   what="the first chunk written")
+        wait_until(
+            lambda: call.done() or any(t.schema.name == "race" and t.num_rows == 3 for t in ps.list_tables()),
+            what="the first chunk written",
+        )
         assert not call.done(), call.exception()
         ps.drop_table("race")
         ps.create_table("race", dim=new_dim, dtype=new_dtype)

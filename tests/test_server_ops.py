@@ -69,15 +69,31 @@ def test_tls(make_ps, tmp_path):
 
 
 def test_health_and_reflection_with_grpcurl(embedded_ps):
-    out = subprocess.run([grpcurl(), "-plaintext", embedded_ps.address, "list"],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [grpcurl(), "-plaintext", embedded_ps.address, "list"], capture_output=True, text=True, timeout=30
+    )
     assert out.returncode == 0, out.stderr
     assert {"dynemb.ps.v1.ParameterServer", "grpc.health.v1.Health"} <= set(out.stdout.split())
-    out = subprocess.run([grpcurl(), "-plaintext", embedded_ps.address, "grpc.health.v1.Health/Check"],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [grpcurl(), "-plaintext", embedded_ps.address, "grpc.health.v1.Health/Check"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert json.loads(out.stdout)["status"] == "SERVING"
-    out = subprocess.run([grpcurl(), "-plaintext", "-d", '{"table": "nope"}', embedded_ps.address,
-                          "dynemb.ps.v1.ParameterServer/DescribeTable"], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [
+            grpcurl(),
+            "-plaintext",
+            "-d",
+            '{"table": "nope"}',
+            embedded_ps.address,
+            "dynemb.ps.v1.ParameterServer/DescribeTable",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode != 0 and "NotFound" in out.stderr and "nope" in out.stderr
 
 
@@ -89,11 +105,14 @@ def test_sigterm_drains_in_flight_requests(make_ps):
     go_on = threading.Event()
 
     def chunks():
-        yield ps_pb2.RowChunk(spec=ps_pb2.TableSpec(name="drain", dim=4, dtype=ps_pb2.FP32),
-                              ids=ids[:1000].tobytes(), rows=rows[:1000].tobytes())
+        yield ps_pb2.RowChunk(
+            spec=ps_pb2.TableSpec(name="drain", dim=4, dtype=ps_pb2.FP32),
+            ids=ids[:1000].tobytes(),
+            rows=rows[:1000].tobytes(),
+        )
         go_on.wait(30)
         for lo in (1000, 2000):
-            yield ps_pb2.RowChunk(ids=ids[lo:lo + 1000].tobytes(), rows=rows[lo:lo + 1000].tobytes())
+            yield ps_pb2.RowChunk(ids=ids[lo : lo + 1000].tobytes(), rows=rows[lo : lo + 1000].tobytes())
 
     channel = grpc.insecure_channel(proc.address)
     stub = ps_pb2_grpc.ParameterServerStub(channel)
@@ -111,8 +130,11 @@ def test_sigterm_drains_in_flight_requests(make_ps):
     sent_at = time.monotonic()
     proc.proc.send_signal(signal.SIGTERM)
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-    wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == not_serving, timeout=3,
-               what="health NOT_SERVING")
+    wait_until(
+        lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == not_serving,
+        timeout=3,
+        what="health NOT_SERVING",
+    )
     go_on.set()
     reply = in_flight.result(timeout=30)
     assert reply.rows_written == 3000 and reply.table.num_rows == 3000
@@ -124,8 +146,11 @@ def test_sigterm_drains_in_flight_requests(make_ps):
 
 def scrape(proc) -> dict[str, float]:
     text = proc.metrics_text()
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines() if line.startswith(("dynemb_ps_", "process_"))}
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(("dynemb_ps_", "process_"))
+    }
 
 
 def test_metrics(make_ps):
@@ -192,8 +217,14 @@ def test_async_calls_run_in_call_order(embedded_client):
 
 
 def dynemb(*args: str, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dynemb.cli", *args], capture_output=True, text=True,
-                          timeout=120, cwd=REPO, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "dynemb.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.mark.slow
@@ -202,14 +233,31 @@ def test_cli(embedded_ps):
     serve_help = dynemb("ps", "serve", "--help").stdout
     assert "--backend" in serve_help and "DYNEMB_PS_AUTH_TOKEN" in serve_help
     at = ("--ps", embedded_ps.address)
-    out = dynemb("ps", "create-table", "cli_t", "--dim", "3", "--state-width", "1", "--init", "constant",
-                 "--init-a", "0.5", *at)
+    out = dynemb(
+        "ps", "create-table", "cli_t", "--dim", "3", "--state-width", "1", "--init", "constant", "--init-a", "0.5", *at
+    )
     assert out.returncode == 0 and "cli_t" in out.stdout and "dim=3" in out.stdout
     out = dynemb("ps", "pull", "cli_t", "7", "8", *at)
     assert out.returncode == 0 and out.stdout.count("(missing)") == 2 and "0.5" in out.stdout
     # bf16 rows travel as bit patterns; the CLI prints their values
-    out = dynemb("ps", "create-table", "cli_b16", "--dim", "2", "--state-width", "1", "--dtype", "bf16",
-                 "--init", "constant", "--init-a", "0.5", "--state-init", "0.25", *at)
+    out = dynemb(
+        "ps",
+        "create-table",
+        "cli_b16",
+        "--dim",
+        "2",
+        "--state-width",
+        "1",
+        "--dtype",
+        "bf16",
+        "--init",
+        "constant",
+        "--init-a",
+        "0.5",
+        "--state-init",
+        "0.25",
+        *at,
+    )
     assert out.returncode == 0 and "dtype=bf16" in out.stdout
     out = dynemb("ps", "pull", "cli_b16", "3", *at)
     assert out.returncode == 0 and "[0.5  0.5  0.25]" in out.stdout and "16128" not in out.stdout

@@ -31,8 +31,9 @@ from dynemb.trainer.table_files import (
 
 @pytest.fixture(scope="module")
 def redis_ps(redis_url):
-    ps = LocalPS("--backend", redis_url, "--namespace", f"tf{uuid.uuid4().hex[:8]}", "--not-serving-seconds",
-                 "0").start()
+    ps = LocalPS(
+        "--backend", redis_url, "--namespace", f"tf{uuid.uuid4().hex[:8]}", "--not-serving-seconds", "0"
+    ).start()
     yield ps
     ps.close()
 
@@ -72,8 +73,14 @@ def test_embedded_to_files_to_redis_bit_for_bit(embedded_client, redis_client, t
 def test_writer_rolls_shards_and_reader_gives_back_every_row(tmp_path):
     schema = TableSchema("w", dim=3, state_width=1)
     rng = np.random.default_rng(0)
-    chunks = [(np.arange(k, k + n), rng.standard_normal((n, 3)).astype(np.float32),
-               rng.standard_normal((n, 1)).astype(np.float32)) for k, n in ((0, 7), (7, 5), (12, 13), (25, 0))]
+    chunks = [
+        (
+            np.arange(k, k + n),
+            rng.standard_normal((n, 3)).astype(np.float32),
+            rng.standard_normal((n, 1)).astype(np.float32),
+        )
+        for k, n in ((0, 7), (7, 5), (12, 13), (25, 0))
+    ]
     with TableWriter(tmp_path / "w", schema, rows_per_shard=10) as w:
         for c in chunks:
             w.write(*c)
@@ -161,25 +168,33 @@ def test_a_shard_with_the_right_checksum_but_wrong_tensors(copy_of):
     from dynemb.trainer.table_files import sha256_of
 
     path = copy_of / "part-00000.safetensors"
-    save_file({"ids": np.arange(30), "embeddings": np.zeros((30, 5), np.float32),
-               "state": np.zeros((30, 1), np.float32)}, str(path))
+    save_file(
+        {"ids": np.arange(30), "embeddings": np.zeros((30, 5), np.float32), "state": np.zeros((30, 1), np.float32)},
+        str(path),
+    )
     doc = json.loads((copy_of / MANIFEST).read_text())
     doc["shards"][0]["sha256"] = sha256_of(path)
     (copy_of / MANIFEST).write_text(json.dumps(doc))
-    with pytest.raises(TableFileError, match=r"part-00000\.safetensors: tensor 'embeddings' is F32 \[30, 5\], "
-                                             r"expected F32 \[30, 4\]"):
+    with pytest.raises(
+        TableFileError,
+        match=r"part-00000\.safetensors: tensor 'embeddings' is F32 \[30, 5\], "
+        r"expected F32 \[30, 4\]",
+    ):
         TableReader(copy_of).verify()
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda d: d.update(version=2), "format version 2 is not one this dynemb reads"),
-    (lambda d: d.update(format="other"), "field 'format' is 'other', expected 'dynemb.table'"),
-    (lambda d: d.pop("num_rows"), "field 'num_rows' is missing"),
-    (lambda d: d.update(num_rows=91), "num_rows is 91 but the shards hold 90 rows"),
-    (lambda d: d["schema"].update(dim=0), "field 'schema' is not a valid table schema: .*dim must be"),
-    (lambda d: d["shards"][0].update(file="../x.safetensors"), r"shards\[0\]\.file must be a name like"),
-    (lambda d: d["shards"][1].pop("sha256"), r"shards\[1\] must be an object with file, rows and sha256"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: d.update(version=2), "format version 2 is not one this dynemb reads"),
+        (lambda d: d.update(format="other"), "field 'format' is 'other', expected 'dynemb.table'"),
+        (lambda d: d.pop("num_rows"), "field 'num_rows' is missing"),
+        (lambda d: d.update(num_rows=91), "num_rows is 91 but the shards hold 90 rows"),
+        (lambda d: d["schema"].update(dim=0), "field 'schema' is not a valid table schema: .*dim must be"),
+        (lambda d: d["shards"][0].update(file="../x.safetensors"), r"shards\[0\]\.file must be a name like"),
+        (lambda d: d["shards"][1].pop("sha256"), r"shards\[1\] must be an object with file, rows and sha256"),
+    ],
+)
 def test_bad_manifests_are_named(copy_of, edit, message):
     doc = json.loads((copy_of / MANIFEST).read_text())
     edit(doc)
@@ -198,16 +213,20 @@ def test_schema_clash_with_an_existing_table_writes_nothing(redis_client, copy_o
     table = unique("clash")
     redis_client.create_table(table, dim=4, state_width=4)  # the files have state_width 1
     redis_client.push(table, [1], np.ones((1, 8), np.float32))
-    with pytest.raises(TableFileError, match=rf"table '{table}' exists on the PS with another schema "
-                                             r"\(PS vs files: state_width 4 vs 1; initializer"):
+    with pytest.raises(
+        TableFileError,
+        match=rf"table '{table}' exists on the PS with another schema "
+        r"\(PS vs files: state_width 4 vs 1; initializer",
+    ):
         import_table(redis_client, copy_of, table=table, replace=True, progress=False)
     assert redis_client.describe_table(table).num_rows == 1
     assert np.array_equal(redis_client.pull(table, [1]).rows, np.ones((1, 8), np.float32))
 
 
 def dynemb(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dynemb.cli", *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "dynemb.cli", *args], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
 
 
 @pytest.mark.slow
@@ -217,16 +236,33 @@ def test_cli_export_import_end_to_end(embedded_client, redis_ps, redis_client, t
     _, ids_b, rows_b = fill(embedded_client, b, "fp16", n=20, dim=3, state_width=0, seed=2)
     out = tmp_path / "out"
     ps = embedded_client.addresses[0]
-    res = dynemb("table", "export", "--ps", ps, "--table", a, "--table", b, "--out", str(out),
-                 "--rows-per-shard", "16", "--quiet")
+    res = dynemb(
+        "table",
+        "export",
+        "--ps",
+        ps,
+        "--table",
+        a,
+        "--table",
+        b,
+        "--out",
+        str(out),
+        "--rows-per-shard",
+        "16",
+        "--quiet",
+    )
     assert res.returncode == 0, res.stderr
-    assert res.stdout.splitlines() == [f"exported {a}: 50 rows in 4 shard(s) -> {out / a}",
-                                       f"exported {b}: 20 rows in 2 shard(s) -> {out / b}"]
+    assert res.stdout.splitlines() == [
+        f"exported {a}: 50 rows in 4 shard(s) -> {out / a}",
+        f"exported {b}: 20 rows in 2 shard(s) -> {out / b}",
+    ]
 
     res = dynemb("table", "import", str(out), "--ps", redis_ps.address, "--quiet")
     assert res.returncode == 0, res.stderr
-    assert res.stdout.splitlines() == [f"imported {out / a} -> table {a}: 50 rows",
-                                       f"imported {out / b} -> table {b}: 20 rows"]
+    assert res.stdout.splitlines() == [
+        f"imported {out / a} -> table {a}: 50 rows",
+        f"imported {out / b} -> table {b}: 20 rows",
+    ]
     assert same_bits(redis_client.pull(a, ids_a).rows, rows_a)
     assert same_bits(redis_client.pull(b, ids_b).rows, rows_b)
 

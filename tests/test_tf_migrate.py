@@ -36,8 +36,12 @@ CASES = [
     ("tf1_saver", "emb/user", FIXTURES["tf1_saver"]["emb/user"], "adagrad"),  # partitioned, 3 slices
     ("tf1_saver", "emb/item", FIXTURES["tf1_saver"]["emb/item"], "adam"),
     ("tf2_slot_variables", "model/user", FIXTURES["tf2_slot_variables"]["model/user"], "adam"),
-    ("tf2_slot_variables", "model/item/.ATTRIBUTES/VARIABLE_VALUE", FIXTURES["tf2_slot_variables"]["model/item"],
-     "adam"),
+    (
+        "tf2_slot_variables",
+        "model/item/.ATTRIBUTES/VARIABLE_VALUE",
+        FIXTURES["tf2_slot_variables"]["model/item"],
+        "adam",
+    ),
     ("tf2_keras3", "model/user", FIXTURES["tf2_keras3"]["model/user"], "adagrad"),
     ("saved_model", "model/user", FIXTURES["saved_model"]["model/user"], "adam"),
     ("tfra_tf1", "user_de", FIXTURES["tfra_tf1"]["user_de"], "adam"),  # 2 hash tables
@@ -65,8 +69,9 @@ def expected(known: Known, optimizer: str, state_init: float = 0.0, offset: int 
         ids = np.array([k if isinstance(k, int) else signed_xxh64(k) for k in known.keys], np.int64)
     else:
         ids = np.arange(n, dtype=np.int64) + offset
-    missing = np.isin(np.array([k if isinstance(k, int) else 0 for k in known.keys] or [0] * n),
-                      [k for k in known.slot_missing])
+    missing = np.isin(
+        np.array([k if isinstance(k, int) else 0 for k in known.keys] or [0] * n), [k for k in known.slot_missing]
+    )
 
     def slot(name: str) -> np.ndarray:
         if name not in known.slots:
@@ -103,8 +108,9 @@ def assert_rows_equal(got, want):
 
 def run_migrate(path, specs, optimizer, *, out=None, ps=None, dtype="fp32", state_init=0.0, replace=False):
     source = open_source(str(FIX / path) if not Path(path).is_absolute() else path)
-    plans = migrate.plan(source, [migrate.TableSpec.parse(s) for s in specs], optimizer, dtype,
-                         Initializer(state_init=state_init))
+    plans = migrate.plan(
+        source, [migrate.TableSpec.parse(s) for s in specs], optimizer, dtype, Initializer(state_init=state_init)
+    )
     migrate.verify(plans, progress=False)
     if out is not None:
         return migrate.to_files(out, plans, source, rows_per_shard=4, progress=False), plans
@@ -141,9 +147,11 @@ def test_keras_layers_saved_with_tf_train_checkpoint_are_found_by_their_names(tm
     """Keys say optimizer/_trainable_variables/N; the object graph knows user_emb/embeddings."""
     source = open_source(str(FIX / "keras_checkpoint"))
     key = "optimizer/_trainable_variables/{}/.ATTRIBUTES/VARIABLE_VALUE"
-    for names, n in ((("user_emb", "user_emb/embeddings", "model/_operations/2/_embeddings"), 0),
-                     (("item_emb", "item_emb/embeddings", "model/_operations/3/_embeddings"), 1),
-                     (("head", "head/kernel", "model/_operations/7/_kernel"), 2)):
+    for names, n in (
+        (("user_emb", "user_emb/embeddings", "model/_operations/2/_embeddings"), 0),
+        (("item_emb", "item_emb/embeddings", "model/_operations/3/_embeddings"), 1),
+        (("head", "head/kernel", "model/_operations/7/_kernel"), 2),
+    ):
         for name in (*names, key.format(n), key.format(n).removesuffix("/.ATTRIBUTES/VARIABLE_VALUE")):
             assert source.table(name).name == key.format(n), name
         assert source.shown(key.format(n)) == names[1]
@@ -155,18 +163,24 @@ def test_keras_layers_saved_with_tf_train_checkpoint_are_found_by_their_names(tm
     # a slot by the optimizer's name for it; a name two variables share is refused, not guessed
     run_migrate("keras_checkpoint", ["w=user_emb,m=adam/item_emb_embeddings_momentum"], "adam", out=tmp_path)
     assert np.array_equal(read_folder(tmp_path / "w")[2][:, :4], known["item_emb/embeddings"].slot("m"))
-    with pytest.raises(TFMigrationError, match=r"'Variable' could name any of model/item, model/user; give one of "
-                                               r"those names"):
+    with pytest.raises(
+        TFMigrationError,
+        match=r"'Variable' could name any of model/item, model/user; give one of "
+        r"those names",
+    ):
         run_migrate("tf2_slot_variables", ["x=Variable"], "adam", out=tmp_path)
 
 
-@pytest.mark.parametrize("path, embeddings, others", [
-    ("keras_checkpoint", ["item_emb/embeddings", "user_emb/embeddings"], ["head/kernel"]),  # Embedding layers
-    ("keras_weights/model.weights.h5", ["item_emb", "user_emb"], ["head"]),  # h5 keys layers/embedding...
-    ("tf1_saver", ["emb/item", "emb/tag", "emb/user"], []),  # emb in the names; emb/user is partitioned too
-    ("tfra_tf1", ["item_de", "user_de"], []),  # TFRA tables
-    ("tf2_slot_variables", [], ["model/item", "model/user"]),  # nothing says embedding
-])
+@pytest.mark.parametrize(
+    "path, embeddings, others",
+    [
+        ("keras_checkpoint", ["item_emb/embeddings", "user_emb/embeddings"], ["head/kernel"]),  # Embedding layers
+        ("keras_weights/model.weights.h5", ["item_emb", "user_emb"], ["head"]),  # h5 keys layers/embedding...
+        ("tf1_saver", ["emb/item", "emb/tag", "emb/user"], []),  # emb in the names; emb/user is partitioned too
+        ("tfra_tf1", ["item_de", "user_de"], []),  # TFRA tables
+        ("tf2_slot_variables", [], ["model/item", "model/user"]),  # nothing says embedding
+    ],
+)
 def test_likely_embeddings_are_told_from_other_2d_variables(path, embeddings, others):
     source = open_source(str(FIX / path))
     found = {source.shown(n): t.embedding for n, t in source.tables().items()}
@@ -177,15 +191,29 @@ def test_moving_a_variable_that_is_no_embedding_says_so(tmp_path):
     _, plans = run_migrate("keras_checkpoint", ["h=head", "u=user_emb"], "adam", out=tmp_path)
     assert [n for n in plans[0].notes if "embedding" in n] == [
         "'h': head/kernel is not named or made like an embedding (it is listed under other 2-D variables by "
-        "`dynemb tf ls`); moved all the same"]
+        "`dynemb tf ls`); moved all the same"
+    ]
     assert not [n for n in plans[1].notes if "embedding" in n]
-    res = dynemb("tf", "migrate", "tests/fixtures/tf/keras_checkpoint", "--optimizer", "adam", "--out", str(tmp_path),
-                 "--table", "h2=head", "--table", "u2=user_emb", "--quiet")
+    res = dynemb(
+        "tf",
+        "migrate",
+        "tests/fixtures/tf/keras_checkpoint",
+        "--optimizer",
+        "adam",
+        "--out",
+        str(tmp_path),
+        "--table",
+        "h2=head",
+        "--table",
+        "u2=user_emb",
+        "--quiet",
+    )
     assert res.returncode == 0, res.stderr
     assert "note: 'h2': head/kernel is not named or made like an embedding" in res.stderr
     assert res.stdout.splitlines()[1] == (  # the names `tf ls` lists, not optimizer/_trainable_variables/0/...
         f"migrated user_emb/embeddings (10 rows x 4, adam state from slots: m=adam/user_emb_embeddings_momentum, "
-        f"v=adam/user_emb_embeddings_velocity) -> folder {tmp_path / 'u2'}")
+        f"v=adam/user_emb_embeddings_velocity) -> folder {tmp_path / 'u2'}"
+    )
 
 
 def test_adagrad_accumulator_into_each_target_optimizer(tmp_path):
@@ -237,8 +265,7 @@ def test_ids_by_offset_and_by_vocabulary(tmp_path):
 
     tokens = ["red", "green", "blue", "", "\u00fcber", "r\u00e9sum\u00e9"]
     (tmp_path / "tokens.txt").write_text("\r\n".join(tokens) + "\r\n", encoding="utf-8")
-    run_migrate("tf1_saver", [f"c=emb/item,vocab={tmp_path / 'tokens.txt'},vocab-kind=tokens"], "adam",
-                out=tmp_path)
+    run_migrate("tf1_saver", [f"c=emb/item,vocab={tmp_path / 'tokens.txt'},vocab-kind=tokens"], "adam", out=tmp_path)
     got = read_folder(tmp_path / "c")
     assert got[0].tolist() == [signed_xxh64(t.encode()) for t in tokens]
     assert np.array_equal(got[2], expected(known, "adam")[2])
@@ -280,9 +307,12 @@ def corrupt_emb_user(tf1: Path) -> Path:
 def test_a_corrupt_data_file_is_refused_and_nothing_is_written(embedded_client, tf1_copy):
     corrupt_emb_user(tf1_copy)
     good, bad = unique("good"), unique("bad")
-    with pytest.raises(TFMigrationError, match=r"model\.ckpt-100\.data-00000-of-00001: tensor 'emb/user' .* has "
-                                               r"CRC-32C 0x[0-9a-f]{8}, the index records 0x[0-9a-f]{8}: "
-                                               r"the data file is corrupt"):
+    with pytest.raises(
+        TFMigrationError,
+        match=r"model\.ckpt-100\.data-00000-of-00001: tensor 'emb/user' .* has "
+        r"CRC-32C 0x[0-9a-f]{8}, the index records 0x[0-9a-f]{8}: "
+        r"the data file is corrupt",
+    ):
         run_migrate(str(tf1_copy), [f"{good}=emb/item", f"{bad}=emb/user"], "adam", ps=embedded_client)
     assert_nothing_written(embedded_client, good, bad)  # the good table waits for the bad one's check
 
@@ -293,8 +323,11 @@ def test_truncated_files_are_refused(tmp_path, tf1_copy):
     size = data.stat().st_size
     with open(data, "r+b") as f:
         f.truncate(size // 2)
-    with pytest.raises(TFMigrationError, match=rf"data-00000-of-00001: {size // 2} bytes, but tensor .* is at bytes "
-                                              r"\[\d+, \d+\): the file is truncated"):
+    with pytest.raises(
+        TFMigrationError,
+        match=rf"data-00000-of-00001: {size // 2} bytes, but tensor .* is at bytes "
+        r"\[\d+, \d+\): the file is truncated",
+    ):
         run_migrate(str(tf1_copy), ["a=emb/item", "b=emb/user"], "adam", out=tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -310,24 +343,33 @@ def test_a_corrupt_index_block_is_refused(tf1_copy):
     at = raw.find(b"emb/item")  # a key inside the data block
     raw[at] ^= 0x20
     index.write_bytes(bytes(raw))
-    with pytest.raises(TFMigrationError,
-                       match=r"\.index: the block at byte 0 fails its CRC-32C check: the file is corrupt"):
+    with pytest.raises(
+        TFMigrationError, match=r"\.index: the block at byte 0 fails its CRC-32C check: the file is corrupt"
+    ):
         open_source(str(tf1_copy))
 
 
 def test_unreadable_dtype_and_non_float_tables_are_refused(tmp_path):
     source = open_source(str(FIX / "tf1_saver"))
-    with pytest.raises(TFMigrationError, match=r"tensor 'misc/complex' has dtype complex64 \(TensorFlow DataType 8\), "
-                                              r"which dynemb cannot read as numbers"):
+    with pytest.raises(
+        TFMigrationError,
+        match=r"tensor 'misc/complex' has dtype complex64 \(TensorFlow DataType 8\), "
+        r"which dynemb cannot read as numbers",
+    ):
         source.rows("misc/complex").read(0, 2)
-    with pytest.raises(TFMigrationError, match=r"table 'c' \(misc/complex\): dtype complex64; an embedding must be a "
-                                              r"float tensor"):
+    with pytest.raises(
+        TFMigrationError,
+        match=r"table 'c' \(misc/complex\): dtype complex64; an embedding must be a "
+        r"float tensor",
+    ):
         run_migrate("tf1_saver", ["c=misc/complex"], "sgd", out=tmp_path)
-    with pytest.raises(TFMigrationError,
-                       match=r"table 'b' \(beta1_power\): shape \[\]; an embedding table is \(rows, dim\)"):
+    with pytest.raises(
+        TFMigrationError, match=r"table 'b' \(beta1_power\): shape \[\]; an embedding table is \(rows, dim\)"
+    ):
         run_migrate("tf1_saver", ["b=beta1_power"], "sgd", out=tmp_path)
-    with pytest.raises(TFMigrationError,
-                       match=r"no tensor or table named 'emb/nope'; tables found: emb/item, emb/tag, emb/user"):
+    with pytest.raises(
+        TFMigrationError, match=r"no tensor or table named 'emb/nope'; tables found: emb/item, emb/tag, emb/user"
+    ):
         run_migrate("tf1_saver", ["x=emb/nope"], "sgd", out=tmp_path)
     assert not any(tmp_path.iterdir())
 
@@ -335,25 +377,37 @@ def test_unreadable_dtype_and_non_float_tables_are_refused(tmp_path):
 def test_shapes_that_do_not_fit_the_target_are_refused(embedded_client, tmp_path):
     name = unique("dim8")
     embedded_client.create_table(name, dim=8, state_width=8)
-    with pytest.raises(TFMigrationError, match=rf"table '{name}' exists on the PS with dim 8 \(the checkpoint needs "
-                                               r"4\), state_width 8 \(--optimizer adagrad needs 4\)"):
+    with pytest.raises(
+        TFMigrationError,
+        match=rf"table '{name}' exists on the PS with dim 8 \(the checkpoint needs "
+        r"4\), state_width 8 \(--optimizer adagrad needs 4\)",
+    ):
         run_migrate("tf1_saver", [f"{name}=emb/user"], "adagrad", ps=embedded_client)
     assert embedded_client.describe_table(name).num_rows == 0
     half = unique("bf16")
     embedded_client.create_table(half, dim=4, state_width=4, dtype="bf16")
-    with pytest.raises(TFMigrationError, match=rf"table '{half}' exists on the PS with dtype 'bf16' \(--dtype asks "
-                                               r"for 'fp32'\)"):
+    with pytest.raises(
+        TFMigrationError,
+        match=rf"table '{half}' exists on the PS with dtype 'bf16' \(--dtype asks "
+        r"for 'fp32'\)",
+    ):
         run_migrate("tf1_saver", [f"{half}=emb/user"], "adagrad", ps=embedded_client)
-    with pytest.raises(TFMigrationError, match=r"slot accumulator \(emb/item/Adam\) has shape \[6, 8\], the table's "
-                                              r"values are \[10, 4\]"):
+    with pytest.raises(
+        TFMigrationError,
+        match=r"slot accumulator \(emb/item/Adam\) has shape \[6, 8\], the table's "
+        r"values are \[10, 4\]",
+    ):
         run_migrate("tf1_saver", ["u=emb/user,accumulator=emb/item/Adam"], "adagrad", out=tmp_path)
 
 
-@pytest.mark.parametrize("lines, message", [
-    (["1", "2", "3"], r"ids\.txt: 3 lines, but the tensor of table 'v' has 6 rows"),
-    (["1", "2", "3", "4", "2", "6"], r"ids\.txt: id 2 appears more than once \(rows 1 and 4\)"),
-    (["1", "2", "x3", "4", "5", "6"], r"ids\.txt:3: 'x3' is not an integer id"),
-])
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        (["1", "2", "3"], r"ids\.txt: 3 lines, but the tensor of table 'v' has 6 rows"),
+        (["1", "2", "3", "4", "2", "6"], r"ids\.txt: id 2 appears more than once \(rows 1 and 4\)"),
+        (["1", "2", "x3", "4", "5", "6"], r"ids\.txt:3: 'x3' is not an integer id"),
+    ],
+)
 def test_bad_vocabularies_are_refused(tmp_path, lines, message):
     (tmp_path / "ids.txt").write_text("\n".join(lines) + "\n")
     with pytest.raises(TFMigrationError, match=message):
@@ -361,12 +415,15 @@ def test_bad_vocabularies_are_refused(tmp_path, lines, message):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("nothing", r"expected NAME=TENSOR\[,key=value\.\.\.\]"),
-    ("a=emb/item,color=red", r"'color=red' is not one of offset=\.\.\., vocab=\.\.\."),
-    ("a=emb/item,offset=ten", "offset must be an integer, got 'ten'"),
-    ("a=emb/item,vocab-kind=words", "vocab-kind must be ids or tokens"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("nothing", r"expected NAME=TENSOR\[,key=value\.\.\.\]"),
+        ("a=emb/item,color=red", r"'color=red' is not one of offset=\.\.\., vocab=\.\.\."),
+        ("a=emb/item,offset=ten", "offset must be an integer, got 'ten'"),
+        ("a=emb/item,vocab-kind=words", "vocab-kind must be ids or tokens"),
+    ],
+)
 def test_bad_table_specs(spec, message):
     with pytest.raises(TFMigrationError, match=message):
         migrate.TableSpec.parse(spec)
@@ -495,8 +552,10 @@ def test_cli_ls():
     assert res.stdout == TF1_LS
     res = dynemb("tf", "ls", "tests/fixtures/tf/tfra_tf1/model")
     assert res.returncode == 0, res.stderr
-    assert ("  user_de  7     4    float32  TFRA table (2 shards)  m=user_de_Adam_m (2 shards, matched by key), "
-            "v=user_de_Adam_v (2 shards, matched by key)") in res.stdout.splitlines()
+    assert (
+        "  user_de  7     4    float32  TFRA table (2 shards)  m=user_de_Adam_m (2 shards, matched by key), "
+        "v=user_de_Adam_v (2 shards, matched by key)"
+    ) in res.stdout.splitlines()
     assert "m/user_de_Adam_m_mht_2of2-values                         float32  [5, 4]  m slot of user_de" in res.stdout
     res = dynemb("tf", "ls", "tests/fixtures/tf/keras_model/model.keras")
     assert "optimizer/vars/2           float32  [11, 4]  accumulator slot of user_emb" in res.stdout
@@ -507,9 +566,22 @@ def test_cli_ls():
 
 def test_cli_migrate_into_a_ps_and_into_files(embedded_ps, embedded_client, tmp_path):
     user, item = unique("user"), unique("item")
-    res = dynemb("tf", "migrate", "tests/fixtures/tf/tf1_saver", "--optimizer", "adagrad", "--ps",
-                 embedded_ps.address, "--table", f"{user}=emb/user,offset=100", "--table", f"{item}=emb/item",
-                 "--state-init", "0.5", "--quiet")
+    res = dynemb(
+        "tf",
+        "migrate",
+        "tests/fixtures/tf/tf1_saver",
+        "--optimizer",
+        "adagrad",
+        "--ps",
+        embedded_ps.address,
+        "--table",
+        f"{user}=emb/user,offset=100",
+        "--table",
+        f"{item}=emb/item",
+        "--state-init",
+        "0.5",
+        "--quiet",
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines() == [
         f"migrated emb/user (10 rows x 4, adagrad state from slots: accumulator=emb/user/Adagrad) -> PS table {user}",
@@ -517,25 +589,47 @@ def test_cli_migrate_into_a_ps_and_into_files(embedded_ps, embedded_client, tmp_
     ]
     assert f"note: no accumulator slot for '{item}' in the checkpoint: its state starts at 0.5" in res.stderr
     assert f"note: '{item}': slot(s) m, v not kept (optimizer adagrad has no use for them)" in res.stderr
-    for name, known, offset in ((user, FIXTURES["tf1_saver"]["emb/user"], 100),
-                                (item, FIXTURES["tf1_saver"]["emb/item"], 0)):
+    for name, known, offset in (
+        (user, FIXTURES["tf1_saver"]["emb/user"], 100),
+        (item, FIXTURES["tf1_saver"]["emb/item"], 0),
+    ):
         ids, emb, state = expected(known, "adagrad", state_init=0.5, offset=offset)
         assert np.array_equal(embedded_client.pull(name, ids).rows, np.concatenate([emb, state], axis=1))
 
-    res = dynemb("tf", "migrate", "tests/fixtures/tf/keras_weights/model.weights.h5", "--optimizer", "adam",
-                 "--out", str(tmp_path), "--table", "user=user_emb")
+    res = dynemb(
+        "tf",
+        "migrate",
+        "tests/fixtures/tf/keras_weights/model.weights.h5",
+        "--optimizer",
+        "adam",
+        "--out",
+        str(tmp_path),
+        "--table",
+        "user=user_emb",
+    )
     assert res.returncode == 0, res.stderr
     assert "migrate user" in res.stderr  # the progress bar
     assert_rows_equal(read_folder(tmp_path / "user"), expected(FIXTURES["keras_weights"]["user_emb"], "adam"))
     res = dynemb("checkpoint", "import", str(tmp_path / "user"), "--as", unique("k"), "--ps", embedded_ps.address)
     assert res.returncode == 0, res.stderr
 
-    res = dynemb("tf", "migrate", "tests/fixtures/tf/tf1_saver", "--optimizer", "sgd", "--out", str(tmp_path),
-                 "--table", "x=misc/complex")
+    res = dynemb(
+        "tf",
+        "migrate",
+        "tests/fixtures/tf/tf1_saver",
+        "--optimizer",
+        "sgd",
+        "--out",
+        str(tmp_path),
+        "--table",
+        "x=misc/complex",
+    )
     assert res.returncode == 1 and "Traceback" not in res.stderr
-    assert res.stderr.strip().splitlines()[-1] == ("dynemb: error: table 'x' (misc/complex): dtype complex64; an "
-                                                   "embedding must be a float tensor (float32, float64, float16, "
-                                                   "bfloat16)")
+    assert res.stderr.strip().splitlines()[-1] == (
+        "dynemb: error: table 'x' (misc/complex): dtype complex64; an "
+        "embedding must be a float tensor (float32, float64, float16, "
+        "bfloat16)"
+    )
     res = dynemb("tf", "migrate", "tests/fixtures/tf/tf1_saver", "--table", "x=emb/user", "--out", str(tmp_path))
     assert res.returncode == 2 and "--optimizer" in res.stderr
 
@@ -546,27 +640,55 @@ def screen(text: str) -> list[str]:
     for line in text.split("\n"):
         row = ""
         for part in line.split("\r"):
-            row = part + row[len(part):]
+            row = part + row[len(part) :]
         shown.append(row.rstrip())
     return shown
 
 
 def test_cli_errors_name_real_flags_and_leave_no_progress_bar(tmp_path, tf1_copy):
     out = str(tmp_path / "out")
-    assert dynemb("tf", "migrate", str(tf1_copy), "--optimizer", "sgd", "--out", out, "--table", "a=emb/item",
-                  "--quiet").returncode == 0
+    assert (
+        dynemb(
+            "tf", "migrate", str(tf1_copy), "--optimizer", "sgd", "--out", out, "--table", "a=emb/item", "--quiet"
+        ).returncode
+        == 0
+    )
     res = dynemb("tf", "migrate", str(tf1_copy), "--optimizer", "sgd", "--out", out, "--table", "a=emb/item")
     assert res.returncode == 1
-    assert screen(res.stderr)[-2:] == [f"dynemb: error: {out}/a: already holds table files; choose another --out or "
-                                       f"give --overwrite", ""]
-    res = dynemb("tf", "migrate", str(tf1_copy), "--optimizer", "sgd", "--out", out, "--table", "a=emb/item",
-                 "--overwrite", "--quiet")
+    assert screen(res.stderr)[-2:] == [
+        f"dynemb: error: {out}/a: already holds table files; choose another --out or give --overwrite",
+        "",
+    ]
+    res = dynemb(
+        "tf",
+        "migrate",
+        str(tf1_copy),
+        "--optimizer",
+        "sgd",
+        "--out",
+        out,
+        "--table",
+        "a=emb/item",
+        "--overwrite",
+        "--quiet",
+    )
     assert res.returncode == 0, res.stderr
 
     # a corrupt tensor met while the verify bar is drawn: the error line shows the error alone
     data = corrupt_emb_user(tf1_copy)
-    res = dynemb("tf", "migrate", str(data), "--optimizer", "sgd", "--out", str(tmp_path / "new"),
-                 "--table", "a=emb/item", "--table", "b=emb/user")
+    res = dynemb(
+        "tf",
+        "migrate",
+        str(data),
+        "--optimizer",
+        "sgd",
+        "--out",
+        str(tmp_path / "new"),
+        "--table",
+        "a=emb/item",
+        "--table",
+        "b=emb/user",
+    )
     assert res.returncode == 1 and "verify" in res.stderr  # the bar was drawn, then cleared
     assert [ln for ln in screen(res.stderr) if ln] == [ln for ln in screen(res.stderr) if ln.startswith("dynemb:")]
     assert screen(res.stderr)[-2].startswith("dynemb: error: ") and "the data file is corrupt" in res.stderr

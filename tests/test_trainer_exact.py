@@ -32,8 +32,11 @@ def test_dynamic_tables_train_exactly_like_full_ones(optimizer, pipeline):
         np.testing.assert_allclose(drows, rows, rtol=0, atol=1e-6, err_msg=f"table {name}")
 
 
-@pytest.mark.parametrize("optimizer,ps", [("sgd", ""), ("adagrad", ""), ("rowwise_adagrad", ""), ("adam", ""),
-                                          ("rowwise_adagrad", "process")], ids=lambda x: x or "in-process")
+@pytest.mark.parametrize(
+    "optimizer,ps",
+    [("sgd", ""), ("adagrad", ""), ("rowwise_adagrad", ""), ("adam", ""), ("rowwise_adagrad", "process")],
+    ids=lambda x: x or "in-process",
+)
 @pytest.mark.dist
 def test_two_torchrun_ranks_train_exactly_like_full_tables(optimizer, ps, tmp_path):
     """2 gloo ranks under torchrun: row-wise shards, IDs owned by the rank holding their rows,
@@ -58,5 +61,6 @@ def test_two_torchrun_ranks_train_exactly_like_full_tables(optimizer, ps, tmp_pa
         assert len(tables) == 6
         for name in tables:
             assert got[f"full_{name}_first"] == got[f"dyn_{name}_first"]
-            np.testing.assert_allclose(got[f"dyn_{name}"], got[f"full_{name}"], rtol=0, atol=1e-6,
-                                       err_msg=f"rank {rank} table {name}")
+            np.testing.assert_allclose(
+                got[f"dyn_{name}"], got[f"full_{name}"], rtol=0, atol=1e-6, err_msg=f"rank {rank} table {name}"
+            )

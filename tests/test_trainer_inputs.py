@@ -18,8 +18,20 @@ from dynemb.trainer.data import BadLine, criteo_tsv_batches
 
 BACKENDS = pytest.mark.parametrize("backend", ["kernel", "torch"])
 INT64 = torch.iinfo(torch.int64)
-EDGES = [INT64.min, INT64.min + 1, -(1 << 32), -2, -1, 0, 1, (1 << 31) - 1, 1 << 31, (1 << 32), INT64.max - 1,
-         INT64.max]
+EDGES = [
+    INT64.min,
+    INT64.min + 1,
+    -(1 << 32),
+    -2,
+    -1,
+    0,
+    1,
+    (1 << 31) - 1,
+    1 << 31,
+    (1 << 32),
+    INT64.max - 1,
+    INT64.max,
+]
 
 
 @BACKENDS
@@ -76,13 +88,16 @@ def _line(label="1", cats=None) -> str:
     return "\t".join([label, *[str(i) for i in range(13)], *cats]) + "\n"
 
 
-@pytest.mark.parametrize(("bad", "message"), [
-    ("1\t2\n", "expected 40 tab-separated columns, got 2"),
-    (_line(cats=["zz"] + [""] * 25), "invalid literal for int"),
-    (_line(label="0.5"), "label must be 0 or 1"),
-    ("\t".join(["1", "x", *[""] * 38]) + "\n", "invalid literal"),
-    (_line(cats=["\udcff\udcfe"] + [""] * 25), "invalid literal"),  # bytes that are not UTF-8
-])
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ("1\t2\n", "expected 40 tab-separated columns, got 2"),
+        (_line(cats=["zz"] + [""] * 25), "invalid literal for int"),
+        (_line(label="0.5"), "label must be 0 or 1"),
+        ("\t".join(["1", "x", *[""] * 38]) + "\n", "invalid literal"),
+        (_line(cats=["\udcff\udcfe"] + [""] * 25), "invalid literal"),  # bytes that are not UTF-8
+    ],
+)
 def test_a_malformed_line_is_named_or_skipped(tmp_path, bad, message):
     source = _tsv(tmp_path / "day.tsv", [_line(), bad, _line("0")])
     cfg = DataConfig(source=source, eval_fraction=0.0)
@@ -100,16 +115,34 @@ def test_a_batch_whose_ids_are_all_missing_trains(tmp_path):
     lines += [_line(str(i % 2), cats=[f"{(i * 7 + j) % 50:08x}" for j in range(26)]) for i in range(32)]
     source = _tsv(tmp_path / "day.tsv", lines)
     out = tmp_path / "result.json"
-    run = _train("--source", source, "--batch-size", "16", "--steps", "3", "--capacity", "200",
-                 "--eval-fraction", "0", "--eval-batches", "0", "--result-json", str(out))
+    run = _train(
+        "--source",
+        source,
+        "--batch-size",
+        "16",
+        "--steps",
+        "3",
+        "--capacity",
+        "200",
+        "--eval-fraction",
+        "0",
+        "--eval-batches",
+        "0",
+        "--result-json",
+        str(out),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     losses = json.loads(out.read_text())["losses"]
     assert len(losses) == 3 and all(np.isfinite(losses))
 
 
 def _train(*flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dynemb.trainer", "--dim", "8", "--dense-arch", "16,8",
-                           "--no-progress", *flags], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "dynemb.trainer", "--dim", "8", "--dense-arch", "16,8", "--no-progress", *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.slow
@@ -119,14 +152,35 @@ def test_the_training_cli_names_bad_data_and_too_small_tables(tmp_path):
     assert run.returncode == 1
     assert "malformed training data" in run.stderr and "day.tsv:6" in run.stderr and "--skip-bad-lines" in run.stderr
     assert "Traceback" not in run.stderr
-    run = _train("--source", source, "--batch-size", "4", "--steps", "3", "--capacity", "200", "--eval-fraction", "0",
-                 "--skip-bad-lines")
+    run = _train(
+        "--source",
+        source,
+        "--batch-size",
+        "4",
+        "--steps",
+        "3",
+        "--capacity",
+        "200",
+        "--eval-fraction",
+        "0",
+        "--skip-bad-lines",
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "skipping a malformed line" in run.stderr and "day.tsv:6" in run.stderr
 
     lines = [_line(cats=[f"{(i * 26 + j):08x}" for j in range(26)]) for i in range(64)]  # every ID new
-    run = _train("--source", _tsv(tmp_path / "wide.tsv", lines), "--batch-size", "64", "--steps", "1",
-                 "--capacity", "16", "--eval-fraction", "0")
+    run = _train(
+        "--source",
+        _tsv(tmp_path / "wide.tsv", lines),
+        "--batch-size",
+        "64",
+        "--steps",
+        "1",
+        "--capacity",
+        "16",
+        "--eval-fraction",
+        "0",
+    )
     assert run.returncode == 1
     assert "does not fit its table" in run.stderr and "64 distinct IDs but the table holds 16" in run.stderr
     assert "--capacity" in run.stderr and "Traceback" not in run.stderr

@@ -14,9 +14,13 @@ from dynemb.trainer.metrics import TABLE_COUNTERS, TrainerMetrics
 def samples(registry: CollectorRegistry, family: str) -> dict:
     """{(sample name, sorted labels): value} of one family, as a scrape parses it."""
     text = generate_latest(registry).decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in text_string_to_metric_families(text) if f.name == family for s in f.samples
-            if not s.name.endswith("_created")}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        if f.name == family
+        for s in f.samples
+        if not s.name.endswith("_created")
+    }
 
 
 def test_table_stats_match_prometheus_client_counters_and_histograms():
@@ -27,10 +31,13 @@ def test_table_stats_match_prometheus_client_counters_and_histograms():
     assert metrics.tables.add_tables(["c", "d"]).tolist() == [2, 3]  # known tables keep their row
 
     reference = CollectorRegistry()
-    counters = {name: Counter(f"dynemb_trainer_{name}", "h", ["table", "rank"], registry=reference)
-                for name, _ in TABLE_COUNTERS}
-    latency = Histogram("dynemb_trainer_ps_request_seconds", "h", ["op", "table", "rank"], buckets=LATENCY_BUCKETS,
-                        registry=reference)
+    counters = {
+        name: Counter(f"dynemb_trainer_{name}", "h", ["table", "rank"], registry=reference)
+        for name, _ in TABLE_COUNTERS
+    }
+    latency = Histogram(
+        "dynemb_trainer_ps_request_seconds", "h", ["op", "table", "rank"], buckets=LATENCY_BUCKETS, registry=reference
+    )
     tables = ["a", "b", "c", "d"]
     for _ in range(50):
         pick = rng.choice(4, size=int(rng.integers(1, 5)), replace=False)
@@ -60,5 +67,7 @@ def test_table_stats_occupancy_is_the_latest_value():
     metrics.tables.count(rows, np.zeros((2, len(TABLE_COUNTERS)), np.int64), np.array([0.25, 0.5]))
     metrics.tables.count(rows[:1], np.zeros((1, len(TABLE_COUNTERS)), np.int64), np.array([0.75]))
     got = samples(metrics.registry, "dynemb_trainer_table_occupancy_ratio")
-    assert got == {("dynemb_trainer_table_occupancy_ratio", (("rank", "0"), ("table", "t_0"))): 0.75,
-                   ("dynemb_trainer_table_occupancy_ratio", (("rank", "0"), ("table", "t_1"))): 0.5}
+    assert got == {
+        ("dynemb_trainer_table_occupancy_ratio", (("rank", "0"), ("table", "t_0"))): 0.75,
+        ("dynemb_trainer_table_occupancy_ratio", (("rank", "0"), ("table", "t_1"))): 0.5,
+    }

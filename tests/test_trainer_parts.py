@@ -22,8 +22,9 @@ def parse(*argv: str) -> TrainConfig:
 
 def test_flags_override_a_yaml_file(tmp_path):
     f = tmp_path / "run.yaml"
-    f.write_text("optimizer: adagrad\nsteps: 7\ndata:\n  universe: 5000\ntable:\n  dim: 8\n  policy: lru\n"
-                 "dense_arch: [32, 8]\n")
+    f.write_text(
+        "optimizer: adagrad\nsteps: 7\ndata:\n  universe: 5000\ntable:\n  dim: 8\n  policy: lru\ndense_arch: [32, 8]\n"
+    )
     cfg = parse("--config", str(f), "--steps", "9", "--capacity-fraction", "0.2", "--no-pipeline")
     got = (cfg.optimizer, cfg.steps, cfg.data.universe, cfg.table.dim, cfg.table.policy)
     assert got == ("adagrad", 9, 5000, 8, "lru")
@@ -34,13 +35,16 @@ def test_flags_override_a_yaml_file(tmp_path):
     assert cfg.lr == 0.5 and cfg.data.zipf == 1.3 and cfg.over_arch == [8, 1]
 
 
-@pytest.mark.parametrize("text,message", [
-    ("stepz: 3\n", "unknown file settings"),
-    ("table:\n  dims: 3\n", "unknown table settings"),
-    ("optimizer: lamb\n", "optimizer 'lamb' is not one of"),
-    ("table:\n  dim: 32\n", "dense_arch must end at the embedding dim 32"),
-    ("data:\n  zipf: 0\n", r"zipf must be > 0 \(got 0"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("stepz: 3\n", "unknown file settings"),
+        ("table:\n  dims: 3\n", "unknown table settings"),
+        ("optimizer: lamb\n", "optimizer 'lamb' is not one of"),
+        ("table:\n  dim: 32\n", "dense_arch must end at the embedding dim 32"),
+        ("data:\n  zipf: 0\n", r"zipf must be > 0 \(got 0"),
+    ],
+)
 def test_bad_settings_are_named(tmp_path, text, message):
     f = tmp_path / "bad.yaml"
     f.write_text(text)
@@ -55,8 +59,9 @@ def _line(label="1", dense=None, cats=None) -> str:
 
 
 def test_criteo_tsv_lines_become_batches(tmp_path):
-    lines = [_line(str(i % 2), cats=[f"{(i * 31 + j) % 7:08x}" if j != 3 else "" for j in range(26)])
-             for i in range(10)]
+    lines = [
+        _line(str(i % 2), cats=[f"{(i * 31 + j) % 7:08x}" if j != 3 else "" for j in range(26)]) for i in range(10)
+    ]
     lines[4] = _line("0", dense=[""] * 13)  # missing dense values read as 0
     f = tmp_path / "day_0.tsv"
     f.write_text("".join(lines))
@@ -83,12 +88,15 @@ def test_criteo_tsv_lines_become_batches(tmp_path):
     assert (train_n, eval_n) == (5, 5)
 
 
-@pytest.mark.parametrize("line,message", [
-    ("1\t2\t3\n", "expected 40 tab-separated columns, got 3"),
-    (_line(label="2"), "label must be 0 or 1"),
-    (_line(dense=["x"] * 13), "invalid literal"),
-    (_line(cats=["zz"] * 26), "invalid literal for int"),
-])
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ("1\t2\t3\n", "expected 40 tab-separated columns, got 3"),
+        (_line(label="2"), "label must be 0 or 1"),
+        (_line(dense=["x"] * 13), "invalid literal"),
+        (_line(cats=["zz"] * 26), "invalid literal for int"),
+    ],
+)
 def test_malformed_tsv_lines_are_named(tmp_path, line, message):
     f = tmp_path / "bad.tsv"
     f.write_text(_line() + line)
@@ -129,9 +137,17 @@ def test_training_serves_metrics_per_rank():
 
     port = free_port()
     # room for the 4 batches in flight at a transform (the pipeline's 3 and one transformed ahead)
-    cfg = TrainConfig(data=DataConfig(num_sparse=3, universe=2000), table=TableConfig(dim=8, capacity_fraction=0.2),
-                      batch_size=64, steps=30, eval_batches=1, dense_arch=[8], over_arch=[8, 1],
-                      progress=False, metrics_port=port)
+    cfg = TrainConfig(
+        data=DataConfig(num_sparse=3, universe=2000),
+        table=TableConfig(dim=8, capacity_fraction=0.2),
+        batch_size=64,
+        steps=30,
+        eval_batches=1,
+        dense_arch=[8],
+        over_arch=[8, 1],
+        progress=False,
+        metrics_port=port,
+    )
     scraped: list[str] = []
 
     def scrape():  # while the job runs (the server stops with the process, not the job)
@@ -150,8 +166,13 @@ def test_training_serves_metrics_per_rank():
     t.join()
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
     assert len(result.losses) == 30 and scraped
-    for name in ("dynemb_trainer_lookups_total", "dynemb_trainer_hits_total", "dynemb_trainer_admissions_total",
-                 "dynemb_trainer_rows_pulled_total", "dynemb_trainer_table_occupancy_ratio"):
+    for name in (
+        "dynemb_trainer_lookups_total",
+        "dynemb_trainer_hits_total",
+        "dynemb_trainer_admissions_total",
+        "dynemb_trainer_rows_pulled_total",
+        "dynemb_trainer_table_occupancy_ratio",
+    ):
         assert f'{name}{{rank="0",table="t_0"}}' in text, name
     lookups = float(text.split('dynemb_trainer_lookups_total{rank="0",table="t_0"} ')[1].split()[0])
     assert lookups == 64 * 30 + 64 * 1  # every ID of 30 training and 1 eval batch
@@ -179,8 +200,11 @@ def test_row_sparse_adam_is_lazy_adam_on_fbgemm_cpu_tables():
 
     rows, dim, batch, lr = (12, 7), 4, 5, 0.05
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
-        [(r, dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for r in rows], feature_table_map=[0, 1, 1],
-        optimizer=EmbOptimType.EXACT_SGD, learning_rate=1.0)
+        [(r, dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for r in rows],
+        feature_table_map=[0, 1, 1],
+        optimizer=EmbOptimType.EXACT_SGD,
+        learning_rate=1.0,
+    )
     gen = torch.Generator().manual_seed(3)
     for w in tbe.split_embedding_weights():
         w.copy_(torch.randn(w.shape, generator=gen))
@@ -190,8 +214,9 @@ def test_row_sparse_adam_is_lazy_adam_on_fbgemm_cpu_tables():
     fmap = [0, 1, 1]
     for step in range(1, 5):
         lengths = torch.randint(0, 4, (3 * batch,), generator=gen)
-        idx = torch.cat([torch.randint(0, rows[fmap[k // batch]], (int(n),), generator=gen)
-                         for k, n in enumerate(lengths)])
+        idx = torch.cat(
+            [torch.randint(0, rows[fmap[k // batch]], (int(n),), generator=gen) for k, n in enumerate(lengths)]
+        )
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
         upstream = torch.randn(batch, 3 * dim, generator=gen)
         (tbe(idx, offsets) * upstream).sum().backward()
@@ -201,13 +226,14 @@ def test_row_sparse_adam_is_lazy_adam_on_fbgemm_cpu_tables():
         out = torch.zeros(batch, 3 * dim)
         for k in range(3 * batch):
             f, b = divmod(k, batch)
-            bag = idx[offsets[k]:offsets[k + 1]]
+            bag = idx[offsets[k] : offsets[k + 1]]
             if len(bag):
-                out[b, f * dim:(f + 1) * dim] = out[b, f * dim:(f + 1) * dim] + leaves[fmap[f]][bag].sum(0)
+                out[b, f * dim : (f + 1) * dim] = out[b, f * dim : (f + 1) * dim] + leaves[fmap[f]][bag].sum(0)
         (out * upstream).sum().backward()
         for t in range(2):
-            used = torch.unique(torch.cat([idx[offsets[f * batch]:offsets[(f + 1) * batch]]
-                                           for f in range(3) if fmap[f] == t]))
+            used = torch.unique(
+                torch.cat([idx[offsets[f * batch] : offsets[(f + 1) * batch]] for f in range(3) if fmap[f] == t])
+            )
             g = leaves[t].grad[used]
             ref_m[t][used] = 0.9 * ref_m[t][used] + 0.1 * g
             ref_v[t][used] = 0.999 * ref_v[t][used] + 0.001 * g * g
@@ -238,10 +264,31 @@ def test_dynemb_train_on_a_criteo_tsv_file(tmp_path):
     f.write_text("".join(lines))
     out = tmp_path / "result.json"
     run = subprocess.run(
-        [sys.executable, "-m", "dynemb.trainer", "--source", str(f), "--batch-size", "64", "--steps", "12",
-         "--capacity", "200", "--dim", "8", "--dense-arch", "16,8", "--eval-fraction", "0.2",
-         "--no-progress", "--result-json", str(out)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "dynemb.trainer",
+            "--source",
+            str(f),
+            "--batch-size",
+            "64",
+            "--steps",
+            "12",
+            "--capacity",
+            "200",
+            "--dim",
+            "8",
+            "--dense-arch",
+            "16,8",
+            "--eval-fraction",
+            "0.2",
+            "--no-progress",
+            "--result-json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "eval AUC" in run.stdout
@@ -261,13 +308,33 @@ def test_a_finished_training_leaves_no_gloo_thread_behind():
     import sys
     from pathlib import Path
 
-    flags = ["--steps", "3", "--num-sparse", "3", "--universe", "1000", "--dim", "8", "--dense-arch", "8",
-             "--over-arch", "8,1", "--batch-size", "16", "--eval-batches", "1", "--no-progress"]
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from helpers import gloo_threads; "
-            "from dynemb.trainer.cli import main; "
-            f"code = main({flags!r}); print('exit', code, 'gloo threads left:', gloo_threads())")
-    run = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True,
-                         timeout=300)
+    flags = [
+        "--steps",
+        "3",
+        "--num-sparse",
+        "3",
+        "--universe",
+        "1000",
+        "--dim",
+        "8",
+        "--dense-arch",
+        "8",
+        "--over-arch",
+        "8,1",
+        "--batch-size",
+        "16",
+        "--eval-batches",
+        "1",
+        "--no-progress",
+    ]
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from helpers import gloo_threads; "
+        "from dynemb.trainer.cli import main; "
+        f"code = main({flags!r}); print('exit', code, 'gloo threads left:', gloo_threads())"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.splitlines()[-1] == "exit 0 gloo threads left: []", run.stdout[-2000:]
 
@@ -276,8 +343,9 @@ def test_train_cli_names_bad_settings():
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-m", "dynemb.trainer", "--optimizer", "lamb"], capture_output=True,
-                         text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "dynemb.trainer", "--optimizer", "lamb"], capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 2 and "optimizer 'lamb' is not one of" in run.stderr
 
 
@@ -291,9 +359,11 @@ def test_per_table_settings_from_a_file(tmp_path):
     from dynemb.trainer.train import init_distributed, make_dynamic
 
     f = tmp_path / "run.yaml"
-    f.write_text("data: {num_sparse: 3, universe: 1000}\ntable: {dim: 8, capacity_fraction: 0.1}\n"
-                 "dense_arch: [8]\nover_arch: [8, 1]\n"
-                 "tables:\n  t_1: {capacity: 40, policy: lru, admit_threshold: 2}\n  t_2: {init_scale: 0.5}\n")
+    f.write_text(
+        "data: {num_sparse: 3, universe: 1000}\ntable: {dim: 8, capacity_fraction: 0.1}\n"
+        "dense_arch: [8]\nover_arch: [8, 1]\n"
+        "tables:\n  t_1: {capacity: 40, policy: lru, admit_threshold: 2}\n  t_2: {init_scale: 0.5}\n"
+    )
     cfg = parse("--config", str(f))
     assert cfg.table_config("t_1").policy == "lru" and cfg.table_config("t_0").policy == "hybrid"
     created = init_distributed()
@@ -302,7 +372,7 @@ def test_per_table_settings_from_a_file(tmp_path):
         rows = {name: r.local_rows for name, r in find_tables(built.model).items()}
         assert rows == {"t_0": 100, "t_1": 40, "t_2": 100}
         assert built.schemas["t_2"].initializer.b == 0.5
-        assert built.schemas["t_0"].initializer.b == pytest.approx(8 ** -0.5)
+        assert built.schemas["t_0"].initializer.b == pytest.approx(8**-0.5)
         dyn = make_dynamic(cfg, built, LocalRowStore(), TrainerMetrics(0))
         assert dyn.specs["t_1"].policy.kind == "lru" and dyn.specs["t_1"].admit_threshold == 2
         assert dyn.specs["t_0"].policy.kind == "hybrid" and dyn.specs["t_0"].admit_threshold == 1

@@ -33,8 +33,10 @@ class SequenceModel(nn.Module):
     def __init__(self, rows: int) -> None:
         super().__init__()
         self.ec = EmbeddingCollection(
-            tables=[EmbeddingConfig(name=f"t_{f}", embedding_dim=DIM, num_embeddings=rows, feature_names=[f])
-                    for f in FEATURES],
+            tables=[
+                EmbeddingConfig(name=f"t_{f}", embedding_dim=DIM, num_embeddings=rows, feature_names=[f])
+                for f in FEATURES
+            ],
             device=torch.device("meta"),
         )
         self.head = nn.Linear(DIM * len(FEATURES), 1)
@@ -59,12 +61,16 @@ def run(dynamic: bool, table_order: list[str] = FEATURES) -> tuple[list[float], 
     torch.manual_seed(0)
     model = SequenceModel(rows)
     apply_optimizer_in_backward(torch.optim.Adagrad, model.ec.parameters(), {"lr": 0.2, "eps": 1e-8})
-    constraints = {f"t_{f}": ParameterConstraints(sharding_types=[ShardingType.ROW_WISE.value],
-                                                  compute_kernels=[EmbeddingComputeKernel.FUSED.value])
-                   for f in FEATURES}
+    constraints = {
+        f"t_{f}": ParameterConstraints(
+            sharding_types=[ShardingType.ROW_WISE.value], compute_kernels=[EmbeddingComputeKernel.FUSED.value]
+        )
+        for f in FEATURES
+    }
     sharders = [EmbeddingCollectionSharder()]
-    plan = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"),
-                                    constraints=constraints).collective_plan(model, sharders, dist.GroupMember.WORLD)
+    plan = EmbeddingShardingPlanner(
+        topology=Topology(world_size=1, compute_device="cpu"), constraints=constraints
+    ).collective_plan(model, sharders, dist.GroupMember.WORLD)
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
     dense = torch.optim.SGD([p for n, p in dmp.named_parameters() if "head" in n], lr=0.1)
     tables = find_tables(dmp)
@@ -74,8 +80,9 @@ def run(dynamic: bool, table_order: list[str] = FEATURES) -> tuple[list[float], 
     if dynamic:
         # the dynamic tables in table_order: the batches' keys come in FEATURES' order, so
         # another order has their values sorted by table before the transform
-        specs = [DynamicTableSpec(f"t_{f}", [f], schema(f), EvictionPolicy("lru", evict_fraction=0.2))
-                 for f in table_order]
+        specs = [
+            DynamicTableSpec(f"t_{f}", [f], schema(f), EvictionPolicy("lru", evict_fraction=0.2)) for f in table_order
+        ]
         dyn = DynamicTables(tables, specs, store)
     else:
         for f in FEATURES:

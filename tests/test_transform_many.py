@@ -22,8 +22,9 @@ def _tables(kinds: list[str], fraction: float, mixed: bool) -> list[IDTransforme
     torch ops and one with an admission threshold (those go one by one, the rest in one call)."""
     out = []
     for k, (kind, capacity) in enumerate(zip(kinds, [8, 40, 64, 33])):
-        policy = EvictionPolicy(kind, evict_fraction=fraction, log_factor=1.0, decay_steps=3,
-                                ttl_steps=4 if k == 3 else None)
+        policy = EvictionPolicy(
+            kind, evict_fraction=fraction, log_factor=1.0, decay_steps=3, ttl_steps=4 if k == 3 else None
+        )
         backend = "torch" if mixed and k == 1 else "kernel"
         threshold = 2 if mixed and k == 2 else 1
         out.append(IDTransformer(capacity, policy, threshold, sketch_width=1 << 10, backend=backend))
@@ -75,7 +76,7 @@ def test_many_tables_in_one_call_match_each_table_alone(seed, kinds, fraction, m
                 base = BASES[k]
                 shifted = torch.where(expect.slots >= 0, expect.slots + base, -1)
                 assert torch.equal(out.slots, shifted), where
-                assert torch.equal(got.slots[sum(sizes[:k]):sum(sizes[:k + 1])], shifted), where
+                assert torch.equal(got.slots[sum(sizes[:k]) : sum(sizes[: k + 1])], shifted), where
                 assert torch.equal(out.admitted_ids, expect.admitted_ids), where
                 assert torch.equal(out.admitted_slots, expect.admitted_slots + base), where
                 assert torch.equal(out.evicted_ids, expect.evicted_ids), where
@@ -93,8 +94,9 @@ def test_many_tables_in_one_call_match_each_table_alone(seed, kinds, fraction, m
             for field in ManyResult.FIELDS:
                 want = torch.cat([getattr(r, field) for r in ok]) if ok else torch.zeros(0, dtype=torch.int64)
                 assert torch.equal(got.flat[field], want), f"step {step} {field}"
-                assert [n for n, e in zip(got.counts[field], got.errors) if e is None] == \
-                    [getattr(r, field).numel() for r in ok]
+                assert [n for n, e in zip(got.counts[field], got.errors) if e is None] == [
+                    getattr(r, field).numel() for r in ok
+                ]
                 assert all(n == 0 for n, e in zip(got.counts[field], got.errors) if e is not None)
             assert got.sizes == sizes
             assert got.hits == [0 if r is None else int(r.hits) for r in got.results]
@@ -103,8 +105,9 @@ def test_many_tables_in_one_call_match_each_table_alone(seed, kinds, fraction, m
         if len(held) > 2 and step % 5:  # many's tables released in one call, alone's one by one
             done, whole = held.pop(0)
             if whole is not None and step % 2:  # the batch's distinct slots as one tensor
-                assert release_many_flat(many, whole.flat["distinct_slots"],
-                                         whole.counts["distinct_slots"]) == [None] * len(many)
+                assert release_many_flat(many, whole.flat["distinct_slots"], whole.counts["distinct_slots"]) == [
+                    None
+                ] * len(many)
             else:
                 assert release_many([m for m, *_ in done], [s for _, s, _, _ in done]) == [None] * len(done)
             for _, _, a, a_slots in done:
@@ -125,8 +128,9 @@ def test_errors_are_per_table_and_the_others_go_on():
     assert "pinned by 255 batches in flight" in str(got.errors[1])
     after = full_pins.state_dict()  # refused before anything changed: 8 not admitted, no step
     assert len(full_pins) == 1 and after.keys() == pinned_state.keys()
-    assert all(torch.equal(after[k], v) if isinstance(v, torch.Tensor) else after[k] == v
-               for k, v in pinned_state.items())
+    assert all(
+        torch.equal(after[k], v) if isinstance(v, torch.Tensor) else after[k] == v for k, v in pinned_state.items()
+    )
     assert got.errors[2] is None and got.results[2].slots.tolist() == [32, 33, 34]
     assert got.error is got.errors[0]
     fine.step = (1 << 31) - 1

@@ -21,8 +21,8 @@ def test_draws_follow_the_zipf_law_over_the_universe(s, n):
     # 4 standard errors of each frequency
     assert np.all(np.abs(seen[head] - p[head]) <= 4 * np.sqrt(p[head] * (1 - p[head]) / draws.size) + 1e-4)
     if n >= 1000:  # the tail too: the share beyond the first tenth
-        tail = p[n // 10:].sum()
-        assert abs(seen[n // 10:].sum() - tail) <= 4 * np.sqrt(tail * (1 - tail) / draws.size)
+        tail = p[n // 10 :].sum()
+        assert abs(seen[n // 10 :].sum() - tail) <= 4 * np.sqrt(tail * (1 - tail) / draws.size)
 
 
 def test_a_universe_of_one_always_draws_it():
@@ -35,8 +35,10 @@ def test_the_same_generator_state_gives_the_same_draws():
     assert np.array_equal(a, b)
 
 
-@pytest.mark.parametrize("s,n,message", [(0.0, 10, "exponent must be > 0"), (-1.0, 10, "exponent must be > 0"),
-                                          (1.05, 0, "at least 1 value")])
+@pytest.mark.parametrize(
+    "s,n,message",
+    [(0.0, 10, "exponent must be > 0"), (-1.0, 10, "exponent must be > 0"), (1.05, 0, "at least 1 value")],
+)
 def test_bad_parameters_are_refused(s, n, message):
     with pytest.raises(ValueError, match=message):
         BoundedZipf(s, n)

@@ -80,10 +80,12 @@ FIXTURES: dict[str, dict[str, Known]] = {
     },
     # TFRA (graph mode, Saver): user_de in 2 hash tables with Adam, item_de in 1 with Adagrad
     "tfra_tf1": {
-        "user_de": Known(len(TFRA_KEYS), 4, 41, slots={"m": ("values", 42), "v": ("positive", 43)},
-                         keys=TFRA_KEYS, slot_missing=(8,)),
-        "item_de": Known(len(TFRA_KEYS), 3, 44, slots={"accumulator": ("positive", 45)},
-                         keys=TFRA_KEYS, slot_missing=(8,)),
+        "user_de": Known(
+            len(TFRA_KEYS), 4, 41, slots={"m": ("values", 42), "v": ("positive", 43)}, keys=TFRA_KEYS, slot_missing=(8,)
+        ),
+        "item_de": Known(
+            len(TFRA_KEYS), 3, 44, slots={"accumulator": ("positive", 45)}, keys=TFRA_KEYS, slot_missing=(8,)
+        ),
     },
     # TFRA (TF2 eager, tf.train.Checkpoint): string keys in 2 hash tables, no optimizer
     "tfra_tf2": {

@@ -21,105 +21,253 @@ RATE = "$__rate_interval"
 
 # (row title, [(panel title, unit, [(expr, legend)]), ...])
 ROWS = [
-    ("Dynamic tables", [
-        ("Hit rate by table", "percentunit", [
-            (f"sum by (table) (rate(dynemb_trainer_hits_total{{{T}}}[{RATE}])) / "
-             f"sum by (table) (rate(dynemb_trainer_lookups_total{{{T}}}[{RATE}]))", "{{table}}")]),
-        ("Hit rate by rank", "percentunit", [
-            (f"sum by (rank) (rate(dynemb_trainer_hits_total{{{T}}}[{RATE}])) / "
-             f"sum by (rank) (rate(dynemb_trainer_lookups_total{{{T}}}[{RATE}]))", "rank {{rank}}")]),
-        ("Evictions /s", "ops", [
-            (f"sum by (table, rank) (rate(dynemb_trainer_evictions_total{{{T}}}[{RATE}]))", "{{table}} rank {{rank}}")]),
-        ("Admissions and rejections /s", "ops", [
-            (f"sum by (table) (rate(dynemb_trainer_admissions_total{{{T}}}[{RATE}]))", "admitted {{table}}"),
-            (f"sum by (table) (rate(dynemb_trainer_rejections_total{{{T}}}[{RATE}]))", "below threshold {{table}}")]),
-        ("Table occupancy", "percentunit", [
-            (f"dynemb_trainer_table_occupancy_ratio{{{T}}}", "{{table}} rank {{rank}}")]),
-        ("Eviction share of lookups (5m)", "percentunit", [
-            ('table:dynemb_trainer_eviction_ratio:rate5m{table=~"$table"}', "{{table}}")]),
-    ]),
-    ("Trainer and the PS", [
-        ("Rows pulled and pushed /s", "ops", [
-            (f"sum by (table) (rate(dynemb_trainer_rows_pulled_total{{{T}}}[{RATE}]))", "pull {{table}}"),
-            (f"sum by (table) (rate(dynemb_trainer_rows_pushed_total{{{T}}}[{RATE}]))", "push {{table}}")]),
-        ("PS call latency seen by trainers (p50, p99)", "s", [
-            (f"histogram_quantile(0.5, sum by (op, le) (rate(dynemb_trainer_ps_request_seconds_bucket{{{T}}}[{RATE}])))",
-             "{{op}} p50"),
-            (f"histogram_quantile(0.99, sum by (op, le) (rate(dynemb_trainer_ps_request_seconds_bucket{{{T}}}[{RATE}])))",
-             "{{op}} p99")]),
-    ]),
-    ("Training", [
-        ("Samples /s", "ops", [
-            (f"sum by (rank) (rate(dynemb_trainer_samples_total{{{R}}}[{RATE}]))", "rank {{rank}}"),
-            (f"sum (rate(dynemb_trainer_samples_total{{{R}}}[{RATE}]))", "all ranks")]),
-        ("Loss", "none", [(f"dynemb_trainer_loss{{{R}}}", "rank {{rank}}")]),
-        ("Steps /s", "ops", [(f"sum by (rank) (rate(dynemb_trainer_steps_total{{{R}}}[{RATE}]))", "rank {{rank}}")]),
-    ]),
-    ("Parameter servers", [
-        ("PS requests /s by method", "reqps", [
-            (f"sum by (method) (rate(dynemb_ps_requests_total{{{P}}}[{RATE}]))", "{{method}}")]),
-        ("PS rows /s by table", "ops", [
-            (f"sum by (method, table) (rate(dynemb_ps_rows_total{{{P}}}[{RATE}]))", "{{method}} {{table}}")]),
-        ("PS latency p99 by method", "s", [
-            (f"histogram_quantile(0.99, sum by (method, le) (rate(dynemb_ps_request_seconds_bucket{{{P}}}[{RATE}])))",
-             "{{method}}")]),
-        ("PS store latency p99 by operation", "s", [
-            (f"histogram_quantile(0.99, sum by (op, le) (rate(dynemb_ps_backend_seconds_bucket{{{P}}}[{RATE}])))",
-             "{{op}}")]),
-        ("PS errors /s", "reqps", [
-            (f"sum by (method, code) (rate(dynemb_ps_errors_total{{{P}}}[{RATE}]))", "{{method}} {{code}}")]),
-        ("PS up, serving, store reachable, in flight", "short", [
-            (f"up{{{P}}}", "up {{instance}}"),
-            (f"dynemb_ps_serving{{{P}}}", "serving {{instance}}"),
-            (f"dynemb_ps_backend_up{{{P}}}", "store reachable {{instance}}"),
-            (f"dynemb_ps_inflight_requests{{{P}}}", "in flight {{instance}}")]),
-        ("PS memory (RSS)", "bytes", [
-            (f"process_resident_memory_bytes{{{P}}}", "{{instance}}")]),
-    ]),
-    ("Redis", [
-        ("Redis memory used / maxmemory", "percentunit", [
-            ('redis_memory_used_bytes{job="redis"} / (redis_memory_max_bytes{job="redis"} > 0)', "{{instance}}")]),
-        ("Redis memory used", "bytes", [('redis_memory_used_bytes{job="redis"}', "{{instance}}")]),
-    ]),
+    (
+        "Dynamic tables",
+        [
+            (
+                "Hit rate by table",
+                "percentunit",
+                [
+                    (
+                        f"sum by (table) (rate(dynemb_trainer_hits_total{{{T}}}[{RATE}])) / "
+                        f"sum by (table) (rate(dynemb_trainer_lookups_total{{{T}}}[{RATE}]))",
+                        "{{table}}",
+                    )
+                ],
+            ),
+            (
+                "Hit rate by rank",
+                "percentunit",
+                [
+                    (
+                        f"sum by (rank) (rate(dynemb_trainer_hits_total{{{T}}}[{RATE}])) / "
+                        f"sum by (rank) (rate(dynemb_trainer_lookups_total{{{T}}}[{RATE}]))",
+                        "rank {{rank}}",
+                    )
+                ],
+            ),
+            (
+                "Evictions /s",
+                "ops",
+                [
+                    (
+                        f"sum by (table, rank) (rate(dynemb_trainer_evictions_total{{{T}}}[{RATE}]))",
+                        "{{table}} rank {{rank}}",
+                    )
+                ],
+            ),
+            (
+                "Admissions and rejections /s",
+                "ops",
+                [
+                    (f"sum by (table) (rate(dynemb_trainer_admissions_total{{{T}}}[{RATE}]))", "admitted {{table}}"),
+                    (
+                        f"sum by (table) (rate(dynemb_trainer_rejections_total{{{T}}}[{RATE}]))",
+                        "below threshold {{table}}",
+                    ),
+                ],
+            ),
+            (
+                "Table occupancy",
+                "percentunit",
+                [(f"dynemb_trainer_table_occupancy_ratio{{{T}}}", "{{table}} rank {{rank}}")],
+            ),
+            (
+                "Eviction share of lookups (5m)",
+                "percentunit",
+                [('table:dynemb_trainer_eviction_ratio:rate5m{table=~"$table"}', "{{table}}")],
+            ),
+        ],
+    ),
+    (
+        "Trainer and the PS",
+        [
+            (
+                "Rows pulled and pushed /s",
+                "ops",
+                [
+                    (f"sum by (table) (rate(dynemb_trainer_rows_pulled_total{{{T}}}[{RATE}]))", "pull {{table}}"),
+                    (f"sum by (table) (rate(dynemb_trainer_rows_pushed_total{{{T}}}[{RATE}]))", "push {{table}}"),
+                ],
+            ),
+            (
+                "PS call latency seen by trainers (p50, p99)",
+                "s",
+                [
+                    (
+                        "histogram_quantile(0.5, sum by (op, le) "
+                        f"(rate(dynemb_trainer_ps_request_seconds_bucket{{{T}}}[{RATE}])))",
+                        "{{op}} p50",
+                    ),
+                    (
+                        "histogram_quantile(0.99, sum by (op, le) "
+                        f"(rate(dynemb_trainer_ps_request_seconds_bucket{{{T}}}[{RATE}])))",
+                        "{{op}} p99",
+                    ),
+                ],
+            ),
+        ],
+    ),
+    (
+        "Training",
+        [
+            (
+                "Samples /s",
+                "ops",
+                [
+                    (f"sum by (rank) (rate(dynemb_trainer_samples_total{{{R}}}[{RATE}]))", "rank {{rank}}"),
+                    (f"sum (rate(dynemb_trainer_samples_total{{{R}}}[{RATE}]))", "all ranks"),
+                ],
+            ),
+            ("Loss", "none", [(f"dynemb_trainer_loss{{{R}}}", "rank {{rank}}")]),
+            (
+                "Steps /s",
+                "ops",
+                [(f"sum by (rank) (rate(dynemb_trainer_steps_total{{{R}}}[{RATE}]))", "rank {{rank}}")],
+            ),
+        ],
+    ),
+    (
+        "Parameter servers",
+        [
+            (
+                "PS requests /s by method",
+                "reqps",
+                [(f"sum by (method) (rate(dynemb_ps_requests_total{{{P}}}[{RATE}]))", "{{method}}")],
+            ),
+            (
+                "PS rows /s by table",
+                "ops",
+                [(f"sum by (method, table) (rate(dynemb_ps_rows_total{{{P}}}[{RATE}]))", "{{method}} {{table}}")],
+            ),
+            (
+                "PS latency p99 by method",
+                "s",
+                [
+                    (
+                        "histogram_quantile(0.99, sum by (method, le) "
+                        f"(rate(dynemb_ps_request_seconds_bucket{{{P}}}[{RATE}])))",
+                        "{{method}}",
+                    )
+                ],
+            ),
+            (
+                "PS store latency p99 by operation",
+                "s",
+                [
+                    (
+                        "histogram_quantile(0.99, sum by (op, le) "
+                        f"(rate(dynemb_ps_backend_seconds_bucket{{{P}}}[{RATE}])))",
+                        "{{op}}",
+                    )
+                ],
+            ),
+            (
+                "PS errors /s",
+                "reqps",
+                [(f"sum by (method, code) (rate(dynemb_ps_errors_total{{{P}}}[{RATE}]))", "{{method}} {{code}}")],
+            ),
+            (
+                "PS up, serving, store reachable, in flight",
+                "short",
+                [
+                    (f"up{{{P}}}", "up {{instance}}"),
+                    (f"dynemb_ps_serving{{{P}}}", "serving {{instance}}"),
+                    (f"dynemb_ps_backend_up{{{P}}}", "store reachable {{instance}}"),
+                    (f"dynemb_ps_inflight_requests{{{P}}}", "in flight {{instance}}"),
+                ],
+            ),
+            ("PS memory (RSS)", "bytes", [(f"process_resident_memory_bytes{{{P}}}", "{{instance}}")]),
+        ],
+    ),
+    (
+        "Redis",
+        [
+            (
+                "Redis memory used / maxmemory",
+                "percentunit",
+                [('redis_memory_used_bytes{job="redis"} / (redis_memory_max_bytes{job="redis"} > 0)', "{{instance}}")],
+            ),
+            ("Redis memory used", "bytes", [('redis_memory_used_bytes{job="redis"}', "{{instance}}")]),
+        ],
+    ),
 ]
 
 
 def variable(name: str, label: str, query: str) -> dict:
     return {
-        "name": name, "label": label, "type": "query", "datasource": {"type": "prometheus", "uid": "${datasource}"},
-        "query": {"query": query, "refId": name}, "definition": query, "refresh": 2, "sort": 3,
-        "multi": True, "includeAll": True, "allValue": ".*", "current": {"text": "All", "value": "$__all"},
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": {"type": "prometheus", "uid": "${datasource}"},
+        "query": {"query": query, "refId": name},
+        "definition": query,
+        "refresh": 2,
+        "sort": 3,
+        "multi": True,
+        "includeAll": True,
+        "allValue": ".*",
+        "current": {"text": "All", "value": "$__all"},
     }
 
 
 def build() -> dict:
     panels, panel_id, y = [], 1, 0
     for title, row in ROWS:
-        panels.append({"id": panel_id, "type": "row", "title": title, "collapsed": False,
-                       "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})
+        panels.append(
+            {
+                "id": panel_id,
+                "type": "row",
+                "title": title,
+                "collapsed": False,
+                "gridPos": {"h": 1, "w": 24, "x": 0, "y": y},
+                "panels": [],
+            }
+        )
         panel_id, y = panel_id + 1, y + 1
         for i, (name, unit, targets) in enumerate(row):
-            panels.append({
-                "id": panel_id, "type": "timeseries", "title": name,
-                "datasource": {"type": "prometheus", "uid": "${datasource}"},
-                "gridPos": {"h": 8, "w": 8, "x": 8 * (i % 3), "y": y + 8 * (i // 3)},
-                "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-                "options": {"legend": {"displayMode": "list", "placement": "bottom"}, "tooltip": {"mode": "multi"}},
-                "targets": [{"refId": chr(ord("A") + k), "expr": expr, "legendFormat": legend}
-                            for k, (expr, legend) in enumerate(targets)],
-            })
+            panels.append(
+                {
+                    "id": panel_id,
+                    "type": "timeseries",
+                    "title": name,
+                    "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                    "gridPos": {"h": 8, "w": 8, "x": 8 * (i % 3), "y": y + 8 * (i // 3)},
+                    "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+                    "options": {"legend": {"displayMode": "list", "placement": "bottom"}, "tooltip": {"mode": "multi"}},
+                    "targets": [
+                        {"refId": chr(ord("A") + k), "expr": expr, "legendFormat": legend}
+                        for k, (expr, legend) in enumerate(targets)
+                    ],
+                }
+            )
             panel_id += 1
         y += 8 * ((len(row) + 2) // 3)
     return {
-        "uid": "dynemb", "title": "dynemb", "tags": ["dynemb"], "timezone": "browser", "editable": True,
-        "schemaVersion": 39, "version": 1, "refresh": "30s", "time": {"from": "now-3h", "to": "now"},
-        "templating": {"list": [
-            {"name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus",
-             "current": {}, "hide": 0},
-            variable("table", "table", "label_values(dynemb_trainer_lookups_total, table)"),
-            variable("rank", "rank", 'label_values(dynemb_trainer_lookups_total{table=~"$table"}, rank)'),
-            variable("ps", "PS", 'label_values(dynemb_ps_requests_total{job="dynemb-ps"}, instance)'),
-        ]},
+        "uid": "dynemb",
+        "title": "dynemb",
+        "tags": ["dynemb"],
+        "timezone": "browser",
+        "editable": True,
+        "schemaVersion": 39,
+        "version": 1,
+        "refresh": "30s",
+        "time": {"from": "now-3h", "to": "now"},
+        "templating": {
+            "list": [
+                {
+                    "name": "datasource",
+                    "label": "Prometheus",
+                    "type": "datasource",
+                    "query": "prometheus",
+                    "current": {},
+                    "hide": 0,
+                },
+                variable("table", "table", "label_values(dynemb_trainer_lookups_total, table)"),
+                variable("rank", "rank", 'label_values(dynemb_trainer_lookups_total{table=~"$table"}, rank)'),
+                variable("ps", "PS", 'label_values(dynemb_ps_requests_total{job="dynemb-ps"}, instance)'),
+            ]
+        },
         "annotations": {"list": []},
         "panels": panels,
     }

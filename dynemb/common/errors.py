@@ -18,7 +18,7 @@ def shown(value) -> str:
         return f"{value[:SHOWN_CHARS]!r}... ({len(value)} {unit})"
     text = repr(value)
     if len(text) > 2 * SHOWN_CHARS:
-        return f"{text[:2 * SHOWN_CHARS]}... (a {type(value).__name__} of {len(text)} characters)"
+        return f"{text[: 2 * SHOWN_CHARS]}... (a {type(value).__name__} of {len(text)} characters)"
     return text
 
 

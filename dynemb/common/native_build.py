@@ -68,12 +68,21 @@ def cache_root() -> Path:
 
 # no -march=native: a cache folder may be shared by machines with different CPUs
 # -ffp-contract=off: floating point as written (the PS's initial rows must match numpy's bit for bit)
-FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-exceptions", "-fvisibility=hidden", "-Wall",
-         "-ffp-contract=off")
+FLAGS = (
+    "-O3",
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+    "-fno-exceptions",
+    "-fvisibility=hidden",
+    "-Wall",
+    "-ffp-contract=off",
+)
 
 
-def compile_library(source: Path, name: str, what: str, *, depends: tuple[Path, ...] = (),
-                    python_module: bool = False) -> Path:
+def compile_library(
+    source: Path, name: str, what: str, *, depends: tuple[Path, ...] = (), python_module: bool = False
+) -> Path:
     """Build `source` (including `depends`, from its folder) into a shared library, once per
     version of them and of Python, and return its path. python_module: a CPython extension
     module `name` (Python's headers on the include path). Linked to nothing but libc and
@@ -83,9 +92,12 @@ def compile_library(source: Path, name: str, what: str, *, depends: tuple[Path, 
     flags = [*FLAGS, f"-I{source.parent}"]
     if python_module:
         flags.append(f"-I{sysconfig.get_paths()['include']}")
-    tag = digest(*(p.read_bytes() for p in (source, *depends)), sysconfig.get_platform().encode(),
-                 str(sysconfig.get_config_var("EXT_SUFFIX")).encode(),
-                 " ".join([compiler, *FLAGS, str(python_module)]).encode())
+    tag = digest(
+        *(p.read_bytes() for p in (source, *depends)),
+        sysconfig.get_platform().encode(),
+        str(sysconfig.get_config_var("EXT_SUFFIX")).encode(),
+        " ".join([compiler, *FLAGS, str(python_module)]).encode(),
+    )
     build = cache_root() / f"{name}_{tag}"
     lib = build / f"{name}.so"
     if lib.exists():  # written by rename once complete, so it is whole if it is there

@@ -27,8 +27,8 @@ GENERATED = tuple(name for names, _ in PROTOS.values() for name in names)
 
 
 def generate(out_dir: Path) -> list[Path]:
-    from grpc_tools import protoc  # imported here: only the build and the test need it
     import grpc_tools
+    from grpc_tools import protoc  # imported here: only the build and the test need it
 
     out_dir.mkdir(parents=True, exist_ok=True)
     include = os.path.join(os.path.dirname(grpc_tools.__file__), "_proto")
@@ -45,7 +45,9 @@ def generate(out_dir: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT, help="root to write dynemb/protos/*.py under (default: the repo)")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT, help="root to write dynemb/protos/*.py under (default: the repo)"
+    )
     args = parser.parse_args(argv)
     for path in generate(args.out):
         print(f"wrote {path}")

@@ -71,57 +71,120 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Run a long-lived PS: gRPC service (with health checking and reflection) "
         "over the embedded store or Redis, and a Prometheus /metrics endpoint.",
     )
+
     def option(flag: str, env: str, default, help: str, cast=str, shown: bool = True) -> None:
         """A serve flag whose default comes from the environment variable `env`; its help says so."""
         tail = f"[env {env}, default %(default)s]" if shown else f"[env {env}]"
         kind = {} if cast is str else {"type": cast}
         serve.add_argument(flag, default=_env(env, default, cast), help=f"{help} {tail}".lstrip(), **kind)
 
-    option("--address", "DYNEMB_PS_ADDRESS", "127.0.0.1:50051",
-           "host:port to listen on; port 0 picks a free one. The default takes calls from this machine only: "
-           "listening on every interface (0.0.0.0:50051, e.g. in a pod) is a choice you make")
-    option("--backend", "DYNEMB_PS_BACKEND", "",
-           "where rows live: embedded:// (the default: in this process, lost on exit), embedded:///DIR (saved to "
-           "DIR on shutdown, loaded at start), redis://[user:pass@]host:port/db, rediss://... (TLS), "
-           "redis+cluster://host:port[,host:port]", shown=False)
+    option(
+        "--address",
+        "DYNEMB_PS_ADDRESS",
+        "127.0.0.1:50051",
+        "host:port to listen on; port 0 picks a free one. The default takes calls from this machine only: "
+        "listening on every interface (0.0.0.0:50051, e.g. in a pod) is a choice you make",
+    )
+    option(
+        "--backend",
+        "DYNEMB_PS_BACKEND",
+        "",
+        "where rows live: embedded:// (the default: in this process, lost on exit), embedded:///DIR (saved to "
+        "DIR on shutdown, loaded at start), redis://[user:pass@]host:port/db, rediss://... (TLS), "
+        "redis+cluster://host:port[,host:port]",
+        shown=False,
+    )
     option("--namespace", "DYNEMB_NAMESPACE", "dynemb", "Redis key prefix, so several models share one Redis")
     option("--max-message-mb", "DYNEMB_PS_MAX_MESSAGE_MB", 64.0, "largest gRPC message in MiB, either way", float)
     option("--workers", "DYNEMB_PS_WORKERS", 16, "request-handling threads", int)
-    option("--auth-token", "DYNEMB_PS_AUTH_TOKEN", None,
-           "require 'authorization: Bearer TOKEN' on every call (server reflection too; health checks too with "
-           "--auth-health). Prefer the variable: a flag shows in `ps`", shown=False)
-    serve.add_argument("--auth-health", action="store_true", default=_env("DYNEMB_PS_AUTH_HEALTH", False, _flag),
-                       help="health checks need the token too (off by default so kubelet and load-balancer "
-                       "probes, which send none, work) [env DYNEMB_PS_AUTH_HEALTH=1]")
+    option(
+        "--auth-token",
+        "DYNEMB_PS_AUTH_TOKEN",
+        None,
+        "require 'authorization: Bearer TOKEN' on every call (server reflection too; health checks too with "
+        "--auth-health). Prefer the variable: a flag shows in `ps`",
+        shown=False,
+    )
+    serve.add_argument(
+        "--auth-health",
+        action="store_true",
+        default=_env("DYNEMB_PS_AUTH_HEALTH", False, _flag),
+        help="health checks need the token too (off by default so kubelet and load-balancer "
+        "probes, which send none, work) [env DYNEMB_PS_AUTH_HEALTH=1]",
+    )
     option("--tls-cert", "DYNEMB_PS_TLS_CERT", None, "PEM certificate: serve TLS", shown=False)
     option("--tls-key", "DYNEMB_PS_TLS_KEY", None, "PEM private key of --tls-cert", shown=False)
-    option("--tls-client-ca", "DYNEMB_PS_TLS_CLIENT_CA", None,
-           "mutual TLS: accept only clients whose certificate this CA (PEM) signed", shown=False)
-    option("--metrics-port", "DYNEMB_PS_METRICS_PORT", 9090,
-           "port of the Prometheus /metrics endpoint; -1 turns it off, 0 picks a free one", int)
-    option("--metrics-address", "DYNEMB_PS_METRICS_ADDRESS", "127.0.0.1",
-           "address of the /metrics endpoint (0.0.0.0: every interface)")
-    option("--drain-seconds", "DYNEMB_PS_DRAIN_SECONDS", 30.0, "on SIGTERM, how long in-flight requests may take",
-           float)
-    option("--not-serving-seconds", "DYNEMB_PS_NOT_SERVING_SECONDS", 1.0,
-           "on SIGTERM, how long health says NOT_SERVING while requests are still taken, before the port closes",
-           float)
-    option("--redis-buckets", "DYNEMB_PS_REDIS_BUCKETS", 4096, "Redis hashes per new table (fixed once a table exists)",
-           int)
-    option("--backend-check-seconds", "DYNEMB_PS_BACKEND_CHECK_SECONDS", 1.0,
-           "how often to ping the store; while it does not answer, health says NOT_SERVING", float)
-    option("--shm-max-mb", "DYNEMB_PS_SHM_MAX_MB", 4096.0,
-           "same-host clients' memory segments this PS maps at once, for row transfer without copies through "
-           "gRPC; 0: none (such clients send rows as bytes)", float)
-    option("--shm-idle-seconds", "DYNEMB_PS_SHM_IDLE_SECONDS", 300.0,
-           "drop a segment unused this long (its client died)", float)
+    option(
+        "--tls-client-ca",
+        "DYNEMB_PS_TLS_CLIENT_CA",
+        None,
+        "mutual TLS: accept only clients whose certificate this CA (PEM) signed",
+        shown=False,
+    )
+    option(
+        "--metrics-port",
+        "DYNEMB_PS_METRICS_PORT",
+        9090,
+        "port of the Prometheus /metrics endpoint; -1 turns it off, 0 picks a free one",
+        int,
+    )
+    option(
+        "--metrics-address",
+        "DYNEMB_PS_METRICS_ADDRESS",
+        "127.0.0.1",
+        "address of the /metrics endpoint (0.0.0.0: every interface)",
+    )
+    option(
+        "--drain-seconds", "DYNEMB_PS_DRAIN_SECONDS", 30.0, "on SIGTERM, how long in-flight requests may take", float
+    )
+    option(
+        "--not-serving-seconds",
+        "DYNEMB_PS_NOT_SERVING_SECONDS",
+        1.0,
+        "on SIGTERM, how long health says NOT_SERVING while requests are still taken, before the port closes",
+        float,
+    )
+    option(
+        "--redis-buckets",
+        "DYNEMB_PS_REDIS_BUCKETS",
+        4096,
+        "Redis hashes per new table (fixed once a table exists)",
+        int,
+    )
+    option(
+        "--backend-check-seconds",
+        "DYNEMB_PS_BACKEND_CHECK_SECONDS",
+        1.0,
+        "how often to ping the store; while it does not answer, health says NOT_SERVING",
+        float,
+    )
+    option(
+        "--shm-max-mb",
+        "DYNEMB_PS_SHM_MAX_MB",
+        4096.0,
+        "same-host clients' memory segments this PS maps at once, for row transfer without copies through "
+        "gRPC; 0: none (such clients send rows as bytes)",
+        float,
+    )
+    option(
+        "--shm-idle-seconds",
+        "DYNEMB_PS_SHM_IDLE_SECONDS",
+        300.0,
+        "drop a segment unused this long (its client died)",
+        float,
+    )
     serve.add_argument("--port-file", help="write the bound port here once serving (for scripts and tests)")
     option("--log-level", "DYNEMB_LOG_LEVEL", "INFO", "")
     serve.set_defaults(func=cmd_serve)
 
     def client_parser(name: str, help: str) -> argparse.ArgumentParser:
-        p = ps_sub.add_parser(name, help=help, description=help, epilog=CLIENT_EPILOG,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = ps_sub.add_parser(
+            name,
+            help=help,
+            description=help,
+            epilog=CLIENT_EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         add_client_flags(p)
         return p
 
@@ -132,8 +195,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dim", type=int, required=True, help="embedding values per row")
     p.add_argument("--state-width", type=int, default=0, help="optimizer-state values per row [default 0]")
     p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32")
-    p.add_argument("--init", choices=("zeros", "constant", "uniform", "normal"), default="zeros",
-                   help="how rows never pushed are filled when pulled [default zeros]")
+    p.add_argument(
+        "--init",
+        choices=("zeros", "constant", "uniform", "normal"),
+        default="zeros",
+        help="how rows never pushed are filled when pulled [default zeros]",
+    )
     p.add_argument("--init-a", type=float, default=0.0, help="constant value / uniform low / normal mean")
     p.add_argument("--init-b", type=float, default=0.0, help="uniform high / normal std")
     p.add_argument("--init-seed", type=int, default=0)
@@ -163,7 +230,8 @@ def cmd_serve(args) -> int:
     die_with_parent()
 
     logging.basicConfig(
-        level=args.log_level.upper(), stream=sys.stderr,
+        level=args.log_level.upper(),
+        stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
@@ -213,16 +281,28 @@ def add_client_flags(p: argparse.ArgumentParser, ps_default: str | None = "local
     """--ps, --auth-token, --tls-ca, --timeout: how a command reaches running PSs (--ps goes
     into ps_group where given, e.g. a mutually exclusive group)."""
     default = _env("DYNEMB_PS", ps_default)
-    (ps_group or p).add_argument("--ps", default=default,
-                                 help="PS address(es), comma-separated shards; 'a:50051|b:50051' = replicas of one shard "
-                                 "over the same Redis [env DYNEMB_PS"
-                                 + (", default %(default)s]" if default else "]"))
+    (ps_group or p).add_argument(
+        "--ps",
+        default=default,
+        help="PS address(es), comma-separated shards; 'a:50051|b:50051' = replicas of one shard "
+        "over the same Redis [env DYNEMB_PS" + (", default %(default)s]" if default else "]"),
+    )
     p.add_argument("--auth-token", default=_env("DYNEMB_PS_AUTH_TOKEN"), help="[env DYNEMB_PS_AUTH_TOKEN]")
-    p.add_argument("--tls-ca", default=_env("DYNEMB_PS_TLS_CA"), help="CA certificate (PEM) to reach a TLS PS [env DYNEMB_PS_TLS_CA]")
-    p.add_argument("--tls-cert", default=_env("DYNEMB_PS_CLIENT_CERT"),
-                   help="this client's certificate (PEM), for a PS that wants mutual TLS [env DYNEMB_PS_CLIENT_CERT]")
-    p.add_argument("--tls-key", default=_env("DYNEMB_PS_CLIENT_KEY"),
-                   help="private key (PEM) of --tls-cert [env DYNEMB_PS_CLIENT_KEY]")
+    p.add_argument(
+        "--tls-ca",
+        default=_env("DYNEMB_PS_TLS_CA"),
+        help="CA certificate (PEM) to reach a TLS PS [env DYNEMB_PS_TLS_CA]",
+    )
+    p.add_argument(
+        "--tls-cert",
+        default=_env("DYNEMB_PS_CLIENT_CERT"),
+        help="this client's certificate (PEM), for a PS that wants mutual TLS [env DYNEMB_PS_CLIENT_CERT]",
+    )
+    p.add_argument(
+        "--tls-key",
+        default=_env("DYNEMB_PS_CLIENT_KEY"),
+        help="private key (PEM) of --tls-cert [env DYNEMB_PS_CLIENT_KEY]",
+    )
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per call [default %(default)s]")
 
 
@@ -230,15 +310,23 @@ def client_from_args(args):
     """A PSClient for the flags of add_client_flags."""
     from dynemb.ps_server.client import PSClient
 
-    return PSClient(args.ps, auth_token=args.auth_token, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
-                    tls_key=args.tls_key, timeout=args.timeout)
+    return PSClient(
+        args.ps,
+        auth_token=args.auth_token,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        timeout=args.timeout,
+    )
 
 
 def _table_line(info) -> str:
     s = info.schema
     init = s.initializer
-    return (f"{s.name:<24} dim={s.dim:<5} state_width={s.state_width:<4} dtype={s.dtype:<5} "
-            f"init={init.kind}({init.a:g},{init.b:g}) rows={info.num_rows}")
+    return (
+        f"{s.name:<24} dim={s.dim:<5} state_width={s.state_width:<4} dtype={s.dtype:<5} "
+        f"init={init.kind}({init.a:g},{init.b:g}) rows={info.num_rows}"
+    )
 
 
 def cmd_tables(args) -> int:
@@ -263,8 +351,12 @@ def cmd_create_table(args) -> int:
 
 def cmd_describe(args) -> int:
     with client_from_args(args) as ps:
-        print(json.dumps({**ps.describe_table(args.table).schema.to_dict(),
-                          "num_rows": ps.describe_table(args.table).num_rows}, indent=2))
+        print(
+            json.dumps(
+                {**ps.describe_table(args.table).schema.to_dict(), "num_rows": ps.describe_table(args.table).num_rows},
+                indent=2,
+            )
+        )
     return 0
 
 

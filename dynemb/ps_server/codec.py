@@ -14,8 +14,7 @@ def decode_ids(data: bytes, table: str = "") -> np.ndarray:
     if len(data) % 8:
         where = f" for table {table!r}" if table else ""
         raise InvalidArgument(
-            f"ids{where} must be packed int64 (8 bytes each), got {len(data)} bytes, "
-            f"which is not a multiple of 8"
+            f"ids{where} must be packed int64 (8 bytes each), got {len(data)} bytes, which is not a multiple of 8"
         )
     ids = np.frombuffer(data, dtype=ID_DTYPE)
     # ids read in place from a message (wire.py) may start at any byte; the compiled id

@@ -103,13 +103,29 @@ def fill_initial_rows(schema: TableSchema, ids: np.ndarray, out: np.ndarray, pos
     if _native is None:
         try:
             from dynemb.ps_server import native
+
             _native = native.id_index()
         except (RuntimeError, ImportError, OSError):  # no compiler here: numpy
             _native = False
-    if (kind is None or not _native or schema.dtype != "fp32" or out.dtype != np.float32
-            or not out.flags.c_contiguous or out.shape[1:] != (schema.width,)):
+    if (
+        kind is None
+        or not _native
+        or schema.dtype != "fp32"
+        or out.dtype != np.float32
+        or not out.flags.c_contiguous
+        or out.shape[1:] != (schema.width,)
+    ):
         out[positions] = initial_rows(schema, ids)
         return
-    _native.init_rows(out, schema.width, np.ascontiguousarray(positions, dtype=np.int64),
-                      np.ascontiguousarray(ids, dtype=np.int64), kind, _stream_key(init.seed, 0), float(init.a),
-                      float(init.b) - float(init.a), schema.dim, float(init.state_init))
+    _native.init_rows(
+        out,
+        schema.width,
+        np.ascontiguousarray(positions, dtype=np.int64),
+        np.ascontiguousarray(ids, dtype=np.int64),
+        kind,
+        _stream_key(init.seed, 0),
+        float(init.a),
+        float(init.b) - float(init.a),
+        schema.dim,
+        float(init.state_init),
+    )

@@ -9,7 +9,23 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 
 # Latencies from 100 us (a small pull on the embedded store) to 30 s (a big import).
 LATENCY_BUCKETS = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
 )
 
 
@@ -27,33 +43,45 @@ class PSMetrics:
             "dynemb_ps_errors", "RPCs that ended in an error, by method and status code", ["method", "code"], registry=r
         )
         self.rows = Counter(
-            "dynemb_ps_rows", "Rows pulled, pushed, deleted, exported or imported, by method and table",
-            ["method", "table"], registry=r,
+            "dynemb_ps_rows",
+            "Rows pulled, pushed, deleted, exported or imported, by method and table",
+            ["method", "table"],
+            registry=r,
         )
         self.missing_rows = Counter(
-            "dynemb_ps_missing_rows", "Rows pulled that were never pushed (returned initialised), by table",
-            ["table"], registry=r,
+            "dynemb_ps_missing_rows",
+            "Rows pulled that were never pushed (returned initialised), by table",
+            ["table"],
+            registry=r,
         )
         self.bytes = Counter(
-            "dynemb_ps_bytes", "Payload bytes of ids and rows, by method and direction (in|out)",
-            ["method", "direction"], registry=r,
+            "dynemb_ps_bytes",
+            "Payload bytes of ids and rows, by method and direction (in|out)",
+            ["method", "direction"],
+            registry=r,
         )
         self.latency = Histogram(
             "dynemb_ps_request_seconds", "RPC handling time, by method", ["method"], buckets=LATENCY_BUCKETS, registry=r
         )
         self.backend_latency = Histogram(
-            "dynemb_ps_backend_seconds", "Time spent in the store, by operation", ["op"],
-            buckets=LATENCY_BUCKETS, registry=r,
+            "dynemb_ps_backend_seconds",
+            "Time spent in the store, by operation",
+            ["op"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.inflight = Gauge("dynemb_ps_inflight_requests", "RPCs being handled now", registry=r)
         self.serving = Gauge("dynemb_ps_serving", "1 while the PS accepts requests, 0 while draining", registry=r)
-        self.backend_up = Gauge("dynemb_ps_backend_up", "1 while the store (Redis) answers pings, 0 while it is away",
-                                registry=r)
+        self.backend_up = Gauge(
+            "dynemb_ps_backend_up", "1 while the store (Redis) answers pings, 0 while it is away", registry=r
+        )
         self.shm_segments = Gauge(
-            "dynemb_ps_shm_segments", "Client memory segments attached for same-host row transfer", registry=r)
+            "dynemb_ps_shm_segments", "Client memory segments attached for same-host row transfer", registry=r
+        )
         self.shm_bytes = Gauge("dynemb_ps_shm_bytes", "Bytes of the attached segments", registry=r)
-        self.info = Gauge("dynemb_ps_info", "Constant 1, labelled with the backend and version", ["backend", "version"],
-                          registry=r)
+        self.info = Gauge(
+            "dynemb_ps_info", "Constant 1, labelled with the backend and version", ["backend", "version"], registry=r
+        )
         self._children: dict = {}
 
     def child(self, metric, *labels):

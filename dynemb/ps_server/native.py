@@ -28,8 +28,9 @@ def id_index() -> ModuleType:
     global _module
     with _lock:
         if _module is None:
-            path = compile_library(SOURCE, NAME, "the PS's id index", depends=(CSRC / "id_index.h",),
-                                   python_module=True)
+            path = compile_library(
+                SOURCE, NAME, "the PS's id index", depends=(CSRC / "id_index.h",), python_module=True
+            )
             loader = importlib.machinery.ExtensionFileLoader(NAME, str(path))
             spec = importlib.util.spec_from_file_location(NAME, str(path), loader=loader)
             if spec is None:

@@ -39,7 +39,8 @@ def channel_target(address: str) -> tuple[str, str | None]:
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except socket.gaierror as exc:
             raise InvalidArgument(
-                f"PS replica {shown(replica)} of {shown(address)} does not resolve: {exc.strerror}") from None
+                f"PS replica {shown(replica)} of {shown(address)} does not resolve: {exc.strerror}"
+            ) from None
         for family, _, _, _, sockaddr in infos:
             if family == socket.AF_INET and f"{sockaddr[0]}:{port}" not in ipv4:
                 ipv4.append(f"{sockaddr[0]}:{port}")

@@ -34,11 +34,11 @@ _INIT_FROM_PROTO[ps_pb2.Initializer.KIND_UNSPECIFIED] = "zeros"
 
 NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}")  # the whole name (fullmatch: `$` lets "t\n" through)
 MAX_ROW_WIDTH = 1 << 16
+
+
 def check_name(name: str, what: str = "table name") -> str:
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
-        raise InvalidArgument(
-            f"{what} {shown(name)} is not valid: use 1 to 128 of the characters A-Z a-z 0-9 _ . -"
-        )
+        raise InvalidArgument(f"{what} {shown(name)} is not valid: use 1 to 128 of the characters A-Z a-z 0-9 _ . -")
     return name
 
 

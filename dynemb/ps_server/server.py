@@ -71,7 +71,8 @@ class ServeConfig:
             raise ValueError("TLS needs both a certificate (--tls-cert) and its key (--tls-key)")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError(
-                "mutual TLS (--tls-client-ca) needs the PS's own certificate and key (--tls-cert, --tls-key)")
+                "mutual TLS (--tls-client-ca) needs the PS's own certificate and key (--tls-cert, --tls-key)"
+            )
         if self.auth_health and not self.auth_token:
             raise ValueError("--auth-health closes health checks to callers without the token: set --auth-token")
         if self.max_message_bytes < 64 << 10:
@@ -100,9 +101,11 @@ class PSServer:
         self.metrics_port: int | None = None
         self._metrics_http: WSGIServer | None = None
         self._stopped = threading.Event()
-        interceptors = ([TokenAuthInterceptor(config.auth_token, open_health=not config.auth_health,
-                                              on_deny=self._count_refusal)]
-                        if config.auth_token else [])
+        interceptors = (
+            [TokenAuthInterceptor(config.auth_token, open_health=not config.auth_health, on_deny=self._count_refusal)]
+            if config.auth_token
+            else []
+        )
         opts = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
@@ -137,8 +140,9 @@ class PSServer:
             if cfg.tls_client_ca:
                 with open(cfg.tls_client_ca, "rb") as f:
                     client_ca = f.read()
-            creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
-                                                require_client_auth=client_ca is not None)
+            creds = grpc.ssl_server_credentials(
+                [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+            )
             self.port = self._grpc.add_secure_port(cfg.address, creds)
         else:
             self.port = self._grpc.add_insecure_port(cfg.address)
@@ -156,7 +160,9 @@ class PSServer:
         self.backend_watch.start()
         log.info(
             "PS serving %s on port %d (%s backend, %s, auth %s)%s",
-            SERVICE_NAME, self.port, self.store.kind,
+            SERVICE_NAME,
+            self.port,
+            self.store.kind,
             ("mutual TLS" if cfg.tls_client_ca else "TLS") if cfg.tls_cert else "plaintext",
             "on" if cfg.auth_token else "off",
             f", metrics on :{self.metrics_port}/metrics" if self.metrics_port else "",

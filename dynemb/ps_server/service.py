@@ -76,6 +76,7 @@ def _decoding(servicer: ParameterServerService, name: str, handler, request_type
     """`handler` taking the request as bytes: grpc's own decoding step would answer bytes that
     are no valid message with INTERNAL "Exception deserializing request!"."""
     if streaming:
+
         def decoded(chunks):
             for data in chunks:
                 try:
@@ -114,8 +115,9 @@ def add_to_server(servicer: ParameterServerService, server: grpc.Server) -> None
     for method in service.methods:
         request_type = getattr(ps_pb2, method.input_type.name)
         response_type = getattr(ps_pb2, method.output_type.name)
-        handler = _decoding(servicer, method.name, getattr(servicer, method.name), request_type,
-                            method.client_streaming)
+        handler = _decoding(
+            servicer, method.name, getattr(servicer, method.name), request_type, method.client_streaming
+        )
         handlers[method.name] = factories[(method.client_streaming, method.server_streaming)](
             handler, request_deserializer=None, response_serializer=_serialize(response_type)
         )
@@ -163,8 +165,9 @@ class _Tally:
 
 
 class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
-    def __init__(self, store: Store, metrics: PSMetrics, max_message_bytes: int,
-                 segments: SegmentTable | None = None) -> None:
+    def __init__(
+        self, store: Store, metrics: PSMetrics, max_message_bytes: int, segments: SegmentTable | None = None
+    ) -> None:
         self.store = store
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
@@ -329,7 +332,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             raise InvalidArgument(
                 f"rows of {n} ids of table {schema.name!r} take {n * schema.row_bytes} bytes (rows of {schema.width} "
                 f"{schema.dtype} values), the segment has {size} for them: the client has another schema of the table "
-                f"(re-created since?)")
+                f"(re-created since?)"
+            )
         raw = self.segments.rows(segment, offset, size)
         return raw.view(schema.np_dtype).reshape(n, schema.width)
 
@@ -350,17 +354,20 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 f"pull at most {(self.max_message_bytes - MESSAGE_OVERHEAD) // (row_bytes + 1)} ids per request"
             )
 
-    def _reply_plan(self, schema: TableSchema, ids: np.ndarray, nbytes_in: int, into: np.ndarray | None,
-                    tally: _Tally) -> ReplyPlan:
+    def _reply_plan(
+        self, schema: TableSchema, ids: np.ndarray, nbytes_in: int, into: np.ndarray | None, tally: _Tally
+    ) -> ReplyPlan:
         """The reply to a pull of ids, its rows to be read straight into the message (wire.py)
         or into the client's segment."""
+
         def fill(rows: np.ndarray) -> tuple[bytes, int]:
             return self._pull_rows(schema, ids, nbytes_in, rows, tally)
 
         return ReplyPlan(len(ids), schema.width, schema.np_dtype, fill, into)
 
-    def _pull_rows(self, schema: TableSchema, ids: np.ndarray, nbytes_in: int, out: np.ndarray,
-                   tally: _Tally) -> tuple[bytes, int]:
+    def _pull_rows(
+        self, schema: TableSchema, ids: np.ndarray, nbytes_in: int, out: np.ndarray, tally: _Tally
+    ) -> tuple[bytes, int]:
         """Rows of ids into out, the missing ones initialised; (missing bitmap, how many missing)."""
         start = time.perf_counter()
         positions = self.store.pull_into(schema.name, ids, out)
@@ -396,7 +403,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 plans = [self._push_plan(p, tally) for p in request.pushes]
                 self._still_wanted(context, "push")
                 return ps_pb2.PushManyResponse(
-                    pushes=[ps_pb2.PushResponse(rows_written=self._push_rows(*plan, tally)) for plan in plans])
+                    pushes=[ps_pb2.PushResponse(rows_written=self._push_rows(*plan, tally)) for plan in plans]
+                )
             finally:
                 tally.report(self.metrics, "Push")
 
@@ -408,7 +416,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             return schema, ids, codec.decode_rows(request.rows, schema, len(ids))
         if len(request.rows):
             raise InvalidArgument(
-                f"push to {schema.name!r} carries rows both in the message and in a segment (rows_from)")
+                f"push to {schema.name!r} carries rows both in the message and in a segment (rows_from)"
+            )
         segment, offset, size = request.rows_from
         return schema, ids, self._segment_rows(segment, offset, size, schema, len(ids))
 

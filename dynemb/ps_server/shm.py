@@ -98,7 +98,8 @@ class SegmentTable:
             if self.bytes + size > self.max_bytes:
                 raise ResourceExhausted(
                     f"attaching a {size}-byte segment would map {self.bytes + size} bytes, over this PS's "
-                    f"{self.max_bytes} (--shm-max-mb); {len(self._by_id)} segments are attached")
+                    f"{self.max_bytes} (--shm-max-mb); {len(self._by_id)} segments are attached"
+                )
         view = _map_checked(path, size, token)
         segment = secrets.randbits(63) or 1  # random: a restarted PS knows none of its old ids
         with self._lock:
@@ -116,11 +117,13 @@ class SegmentTable:
         if found is None:
             raise SegmentUnusable(
                 f"segment {segment:x} is not attached to this PS (detached, unused for over "
-                f"{self.idle_seconds:g} s, or the PS restarted): attach one again")
+                f"{self.idle_seconds:g} s, or the PS restarted): attach one again"
+            )
         if offset % 8 or offset < ROWS_START or offset + nbytes > found.size:
             raise InvalidArgument(
                 f"rows at bytes [{offset}, {offset + nbytes}) do not lie 8-byte aligned inside segment "
-                f"{segment:x}'s rows [{ROWS_START}, {found.size})")
+                f"{segment:x}'s rows [{ROWS_START}, {found.size})"
+            )
         found.last_used = now
         if now - self._swept > min(self.idle_seconds, 60.0):
             with self._lock:
@@ -157,7 +160,8 @@ def _map_checked(path: str, size: int, token: bytes) -> np.ndarray:
     except OSError as e:
         raise SegmentUnusable(
             f"cannot open {path} ({e.strerror}): the client is on another host or in another pid "
-            f"namespace, or this PS's user may not read its /proc") from None
+            f"namespace, or this PS's user may not read its /proc"
+        ) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size != size:
@@ -240,8 +244,14 @@ class SegmentPool:
     MIN_SIZE = 1 << 20
     MAX_SIZE = 1 << 30  # a call with more rows than this for one PS goes as bytes
 
-    def __init__(self, attach: Callable[[str, int, bytes, float], int], detach: Callable[[int], grpc.Future],
-                 name: str, keep: int = 4, retry_seconds: float = 30.0) -> None:
+    def __init__(
+        self,
+        attach: Callable[[str, int, bytes, float], int],
+        detach: Callable[[int], grpc.Future],
+        name: str,
+        keep: int = 4,
+        retry_seconds: float = 30.0,
+    ) -> None:
         self._attach, self._detach, self.name = attach, detach, name
         self.keep = keep
         self._free: list[Segment] = []
@@ -326,8 +336,9 @@ class SegmentPool:
 
     def _turn_off(self, why: str, seconds: float) -> None:
         self._off_until = time.monotonic() + seconds
-        log.info("PS %s: rows go as bytes%s: %s", self.name,
-                 "" if seconds == float("inf") else f" for {seconds:g} s", why)
+        log.info(
+            "PS %s: rows go as bytes%s: %s", self.name, "" if seconds == float("inf") else f" for {seconds:g} s", why
+        )
 
 
 class Leases:

@@ -16,8 +16,8 @@ generated code, and that a damaged message raises MalformedMessage, never anythi
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -67,8 +67,9 @@ def pull_response_parts(rows: np.ndarray, missing: bytes, num_missing: int) -> l
     return parts
 
 
-def push_request_parts(table: str, ids: np.ndarray, rows: np.ndarray | None,
-                       rows_from: tuple[int, int, int] | None = None) -> list:
+def push_request_parts(
+    table: str, ids: np.ndarray, rows: np.ndarray | None, rows_from: tuple[int, int, int] | None = None
+) -> list:
     """PushRequest{table=1, ids=2, rows=3, rows_from=4}; ids as little-endian int64; rows_from
     (segment, offset, size) in place of rows (shm.py)."""
     parts = _bytes_field(1, table.encode()) if table else []
@@ -101,6 +102,7 @@ RowsFill = Callable[[np.ndarray], "tuple[bytes, int]"]
 class ReplyPlan:
     """One PullResponse to build: n rows of `width` values of `dtype`, written by fill into
     the message, or into `into` (a client's segment, shm.py) with no rows in the message."""
+
     n: int
     width: int
     dtype: np.dtype
@@ -154,8 +156,11 @@ def _joined(plans: list[ReplyPlan]) -> bytes:
     for plan in plans:
         rows = plan.into if plan.into is not None else np.empty((plan.n, plan.width), dtype=plan.dtype)
         missing, num_missing = plan.fill(rows)
-        replies.append(pull_response_parts(rows[:0] if plan.into is not None else rows,
-                                           missing if num_missing else b"", num_missing))
+        replies.append(
+            pull_response_parts(
+                rows[:0] if plan.into is not None else rows, missing if num_missing else b"", num_missing
+            )
+        )
     return encode_pull_many_response(replies)
 
 
@@ -170,6 +175,7 @@ def filled_bytes(capacity: int, fill: Callable[[memoryview], int]) -> bytes:
     if _native_filled_bytes is None:
         try:
             from dynemb.ps_server import native
+
             _native_filled_bytes = native.id_index().filled_bytes
         except (RuntimeError, ImportError, OSError):  # no compiler here: one copy more
             _native_filled_bytes = False
@@ -288,6 +294,7 @@ def _check(number: int, wire_type: int, want: int, message: str) -> None:
 @dataclass(slots=True)
 class PullReply:
     """A PullResponse as read by parse_pull_response: views into the received bytes."""
+
     rows: memoryview
     missing: memoryview
     num_missing: int
@@ -296,6 +303,7 @@ class PullReply:
 @dataclass(slots=True)
 class PushCall:
     """A PushRequest as read by parse_push_request: views into the received bytes."""
+
     table: str
     ids: memoryview
     rows: memoryview

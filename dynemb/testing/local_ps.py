@@ -29,8 +29,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
-
-
 class LocalPS(TempDirProcess):
     """`dynemb ps serve` in a child process on a free port; `address` once started."""
 
@@ -49,11 +47,26 @@ class LocalPS(TempDirProcess):
 
     def start(self, timeout: float = 30.0) -> LocalPS:
         port_file = os.path.join(self.dir, "port")
-        cmd = [sys.executable, "-m", "dynemb.cli", "ps", "serve", "--address", "127.0.0.1:0",
-               "--metrics-port", "0", "--metrics-address", "127.0.0.1", "--port-file", port_file, *self.args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "dynemb.cli",
+            "ps",
+            "serve",
+            "--address",
+            "127.0.0.1:0",
+            "--metrics-port",
+            "0",
+            "--metrics-address",
+            "127.0.0.1",
+            "--port-file",
+            port_file,
+            *self.args,
+        ]
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
-                                     env={**self.env, PARENT_ENV: str(os.getpid())})
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, env={**self.env, PARENT_ENV: str(os.getpid())}
+        )
         deadline = time.monotonic() + timeout
         while not os.path.exists(port_file):
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -145,8 +145,7 @@ class RedisProcess(TempDirProcess):
                         raise RuntimeError(f"redis-server on {self.address} exited at start:\n{self.log()}") from None
                     if time.monotonic() > deadline:
                         raise RuntimeError(
-                            f"redis-server on {self.address} did not answer PING in {timeout}s "
-                            f"({exc}):\n{self.log()}"
+                            f"redis-server on {self.address} did not answer PING in {timeout}s ({exc}):\n{self.log()}"
                         ) from None
                     time.sleep(0.05)
         finally:
@@ -249,8 +248,11 @@ def make_tls_files(directory: str) -> dict[str, str]:
 
     ca = trustme.CA()
     cert = ca.issue_cert("localhost", "127.0.0.1")
-    paths = {"ca": os.path.join(directory, "ca.pem"), "cert": os.path.join(directory, "server.pem"),
-             "key": os.path.join(directory, "server.key")}
+    paths = {
+        "ca": os.path.join(directory, "ca.pem"),
+        "cert": os.path.join(directory, "server.pem"),
+        "key": os.path.join(directory, "server.key"),
+    }
     ca.cert_pem.write_to_path(paths["ca"])
     cert.cert_chain_pems[0].write_to_path(paths["cert"])
     for extra in cert.cert_chain_pems[1:]:

@@ -120,9 +120,14 @@ class Checkpointer:
         def publish() -> None:
             if self.rank == 0:
                 manifest = {
-                    "format": FORMAT, "version": VERSION, "step": step, "world_size": self.world,
-                    "kind": "full" if full else "incremental", "parent": None if full else self.last,
-                    "dynamic": self.dynamic is not None, "optimizer": self.cfg.optimizer,
+                    "format": FORMAT,
+                    "version": VERSION,
+                    "step": step,
+                    "world_size": self.world,
+                    "kind": "full" if full else "incremental",
+                    "parent": None if full else self.last,
+                    "dynamic": self.dynamic is not None,
+                    "optimizer": self.cfg.optimizer,
                     "tables": {n: self.built.schemas[n].to_dict() for n in self.built.table_names},
                     "config": dataclasses.asdict(self.cfg),
                     "files": files_digest(work),
@@ -167,8 +172,9 @@ class Checkpointer:
             if self.rank != 0 and not self.store.per_rank:
                 return
             failure: Exception | None = None
-            for name in tqdm(names, desc="checkpoint: tables", unit="table",
-                             disable=not self.cfg.progress or self.rank != 0):
+            for name in tqdm(
+                names, desc="checkpoint: tables", unit="table", disable=not self.cfg.progress or self.rank != 0
+            ):
                 schema = self.built.schemas[name]
                 chunks = self._table_rows(schema, None if touched is None else touched[name])
                 # a failure is raised once every table's rounds are over: the other ranks are
@@ -181,7 +187,7 @@ class Checkpointer:
                     with TableWriter(work / "tables" / name, schema, source={"kind": "checkpoint"}) as w:
                         for ids, rows in chunks:
                             rows = np.asarray(rows, dtype=schema.np_dtype)
-                            w.write(ids, rows[:, : schema.dim], rows[:, schema.dim:])
+                            w.write(ids, rows[:, : schema.dim], rows[:, schema.dim :])
                 except Exception as exc:  # noqa: BLE001 - raised below
                     if not self.store.per_rank:  # rank 0 alone: nothing to keep in step with
                         raise
@@ -199,9 +205,12 @@ class Checkpointer:
                 in_block = (touched_ids >= r.row_offset) & (touched_ids < r.row_offset + r.local_rows)
                 local = (touched_ids[in_block] - r.row_offset).long()
             rows = r.read(local).numpy().astype(schema.np_dtype)
-            with TableWriter(work / "tables" / name / f"rank-{self.rank:05d}", schema,
-                             source={"kind": "checkpoint", "rank": self.rank}) as w:
-                w.write(local.numpy() + r.row_offset, rows[:, : schema.dim], rows[:, schema.dim:])
+            with TableWriter(
+                work / "tables" / name / f"rank-{self.rank:05d}",
+                schema,
+                source={"kind": "checkpoint", "rank": self.rank},
+            ) as w:
+                w.write(local.numpy() + r.row_offset, rows[:, : schema.dim], rows[:, schema.dim :])
 
     def _table_rows(self, schema, touched: np.ndarray | None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """(ids, rows) chunks of a dynamic table for a checkpoint (every row, or those of the
@@ -266,7 +275,7 @@ class Checkpointer:
         """Keep the newest checkpoint_keep checkpoints and every one their chains build on."""
         have = checkpoints(self._directory())
         keep: set[Path] = set()
-        for c in have[-self.cfg.checkpoint_keep:]:
+        for c in have[-self.cfg.checkpoint_keep :]:
             keep.update(chain(c))
         for c in have:
             if c not in keep:
@@ -319,14 +328,20 @@ class Checkpointer:
 
     def _check_fits(self, folder: Path, doc: dict) -> None:
         if doc.get("config") is None:
-            raise CheckpointError(f"{folder}: holds PS tables only (made by `dynemb checkpoint save`), not a "
-                                  f"training job's state; put them on a PS with `dynemb checkpoint restore`")
+            raise CheckpointError(
+                f"{folder}: holds PS tables only (made by `dynemb checkpoint save`), not a "
+                f"training job's state; put them on a PS with `dynemb checkpoint restore`"
+            )
         if doc["world_size"] != self.world:
-            raise CheckpointError(f"{folder}: written by {doc['world_size']} ranks, this job has {self.world} "
-                                  f"(restoring onto another number of ranks is not supported yet)")
+            raise CheckpointError(
+                f"{folder}: written by {doc['world_size']} ranks, this job has {self.world} "
+                f"(restoring onto another number of ranks is not supported yet)"
+            )
         if doc["dynamic"] != (self.dynamic is not None):
-            raise CheckpointError(f"{folder}: {'dynamic' if doc['dynamic'] else 'full'} tables, this job's are "
-                                  f"{'dynamic' if self.dynamic is not None else 'full'}")
+            raise CheckpointError(
+                f"{folder}: {'dynamic' if doc['dynamic'] else 'full'} tables, this job's are "
+                f"{'dynamic' if self.dynamic is not None else 'full'}"
+            )
         if doc["optimizer"] != self.cfg.optimizer:
             raise CheckpointError(f"{folder}: optimizer {doc['optimizer']}, this job's is {self.cfg.optimizer}")
         want = {n: self.built.schemas[n].to_dict() for n in self.built.table_names}
@@ -341,8 +356,9 @@ class Checkpointer:
             # rows of the IDs that rank owns (every rank reads the files)
             per_rank = self.store.per_rank
             if self.rank == 0 or per_rank:
-                for name in tqdm(names, desc="restore: tables", unit="table",
-                                 disable=not self.cfg.progress or self.rank != 0):
+                for name in tqdm(
+                    names, desc="restore: tables", unit="table", disable=not self.cfg.progress or self.rank != 0
+                ):
                     schema = self.built.schemas[name]
                     base, *deltas = [TableReader(c / "tables" / name) for c in links]
 

@@ -27,41 +27,57 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from dynemb.ps_server.cli import add_client_flags
     from dynemb.trainer.table_cli import table_flag
 
-    ck = sub.add_parser("checkpoint", help="inspect, save and restore checkpoints",
-                        description="Checkpoints: inspect a training job's checkpoints, save PS "
-                        "tables as a checkpoint and restore one onto any PS. (`export` and `import` are the old "
-                        "names of `dynemb table export|import`.)",
-                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ck = sub.add_parser(
+        "checkpoint",
+        help="inspect, save and restore checkpoints",
+        description="Checkpoints: inspect a training job's checkpoints, save PS "
+        "tables as a checkpoint and restore one onto any PS. (`export` and `import` are the old "
+        "names of `dynemb table export|import`.)",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ck_sub = ck.add_subparsers(dest="checkpoint_command", metavar="COMMAND", required=True)
 
-    p = ck_sub.add_parser("inspect", help="show what a checkpoint holds; --verify checks every file",
-                          description="Print a checkpoint's step, kind, chain, ranks, optimizer and tables "
-                          "with their row counts; for a folder of checkpoints, list them. --verify checks "
-                          "the sha256 of every file of the checkpoint and of the ones it builds on.",
-                          epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ck_sub.add_parser(
+        "inspect",
+        help="show what a checkpoint holds; --verify checks every file",
+        description="Print a checkpoint's step, kind, chain, ranks, optimizer and tables "
+        "with their row counts; for a folder of checkpoints, list them. --verify checks "
+        "the sha256 of every file of the checkpoint and of the ones it builds on.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("folder", help="a checkpoint (step-NNNNNNNN/) or a folder of them")
     p.add_argument("--verify", action="store_true", help="check every file's sha256 (exit 1 naming a bad one)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_inspect)
 
-    p = ck_sub.add_parser("save", help="checkpoint PS tables into a new folder",
-                          description="Write PS tables (rows with optimizer state) as a checkpoint: "
-                          "tables/<table>/ folders and a manifest with the sha256 of every file, moved "
-                          "into place only when complete. `restore` puts them back on any PS.",
-                          epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ck_sub.add_parser(
+        "save",
+        help="checkpoint PS tables into a new folder",
+        description="Write PS tables (rows with optimizer state) as a checkpoint: "
+        "tables/<table>/ folders and a manifest with the sha256 of every file, moved "
+        "into place only when complete. `restore` puts them back on any PS.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_client_flags(p)
     p.add_argument("--out", required=True, help="the checkpoint folder to create (must not hold files)")
     table_flag(p, "a table to save (repeat for several) [default: every table on the PS]")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_save)
 
-    p = ck_sub.add_parser("restore", help="put a checkpoint's tables on a PS (replacing their rows)",
-                          description="Verify a checkpoint and the incremental ones it builds on, then "
-                          "replace each of its tables' rows on the PS with the checkpoint's (the full one, "
-                          "then each increment). Nothing is written when a check fails. To resume "
-                          "training, use `dynemb train --resume CKPT` instead: it also restores the model, "
-                          "optimizers and ID transformers.",
-                          epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ck_sub.add_parser(
+        "restore",
+        help="put a checkpoint's tables on a PS (replacing their rows)",
+        description="Verify a checkpoint and the incremental ones it builds on, then "
+        "replace each of its tables' rows on the PS with the checkpoint's (the full one, "
+        "then each increment). Nothing is written when a check fails. To resume "
+        "training, use `dynemb train --resume CKPT` instead: it also restores the model, "
+        "optimizers and ID transformers.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("folder", help="a checkpoint folder (with manifest.json)")
     add_client_flags(p)
     table_flag(p, "restore only this table (repeat for several) [default: all]")
@@ -114,4 +130,3 @@ def cmd_restore(args) -> int:
     for name, n in written.items():
         print(f"restored table {name}: {n} rows")
     return 0
-

@@ -46,8 +46,11 @@ def step_folder(step: int) -> str:
 
 def files_digest(folder: Path) -> dict[str, str]:
     """sha256 of every file under folder (but a manifest), by relative path."""
-    return {str(p.relative_to(folder)): sha256_of(p)
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name not in (MANIFEST, f".{MANIFEST}.tmp")}
+    return {
+        str(p.relative_to(folder)): sha256_of(p)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name not in (MANIFEST, f".{MANIFEST}.tmp")
+    }
 
 
 def write_manifest(work: Path, manifest: dict, final: Path) -> None:
@@ -71,7 +74,8 @@ def read_manifest(folder: str | os.PathLike) -> dict:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("version") != VERSION:
         got = (doc.get("format"), doc.get("version")) if isinstance(doc, dict) else (None, None)
         raise CheckpointError(
-            f"{path}: format {shown(got[0])} version {shown(got[1])}, expected {FORMAT!r} version {VERSION}")
+            f"{path}: format {shown(got[0])} version {shown(got[1])}, expected {FORMAT!r} version {VERSION}"
+        )
     for key, kind in (("files", dict), ("tables", dict), ("kind", str)):
         if not isinstance(doc.get(key), kind):
             raise CheckpointError(f"{path}: field {key!r} missing or not a {kind.__name__}")
@@ -83,8 +87,9 @@ def verify(folder: str | os.PathLike, progress: bool = False) -> dict:
     table file is there that it does not list)."""
     folder = Path(folder)
     doc = read_manifest(folder)
-    for rel, digest in tqdm(sorted(doc["files"].items()), desc=f"verify {folder.name}", unit="file",
-                            disable=not progress):
+    for rel, digest in tqdm(
+        sorted(doc["files"].items()), desc=f"verify {folder.name}", unit="file", disable=not progress
+    ):
         path = folder / rel
         if not path.is_file():
             raise CheckpointError(f"{path}: listed in {MANIFEST} but missing")
@@ -106,8 +111,10 @@ def chain(folder: str | os.PathLike) -> list[Path]:
     out = [Path(folder)]
     while (parent := read_manifest(out[0]).get("parent")) is not None:
         if not (out[0].parent / parent).is_dir():
-            raise CheckpointError(f"{out[0]}: builds on {parent}, which is not in {out[0].parent} "
-                                  f"(an incremental checkpoint needs its chain back to a full one)")
+            raise CheckpointError(
+                f"{out[0]}: builds on {parent}, which is not in {out[0].parent} "
+                f"(an incremental checkpoint needs its chain back to a full one)"
+            )
         out.insert(0, out[0].parent / parent)
         if len(out) > 10_000:
             raise CheckpointError(f"{folder}: parent chain does not end in a full checkpoint")
@@ -146,17 +153,28 @@ def save_tables(client, names: list[str], out: str | os.PathLike, progress: bool
     shutil.rmtree(work, ignore_errors=True)
     for info in infos:
         schema = info.schema
-        with TableWriter(work / "tables" / schema.name, schema, source={"kind": "checkpoint save"}) as w, \
-                tqdm(total=info.num_rows, unit="row", unit_scale=True, desc=f"save {schema.name}",
-                     disable=not progress) as bar:
+        with (
+            TableWriter(work / "tables" / schema.name, schema, source={"kind": "checkpoint save"}) as w,
+            tqdm(
+                total=info.num_rows, unit="row", unit_scale=True, desc=f"save {schema.name}", disable=not progress
+            ) as bar,
+        ):
             for ids, rows in client.export(schema.name):
-                w.write(ids, rows[:, : schema.dim], rows[:, schema.dim:])
+                w.write(ids, rows[:, : schema.dim], rows[:, schema.dim :])
                 bar.update(len(ids))
     work.mkdir(parents=True, exist_ok=True)
     manifest = {
-        "format": FORMAT, "version": VERSION, "step": None, "world_size": None, "kind": "full",
-        "parent": None, "dynamic": True, "optimizer": None, "source": "dynemb checkpoint save",
-        "tables": {i.schema.name: i.schema.to_dict() for i in infos}, "config": None,
+        "format": FORMAT,
+        "version": VERSION,
+        "step": None,
+        "world_size": None,
+        "kind": "full",
+        "parent": None,
+        "dynamic": True,
+        "optimizer": None,
+        "source": "dynemb checkpoint save",
+        "tables": {i.schema.name: i.schema.to_dict() for i in infos},
+        "config": None,
         "files": files_digest(work),
     }
     if out.exists():
@@ -165,8 +183,9 @@ def save_tables(client, names: list[str], out: str | os.PathLike, progress: bool
     return out
 
 
-def restore_tables(client, folder: str | os.PathLike, tables: list[str] | None = None,
-                   progress: bool = True) -> dict[str, int]:
+def restore_tables(
+    client, folder: str | os.PathLike, tables: list[str] | None = None, progress: bool = True
+) -> dict[str, int]:
     """Put a checkpoint's tables (its whole chain applied) on a PS: each table's rows there
     are replaced by the checkpoint's. Everything is checked before the first write.
     Returns rows written per PS table."""
@@ -187,8 +206,7 @@ def restore_tables(client, folder: str | os.PathLike, tables: list[str] | None =
     for _, schema, per_link in plan:
         deltas = per_link[1:]
         total = sum(r.num_rows for link in per_link for r in link)
-        with tqdm(total=total, unit="row", unit_scale=True, desc=f"restore {schema.name}",
-                  disable=not progress) as bar:
+        with tqdm(total=total, unit="row", unit_scale=True, desc=f"restore {schema.name}", disable=not progress) as bar:
             n = client.import_rows(schema, (c for r in per_link[0] for c in _rows(r, bar)), replace=True)
             for link in deltas:
                 for reader in link:
@@ -224,12 +242,16 @@ def describe(folder: str | os.PathLike) -> str:
     ]
     if doc.get("world_size") is not None:
         lines.append(f"  ranks        {doc['world_size']}")
-        lines.append(f"  tables       {'dynamic (PS)' if doc.get('dynamic') else 'full (per rank)'}, "
-                     f"optimizer {doc.get('optimizer')}")
+        lines.append(
+            f"  tables       {'dynamic (PS)' if doc.get('dynamic') else 'full (per rank)'}, "
+            f"optimizer {doc.get('optimizer')}"
+        )
     lines.append(f"  files        {len(doc['files'])}, {size / 2**20:.1f} MiB")
     lines.append(f"  {'table':<24} {'rows':>10}  schema")
     for key, spec in doc["tables"].items():
         rows = sum(TableReader(p).num_rows for p in table_parts(folder, key))
-        lines.append(f"  {key:<24} {rows:>10}  {spec['name']} dim={spec['dim']} state_width={spec['state_width']} "
-                     f"dtype={spec['dtype']}")
+        lines.append(
+            f"  {key:<24} {rows:>10}  {spec['name']} dim={spec['dim']} state_width={spec['state_width']} "
+            f"dtype={spec['dtype']}"
+        )
     return "\n".join(lines)

@@ -18,8 +18,12 @@ Prints the loss as it goes and the held-out AUC and log-loss at the end."""
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("train", help="train a DLRM with dynamic embedding tables", description=DESCRIPTION,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "train",
+        help="train a DLRM with dynamic embedding tables",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     configure(p)
     return p
 
@@ -28,8 +32,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     from dynemb.trainer.config import add_arguments
 
     add_arguments(p)
-    p.add_argument("--result-json", help="also write the final figures (and every step's loss) to this file; "
-                                         "rank 0's, or each rank's where the name has {rank} in it")
+    p.add_argument(
+        "--result-json",
+        help="also write the final figures (and every step's loss) to this file; "
+        "rank 0's, or each rank's where the name has {rank} in it",
+    )
     p.set_defaults(func=run)
 
 
@@ -75,35 +82,51 @@ def _train(args: argparse.Namespace, cfg, rank: int) -> int:
     try:
         result = train(cfg)
     except BadLine as e:
-        print(f"dynemb train: error: rank {rank}: malformed training data: {e} "
-              f"(--skip-bad-lines skips such lines)", file=sys.stderr)
+        print(
+            f"dynemb train: error: rank {rank}: malformed training data: {e} (--skip-bad-lines skips such lines)",
+            file=sys.stderr,
+        )
         return 1
     except (BatchRefused, TooManyIDs, NoRoom) as e:  # BatchRefused: on every rank, the refusing one's cause says why
         if isinstance(e.__cause__ if isinstance(e, BatchRefused) else e, (TooManyIDs, NoRoom)):
-            print(f"dynemb train: error: rank {rank}: a batch does not fit its table: {e} "
-                  f"(raise --capacity / --capacity-fraction, or lower --batch-size or --prefetch: "
-                  f"each batch transformed ahead holds its rows too)", file=sys.stderr)
+            print(
+                f"dynemb train: error: rank {rank}: a batch does not fit its table: {e} "
+                f"(raise --capacity / --capacity-fraction, or lower --batch-size or --prefetch: "
+                f"each batch transformed ahead holds its rows too)",
+                file=sys.stderr,
+            )
         else:
             print(f"dynemb train: error: rank {rank}: {e}", file=sys.stderr)
         return 1
     if rank == 0:
-        tail = result.losses[-cfg.log_every:] or [float("nan")]
+        tail = result.losses[-cfg.log_every :] or [float("nan")]
         resumed = f" (resumed at step {result.first_step})" if result.first_step else ""
-        print(f"steps {len(result.losses)}{resumed}  final loss {sum(tail) / len(tail):.4f}  "
-              f"eval AUC {result.auc:.4f}  eval log-loss {result.logloss:.4f}  "
-              f"{result.samples_per_second:,.0f} samples/s"
-              + (f"  hit rate {result.hit_rate:.3f}" if cfg.table.dynamic else ""))
+        print(
+            f"steps {len(result.losses)}{resumed}  final loss {sum(tail) / len(tail):.4f}  "
+            f"eval AUC {result.auc:.4f}  eval log-loss {result.logloss:.4f}  "
+            f"{result.samples_per_second:,.0f} samples/s"
+            + (f"  hit rate {result.hit_rate:.3f}" if cfg.table.dynamic else "")
+        )
     if args.result_json and (rank == 0 or "{rank}" in args.result_json):  # never two ranks on one file
         path = args.result_json.replace("{rank}", str(rank))
         with open(path, "w") as f:
-            json.dump({"losses": result.losses, "auc": result.auc, "logloss": result.logloss,
-                       "samples_per_second": result.samples_per_second, "hit_rate": result.hit_rate}, f)
+            json.dump(
+                {
+                    "losses": result.losses,
+                    "auc": result.auc,
+                    "logloss": result.logloss,
+                    "samples_per_second": result.samples_per_second,
+                    "hit_rate": result.hit_rate,
+                },
+                f,
+            )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dynemb.trainer", description=DESCRIPTION,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m dynemb.trainer", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     configure(p)
     args = p.parse_args(argv)
     return args.func(args)

@@ -1,7 +1,7 @@
 """Training configuration: dataclasses, read from flags or a YAML/JSON file (flags win).
 
-    dynemb train --config run.yaml --steps 500
-    torchrun --nproc_per_node 2 -m dynemb.trainer --optimizer adagrad --capacity-fraction 0.1
+dynemb train --config run.yaml --steps 500
+torchrun --nproc_per_node 2 -m dynemb.trainer --optimizer adagrad --capacity-fraction 0.1
 """
 
 from __future__ import annotations
@@ -106,8 +106,10 @@ class TrainConfig:
         if self.ps_timeout_seconds <= 0 or self.ps_attempt_seconds <= 0:
             raise ValueError("ps_timeout_seconds and ps_attempt_seconds must be > 0")
         if not 0 <= self.metrics_port < 65536 or self.metrics_linger_seconds < 0:
-            raise ValueError(f"metrics_port must be in [0, 65535] (got {self.metrics_port}) and "
-                             f"metrics_linger_seconds >= 0 (got {self.metrics_linger_seconds})")
+            raise ValueError(
+                f"metrics_port must be in [0, 65535] (got {self.metrics_port}) and "
+                f"metrics_linger_seconds >= 0 (got {self.metrics_linger_seconds})"
+            )
         if self.dense_arch[-1] != self.table.dim:
             raise ValueError(f"dense_arch must end at the embedding dim {self.table.dim}, got {self.dense_arch}")
         names = {f"t_{i}" for i in range(self.data.num_sparse)}
@@ -135,7 +137,7 @@ HELP = {
     "ids_per_feature": "synthetic: IDs per sample and feature (bag size)",
     "eval_fraction": "TSV: share of lines held out for evaluation",
     "skip_bad_lines": "TSV: skip a malformed line (each logged with file, line and reason; counted at the end) "
-                      "instead of stopping the job",
+    "instead of stopping the job",
     "data_seed": "synthetic: which stream of batches",
     "dim": "embedding dimension",
     "capacity_fraction": "device rows per table, as a share of the universe",
@@ -147,7 +149,7 @@ HELP = {
     "init_scale": "never-seen IDs start uniform(-s, s); 0 means 1/sqrt(dim)",
     "dynamic": "dynamic tables over the PS (--no-dynamic: plain full TorchRec tables)",
     "optimizer": "sgd, adagrad, rowwise_adagrad, adam "
-                 "(fused into backward; Adam on CPU through dynemb/trainer/sparse_adam.py)",
+    "(fused into backward; Adam on CPU through dynemb/trainer/sparse_adam.py)",
     "lr": "learning rate of the embedding tables",
     "dense_lr": "learning rate of the dense layers",
     "batch_size": "samples per step and rank",
@@ -157,22 +159,22 @@ HELP = {
     "over_arch": "top MLP sizes, comma-separated; the last is 1",
     "pipeline": "TrainPipelineSparseDist: the next batch's transform, pull and input dist overlap",
     "prefetch": "batches that a thread of their own transforms (IDs to slots, rows pulled and pushed) ahead "
-                "of the training loop; 0: on the training thread",
+    "of the training loop; 0: on the training thread",
     "transform_priority": "scheduling of that thread: idle (Linux SCHED_IDLE: only on cores the training threads "
-                          "leave free; fastest where the job has the machine), low (nice 19: milder, where other "
-                          "busy processes share it), normal",
+    "leave free; fastest where the job has the machine), low (nice 19: milder, where other "
+    "busy processes share it), normal",
     "ps": "PS address(es) host:port, comma-separated; empty: the embedded store, in-process (each rank keeps "
-          "the rows of the IDs it owns; they last as long as the job, and its checkpoints)",
+    "the rows of the IDs it owns; they last as long as the job, and its checkpoints)",
     "ps_table_prefix": "prefix of the PS table names (several jobs can share one PS)",
     "ps_tls_ca": "CA certificate (PEM) to reach a TLS PS; a PS that wants a token gets env DYNEMB_PS_AUTH_TOKEN",
     "ps_tls_cert": "client certificate (PEM) for a PS that wants mutual TLS (--tls-client-ca)",
     "ps_tls_key": "private key (PEM) of --ps-tls-cert",
     "ps_timeout_seconds": "how long a pull or push keeps retrying a PS that is down, restarting or unreachable "
-                          "before the step fails (retries are safe: every PS call is idempotent)",
+    "before the step fails (retries are safe: every PS call is idempotent)",
     "ps_attempt_seconds": "how long one try of a PS call may take before it is abandoned and retried "
-                          "(a paused or cut-off PS is not waited on to the end)",
+    "(a paused or cut-off PS is not waited on to the end)",
     "metrics_port": "each rank serves Prometheus /metrics on this port + its local rank "
-                    "(its rank within the machine or pod, env LOCAL_RANK; 0: off)",
+    "(its rank within the machine or pod, env LOCAL_RANK; 0: off)",
     "metrics_address": "address of the ranks' /metrics endpoints (0.0.0.0: reachable from other hosts and pods)",
     "metrics_linger_seconds": "keep /metrics up this long after training, so Prometheus scrapes the final counts",
     "seed": "seed of the model and the tables' initializers",
@@ -210,14 +212,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             text = HELP.get(f.name, "")
             dest = f"{group}.{f.name}"
             if kind is bool:
-                g.add_argument(_flag(f.name), dest=dest, action=argparse.BooleanOptionalAction, default=None,
-                               help=f"{text} [default {default}]")
+                g.add_argument(
+                    _flag(f.name),
+                    dest=dest,
+                    action=argparse.BooleanOptionalAction,
+                    default=None,
+                    help=f"{text} [default {default}]",
+                )
             elif kind is list:
-                g.add_argument(_flag(f.name), dest=dest, default=None, metavar="N,N,...",
-                               help=f"{text} [default {','.join(map(str, default))}]")
+                g.add_argument(
+                    _flag(f.name),
+                    dest=dest,
+                    default=None,
+                    metavar="N,N,...",
+                    help=f"{text} [default {','.join(map(str, default))}]",
+                )
             else:
-                g.add_argument(_flag(f.name), dest=dest, type=kind, default=None, metavar=f.name.upper(),
-                               help=f"{text} [default {default!r}]" if kind is str else f"{text} [default {default}]")
+                g.add_argument(
+                    _flag(f.name),
+                    dest=dest,
+                    type=kind,
+                    default=None,
+                    metavar=f.name.upper(),
+                    help=f"{text} [default {default!r}]" if kind is str else f"{text} [default {default}]",
+                )
 
 
 def _read_file(path: str) -> dict:

@@ -125,8 +125,14 @@ def parse_criteo_line(line: str, num_dense: int = 13, num_sparse: int = 26, wher
     return label, dense, ids
 
 
-def criteo_tsv_batches(cfg: DataConfig, batch_size: int, rank: int = 0, world_size: int = 1,
-                       split: int = 0, skip_bad_lines: bool | None = None) -> Iterator[Batch]:
+def criteo_tsv_batches(
+    cfg: DataConfig,
+    batch_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+    split: int = 0,
+    skip_bad_lines: bool | None = None,
+) -> Iterator[Batch]:
     """Batches of this rank's lines (split 0: training lines, 1: the held-out ones), once over
     the files. A malformed line raises BadLine naming file and line, or, with skip_bad_lines
     (default: cfg.skip_bad_lines), is logged and skipped, and the count logged at the end."""

@@ -83,6 +83,7 @@ class _Layout:
     """Where a KJT's values of dynamic tables are: their positions (grouped by table, in the
     order of DynamicTables.names; a slice when they are the first values already in that
     order), those values, and how many each table has."""
+
     order: torch.Tensor | slice
     ids: torch.Tensor
     sizes: list[int]
@@ -93,6 +94,7 @@ class _Moves:
     """One batch's row moves in flight: the push of its evicted rows, the pull of its admitted
     ones, and where what the pull returns goes: the admitted table rows of every table (in
     the order of self.transformers) and how many each has."""
+
     push: Future | None
     pull: Future | None
     admitted_slots: torch.Tensor
@@ -104,6 +106,7 @@ class _Share:
     """This rank's share of a batch, every table at once, table after table (in the order of
     DynamicTables.names): the admitted and evicted IDs with their table rows, how many of each
     per table, and per table the IDs looked up, hits and rejections (for the metrics)."""
+
     admitted_ids: torch.Tensor
     admitted_slots: torch.Tensor
     admitted: list[int]
@@ -120,17 +123,33 @@ class _Share:
         else joined from each table's."""
         if isinstance(results, ShareResults) and results.whole:
             f, c, sizes, hits = results.many.flat_parts()
-            return _Share(f["admitted_ids"], f["admitted_slots"], c["admitted_ids"], f["evicted_ids"],
-                          f["evicted_slots"], c["evicted_ids"], sizes, hits, [0] * len(sizes))
+            return _Share(
+                f["admitted_ids"],
+                f["admitted_slots"],
+                c["admitted_ids"],
+                f["evicted_ids"],
+                f["evicted_slots"],
+                c["evicted_ids"],
+                sizes,
+                hits,
+                [0] * len(sizes),
+            )
         owned = [out.owned for out in results]
 
         def cat(field: str) -> torch.Tensor:
             return torch.cat([getattr(o, field) for o in owned]) if owned else torch.zeros(0, dtype=torch.int64)
 
-        return _Share(cat("admitted_ids"), cat("admitted_slots"), [o.admitted_ids.shape[0] for o in owned],
-                      cat("evicted_ids"), cat("evicted_slots"), [o.evicted_ids.shape[0] for o in owned],
-                      [o.slots.shape[0] for o in owned], [int(o.hits) for o in owned],
-                      [o.rejected_ids.shape[0] for o in owned])
+        return _Share(
+            cat("admitted_ids"),
+            cat("admitted_slots"),
+            [o.admitted_ids.shape[0] for o in owned],
+            cat("evicted_ids"),
+            cat("evicted_slots"),
+            [o.evicted_ids.shape[0] for o in owned],
+            [o.slots.shape[0] for o in owned],
+            [int(o.hits) for o in owned],
+            [o.rejected_ids.shape[0] for o in owned],
+        )
 
 
 class DynamicTables:
@@ -149,8 +168,14 @@ class DynamicTables:
             so that each rank's block of rows matches its block of IDs.
     """
 
-    def __init__(self, rows: dict[str, TableRows], specs: list[DynamicTableSpec], store: RowStore,
-                 metrics: TrainerMetrics | None = None, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        rows: dict[str, TableRows],
+        specs: list[DynamicTableSpec],
+        store: RowStore,
+        metrics: TrainerMetrics | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.specs = {s.name: s for s in specs}
         self.store, self.metrics, self.process_group = store, metrics, group
         self.rank = dist.get_rank(group)
@@ -248,16 +273,17 @@ class DynamicTables:
                 tag = answered.tag  # upcoming()'s (batch, layout): the stream hands its tags back as given
                 assert isinstance(tag, tuple), f"a batch tagged {type(tag).__name__}, not (batch, layout)"
                 answered_batch, layout = tag
-                yield Batch(answered_batch.dense_features,
-                            self._over_slots(answered_batch.sparse_features, layout, answered.slots),
-                            answered_batch.labels)
+                yield Batch(
+                    answered_batch.dense_features,
+                    self._over_slots(answered_batch.sparse_features, layout, answered.slots),
+                    answered_batch.labels,
+                )
             if stream.received is not None:
                 if not before_each():
                     return
                 self._took(stream.transform_received(), keep=0)
         if stream.dropped:
-            log.warning("rank %d had %d more batches than another rank: not trained on", self.rank,
-                        len(stream.dropped))
+            log.warning("rank %d had %d more batches than another rank: not trained on", self.rank, len(stream.dropped))
 
     def _layout(self, kjt: KeyedJaggedTensor) -> _Layout:
         """The KJT's values grouped by table (its features' segments, in key order): one
@@ -298,9 +324,12 @@ class DynamicTables:
         segment = torch.repeat_interleave(torch.arange(len(lengths)), lengths.long())
         dropped = torch.zeros(len(lengths), dtype=torch.int64).index_add_(0, segment, (~keep).long())
         weights = kjt.weights_or_none()
-        return KeyedJaggedTensor(keys=kjt.keys(), values=new_values[keep],
-                                 lengths=(lengths.long() - dropped).to(lengths.dtype),
-                                 weights=None if weights is None else weights[keep])
+        return KeyedJaggedTensor(
+            keys=kjt.keys(),
+            values=new_values[keep],
+            lengths=(lengths.long() - dropped).to(lengths.dtype),
+            weights=None if weights is None else weights[keep],
+        )
 
     def _finish_refused(self, refused: BatchRefused) -> None:
         """A refused batch (every rank gets here together): the shares of it that went
@@ -345,14 +374,14 @@ class DynamicTables:
             ids, at = share.evicted_ids.numpy(), 0
             for k, n in enumerate(counts):
                 if n:
-                    evicted[self.ps_names[k]] = (ids[at:at + n], data[k].numpy())
+                    evicted[self.ps_names[k]] = (ids[at : at + n], data[k].numpy())
                     evicting.append(k)
                 at += n
         pulling, wanted = [], {}
         ids, at = share.admitted_ids.numpy(), 0
         for k, n in enumerate(share.admitted):
             if n:
-                wanted[self.ps_names[k]] = ids[at:at + n]
+                wanted[self.ps_names[k]] = ids[at : at + n]
                 pulling.append(k)
             at += n
         start = time.perf_counter()
@@ -365,8 +394,11 @@ class DynamicTables:
             moves.push.result()
         if moves.pull is not None:
             got = moves.pull.result()
-            self.row_group.write(moves.admitted_slots, moves.admitted_counts,
-                             [got[t] if n else None for t, n in zip(self.ps_names, moves.admitted_counts)])
+            self.row_group.write(
+                moves.admitted_slots,
+                moves.admitted_counts,
+                [got[t] if n else None for t, n in zip(self.ps_names, moves.admitted_counts)],
+            )
 
     def _timed(self, fut: Future, tables: list[int], op: str, start: float) -> Future:
         """Observe the call's time (from `start` to its reply) for each of its tables (by number)
@@ -391,9 +423,22 @@ class DynamicTables:
             admitted, evicted = np.array(share.admitted, dtype=np.int64), np.array(share.evicted, dtype=np.int64)
             # TABLE_COUNTERS' columns; misses are new IDs and rejected ones alike
             self.metrics.tables.count(
-                self._stat_rows, np.stack([looked, hits, looked - hits, admitted, evicted,
-                                           np.array(share.rejected, dtype=np.int64), admitted, evicted], 1),
-                np.array([self.transformers[n].local.resident for n in self.names]) / self._capacity)
+                self._stat_rows,
+                np.stack(
+                    [
+                        looked,
+                        hits,
+                        looked - hits,
+                        admitted,
+                        evicted,
+                        np.array(share.rejected, dtype=np.int64),
+                        admitted,
+                        evicted,
+                    ],
+                    1,
+                ),
+                np.array([self.transformers[n].local.resident for n in self.names]) / self._capacity,
+            )
         return int(looked.sum()), int(hits.sum())
 
     def release_oldest(self) -> None:
@@ -443,8 +488,9 @@ class DynamicTables:
                 self._release_now()
             self._deferred = None
 
-    def wrap(self, batches: Iterator[Batch], ahead: int = 0, window: int = 0,
-             priority: str = "normal") -> Iterator[Batch]:
+    def wrap(
+        self, batches: Iterator[Batch], ahead: int = 0, window: int = 0, priority: str = "normal"
+    ) -> Iterator[Batch]:
         """The batches over device rows. ahead=1: a batch's rows may still be moving when it is
         yielded, until the next one is fetched (or settle()); see the module's docstring.
         window > 0: a thread of their own transforms them ahead of the caller, with their rows

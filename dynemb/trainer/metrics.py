@@ -59,7 +59,8 @@ class TableStats:
                 self.counts = np.concatenate([self.counts, np.zeros((n, self.counts.shape[1]), np.int64)])
                 self.occupancy = np.concatenate([self.occupancy, np.zeros(n)])
                 self.latency_counts = np.concatenate(
-                    [self.latency_counts, np.zeros((len(OPS), n, self.latency_counts.shape[2]), np.int64)], axis=1)
+                    [self.latency_counts, np.zeros((len(OPS), n, self.latency_counts.shape[2]), np.int64)], axis=1
+                )
                 self.latency_sums = np.concatenate([self.latency_sums, np.zeros((len(OPS), n))], axis=1)
         return np.array([self._index[name] for name in names], dtype=np.int64)
 
@@ -88,19 +89,23 @@ class TableStats:
             for t, table in enumerate(names):
                 family.add_metric([table, self.rank], float(counts[t, j]))
             yield family
-        family = GaugeMetricFamily("dynemb_trainer_table_occupancy_ratio", "Resident share of this rank's rows",
-                                   labels=labels)
+        family = GaugeMetricFamily(
+            "dynemb_trainer_table_occupancy_ratio", "Resident share of this rank's rows", labels=labels
+        )
         for t, table in enumerate(names):
             family.add_metric([table, self.rank], float(occupancy[t]))
         yield family
         family = HistogramMetricFamily(
             "dynemb_trainer_ps_request_seconds",
-            "PS pull or push time as the trainer sees it, from the call to its reply", labels=["op", "table", "rank"])
+            "PS pull or push time as the trainer sees it, from the call to its reply",
+            labels=["op", "table", "rank"],
+        )
         les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
         for k, op in enumerate(OPS):
             for t, table in enumerate(names):
-                family.add_metric([op, table, self.rank], list(zip(les, latency[k, t].astype(float))),
-                                  float(sums[k, t]))
+                family.add_metric(
+                    [op, table, self.rank], list(zip(les, latency[k, t].astype(float))), float(sums[k, t])
+                )
         yield family
 
     def label_names(self) -> dict[str, list[str]]:
@@ -117,11 +122,15 @@ class TrainerMetrics:
         self.registry = r = registry or CollectorRegistry()
         self.tables = TableStats(self.rank, r)
         self.samples = Counter("dynemb_trainer_samples", "Training samples processed", ["rank"], registry=r)
-        self.samples_per_second = Gauge("dynemb_trainer_samples_per_second",
-                                        "This rank's mean training throughput since the job started", ["rank"],
-                                        registry=r)
-        self.loss = Gauge("dynemb_trainer_loss", "Recent training loss (mean over the last steps)", ["rank"],
-                          registry=r)
+        self.samples_per_second = Gauge(
+            "dynemb_trainer_samples_per_second",
+            "This rank's mean training throughput since the job started",
+            ["rank"],
+            registry=r,
+        )
+        self.loss = Gauge(
+            "dynemb_trainer_loss", "Recent training loss (mean over the last steps)", ["rank"], registry=r
+        )
         self.steps = Counter("dynemb_trainer_steps", "Training steps done", ["rank"], registry=r)
 
     def serve(self, port: int, address: str = "127.0.0.1"):

@@ -114,15 +114,22 @@ def build(cfg: TrainConfig, device: torch.device = _CPU) -> Built:
     world = dist.get_world_size()
     features = feature_names(cfg.data.num_sparse)
     tables = [
-        EmbeddingBagConfig(name=f"t_{i}", embedding_dim=cfg.table.dim,
-                           num_embeddings=table_rows_total(cfg, world, f"t_{i}"), feature_names=[f])
+        EmbeddingBagConfig(
+            name=f"t_{i}",
+            embedding_dim=cfg.table.dim,
+            num_embeddings=table_rows_total(cfg, world, f"t_{i}"),
+            feature_names=[f],
+        )
         for i, f in enumerate(features)
     ]
     torch.manual_seed(cfg.seed)  # the dense layers start alike in every run of this config
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
     dlrm = DLRM(
-        embedding_bag_collection=ebc, dense_in_features=cfg.data.num_dense,
-        dense_arch_layer_sizes=cfg.dense_arch, over_arch_layer_sizes=cfg.over_arch, dense_device=device,
+        embedding_bag_collection=ebc,
+        dense_in_features=cfg.data.num_dense,
+        dense_arch_layer_sizes=cfg.dense_arch,
+        over_arch_layer_sizes=cfg.over_arch,
+        dense_device=device,
     )
     train_model = DLRMTrain(dlrm)
     opt_class, opt_args = _sparse_optimizer(cfg, device)
@@ -135,8 +142,9 @@ def build(cfg: TrainConfig, device: torch.device = _CPU) -> Built:
         for t in tables
     }
     sharders = [RowWiseSharder()]
-    planner = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device=device.type),
-                                       constraints=constraints)
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world, compute_device=device.type), constraints=constraints
+    )
     plan = planner.collective_plan(train_model, sharders, dist.GroupMember.WORLD)
     model = DistributedModelParallel(train_model, device=device, plan=plan, sharders=sharders)
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())), _dense_optimizer(cfg))

@@ -78,8 +78,9 @@ def set_thread_priority(priority: str) -> None:
 
 
 class TransformAhead(Iterator[Batch]):
-    def __init__(self, tables, batches: Iterable[Batch], window: int, join_seconds: float = 60.0,
-                 priority: str = "normal") -> None:
+    def __init__(
+        self, tables, batches: Iterable[Batch], window: int, join_seconds: float = 60.0, priority: str = "normal"
+    ) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1 (batches in flight at a transform, plus one), got {window}")
         if priority not in PRIORITIES:
@@ -93,8 +94,7 @@ class TransformAhead(Iterator[Batch]):
         self._stop = threading.Event()
         self._done = False
         tables.defer_releases()
-        self._thread = threading.Thread(target=self._run, args=(iter(batches),), name="dynemb-transform",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(iter(batches),), name="dynemb-transform", daemon=True)
         self._thread.start()
 
     def _run(self, batches: Iterator[Batch]) -> None:
@@ -138,5 +138,7 @@ class TransformAhead(Iterator[Batch]):
         self._stop.set()
         self._thread.join(self.join_seconds)
         if self._thread.is_alive():  # in a collective that another rank never joined: a job that is failing
-            log.warning("the transform thread did not stop within %.0f s (waiting on another rank?); left behind",
-                        self.join_seconds)
+            log.warning(
+                "the transform thread did not stop within %.0f s (waiting on another rank?); left behind",
+                self.join_seconds,
+            )

@@ -42,14 +42,21 @@ def _flat(views: list[torch.Tensor], row_offsets: list[int]) -> _Flat | None:
     k = first.shape[1]
     base, phase = first.untyped_storage().data_ptr(), first.storage_offset() % k  # whole's row 0 starts at phase
     for v in views:
-        if (v.dim() != 2 or v.shape[1] != k or v.dtype != first.dtype or v.stride() != (k, 1)
-                or v.untyped_storage().data_ptr() != base or v.storage_offset() % k != phase):
+        if (
+            v.dim() != 2
+            or v.shape[1] != k
+            or v.dtype != first.dtype
+            or v.stride() != (k, 1)
+            or v.untyped_storage().data_ptr() != base
+            or v.storage_offset() % k != phase
+        ):
             return None
     n = (first.untyped_storage().nbytes() // first.element_size() - phase) // k
     # .data: writes through `whole` leave the TBE's version counter alone (see TableRows.write)
     whole = first.data.as_strided((n, k), (k, 1), phase)
-    shift = np.array([(v.storage_offset() - phase) // k - offset for v, offset in zip(views, row_offsets)],
-                     dtype=np.int64)
+    shift = np.array(
+        [(v.storage_offset() - phase) // k - offset for v, offset in zip(views, row_offsets)], dtype=np.int64
+    )
     return _Flat(whole, shift)
 
 

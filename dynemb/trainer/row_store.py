@@ -50,6 +50,7 @@ class RowStore:
 
     def push_many_async(self, rows_by_table: dict[str, tuple[np.ndarray, np.ndarray]]) -> Future:
         """Several tables' pushes at once (the remote store: one call per PS)."""
+
         def push_all() -> None:
             for table, (ids, rows) in rows_by_table.items():
                 self.push(table, ids, rows)
@@ -141,7 +142,8 @@ class RemoteRowStore(RowStore):
 
     def push_many_async(self, rows_by_table: dict[str, tuple[np.ndarray, np.ndarray]]) -> Future:
         return self.client.push_many_async(
-            {t: (ids, np.ascontiguousarray(rows, dtype=np.float32)) for t, (ids, rows) in rows_by_table.items()})
+            {t: (ids, np.ascontiguousarray(rows, dtype=np.float32)) for t, (ids, rows) in rows_by_table.items()}
+        )
 
     def pull_many_async(self, ids_by_table: dict[str, np.ndarray]) -> Future:
         return _then(self.client.pull_many_async(ids_by_table), lambda got: {t: r.rows for t, r in got.items()})

@@ -62,8 +62,14 @@ class RowSparseAdam:
     """Adam on fused exact-SGD (learning rate 1) tables; call step() after each training
     backward, before the next training forward (TrainedOptimizer does)."""
 
-    def __init__(self, tbes: list[FusedTBE], lr: float, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+    def __init__(
+        self,
+        tbes: list[FusedTBE],
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ) -> None:
         """tbes: FBGEMM TBEs running exact SGD at learning rate 1 (`fused_tbes(model)` of a DMP model)."""
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.iter = 0
@@ -103,7 +109,7 @@ class RowSparseAdam:
             used = []
             with torch.no_grad():
                 for w, feats in zip(state.weights, state.features):
-                    parts = [indices[starts[f]: starts[f + 1]] for f in feats]
+                    parts = [indices[starts[f] : starts[f + 1]] for f in feats]
                     rows = torch.unique(torch.cat(parts)) if parts else indices[:0]
                     used.append((rows, w[rows].clone()))
                     # through .data: the TBE's backward holds its storage, and autograd's version

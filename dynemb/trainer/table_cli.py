@@ -28,10 +28,14 @@ examples:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    table = sub.add_parser("table", help="export PS tables to portable folders and import them into any PS",
-                           description="Portable table folders (safetensors shards + table.json): export PS "
-                           "tables into them and import them into any PS, on any backend.",
-                           epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    table = sub.add_parser(
+        "table",
+        help="export PS tables to portable folders and import them into any PS",
+        description="Portable table folders (safetensors shards + table.json): export PS "
+        "tables into them and import them into any PS, on any backend.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_table_commands(table.add_subparsers(dest="table_command", metavar="COMMAND", required=True))
 
 
@@ -48,32 +52,48 @@ def add_table_commands(sub: argparse._SubParsersAction, old_name_of: str = "") -
     def old(text: str, verb: str) -> str:
         return f"{text} (old name of `{old_name_of} {verb}`)" if old_name_of else text
 
-    p = sub.add_parser("export", help=old("write PS tables to table folders (OUT/<table>/)", "export"),
-                          description="Stream PS tables (rows with their optimizer state) into OUT/<table>/: "
-                          "table.json plus part-NNNNN.safetensors shards.",
-                          epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "export",
+        help=old("write PS tables to table folders (OUT/<table>/)", "export"),
+        description="Stream PS tables (rows with their optimizer state) into OUT/<table>/: "
+        "table.json plus part-NNNNN.safetensors shards.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_client_flags(p)
     p.add_argument("--out", required=True, help="folder to write the table folders in (created if absent)")
     table_flag(p, "a table to export (repeat for several) [default: every table on the PS]")
-    p.add_argument("--rows-per-shard", type=int, default=1 << 20,
-                   help="rows per part-NNNNN.safetensors file [default %(default)s]")
+    p.add_argument(
+        "--rows-per-shard", type=int, default=1 << 20, help="rows per part-NNNNN.safetensors file [default %(default)s]"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace table folders that already hold files")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_warned(cmd_export, old_name_of, "export"))
 
-    p = sub.add_parser("import", help=old("write table folders into a PS (any backend)", "import"),
-                          description="Check every shard of the table folders (sha256, shapes, dtype) and "
-                          "the PS's schemas, then stream the rows into the PS. Nothing is written when a "
-                          "check fails. The table is created if absent; one that exists must have the "
-                          "same schema.",
-                          epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "import",
+        help=old("write table folders into a PS (any backend)", "import"),
+        description="Check every shard of the table folders (sha256, shapes, dtype) and "
+        "the PS's schemas, then stream the rows into the PS. Nothing is written when a "
+        "check fails. The table is created if absent; one that exists must have the "
+        "same schema.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("folder", help="a table folder (with table.json) or a folder of them")
     add_client_flags(p)
     table_flag(p, "import only this table of FOLDER (repeat for several) [default: all]")
-    p.add_argument("--as", dest="rename", metavar="NAME",
-                   help="the PS table name, when importing exactly one table [default: its own name]")
-    p.add_argument("--replace", action="store_true",
-                   help="delete the table's rows on the PS before writing (otherwise rows are added/overwritten)")
+    p.add_argument(
+        "--as",
+        dest="rename",
+        metavar="NAME",
+        help="the PS table name, when importing exactly one table [default: its own name]",
+    )
+    p.add_argument(
+        "--replace",
+        action="store_true",
+        help="delete the table's rows on the PS before writing (otherwise rows are added/overwritten)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_warned(cmd_import, old_name_of, "import"))
 
@@ -88,8 +108,10 @@ def _warned(command: Callable, old_name_of: str, verb: str) -> Callable:
         return command
 
     def run(args) -> int:
-        print(f"dynemb: note: this command is now `{old_name_of} {verb}`; the old name goes in the next release",
-              file=sys.stderr)
+        print(
+            f"dynemb: note: this command is now `{old_name_of} {verb}`; the old name goes in the next release",
+            file=sys.stderr,
+        )
         return command(args)
 
     return run
@@ -120,8 +142,14 @@ def cmd_export(args) -> int:
         for name in names:
             ps.describe_table(name)  # a missing table fails before any file is written
         for name in names:
-            m = export_table(ps, name, Path(args.out) / name, rows_per_shard=args.rows_per_shard,
-                             overwrite=args.overwrite, progress=not args.quiet)
+            m = export_table(
+                ps,
+                name,
+                Path(args.out) / name,
+                rows_per_shard=args.rows_per_shard,
+                overwrite=args.overwrite,
+                progress=not args.quiet,
+            )
             print(f"exported {name}: {m.num_rows} rows in {len(m.shards)} shard(s) -> {Path(args.out) / name}")
     return 0
 
@@ -140,17 +168,20 @@ def cmd_import(args) -> int:
             raise TableFileError(f"{args.folder}: no table folder for {unknown}; it has {sorted(readers)}")
         readers = {t: readers[t] for t in args.table}
     if args.rename and len(readers) != 1:
-        raise TableFileError(f"--as names one table, but {len(readers)} would be imported ({sorted(readers)}); "
-                             f"pick one with --table")
+        raise TableFileError(
+            f"--as names one table, but {len(readers)} would be imported ({sorted(readers)}); pick one with --table"
+        )
     with client_from_args(args) as ps:
         # Check everything first: a bad shard or a schema clash anywhere writes nothing anywhere.
         for name, reader in readers.items():
             reader.verify(progress=not args.quiet)
-            check_no_conflict(ps, dataclasses.replace(reader.schema, name=args.rename or name),
-                              str(reader.folder / "table.json"))
+            check_no_conflict(
+                ps, dataclasses.replace(reader.schema, name=args.rename or name), str(reader.folder / "table.json")
+            )
         for name, reader in readers.items():
             target = args.rename or name
-            n = import_table(ps, reader.folder, table=target, replace=args.replace,
-                             progress=not args.quiet, verify=False)
+            n = import_table(
+                ps, reader.folder, table=target, replace=args.replace, progress=not args.quiet, verify=False
+            )
             print(f"imported {reader.folder} -> table {target}: {n} rows")
     return 0

@@ -117,8 +117,10 @@ class Manifest:
         path = Path(folder) / MANIFEST
         if not path.is_file():
             what = "folder" if Path(folder).is_dir() else "no such folder"
-            raise TableFileError(f"{path}: missing ({what}); a table folder has a {MANIFEST} written by "
-                                 f"`dynemb checkpoint export` or `dynemb tf migrate --out`")
+            raise TableFileError(
+                f"{path}: missing ({what}); a table folder has a {MANIFEST} written by "
+                f"`dynemb checkpoint export` or `dynemb tf migrate --out`"
+            )
         try:
             doc = json.loads(path.read_text())
         except (ValueError, UnicodeDecodeError) as exc:
@@ -130,16 +132,18 @@ class Manifest:
             if key not in doc:
                 raise TableFileError(f"{path}: field {key!r} is missing")
             if not isinstance(doc[key], kind) or isinstance(doc[key], bool):
-                raise TableFileError(f"{path}: field {key!r} must be {getattr(kind, '__name__', kind)}, "
-                                     f"got {shown(doc[key])}")
+                raise TableFileError(
+                    f"{path}: field {key!r} must be {getattr(kind, '__name__', kind)}, got {shown(doc[key])}"
+                )
             return doc[key]
 
         if need("format", str) != FORMAT:
             raise TableFileError(f"{path}: field 'format' is {shown(doc['format'])}, expected {FORMAT!r}")
         version = need("version", int)
         if version > VERSION or version < 1:
-            raise TableFileError(f"{path}: format version {version} is not one this dynemb reads (1..{VERSION}); "
-                                 f"upgrade dynemb")
+            raise TableFileError(
+                f"{path}: format version {version} is not one this dynemb reads (1..{VERSION}); upgrade dynemb"
+            )
         try:
             schema = TableSchema.from_dict(need("schema", dict))
         except (InvalidArgument, KeyError, TypeError, ValueError) as exc:
@@ -152,15 +156,17 @@ class Manifest:
                 raise TableFileError(f"{where} must be an object with file, rows and sha256, got {shown(entry)}")
             if not isinstance(entry["file"], str) or not _SHARD_NAME.match(entry["file"]):
                 raise TableFileError(
-                    f"{where}.file must be a name like part-00000.safetensors, got {shown(entry['file'])}")
+                    f"{where}.file must be a name like part-00000.safetensors, got {shown(entry['file'])}"
+                )
             if not isinstance(entry["rows"], int) or entry["rows"] < 0:
                 raise TableFileError(f"{where}.rows must be an integer >= 0, got {shown(entry['rows'])}")
             if not isinstance(entry["sha256"], str) or not re.fullmatch(r"[0-9a-f]{64}", entry["sha256"]):
                 raise TableFileError(f"{where}.sha256 must be 64 hex digits, got {shown(entry['sha256'])}")
             shards.append(Shard(entry["file"], entry["rows"], entry["sha256"]))
         if sum(s.rows for s in shards) != num_rows:
-            raise TableFileError(f"{path}: num_rows is {num_rows} but the shards hold "
-                                 f"{sum(s.rows for s in shards)} rows")
+            raise TableFileError(
+                f"{path}: num_rows is {num_rows} but the shards hold {sum(s.rows for s in shards)} rows"
+            )
         return cls(schema, num_rows, shards, doc.get("source") or {})
 
 
@@ -176,9 +182,15 @@ class TableWriter:
     """Write a table folder from chunks of (ids, embeddings, state); shards roll every
     rows_per_shard rows and table.json is written by close() (or at the end of `with`)."""
 
-    def __init__(self, folder: str | os.PathLike, schema: TableSchema, *,
-                 rows_per_shard: int = DEFAULT_ROWS_PER_SHARD, source: dict | None = None,
-                 overwrite: bool = False) -> None:
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        schema: TableSchema,
+        *,
+        rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
+        source: dict | None = None,
+        overwrite: bool = False,
+    ) -> None:
         if rows_per_shard < 1:
             raise TableFileError(f"rows_per_shard must be >= 1, got {rows_per_shard}")
         self.folder = Path(folder)
@@ -192,9 +204,11 @@ class TableWriter:
         self._closed = False
         old = existing_files(self.folder)
         if old and not overwrite:
-            raise TableFileError(f"{self.folder}: already holds table files ({', '.join(p.name for p in old[:3])}"
-                                 f"{'...' if len(old) > 3 else ''}); choose an empty folder, or replace them "
-                                 f"(`dynemb table export --overwrite`)")
+            raise TableFileError(
+                f"{self.folder}: already holds table files ({', '.join(p.name for p in old[:3])}"
+                f"{'...' if len(old) > 3 else ''}); choose an empty folder, or replace them "
+                f"(`dynemb table export --overwrite`)"
+            )
         # The manifest goes first: an overwrite cut short must not leave one listing new parts.
         for p in sorted(old, key=lambda p: p.name != MANIFEST):
             p.unlink()
@@ -215,8 +229,9 @@ class TableWriter:
             if arr.shape != (n, width):
                 raise TableFileError(f"table {s.name!r}: {what} must have shape ({n}, {width}), got {arr.shape}")
             if arr.dtype != self._dtype:
-                raise TableFileError(f"table {s.name!r}: {what} must be {self._dtype} (the table's {s.dtype}), "
-                                     f"got {arr.dtype}")
+                raise TableFileError(
+                    f"table {s.name!r}: {what} must be {self._dtype} (the table's {s.dtype}), got {arr.dtype}"
+                )
         if n:
             self._pending.append((ids.astype(np.int64), np.asarray(embeddings), np.asarray(state)))
             self._pending_rows += n
@@ -230,10 +245,20 @@ class TableWriter:
         name = shard_name(len(self._shards))
         path = self.folder / name
         try:
-            save_file({"ids": np.ascontiguousarray(ids[:rows]), "embeddings": np.ascontiguousarray(emb[:rows]),
-                       "state": np.ascontiguousarray(st[:rows])}, str(path),
-                      metadata={"format": FORMAT, "version": str(VERSION), "table": self.schema.name,
-                                "dtype": self.schema.dtype})
+            save_file(
+                {
+                    "ids": np.ascontiguousarray(ids[:rows]),
+                    "embeddings": np.ascontiguousarray(emb[:rows]),
+                    "state": np.ascontiguousarray(st[:rows]),
+                },
+                str(path),
+                metadata={
+                    "format": FORMAT,
+                    "version": str(VERSION),
+                    "table": self.schema.name,
+                    "dtype": self.schema.dtype,
+                },
+            )
         except Exception as exc:  # SafetensorError: an I/O error (disk full...) arrives as its text only
             raise OSError(f"{path}: could not write the shard ({exc})") from exc
         self._shards.append(Shard(name, rows, sha256_of(path)))
@@ -282,8 +307,9 @@ class TableReader:
         schema's widths and dtype. Raises TableFileError naming the first bad file."""
         from tqdm import tqdm
 
-        with tqdm(total=self.num_rows, unit="row", desc=f"verify {self.schema.name}",
-                  disable=not progress, leave=False) as bar:
+        with tqdm(
+            total=self.num_rows, unit="row", desc=f"verify {self.schema.name}", disable=not progress, leave=False
+        ) as bar:
             for shard in self.manifest.shards:
                 self._check_shard(shard)
                 bar.update(shard.rows)
@@ -296,12 +322,16 @@ class TableReader:
             raise TableFileError(f"{path}: missing (listed in {self.folder / MANIFEST})")
         got = sha256_of(path)
         if got != shard.sha256:
-            raise TableFileError(f"{path}: sha256 is {got}, {MANIFEST} says {shard.sha256}: the file is "
-                                 f"corrupt or truncated ({path.stat().st_size} bytes)")
+            raise TableFileError(
+                f"{path}: sha256 is {got}, {MANIFEST} says {shard.sha256}: the file is "
+                f"corrupt or truncated ({path.stat().st_size} bytes)"
+            )
         s = self.schema
-        want = {"ids": ("I64", [shard.rows]),
-                "embeddings": (_ST_DTYPE[s.dtype], [shard.rows, s.dim]),
-                "state": (_ST_DTYPE[s.dtype], [shard.rows, s.state_width])}
+        want = {
+            "ids": ("I64", [shard.rows]),
+            "embeddings": (_ST_DTYPE[s.dtype], [shard.rows, s.dim]),
+            "state": (_ST_DTYPE[s.dtype], [shard.rows, s.state_width]),
+        }
         try:
             with safe_open(str(path), framework="numpy") as f:
                 keys = set(f.keys())
@@ -310,14 +340,17 @@ class TableReader:
                 for name, (dtype, shape) in want.items():
                     sl = f.get_slice(name)
                     if (sl.get_dtype(), list(sl.get_shape())) != (dtype, shape):
-                        raise TableFileError(f"{path}: tensor {name!r} is {sl.get_dtype()} {list(sl.get_shape())}, "
-                                             f"expected {dtype} {shape} (table {s.name!r}: {shard.rows} rows, "
-                                             f"dim {s.dim}, state_width {s.state_width}, dtype {s.dtype})")
+                        raise TableFileError(
+                            f"{path}: tensor {name!r} is {sl.get_dtype()} {list(sl.get_shape())}, "
+                            f"expected {dtype} {shape} (table {s.name!r}: {shard.rows} rows, "
+                            f"dim {s.dim}, state_width {s.state_width}, dtype {s.dtype})"
+                        )
         except SafetensorError as exc:
             raise TableFileError(f"{path}: not a readable safetensors file: {exc}") from None
 
-    def chunks(self, chunk_rows: int = DEFAULT_CHUNK_ROWS, verify: bool = True
-               ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    def chunks(
+        self, chunk_rows: int = DEFAULT_CHUNK_ROWS, verify: bool = True
+    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """(ids, embeddings, state) in the table's dtype, at most chunk_rows at a time; each
         shard is checked (verify=True) before any of its rows is yielded."""
         from safetensors import safe_open
@@ -367,29 +400,49 @@ def check_no_conflict(client, schema: TableSchema, what: str) -> bool:
         return False
     diffs = schema_differences(have, schema)
     if diffs:
-        raise TableFileError(f"{what}: table {schema.name!r} exists on the PS with another schema "
-                             f"(PS vs files: {'; '.join(diffs)}); import under another name or drop it first")
+        raise TableFileError(
+            f"{what}: table {schema.name!r} exists on the PS with another schema "
+            f"(PS vs files: {'; '.join(diffs)}); import under another name or drop it first"
+        )
     return True
 
 
-def export_table(client, table: str, folder: str | os.PathLike, *, rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
-                 overwrite: bool = False, progress: bool = True, rows_per_chunk: int = 0) -> Manifest:
+def export_table(
+    client,
+    table: str,
+    folder: str | os.PathLike,
+    *,
+    rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
+    overwrite: bool = False,
+    progress: bool = True,
+    rows_per_chunk: int = 0,
+) -> Manifest:
     """Stream a PS table (PSClient.export) into a table folder."""
     from tqdm import tqdm
 
     info = client.describe_table(table)
     schema = info.schema
     source = {"kind": "ps", "addresses": list(client.addresses)}
-    with TableWriter(folder, schema, rows_per_shard=rows_per_shard, source=source, overwrite=overwrite) as w, \
-            tqdm(total=info.num_rows, unit="row", desc=f"export {table}", disable=not progress) as bar:
+    with (
+        TableWriter(folder, schema, rows_per_shard=rows_per_shard, source=source, overwrite=overwrite) as w,
+        tqdm(total=info.num_rows, unit="row", desc=f"export {table}", disable=not progress) as bar,
+    ):
         for ids, rows in client.export(table, rows_per_chunk=rows_per_chunk):
-            w.write(ids, rows[:, : schema.dim], rows[:, schema.dim:])
+            w.write(ids, rows[:, : schema.dim], rows[:, schema.dim :])
             bar.update(len(ids))
     return w.close()
 
 
-def import_table(client, folder: str | os.PathLike, table: str | None = None, replace: bool = False, *,
-                 progress: bool = True, chunk_rows: int = DEFAULT_CHUNK_ROWS, verify: bool = True) -> int:
+def import_table(
+    client,
+    folder: str | os.PathLike,
+    table: str | None = None,
+    replace: bool = False,
+    *,
+    progress: bool = True,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    verify: bool = True,
+) -> int:
     """Write a table folder into a PS (PSClient.import_rows), as `table` or under its own name.
 
     Every shard is checked (verify=False: the caller just did) and the PS's schema compared
@@ -402,8 +455,8 @@ def import_table(client, folder: str | os.PathLike, table: str | None = None, re
     if verify:
         reader.verify(progress=progress)
     check_no_conflict(client, schema, str(reader.folder / MANIFEST))
-    with tqdm(total=reader.num_rows, unit="row", desc=f"import {schema.name}",
-              disable=not progress) as bar:
+    with tqdm(total=reader.num_rows, unit="row", desc=f"import {schema.name}", disable=not progress) as bar:
+
         def rows():
             for ids, emb, st in reader.chunks(chunk_rows, verify=False):
                 bar.update(len(ids))

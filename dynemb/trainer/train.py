@@ -76,10 +76,15 @@ def open_row_store(cfg: TrainConfig) -> RowStore:
         # every PS call is idempotent, so a PS that is down or hangs is simply tried again, for
         # up to ps_timeout_seconds, each try given ps_attempt_seconds
         retry = RetryPolicy(attempts=None, max_backoff=5.0, attempt_timeout=cfg.ps_attempt_seconds)
-        return RemoteRowStore(cfg.ps, timeout=cfg.ps_timeout_seconds, retry=retry,
-                              auth_token=os.environ.get("DYNEMB_PS_AUTH_TOKEN") or None,
-                              tls_ca=cfg.ps_tls_ca or None, tls_cert=cfg.ps_tls_cert or None,
-                              tls_key=cfg.ps_tls_key or None)
+        return RemoteRowStore(
+            cfg.ps,
+            timeout=cfg.ps_timeout_seconds,
+            retry=retry,
+            auth_token=os.environ.get("DYNEMB_PS_AUTH_TOKEN") or None,
+            tls_ca=cfg.ps_tls_ca or None,
+            tls_cert=cfg.ps_tls_cert or None,
+            tls_key=cfg.ps_tls_key or None,
+        )
     return LocalRowStore(per_rank=dist.get_world_size() > 1)
 
 
@@ -137,8 +142,14 @@ def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
             dist.destroy_process_group()
 
 
-def _loop(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None, metrics: TrainerMetrics,
-          ckpt: Checkpointer | None = None, first_step: int = 0) -> TrainResult:
+def _loop(
+    cfg: TrainConfig,
+    built: Built,
+    dynamic: DynamicTables | None,
+    metrics: TrainerMetrics,
+    ckpt: Checkpointer | None = None,
+    first_step: int = 0,
+) -> TrainResult:
     """Steps first_step .. cfg.steps - 1. With checkpoints, in segments that end at each
     checkpoint step: the pipeline drains there (no batch in flight) and a fresh one starts."""
     rank = dist.get_rank()
@@ -167,8 +178,11 @@ def _loop(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None, metrics
             part = itertools.islice(data, end - k)
             # wrapped per segment: at its end every row move is settled and the transform
             # thread, if any, is done, before a checkpoint is taken
-            yield from part if dynamic is None else dynamic.wrap(part, ahead=ahead, window=transform_window,
-                                                                    priority=cfg.transform_priority)
+            yield from (
+                part
+                if dynamic is None
+                else dynamic.wrap(part, ahead=ahead, window=transform_window, priority=cfg.transform_priority)
+            )
 
         limited = limited_batches()
         if not cfg.pipeline:
@@ -189,8 +203,13 @@ def _loop(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None, metrics
         pipeline = this = TrainPipelineSparseDist(model, optimizer, torch.device("cpu"))
         return limited, lambda: this.progress(limited)[0]  # DLRMTrain's output: (loss, logits, labels)
 
-    bar = tqdm(total=cfg.steps, initial=first_step, desc=f"train (rank {rank})", unit="step",
-               disable=not cfg.progress or rank != 0)
+    bar = tqdm(
+        total=cfg.steps,
+        initial=first_step,
+        desc=f"train (rank {rank})",
+        unit="step",
+        disable=not cfg.progress or rank != 0,
+    )
     start, window = time.perf_counter(), []
     k = first_step
     current, step = segment(_next_boundary(k, every, cfg.steps))
@@ -253,8 +272,12 @@ def _collect_tables(built: Built, dynamic: DynamicTables | None, store: RowStore
             first = rank * block
             ids = np.arange(first, min(first + block, built.model_rows_full), dtype=np.int64)
             table = built.schemas[name].name
-            out[name] = (first, store.pull(table, ids) if not store.per_rank else
-                         _pull_from_owners(store, table, ids, built.model_rows_full))
+            out[name] = (
+                first,
+                store.pull(table, ids)
+                if not store.per_rank
+                else _pull_from_owners(store, table, ids, built.model_rows_full),
+            )
     return out
 
 

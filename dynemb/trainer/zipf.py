@@ -28,7 +28,7 @@ class BoundedZipf:
         self.s, self.n = float(s), int(n)
         self._h_x1 = self._integral(1.5) - 1.0  # H(1.5) - h(1)
         self._h_n = self._integral(self.n + 0.5)
-        self._squeeze = 2.0 - self._inverse(self._integral(2.5) - 2.0 ** -self.s)
+        self._squeeze = 2.0 - self._inverse(self._integral(2.5) - 2.0**-self.s)
 
     def __call__(self, rng: np.random.Generator, shape) -> np.ndarray:
         out = np.empty(int(np.prod(shape)), dtype=np.int64)
@@ -37,7 +37,7 @@ class BoundedZipf:
             u = self._h_n + rng.random(todo.size) * (self._h_x1 - self._h_n)
             x = self._inverse(u)
             k = np.clip(np.floor(x + 0.5), 1, self.n)
-            ok = (k - x <= self._squeeze) | (u >= self._integral(k + 0.5) - k ** -self.s)
+            ok = (k - x <= self._squeeze) | (u >= self._integral(k + 0.5) - k**-self.s)
             out[todo[ok]] = k[ok].astype(np.int64)
             todo = todo[~ok]
         return out.reshape(shape)
@@ -46,7 +46,7 @@ class BoundedZipf:
     # loses no precision; _inverse is its inverse.
     def _integral(self, x):
         log_x = np.log(x)
-        return _expm1_over(( 1.0 - self.s) * log_x) * log_x
+        return _expm1_over((1.0 - self.s) * log_x) * log_x
 
     def _inverse(self, y):
         t = y * (1.0 - self.s)

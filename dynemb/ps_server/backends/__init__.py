@@ -1,10 +1,10 @@
 """Stores behind the PS. `open_store(url)` picks one from a URL.
 
-    embedded:// (or empty)        in-process numpy store (the default); rows gone when the PS exits
-    embedded:///path/to/dir       the same, saved to dir on shutdown and loaded from it at start
-    redis://[user:pass@]host:port/db    standalone Redis
-    rediss://...                  the same over TLS
-    redis+cluster://host:port[,host:port...]  Redis Cluster (rediss+cluster:// for TLS)
+embedded:// (or empty)        in-process numpy store (the default); rows gone when the PS exits
+embedded:///path/to/dir       the same, saved to dir on shutdown and loaded from it at start
+redis://[user:pass@]host:port/db    standalone Redis
+rediss://...                  the same over TLS
+redis+cluster://host:port[,host:port...]  Redis Cluster (rediss+cluster:// for TLS)
 """
 
 from __future__ import annotations

@@ -21,16 +21,20 @@ def rows_out(out: np.ndarray | None, n: int, schema: TableSchema) -> np.ndarray:
     if out is None:
         return np.empty((n, schema.width), dtype=schema.np_dtype)
     if out.shape != (n, schema.width) or out.dtype != schema.np_dtype or not out.flags.writeable:
-        raise ValueError(f"pull into a {out.dtype} array of shape {out.shape}: table {schema.name!r} needs a "
-                         f"writable {schema.np_dtype} array of shape {(n, schema.width)}")
+        raise ValueError(
+            f"pull into a {out.dtype} array of shape {out.shape}: table {schema.name!r} needs a "
+            f"writable {schema.np_dtype} array of shape {(n, schema.width)}"
+        )
     return out
 
 
 def check_same_schema(stored: TableSchema, requested: TableSchema, where: str = "") -> None:
     """Raises TableExists, naming both schemas, unless a table's stored schema is the requested one."""
     if stored != requested:
-        raise TableExists(f"table {requested.name!r} already exists{where} with another schema: "
-                          f"stored {stored.to_dict()}, requested {requested.to_dict()}")
+        raise TableExists(
+            f"table {requested.name!r} already exists{where} with another schema: "
+            f"stored {stored.to_dict()}, requested {requested.to_dict()}"
+        )
 
 
 class Store(abc.ABC):

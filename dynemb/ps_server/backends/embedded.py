@@ -112,8 +112,11 @@ class EmbeddedStore(Store):
                 rows = t.rows[where]
             order = np.argsort(ids)
             tmp = self.directory / f".{name}{SNAPSHOT_SUFFIX}.tmp"
-            save_file({"ids": ids[order], "rows": np.ascontiguousarray(rows[order])}, str(tmp),
-                      metadata={"schema": json.dumps(t.schema.to_dict())})
+            save_file(
+                {"ids": ids[order], "rows": np.ascontiguousarray(rows[order])},
+                str(tmp),
+                metadata={"schema": json.dumps(t.schema.to_dict())},
+            )
             os.replace(tmp, self.directory / f"{name}{SNAPSHOT_SUFFIX}")
         # a dropped table must not come back at the next start
         for path in self.directory.glob(f"*{SNAPSHOT_SUFFIX}"):

@@ -83,8 +83,10 @@ class IdIndex:
         if row_bytes == 0:
             raise ValueError("push_rows: the table's rows have no columns")
         if rows.dtype != table.dtype or not rows.flags.c_contiguous or rows.size * rows.itemsize < len(ids) * row_bytes:
-            raise ValueError(f"rows must be {len(ids)} contiguous rows of {row_bytes} bytes ({table.dtype}), "
-                             f"got {rows.shape} {rows.dtype}")
+            raise ValueError(
+                f"rows must be {len(ids)} contiguous rows of {row_bytes} bytes ({table.dtype}), "
+                f"got {rows.shape} {rows.dtype}"
+            )
         with self._lock:
             return self._c.push_rows(self._h, table, row_bytes, ids, rows, next_value)
 

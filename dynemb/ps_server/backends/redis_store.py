@@ -524,4 +524,3 @@ def _translate(exc: Exception, where: str, password: str | None) -> PSError:
     if isinstance(exc, redis.ResponseError) and not isinstance(exc, _PASSING_REPLIES):
         return PSError(f"{where} answered with an error: {text}")
     return BackendUnavailable(f"{where} is unavailable: {type(exc).__name__}: {text}{untrusted_hint(text)}")
-

@@ -29,5 +29,7 @@ def untrusted_hint(text: str) -> str:
     """What to do about a Redis certificate we could not verify ('' if that is not the error)."""
     if "CERTIFICATE_VERIFY_FAILED" not in text:
         return ""
-    return (" (Redis' certificate is not signed by a CA this PS trusts: give that CA in the backend URL, "
-            "rediss://host:port/0?ssl_ca_certs=/path/ca.pem)")
+    return (
+        " (Redis' certificate is not signed by a CA this PS trusts: give that CA in the backend URL, "
+        "rediss://host:port/0?ssl_ca_certs=/path/ca.pem)"
+    )

@@ -62,6 +62,7 @@ def dtype_name(dtype: int) -> str:
 
 # -- OrderedCode, TensorFlow's order-preserving encoding of slice keys --------------------
 
+
 def _increasing(value: int) -> bytes:
     body = value.to_bytes((value.bit_length() + 7) // 8, "big")
     return bytes([len(body)]) + body
@@ -75,14 +76,24 @@ def _ordered_string(raw: bytes) -> bytes:
     return bytes(out) + b"\x00\x01"
 
 
-_HEADER_BITS = {1: (0x80, 0), 2: (0xC0, 0), 3: (0xE0, 0), 4: (0xF0, 0), 5: (0xF8, 0), 6: (0xFC, 0),
-                7: (0xFE, 0), 8: (0xFF, 0), 9: (0xFF, 0x80), 10: (0xFF, 0xC0)}
+_HEADER_BITS = {
+    1: (0x80, 0),
+    2: (0xC0, 0),
+    3: (0xE0, 0),
+    4: (0xF0, 0),
+    5: (0xF8, 0),
+    6: (0xFC, 0),
+    7: (0xFE, 0),
+    8: (0xFF, 0),
+    9: (0xFF, 0x80),
+    10: (0xFF, 0xC0),
+}
 
 
 def _signed_increasing(value: int) -> bytes:
     magnitude = ~value if value < 0 else value
     length = magnitude.bit_length() // 7 + 1  # 7 bits of payload per byte, header bits aside
-    body = bytearray(value.to_bytes(10, "big", signed=True)[10 - length:])
+    body = bytearray(value.to_bytes(10, "big", signed=True)[10 - length :])
     body[0] ^= _HEADER_BITS[length][0]
     if length > 1:
         body[1] ^= _HEADER_BITS[length][1]
@@ -106,8 +117,9 @@ class TensorInfo:
 
 
 def _extents(slice_proto: pb.TensorSliceProto, shape: tuple[int, ...]) -> list[tuple[int, int]]:
-    return [(e.start, e.length if e.HasField("length") else -1) for e in slice_proto.extent] + \
-        [(0, -1)] * (len(shape) - len(slice_proto.extent))
+    return [(e.start, e.length if e.HasField("length") else -1) for e in slice_proto.extent] + [(0, -1)] * (
+        len(shape) - len(slice_proto.extent)
+    )
 
 
 class Bundle:
@@ -120,8 +132,9 @@ class Bundle:
             with open(self.index_path, "rb") as f:
                 data = f.read()
         except FileNotFoundError:
-            raise TFMigrationError(f"{self.index_path}: no such file (a checkpoint prefix P has P.index "
-                                   f"and P.data-00000-of-0000N)") from None
+            raise TFMigrationError(
+                f"{self.index_path}: no such file (a checkpoint prefix P has P.index and P.data-00000-of-0000N)"
+            ) from None
         self.entries: dict[str, pb.BundleEntryProto] = {}
         self._slice_entries: dict[bytes, pb.BundleEntryProto] = {}
         header = None
@@ -132,8 +145,9 @@ class Bundle:
                     continue
                 entry = pb.BundleEntryProto.FromString(value)
             except DecodeError:
-                raise TFMigrationError(f"{self.index_path}: the entry of key {key!r} does not parse: the index "
-                                       f"is corrupt") from None
+                raise TFMigrationError(
+                    f"{self.index_path}: the entry of key {key!r} does not parse: the index is corrupt"
+                ) from None
             if key[:1] == b"\x00":
                 self._slice_entries[key] = entry
             else:
@@ -168,8 +182,10 @@ class Bundle:
     def _file(self, shard: int, name: str) -> np.ndarray:
         if shard not in self._data:
             if not 0 <= shard < self.num_shards:
-                raise TFMigrationError(f"{self.index_path}: tensor {name!r} is in data shard {shard}, but the "
-                                       f"header says there are {self.num_shards}")
+                raise TFMigrationError(
+                    f"{self.index_path}: tensor {name!r} is in data shard {shard}, but the "
+                    f"header says there are {self.num_shards}"
+                )
             path = self.data_path(shard)
             try:
                 size = os.path.getsize(path)
@@ -182,9 +198,11 @@ class Bundle:
         data = self._file(entry.shard_id, name)
         end = entry.offset + entry.size
         if entry.offset < 0 or end > len(data):
-            raise TFMigrationError(f"{self.data_path(entry.shard_id)}: {len(data)} bytes, but tensor {name!r} "
-                                   f"is at bytes [{entry.offset}, {end}): the file is truncated")
-        return data[entry.offset: end]
+            raise TFMigrationError(
+                f"{self.data_path(entry.shard_id)}: {len(data)} bytes, but tensor {name!r} "
+                f"is at bytes [{entry.offset}, {end}): the file is truncated"
+            )
+        return data[entry.offset : end]
 
     def _pieces(self, name: str) -> Sequence[tuple[pb.BundleEntryProto, list[tuple[int, int]] | None]]:
         """(entry, extents) of each stored piece: the tensor itself, or each of its slices."""
@@ -197,13 +215,17 @@ class Bundle:
             ext = _extents(sl, shape)
             key = slice_key(name, ext)
             if key not in self._slice_entries:
-                raise TFMigrationError(f"{self.index_path}: slice {ext} of partitioned tensor {name!r} is listed "
-                                       f"but has no entry: the index is corrupt")
+                raise TFMigrationError(
+                    f"{self.index_path}: slice {ext} of partitioned tensor {name!r} is listed "
+                    f"but has no entry: the index is corrupt"
+                )
             pieces.append((self._slice_entries[key], ext))
         stored = sum(math.prod(self._piece_shape(shape, ext)) for _, ext in pieces)
         if stored != math.prod(shape):
-            raise TFMigrationError(f"{self.index_path}: the slices of {name!r} hold {stored} values, its shape "
-                                   f"{list(shape)} has {math.prod(shape)}")
+            raise TFMigrationError(
+                f"{self.index_path}: the slices of {name!r} hold {stored} values, its shape "
+                f"{list(shape)} has {math.prod(shape)}"
+            )
         return pieces
 
     @staticmethod
@@ -213,16 +235,20 @@ class Bundle:
     def _numeric(self, name: str) -> tuple[str, np.dtype, tuple[int, ...]]:
         e = self.entry(name)
         if e.dtype not in DTYPES:
-            raise TFMigrationError(f"{self.prefix}: tensor {name!r} has dtype {dtype_name(e.dtype)} "
-                                   f"(TensorFlow DataType {e.dtype}), which dynemb cannot read as numbers")
+            raise TFMigrationError(
+                f"{self.prefix}: tensor {name!r} has dtype {dtype_name(e.dtype)} "
+                f"(TensorFlow DataType {e.dtype}), which dynemb cannot read as numbers"
+            )
         tag, np_dtype = DTYPES[e.dtype]
         return tag, np_dtype, tuple(d.size for d in e.shape.dim)
 
     def _check_piece_size(self, entry, shape, np_dtype, name: str) -> None:
         want = math.prod(shape) * np_dtype.itemsize
         if entry.size != want:
-            raise TFMigrationError(f"{self.index_path}: tensor {name!r} has {entry.size} bytes, its shape "
-                                   f"{list(shape)} of {np_dtype} needs {want}: the index is corrupt")
+            raise TFMigrationError(
+                f"{self.index_path}: tensor {name!r} has {entry.size} bytes, its shape "
+                f"{list(shape)} of {np_dtype} needs {want}: the index is corrupt"
+            )
 
     # -- checks -------------------------------------------------------------------
 
@@ -235,11 +261,13 @@ class Bundle:
             else:
                 crc = 0
                 for lo in range(0, len(raw), 64 << 20):
-                    crc = google_crc32c.extend(crc, raw[lo: lo + (64 << 20)])
+                    crc = google_crc32c.extend(crc, raw[lo : lo + (64 << 20)])
             if crc != unmask_crc(entry.crc32c):
-                raise TFMigrationError(f"{self.data_path(entry.shard_id)}: tensor {name!r} (bytes [{entry.offset}, "
-                                       f"{entry.offset + entry.size})) has CRC-32C {crc:#010x}, the index records "
-                                      f"{unmask_crc(entry.crc32c):#010x}: the data file is corrupt")
+                raise TFMigrationError(
+                    f"{self.data_path(entry.shard_id)}: tensor {name!r} (bytes [{entry.offset}, "
+                    f"{entry.offset + entry.size})) has CRC-32C {crc:#010x}, the index records "
+                    f"{unmask_crc(entry.crc32c):#010x}: the data file is corrupt"
+                )
 
     def _count(self, name: str) -> int:
         return math.prod(d.size for d in self.entry(name).shape.dim)
@@ -278,11 +306,12 @@ class Bundle:
             if a >= b:
                 continue
             row_bytes = math.prod(piece_shape[1:]) * np_dtype.itemsize
-            raw = self._raw(entry, name)[(a - start) * row_bytes: (b - start) * row_bytes]
+            raw = self._raw(entry, name)[(a - start) * row_bytes : (b - start) * row_bytes]
             rows = np.frombuffer(raw, dtype=np_dtype).reshape((b - a, *piece_shape[1:]))
             region = (slice(a - lo, b - lo),) + tuple(
                 slice(None) if ext is None or length < 0 else slice(s, s + length)
-                for s, length in (ext[1:] if ext is not None else [(0, -1)] * (len(shape) - 1)))
+                for s, length in (ext[1:] if ext is not None else [(0, -1)] * (len(shape) - 1))
+            )
             out[region] = rows
         return out
 
@@ -299,12 +328,12 @@ class Bundle:
             crc = google_crc32c.extend(crc, struct.pack("<I", n) if n <= 0xFFFFFFFF else struct.pack("<Q", n))
         if pos + 4 > len(buf):
             raise TFMigrationError(f"{where}: truncated")
-        crc = google_crc32c.extend(crc, buf[pos: pos + 4])
+        crc = google_crc32c.extend(crc, buf[pos : pos + 4])
         pos += 4
         values = []
         for n in lengths:
-            values.append(buf[pos: pos + n])
-            crc = google_crc32c.extend(crc, buf[pos: pos + n])
+            values.append(buf[pos : pos + n])
+            crc = google_crc32c.extend(crc, buf[pos : pos + n])
             pos += n
         if pos > len(buf):
             raise TFMigrationError(f"{where}: its strings run past its {len(buf)} bytes: the file is corrupt")

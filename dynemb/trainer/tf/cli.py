@@ -17,7 +17,9 @@ TensorFlow Recommenders-Addons dynamic tables (-keys/-values, _mht_XofY shards) 
 any of the checkpoints and listed by their own name.
 """
 
-MIGRATE_EPILOG = FORMATS + """
+MIGRATE_EPILOG = (
+    FORMATS
+    + """
 --table NAME=TENSOR[,key=value...] (repeat for several tables):
   NAME              the PS table / table folder to write
   TENSOR            a tensor or table as `dynemb tf ls CKPT` lists it (TF2: the object path
@@ -46,48 +48,79 @@ examples:
   dynemb tf migrate saved_model/ --optimizer adam --out tables/ --table user=model/user_emb,offset=1000000
   dynemb tf migrate model.keras --optimizer rowwise_adagrad --ps ps-0:50051 --table user=user_emb
 """
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from dynemb.ps_server.cli import add_client_flags
 
-    tf = sub.add_parser("tf", help="list TensorFlow checkpoints' tensors; migrate tables to the PS or table files",
-                        description="Read TensorFlow checkpoints (no TensorFlow needed): list their tensors and "
-                        "tables, move embedding tables with their optimizer state into PS tables or table folders.",
-                        epilog=FORMATS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    tf = sub.add_parser(
+        "tf",
+        help="list TensorFlow checkpoints' tensors; migrate tables to the PS or table files",
+        description="Read TensorFlow checkpoints (no TensorFlow needed): list their tensors and "
+        "tables, move embedding tables with their optimizer state into PS tables or table folders.",
+        epilog=FORMATS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     tf_sub = tf.add_subparsers(dest="tf_command", metavar="COMMAND", required=True)
 
-    p = tf_sub.add_parser("ls", help="list a checkpoint's tensors, and the tables (with slots) it has",
-                          description="List every tensor (name, dtype, shape, role) and every embedding table "
-                          "found, with its optimizer slots: the names `dynemb tf migrate --table` takes.",
-                          epilog=FORMATS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = tf_sub.add_parser(
+        "ls",
+        help="list a checkpoint's tensors, and the tables (with slots) it has",
+        description="List every tensor (name, dtype, shape, role) and every embedding table "
+        "found, with its optimizer slots: the names `dynemb tf migrate --table` takes.",
+        epilog=FORMATS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("checkpoint", metavar="CKPT")
     p.set_defaults(func=cmd_ls)
 
-    p = tf_sub.add_parser("migrate", help="move tables (with optimizer state) into PS tables or table folders",
-                          description="Move embedding tables of a TensorFlow checkpoint, with their optimizer "
-                          "slots, into PS tables (--ps) or table folders (--out).",
-                          epilog=MIGRATE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = tf_sub.add_parser(
+        "migrate",
+        help="move tables (with optimizer state) into PS tables or table folders",
+        description="Move embedding tables of a TensorFlow checkpoint, with their optimizer "
+        "slots, into PS tables (--ps) or table folders (--out).",
+        epilog=MIGRATE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("checkpoint", metavar="CKPT")
-    p.add_argument("--table", action="append", required=True, metavar="NAME=TENSOR[,key=value...]",
-                   help="a table to move (repeat for several); see below")
-    p.add_argument("--optimizer", required=True, choices=("sgd", "adagrad", "rowwise_adagrad", "adam"),
-                   help="the optimizer dynemb will train these tables with: sets the state kept per row")
+    p.add_argument(
+        "--table",
+        action="append",
+        required=True,
+        metavar="NAME=TENSOR[,key=value...]",
+        help="a table to move (repeat for several); see below",
+    )
+    p.add_argument(
+        "--optimizer",
+        required=True,
+        choices=("sgd", "adagrad", "rowwise_adagrad", "adam"),
+        help="the optimizer dynemb will train these tables with: sets the state kept per row",
+    )
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--out", metavar="DIR", help="write table folders DIR/<NAME>/ (see `dynemb checkpoint`)")
     add_client_flags(p, ps_default=None, ps_group=where)
     p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32", help="table dtype [default fp32]")
-    p.add_argument("--init", choices=("zeros", "constant", "uniform", "normal"), default="zeros",
-                   help="how the PS fills rows of ids never written, for a table it creates [default zeros]")
+    p.add_argument(
+        "--init",
+        choices=("zeros", "constant", "uniform", "normal"),
+        default="zeros",
+        help="how the PS fills rows of ids never written, for a table it creates [default zeros]",
+    )
     p.add_argument("--init-a", type=float, default=0.0, help="constant value / uniform low / normal mean")
     p.add_argument("--init-b", type=float, default=0.0, help="uniform high / normal std")
     p.add_argument("--init-seed", type=int, default=0)
-    p.add_argument("--state-init", type=float, default=0.0,
-                   help="optimizer state of new rows and of rows whose slots the checkpoint lacks [default 0]")
+    p.add_argument(
+        "--state-init",
+        type=float,
+        default=0.0,
+        help="optimizer state of new rows and of rows whose slots the checkpoint lacks [default 0]",
+    )
     p.add_argument("--replace", action="store_true", help="--ps: delete the tables' rows on the PS first")
     p.add_argument("--overwrite", action="store_true", help="--out: replace table folders that hold files")
-    p.add_argument("--rows-per-shard", type=int, default=1 << 20,
-                   help="--out: rows per shard file [default %(default)s]")
+    p.add_argument(
+        "--rows-per-shard", type=int, default=1 << 20, help="--out: rows per shard file [default %(default)s]"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_migrate)
 
@@ -111,8 +144,9 @@ def cmd_ls(args) -> int:
     for t in tables.values():
         shown = src.shown(t.name)
         for part in t.values.parts:
-            role[part] = (f"values of table {shown}" if t.keys is not None else
-                          "table" if t.embedding else "other 2-D variable")
+            role[part] = (
+                f"values of table {shown}" if t.keys is not None else "table" if t.embedding else "other 2-D variable"
+            )
         for part in t.keys.parts if t.keys is not None else ():
             role[part] = f"keys of table {shown}"
         for slot, slot_rows in t.slots.items():
@@ -122,8 +156,12 @@ def cmd_ls(args) -> int:
     # the object graph's names of the variables (a Keras model's layer paths), where it has them
     named = bool(src.variable_names)
     rows = [("TENSOR", "DTYPE", "SHAPE") + (("VARIABLE",) if named else ()) + ("ROLE",)]
-    rows += [(t.name, t.dtype, _shape(t.shape)) + ((src.variable_names.get(t.name, ""),) if named else ())
-             + (role.get(t.name, ""),) for t in tensors]
+    rows += [
+        (t.name, t.dtype, _shape(t.shape))
+        + ((src.variable_names.get(t.name, ""),) if named else ())
+        + (role.get(t.name, ""),)
+        for t in tensors
+    ]
     for line in _columns(rows):
         print(line.rstrip())
     print()
@@ -135,12 +173,17 @@ def cmd_ls(args) -> int:
     if embeddings:
         print(_table_section("embedding tables", src, embeddings))
     else:
-        print("no embedding tables: no TFRA table, partitioned variable or Keras Embedding layer, and no name with "
-              "embedding or emb in it")
+        print(
+            "no embedding tables: no TFRA table, partitioned variable or Keras Embedding layer, and no name with "
+            "embedding or emb in it"
+        )
     if others:
         print()
-        print(_table_section("other 2-D variables", src, others,
-                             "not named or made like embeddings, e.g. a Dense kernel; "))
+        print(
+            _table_section(
+                "other 2-D variables", src, others, "not named or made like embeddings, e.g. a Dense kernel; "
+            )
+        )
     return 0
 
 
@@ -153,8 +196,10 @@ def _table_section(title: str, src, tables: dict, why: str = "") -> str:
         slots = ", ".join(f"{k}={src.shown(r.label)}" for k, r in sorted(t.slots.items())) or "-"
         if t.note:
             slots += f" ({t.note})"
-        rows.append((src.shown(name), str(t.values.num_rows), str(t.values.shape[1]), t.values.dtype, t.kind, slots)
-                    + ((", ".join(src.other_names(name)) or "-",) if also else ()))
+        rows.append(
+            (src.shown(name), str(t.values.num_rows), str(t.values.shape[1]), t.values.dtype, t.kind, slots)
+            + ((", ".join(src.other_names(name)) or "-",) if also else ())
+        )
     return "\n".join([f"{title} ({head}):"] + ["  " + line.rstrip() for line in _columns(rows)])
 
 
@@ -175,8 +220,9 @@ def cmd_migrate(args) -> int:
         for note in p.notes:
             print(f"note: {note}", file=sys.stderr)
     if args.out:
-        folders = migrate.to_files(args.out, plans, src, rows_per_shard=args.rows_per_shard,
-                                   overwrite=args.overwrite, progress=not args.quiet)
+        folders = migrate.to_files(
+            args.out, plans, src, rows_per_shard=args.rows_per_shard, overwrite=args.overwrite, progress=not args.quiet
+        )
         targets = {name: f"folder {folder}" for name, folder in folders.items()}
     else:
         from dynemb.ps_server.cli import client_from_args
@@ -188,6 +234,8 @@ def cmd_migrate(args) -> int:
     for p in plans:
         # by the names `tf ls` lists (user_emb/embeddings, not optimizer/_trainable_variables/0/...)
         slots = ", ".join(f"{k}={src.shown(r.label)}" for k, r in p.slots.items()) or "none"
-        print(f"migrated {src.shown(p.source.values.label)} ({p.num_rows} rows x {p.schema.dim}, {args.optimizer} "
-              f"state from slots: {slots}) -> {targets[p.schema.name]}")
+        print(
+            f"migrated {src.shown(p.source.values.label)} ({p.num_rows} rows x {p.schema.dim}, {args.optimizer} "
+            f"state from slots: {slots}) -> {targets[p.schema.name]}"
+        )
     return 0

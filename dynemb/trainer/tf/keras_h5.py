@@ -60,15 +60,17 @@ class KerasSource(Source):
         except OSError as exc:
             raise TFMigrationError(f"{path}: not a readable HDF5 file (truncated or corrupt?): {exc}") from None
         self.datasets: dict[str, h5py.Dataset] = {}  # (h5py has no type information: Any to mypy)
-        self.file.visititems(lambda name, obj: self.datasets.__setitem__(name, obj)
-                             if isinstance(obj, h5.Dataset) else None)
+        self.file.visititems(
+            lambda name, obj: self.datasets.__setitem__(name, obj) if isinstance(obj, h5.Dataset) else None
+        )
 
     def _unzip(self, path: str):
         try:
             with zipfile.ZipFile(path) as z:
                 if WEIGHTS_MEMBER not in z.namelist():
-                    raise TFMigrationError(f"{path}: a zip without {WEIGHTS_MEMBER}; not a Keras 3 .keras file "
-                                           f"(it has {z.namelist()[:5]})")
+                    raise TFMigrationError(
+                        f"{path}: a zip without {WEIGHTS_MEMBER}; not a Keras 3 .keras file (it has {z.namelist()[:5]})"
+                    )
                 spool = tempfile.TemporaryFile()
                 with z.open(WEIGHTS_MEMBER) as member:  # raises BadZipFile on a CRC-32 mismatch
                     shutil.copyfileobj(member, spool, 4 << 20)
@@ -100,8 +102,9 @@ class KerasSource(Source):
             try:
                 return np.asarray(ds[lo:hi])
             except OSError as exc:
-                raise TFMigrationError(f"{self.path}: dataset {name!r} cannot be read (truncated or "
-                                       f"corrupt?): {exc}") from None
+                raise TFMigrationError(
+                    f"{self.path}: dataset {name!r} cannot be read (truncated or corrupt?): {exc}"
+                ) from None
 
         def verify() -> None:  # no checksums in HDF5: read every row, so a truncated file fails here
             step = max(1, (16 << 20) // max(1, ds.dtype.itemsize * int(np.prod(ds.shape[1:], dtype=np.int64))))
@@ -130,9 +133,12 @@ class KerasSource(Source):
             if kinds and len(same) == 1 and len(cands) == len(kinds):
                 table.slots = {k: self.rows(c) for k, c in zip(kinds, cands)}
             elif kinds and cands:
-                table.note = (f"slots not matched: {len(same)} model variables and {len(cands)} {opt_name} "
-                              f"variables have shape {list(info.shape)}; name them in --table (" +
-                              ", ".join(f"{k}=optimizer/vars/N" for k in kinds) + ")")
+                table.note = (
+                    f"slots not matched: {len(same)} model variables and {len(cands)} {opt_name} "
+                    f"variables have shape {list(info.shape)}; name them in --table ("
+                    + ", ".join(f"{k}=optimizer/vars/N" for k in kinds)
+                    + ")"
+                )
             tables[info.name] = table
             self.add_alias(str(self.layer_name(info.name) or ""), info.name)
         for name in tables:  # a layer with one table: listed by the layer's name

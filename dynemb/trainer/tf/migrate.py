@@ -85,8 +85,9 @@ class TableSpec:
         for opt in options:
             key, eq, value = opt.partition("=")
             if not eq or key not in SPEC_KEYS:
-                raise TFMigrationError(f"--table {text!r}: {opt!r} is not one of "
-                                       + ", ".join(f"{k}=..." for k in SPEC_KEYS))
+                raise TFMigrationError(
+                    f"--table {text!r}: {opt!r} is not one of " + ", ".join(f"{k}=..." for k in SPEC_KEYS)
+                )
             if key == "offset":
                 try:
                     spec.offset = int(value)
@@ -125,6 +126,7 @@ class Plan:
 
 # -- ids ----------------------------------------------------------------------------------
 
+
 def token_ids(tokens: list[bytes]) -> np.ndarray:
     import xxhash
 
@@ -141,8 +143,9 @@ def read_vocab(path: str, kind: str, rows: int, table: str) -> np.ndarray:
         lines.pop()  # the final newline
     lines = [ln[:-1] if ln.endswith(b"\r") else ln for ln in lines]
     if len(lines) != rows:
-        raise TFMigrationError(f"{path}: {len(lines)} lines, but the tensor of table {table!r} has {rows} rows "
-                               f"(line k names row k)")
+        raise TFMigrationError(
+            f"{path}: {len(lines)} lines, but the tensor of table {table!r} has {rows} rows (line k names row k)"
+        )
     if kind == "tokens":
         for k, ln in enumerate(lines):
             try:
@@ -155,8 +158,10 @@ def read_vocab(path: str, kind: str, rows: int, table: str) -> np.ndarray:
         try:
             value = int(ln.strip())
         except ValueError:
-            raise TFMigrationError(f"{path}:{k + 1}: {ln[:40].decode('utf-8', 'replace')!r} is not an integer id "
-                                   f"(vocab-kind=ids; use vocab-kind=tokens for words)") from None
+            raise TFMigrationError(
+                f"{path}:{k + 1}: {ln[:40].decode('utf-8', 'replace')!r} is not an integer id "
+                f"(vocab-kind=ids; use vocab-kind=tokens for words)"
+            ) from None
         if not -(1 << 63) <= value <= INT64_MAX:
             raise TFMigrationError(f"{path}:{k + 1}: id {value} does not fit in int64")
         ids[k] = value
@@ -168,8 +173,9 @@ def _check_distinct(ids: np.ndarray, what: str) -> None:
     if len(uniq) != len(ids):
         dup = uniq[counts > 1][0]
         rows = np.flatnonzero(ids == dup)[:2]
-        raise TFMigrationError(f"{what}: id {dup} appears more than once (rows {rows[0]} and {rows[1]}); "
-                               f"each row needs its own id")
+        raise TFMigrationError(
+            f"{what}: id {dup} appears more than once (rows {rows[0]} and {rows[1]}); each row needs its own id"
+        )
 
 
 def _ids_of(spec: TableSpec, table: Table) -> np.ndarray | None:
@@ -177,8 +183,10 @@ def _ids_of(spec: TableSpec, table: Table) -> np.ndarray | None:
     what = f"table {spec.table!r}"
     if table.keys is not None:
         if spec.vocab or spec.offset:
-            raise TFMigrationError(f"--table {spec.table}: {table.name!r} is a TFRA table whose keys are the ids; "
-                                   f"offset and vocab apply to plain tensors")
+            raise TFMigrationError(
+                f"--table {spec.table}: {table.name!r} is a TFRA table whose keys are the ids; "
+                f"offset and vocab apply to plain tensors"
+            )
         table.keys.verify()  # checked before use: a corrupt key must not read as a duplicate
         keys = table.keys.read(0, n)
         if table.keys.dtype == "string":
@@ -186,8 +194,7 @@ def _ids_of(spec: TableSpec, table: Table) -> np.ndarray | None:
         elif table.keys.dtype in ("int64", "int32", "int16", "int8", "uint8", "uint16", "uint32"):
             ids = keys.astype(np.int64)
         else:
-            raise TFMigrationError(f"{what}: TFRA keys of dtype {table.keys.dtype} cannot be ids "
-                                   f"(integers or strings)")
+            raise TFMigrationError(f"{what}: TFRA keys of dtype {table.keys.dtype} cannot be ids (integers or strings)")
         _check_distinct(ids, f"{what}: the TFRA keys")
         return ids
     if spec.vocab:
@@ -202,6 +209,7 @@ def _ids_of(spec: TableSpec, table: Table) -> np.ndarray | None:
 
 
 # -- values -------------------------------------------------------------------------------
+
 
 def to_float32(values: np.ndarray, tf_dtype: str) -> np.ndarray:
     return bf16_bits_to_float(values) if tf_dtype == "bfloat16" else values.astype(np.float32, copy=False)
@@ -222,8 +230,9 @@ def _slot_shape_ok(rows: Rows, n: int, dim: int, rowwise: bool) -> bool:
     return rowwise and rows.shape in ((n,), (n, 1))
 
 
-def plan(source: Source, specs: list[TableSpec], optimizer: str, dtype: str = "fp32",
-         initializer: Initializer | None = None) -> list[Plan]:
+def plan(
+    source: Source, specs: list[TableSpec], optimizer: str, dtype: str = "fp32", initializer: Initializer | None = None
+) -> list[Plan]:
     """Check every spec against the checkpoint and build its plan (reads ids, no values)."""
     if optimizer not in OPTIMIZERS:
         raise TFMigrationError(f"optimizer {optimizer!r} is not one of {OPTIMIZERS}")
@@ -237,8 +246,9 @@ def plan(source: Source, specs: list[TableSpec], optimizer: str, dtype: str = "f
         values = table.values
         what = f"table {spec.table!r} ({values.label})"
         if values.dtype not in FLOAT_DTYPES:
-            raise TFMigrationError(f"{what}: dtype {values.dtype}; an embedding must be a float tensor "
-                                   f"({', '.join(FLOAT_DTYPES)})")
+            raise TFMigrationError(
+                f"{what}: dtype {values.dtype}; an embedding must be a float tensor ({', '.join(FLOAT_DTYPES)})"
+            )
         if len(values.shape) != 2 or values.shape[1] < 1:
             raise TFMigrationError(f"{what}: shape {list(values.shape)}; an embedding table is (rows, dim)")
         n, dim = values.shape
@@ -251,23 +261,32 @@ def plan(source: Source, specs: list[TableSpec], optimizer: str, dtype: str = "f
         for key in needed:
             rows = slots.get(key)
             if rows is None:
-                notes.append(f"no {key} slot for {spec.table!r} in the checkpoint: its state starts at "
-                             f"{initializer.state_init:g}")
+                notes.append(
+                    f"no {key} slot for {spec.table!r} in the checkpoint: its state starts at "
+                    f"{initializer.state_init:g}"
+                )
                 continue
             if rows.dtype not in FLOAT_DTYPES:
                 raise TFMigrationError(f"{what}: slot {key} ({rows.label}) has dtype {rows.dtype}, not a float type")
             if not _slot_shape_ok(rows, n, dim, optimizer == "rowwise_adagrad"):
-                raise TFMigrationError(f"{what}: slot {key} ({rows.label}) has shape {list(rows.shape)}, the table's "
-                                       f"values are {[n, dim]}")
+                raise TFMigrationError(
+                    f"{what}: slot {key} ({rows.label}) has shape {list(rows.shape)}, the table's values are {[n, dim]}"
+                )
         if not table.embedding and table.name in source.tables():
-            notes.append(f"{spec.table!r}: {source.shown(table.name)} is not named or made like an embedding (it is "
-                         f"listed under other 2-D variables by `dynemb tf ls`); moved all the same")
+            notes.append(
+                f"{spec.table!r}: {source.shown(table.name)} is not named or made like an embedding (it is "
+                f"listed under other 2-D variables by `dynemb tf ls`); moved all the same"
+            )
         unused = sorted(set(slots) - set(needed))
         if unused:
-            notes.append(f"{spec.table!r}: slot(s) {', '.join(unused)} not kept (optimizer {optimizer} has no use "
-                         f"for them)")
-        plans.append(Plan(spec, table, schema, optimizer, _ids_of(spec, table),
-                          {k: slots[k] for k in needed if k in slots}, notes))
+            notes.append(
+                f"{spec.table!r}: slot(s) {', '.join(unused)} not kept (optimizer {optimizer} has no use for them)"
+            )
+        plans.append(
+            Plan(
+                spec, table, schema, optimizer, _ids_of(spec, table), {k: slots[k] for k in needed if k in slots}, notes
+            )
+        )
     return plans
 
 
@@ -349,22 +368,33 @@ def check_ps(client, plans: list[Plan]) -> None:
         except TableNotFound:
             continue
         # each figure's source named, so the user knows which flag (if any) would change it
-        why = {"dim": "the checkpoint needs", "state_width": f"--optimizer {p.optimizer} needs",
-               "dtype": "--dtype asks for"}
-        diffs = [f"{k} {getattr(have, k)!r} ({why[k]} {getattr(p.schema, k)!r})"
-                 for k in ("dim", "state_width", "dtype") if getattr(have, k) != getattr(p.schema, k)]
+        why = {
+            "dim": "the checkpoint needs",
+            "state_width": f"--optimizer {p.optimizer} needs",
+            "dtype": "--dtype asks for",
+        }
+        diffs = [
+            f"{k} {getattr(have, k)!r} ({why[k]} {getattr(p.schema, k)!r})"
+            for k in ("dim", "state_width", "dtype")
+            if getattr(have, k) != getattr(p.schema, k)
+        ]
         if diffs:
-            raise TFMigrationError(f"table {p.schema.name!r} exists on the PS with " + ", ".join(diffs)
-                                   + "; migrate into another table or drop it first")
+            raise TFMigrationError(
+                f"table {p.schema.name!r} exists on the PS with "
+                + ", ".join(diffs)
+                + "; migrate into another table or drop it first"
+            )
         p.schema = have
 
 
-def to_ps(client, plans: list[Plan], replace: bool = False, progress: bool = True,
-          chunk_rows: int = DEFAULT_CHUNK_ROWS) -> dict[str, int]:
+def to_ps(
+    client, plans: list[Plan], replace: bool = False, progress: bool = True, chunk_rows: int = DEFAULT_CHUNK_ROWS
+) -> dict[str, int]:
     """Stream each plan's rows into its PS table (check_ps first). Returns {table: rows written}."""
     written = {}
     for p in plans:
         with progress_bar(progress, total=p.num_rows, unit="row", desc=f"migrate {p.schema.name}") as bar:
+
             def rows(p=p, bar=bar):
                 for ids, emb, state in chunks(p, chunk_rows):
                     bar.update(len(ids))
@@ -374,8 +404,16 @@ def to_ps(client, plans: list[Plan], replace: bool = False, progress: bool = Tru
     return written
 
 
-def to_files(out: str | os.PathLike, plans: list[Plan], source: Source, *, rows_per_shard: int,
-             overwrite: bool = False, progress: bool = True, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> dict[str, str]:
+def to_files(
+    out: str | os.PathLike,
+    plans: list[Plan],
+    source: Source,
+    *,
+    rows_per_shard: int,
+    overwrite: bool = False,
+    progress: bool = True,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+) -> dict[str, str]:
     """Write each plan to OUT/<table>/ (dynemb/trainer/table_files.py).
 
     Returns:
@@ -390,15 +428,27 @@ def to_files(out: str | os.PathLike, plans: list[Plan], source: Source, *, rows_
         if existing_files(folder) and not overwrite:
             raise TFMigrationError(f"{folder}: already holds table files; choose another --out or give --overwrite")
     for p in plans:
-        origin = {"kind": "tensorflow", "checkpoint": str(source.path), "format": source.kind,
-                  "tensor": p.source.values.label, "optimizer": p.optimizer,
-                  "slots": {k: r.label for k, r in p.slots.items()},
-                  "ids": ("keys" if p.source.keys is not None else
-                          f"vocab {p.spec.vocab} ({p.spec.vocab_kind})" if p.spec.vocab else
-                          f"row index + {p.spec.offset}")}
-        with TableWriter(folders[p.schema.name], p.schema, rows_per_shard=rows_per_shard, source=origin,
-                         overwrite=overwrite) as w, \
-                progress_bar(progress, total=p.num_rows, unit="row", desc=f"migrate {p.schema.name}") as bar:
+        origin = {
+            "kind": "tensorflow",
+            "checkpoint": str(source.path),
+            "format": source.kind,
+            "tensor": p.source.values.label,
+            "optimizer": p.optimizer,
+            "slots": {k: r.label for k, r in p.slots.items()},
+            "ids": (
+                "keys"
+                if p.source.keys is not None
+                else f"vocab {p.spec.vocab} ({p.spec.vocab_kind})"
+                if p.spec.vocab
+                else f"row index + {p.spec.offset}"
+            ),
+        }
+        with (
+            TableWriter(
+                folders[p.schema.name], p.schema, rows_per_shard=rows_per_shard, source=origin, overwrite=overwrite
+            ) as w,
+            progress_bar(progress, total=p.num_rows, unit="row", desc=f"migrate {p.schema.name}") as bar,
+        ):
             for ids, emb, state in chunks(p, chunk_rows):
                 w.write(ids, emb, state)
                 bar.update(len(ids))

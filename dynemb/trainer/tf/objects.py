@@ -121,8 +121,7 @@ def slots(graph: pb.TrackableObjectGraph) -> dict[str, dict[str, str]]:
         # Keras 3: _momentums and _velocities are Adam's m and v only when both are there and
         # the optimizer is Adam-like (RMSprop keeps the same two lists for other quantities).
         lists = {name: kind for name, kind in KERAS3_LISTS.items() if name in children}
-        if "m" in lists.values() and not ({"_momentums", "_velocities"} <= set(lists) and
-                                          _is_adam(nodes, children)):
+        if "m" in lists.values() and not ({"_momentums", "_velocities"} <= set(lists) and _is_adam(nodes, children)):
             lists = {n: k for n, k in lists.items() if k == "accumulator"}
         variables = [key_of(c.node_id) for c in nodes[children["_trainable_variables"]].children]
         for list_name, kind in lists.items():

@@ -71,28 +71,40 @@ class Table:
 
 def bundle_rows(bundle: Bundle, name: str) -> Rows:
     info = bundle.info(name)
-    return Rows(name, info.dtype, info.shape, lambda lo, hi: bundle.read_rows(name, lo, hi),
-                lambda: bundle.verify(name))
+    return Rows(
+        name, info.dtype, info.shape, lambda lo, hi: bundle.read_rows(name, lo, hi), lambda: bundle.verify(name)
+    )
 
 
 def concat_rows(parts: list[Rows], label: str) -> Rows:
     """Several tensors of equal trailing shape read as one, in order."""
     if len({p.shape[1:] for p in parts}) > 1 or len({p.dtype for p in parts}) > 1:
-        raise TFMigrationError(f"{label}: its parts differ in dtype or shape: "
-                               + ", ".join(f"{p.label} {p.dtype} {list(p.shape)}" for p in parts))
+        raise TFMigrationError(
+            f"{label}: its parts differ in dtype or shape: "
+            + ", ".join(f"{p.label} {p.dtype} {list(p.shape)}" for p in parts)
+        )
     bounds = np.cumsum([0] + [p.num_rows for p in parts])
 
     def read(lo: int, hi: int) -> np.ndarray:
-        out = [p.read(max(lo, a) - a, min(hi, b) - a)
-               for p, a, b in zip(parts, bounds[:-1], bounds[1:]) if max(lo, a) < min(hi, b)]
+        out = [
+            p.read(max(lo, a) - a, min(hi, b) - a)
+            for p, a, b in zip(parts, bounds[:-1], bounds[1:])
+            if max(lo, a) < min(hi, b)
+        ]
         return np.concatenate(out) if out else parts[0].read(0, 0)
 
     def verify() -> None:
         for p in parts:
             p.verify()
 
-    return Rows(label, parts[0].dtype, (int(bounds[-1]), *parts[0].shape[1:]), read, verify,
-                parts=tuple(n for p in parts for n in p.parts))
+    return Rows(
+        label,
+        parts[0].dtype,
+        (int(bounds[-1]), *parts[0].shape[1:]),
+        read,
+        verify,
+        parts=tuple(n for p in parts for n in p.parts),
+    )
 
 
 class Source:
@@ -152,9 +164,11 @@ class Source:
         """
         self.tables()  # registers the aliases
         if name in self.ambiguous:
-            raise TFMigrationError(f"{self.path}: {name!r} could name any of "
-                                   + ", ".join(sorted(self.shown(n) for n in self.ambiguous[name]))
-                                   + "; give one of those names (see `dynemb tf ls`)")
+            raise TFMigrationError(
+                f"{self.path}: {name!r} could name any of "
+                + ", ".join(sorted(self.shown(n) for n in self.ambiguous[name]))
+                + "; give one of those names (see `dynemb tf ls`)"
+            )
         return self.aliases.get(name, name)
 
     def tensors(self) -> list[TensorInfo]:
@@ -193,8 +207,11 @@ class Source:
         known = {t.name for t in self.tensors()}
         if name not in known:
             hint = ", ".join(sorted(self.shown(n) for n in tables)[:8])
-            raise TFMigrationError(f"{self.path}: no tensor or table named {name!r}"
-                                   + (f"; tables found: {hint}" if hint else "") + " (see `dynemb tf ls`)")
+            raise TFMigrationError(
+                f"{self.path}: no tensor or table named {name!r}"
+                + (f"; tables found: {hint}" if hint else "")
+                + " (see `dynemb tf ls`)"
+            )
         return Table(name, self.rows(name))
 
 
@@ -226,21 +243,26 @@ class BundleSource(Source):
             graph_bytes = self.bundle.read(OBJECT_GRAPH_KEY)[()]  # a string scalar: bytes
             if not isinstance(graph_bytes, bytes):
                 info = infos[OBJECT_GRAPH_KEY]
-                raise TFMigrationError(f"{self.path}: the object graph ({OBJECT_GRAPH_KEY}) is not a string "
-                                       f"scalar but {info.dtype} {list(info.shape)}")
+                raise TFMigrationError(
+                    f"{self.path}: the object graph ({OBJECT_GRAPH_KEY}) is not a string "
+                    f"scalar but {info.dtype} {list(info.shape)}"
+                )
             graph = objects.parse(graph_bytes, self.path)
             slots, names = objects.slots(graph), objects.variables(graph)
         else:
             slots = saver.slots(infos)
         slot_names = {s for per in slots.values() for s in per.values()}
         for name, info in infos.items():
-            if (tfra.is_tfra(name) or name in slot_names or info.dtype not in FLOAT_DTYPES or len(info.shape) != 2):
+            if tfra.is_tfra(name) or name in slot_names or info.dtype not in FLOAT_DTYPES or len(info.shape) != 2:
                 continue
             per = slots.get(name, {})
-            found[name] = Table(name, bundle_rows(self.bundle, name),
-                                slots={s: bundle_rows(self.bundle, t) for s, t in per.items()},
-                                kind=f"partitioned variable ({info.slices} slices)" if info.slices else "variable",
-                                embedding=bool(info.slices))  # only embeddings are worth partitioning
+            found[name] = Table(
+                name,
+                bundle_rows(self.bundle, name),
+                slots={s: bundle_rows(self.bundle, t) for s, t in per.items()},
+                kind=f"partitioned variable ({info.slices} slices)" if info.slices else "variable",
+                embedding=bool(info.slices),
+            )  # only embeddings are worth partitioning
         self._name_variables(infos, names, found)
         return found
 
@@ -299,22 +321,27 @@ def open_source(path: str) -> Source:
         return open_keras(path)
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, "saved_model.pb")) or os.path.isfile(
-                os.path.join(path, "variables", "variables.index")):
+            os.path.join(path, "variables", "variables.index")
+        ):
             prefix = os.path.join(path, "variables", "variables")
             return BundleSource(path, Bundle(prefix), "SavedModel variables")
         latest = _latest_in(path)
         if latest is None:
             indexes = sorted(f for f in os.listdir(path) if f.endswith(".index"))
             if len(indexes) != 1:
-                raise TFMigrationError(f"{path}: a folder without a `checkpoint` file or saved_model.pb, and "
-                                       f"{len(indexes)} .index files in it; give the checkpoint prefix itself")
+                raise TFMigrationError(
+                    f"{path}: a folder without a `checkpoint` file or saved_model.pb, and "
+                    f"{len(indexes)} .index files in it; give the checkpoint prefix itself"
+                )
             latest = os.path.join(path, indexes[0][: -len(".index")])
         path = latest
     # the files of a prefix P are P.index and P.data-00000-of-0000N: any of them names P
     path = re.sub(r"\.(index|data-\d{5}-of-\d{5})$", "", path)
     if not os.path.isfile(path + ".index"):
-        raise TFMigrationError(f"{path}: not a checkpoint (no {path}.index), a checkpoint folder, a SavedModel, "
-                               f"or a Keras .weights.h5 / .keras file")
+        raise TFMigrationError(
+            f"{path}: not a checkpoint (no {path}.index), a checkpoint folder, a SavedModel, "
+            f"or a Keras .weights.h5 / .keras file"
+        )
     bundle = Bundle(path)
     kind = "TF2 object-based checkpoint" if OBJECT_GRAPH_KEY in bundle.entries else "TF1 Saver checkpoint"
     return BundleSource(path, bundle, kind)

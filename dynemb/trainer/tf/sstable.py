@@ -60,16 +60,20 @@ def _handle(buf: bytes, pos: int, where: str) -> tuple[int, int, int]:
 def _block(data: bytes, offset: int, size: int, path: str) -> bytes:
     end = offset + size + TRAILER_BYTES
     if offset < 0 or end > len(data):
-        raise TFMigrationError(f"{path}: a block at bytes [{offset}, {end}) lies past the end of the "
-                              f"{len(data)}-byte file: the file is truncated or corrupt")
-    block = data[offset: offset + size]
+        raise TFMigrationError(
+            f"{path}: a block at bytes [{offset}, {end}) lies past the end of the "
+            f"{len(data)}-byte file: the file is truncated or corrupt"
+        )
+    block = data[offset : offset + size]
     kind = data[offset + size]
     (stored,) = struct.unpack_from("<I", data, offset + size + 1)
-    if google_crc32c.value(data[offset: offset + size + 1]) != unmask_crc(stored):
+    if google_crc32c.value(data[offset : offset + size + 1]) != unmask_crc(stored):
         raise TFMigrationError(f"{path}: the block at byte {offset} fails its CRC-32C check: the file is corrupt")
     if kind != 0:
-        raise TFMigrationError(f"{path}: the block at byte {offset} is compressed (type {kind}); only "
-                               f"uncompressed tables (what TensorFlow writes) are read")
+        raise TFMigrationError(
+            f"{path}: the block at byte {offset} is compressed (type {kind}); only "
+            f"uncompressed tables (what TensorFlow writes) are read"
+        )
     return block
 
 
@@ -87,22 +91,26 @@ def _entries(block: bytes, where: str) -> Iterator[tuple[bytes, bytes]]:
         size, pos = read_varint(block, pos, where)
         if shared > len(key) or pos + fresh + size > end:
             raise TFMigrationError(f"{where}: an entry runs past its block: the file is corrupt")
-        key = key[:shared] + block[pos: pos + fresh]
+        key = key[:shared] + block[pos : pos + fresh]
         pos += fresh
-        yield key, block[pos: pos + size]
+        yield key, block[pos : pos + size]
         pos += size
 
 
 def read_table(data: bytes, path: str) -> Iterator[tuple[bytes, bytes]]:
     """Every (key, value) of a table file's bytes, in key order; blocks are CRC-checked."""
     if len(data) < FOOTER_BYTES:
-        raise TFMigrationError(f"{path}: {len(data)} bytes is too short for a checkpoint index "
-                               f"(a {FOOTER_BYTES}-byte footer at least): the file is truncated")
+        raise TFMigrationError(
+            f"{path}: {len(data)} bytes is too short for a checkpoint index "
+            f"(a {FOOTER_BYTES}-byte footer at least): the file is truncated"
+        )
     footer = data[-FOOTER_BYTES:]
     (magic,) = struct.unpack_from("<Q", footer, FOOTER_BYTES - 8)
     if magic != MAGIC:
-        raise TFMigrationError(f"{path}: not a TensorFlow checkpoint index (its last 8 bytes are not the "
-                               f"table magic number): the file is truncated, corrupt or of another kind")
+        raise TFMigrationError(
+            f"{path}: not a TensorFlow checkpoint index (its last 8 bytes are not the "
+            f"table magic number): the file is truncated, corrupt or of another kind"
+        )
     _, _, pos = _handle(footer, 0, path)  # the metaindex: TensorFlow's bundles keep nothing there
     index_offset, index_size, _ = _handle(footer, pos, path)
     for _, handle in _entries(_block(data, index_offset, index_size, path), path):

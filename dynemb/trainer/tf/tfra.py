@@ -41,8 +41,10 @@ def _groups(infos: dict[str, TensorInfo]) -> dict[str, dict[int, dict[str, str]]
         if m:
             shard, n = int(m["i"]) - 1, int(m["n"])
             if counts.setdefault(m["table"], n) != n:
-                raise TFMigrationError(f"TFRA table {m['table']!r}: its shards disagree on their count "
-                                       f"({counts[m['table']]} and {n}, at {name!r})")
+                raise TFMigrationError(
+                    f"TFRA table {m['table']!r}: its shards disagree on their count "
+                    f"({counts[m['table']]} and {n}, at {name!r})"
+                )
         else:
             m = TF2.match(name)
             if not m:
@@ -55,8 +57,10 @@ def _groups(infos: dict[str, TensorInfo]) -> dict[str, dict[int, dict[str, str]]
             parts = shards.get(k, {})
             for part in ("keys", "values"):
                 if part not in parts:
-                    raise TFMigrationError(f"TFRA table {table!r}: shard {k + 1} of {want} has no {part} tensor "
-                                           f"(found: {sorted(n for s in shards.values() for n in s.values())})")
+                    raise TFMigrationError(
+                        f"TFRA table {table!r}: shard {k + 1} of {want} has no {part} tensor "
+                        f"(found: {sorted(n for s in shards.values() for n in s.values())})"
+                    )
     return groups
 
 
@@ -66,8 +70,10 @@ def _table_rows(bundle: Bundle, table: str, shards: dict[int, dict[str, str]]) -
     for k in sorted(shards):
         kinfo, vinfo = bundle.info(shards[k]["keys"]), bundle.info(shards[k]["values"])
         if len(kinfo.shape) != 1 or len(vinfo.shape) != 2 or kinfo.shape[0] != vinfo.shape[0]:
-            raise TFMigrationError(f"TFRA table {table!r}: shard {k + 1} has keys {list(kinfo.shape)} and values "
-                                   f"{list(vinfo.shape)}; expected (n,) and (n, dim)")
+            raise TFMigrationError(
+                f"TFRA table {table!r}: shard {k + 1} has keys {list(kinfo.shape)} and values "
+                f"{list(vinfo.shape)}; expected (n,) and (n, dim)"
+            )
     count = f"{len(shards)} shard{'s' if len(shards) > 1 else ''}"
     keys.label, values.label = f"{table} keys", f"{table} ({count})"
     return keys, values
@@ -106,8 +112,15 @@ def _aligned(primary_keys: Rows, keys: Rows, values: Rows) -> Rows:
         keys.verify()
         values.verify()
 
-    return Rows(f"{values.label[:-1]}, matched by key)", values.dtype, (primary_keys.num_rows, *values.shape[1:]),
-                read, verify, missing, parts=keys.parts + values.parts)
+    return Rows(
+        f"{values.label[:-1]}, matched by key)",
+        values.dtype,
+        (primary_keys.num_rows, *values.shape[1:]),
+        read,
+        verify,
+        missing,
+        parts=keys.parts + values.parts,
+    )
 
 
 def find(bundle: Bundle, infos: dict[str, TensorInfo]) -> dict[str, Table]:
@@ -117,7 +130,7 @@ def find(bundle: Bundle, infos: dict[str, TensorInfo]) -> dict[str, Table]:
     slot_of: dict[str, tuple[str, str]] = {}
     for name in groups:
         for other in groups:
-            m = SLOT.match(other[len(name):]) if other.startswith(name + "_") else None
+            m = SLOT.match(other[len(name) :]) if other.startswith(name + "_") else None
             if m:
                 slot_of[other] = (name, m["slot"])
     for name, shards in groups.items():
