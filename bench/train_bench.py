@@ -40,10 +40,7 @@ def run(nproc: int, extra: list[str], out: Path) -> dict:
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={nproc}",
-        "-m",
-        "dynemb.trainer",
-        "--no-progress",
-        "--result-json",
+        *"-m dynemb.trainer --no-progress --result-json".split(),
         str(out),
         *extra,
     ]

@@ -70,6 +70,19 @@ class AuthRedis:
         return self.url_for(self.user, self.password)
 
 
+@pytest.fixture(scope="module")
+def one_process_group():
+    """A process group of this one process (gloo), for code that makes collective calls."""
+    import torch.distributed as dist
+
+    from dynemb.trainer.train import init_distributed
+
+    created = init_distributed()
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def redis_auth(redis_binaries):
     user, password, default_password = "dynemb_ps", "p@ss:w/rd-42", "default-secret"

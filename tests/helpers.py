@@ -118,6 +118,20 @@ def config(optimizer: str, dynamic: bool, **extra) -> TrainConfig:
     )
 
 
+def checkpointed_config(folder: Path) -> TrainConfig:
+    """config()'s adagrad job on dynamic tables, 20 steps, checkpointed into `folder` at steps
+    10 (full) and 20 (incremental, at the end)."""
+    return config(
+        "adagrad",
+        dynamic=True,
+        steps=20,
+        checkpoint_dir=str(folder),
+        checkpoint_every=10,
+        checkpoint_full_every=2,
+        checkpoint_at_end=True,
+    )
+
+
 def unique(prefix: str) -> str:
     """A table name no other test uses."""
     return f"{prefix}_{uuid.uuid4().hex[:8]}"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import config, torchrun
+from helpers import checkpointed_config, config, torchrun
 
 from dynemb.trainer.checkpoint_format import MANIFEST, CheckpointError, checkpoints, read_manifest
 from dynemb.trainer.train import train
@@ -110,17 +110,7 @@ def test_retention_keeps_the_newest_and_what_they_build_on(tmp_path):
 def saved(tmp_path_factory):
     """One job's checkpoints (dynamic tables, adagrad): step 10 full, 20 incremental."""
     ck = tmp_path_factory.mktemp("saved") / "ck"
-    train(
-        config(
-            "adagrad",
-            dynamic=True,
-            steps=20,
-            checkpoint_dir=str(ck),
-            checkpoint_every=10,
-            checkpoint_full_every=2,
-            checkpoint_at_end=True,
-        )
-    )
+    train(checkpointed_config(ck))
     return ck
 
 
@@ -255,33 +245,12 @@ def test_a_full_disk_fails_the_save_clearly_and_keeps_the_last_checkpoint(tmp_pa
     from dynemb.trainer.checkpoint_format import verify
 
     flags = [
-        "--steps",
-        "30",
-        "--num-sparse",
-        "6",
-        "--universe",
-        "6000",
-        "--ids-per-feature",
-        "2",
-        "--dim",
-        "8",
-        "--capacity-fraction",
-        "0.1",
-        "--evict-fraction",
-        "0.1",
-        "--batch-size",
-        "48",
-        "--dense-arch",
-        "16,8",
-        "--over-arch",
-        "16,1",
-        "--eval-batches",
-        "2",
-        "--optimizer",
-        "adagrad",
-        "--no-progress",
-        "--checkpoint-every",
-        "10",
+        *(
+            "--steps 30 --num-sparse 6 --universe 6000 --ids-per-feature 2 --dim 8 "
+            "--capacity-fraction 0.1 --evict-fraction 0.1 --batch-size 48 "
+            "--dense-arch 16,8 --over-arch 16,1 --eval-batches 2 --optimizer adagrad "
+            "--no-progress --checkpoint-every 10"
+        ).split(),
     ]
 
     def dynemb_train(ck: Path, *extra: str, limit: int | None = None) -> subprocess.CompletedProcess:

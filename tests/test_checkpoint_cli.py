@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import config, fill, same_bits, unique
+from helpers import checkpointed_config, fill, same_bits, unique
 
 from dynemb.ps_server.client import PSClient
 from dynemb.testing.local_ps import REPO, LocalPS
@@ -30,18 +30,7 @@ def dynemb(*args: str) -> subprocess.CompletedProcess:
 def job(tmp_path_factory):
     """A finished job's checkpoints (step 10 full, step 20 incremental) and its final tables."""
     ck = tmp_path_factory.mktemp("job") / "ck"
-    result = train(
-        config(
-            "adagrad",
-            dynamic=True,
-            steps=20,
-            checkpoint_dir=str(ck),
-            checkpoint_every=10,
-            checkpoint_full_every=2,
-            checkpoint_at_end=True,
-        ),
-        collect_tables=True,
-    )
+    result = train(checkpointed_config(ck), collect_tables=True)
     return ck, result.tables
 
 
@@ -80,7 +69,7 @@ def test_a_reader_that_goes_away_ends_inspect_quietly(job):
     read, write = os.pipe()
     os.close(read)  # nobody will read: every write fails with EPIPE
     res = subprocess.run(
-        [sys.executable, "-m", "dynemb.cli", "checkpoint", "inspect", str(ck / "step-00000020")],
+        [sys.executable, *"-m dynemb.cli checkpoint inspect".split(), str(ck / "step-00000020")],
         stdout=write,
         stderr=subprocess.PIPE,
         text=True,

@@ -31,33 +31,12 @@ STEPS = 120
 TRAIN = [
     "--steps",
     str(STEPS),
-    "--num-sparse",
-    "4",
-    "--universe",
-    "4000",
-    "--ids-per-feature",
-    "2",
-    "--dim",
-    "8",
-    "--capacity-fraction",
-    "0.1",
-    "--evict-fraction",
-    "0.1",
-    "--batch-size",
-    "48",
-    "--dense-arch",
-    "16,8",
-    "--over-arch",
-    "16,1",
-    "--eval-batches",
-    "2",
-    "--optimizer",
-    "adagrad",
-    "--no-progress",
-    "--ps-attempt-seconds",
-    "1",
-    "--ps-timeout-seconds",
-    "120",
+    *(
+        "--num-sparse 4 --universe 4000 --ids-per-feature 2 --dim 8 "
+        "--capacity-fraction 0.1 --evict-fraction 0.1 --batch-size 48 "
+        "--dense-arch 16,8 --over-arch 16,1 --eval-batches 2 --optimizer adagrad "
+        "--no-progress --ps-attempt-seconds 1 --ps-timeout-seconds 120"
+    ).split(),
 ]
 
 
@@ -68,10 +47,7 @@ def start_training(ps: LocalPS, out, prefix: str, target: str | None = None) -> 
         job = subprocess.Popen(
             [
                 sys.executable,
-                "-m",
-                "dynemb.cli",
-                "train",
-                "--ps",
+                *"-m dynemb.cli train --ps".split(),
                 target or ps.address,
                 "--ps-table-prefix",
                 prefix,
@@ -251,34 +227,12 @@ def test_redis_restarted_mid_training_loses_nothing(tmp_path):
 
 # capacity: room for the 4 batches in flight at a transform (the pipeline's 3, one transformed ahead)
 RANKED = [
-    "--steps",
-    "60",
-    "--num-sparse",
-    "4",
-    "--universe",
-    "4000",
-    "--ids-per-feature",
-    "2",
-    "--dim",
-    "8",
-    "--capacity-fraction",
-    "0.2",
-    "--evict-fraction",
-    "0.1",
-    "--batch-size",
-    "32",
-    "--dense-arch",
-    "16,8",
-    "--over-arch",
-    "16,1",
-    "--eval-batches",
-    "2",
-    "--optimizer",
-    "adam",
-    "--no-progress",
-    "--checkpoint-every",
-    "10",
-    "--checkpoint-at-end",
+    *(
+        "--steps 60 --num-sparse 4 --universe 4000 --ids-per-feature 2 --dim 8 "
+        "--capacity-fraction 0.2 --evict-fraction 0.1 --batch-size 32 "
+        "--dense-arch 16,8 --over-arch 16,1 --eval-batches 2 --optimizer adam "
+        "--no-progress --checkpoint-every 10 --checkpoint-at-end"
+    ).split(),
 ]
 
 
@@ -287,12 +241,7 @@ def torchrun_training(ck, out, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [
             sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "dynemb.trainer",
+            *("-m torch.distributed.run --standalone --nproc_per_node=2 -m dynemb.trainer").split(),
             *RANKED,
             "--checkpoint-dir",
             str(ck),

@@ -16,13 +16,7 @@ def test_the_wheel_holds_only_the_dynemb_namespace(tmp_path):
     subprocess.run(
         [
             sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
+            *"-m pip wheel --no-deps --no-build-isolation -q -w".split(),
             str(tmp_path),
             str(REPO),
         ],

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from helpers import torchrun
 
 from dynemb.idtransformer.policy import EvictionPolicy
@@ -22,16 +21,6 @@ from dynemb.idtransformer.transformer import NoRoom, TooManyIDs
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
 
 WORKER = Path(__file__).parent / "dist" / "refused_batch_worker.py"
-
-
-@pytest.fixture(scope="module")
-def one_process_group():
-    from dynemb.trainer.train import init_distributed
-
-    created = init_distributed()
-    yield
-    if created:
-        dist.destroy_process_group()
 
 
 def _resident(t: ShardedIDTransformer) -> dict[int, int]:

@@ -109,15 +109,7 @@ def test_auth_health_without_a_token_is_refused_at_start():
     run = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "dynemb.cli",
-            "ps",
-            "serve",
-            "--address",
-            "127.0.0.1:0",
-            "--metrics-port",
-            "-1",
-            "--auth-health",
+            *("-m dynemb.cli ps serve --address 127.0.0.1:0 --metrics-port -1 --auth-health").split(),
         ],
         capture_output=True,
         text=True,
@@ -132,16 +124,10 @@ def test_a_password_in_a_bad_backend_url_is_not_echoed():
     run = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "dynemb.cli",
-            "ps",
-            "serve",
-            "--address",
-            "127.0.0.1:0",
-            "--metrics-port",
-            "-1",
-            "--backend",
-            "rediz://admin:hunter2pw@redis:6379/0",
+            *(
+                "-m dynemb.cli ps serve --address 127.0.0.1:0 --metrics-port -1 --backend "
+                "rediz://admin:hunter2pw@redis:6379/0"
+            ).split(),
         ],
         capture_output=True,
         text=True,
@@ -184,24 +170,11 @@ def test_tokens_never_reach_logs_or_metrics(make_ps, redis_auth, tmp_path):
             "dynemb.trainer",
             "--ps",
             proc.address,
-            "--steps",
-            "4",
-            "--batch-size",
-            "16",
-            "--universe",
-            "500",
-            "--capacity-fraction",
-            "0.3",
-            "--num-sparse",
-            "2",
-            "--dim",
-            "4",
-            "--dense-arch",
-            "8,4",
-            "--eval-batches",
-            "1",
-            "--no-progress",
-            "--checkpoint-dir",
+            *(
+                "--steps 4 --batch-size 16 --universe 500 --capacity-fraction 0.3 "
+                "--num-sparse 2 --dim 4 --dense-arch 8,4 --eval-batches 1 --no-progress "
+                "--checkpoint-dir"
+            ).split(),
             str(tmp_path / "ck"),
             "--checkpoint-at-end",
             "--result-json",
@@ -218,7 +191,7 @@ def test_tokens_never_reach_logs_or_metrics(make_ps, redis_auth, tmp_path):
     manifests = "".join(p.read_text() for p in (tmp_path / "ck").glob("*/manifest.json"))
     assert json.loads(out.read_text())["losses"] and manifests
     help_text = subprocess.run(
-        [sys.executable, "-m", "dynemb.cli", "ps", "serve", "--help"],
+        [sys.executable, *"-m dynemb.cli ps serve --help".split()],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -282,11 +255,7 @@ def test_mutual_tls_accepts_only_clients_the_ca_signed(make_ps, mtls, tmp_path):
     cli = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "dynemb.cli",
-            "ps",
-            "tables",
-            "--ps",
+            *"-m dynemb.cli ps tables --ps".split(),
             address,
             "--tls-ca",
             mtls["ca"],
@@ -314,21 +283,10 @@ def test_mutual_tls_accepts_only_clients_the_ca_signed(make_ps, mtls, tmp_path):
             mtls["client"],
             "--ps-tls-key",
             mtls["client_key"],
-            "--steps",
-            "3",
-            "--batch-size",
-            "16",
-            "--universe",
-            "500",
-            "--num-sparse",
-            "2",
-            "--dim",
-            "4",
-            "--dense-arch",
-            "8,4",
-            "--eval-batches",
-            "1",
-            "--no-progress",
+            *(
+                "--steps 3 --batch-size 16 --universe 500 --num-sparse 2 --dim 4 "
+                "--dense-arch 8,4 --eval-batches 1 --no-progress"
+            ).split(),
         ],
         capture_output=True,
         text=True,

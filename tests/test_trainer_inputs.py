@@ -118,16 +118,7 @@ def test_a_batch_whose_ids_are_all_missing_trains(tmp_path):
     run = _train(
         "--source",
         source,
-        "--batch-size",
-        "16",
-        "--steps",
-        "3",
-        "--capacity",
-        "200",
-        "--eval-fraction",
-        "0",
-        "--eval-batches",
-        "0",
+        *"--batch-size 16 --steps 3 --capacity 200 --eval-fraction 0 --eval-batches 0".split(),
         "--result-json",
         str(out),
     )
@@ -138,7 +129,7 @@ def test_a_batch_whose_ids_are_all_missing_trains(tmp_path):
 
 def _train(*flags: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "dynemb.trainer", "--dim", "8", "--dense-arch", "16,8", "--no-progress", *flags],
+        [sys.executable, *"-m dynemb.trainer --dim 8 --dense-arch 16,8 --no-progress".split(), *flags],
         capture_output=True,
         text=True,
         timeout=300,
@@ -155,15 +146,7 @@ def test_the_training_cli_names_bad_data_and_too_small_tables(tmp_path):
     run = _train(
         "--source",
         source,
-        "--batch-size",
-        "4",
-        "--steps",
-        "3",
-        "--capacity",
-        "200",
-        "--eval-fraction",
-        "0",
-        "--skip-bad-lines",
+        *"--batch-size 4 --steps 3 --capacity 200 --eval-fraction 0 --skip-bad-lines".split(),
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "skipping a malformed line" in run.stderr and "day.tsv:6" in run.stderr

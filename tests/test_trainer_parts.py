@@ -270,20 +270,10 @@ def test_dynemb_train_on_a_criteo_tsv_file(tmp_path):
             "dynemb.trainer",
             "--source",
             str(f),
-            "--batch-size",
-            "64",
-            "--steps",
-            "12",
-            "--capacity",
-            "200",
-            "--dim",
-            "8",
-            "--dense-arch",
-            "16,8",
-            "--eval-fraction",
-            "0.2",
-            "--no-progress",
-            "--result-json",
+            *(
+                "--batch-size 64 --steps 12 --capacity 200 --dim 8 --dense-arch 16,8 "
+                "--eval-fraction 0.2 --no-progress --result-json"
+            ).split(),
             str(out),
         ],
         capture_output=True,
@@ -309,23 +299,10 @@ def test_a_finished_training_leaves_no_gloo_thread_behind():
     from pathlib import Path
 
     flags = [
-        "--steps",
-        "3",
-        "--num-sparse",
-        "3",
-        "--universe",
-        "1000",
-        "--dim",
-        "8",
-        "--dense-arch",
-        "8",
-        "--over-arch",
-        "8,1",
-        "--batch-size",
-        "16",
-        "--eval-batches",
-        "1",
-        "--no-progress",
+        *(
+            "--steps 3 --num-sparse 3 --universe 1000 --dim 8 --dense-arch 8 "
+            "--over-arch 8,1 --batch-size 16 --eval-batches 1 --no-progress"
+        ).split(),
     ]
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); from helpers import gloo_threads; "

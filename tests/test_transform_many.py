@@ -154,18 +154,6 @@ def test_a_release_refused_by_one_table_releases_the_others():
     assert all("not pinned" in str(e) for e in errors)
 
 
-@pytest.fixture(scope="module")
-def one_process_group():
-    import torch.distributed as dist
-
-    from dynemb.trainer.train import init_distributed
-
-    created = init_distributed()
-    yield
-    if created:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("order", ["whole_then_items", "items_then_whole", "per_table"])
 def test_share_results_release_whole_or_per_table(one_process_group, order):
     """transform_blocks' ShareResults: the per-table results, made when first looked at, and one

@@ -49,17 +49,9 @@ class LocalPS(TempDirProcess):
         port_file = os.path.join(self.dir, "port")
         cmd = [
             sys.executable,
-            "-m",
-            "dynemb.cli",
-            "ps",
-            "serve",
-            "--address",
-            "127.0.0.1:0",
-            "--metrics-port",
-            "0",
-            "--metrics-address",
-            "127.0.0.1",
-            "--port-file",
+            *(
+                "-m dynemb.cli ps serve --address 127.0.0.1:0 --metrics-port 0 --metrics-address 127.0.0.1 --port-file"
+            ).split(),
             port_file,
             *self.args,
         ]
