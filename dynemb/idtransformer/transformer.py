@@ -115,6 +115,20 @@ def _lowest(scores: torch.Tensor, n: int) -> torch.Tensor:
 
 
 class IDTransformer:
+    """Global int64 IDs -> slots [0, capacity) of one bounded table, batch by batch.
+
+    Args:
+        capacity: slots in the table (the rows the device keeps).
+        policy: which resident IDs leave first when new ones need room (LRU, LFU, hybrid, TTL).
+        admit_threshold: sightings an ID needs before it gets a slot (1: at once); counted in a
+            count-min sketch of `sketch_width` x `sketch_depth` counters.
+        device: where the table's records live.
+        backend: "auto" (the compiled kernel on CPU, torch ops elsewhere), "kernel" or "torch".
+
+    Raises:
+        ValueError: capacity or admit_threshold below 1.
+    """
+
     def __init__(
         self,
         capacity: int,
@@ -125,7 +139,6 @@ class IDTransformer:
         device: torch.device | str = "cpu",
         backend: str = "auto",
     ) -> None:
-        """backend: "auto" (the compiled kernel on CPU, torch ops elsewhere), "kernel" or "torch"."""
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         if admit_threshold < 1:
@@ -166,10 +179,18 @@ class IDTransformer:
     # -- the batched call --------------------------------------------------------
 
     def transform(self, ids: torch.Tensor, pin: bool = False) -> TransformResult:
-        """Map a batch of IDs to slots (see the module's docstring); with pin, every slot the
-        batch uses gets one more pin, held until release().
+        """Map a batch of IDs to slots (see the module's docstring).
 
-        Refusals:
+        Args:
+            ids: the batch's IDs, any shape, any integer dtype (see ids.py).
+            pin: every slot the batch uses gets one more pin, held until release().
+
+        Returns:
+            The slots (ids' shape; -1 for an ID not admitted yet), the IDs admitted (rows to
+            pull) and evicted (rows to push) with their slots, those below the admission
+            threshold, the hit count and the batch's distinct slots.
+
+        Raises (refusals):
         - TooManyIDs (more distinct IDs than slots): nothing changed.
         - with pin, RuntimeError "a slot is pinned by 255 batches in flight" when a resident ID
           of the batch has a slot at 255 pins already: checked before anything else, so the
@@ -356,8 +377,16 @@ class IDTransformer:
         return None
 
     def release(self, slots: torch.Tensor, distinct: bool = False) -> None:
-        """Unpin the slots of a batch transformed with pin=True: its slots (each distinct one
-        is released once), or its result's distinct_slots with distinct=True."""
+        """Unpin the slots of a batch transformed with pin=True.
+
+        Args:
+            slots: its slots (each distinct one is released once), or its result's
+                distinct_slots with distinct=True.
+
+        Raises:
+            ValueError: a slot is not pinned (released twice?).
+            IndexError: a slot outside the table.
+        """
         held = slots.reshape(-1).to(self.device)
         if not distinct:
             held = torch.unique(held)

@@ -110,6 +110,19 @@ def batches(cfg: TrainConfig, split: int, start: int = 0):
 
 
 def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
+    """The whole job on this rank: build, restore (cfg.resume), train, checkpoint, evaluate.
+
+    Collective: under torchrun every rank calls it with the same cfg; alone it makes a group
+    of one.
+
+    Args:
+        cfg: the job's settings (config.py).
+        collect_tables: also return this rank's block of every table after training (rows
+            read back from the PS for dynamic tables), for tests and checks.
+
+    Returns:
+        Losses per step, evaluation AUC and log-loss, throughput, hit rates (and the tables).
+    """
     created = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     store = open_row_store(cfg)
