@@ -129,7 +129,23 @@ class PSClient:
         initializer: Initializer | None = None,
         timeout: float | None = None,
     ) -> TableInfo:
-        """Create the table on every PS; succeeds if it already exists with this schema."""
+        """Create the table on every PS; succeeds if it already exists with this schema.
+
+        Args:
+            name: the table's name (letters, digits, `_.-`, see schema.py).
+            dim: embedding values per row.
+            state_width: optimizer-state values per row, after the embedding.
+            dtype: "fp32", "fp16" or "bf16".
+            initializer: how rows never pushed are filled [default: zeros].
+            timeout: seconds for the whole call, retries included [default: the client's].
+
+        Returns:
+            The schema and the rows the table holds (summed over the PSes).
+
+        Raises:
+            InvalidArgument: a bad name, width, dtype or initializer, named.
+            TableExists: the table exists with another schema.
+        """
         schema = TableSchema(name, dim, state_width, dtype, initializer or Initializer())
         return self.create_table_from_schema(schema, timeout)
 
@@ -169,11 +185,37 @@ class PSClient:
     # -- rows: a table's calls take effect in call order (ordering.py) -----------
 
     def pull(self, table: str, ids, timeout: float | None = None) -> PullResult:
-        """The table's rows for ids, in their order; ids never pushed come initialised and marked missing."""
+        """The table's rows for ids, in their order.
+
+        Args:
+            table: the table's name.
+            ids: int64 IDs (any array-like); they are sharded over the PSes and chunked.
+            timeout: seconds for the whole call, retries included [default: the client's].
+
+        Returns:
+            rows (n, dim + state_width), with `embeddings`, `state` and `missing` (ids never
+            pushed, whose rows come initialised).
+
+        Raises:
+            TableNotFound, InvalidArgument, DeadlineExceeded, Unavailable (ps_server/errors.py).
+        """
         return self.pull_async(table, ids, timeout).result()
 
     def push(self, table: str, ids, rows, timeout: float | None = None) -> int:
-        """Write one row per id (a repeated id's last row wins); returns the rows given."""
+        """Write one row per id (a repeated id's last row wins).
+
+        Args:
+            table: the table's name.
+            ids: int64 IDs, n of them.
+            rows: (n, dim + state_width) values, converted to the table's dtype.
+            timeout: seconds for the whole call, retries included [default: the client's].
+
+        Returns:
+            The rows given (all are written once the call returns).
+
+        Raises:
+            TableNotFound, InvalidArgument, DeadlineExceeded, Unavailable (ps_server/errors.py).
+        """
         return self.push_async(table, ids, rows, timeout).result()
 
     def delete(self, table: str, ids, timeout: float | None = None) -> int:
