@@ -205,14 +205,18 @@ def generic_probe(draw, tables: Tables) -> Probe:
         # every entry is checked before any is served: one invalid name refuses the whole call
         # entries are checked in order: a well-named table that does not exist before the
         # badly named entry answers NOT_FOUND first
-        bad = [t for t in _tables_of(method, msg) if not valid_name(t)]
+        named = [valid_name(t) for t in _tables_of(method, msg)]
+        bad = not all(named)
         codes = frozenset({C.INVALID_ARGUMENT, C.NOT_FOUND}) if bad else ALLOWED
+        # ... and a well-named entry of an existing table before it may be refused for its own
+        # ids or rows (INVALID_ARGUMENT about those): the name is named only when it comes first
+        first_bad_first = bad and not any(named[: named.index(False)])
         return Probe(
             method,
             "unary",
             msg,
             codes,
-            ("table name",) if bad else (),
+            ("table name",) if first_bad_first else (),
             words_for=C.INVALID_ARGUMENT,
             note="generic many",
         )
