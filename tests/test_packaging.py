@@ -32,6 +32,7 @@ def test_the_wheel_holds_only_the_dynemb_namespace(tmp_path):
     for needed in (
         "dynemb/idtransformer/csrc/slot_map.cpp",
         "dynemb/ps_server/csrc/id_index.h",
+        "dynemb/common/csrc/hash.h",
         "dynemb/protos/ps.proto",
         "dynemb/protos/ps_pb2.py",
     ):

@@ -83,13 +83,14 @@ FLAGS = (
 def compile_library(
     source: Path, name: str, what: str, *, depends: tuple[Path, ...] = (), python_module: bool = False
 ) -> Path:
-    """Build `source` (including `depends`, from its folder) into a shared library, once per
+    """Build `source` (including `depends`, from their folders) into a shared library, once per
     version of them and of Python, and return its path. python_module: a CPython extension
     module `name` (Python's headers on the include path). Linked to nothing but libc and
     libstdc++, so loading it costs milliseconds, where a torch extension needs torch
     imported (seconds, ~180 MB)."""
     compiler = os.environ.get("CXX", "g++")
-    flags = [*FLAGS, f"-I{source.parent}"]
+    # the source's folder and each dependency's: headers are included by bare name
+    flags = [*FLAGS, *(f"-I{d}" for d in dict.fromkeys([source.parent, *(p.parent for p in depends)]))]
     if python_module:
         flags.append(f"-I{sysconfig.get_paths()['include']}")
     tag = digest(

@@ -7,6 +7,6 @@
 - policy.py: eviction scores (LRU / LFU / hybrid, TTL); admission.py: the count-min sketch.
 - slot_map.py: the id → slot maps (the kernel's, and a sorted one in torch ops for CUDA).
 - kernel.py builds and loads the CPU kernel: csrc/slot_map.cpp (the map, lookup, admission,
-  eviction), csrc/route.cpp (the exchange's routing), csrc/hash.h (the hashes both use).
+  eviction), csrc/route.cpp (the exchange's routing); the hashes both use are dynemb/common/csrc/hash.h.
 - hashing.py: XXH64 in torch ops (an ID's owner rank); ids.py: what counts as an ID.
 """

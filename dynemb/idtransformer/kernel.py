@@ -24,14 +24,16 @@ import torch
 from dynemb.common.native_build import build_lock, digest, verbose
 
 CSRC = Path(__file__).resolve().parent / "csrc"
+COMMON_CSRC = Path(__file__).resolve().parents[1] / "common" / "csrc"  # hash.h, shared with the PS's id index
 FLAGS = ("-O3",)  # no OpenMP: the kernel runs on the calling thread (bench/RESULTS.md says why)
 _lock = threading.Lock()
 _ops: KernelOps | None = None
 
 
 def files() -> list[Path]:
-    """The kernel's sources, then its headers, each in name order."""
-    return sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h"))
+    """The kernel's sources, then its headers (its own, then the shared ones), each in name order;
+    they are copied into one build folder, so every include is by bare name."""
+    return sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h")) + sorted(COMMON_CSRC.glob("*.h"))
 
 
 def build_name() -> str:

@@ -17,6 +17,7 @@ from types import ModuleType
 from dynemb.common.native_build import compile_library
 
 CSRC = Path(__file__).resolve().parent / "csrc"
+COMMON_HASH = Path(__file__).resolve().parents[1] / "common" / "csrc" / "hash.h"  # shared with the kernel
 SOURCE = CSRC / "id_index_module.cpp"
 NAME = "_dynemb_id_index"  # the module's PyInit_ name
 _lock = threading.Lock()
@@ -29,7 +30,7 @@ def id_index() -> ModuleType:
     with _lock:
         if _module is None:
             path = compile_library(
-                SOURCE, NAME, "the PS's id index", depends=(CSRC / "id_index.h",), python_module=True
+                SOURCE, NAME, "the PS's id index", depends=(CSRC / "id_index.h", COMMON_HASH), python_module=True
             )
             loader = importlib.machinery.ExtensionFileLoader(NAME, str(path))
             spec = importlib.util.spec_from_file_location(NAME, str(path), loader=loader)

@@ -18,6 +18,8 @@
 
 #include <sys/mman.h>
 
+#include "hash.h"  // dynemb/common/csrc: on the include path of both builds
+
 namespace dynemb_index {
 
 constexpr int64_t kEmpty = -1;
@@ -32,14 +34,7 @@ struct Slot {
 };
 static_assert(sizeof(Slot) == 16, "16-byte slots");
 
-inline uint64_t fmix64(uint64_t x) {  // MurmurHash3's finaliser: every input bit moves every output bit
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdULL;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ULL;
-  x ^= x >> 33;
-  return x;
-}
+using dynemb::fmix64;  // MurmurHash3's finaliser: every input bit moves every output bit
 
 // Slots on 2 MiB-aligned memory advised to use huge pages once big enough: probes land at
 // random, and with 4 KiB pages most also miss the TLB (as in idtransformer's kernel).

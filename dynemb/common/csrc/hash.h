@@ -1,5 +1,6 @@
-// The hashes of the ID transformer's kernel, defined once for its units (slot_map.cpp, route.cpp);
-// the torch-ops versions the tests hold them to are slot_map.py's fmix64 and hashing.py's xxh64.
+// The 64-bit hashes of dynemb's C++, defined once: the ID transformer's kernel (slot_map.cpp,
+// route.cpp) and the PS's id index (id_index.h) include it. The torch-ops versions the tests
+// hold them to are idtransformer/slot_map.py's fmix64 and idtransformer/hashing.py's xxh64.
 
 #pragma once
 
