@@ -316,7 +316,6 @@ def test_shared_memory_by_itself_only_with_a_ps_on_loopback(address, local):
     assert on_loopback(address) == local
 
 
-@pytest.mark.skipif(not shm.available(), reason="needs Linux memfd with seals")
 def test_requests_whose_rows_are_in_a_segment_carry_none():
     seg = shm.Segment(1 << 20)
     seg.segment = 42
