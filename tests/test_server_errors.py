@@ -95,44 +95,19 @@ def test_create_existing_with_another_schema(stored):
 
 def test_bad_specs(stored):
     _, stub, _, _, _ = stored
+
+    def with_init(**initializer) -> ps_pb2.TableSpec:  # a good spec but for its initializer
+        return ps_pb2.TableSpec(name="x", dim=4, dtype=ps_pb2.FP32, initializer=ps_pb2.Initializer(**initializer))
+
     for spec, words in (
         (ps_pb2.TableSpec(name="x", dim=0, dtype=ps_pb2.FP32), "dim"),
         (ps_pb2.TableSpec(name="has space", dim=4, dtype=ps_pb2.FP32), "table name"),
         (ps_pb2.TableSpec(name="x", dim=4), "dtype"),
-        (
-            ps_pb2.TableSpec(
-                name="x",
-                dim=4,
-                dtype=ps_pb2.FP32,
-                initializer=ps_pb2.Initializer(kind=ps_pb2.Initializer.UNIFORM, a=1, b=0),
-            ),
-            "b > a",
-        ),
+        (with_init(kind=ps_pb2.Initializer.UNIFORM, a=1, b=0), "b > a"),
         # NaN made a schema unequal to itself: the second create of one table said "another schema"
-        (
-            ps_pb2.TableSpec(
-                name="x",
-                dim=4,
-                dtype=ps_pb2.FP32,
-                initializer=ps_pb2.Initializer(kind=ps_pb2.Initializer.CONSTANT, a=float("nan")),
-            ),
-            "finite",
-        ),
-        (
-            ps_pb2.TableSpec(
-                name="x",
-                dim=4,
-                dtype=ps_pb2.FP32,
-                initializer=ps_pb2.Initializer(kind=ps_pb2.Initializer.UNIFORM, a=float("-inf")),
-            ),
-            "finite",
-        ),
-        (
-            ps_pb2.TableSpec(
-                name="x", dim=4, dtype=ps_pb2.FP32, initializer=ps_pb2.Initializer(state_init=float("inf"))
-            ),
-            "'state_init': inf",
-        ),
+        (with_init(kind=ps_pb2.Initializer.CONSTANT, a=float("nan")), "finite"),
+        (with_init(kind=ps_pb2.Initializer.UNIFORM, a=float("-inf")), "finite"),
+        (with_init(state_init=float("inf")), "'state_init': inf"),
         # `$` in the name pattern matched before a final newline
         (ps_pb2.TableSpec(name="x\n", dim=4, dtype=ps_pb2.FP32), "table name"),
     ):
