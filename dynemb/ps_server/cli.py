@@ -16,6 +16,8 @@ import threading
 
 import numpy as np
 
+from dynemb.common.cli_args import add_command
+
 SERVE_EPILOG = """\
 examples:
   dynemb ps serve                                    # embedded store, port 50051, /metrics on 9090
@@ -36,6 +38,29 @@ examples:
   dynemb ps stats
   dynemb ps drop user
 """
+
+
+# subcommand: (its line in `dynemb ps --help`, the start of its own --help)
+HELP = {
+    "serve": (
+        "run a parameter server",
+        "Run a long-lived PS: gRPC service (with health checking and reflection) over the embedded store or Redis, "
+        "and a Prometheus /metrics endpoint.",
+    ),
+    # the commands that talk to running PSs say the same in both places
+    **{
+        name: (text, text)
+        for name, text in {
+            "tables": "list the tables with their schemas and row counts",
+            "create-table": "create a table on every PS (no error if it exists with the same schema)",
+            "describe": "show one table's schema and row count",
+            "drop": "drop a table and all its rows on every PS",
+            "pull": "print the rows of some ids",
+            "stats": "per-PS backend, uptime, tables and request counts",
+            "health": "health status of each PS (exit 1 unless all SERVING)",
+        }.items()
+    },
+}
 
 
 def _env(name: str, default=None, cast=str):
@@ -63,14 +88,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ps = sub.add_parser("ps", help="parameter server: serve, or manage tables on running ones")
     ps_sub = ps.add_subparsers(dest="ps_command", metavar="COMMAND", required=True)
 
-    serve = ps_sub.add_parser(
-        "serve",
-        help="run a parameter server",
-        epilog=SERVE_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Run a long-lived PS: gRPC service (with health checking and reflection) "
-        "over the embedded store or Redis, and a Prometheus /metrics endpoint.",
-    )
+    serve = add_command(ps_sub, "serve", HELP, SERVE_EPILOG)
 
     def option(flag: str, env: str, default, help: str, cast=str, shown: bool = True) -> None:
         """A serve flag whose default comes from the environment variable `env`; its help says so."""
@@ -177,49 +195,34 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     option("--log-level", "DYNEMB_LOG_LEVEL", "INFO", "")
     serve.set_defaults(func=cmd_serve)
 
-    def client_parser(name: str, help: str) -> argparse.ArgumentParser:
-        p = ps_sub.add_parser(
-            name,
-            help=help,
-            description=help,
-            epilog=CLIENT_EPILOG,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
+    def client_parser(name: str) -> argparse.ArgumentParser:
+        p = add_command(ps_sub, name, HELP, CLIENT_EPILOG)
         add_client_flags(p)
         return p
 
-    p = client_parser("tables", "list the tables with their schemas and row counts")
+    p = client_parser("tables")
     p.set_defaults(func=cmd_tables)
-    p = client_parser("create-table", "create a table on every PS (no error if it exists with the same schema)")
+    p = client_parser("create-table")
     p.add_argument("table")
     p.add_argument("--dim", type=int, required=True, help="embedding values per row")
     p.add_argument("--state-width", type=int, default=0, help="optimizer-state values per row [default 0]")
     p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32")
-    p.add_argument(
-        "--init",
-        choices=("zeros", "constant", "uniform", "normal"),
-        default="zeros",
-        help="how rows never pushed are filled when pulled [default zeros]",
-    )
-    p.add_argument("--init-a", type=float, default=0.0, help="constant value / uniform low / normal mean")
-    p.add_argument("--init-b", type=float, default=0.0, help="uniform high / normal std")
-    p.add_argument("--init-seed", type=int, default=0)
-    p.add_argument("--state-init", type=float, default=0.0, help="initial optimizer-state value")
+    add_init_flags(p, "how rows never pushed are filled when pulled [default zeros]", "initial optimizer-state value")
     p.set_defaults(func=cmd_create_table)
-    p = client_parser("describe", "show one table's schema and row count")
+    p = client_parser("describe")
     p.add_argument("table")
     p.set_defaults(func=cmd_describe)
-    p = client_parser("drop", "drop a table and all its rows on every PS")
+    p = client_parser("drop")
     p.add_argument("table")
     p.add_argument("--missing-ok", action="store_true", help="no error if the table does not exist")
     p.set_defaults(func=cmd_drop)
-    p = client_parser("pull", "print the rows of some ids")
+    p = client_parser("pull")
     p.add_argument("table")
     p.add_argument("ids", nargs="+", type=int)
     p.set_defaults(func=cmd_pull)
-    p = client_parser("stats", "per-PS backend, uptime, tables and request counts")
+    p = client_parser("stats")
     p.set_defaults(func=cmd_stats)
-    p = client_parser("health", "health status of each PS (exit 1 unless all SERVING)")
+    p = client_parser("health")
     p.set_defaults(func=cmd_health)
 
 
@@ -306,6 +309,28 @@ def add_client_flags(p: argparse.ArgumentParser, ps_default: str | None = "local
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per call [default %(default)s]")
 
 
+def add_init_flags(p: argparse.ArgumentParser, init_help: str, state_init_help: str) -> None:
+    """Adds --init, --init-a, --init-b, --init-seed and --state-init: how a table's new rows are filled.
+
+    Args:
+        p: the command's parser.
+        init_help: the help of --init (what it fills, for this command).
+        state_init_help: the help of --state-init.
+    """
+    p.add_argument("--init", choices=("zeros", "constant", "uniform", "normal"), default="zeros", help=init_help)
+    p.add_argument("--init-a", type=float, default=0.0, help="constant value / uniform low / normal mean")
+    p.add_argument("--init-b", type=float, default=0.0, help="uniform high / normal std")
+    p.add_argument("--init-seed", type=int, default=0)
+    p.add_argument("--state-init", type=float, default=0.0, help=state_init_help)
+
+
+def initializer_from_args(args):
+    """The Initializer (schema.py) the flags of add_init_flags describe."""
+    from dynemb.ps_server.schema import Initializer
+
+    return Initializer(args.init, args.init_a, args.init_b, args.init_seed, args.state_init)
+
+
 def client_from_args(args):
     """A PSClient for the flags of add_client_flags."""
     from dynemb.ps_server.client import PSClient
@@ -340,11 +365,8 @@ def cmd_tables(args) -> int:
 
 
 def cmd_create_table(args) -> int:
-    from dynemb.ps_server.schema import Initializer
-
-    init = Initializer(args.init, args.init_a, args.init_b, args.init_seed, args.state_init)
     with client_from_args(args) as ps:
-        info = ps.create_table(args.table, args.dim, args.state_width, args.dtype, init)
+        info = ps.create_table(args.table, args.dim, args.state_width, args.dtype, initializer_from_args(args))
     print(_table_line(info))
     return 0
 

@@ -9,6 +9,37 @@ from __future__ import annotations
 
 import argparse
 
+from dynemb.common.cli_args import add_command, add_command_group, quiet_flag, table_flag
+from dynemb.ps_server.cli import add_client_flags
+from dynemb.trainer import table_cli
+
+# subcommand: (its line in the list of commands, the start of its own --help)
+HELP = {
+    "checkpoint": (
+        "inspect, save and restore checkpoints",
+        "Checkpoints: inspect a training job's checkpoints, save PS tables as a checkpoint and restore one onto "
+        "any PS. (`export` and `import` are the old names of `dynemb table export|import`.)",
+    ),
+    "inspect": (
+        "show what a checkpoint holds; --verify checks every file",
+        "Print a checkpoint's step, kind, chain, ranks, optimizer and tables with their row counts; for a folder "
+        "of checkpoints, list them. --verify checks the sha256 of every file of the checkpoint and of the ones it "
+        "builds on.",
+    ),
+    "save": (
+        "checkpoint PS tables into a new folder",
+        "Write PS tables (rows with optimizer state) as a checkpoint: tables/<table>/ folders and a manifest with "
+        "the sha256 of every file, moved into place only when complete. `restore` puts them back on any PS.",
+    ),
+    "restore": (
+        "put a checkpoint's tables on a PS (replacing their rows)",
+        "Verify a checkpoint and the incremental ones it builds on, then replace each of its tables' rows on the "
+        "PS with the checkpoint's (the full one, then each increment). Nothing is written when a check fails. To "
+        "resume training, use `dynemb train --resume CKPT` instead: it also restores the model, optimizers and ID "
+        "transformers.",
+    ),
+}
+
 EPILOG = """\
 examples:
   # what a training job's checkpoint holds (and whether every file is intact)
@@ -24,69 +55,30 @@ Portable table folders (one table each, no manifest): `dynemb table export|impor
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from dynemb.ps_server.cli import add_client_flags
-    from dynemb.trainer.table_cli import table_flag
+    """Adds `checkpoint` and its subcommands to the `dynemb` command's subparsers `sub`."""
+    ck_sub = add_command_group(sub, "checkpoint", HELP, EPILOG, "checkpoint_command")
 
-    ck = sub.add_parser(
-        "checkpoint",
-        help="inspect, save and restore checkpoints",
-        description="Checkpoints: inspect a training job's checkpoints, save PS "
-        "tables as a checkpoint and restore one onto any PS. (`export` and `import` are the old "
-        "names of `dynemb table export|import`.)",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ck_sub = ck.add_subparsers(dest="checkpoint_command", metavar="COMMAND", required=True)
-
-    p = ck_sub.add_parser(
-        "inspect",
-        help="show what a checkpoint holds; --verify checks every file",
-        description="Print a checkpoint's step, kind, chain, ranks, optimizer and tables "
-        "with their row counts; for a folder of checkpoints, list them. --verify checks "
-        "the sha256 of every file of the checkpoint and of the ones it builds on.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = add_command(ck_sub, "inspect", HELP, EPILOG)
     p.add_argument("folder", help="a checkpoint (step-NNNNNNNN/) or a folder of them")
     p.add_argument("--verify", action="store_true", help="check every file's sha256 (exit 1 naming a bad one)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    quiet_flag(p)
     p.set_defaults(func=cmd_inspect)
 
-    p = ck_sub.add_parser(
-        "save",
-        help="checkpoint PS tables into a new folder",
-        description="Write PS tables (rows with optimizer state) as a checkpoint: "
-        "tables/<table>/ folders and a manifest with the sha256 of every file, moved "
-        "into place only when complete. `restore` puts them back on any PS.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = add_command(ck_sub, "save", HELP, EPILOG)
     add_client_flags(p)
     p.add_argument("--out", required=True, help="the checkpoint folder to create (must not hold files)")
     table_flag(p, "a table to save (repeat for several) [default: every table on the PS]")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    quiet_flag(p)
     p.set_defaults(func=cmd_save)
 
-    p = ck_sub.add_parser(
-        "restore",
-        help="put a checkpoint's tables on a PS (replacing their rows)",
-        description="Verify a checkpoint and the incremental ones it builds on, then "
-        "replace each of its tables' rows on the PS with the checkpoint's (the full one, "
-        "then each increment). Nothing is written when a check fails. To resume "
-        "training, use `dynemb train --resume CKPT` instead: it also restores the model, "
-        "optimizers and ID transformers.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = add_command(ck_sub, "restore", HELP, EPILOG)
     p.add_argument("folder", help="a checkpoint folder (with manifest.json)")
     add_client_flags(p)
     table_flag(p, "restore only this table (repeat for several) [default: all]")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    quiet_flag(p)
     p.set_defaults(func=cmd_restore)
 
     # the old names of `dynemb table export|import`, kept for one release
-    from dynemb.trainer import table_cli
-
     table_cli.add_table_commands(ck_sub, old_name_of="dynemb table")
 
 

@@ -10,6 +10,28 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from dynemb.common.cli_args import add_command, add_command_group, quiet_flag, rows_per_shard_flag, table_flag
+
+# subcommand: (its line in the list of commands, the start of its own --help)
+HELP = {
+    "table": (
+        "export PS tables to portable folders and import them into any PS",
+        "Portable table folders (safetensors shards + table.json): export PS tables into them and import them "
+        "into any PS, on any backend.",
+    ),
+    "export": (
+        "write PS tables to table folders (OUT/<table>/)",
+        "Stream PS tables (rows with their optimizer state) into OUT/<table>/: table.json plus "
+        "part-NNNNN.safetensors shards.",
+    ),
+    "import": (
+        "write table folders into a PS (any backend)",
+        "Check every shard of the table folders (sha256, shapes, dtype) and the PS's schemas, then stream the "
+        "rows into the PS. Nothing is written when a check fails. The table is created if absent; one that "
+        "exists must have the same schema.",
+    ),
+}
+
 EPILOG = """\
 A table folder holds table.json (schema, row count, shard list with sha256) and
 part-NNNNN.safetensors shards with tensors ids (int64), embeddings and state
@@ -28,15 +50,8 @@ examples:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    table = sub.add_parser(
-        "table",
-        help="export PS tables to portable folders and import them into any PS",
-        description="Portable table folders (safetensors shards + table.json): export PS "
-        "tables into them and import them into any PS, on any backend.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_table_commands(table.add_subparsers(dest="table_command", metavar="COMMAND", required=True))
+    """Adds `table` and its subcommands to the `dynemb` command's subparsers `sub`."""
+    add_table_commands(add_command_group(sub, "table", HELP, EPILOG, "table_command"))
 
 
 def add_table_commands(sub: argparse._SubParsersAction, old_name_of: str = "") -> None:
@@ -49,37 +64,19 @@ def add_table_commands(sub: argparse._SubParsersAction, old_name_of: str = "") -
     """
     from dynemb.ps_server.cli import add_client_flags
 
-    def old(text: str, verb: str) -> str:
-        return f"{text} (old name of `{old_name_of} {verb}`)" if old_name_of else text
-
-    p = sub.add_parser(
-        "export",
-        help=old("write PS tables to table folders (OUT/<table>/)", "export"),
-        description="Stream PS tables (rows with their optimizer state) into OUT/<table>/: "
-        "table.json plus part-NNNNN.safetensors shards.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    texts = HELP
+    if old_name_of:
+        texts = {verb: (f"{help} (old name of `{old_name_of} {verb}`)", text) for verb, (help, text) in HELP.items()}
+    p = add_command(sub, "export", texts, EPILOG)
     add_client_flags(p)
     p.add_argument("--out", required=True, help="folder to write the table folders in (created if absent)")
     table_flag(p, "a table to export (repeat for several) [default: every table on the PS]")
-    p.add_argument(
-        "--rows-per-shard", type=int, default=1 << 20, help="rows per part-NNNNN.safetensors file [default %(default)s]"
-    )
+    rows_per_shard_flag(p, "rows per part-NNNNN.safetensors file")
     p.add_argument("--overwrite", action="store_true", help="replace table folders that already hold files")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    quiet_flag(p)
     p.set_defaults(func=_warned(cmd_export, old_name_of, "export"))
 
-    p = sub.add_parser(
-        "import",
-        help=old("write table folders into a PS (any backend)", "import"),
-        description="Check every shard of the table folders (sha256, shapes, dtype) and "
-        "the PS's schemas, then stream the rows into the PS. Nothing is written when a "
-        "check fails. The table is created if absent; one that exists must have the "
-        "same schema.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = add_command(sub, "import", texts, EPILOG)
     p.add_argument("folder", help="a table folder (with table.json) or a folder of them")
     add_client_flags(p)
     table_flag(p, "import only this table of FOLDER (repeat for several) [default: all]")
@@ -94,13 +91,8 @@ def add_table_commands(sub: argparse._SubParsersAction, old_name_of: str = "") -
         action="store_true",
         help="delete the table's rows on the PS before writing (otherwise rows are added/overwritten)",
     )
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    quiet_flag(p)
     p.set_defaults(func=_warned(cmd_import, old_name_of, "import"))
-
-
-def table_flag(p: argparse.ArgumentParser, help: str) -> None:
-    """`--table NAME`, repeatable: the tables a command works on."""
-    p.add_argument("--table", action="append", default=[], metavar="NAME", help=help)
 
 
 def _warned(command: Callable, old_name_of: str, verb: str) -> Callable:

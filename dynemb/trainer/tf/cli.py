@@ -6,6 +6,28 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dynemb.common.cli_args import add_command, add_command_group, quiet_flag, rows_per_shard_flag
+from dynemb.ps_server.cli import add_client_flags, add_init_flags
+
+# subcommand: (its line in the list of commands, the start of its own --help)
+HELP = {
+    "tf": (
+        "list TensorFlow checkpoints' tensors; migrate tables to the PS or table files",
+        "Read TensorFlow checkpoints (no TensorFlow needed): list their tensors and tables, move embedding tables "
+        "with their optimizer state into PS tables or table folders.",
+    ),
+    "ls": (
+        "list a checkpoint's tensors, and the tables (with slots) it has",
+        "List every tensor (name, dtype, shape, role) and every embedding table found, with its optimizer slots: "
+        "the names `dynemb tf migrate --table` takes.",
+    ),
+    "migrate": (
+        "move tables (with optimizer state) into PS tables or table folders",
+        "Move embedding tables of a TensorFlow checkpoint, with their optimizer slots, into PS tables (--ps) or "
+        "table folders (--out).",
+    ),
+}
+
 FORMATS = """\
 CKPT is any of:
   a checkpoint prefix (model.ckpt-1000, ckpt-3), its .index or         TF1 Saver, TF2 tf.train.Checkpoint
@@ -52,37 +74,14 @@ examples:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from dynemb.ps_server.cli import add_client_flags
+    """Adds `tf` and its subcommands to the `dynemb` command's subparsers `sub`."""
+    tf_sub = add_command_group(sub, "tf", HELP, FORMATS, "tf_command")
 
-    tf = sub.add_parser(
-        "tf",
-        help="list TensorFlow checkpoints' tensors; migrate tables to the PS or table files",
-        description="Read TensorFlow checkpoints (no TensorFlow needed): list their tensors and "
-        "tables, move embedding tables with their optimizer state into PS tables or table folders.",
-        epilog=FORMATS,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    tf_sub = tf.add_subparsers(dest="tf_command", metavar="COMMAND", required=True)
-
-    p = tf_sub.add_parser(
-        "ls",
-        help="list a checkpoint's tensors, and the tables (with slots) it has",
-        description="List every tensor (name, dtype, shape, role) and every embedding table "
-        "found, with its optimizer slots: the names `dynemb tf migrate --table` takes.",
-        epilog=FORMATS,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = add_command(tf_sub, "ls", HELP, FORMATS)
     p.add_argument("checkpoint", metavar="CKPT")
     p.set_defaults(func=cmd_ls)
 
-    p = tf_sub.add_parser(
-        "migrate",
-        help="move tables (with optimizer state) into PS tables or table folders",
-        description="Move embedding tables of a TensorFlow checkpoint, with their optimizer "
-        "slots, into PS tables (--ps) or table folders (--out).",
-        epilog=MIGRATE_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = add_command(tf_sub, "migrate", HELP, MIGRATE_EPILOG)
     p.add_argument("checkpoint", metavar="CKPT")
     p.add_argument(
         "--table",
@@ -101,27 +100,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     where.add_argument("--out", metavar="DIR", help="write table folders DIR/<NAME>/ (see `dynemb checkpoint`)")
     add_client_flags(p, ps_default=None, ps_group=where)
     p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32", help="table dtype [default fp32]")
-    p.add_argument(
-        "--init",
-        choices=("zeros", "constant", "uniform", "normal"),
-        default="zeros",
-        help="how the PS fills rows of ids never written, for a table it creates [default zeros]",
-    )
-    p.add_argument("--init-a", type=float, default=0.0, help="constant value / uniform low / normal mean")
-    p.add_argument("--init-b", type=float, default=0.0, help="uniform high / normal std")
-    p.add_argument("--init-seed", type=int, default=0)
-    p.add_argument(
-        "--state-init",
-        type=float,
-        default=0.0,
-        help="optimizer state of new rows and of rows whose slots the checkpoint lacks [default 0]",
+    add_init_flags(
+        p,
+        "how the PS fills rows of ids never written, for a table it creates [default zeros]",
+        "optimizer state of new rows and of rows whose slots the checkpoint lacks [default 0]",
     )
     p.add_argument("--replace", action="store_true", help="--ps: delete the tables' rows on the PS first")
     p.add_argument("--overwrite", action="store_true", help="--out: replace table folders that hold files")
-    p.add_argument(
-        "--rows-per-shard", type=int, default=1 << 20, help="--out: rows per shard file [default %(default)s]"
-    )
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    rows_per_shard_flag(p, "--out: rows per shard file")
+    quiet_flag(p)
     p.set_defaults(func=cmd_migrate)
 
 
@@ -204,7 +191,7 @@ def _table_section(title: str, src, tables: dict, why: str = "") -> str:
 
 
 def cmd_migrate(args) -> int:
-    from dynemb.ps_server.schema import Initializer
+    from dynemb.ps_server.cli import initializer_from_args
     from dynemb.trainer.tf import migrate
     from dynemb.trainer.tf.errors import TFMigrationError
     from dynemb.trainer.tf.source import open_source
@@ -212,9 +199,8 @@ def cmd_migrate(args) -> int:
     if args.rows_per_shard < 1:
         raise TFMigrationError(f"--rows-per-shard must be >= 1, got {args.rows_per_shard}")
     specs = [migrate.TableSpec.parse(t) for t in args.table]
-    init = Initializer(args.init, args.init_a, args.init_b, args.init_seed, args.state_init)
     src = open_source(args.checkpoint)
-    plans = migrate.plan(src, specs, args.optimizer, args.dtype, init)
+    plans = migrate.plan(src, specs, args.optimizer, args.dtype, initializer_from_args(args))
     migrate.verify(plans, progress=not args.quiet)
     for p in plans:
         for note in p.notes:
