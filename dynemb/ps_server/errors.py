@@ -10,73 +10,62 @@ import grpc
 
 
 class PSError(Exception):
-    """Base of every error the PS reports to a client."""
+    """Base of every error the PS reports to a client.
+
+    `code` is the gRPC status it travels as; a subclass names its own in the class statement:
+    `class TableExists(PSError, code=grpc.StatusCode.ALREADY_EXISTS)`.
+    """
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
 
+    def __init_subclass__(cls, code: grpc.StatusCode | None = None, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.code = code
 
-class InvalidArgument(PSError, ValueError):
+
+class InvalidArgument(PSError, ValueError, code=grpc.StatusCode.INVALID_ARGUMENT):
     """A request the PS refuses as it is: a bad name, shape, dtype, size or value, named."""
 
-    code = grpc.StatusCode.INVALID_ARGUMENT
 
-
-class TableNotFound(PSError, KeyError):
+class TableNotFound(PSError, KeyError, code=grpc.StatusCode.NOT_FOUND):
     """No table of that name on the PS."""
-
-    code = grpc.StatusCode.NOT_FOUND
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else "table not found"
 
 
-class TableExists(PSError):
+class TableExists(PSError, code=grpc.StatusCode.ALREADY_EXISTS):
     """A table of that name exists with another schema (creating it again with the same one is fine)."""
 
-    code = grpc.StatusCode.ALREADY_EXISTS
 
-
-class ResourceExhausted(PSError):
+class ResourceExhausted(PSError, code=grpc.StatusCode.RESOURCE_EXHAUSTED):
     """Over a limit of the PS (message size, rows per request, shared memory); the message names it."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
-
-class BackendUnavailable(PSError):
+class BackendUnavailable(PSError, code=grpc.StatusCode.UNAVAILABLE):
     """The store behind the PS (Redis) is down or refused us; retrying may help."""
 
-    code = grpc.StatusCode.UNAVAILABLE
 
-
-class DeadlineExceeded(PSError):
+class DeadlineExceeded(PSError, code=grpc.StatusCode.DEADLINE_EXCEEDED):
     """Raised by the client when a call did not succeed within its deadline."""
 
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
 
-
-class Abandoned(PSError):
+class Abandoned(PSError, code=grpc.StatusCode.DEADLINE_EXCEEDED):
     """The client gave up on the call (deadline passed, cancelled) before it was written."""
 
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
 
-
-class Unauthenticated(PSError):
+class Unauthenticated(PSError, code=grpc.StatusCode.UNAUTHENTICATED):
     """A call without the PS's token, or with another one."""
 
-    code = grpc.StatusCode.UNAUTHENTICATED
 
-
-class SegmentUnusable(PSError):
+class SegmentUnusable(PSError, code=grpc.StatusCode.FAILED_PRECONDITION):
     """Same-host row transfer (shm.py) cannot use this memory: a segment the PS cannot map
     (another host, not a sealed memfd, a wrong token) or one it no longer has attached."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
 
-
-class Unavailable(PSError):
+class Unavailable(PSError, code=grpc.StatusCode.UNAVAILABLE):
     """Raised by the client when a PS stayed unreachable through every retry."""
-
-    code = grpc.StatusCode.UNAVAILABLE
 
 
 _BY_CODE = {
@@ -92,7 +81,15 @@ _BY_CODE = {
 
 
 def from_rpc_error(err: grpc.RpcError, address: str = "") -> PSError:
-    """The client-side exception for a failed call, keeping the server's message."""
+    """The client-side exception for a failed call, keeping the server's message.
+
+    Args:
+        err: the failed call's error.
+        address: the PS called, named in the message where given.
+
+    Returns:
+        The PSError subclass for the call's status (PSError itself for others), its `code` the status.
+    """
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
     where = f" (PS {address})" if address else ""
