@@ -32,27 +32,24 @@ from dynemb.protos import tf_bundle_pb2 as pb
 from dynemb.trainer.tf.errors import TFMigrationError
 from dynemb.trainer.tf.sstable import read_table, read_varint, unmask_crc
 
-# TensorFlow DataType → (name, numpy storage). bfloat16 is kept as its 16 bits (uint16).
+# The dtypes a tensor can be read as, by TensorFlow's Python names (tf.float32, ...), which numpy
+# shares but for bfloat16, kept as its 16 bits (uint16). Stored little-endian.
+_READABLE = "float32 float64 float16 bfloat16 int8 int16 int32 int64 uint8 uint16 uint32 uint64 bool".split()
+_ENUM_NAMES = {"float32": "DT_FLOAT", "float64": "DT_DOUBLE", "float16": "DT_HALF"}  # the rest: DT_ + NAME
+# TensorFlow DataType → (name, numpy storage)
 DTYPES: dict[int, tuple[str, np.dtype]] = {
-    pb.DT_FLOAT: ("float32", np.dtype("<f4")),
-    pb.DT_DOUBLE: ("float64", np.dtype("<f8")),
-    pb.DT_HALF: ("float16", np.dtype("<f2")),
-    pb.DT_BFLOAT16: ("bfloat16", np.dtype("<u2")),
-    pb.DT_INT8: ("int8", np.dtype("i1")),
-    pb.DT_INT16: ("int16", np.dtype("<i2")),
-    pb.DT_INT32: ("int32", np.dtype("<i4")),
-    pb.DT_INT64: ("int64", np.dtype("<i8")),
-    pb.DT_UINT8: ("uint8", np.dtype("u1")),
-    pb.DT_UINT16: ("uint16", np.dtype("<u2")),
-    pb.DT_UINT32: ("uint32", np.dtype("<u4")),
-    pb.DT_UINT64: ("uint64", np.dtype("<u8")),
-    pb.DT_BOOL: ("bool", np.dtype("?")),
+    pb.DataType.Value(_ENUM_NAMES.get(name, "DT_" + name.upper())): (
+        name,
+        np.dtype("uint16" if name == "bfloat16" else name).newbyteorder("<"),
+    )
+    for name in _READABLE
 }
 STRING = pb.DT_STRING
 HEADER_KEY = b""
 
 
 def dtype_name(dtype: int) -> str:
+    """A TensorFlow DataType's name (float32, string, ...), or dtype#N for a number TensorFlow does not know."""
     if dtype in DTYPES:
         return DTYPES[dtype][0]
     if dtype == STRING:
