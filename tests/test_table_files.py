@@ -30,18 +30,12 @@ from dynemb.trainer.table_files import (
 
 
 @pytest.fixture(scope="module")
-def redis_ps(redis_url):
-    ps = LocalPS(
-        "--backend", redis_url, "--namespace", f"tf{uuid.uuid4().hex[:8]}", "--not-serving-seconds", "0"
-    ).start()
-    yield ps
-    ps.close()
-
-
-@pytest.fixture
-def redis_client(redis_ps):
-    with PSClient(redis_ps.address, timeout=30) as client:
-        yield client
+def redis_client(redis_url):
+    """A client of one Redis-backed PS (in a namespace of its own) that the module's tests share."""
+    namespace = f"tf{uuid.uuid4().hex[:8]}"
+    with LocalPS("--backend", redis_url, "--namespace", namespace, "--not-serving-seconds", "0") as ps:
+        with PSClient(ps.address, timeout=30) as client:
+            yield client
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
@@ -230,34 +224,21 @@ def dynemb(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_cli_export_import_end_to_end(embedded_client, redis_ps, redis_client, tmp_path, copy_of):
+def test_cli_export_import_end_to_end(embedded_client, redis_client, tmp_path, copy_of):
     a, b = unique("cli_a"), unique("cli_b")
     _, ids_a, rows_a = fill(embedded_client, a, "fp32", n=50, seed=1)
     _, ids_b, rows_b = fill(embedded_client, b, "fp16", n=20, dim=3, state_width=0, seed=2)
     out = tmp_path / "out"
-    ps = embedded_client.addresses[0]
-    res = dynemb(
-        "table",
-        "export",
-        "--ps",
-        ps,
-        "--table",
-        a,
-        "--table",
-        b,
-        "--out",
-        str(out),
-        "--rows-per-shard",
-        "16",
-        "--quiet",
-    )
+    ps, redis_address = embedded_client.addresses[0], redis_client.addresses[0]
+    tables = ["--table", a, "--table", b]
+    res = dynemb("table", "export", "--ps", ps, *tables, "--out", str(out), *"--rows-per-shard 16 --quiet".split())
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines() == [
         f"exported {a}: 50 rows in 4 shard(s) -> {out / a}",
         f"exported {b}: 20 rows in 2 shard(s) -> {out / b}",
     ]
 
-    res = dynemb("table", "import", str(out), "--ps", redis_ps.address, "--quiet")
+    res = dynemb("table", "import", str(out), "--ps", redis_address, "--quiet")
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines() == [
         f"imported {out / a} -> table {a}: 50 rows",
@@ -267,19 +248,19 @@ def test_cli_export_import_end_to_end(embedded_client, redis_ps, redis_client, t
     assert same_bits(redis_client.pull(b, ids_b).rows, rows_b)
 
     renamed = unique("cli_renamed")
-    res = dynemb("table", "import", str(out), "--table", b, "--as", renamed, "--ps", redis_ps.address)
+    res = dynemb("table", "import", str(out), "--table", b, "--as", renamed, "--ps", redis_address)
     assert res.returncode == 0, res.stderr
     assert "import " + renamed in res.stderr  # the progress bar
     assert same_bits(redis_client.pull(renamed, ids_b).rows, rows_b)
 
     (copy_of / "part-00001.safetensors").write_bytes(b"not a shard")
-    res = dynemb("table", "import", str(copy_of), "--as", unique("bad"), "--ps", redis_ps.address)
+    res = dynemb("table", "import", str(copy_of), "--as", unique("bad"), "--ps", redis_address)
     assert res.returncode == 1
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith(f"dynemb: error: {copy_of / 'part-00001.safetensors'}: sha256 is")
     assert "Traceback" not in res.stderr
 
-    res = dynemb("table", "import", str(out), "--as", "x", "--ps", redis_ps.address)
+    res = dynemb("table", "import", str(out), "--as", "x", "--ps", redis_address)
     assert res.returncode == 1 and "--as names one table, but 2 would be imported" in res.stderr
     res = dynemb("table", "export", "--ps", ps, "--table", "no_such_table", "--out", str(tmp_path / "none"))
     assert res.returncode == 1 and "NOT_FOUND" in res.stderr and not (tmp_path / "none").exists()

@@ -106,6 +106,11 @@ def assert_rows_equal(got, want):
         assert np.array_equal(a[g].view(np.uint8), b[w].view(np.uint8))
 
 
+def refused(message: str):
+    """pytest.raises for a TFMigrationError whose message matches the regex `message`."""
+    return pytest.raises(TFMigrationError, match=message)
+
+
 def run_migrate(path, specs, optimizer, *, out=None, ps=None, dtype="fp32", state_init=0.0, replace=False):
     source = open_source(str(FIX / path) if not Path(path).is_absolute() else path)
     plans = migrate.plan(
@@ -163,11 +168,7 @@ def test_keras_layers_saved_with_tf_train_checkpoint_are_found_by_their_names(tm
     # a slot by the optimizer's name for it; a name two variables share is refused, not guessed
     run_migrate("keras_checkpoint", ["w=user_emb,m=adam/item_emb_embeddings_momentum"], "adam", out=tmp_path)
     assert np.array_equal(read_folder(tmp_path / "w")[2][:, :4], known["item_emb/embeddings"].slot("m"))
-    with pytest.raises(
-        TFMigrationError,
-        match=r"'Variable' could name any of model/item, model/user; give one of "
-        r"those names",
-    ):
+    with refused(r"'Variable' could name any of model/item, model/user; give one of those names"):
         run_migrate("tf2_slot_variables", ["x=Variable"], "adam", out=tmp_path)
 
 
@@ -195,18 +196,10 @@ def test_moving_a_variable_that_is_no_embedding_says_so(tmp_path):
     ]
     assert not [n for n in plans[1].notes if "embedding" in n]
     res = dynemb(
-        "tf",
-        "migrate",
-        "tests/fixtures/tf/keras_checkpoint",
-        "--optimizer",
-        "adam",
+        *"tf migrate tests/fixtures/tf/keras_checkpoint --optimizer adam --table h2=head --table u2=user_emb".split(),
+        "--quiet",
         "--out",
         str(tmp_path),
-        "--table",
-        "h2=head",
-        "--table",
-        "u2=user_emb",
-        "--quiet",
     )
     assert res.returncode == 0, res.stderr
     assert "note: 'h2': head/kernel is not named or made like an embedding" in res.stderr
@@ -307,11 +300,9 @@ def corrupt_emb_user(tf1: Path) -> Path:
 def test_a_corrupt_data_file_is_refused_and_nothing_is_written(embedded_client, tf1_copy):
     corrupt_emb_user(tf1_copy)
     good, bad = unique("good"), unique("bad")
-    with pytest.raises(
-        TFMigrationError,
-        match=r"model\.ckpt-100\.data-00000-of-00001: tensor 'emb/user' .* has "
-        r"CRC-32C 0x[0-9a-f]{8}, the index records 0x[0-9a-f]{8}: "
-        r"the data file is corrupt",
+    with refused(
+        r"model\.ckpt-100\.data-00000-of-00001: tensor 'emb/user' .* has CRC-32C 0x[0-9a-f]{8}, "
+        r"the index records 0x[0-9a-f]{8}: the data file is corrupt"
     ):
         run_migrate(str(tf1_copy), [f"{good}=emb/item", f"{bad}=emb/user"], "adam", ps=embedded_client)
     assert_nothing_written(embedded_client, good, bad)  # the good table waits for the bad one's check
@@ -323,17 +314,15 @@ def test_truncated_files_are_refused(tmp_path, tf1_copy):
     size = data.stat().st_size
     with open(data, "r+b") as f:
         f.truncate(size // 2)
-    with pytest.raises(
-        TFMigrationError,
-        match=rf"data-00000-of-00001: {size // 2} bytes, but tensor .* is at bytes "
-        r"\[\d+, \d+\): the file is truncated",
+    with refused(
+        rf"data-00000-of-00001: {size // 2} bytes, but tensor .* is at bytes \[\d+, \d+\): the file is truncated"
     ):
         run_migrate(str(tf1_copy), ["a=emb/item", "b=emb/user"], "adam", out=tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
     index = Path(f"{prefix}.index")
     index.write_bytes(index.read_bytes()[:-20])
-    with pytest.raises(TFMigrationError, match=r"model\.ckpt-100\.index: not a TensorFlow checkpoint index"):
+    with refused(r"model\.ckpt-100\.index: not a TensorFlow checkpoint index"):
         open_source(str(tf1_copy))
 
 
@@ -343,33 +332,21 @@ def test_a_corrupt_index_block_is_refused(tf1_copy):
     at = raw.find(b"emb/item")  # a key inside the data block
     raw[at] ^= 0x20
     index.write_bytes(bytes(raw))
-    with pytest.raises(
-        TFMigrationError, match=r"\.index: the block at byte 0 fails its CRC-32C check: the file is corrupt"
-    ):
+    with refused(r"\.index: the block at byte 0 fails its CRC-32C check: the file is corrupt"):
         open_source(str(tf1_copy))
 
 
 def test_unreadable_dtype_and_non_float_tables_are_refused(tmp_path):
     source = open_source(str(FIX / "tf1_saver"))
-    with pytest.raises(
-        TFMigrationError,
-        match=r"tensor 'misc/complex' has dtype complex64 \(TensorFlow DataType 8\), "
-        r"which dynemb cannot read as numbers",
+    with refused(
+        r"tensor 'misc/complex' has dtype complex64 \(TensorFlow DataType 8\), which dynemb cannot read as numbers"
     ):
         source.rows("misc/complex").read(0, 2)
-    with pytest.raises(
-        TFMigrationError,
-        match=r"table 'c' \(misc/complex\): dtype complex64; an embedding must be a "
-        r"float tensor",
-    ):
+    with refused(r"table 'c' \(misc/complex\): dtype complex64; an embedding must be a float tensor"):
         run_migrate("tf1_saver", ["c=misc/complex"], "sgd", out=tmp_path)
-    with pytest.raises(
-        TFMigrationError, match=r"table 'b' \(beta1_power\): shape \[\]; an embedding table is \(rows, dim\)"
-    ):
+    with refused(r"table 'b' \(beta1_power\): shape \[\]; an embedding table is \(rows, dim\)"):
         run_migrate("tf1_saver", ["b=beta1_power"], "sgd", out=tmp_path)
-    with pytest.raises(
-        TFMigrationError, match=r"no tensor or table named 'emb/nope'; tables found: emb/item, emb/tag, emb/user"
-    ):
+    with refused(r"no tensor or table named 'emb/nope'; tables found: emb/item, emb/tag, emb/user"):
         run_migrate("tf1_saver", ["x=emb/nope"], "sgd", out=tmp_path)
     assert not any(tmp_path.iterdir())
 
@@ -377,26 +354,17 @@ def test_unreadable_dtype_and_non_float_tables_are_refused(tmp_path):
 def test_shapes_that_do_not_fit_the_target_are_refused(embedded_client, tmp_path):
     name = unique("dim8")
     embedded_client.create_table(name, dim=8, state_width=8)
-    with pytest.raises(
-        TFMigrationError,
-        match=rf"table '{name}' exists on the PS with dim 8 \(the checkpoint needs "
-        r"4\), state_width 8 \(--optimizer adagrad needs 4\)",
+    with refused(
+        rf"table '{name}' exists on the PS with dim 8 \(the checkpoint needs 4\), "
+        r"state_width 8 \(--optimizer adagrad needs 4\)"
     ):
         run_migrate("tf1_saver", [f"{name}=emb/user"], "adagrad", ps=embedded_client)
     assert embedded_client.describe_table(name).num_rows == 0
     half = unique("bf16")
     embedded_client.create_table(half, dim=4, state_width=4, dtype="bf16")
-    with pytest.raises(
-        TFMigrationError,
-        match=rf"table '{half}' exists on the PS with dtype 'bf16' \(--dtype asks "
-        r"for 'fp32'\)",
-    ):
+    with refused(rf"table '{half}' exists on the PS with dtype 'bf16' \(--dtype asks for 'fp32'\)"):
         run_migrate("tf1_saver", [f"{half}=emb/user"], "adagrad", ps=embedded_client)
-    with pytest.raises(
-        TFMigrationError,
-        match=r"slot accumulator \(emb/item/Adam\) has shape \[6, 8\], the table's "
-        r"values are \[10, 4\]",
-    ):
+    with refused(r"slot accumulator \(emb/item/Adam\) has shape \[6, 8\], the table's values are \[10, 4\]"):
         run_migrate("tf1_saver", ["u=emb/user,accumulator=emb/item/Adam"], "adagrad", out=tmp_path)
 
 
@@ -410,7 +378,7 @@ def test_shapes_that_do_not_fit_the_target_are_refused(embedded_client, tmp_path
 )
 def test_bad_vocabularies_are_refused(tmp_path, lines, message):
     (tmp_path / "ids.txt").write_text("\n".join(lines) + "\n")
-    with pytest.raises(TFMigrationError, match=message):
+    with refused(message):
         run_migrate("tf1_saver", [f"v=emb/item,vocab={tmp_path / 'ids.txt'}"], "adam", out=tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -425,7 +393,7 @@ def test_bad_vocabularies_are_refused(tmp_path, lines, message):
     ],
 )
 def test_bad_table_specs(spec, message):
-    with pytest.raises(TFMigrationError, match=message):
+    with refused(message):
         migrate.TableSpec.parse(spec)
 
 
@@ -450,11 +418,11 @@ def test_keras_files_corrupt_or_truncated(tmp_path):
     at = info.header_offset + 30 + len(info.filename) + len(info.extra) + info.compress_size // 2
     raw[at] ^= 0xFF
     keras.write_bytes(bytes(raw))
-    with pytest.raises(TFMigrationError, match=r"model\.keras: not a readable \.keras archive .*CRC"):
+    with refused(r"model\.keras: not a readable \.keras archive .*CRC"):
         open_source(str(keras))
     h5 = tmp_path / "model.weights.h5"
     h5.write_bytes((FIX / "keras_weights" / "model.weights.h5").read_bytes()[:5000])
-    with pytest.raises(TFMigrationError, match=r"model\.weights\.h5: not a readable HDF5 file"):
+    with refused(r"model\.weights\.h5: not a readable HDF5 file"):
         open_source(str(h5))
 
 
@@ -464,7 +432,7 @@ def test_checkpoint_paths(tmp_path):
     for given in (tf1, prefix, f"{prefix}.index", f"{prefix}.data-00000-of-00001"):
         assert open_source(str(given)).path.endswith("model.ckpt-100")
     sharded = tmp_path / "model.ckpt-100.data-00001-of-00002"  # any shard names the prefix
-    with pytest.raises(TFMigrationError, match=r"model\.ckpt-100: not a checkpoint \(no .*/model\.ckpt-100\.index\)"):
+    with refused(r"model\.ckpt-100: not a checkpoint \(no .*/model\.ckpt-100\.index\)"):
         open_source(str(sharded))
     assert open_source(str(FIX / "saved_model")).kind == "SavedModel variables"
     with pytest.raises(TFMigrationError, match="not a checkpoint"):
@@ -566,21 +534,11 @@ def test_cli_ls():
 
 def test_cli_migrate_into_a_ps_and_into_files(embedded_ps, embedded_client, tmp_path):
     user, item = unique("user"), unique("item")
+    tables = ["--table", f"{user}=emb/user,offset=100", "--table", f"{item}=emb/item"]
     res = dynemb(
-        "tf",
-        "migrate",
-        "tests/fixtures/tf/tf1_saver",
-        "--optimizer",
-        "adagrad",
-        "--ps",
+        *"tf migrate tests/fixtures/tf/tf1_saver --optimizer adagrad --state-init 0.5 --quiet --ps".split(),
         embedded_ps.address,
-        "--table",
-        f"{user}=emb/user,offset=100",
-        "--table",
-        f"{item}=emb/item",
-        "--state-init",
-        "0.5",
-        "--quiet",
+        *tables,
     )
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines() == [
@@ -597,15 +555,9 @@ def test_cli_migrate_into_a_ps_and_into_files(embedded_ps, embedded_client, tmp_
         assert np.array_equal(embedded_client.pull(name, ids).rows, np.concatenate([emb, state], axis=1))
 
     res = dynemb(
-        "tf",
-        "migrate",
-        "tests/fixtures/tf/keras_weights/model.weights.h5",
-        "--optimizer",
-        "adam",
+        *"tf migrate tests/fixtures/tf/keras_weights/model.weights.h5 --optimizer adam --table user=user_emb".split(),
         "--out",
         str(tmp_path),
-        "--table",
-        "user=user_emb",
     )
     assert res.returncode == 0, res.stderr
     assert "migrate user" in res.stderr  # the progress bar
@@ -614,15 +566,7 @@ def test_cli_migrate_into_a_ps_and_into_files(embedded_ps, embedded_client, tmp_
     assert res.returncode == 0, res.stderr
 
     res = dynemb(
-        "tf",
-        "migrate",
-        "tests/fixtures/tf/tf1_saver",
-        "--optimizer",
-        "sgd",
-        "--out",
-        str(tmp_path),
-        "--table",
-        "x=misc/complex",
+        *"tf migrate tests/fixtures/tf/tf1_saver --optimizer sgd --table x=misc/complex --out".split(), str(tmp_path)
     )
     assert res.returncode == 1 and "Traceback" not in res.stderr
     assert res.stderr.strip().splitlines()[-1] == (
@@ -660,17 +604,7 @@ def test_cli_errors_name_real_flags_and_leave_no_progress_bar(tmp_path, tf1_copy
         "",
     ]
     res = dynemb(
-        "tf",
-        "migrate",
-        str(tf1_copy),
-        "--optimizer",
-        "sgd",
-        "--out",
-        out,
-        "--table",
-        "a=emb/item",
-        "--overwrite",
-        "--quiet",
+        "tf", "migrate", str(tf1_copy), "--out", out, *"--optimizer sgd --table a=emb/item --overwrite --quiet".split()
     )
     assert res.returncode == 0, res.stderr
 
@@ -680,14 +614,9 @@ def test_cli_errors_name_real_flags_and_leave_no_progress_bar(tmp_path, tf1_copy
         "tf",
         "migrate",
         str(data),
-        "--optimizer",
-        "sgd",
         "--out",
         str(tmp_path / "new"),
-        "--table",
-        "a=emb/item",
-        "--table",
-        "b=emb/user",
+        *"--optimizer sgd --table a=emb/item --table b=emb/user".split(),
     )
     assert res.returncode == 1 and "verify" in res.stderr  # the bar was drawn, then cleared
     assert [ln for ln in screen(res.stderr) if ln] == [ln for ln in screen(res.stderr) if ln.startswith("dynemb:")]
