@@ -26,6 +26,10 @@ def test_dynamic_tables_train_exactly_like_full_ones(optimizer, pipeline):
     start = train(config(optimizer, dynamic=False, pipeline=pipeline, steps=0), collect_tables=True)
     assert max(float(np.abs(full.tables[n][1] - start.tables[n][1]).max()) for n in full.tables) > 1e-3
     assert dyn.hit_rate < 1.0  # the small tables did evict and pull back
+    # evaluation reads the rows it has no room for from the PS: the same figures as full tables
+    assert abs(full.auc - dyn.auc) <= 1e-6 and abs(full.logloss - dyn.logloss) <= 1e-6, (
+        f"AUC {full.auc} vs {dyn.auc}, log-loss {full.logloss} vs {dyn.logloss}"
+    )
     for name, (first, rows) in full.tables.items():
         dfirst, drows = dyn.tables[name]
         assert first == dfirst and rows.shape == drows.shape
@@ -57,6 +61,7 @@ def test_two_torchrun_ranks_train_exactly_like_full_tables(optimizer, ps, tmp_pa
         diff = np.abs(got["full_losses"] - got["dyn_losses"])
         assert len(diff) == 100 and diff.max() <= 1e-6, f"rank {rank}: losses part by {diff.max():.3g}"
         assert got["hit_rate"] < 1.0
+        np.testing.assert_allclose(got["eval_dyn"], got["eval_full"], rtol=0, atol=1e-6, err_msg="AUC, log-loss")
         tables = [k[5:] for k in got.files if k.startswith("full_") and not k.endswith(("_first", "losses"))]
         assert len(tables) == 6
         for name in tables:

@@ -42,6 +42,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -49,6 +50,7 @@ import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from dynemb.idtransformer.find import Found, find_blocks
 from dynemb.idtransformer.policy import EvictionPolicy
 from dynemb.idtransformer.sharded import (
     BatchRefused,
@@ -76,6 +78,13 @@ class DynamicTableSpec:
     ps_schema: TableSchema  # its PS table (name, dim, state width, initializer)
     policy: EvictionPolicy
     admit_threshold: int = 1
+
+
+class LookedUp(NamedTuple):
+    """A batch looked up without training (DynamicTables.look_up)."""
+
+    kjt: KeyedJaggedTensor  # over slots; IDs without a device row left out of their bags
+    missing: dict[str, torch.Tensor]  # per key of a dynamic table: its bags' missing rows summed, (batch, dim)
 
 
 @dataclass
@@ -514,6 +523,81 @@ class DynamicTables:
         finally:
             self.ahead = 0
             self.settle()
+
+    # -- looking up without training (evaluation) ---------------------------------------
+
+    def look_up(self, kjt: KeyedJaggedTensor) -> LookedUp:
+        """Collective: a batch's rows for a forward without backward, changing nothing.
+
+        A resident ID reads its device row through the KJT over slots; an ID without one reads
+        its row where it lies (the PS, or its initial value if it was never trained), pulled by
+        its owner and pooled here: nothing is admitted, evicted, pinned, counted or pushed, so
+        held-out data leaves no trace on the tables or the PS.
+
+        Args:
+            kjt: the batch's sparse features, over global IDs; tables pool by sum.
+
+        Returns:
+            The KJT over slots of the resident IDs (the others left out of their bags), and
+            for each key of a dynamic table the sum of its bags' missing rows, (batch, dim).
+        """
+        self.settle()  # rows of transformed batches in place before any is read
+        layout = self._layout(kjt)
+        found = find_blocks([self.transformers[n] for n in self.names], layout.ids, layout.sizes)
+        rows = self._missing_rows(found)  # per value of layout, in its order (zero for a hit)
+        lengths = kjt.lengths().long()
+        segment = torch.repeat_interleave(torch.arange(len(lengths)), lengths)[layout.order]
+        weights = kjt.weights_or_none()
+        if weights is not None:
+            rows = rows * weights[layout.order].unsqueeze(1)
+        pooled = torch.zeros(len(lengths), rows.shape[1]).index_add_(0, segment, rows)
+        pooled = pooled.view(len(kjt.keys()), -1, rows.shape[1])
+        missing = {
+            key: pooled[k, :, : self.rows[self.feature_table[key]].dim]
+            for k, key in enumerate(kjt.keys())
+            if key in self.feature_table
+        }
+        return LookedUp(self._over_slots(kjt, layout, found.slots), missing)
+
+    def _missing_rows(self, found: Found) -> torch.Tensor:
+        """The embeddings of the batch's IDs that no owner holds a row of, as (values, widest dim),
+        zero where an ID has a row: each owner pulls those it owns from its store (a pull
+        stores nothing) and sends them back, in the order they were asked."""
+        width = max(self.rows[n].dim for n in self.names)
+        world = self.world_size
+        # the owner's side: what it was asked and holds no row of, pulled table by table
+        asked_missing = found.asked_slots < 0
+        n_tables = len(self.names)
+        table_of = torch.arange(n_tables).repeat(world).repeat_interleave(found.asked_counts.reshape(-1))
+        missing_table = table_of[asked_missing]
+        missing_ids = found.asked[asked_missing]
+        wanted = {self.ps_names[t]: missing_ids[missing_table == t].numpy() for t in range(n_tables)}
+        pulled = self.store.pull_many_async({name: ids for name, ids in wanted.items() if len(ids)}).result()
+        answer = torch.zeros(len(missing_ids), width)
+        for t, name in enumerate(self.names):
+            if self.ps_names[t] in pulled:
+                dim = self.rows[name].dim
+                answer[missing_table == t, :dim] = torch.from_numpy(pulled[self.ps_names[t]][:, :dim])
+        # the asker's side: the rows of its IDs answered -1, owner by owner
+        sent_missing = found.answers < 0
+        if world == 1:
+            got = answer
+        else:
+            source_of = torch.arange(world).repeat_interleave(found.asked_counts.sum(1))
+            owner_of = torch.arange(world).repeat_interleave(found.sent_counts.sum(1))
+            answer_counts = torch.bincount(source_of[asked_missing], minlength=world).tolist()
+            got_counts = torch.bincount(owner_of[sent_missing], minlength=world).tolist()
+            got = torch.empty(sum(got_counts), width)
+            dist.all_to_all_single(got, answer, got_counts, answer_counts, group=self.process_group)
+        rows = torch.zeros(len(found.answers), width)
+        rows[sent_missing] = got
+        return rows.index_select(0, found.position)
+
+    def look_up_batches(self, batches: Iterator[Batch]) -> Iterator[tuple[Batch, dict[str, torch.Tensor]]]:
+        """Collective: each batch over device rows and its missing rows pooled (look_up)."""
+        for batch in batches:
+            looked = self.look_up(batch.sparse_features)
+            yield Batch(batch.dense_features, looked.kjt, batch.labels), looked.missing
 
     # -- whole tables ------------------------------------------------------------------
 

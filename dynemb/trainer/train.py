@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torchrec.models.dlrm import SparseArch
 from tqdm import tqdm
 
 from dynemb.idtransformer.hashing import owner_of
@@ -318,14 +319,28 @@ def evaluate(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None) -> t
     model.eval()
     logits, labels = [], []
     data = batches(cfg, split=1)
-    if dynamic is not None:
-        data = dynamic.wrap(data)
-    for batch in data:
-        _, (_, logit, label) = model(batch)
-        logits.append(logit.reshape(-1))
-        labels.append(label.reshape(-1))
-        if dynamic is not None:
-            dynamic.release_oldest()
+    # dynamic tables: looked up, not transformed: held-out IDs are neither admitted nor pushed,
+    # and an ID without a device row reads its PS row (or initial value), added to the pooled
+    # embeddings the model computes from the rows it has
+    looked = dynamic.look_up_batches(data) if dynamic is not None else ((b, None) for b in data)
+    sparse_arch = next(m for m in model.modules() if isinstance(m, SparseArch))
+    pending: list[dict[str, torch.Tensor]] = []  # the batch's missing rows, for the hook
+
+    def add_missing(module: SparseArch, _inputs, pooled: torch.Tensor) -> torch.Tensor:
+        missing = pending.pop()
+        if not missing:
+            return pooled
+        return pooled + torch.stack([missing[f] for f in module.sparse_feature_names], dim=1)
+
+    hook = sparse_arch.register_forward_hook(add_missing)
+    try:
+        for batch, missing in looked:
+            pending.append(missing or {})
+            _, (_, logit, label) = model(batch)
+            logits.append(logit.reshape(-1))
+            labels.append(label.reshape(-1))
+    finally:
+        hook.remove()
     model.train()
     local = torch.stack([torch.cat(logits), torch.cat(labels)]) if logits else torch.zeros(2, 0)
     every = torch.cat(all_gather_ragged(local), dim=1)

@@ -27,7 +27,8 @@ def main() -> None:
     full = train(config(optimizer, dynamic=False), collect_tables=True)
     dyn = train(config(optimizer, dynamic=True, ps=ps), collect_tables=True)
     arrays = {"full_losses": np.array(full.losses), "dyn_losses": np.array(dyn.losses),
-              "hit_rate": np.array(dyn.hit_rate)}
+              "hit_rate": np.array(dyn.hit_rate), "eval_full": np.array([full.auc, full.logloss]),
+              "eval_dyn": np.array([dyn.auc, dyn.logloss])}
     for name, (first, rows) in full.tables.items():
         arrays[f"full_{name}"], arrays[f"full_{name}_first"] = rows, np.array(first)
         dfirst, drows = dyn.tables[name]

@@ -1,0 +1,78 @@
+"""Find: a batch's IDs -> the slots that hold them, without admitting, touching or pinning.
+
+What a forward without backward (evaluation) needs: transform admits the IDs it meets,
+evicts others for them and counts every sighting, so a held-out batch run through it would
+leave its IDs in the tables (and, once evicted or flushed, on the PS) and change what stays
+resident. find_blocks only reads: each owner looks the IDs it owns up in its slot map and
+answers the slot, or -1 for an ID it holds no row of. The exchange is transform's (route
+and all_to_all, one call for all tables); the owner's side of it is returned as well, for
+the caller to answer the missing IDs' rows (the owner's store holds them).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from dynemb.idtransformer.ids import as_int64_ids
+from dynemb.idtransformer.route import route, transpose_blocks
+from dynemb.idtransformer.sharded import ShardedIDTransformer, _exchange
+
+
+class Found(NamedTuple):
+    """A batch looked up. The send layout holds the batch's IDs by (owner, table) block; the
+    asked layout holds what the other ranks asked this rank, by (source, table) block."""
+
+    slots: torch.Tensor  # per ID of the batch, in its flat layout: the global slot, -1 if none
+    answers: torch.Tensor  # the send layout's slots, as the owners answered them
+    position: torch.Tensor  # where each ID of the batch stands in the send layout
+    sent_counts: torch.Tensor  # (world, tables): IDs this rank asked each owner, per table
+    asked: torch.Tensor  # the IDs asked of this rank, in the asked layout
+    asked_slots: torch.Tensor  # their slots here (-1: no row here), the same layout
+    asked_counts: torch.Tensor  # (world, tables): IDs each source rank asked, per table
+
+
+def find_blocks(tables: list[ShardedIDTransformer], ids: torch.Tensor, sizes: list[int]) -> Found:
+    """Collective: the slots of one batch's IDs, for many tables in one exchange.
+
+    Args:
+        tables: every rank's same tables, in the same order (one group).
+        ids: the batch's IDs of table 0, then those of table 1, ... (int64).
+        sizes: how many IDs each table has in `ids`.
+
+    Returns:
+        The slots, and both sides of the exchange (Found). Nothing of any table changes.
+    """
+    first = tables[0]
+    group, world, device = first.group, first.world_size, first.device
+    n_tables = len(tables)
+    every = as_int64_ids(ids).reshape(-1).to(device)
+    kernel = all(t.local.backend == "kernel" for t in tables)
+    send, position, counts = route(every, sizes, world, kernel)
+    sent_counts = counts.view(world, n_tables)
+    if world == 1:
+        asked, asked_counts = send, sent_counts
+    else:
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts, group=group)
+        asked_counts = recv.view(world, n_tables)
+        asked = _exchange(send, sent_counts.sum(1).tolist(), asked_counts.sum(1).tolist(), group)
+    table_major = transpose_blocks(asked, asked_counts, kernel)
+    per_table = torch.split(table_major, asked_counts.sum(0).tolist())
+    found = torch.cat([_find(t, x) for t, x in zip(tables, per_table)]) if n_tables else asked[:0]
+    asked_slots = transpose_blocks(found, asked_counts.t(), kernel)
+    if world == 1:
+        answers = asked_slots
+    else:
+        answers = _exchange(asked_slots, asked_counts.sum(1).tolist(), sent_counts.sum(1).tolist(), group)
+    slots = answers.index_select(0, position)
+    return Found(slots, answers, position, sent_counts, asked, asked_slots, asked_counts)
+
+
+def _find(table: ShardedIDTransformer, ids: torch.Tensor) -> torch.Tensor:
+    if ids.numel() == 0:
+        return ids.clone()
+    local = table.local.map.find(ids).to(torch.int64)
+    return torch.where(local >= 0, local + table.offset, -1)
