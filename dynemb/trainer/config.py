@@ -132,7 +132,8 @@ HELP = {
     "source": "'synthetic', or a Criteo TSV file or folder of *.tsv/*.txt files",
     "num_dense": "dense features per sample",
     "num_sparse": "sparse features per sample (one table each)",
-    "universe": "synthetic: distinct IDs per feature (also the rows of a full table)",
+    "universe": "synthetic: distinct IDs per feature; also the rows of each full table (--no-dynamic), "
+    "into which any data's IDs go by id mod rows (the hashing trick: colliding IDs share a row)",
     "zipf": "synthetic: Zipf exponent of the ID draw over the universe (> 0; ID k-1 has probability ~ k^-zipf)",
     "ids_per_feature": "synthetic: IDs per sample and feature (bag size)",
     "eval_fraction": "TSV: share of lines held out for evaluation",
@@ -147,7 +148,8 @@ HELP = {
     "admit_threshold": "sightings before an ID gets a row (1: at once)",
     "ttl_steps": "IDs idle longer than this many steps go first (0: no TTL)",
     "init_scale": "never-seen IDs start uniform(-s, s); 0 means 1/sqrt(dim)",
-    "dynamic": "dynamic tables over the PS (--no-dynamic: plain full TorchRec tables)",
+    "dynamic": "dynamic tables over the PS (--no-dynamic: plain full TorchRec tables of --universe rows each; "
+    "an ID v takes row v mod --universe, the hashing trick, as TorchRec's Criteo examples do)",
     "optimizer": "sgd, adagrad, rowwise_adagrad, adam "
     "(fused into backward; Adam on CPU through dynemb/trainer/sparse_adam.py)",
     "lr": "learning rate of the embedding tables",

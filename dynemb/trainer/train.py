@@ -106,8 +106,14 @@ def batches(cfg: TrainConfig, split: int, start: int = 0):
     rank, world = dist.get_rank(), dist.get_world_size()
     if cfg.data.source == "synthetic":
         data = SyntheticCriteo(cfg.data, cfg.batch_size, rank, world)
-        return data.train_batches(start) if split == 0 else data.eval_batches(cfg.eval_batches)
-    return itertools.islice(criteo_tsv_batches(cfg.data, cfg.batch_size, rank, world, split), start, None)
+        out = data.train_batches(start) if split == 0 else data.eval_batches(cfg.eval_batches)
+    else:
+        out = itertools.islice(criteo_tsv_batches(cfg.data, cfg.batch_size, rank, world, split), start, None)
+    if cfg.table.dynamic:
+        return out
+    from dynemb.trainer.full_tables import job_batches  # IDs hashed into the rows; ranks stop together
+
+    return job_batches(cfg, out, split)
 
 
 def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
@@ -126,6 +132,12 @@ def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
     """
     created = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
+    if not cfg.table.dynamic and rank == 0:  # the job's first line: how IDs find their rows
+        import sys
+
+        from dynemb.trainer.full_tables import describe
+
+        print(describe(cfg), file=sys.stderr, flush=True)
     store = open_row_store(cfg)
     metrics = TrainerMetrics(rank)
     if cfg.metrics_port:  # + local rank: every machine's (or pod's) ranks serve on the same ports
