@@ -295,26 +295,27 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 
     # -- rows -------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _tallied(self, method: str) -> Iterator[_Tally]:
+        """A _Tally for a row call's entries, reported under `method` when the call ends, failed or not."""
+        tally = _Tally()
+        try:
+            yield tally
+        finally:
+            tally.report(self.metrics, method)
+
     def Pull(self, request, context):
-        with self._call("Pull", context):
-            tally = _Tally()
-            try:
-                plan = self._pull_plan(request, tally)
-                self._check_reply_size("pull", [plan])
-                return build_pull_response(self._reply_plan(*plan, tally))
-            finally:
-                tally.report(self.metrics, "Pull")
+        with self._call("Pull", context), self._tallied("Pull") as tally:
+            plan = self._pull_plan(request, tally)
+            self._check_reply_size("pull", [plan])
+            return build_pull_response(self._reply_plan(*plan, tally))
 
     def PullMany(self, request, context):
-        with self._call("PullMany", context):
-            tally = _Tally()
-            try:
-                # every entry checked before any is read
-                plans = [self._pull_plan(p, tally) for p in request.pulls]
-                self._check_reply_size("pull of several tables", plans)
-                return build_pull_many_response([self._reply_plan(*plan, tally) for plan in plans])
-            finally:
-                tally.report(self.metrics, "Pull")
+        with self._call("PullMany", context), self._tallied("Pull") as tally:
+            # every entry checked before any is read
+            plans = [self._pull_plan(p, tally) for p in request.pulls]
+            self._check_reply_size("pull of several tables", plans)
+            return build_pull_many_response([self._reply_plan(*plan, tally) for plan in plans])
 
     def _pull_plan(self, request, tally: _Tally) -> tuple[TableSchema, np.ndarray, int, np.ndarray | None]:
         """(schema, ids, request bytes, where the rows go: a segment's rows or None for the reply)."""
@@ -386,27 +387,19 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         return codec.encode_mask(missing), num_missing
 
     def Push(self, request, context):
-        with self._call("Push", context):
-            tally = _Tally()
-            try:
-                plan = self._push_plan(request, tally)
-                self._still_wanted(context, "push")
-                return ps_pb2.PushResponse(rows_written=self._push_rows(*plan, tally))
-            finally:
-                tally.report(self.metrics, "Push")
+        with self._call("Push", context), self._tallied("Push") as tally:
+            plan = self._push_plan(request, tally)
+            self._still_wanted(context, "push")
+            return ps_pb2.PushResponse(rows_written=self._push_rows(*plan, tally))
 
     def PushMany(self, request, context):
-        with self._call("PushMany", context):
-            tally = _Tally()
-            try:
-                # every entry checked before any is written: a bad one writes nothing
-                plans = [self._push_plan(p, tally) for p in request.pushes]
-                self._still_wanted(context, "push")
-                return ps_pb2.PushManyResponse(
-                    pushes=[ps_pb2.PushResponse(rows_written=self._push_rows(*plan, tally)) for plan in plans]
-                )
-            finally:
-                tally.report(self.metrics, "Push")
+        with self._call("PushMany", context), self._tallied("Push") as tally:
+            # every entry checked before any is written: a bad one writes nothing
+            plans = [self._push_plan(p, tally) for p in request.pushes]
+            self._still_wanted(context, "push")
+            return ps_pb2.PushManyResponse(
+                pushes=[ps_pb2.PushResponse(rows_written=self._push_rows(*plan, tally)) for plan in plans]
+            )
 
     def _push_plan(self, request, tally: _Tally) -> tuple[TableSchema, np.ndarray, np.ndarray]:
         """(schema, ids, rows) of a PushRequest read by wire.parse_push_request."""
