@@ -12,6 +12,7 @@ from dynemb.common.version import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of the `dynemb` command with every subcommand."""
     parser = argparse.ArgumentParser(
         prog="dynemb",
         description="dynemb: dynamic-embedding training. Bounded device tables behind an ID "
@@ -36,6 +37,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs the `dynemb` command.
+
+    Args:
+        argv: its arguments [default: sys.argv[1:]].
+
+    Returns:
+        The exit status: the subcommand's, 1 for a PSError or UserError (printed as one line),
+        130 on Ctrl-C, 141 when stdout's reader went away.
+    """
     args = build_parser().parse_args(argv)
     try:
         return args.func(args) or 0

@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Adds `demo` to the `dynemb` command's subparsers `sub`."""
     p = sub.add_parser(
         "demo",
         help="start a PS on the embedded store, create a table, pull and push rows, print what happened",
@@ -27,6 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args) -> int:
+    """`dynemb demo`: start a PS, pull and push through the client, print what happened."""
     from dynemb.ps_server.client import PSClient
     from dynemb.ps_server.schema import Initializer
     from dynemb.ps_server.server import PSServer, ServeConfig

@@ -2,6 +2,9 @@
 
 Every `serve` flag has an environment variable (shown in --help), so the same
 command line works in a systemd unit or a Kubernetes pod spec.
+
+Each cmd_* function runs one subcommand with the parsed flags and returns its exit status (0 unless
+its docstring says otherwise); a PSError or UserError reaches dynemb.cli, which prints it as one line.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ _flag.__name__ = "boolean (1/0, true/false, yes/no, on/off)"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Adds `ps` and its subcommands to the `dynemb` command's subparsers `sub`."""
     ps = sub.add_parser("ps", help="parameter server: serve, or manage tables on running ones")
     ps_sub = ps.add_subparsers(dest="ps_command", metavar="COMMAND", required=True)
 
@@ -227,6 +231,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args) -> int:
+    """`dynemb ps serve`: serve until SIGTERM or SIGINT, then drain; 2 where the PS cannot start."""
     from dynemb.ps_server.parent_watch import die_with_parent
     from dynemb.ps_server.server import PSServer, ServeConfig
 
@@ -355,6 +360,7 @@ def _table_line(info) -> str:
 
 
 def cmd_tables(args) -> int:
+    """`dynemb ps tables`: print each table's schema and row count."""
     with client_from_args(args) as ps:
         tables = ps.list_tables()
     for info in tables:
@@ -365,6 +371,7 @@ def cmd_tables(args) -> int:
 
 
 def cmd_create_table(args) -> int:
+    """`dynemb ps create-table`: create the table on every PS and print it."""
     with client_from_args(args) as ps:
         info = ps.create_table(args.table, args.dim, args.state_width, args.dtype, initializer_from_args(args))
     print(_table_line(info))
@@ -372,6 +379,7 @@ def cmd_create_table(args) -> int:
 
 
 def cmd_describe(args) -> int:
+    """`dynemb ps describe`: print one table's schema and row count as JSON."""
     with client_from_args(args) as ps:
         print(
             json.dumps(
@@ -383,6 +391,7 @@ def cmd_describe(args) -> int:
 
 
 def cmd_drop(args) -> int:
+    """`dynemb ps drop`: drop a table on every PS."""
     with client_from_args(args) as ps:
         n = ps.drop_table(args.table, missing_ok=args.missing_ok)
     print(f"dropped {args.table} ({n} rows)")
@@ -390,6 +399,7 @@ def cmd_drop(args) -> int:
 
 
 def cmd_pull(args) -> int:
+    """`dynemb ps pull`: print the rows of some ids (bf16 as values)."""
     with client_from_args(args) as ps:
         got = ps.pull(args.table, np.array(args.ids, dtype=np.int64))
         rows = got.rows
@@ -404,6 +414,7 @@ def cmd_pull(args) -> int:
 
 
 def cmd_stats(args) -> int:
+    """`dynemb ps stats`: print each PS's stats as JSON."""
     from google.protobuf import json_format
 
     with client_from_args(args) as ps:
@@ -413,6 +424,7 @@ def cmd_stats(args) -> int:
 
 
 def cmd_health(args) -> int:
+    """`dynemb ps health`: print each PS's health; 1 unless all are SERVING."""
     with client_from_args(args) as ps:
         status = ps.health(timeout=args.timeout)
         for address, s in zip(ps.addresses, status):

@@ -11,6 +11,18 @@ ID_DTYPE = np.dtype("<i8")
 
 
 def decode_ids(data: bytes, table: str = "") -> np.ndarray:
+    """Ids packed as little-endian int64.
+
+    Args:
+        data: the packed bytes.
+        table: the table, named in the error.
+
+    Returns:
+        The ids, aligned (a view of data where it is aligned).
+
+    Raises:
+        InvalidArgument: the length is not a multiple of 8.
+    """
     if len(data) % 8:
         where = f" for table {table!r}" if table else ""
         raise InvalidArgument(
@@ -23,10 +35,16 @@ def decode_ids(data: bytes, table: str = "") -> np.ndarray:
 
 
 def encode_ids(ids) -> bytes:
+    """Ids packed as little-endian int64 bytes."""
     return np.ascontiguousarray(ids, dtype=ID_DTYPE).tobytes()
 
 
 def decode_rows(data: bytes, schema: TableSchema, num_ids: int) -> np.ndarray:
+    """Rows packed in the table's dtype, as a (num_ids, width) view of data.
+
+    Raises:
+        InvalidArgument: data is not num_ids rows of the schema's size.
+    """
     expected = num_ids * schema.row_bytes
     if len(data) != expected:
         raise InvalidArgument(
@@ -56,10 +74,12 @@ def rows_for_table(rows: np.ndarray, schema: TableSchema, n: int) -> np.ndarray:
 
 
 def encode_mask(mask: np.ndarray) -> bytes:
+    """A bool mask packed 8 to a byte, first entry in the lowest bit."""
     return np.packbits(np.asarray(mask, dtype=bool), bitorder="little").tobytes()
 
 
 def decode_mask(data: bytes, n: int) -> np.ndarray:
+    """The first n entries of a mask packed by encode_mask, as bools."""
     bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little", count=n)
     return bits.astype(bool)
 

@@ -61,10 +61,12 @@ def float_to_bf16_bits(x: np.ndarray) -> np.ndarray:
 
 
 def bf16_bits_to_float(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) as the float32 values they stand for."""
     return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
 def to_table_dtype(values: np.ndarray, schema: TableSchema) -> np.ndarray:
+    """Values in a table's storage dtype (bf16: bit patterns, rounded to nearest even)."""
     if schema.dtype == "bf16":
         return float_to_bf16_bits(values.astype(np.float32))
     return values.astype(schema.np_dtype)

@@ -20,6 +20,11 @@ SEPARATOR = "|"
 
 
 def split_hostport(address: str) -> tuple[str, int]:
+    """(host, port) of "host:port" ("[v6]:port" too).
+
+    Raises:
+        InvalidArgument: not host:port with a numeric port.
+    """
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise InvalidArgument(f"PS address {shown(address)} is not host:port")

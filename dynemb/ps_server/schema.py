@@ -37,6 +37,15 @@ MAX_ROW_WIDTH = 1 << 16
 
 
 def check_name(name: str, what: str = "table name") -> str:
+    """`name` if it is a valid table (or other) name: 1 to 128 of A-Z a-z 0-9 _ . -
+
+    Args:
+        name: the name to check.
+        what: what it names, for the message.
+
+    Raises:
+        InvalidArgument: it is not valid (echoed capped).
+    """
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise InvalidArgument(f"{what} {shown(name)} is not valid: use 1 to 128 of the characters A-Z a-z 0-9 _ . -")
     return name
@@ -65,12 +74,14 @@ class Initializer:
             raise InvalidArgument(f"normal initializer needs std b >= 0, got b={self.b}")
 
     def to_proto(self) -> ps_pb2.Initializer:
+        """This initializer as the ps.proto message."""
         return ps_pb2.Initializer(
             kind=_PROTO_INIT[self.kind], a=self.a, b=self.b, seed=self.seed, state_init=self.state_init
         )
 
     @classmethod
     def from_proto(cls, msg: ps_pb2.Initializer) -> Initializer:
+        """The initializer a ps.proto message describes."""
         kind = _INIT_FROM_PROTO.get(msg.kind)
         if kind is None:
             raise InvalidArgument(f"unknown initializer kind {msg.kind}")
@@ -119,13 +130,16 @@ class TableSchema:
 
     @property
     def np_dtype(self) -> np.dtype:
+        """The numpy dtype rows are stored in (bf16: uint16 bit patterns)."""
         return DTYPES[self.dtype]
 
     @property
     def row_bytes(self) -> int:
+        """Bytes of one row (embedding and state)."""
         return self.width * self.np_dtype.itemsize
 
     def to_proto(self) -> ps_pb2.TableSpec:
+        """This schema as the ps.proto message."""
         return ps_pb2.TableSpec(
             name=self.name,
             dim=self.dim,
@@ -136,6 +150,7 @@ class TableSchema:
 
     @classmethod
     def from_proto(cls, msg: ps_pb2.TableSpec) -> TableSchema:
+        """The schema a ps.proto message describes, checked."""
         dtype = _DTYPE_FROM_PROTO.get(msg.dtype)
         if dtype is None:
             raise InvalidArgument(
@@ -150,6 +165,7 @@ class TableSchema:
         )
 
     def to_dict(self) -> dict:
+        """This schema as a JSON-ready dict (the form table.json and the CLI use)."""
         return {
             "name": self.name,
             "dim": self.dim,
@@ -166,6 +182,7 @@ class TableSchema:
 
     @classmethod
     def from_dict(cls, d: dict) -> TableSchema:
+        """The schema of a to_dict() dict, checked."""
         return cls(
             name=d["name"],
             dim=int(d["dim"]),

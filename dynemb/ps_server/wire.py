@@ -226,6 +226,7 @@ def build_pull_many_response(plans: list[ReplyPlan]) -> bytes:
 
 
 def encode_push_request(table: str, ids: np.ndarray, rows: np.ndarray) -> bytes:
+    """A PushRequest's bytes (see push_request_parts)."""
     return b"".join(push_request_parts(table, ids, rows))
 
 
@@ -368,23 +369,29 @@ def _repeated(data, number: int, message: str, read) -> list:
 
 
 def parse_pull_response(data) -> PullReply:
+    """The PullReply of a PullResponse's bytes, its rows a view of data."""
     buf = memoryview(data).cast("B")
     return _pull_reply(buf, 0, len(buf))
 
 
 def parse_pull_many_response(data) -> list[PullReply]:
+    """The PullReply of each PullResponse in a PullManyResponse's bytes."""
     return _repeated(data, 1, "PullManyResponse", _pull_reply)
 
 
 def parse_push_request(data) -> PushCall:
+    """The PushCall of a PushRequest's bytes, its ids and rows views of data."""
     buf = memoryview(data).cast("B")
     return _push_call(buf, 0, len(buf))
 
 
 @dataclass(slots=True)
 class PushManyCall:
+    """A PushManyRequest read in place: one PushCall per table."""
+
     pushes: list[PushCall]
 
 
 def parse_push_many_request(data) -> PushManyCall:
+    """The PushManyCall of a PushManyRequest's bytes."""
     return PushManyCall(_repeated(data, 1, "PushManyRequest", _push_call))

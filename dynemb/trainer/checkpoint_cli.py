@@ -1,6 +1,7 @@
 """`dynemb checkpoint ...`: checkpoints (dynemb/trainer/checkpoint_format.py) from and onto a PS.
 
-Each subcommand is one function registered in add_parser. A training job checkpoints itself
+Each subcommand is one cmd_* function registered in add_parser: it takes the parsed flags
+and returns the exit status (0 unless its docstring says otherwise). A training job checkpoints itself
 (`dynemb train --checkpoint-dir D --checkpoint-every N`) and resumes with `--resume`; these
 commands work on the folders without a job.
 """
@@ -83,6 +84,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_inspect(args) -> int:
+    """`dynemb checkpoint inspect`; 2 where --verify is given a folder of checkpoints."""
     from dynemb.trainer.checkpoint_format import MANIFEST, chain, describe, verify
 
     print(describe(args.folder))
@@ -100,6 +102,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_save(args) -> int:
+    """`dynemb checkpoint save`: the chosen PS tables into a new checkpoint folder."""
     from dynemb.ps_server.cli import client_from_args
     from dynemb.trainer.checkpoint_format import save_tables
     from dynemb.trainer.table_cli import chosen_tables
@@ -114,6 +117,7 @@ def cmd_save(args) -> int:
 
 
 def cmd_restore(args) -> int:
+    """`dynemb checkpoint restore`: a checkpoint's tables onto a PS, each check passed first."""
     from dynemb.ps_server.cli import client_from_args
     from dynemb.trainer.checkpoint_format import restore_tables
 

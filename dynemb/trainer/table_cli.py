@@ -124,6 +124,7 @@ def chosen_tables(ps, args, done: str) -> list[str]:
 
 
 def cmd_export(args) -> int:
+    """`dynemb table export`: the chosen PS tables into OUT/<table>/ folders."""
     from pathlib import Path
 
     from dynemb.ps_server.cli import client_from_args
@@ -147,6 +148,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_import(args) -> int:
+    """`dynemb table import`: table folders into a PS, every shard and schema checked first."""
     import dataclasses
 
     from dynemb.ps_server.cli import client_from_args

@@ -122,6 +122,7 @@ def _columns(rows: list[tuple[str, ...]]) -> list[str]:
 
 
 def cmd_ls(args) -> int:
+    """`dynemb tf ls`: print a checkpoint's tensors, then its tables and other 2-D variables."""
     from dynemb.trainer.tf.source import open_source
 
     src = open_source(args.checkpoint)
@@ -191,6 +192,7 @@ def _table_section(title: str, src, tables: dict, why: str = "") -> str:
 
 
 def cmd_migrate(args) -> int:
+    """`dynemb tf migrate`: plan and check every table, then write them to the PS or folders."""
     from dynemb.ps_server.cli import initializer_from_args
     from dynemb.trainer.tf import migrate
     from dynemb.trainer.tf.errors import TFMigrationError

@@ -153,4 +153,9 @@ def _natural(name: str) -> list:
 
 
 def open_keras(path: str) -> KerasSource:
+    """A Source over a Keras 3 file (model.weights.h5 or model.keras).
+
+    Raises:
+        TFMigrationError: the file is no readable HDF5 file or .keras archive.
+    """
     return KerasSource(path)

@@ -128,12 +128,28 @@ class Plan:
 
 
 def token_ids(tokens: list[bytes]) -> np.ndarray:
+    """The ids of vocabulary tokens: XXH64 (seed 0) of each, as int64."""
     import xxhash
 
     return np.array([xxhash.xxh64_intdigest(t) for t in tokens], dtype=np.uint64).view(np.int64)
 
 
 def read_vocab(path: str, kind: str, rows: int, table: str) -> np.ndarray:
+    """The ids a vocabulary file gives the rows of a table.
+
+    Args:
+        path: the file, one line per row.
+        kind: "ids" (each line an integer) or "tokens" (hashed by token_ids).
+        rows: the rows of the table.
+        table: the table, for the messages.
+
+    Returns:
+        One int64 id per row.
+
+    Raises:
+        TFMigrationError: the file cannot be read, has another number of lines, a line that is
+            no integer, or an id twice.
+    """
     try:
         with open(path, "rb") as f:
             lines = f.read().split(b"\n")
@@ -212,6 +228,7 @@ def _ids_of(spec: TableSpec, table: Table) -> np.ndarray | None:
 
 
 def to_float32(values: np.ndarray, tf_dtype: str) -> np.ndarray:
+    """Values of TF dtype `tf_dtype` (bfloat16 as its bits) as float32."""
     return bf16_bits_to_float(values) if tf_dtype == "bfloat16" else values.astype(np.float32, copy=False)
 
 

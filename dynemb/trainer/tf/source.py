@@ -70,6 +70,7 @@ class Table:
 
 
 def bundle_rows(bundle: Bundle, name: str) -> Rows:
+    """The Rows of tensor `name` of a bundle, read and verified through it."""
     info = bundle.info(name)
     return Rows(
         name, info.dtype, info.shape, lambda lo, hi: bundle.read_rows(name, lo, hi), lambda: bundle.verify(name)

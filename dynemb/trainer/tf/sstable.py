@@ -39,6 +39,19 @@ def unmask_crc(masked: int) -> int:
 
 
 def read_varint(buf: bytes, pos: int, where: str) -> tuple[int, int]:
+    """A protobuf varint of buf at pos.
+
+    Args:
+        buf: the bytes.
+        pos: where the varint starts.
+        where: the file and block, for the message.
+
+    Returns:
+        (its value, the position after it).
+
+    Raises:
+        TFMigrationError: it runs past the end of buf (a corrupt file).
+    """
     result = shift = 0
     while True:
         if pos >= len(buf) or shift > 63:

@@ -29,6 +29,7 @@ SLOT = re.compile(r"^_[A-Za-z0-9]+_(?P<slot>m|v|accumulator|momentum)$")
 
 
 def is_tfra(name: str) -> bool:
+    """Whether a tensor name is part of a TFRA dynamic table (its keys, values or a shard)."""
     return bool(TF1.match(name) or TF2.match(name))
 
 
@@ -124,6 +125,12 @@ def _aligned(primary_keys: Rows, keys: Rows, values: Rows) -> Rows:
 
 
 def find(bundle: Bundle, infos: dict[str, TensorInfo]) -> dict[str, Table]:
+    """The TFRA dynamic tables of a bundle, with their optimizer slots, by table name.
+
+    Args:
+        bundle: the checkpoint's tensor bundle.
+        infos: its tensors by name.
+    """
     groups = _groups(infos)
     tables: dict[str, Table] = {}
     parts = {name: _table_rows(bundle, name, shards) for name, shards in groups.items()}
