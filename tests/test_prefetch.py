@@ -169,3 +169,21 @@ def test_an_unknown_priority_is_refused():
         TransformAhead(_GatedTables(), iter(()), window=1, priority="high")
     with pytest.raises(ValueError, match="transform_priority must be idle, low or normal, got 'fast'"):
         TrainConfig(transform_priority="fast")
+
+
+def test_a_job_transforms_at_normal_priority_unless_asked(monkeypatch):
+    """The default may not depend on an idle machine: at SCHED_IDLE any other busy process can
+    starve the transform thread (300 steps took over 150 s instead of 16 s beside two busy loops)."""
+    import argparse
+
+    from dynemb.trainer import prefetch
+    from dynemb.trainer.config import add_arguments, from_args
+
+    asked: list[str] = []
+    monkeypatch.setattr(prefetch, "set_thread_priority", asked.append)
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    cfg = from_args(p.parse_args(["--steps", "3", "--num-sparse", "2", "--universe", "500", "--batch-size", "8", "--no-progress"]))
+    assert cfg.transform_priority == "normal" and cfg.prefetch > 0
+    train(cfg)
+    assert asked and set(asked) == {"normal"}

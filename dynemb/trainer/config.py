@@ -62,7 +62,7 @@ class TrainConfig:
     over_arch: list[int] = field(default_factory=lambda: [64, 32, 1])
     pipeline: bool = True  # TrainPipelineSparseDist: next batch's transform/pull overlaps
     prefetch: int = 1  # batches a thread transforms ahead of the loop (dynemb/trainer/prefetch.py); 0: inline
-    transform_priority: str = "idle"  # that thread's scheduling: idle (SCHED_IDLE), low (nice 19), normal
+    transform_priority: str = "normal"  # that thread's scheduling: normal, low (nice 19), idle (SCHED_IDLE)
     ps: str = ""  # PS address(es), comma-separated; "" = embedded store in each rank's process
     ps_table_prefix: str = "dynemb_"
     ps_tls_ca: str = ""  # CA certificate (PEM) of a TLS PS; the auth token comes from DYNEMB_PS_AUTH_TOKEN
@@ -162,9 +162,9 @@ HELP = {
     "pipeline": "TrainPipelineSparseDist: the next batch's transform, pull and input dist overlap",
     "prefetch": "batches that a thread of their own transforms (IDs to slots, rows pulled and pushed) ahead "
     "of the training loop; 0: on the training thread",
-    "transform_priority": "scheduling of that thread: idle (Linux SCHED_IDLE: only on cores the training threads "
-    "leave free; fastest where the job has the machine), low (nice 19: milder, where other "
-    "busy processes share it), normal",
+    "transform_priority": "scheduling of that thread: normal (as any thread; never starved), low (nice 19), or "
+    "idle (Linux SCHED_IDLE: only on cores nothing else wants; a little faster on a machine the job has to "
+    "itself, but any other busy process can stall it, and the training loop waits for its batches)",
     "ps": "PS address(es) host:port, comma-separated; empty: the embedded store, in-process (each rank keeps "
     "the rows of the IDs it owns; they last as long as the job, and its checkpoints)",
     "ps_table_prefix": "prefix of the PS table names (several jobs can share one PS)",

@@ -29,15 +29,16 @@ What keeps it exact and reproducible:
   so the loop's forward, backward and fused optimizer touch other rows of the same tables.
 
 priority: how the operating system schedules the thread against the training threads.
-"normal": as any other thread. "idle" (Linux's SCHED_IDLE): it runs on cores the training
+"normal" (the trainer's default): as any other thread. "idle" (Linux's SCHED_IDLE): it runs on cores the training
 threads leave free, and never takes a core from them; on 2 cores, 2 ranks, it raised
 train_bench's ratio from 0.71-0.73 to 0.80-0.86 of plain TorchRec (bench/RESULTS.md): a normal thread
 competes for the same cores, delays the training thread that is the step's critical path,
 and that one rank's delay holds every rank up at the next collective. The thread is ahead of
 the loop by design, so it needs the cores only between the loop's waits (collectives,
 the other rank). Where other busy processes share the machine, an idle thread may get no
-core for long stretches and the loop then waits for its batches: "low" (nice 19) is the
-milder choice there.
+core for long stretches and the loop then waits for its batches (with two busy loops on
+the machine, 300 steps took more than 150 s instead of 16 s): a default may not depend on the
+machine being otherwise idle, so "idle" is only asked for. "low" (nice 19) is the milder choice.
 
 window: a batch is transformed once at most window - 1 earlier batches are in flight
 (transformed, not yet released). TorchRec's TrainPipelineSparseDist fetches batch i + 2
