@@ -33,6 +33,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from dynemb.idtransformer.hashing import owner_of
+from dynemb.ps_server.schema import TableSchema
 from dynemb.trainer.checkpoint_format import (
     FORMAT,
     VERSION,
@@ -285,11 +286,8 @@ class Checkpointer:
 
     def resolve(self, which: str) -> Path:
         if which == "latest":
-            have = checkpoints(self._directory())
-            if not have:
-                raise CheckpointError(f"resume latest: no checkpoint in {self.root}")
-            return have[-1]
-        return Path(which)
+            self._directory()  # raises without one
+        return resolve(self.cfg, which)
 
     def restore(self, which: str) -> int:
         """Collective: load the checkpoint (a folder or "latest") into the model, the PS and
@@ -327,27 +325,7 @@ class Checkpointer:
         return int(doc["step"])
 
     def _check_fits(self, folder: Path, doc: dict) -> None:
-        if doc.get("config") is None:
-            raise CheckpointError(
-                f"{folder}: holds PS tables only (made by `dynemb checkpoint save`), not a "
-                f"training job's state; put them on a PS with `dynemb checkpoint restore`"
-            )
-        if doc["world_size"] != self.world:
-            raise CheckpointError(
-                f"{folder}: written by {doc['world_size']} ranks, this job has {self.world} "
-                f"(restoring onto another number of ranks is not supported yet)"
-            )
-        if doc["dynamic"] != (self.dynamic is not None):
-            raise CheckpointError(
-                f"{folder}: {'dynamic' if doc['dynamic'] else 'full'} tables, this job's are "
-                f"{'dynamic' if self.dynamic is not None else 'full'}"
-            )
-        if doc["optimizer"] != self.cfg.optimizer:
-            raise CheckpointError(f"{folder}: optimizer {doc['optimizer']}, this job's is {self.cfg.optimizer}")
-        want = {n: self.built.schemas[n].to_dict() for n in self.built.table_names}
-        if doc["tables"] != want:
-            differ = sorted(set(want) ^ set(doc["tables"])) or [n for n in want if want[n] != doc["tables"][n]]
-            raise CheckpointError(f"{folder}: its tables differ from this job's ({', '.join(differ[:5])})")
+        check_fits(folder, doc, self.cfg, self.built.schemas, self.world)
 
     def _restore_tables(self, links: list[Path]) -> None:
         names = self.built.table_names
@@ -391,6 +369,54 @@ class Checkpointer:
                 ids = local.slot_id[slots].numpy()
                 rows = self.store.pull(self.built.schemas[name].name, ids)
                 self.dynamic.rows[name].write(slots, torch.from_numpy(np.asarray(rows, dtype=np.float32)))
+
+
+def resolve(cfg: TrainConfig, which: str) -> Path:
+    """The checkpoint folder `which` names: a folder, or "latest" in cfg.checkpoint_dir."""
+    if which == "latest":
+        have = checkpoints(cfg.checkpoint_dir)
+        if not have:
+            raise CheckpointError(f"resume latest: no checkpoint in {cfg.checkpoint_dir}")
+        return have[-1]
+    return Path(which)
+
+
+def check_settings(cfg: TrainConfig, schemas: dict[str, TableSchema], world: int) -> None:
+    """Whether the checkpoint cfg.resume names is one this job can continue from (ranks,
+    table kind, optimizer, table schemas), from its manifest alone: cheap, and made before the
+    job touches its PS tables, so that a job with other settings hears that rather than what
+    the PS says of its tables. Raises CheckpointError; restore() checks the files as well."""
+    folder = resolve(cfg, cfg.resume)
+    check_fits(folder, read_manifest(folder), cfg, schemas, world)
+
+
+def check_fits(folder: Path, doc: dict, cfg: TrainConfig, schemas: dict[str, TableSchema], world: int) -> None:
+    """Raises CheckpointError, naming the difference, unless the checkpoint of `folder` (its
+    manifest `doc`) is of a job with these settings and PS tables (`schemas`, by table name)."""
+    if doc.get("config") is None:
+        raise CheckpointError(
+            f"{folder}: holds PS tables only (made by `dynemb checkpoint save`), not a "
+            f"training job's state; put them on a PS with `dynemb checkpoint restore`"
+        )
+    if doc["world_size"] != world:
+        raise CheckpointError(
+            f"{folder}: written by {doc['world_size']} ranks, this job has {world} "
+            f"(restoring onto another number of ranks is not supported yet)"
+        )
+    if doc["dynamic"] != cfg.table.dynamic:
+        raise CheckpointError(
+            f"{folder}: {'dynamic' if doc['dynamic'] else 'full'} tables, this job's are "
+            f"{'dynamic' if cfg.table.dynamic else 'full'}"
+        )
+    if doc["optimizer"] != cfg.optimizer:
+        raise CheckpointError(
+            f"{folder}: optimizer {doc['optimizer']}, this job's is {cfg.optimizer} "
+            f"(resume with --optimizer {doc['optimizer']}, or start a new run without --resume)"
+        )
+    want = {n: s.to_dict() for n, s in schemas.items()}
+    if doc["tables"] != want:
+        differ = sorted(set(want) ^ set(doc["tables"])) or [n for n in want if want[n] != doc["tables"][n]]
+        raise CheckpointError(f"{folder}: its tables differ from this job's ({', '.join(differ[:5])})")
 
 
 def _save_torch(obj, path: Path) -> None:

@@ -80,6 +80,8 @@ class TrainConfig:
     checkpoint_keep: int = 3  # newest checkpoints kept (plus what their chains need)
     checkpoint_at_end: bool = False
     resume: str = ""  # a checkpoint folder, or "latest" (in checkpoint_dir)
+    warm_start: bool = False  # train on from the rows an earlier run left on the PS (startup.py)
+    fresh: bool = False  # drop the rows an earlier run left on the PS before training
     log_every: int = 20
     progress: bool = True
     # per-table settings over `table`, by table name (t_0 ... t_{num_sparse-1}); file only:
@@ -101,6 +103,8 @@ class TrainConfig:
             raise ValueError("checkpoint_every / checkpoint_at_end need checkpoint_dir")
         if self.resume == "latest" and not self.checkpoint_dir:
             raise ValueError("resume 'latest' needs checkpoint_dir")
+        if self.warm_start and self.fresh:
+            raise ValueError("warm_start and fresh exclude each other: keep the PS's rows or drop them, not both")
         if self.checkpoint_every < 0 or self.checkpoint_full_every < 1 or self.checkpoint_keep < 1:
             raise ValueError("checkpoint_every must be >= 0, checkpoint_full_every and checkpoint_keep >= 1")
         if self.ps_timeout_seconds <= 0 or self.ps_attempt_seconds <= 0:
@@ -186,6 +190,9 @@ HELP = {
     "checkpoint_keep": "newest checkpoints to keep (older ones go, unless a kept one builds on them)",
     "checkpoint_at_end": "also checkpoint after the last step",
     "resume": "continue from a checkpoint: its folder, or 'latest' in --checkpoint-dir",
+    "warm_start": "train on from the rows an earlier run left in this job's PS tables (without it, or --fresh, "
+    "or --resume, a job that finds such rows refuses to start)",
+    "fresh": "drop the rows an earlier run left in this job's PS tables before training (see --warm-start)",
     "log_every": "steps between progress-bar updates",
     "progress": "show the progress bar (rank 0)",
 }

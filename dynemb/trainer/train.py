@@ -41,6 +41,7 @@ from dynemb.trainer.dynamic import DynamicTables, DynamicTableSpec
 from dynemb.trainer.metrics import TrainerMetrics
 from dynemb.trainer.model import Built, build
 from dynemb.trainer.row_store import LocalRowStore, RemoteRowStore, RowStore
+from dynemb.trainer.startup import check_before_training
 from dynemb.trainer.table_rows import find_tables
 
 log = logging.getLogger("dynemb.trainer")
@@ -143,6 +144,7 @@ def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
     if cfg.metrics_port:  # + local rank: every machine's (or pod's) ranks serve on the same ports
         metrics.serve(cfg.metrics_port + int(os.environ.get("LOCAL_RANK", "0")), cfg.metrics_address)
     try:
+        check_before_training(cfg, store)  # the checkpoint's settings, then rows left on the PS (startup.py)
         built = build(cfg)
         dynamic = make_dynamic(cfg, built, store, metrics) if cfg.table.dynamic else None
         ckpt = Checkpointer(cfg, built, dynamic, store) if cfg.checkpoint_dir or cfg.resume else None

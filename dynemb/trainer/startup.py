@@ -1,0 +1,129 @@
+"""What a job checks before it trains, on every rank at once, before it creates its PS tables:
+
+1. with --resume, that the checkpoint is one of a job with these settings (ranks, optimizer,
+   tables), from its manifest: a job resumed with another --optimizer hears that, not what
+   the PS says of its tables of the other schema;
+2. its PS tables as an earlier run left them: a table of the same name with another schema
+   is refused (another job's, or this one's with other settings), and rows in them are
+   refused too unless the job says what to do with them: --warm-start trains on from them,
+   --fresh drops them first, --resume replaces them with the checkpoint's anyway. A rerun
+   must not silently start from the embeddings of the last one (and fresh dense layers).
+
+One PS call for all of it (ListTables: each table's schema and rows), made by rank 0 where the
+ranks share a PS, by each rank where each keeps its own rows (the embedded store, empty at a
+job's start). Every rank raises the same error, so none is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch.distributed as dist
+
+from dynemb.common.errors import UserError
+from dynemb.ps_server.errors import PSError
+from dynemb.ps_server.schema import TableSchema
+from dynemb.trainer.checkpoint import check_settings
+from dynemb.trainer.config import TrainConfig
+from dynemb.trainer.model import ps_schema
+from dynemb.trainer.row_store import LocalRowStore, RemoteRowStore, RowStore
+
+log = logging.getLogger("dynemb.trainer")
+
+# the flag that sets each field of a PS table's schema
+_FLAG = {"dim": "--dim", "state_width": "--optimizer", "initializer": "--seed, --init-scale"}
+
+
+class JobRefused(UserError):
+    """A job that will not start as asked: what it found, and the flags that say what to do."""
+
+
+def check_before_training(cfg: TrainConfig, store: RowStore) -> None:
+    """Collective: the checks above (and --fresh's drop); raises the same error on every rank.
+    Made before the model is built: a job refused is told at once."""
+    rank = dist.get_rank()
+    schemas = {f"t_{i}": ps_schema(cfg, i) for i in range(cfg.data.num_sparse)}  # as build() names them
+    mine: Exception | None = None
+    if rank == 0 or store.per_rank:
+        try:
+            if rank == 0 and cfg.resume:
+                check_settings(cfg, schemas, dist.get_world_size())
+            if cfg.table.dynamic:
+                _check_tables(cfg, list(schemas.values()), store, rank)
+        except Exception as exc:  # noqa: BLE001 - raised below, on every rank
+            mine = exc
+    # what the others raise: the error itself where it is a user's (it pickles), else its text
+    told = mine
+    if mine is not None and not isinstance(mine, (UserError, PSError, OSError)):
+        told = RuntimeError(f"rank {rank}: {type(mine).__name__}: {mine}")
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, told)
+    if mine is not None:
+        raise mine
+    first = next((e for e in every if e is not None), None)
+    if first is not None:
+        raise first
+
+
+def _check_tables(cfg: TrainConfig, wanted: list[TableSchema], store: RowStore, rank: int) -> None:
+    found, where = _tables(store)
+    mine = {s.name: s for s in wanted}
+    left = {name: found[name] for name in sorted(mine) if name in found}  # name: (schema, rows)
+    if not left:
+        return
+    if cfg.fresh:
+        rows = sum(n for _, n in left.values())
+        for name in left:
+            _drop(store, name)
+        if rank == 0:
+            log.warning("--fresh: dropped %d tables (%s, %s rows) on %s", len(left), _names(left), f"{rows:,}", where)
+        return
+    for name, (schema, _) in left.items():
+        if schema != mine[name]:
+            raise JobRefused(
+                f"{where} holds a table {name} with another schema than this job's ({_differences(schema, mine[name])})"
+                f", left by another job or a run with other settings: give this job tables of its own with "
+                f"--ps-table-prefix, run with that run's settings, or drop the tables with --fresh"
+            )
+    rows = sum(n for _, n in left.values())
+    if rows and not cfg.warm_start and not cfg.resume:
+        holding = {name: v for name, v in left.items() if v[1]}
+        raise JobRefused(
+            f"{where} already holds {rows:,} rows in {len(holding)} of this job's tables ({_names(holding)}), "
+            f"left by an earlier run: --warm-start trains on from them, --fresh drops them first, "
+            f"--resume continues from a checkpoint, --ps-table-prefix gives this job tables of its own"
+        )
+
+
+def _tables(store: RowStore) -> tuple[dict[str, tuple[TableSchema, int]], str]:
+    """{name: (schema, rows)} of every table the store holds, and where that is (for messages)."""
+    if isinstance(store, RemoteRowStore):
+        infos = store.client.list_tables()
+        where = "the PS " + ",".join(store.client.addresses)
+        return {i.schema.name: (i.schema, i.num_rows) for i in infos}, where
+    if isinstance(store, LocalRowStore):
+        s = store.store
+        return {t.name: (t, s.num_rows(t.name)) for t in s.list_tables()}, "the embedded store"
+    return {}, "the store"
+
+
+def _drop(store: RowStore, name: str) -> None:
+    if isinstance(store, RemoteRowStore):
+        store.client.drop_table(name, missing_ok=True)
+    elif isinstance(store, LocalRowStore):
+        store.store.drop_table(name)
+
+
+def _names(tables: dict) -> str:
+    names = list(tables)
+    return ", ".join(names) if len(names) <= 3 else f"{names[0]} ... {names[-1]}"
+
+
+def _differences(there: TableSchema, here: TableSchema) -> str:
+    a, b = there.to_dict(), here.to_dict()
+    return "; ".join(
+        f"{key} {a[key]} there, {b[key]} for this job ({_FLAG.get(key, key)})"
+        for key in a
+        if key != "name" and a[key] != b[key]
+    )
