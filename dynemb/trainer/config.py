@@ -28,7 +28,9 @@ class DataConfig:
     universe: int = 100_000  # synthetic: distinct IDs per sparse feature
     zipf: float = 1.05  # synthetic: skew of the ID draw
     ids_per_feature: int = 1  # synthetic: IDs per sample and feature (bag size)
-    eval_fraction: float = 0.1  # TSV: share of lines held out for evaluation
+    eval_fraction: float = 0.1  # TSV: share of lines held out for evaluation (unless eval_source)
+    eval_source: str = ""  # TSV: a file or folder evaluated instead (source's lines then all train)
+    epochs: int = 0  # TSV: passes over the training lines; the run is as long as they are (0: `steps`)
     skip_bad_lines: bool = False  # TSV: skip malformed lines (logged, counted) instead of stopping
     data_seed: int = 0  # synthetic: which stream of batches
 
@@ -58,6 +60,7 @@ class TrainConfig:
     batch_size: int = 512
     steps: int = 300
     eval_batches: int = 20
+    eval_every: int = 0  # steps between evaluations during training (0: only at the end)
     dense_arch: list[int] = field(default_factory=lambda: [64, 16])
     over_arch: list[int] = field(default_factory=lambda: [64, 32, 1])
     pipeline: bool = True  # TrainPipelineSparseDist: next batch's transform/pull overlaps
@@ -97,6 +100,10 @@ class TrainConfig:
             raise ValueError(f"transform_priority must be idle, low or normal, got {self.transform_priority!r}")
         if self.batch_size < 1 or self.steps < 0:
             raise ValueError("batch_size must be >= 1 and steps >= 0")
+        if self.eval_every < 0 or self.data.epochs < 0:
+            raise ValueError(f"eval_every and epochs must be >= 0, got {self.eval_every} and {self.data.epochs}")
+        if (self.data.epochs or self.data.eval_source) and self.data.source == "synthetic":
+            raise ValueError("epochs and eval_source are for file data: give --source FILE.tsv (or a folder)")
         if not self.data.zipf > 0 or self.data.universe < 1:
             raise ValueError(f"zipf must be > 0 (got {self.data.zipf}) and universe >= 1 (got {self.data.universe})")
         if (self.checkpoint_every or self.checkpoint_at_end) and not self.checkpoint_dir:
@@ -140,7 +147,11 @@ HELP = {
     "into which any data's IDs go by id mod rows (the hashing trick: colliding IDs share a row)",
     "zipf": "synthetic: Zipf exponent of the ID draw over the universe (> 0; ID k-1 has probability ~ k^-zipf)",
     "ids_per_feature": "synthetic: IDs per sample and feature (bag size)",
-    "eval_fraction": "TSV: share of lines held out for evaluation",
+    "eval_fraction": "TSV: share of lines held out for evaluation (every k-th line; not with --eval-source)",
+    "eval_source": "TSV: a file or folder of held-out data, evaluated after training (and every --eval-every "
+    "steps); every line of --source then trains",
+    "epochs": "TSV: passes over the training data; the run then lasts epochs x the data's batches (--steps is "
+    "not used). 0: --steps decides, and a run whose data runs out first stops there and says so",
     "skip_bad_lines": "TSV: skip a malformed line (each logged with file, line and reason; counted at the end) "
     "instead of stopping the job",
     "data_seed": "synthetic: which stream of batches",
@@ -159,8 +170,10 @@ HELP = {
     "lr": "learning rate of the embedding tables",
     "dense_lr": "learning rate of the dense layers",
     "batch_size": "samples per step and rank",
-    "steps": "training steps",
-    "eval_batches": "held-out batches per rank for AUC and log-loss",
+    "steps": "training steps (with file data and --epochs: not used)",
+    "eval_batches": "synthetic: held-out batches per rank for AUC and log-loss (a file's held-out data is "
+    "evaluated whole)",
+    "eval_every": "also evaluate every N steps during training (0: only after the last step)",
     "dense_arch": "bottom MLP sizes, comma-separated; the last must equal --dim",
     "over_arch": "top MLP sizes, comma-separated; the last is 1",
     "pipeline": "TrainPipelineSparseDist: the next batch's transform, pull and input dist overlap",

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -167,6 +168,43 @@ def criteo_tsv_batches(
         yield _tsv_batch(rows, keys)
     if skipped:
         log.warning("rank %d skipped %d malformed line(s) of %s", rank, skipped, cfg.source)
+
+
+def file_batches(cfg: DataConfig, batch_size: int, rank: int, world_size: int, split: int) -> Iterator[Batch]:
+    """This rank's batches of a file source: training (split 0) passes `cfg.epochs` times over
+    the training lines (every line of `source` when there is an `eval_source`); evaluation
+    (split 1) once over the held-out lines, or over every line of `eval_source`."""
+    if split == 1 and cfg.eval_source:
+        held_out = dataclasses.replace(cfg, source=cfg.eval_source, eval_fraction=0.0)
+        yield from criteo_tsv_batches(held_out, batch_size, rank, world_size, split=0)
+        return
+    training = dataclasses.replace(cfg, eval_fraction=0.0) if cfg.eval_source else cfg
+    if split == 1:
+        yield from criteo_tsv_batches(training, batch_size, rank, world_size, split=1)
+        return
+    for _ in range(max(cfg.epochs, 1)):
+        yield from criteo_tsv_batches(training, batch_size, rank, world_size, split=0)
+
+
+def batches_per_epoch(cfg: DataConfig, batch_size: int, world_size: int) -> int:
+    """Training batches that every rank of `world_size` gets from one pass over a file source
+    (the fewest any rank has: ranks stop together), counted from the files' lines alone."""
+    every = max(1, round(1 / cfg.eval_fraction)) if cfg.eval_fraction > 0 and not cfg.eval_source else 0
+    samples = 0
+    for path in _tsv_files(cfg.source):
+        lines = _count_lines(path)
+        samples += lines - (lines // every if every else 0)
+    fewest = samples // world_size  # the last rank's share
+    return -(-fewest // batch_size)
+
+
+def _count_lines(path: Path) -> int:
+    n, last = 0, b"\n"
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            n += chunk.count(b"\n")
+            last = chunk[-1:]
+    return n + (last != b"\n")  # a last line without its newline
 
 
 def _tsv_batch(rows: list[tuple], keys: list[str]) -> Batch:

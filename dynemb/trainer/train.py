@@ -36,7 +36,7 @@ from dynemb.ps_server.client import RetryPolicy
 from dynemb.trainer.checkpoint import Checkpointer
 from dynemb.trainer.collectives import all_gather_ragged
 from dynemb.trainer.config import TrainConfig
-from dynemb.trainer.data import SyntheticCriteo, criteo_tsv_batches
+from dynemb.trainer.data import SyntheticCriteo, batches_per_epoch, file_batches
 from dynemb.trainer.dynamic import DynamicTables, DynamicTableSpec
 from dynemb.trainer.metrics import TrainerMetrics
 from dynemb.trainer.model import Built, build
@@ -56,6 +56,8 @@ class TrainResult:
     samples_per_second: float = 0.0
     hit_rate: float = float("nan")
     hit_rates: list[float] = field(default_factory=list)  # dynamic tables: this rank's, per batch
+    evals: list[tuple[int, float, float]] = field(default_factory=list)  # (step, AUC, log-loss), eval_every
+    data_ran_out: bool = False  # the data ended before the planned steps
     # with train(..., collect_tables=True): this rank's block of every table after training,
     # {name: (first row, rows (n, dim + state width))}; dynamic tables read back from the PS
     tables: dict = field(default_factory=dict)
@@ -109,7 +111,7 @@ def batches(cfg: TrainConfig, split: int, start: int = 0):
         data = SyntheticCriteo(cfg.data, cfg.batch_size, rank, world)
         out = data.train_batches(start) if split == 0 else data.eval_batches(cfg.eval_batches)
     else:
-        out = itertools.islice(criteo_tsv_batches(cfg.data, cfg.batch_size, rank, world, split), start, None)
+        out = itertools.islice(file_batches(cfg.data, cfg.batch_size, rank, world, split), start, None)
     if cfg.table.dynamic:
         return out
     from dynemb.trainer.full_tables import job_batches  # IDs hashed into the rows; ranks stop together
@@ -231,8 +233,14 @@ def _loop(
         pipeline = this = TrainPipelineSparseDist(model, optimizer, torch.device("cpu"))
         return limited, lambda: this.progress(limited)[0]  # DLRMTrain's output: (loss, logits, labels)
 
+    total = planned_steps(cfg)
+    evaluating = cfg.eval_every
+
+    def boundary(k: int) -> int:  # the end of the segment that starts at step k
+        return min([total, *((k // p + 1) * p for p in (every, evaluating) if p)])
+
     bar = tqdm(
-        total=cfg.steps,
+        total=total,
         initial=first_step,
         desc=f"train (rank {rank})",
         unit="step",
@@ -240,12 +248,13 @@ def _loop(
     )
     start, window = time.perf_counter(), []
     k = first_step
-    current, step = segment(_next_boundary(k, every, cfg.steps))
+    current, step = segment(boundary(k))
     try:
-        while k < cfg.steps:
+        while k < total:
             try:
                 loss = step()
             except StopIteration:
+                result.data_ran_out = True
                 break
             if dynamic is not None:
                 dynamic.release_oldest()
@@ -253,7 +262,7 @@ def _loop(
             window.append(result.losses[-1])
             metrics.steps.labels(metrics.rank).inc()
             metrics.samples.labels(metrics.rank).inc(cfg.batch_size)
-            if (k + 1) % cfg.log_every == 0 or k + 1 == cfg.steps:
+            if (k + 1) % cfg.log_every == 0 or k + 1 == total:
                 elapsed = time.perf_counter() - start
                 rate = len(result.losses) * cfg.batch_size * dist.get_world_size() / elapsed
                 metrics.samples_per_second.labels(metrics.rank).set(rate / dist.get_world_size())
@@ -265,14 +274,29 @@ def _loop(
                 window = []
             bar.update(1)
             k += 1
-            if every and k % every == 0 and k < cfg.steps:  # drained: the segment ended here
+            if k < total and k == boundary(k - 1):  # drained: the segment ended here
                 current.close()  # a plain loop's has not seen its end: its thread is joined
-                assert ckpt is not None, "every > 0 only with a Checkpointer"
-                ckpt.save(k)
-                current, step = segment(_next_boundary(k, every, cfg.steps))
+                if every and k % every == 0:
+                    assert ckpt is not None, "every > 0 only with a Checkpointer"
+                    ckpt.save(k)
+                if evaluating and k % evaluating == 0:
+                    if pipeline is not None:
+                        pipeline.detach()  # the model's own forward, for evaluation
+                    result.evals.append((k, *evaluate(cfg, built, dynamic)))
+                    if rank == 0:
+                        bar.write(f"step {k}: eval AUC {result.evals[-1][1]:.4f}  log-loss {result.evals[-1][2]:.4f}")
+                current, step = segment(boundary(k))
     finally:  # a step that raised leaves no transform thread behind
         current.close()
     bar.close()
+    if result.data_ran_out and rank == 0:
+        log.warning(
+            "the training data ran out after step %d of %d (%s): the run ends there%s",
+            k,
+            total,
+            cfg.data.source,
+            "" if cfg.data.epochs else "; --epochs N trains N passes over it",
+        )
     if pipeline is not None:  # cfg.pipeline: the first segment() made one
         pipeline.detach()  # the model's own forward back, for evaluation
     elapsed = time.perf_counter() - start
@@ -285,8 +309,11 @@ def _loop(
     return result
 
 
-def _next_boundary(k: int, every: int, steps: int) -> int:
-    return min(steps, (k // every + 1) * every) if every else steps
+def planned_steps(cfg: TrainConfig) -> int:
+    """The steps of the job: `steps`, or with file data and `epochs`, that many passes' batches."""
+    if cfg.data.source == "synthetic" or not cfg.data.epochs:
+        return cfg.steps
+    return cfg.data.epochs * batches_per_epoch(cfg.data, cfg.batch_size, dist.get_world_size())
 
 
 def _collect_tables(built: Built, dynamic: DynamicTables | None, store: RowStore) -> dict:

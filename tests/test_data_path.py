@@ -1,0 +1,75 @@
+"""File data as a user runs it: epochs, a held-out file, evaluation during training, a run
+whose data runs out."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+from helpers import learnable_tsv
+
+from dynemb.trainer.config import DataConfig, TableConfig, TrainConfig
+from dynemb.trainer.data import batches_per_epoch
+from dynemb.trainer.train import train
+
+
+def _cfg(source: str, **extra) -> TrainConfig:
+    data = {k: extra.pop(k) for k in ("epochs", "eval_source", "eval_fraction") if k in extra}
+    return TrainConfig(
+        data=DataConfig(source=source, universe=2000, **data),
+        table=TableConfig(dim=8, capacity=400),
+        batch_size=16,
+        dense_arch=[8],
+        over_arch=[8, 1],
+        progress=False,
+        **extra,
+    )
+
+
+def test_batches_per_epoch_count_the_fewest_any_rank_gets(tmp_path):
+    source = learnable_tsv(tmp_path / "a.tsv", 100)  # lines 10, 20, ... 100 held out: 90 train
+    assert batches_per_epoch(DataConfig(source=source), 16, 1) == 6  # 90 = 5 x 16 + 10
+    assert batches_per_epoch(DataConfig(source=source), 16, 2) == 3  # 45 each
+    assert batches_per_epoch(DataConfig(source=source), 16, 4) == 2  # 22 for the last rank
+    assert batches_per_epoch(DataConfig(source=source, eval_source=source), 16, 1) == 7  # all 100 train
+    (tmp_path / "b.tsv").write_text(open(source).read().rstrip("\n"))  # no newline at the end
+    assert batches_per_epoch(DataConfig(source=str(tmp_path / "b.tsv"), eval_fraction=0.0), 10, 1) == 10
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_epochs_set_the_run_length_and_a_short_file_says_it_ran_out(tmp_path, caplog):
+    source = learnable_tsv(tmp_path / "a.tsv", 100)
+    result = train(_cfg(source, epochs=3, steps=5))  # --steps is not used with --epochs
+    assert len(result.losses) == 18 and not result.data_ran_out
+    assert np.isfinite(result.auc)
+    with caplog.at_level(logging.WARNING, logger="dynemb.trainer"):
+        short = train(_cfg(source, steps=100))
+    assert len(short.losses) == 6 and short.data_ran_out
+    assert "the training data ran out after step 6 of 100" in caplog.text and "--epochs" in caplog.text
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_an_eval_source_is_evaluated_and_every_source_line_trains(tmp_path):
+    source = learnable_tsv(tmp_path / "train.tsv", 100, seed=1)
+    held_out = learnable_tsv(tmp_path / "eval.tsv", 64, seed=2)
+    result = train(_cfg(source, eval_source=held_out, epochs=2))
+    assert len(result.losses) == 14  # 2 x 7 batches of 100 lines: none held out of the source
+    assert 0.5 < result.auc <= 1.0  # the label is learnable from the first column
+
+
+@pytest.mark.usefixtures("one_process_group")
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "plain"])
+def test_evaluating_during_training_changes_no_step(tmp_path, pipeline):
+    source = learnable_tsv(tmp_path / "a.tsv", 400)
+    plain = train(_cfg(source, steps=12, pipeline=pipeline))
+    evaluated = train(_cfg(source, steps=12, pipeline=pipeline, eval_every=5))
+    assert [step for step, _, _ in evaluated.evals] == [5, 10]
+    assert all(np.isfinite(auc) and np.isfinite(loss) for _, auc, loss in evaluated.evals)
+    assert evaluated.losses == plain.losses  # evaluation trained nothing, admitted nothing
+    assert (evaluated.auc, evaluated.logloss) == (plain.auc, plain.logloss)
+
+
+def test_file_settings_are_refused_on_synthetic_data():
+    with pytest.raises(ValueError, match="epochs and eval_source are for file data"):
+        TrainConfig(data=DataConfig(epochs=2))
