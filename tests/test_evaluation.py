@@ -30,7 +30,7 @@ def test_look_up_reads_rows_where_they_lie_and_changes_nothing():
     built = build(cfg)
     store = LocalRowStore()
     dynamic = make_dynamic(cfg, built, store, TrainerMetrics(0))
-    for batch in dynamic.wrap(SyntheticCriteo(cfg.data, cfg.batch_size).train_batches(), ahead=0):
+    for _ in dynamic.wrap(SyntheticCriteo(cfg.data, cfg.batch_size).train_batches(), ahead=0):
         dynamic.release_oldest()
         if dynamic.transformers["t_0"].local.step == 3:
             break

@@ -183,7 +183,7 @@ def test_a_job_transforms_at_normal_priority_unless_asked(monkeypatch):
     monkeypatch.setattr(prefetch, "set_thread_priority", asked.append)
     p = argparse.ArgumentParser()
     add_arguments(p)
-    cfg = from_args(p.parse_args(["--steps", "3", "--num-sparse", "2", "--universe", "500", "--batch-size", "8", "--no-progress"]))
+    cfg = from_args(p.parse_args("--steps 3 --num-sparse 2 --universe 500 --batch-size 8 --no-progress".split()))
     assert cfg.transform_priority == "normal" and cfg.prefetch > 0
     train(cfg)
     assert asked and set(asked) == {"normal"}
