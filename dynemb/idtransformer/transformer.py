@@ -40,7 +40,7 @@ from dynemb.idtransformer.slot_map import COIN_SEED, MAP_SEED, KernelSlotMap, co
 FREE = -1
 _MAX_PINS = 255
 _MAX_HITS = 0xFFFF  # the kernel counts a batch's sightings of an ID in 16 bits
-_PINS_FULL = f"a slot is pinned by {_MAX_PINS} batches in flight: release finished batches"
+_PINS_FULL = f"a slot is pinned by {_MAX_PINS} batches in flight, the most it can be (keep fewer in flight)"
 _NOT_PINNED = "release of slots that are not pinned (released twice?)"
 
 
@@ -97,7 +97,7 @@ def too_many_ids(distinct: int, capacity: int) -> TooManyIDs:
 def _no_room(need: int, free: int, movable: int) -> NoRoom:
     return NoRoom(
         f"no room: {need} new IDs, {free} free slots, and only {movable} slots that are "
-        f"neither used by this batch nor pinned by one in flight (release finished batches)"
+        f"neither used by this batch nor pinned by one in flight (a larger table or fewer batches in flight make room)"
     )
 
 

@@ -56,12 +56,13 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     quiet_library_warnings()
+    rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = from_args(args)
     except (ValueError, OSError) as e:
-        print(f"dynemb train: error: {e}", file=sys.stderr)
+        if rank == 0:  # every rank reads the same flags and files: one says it
+            print(f"dynemb train: error: {e}", file=sys.stderr)
         return 2
-    rank = int(os.environ.get("RANK", "0"))
     try:
         return _train(args, cfg, rank)
     finally:
@@ -74,30 +75,148 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace, cfg, rank: int) -> int:
+    import torch.distributed as dist
+
+    from dynemb.trainer.train import init_distributed, train
+
+    # the job's process group is made here rather than in train(), so that it outlives a
+    # failure: the ranks agree on which one reports it (_report)
+    created = init_distributed()
+    try:
+        try:
+            result = train(cfg)
+        except Exception as exc:
+            if _peer_gone(exc) and _reported_elsewhere():
+                return 1  # another rank stopped the job, and said why
+            failure = _failure(exc)
+            if failure is None:  # not a user's error: a bug, with its traceback
+                raise
+            return _report(*failure)
+        return _finish(args, cfg, rank, result)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+# how long the ranks of a failed job wait for the one that reports it (_report)
+AGREE_SECONDS = 30.0
+# what a refused batch (too many distinct IDs for a table, no room) says a user can do
+_FIT_ADVICE = (
+    "raise --capacity or --capacity-fraction, or lower --batch-size or --prefetch "
+    "(each batch transformed ahead holds its rows too)"
+)
+
+
+def _failure(exc: Exception) -> tuple[str, int | None] | None:
+    """A user's error as one line, and the rank that reports it: 0 for an error every rank
+    raises alike (a checkpoint or PS check, a setting), the first refusing rank for a refused
+    batch (it alone knows why), None where this rank alone has it (its data). None: a bug."""
+    import torch.distributed as dist
+
+    from dynemb.common.errors import UserError
     from dynemb.idtransformer.sharded import BatchRefused
     from dynemb.idtransformer.transformer import NoRoom, TooManyIDs
+    from dynemb.ps_server.errors import PSError, TableExists
     from dynemb.trainer.data import BadLine
-    from dynemb.trainer.train import train
+
+    if isinstance(exc, BadLine):
+        return f"malformed training data: {exc} (--skip-bad-lines skips such lines)", None
+    if isinstance(exc, BatchRefused):  # on every rank; a refusing one's errors say why
+        refusing = sorted({r for ranks in exc.refused_by for r in ranks})
+        own = [(t, e) for t, e in enumerate(exc.errors) if e is not None]
+        if not refusing or not own:  # not the reporter (or nothing to name): what every rank knows
+            return f"{exc}; {_FIT_ADVICE}", refusing[0] if refusing else 0
+        t, first = own[0]
+        fits = "a batch does not fit its table" if isinstance(first, (TooManyIDs, NoRoom)) else "a batch was refused"
+        rank, world = dist.get_rank(), dist.get_world_size()
+        more = sum(map(len, exc.refused_by)) - 1  # shares refused: (table, rank) pairs
+        by = f" (ranks {', '.join(map(str, refusing))})" if world > 1 else ""
+        others = f"; {more} more of its tables' shares were refused{by}" if more else ""
+        where = f"table t_{t}" + (f" on rank {rank}" if world > 1 else "")
+        return f"{fits}: {where}: {first}{others}; {_FIT_ADVICE}", refusing[0]
+    if isinstance(exc, (TooManyIDs, NoRoom)):
+        return f"a batch does not fit its table: {exc}; {_FIT_ADVICE}", 0
+    if isinstance(exc, TableExists):  # another job's table, or this job's from a run with other settings
+        return (
+            f"{exc} (give this job tables of its own with --ps-table-prefix, run with the settings of the "
+            f"job that made them, or drop them with --fresh)",
+            0,
+        )
+    if isinstance(exc, PSError):
+        if exc.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED") or "not ready" in str(exc):
+            return f"{exc} (is the PS at --ps running, and reachable from here?)", 0
+        return str(exc), 0
+    if isinstance(exc, UserError):
+        return str(exc), 0
+    if isinstance(exc, OSError) and exc.filename:  # a file of the job's (--source, a checkpoint's)
+        return f"{exc.filename}: {exc.strerror or exc}", 0
+    return None
+
+
+def _report(message: str, reporter: int | None) -> int:
+    """Print a failure once for the job: by `reporter` (None: by this rank, naming it), while
+    the other ranks wait until it has and then leave quietly. A rank that the reporter does
+    not join within AGREE_SECONDS (it failed otherwise, or is gone) says it itself."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def say(text: str) -> None:
+        print(f"dynemb: error: {text}", file=sys.stderr, flush=True)
+
+    if world == 1 or reporter is None:
+        say(message if world == 1 else f"rank {rank}: {message}")
+        _mark_reported()
+        return 1
+    if rank == reporter:
+        say(message)
+        _mark_reported()
+    try:  # torchrun stops every rank once one has exited: none leaves before the reporter spoke
+        dist.monitored_barrier(timeout=timedelta(seconds=AGREE_SECONDS), wait_all_ranks=True)
+    except Exception:  # noqa: BLE001 - whatever kept the ranks apart, this rank's error is said
+        if rank != reporter:
+            say(f"rank {rank}: {message}")
+    return 1
+
+
+# in the job's store (torchrun's rendezvous): a rank has said why the job stops
+_REPORTED = "dynemb/failure-reported"
+
+
+def _mark_reported() -> None:
+    from torch.distributed.distributed_c10d import _get_default_store
 
     try:
-        result = train(cfg)
-    except BadLine as e:
-        print(
-            f"dynemb train: error: rank {rank}: malformed training data: {e} (--skip-bad-lines skips such lines)",
-            file=sys.stderr,
-        )
-        return 1
-    except (BatchRefused, TooManyIDs, NoRoom) as e:  # BatchRefused: on every rank, the refusing one's cause says why
-        if isinstance(e.__cause__ if isinstance(e, BatchRefused) else e, (TooManyIDs, NoRoom)):
-            print(
-                f"dynemb train: error: rank {rank}: a batch does not fit its table: {e} "
-                f"(raise --capacity / --capacity-fraction, or lower --batch-size or --prefetch: "
-                f"each batch transformed ahead holds its rows too)",
-                file=sys.stderr,
-            )
-        else:
-            print(f"dynemb train: error: rank {rank}: {e}", file=sys.stderr)
-        return 1
+        _get_default_store().set(_REPORTED, "1")
+    except Exception:  # noqa: BLE001 - the others then say their own error: more lines, nothing lost
+        pass
+
+
+def _reported_elsewhere() -> bool:
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    try:
+        return _get_default_store().check([_REPORTED])
+    except Exception:  # noqa: BLE001 - unknown: this rank's error is shown
+        return False
+
+
+def _peer_gone(exc: BaseException | None) -> bool:
+    """Whether exc is gloo's on a rank whose peer left: it failed (a malformed line of its
+    data, say) and exited, or was killed. The rank that failed says why, not this one."""
+    while exc is not None:
+        if isinstance(exc, RuntimeError) and any(
+            s in str(exc) for s in ("Connection closed by peer", "Connection reset by peer")
+        ):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _finish(args: argparse.Namespace, cfg, rank: int, result) -> int:
+    """The end of a job that trained: its figures on rank 0 (and --result-json)."""
     if rank == 0:
         tail = result.losses[-cfg.log_every :] or [float("nan")]
         resumed = f" (resumed at step {result.first_step})" if result.first_step else ""
