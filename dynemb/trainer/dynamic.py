@@ -62,13 +62,14 @@ from dynemb.idtransformer.sharded import (
 )
 from dynemb.idtransformer.stream import TransformStream
 from dynemb.ps_server.schema import TableSchema
-from dynemb.trainer.metrics import TrainerMetrics
+from dynemb.trainer.metrics import TABLE_COUNTERS, TrainerMetrics
 from dynemb.trainer.prefetch import TransformAhead
 from dynemb.trainer.row_group import RowGroup
 from dynemb.trainer.row_store import RowStore
 from dynemb.trainer.table_rows import TableRows
 
 log = logging.getLogger("dynemb.trainer")
+_ROWS_PULLED = [name for name, _ in TABLE_COUNTERS].index("rows_pulled")
 
 
 @dataclass
@@ -573,6 +574,12 @@ class DynamicTables:
         missing_ids = found.asked[asked_missing]
         wanted = {self.ps_names[t]: missing_ids[missing_table == t].numpy() for t in range(n_tables)}
         pulled = self.store.pull_many_async({name: ids for name, ids in wanted.items() if len(ids)}).result()
+        if self.metrics is not None:  # rows pulled from the PS, as the PS counts them
+            assert self._stat_rows is not None
+            counts = np.zeros((n_tables, len(TABLE_COUNTERS)), dtype=np.int64)
+            counts[:, _ROWS_PULLED] = np.bincount(missing_table.numpy(), minlength=n_tables)
+            occupancy = np.array([self.transformers[n].local.resident for n in self.names]) / self._capacity
+            self.metrics.tables.count(self._stat_rows, counts, occupancy)
         answer = torch.zeros(len(missing_ids), width)
         for t, name in enumerate(self.names):
             if self.ps_names[t] in pulled:
