@@ -69,7 +69,7 @@ def check_before_training(cfg: TrainConfig, store: RowStore) -> None:
 def _check_tables(cfg: TrainConfig, wanted: list[TableSchema], store: RowStore, rank: int) -> None:
     found, where = _tables(store)
     mine = {s.name: s for s in wanted}
-    left = {name: found[name] for name in sorted(mine) if name in found}  # name: (schema, rows)
+    left = {name: found[name] for name in mine if name in found}  # name: (schema, rows), in the job's order
     if not left:
         return
     if cfg.fresh:
