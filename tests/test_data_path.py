@@ -73,3 +73,24 @@ def test_evaluating_during_training_changes_no_step(tmp_path, pipeline):
 def test_file_settings_are_refused_on_synthetic_data():
     with pytest.raises(ValueError, match="epochs and eval_source are for file data"):
         TrainConfig(data=DataConfig(epochs=2))
+
+
+@pytest.mark.usefixtures("one_process_group")
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "full"])
+def test_file_data_without_a_universe_sizes_the_tables_from_a_count(tmp_path, capsys, dynamic):
+    from dynemb.trainer.model import table_rows_total
+    from dynemb.trainer.train import size_tables
+
+    source = learnable_tsv(tmp_path / "a.tsv", 300)  # column 0: 16 values, the others 40
+    cfg = _cfg(source, steps=2)
+    cfg.data.universe, cfg.table.capacity, cfg.table.dynamic = 0, 0, dynamic
+    cfg.table.capacity_fraction = 0.5
+    sized = size_tables(cfg)
+    assert [table_rows_total(sized, 1, f"t_{i}") for i in (0, 1)] == ([8, 20] if dynamic else [16, 40])
+    assert "16 to 40 distinct IDs per feature" in capsys.readouterr().err
+    given = _cfg(source, steps=2)  # --capacity given: nothing to count
+    given.data.universe = 0
+    assert size_tables(given) is given
+    cfg.table.capacity_fraction = 1.0  # room for a batch's distinct IDs in every table
+    result = train(cfg)
+    assert len(result.losses) == 2 and np.isfinite(result.auc)

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+SYNTHETIC_UNIVERSE = 100_000  # synthetic data's distinct IDs per feature, unless --universe
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 
 
@@ -25,7 +26,7 @@ class DataConfig:
     source: str = "synthetic"  # "synthetic" or a Criteo TSV file / folder of them
     num_dense: int = 13
     num_sparse: int = 26
-    universe: int = 100_000  # synthetic: distinct IDs per sparse feature
+    universe: int = 0  # distinct IDs per feature; 0: synthetic 100,000, file data counted (train.size_tables)
     zipf: float = 1.05  # synthetic: skew of the ID draw
     ids_per_feature: int = 1  # synthetic: IDs per sample and feature (bag size)
     eval_fraction: float = 0.1  # TSV: share of lines held out for evaluation (unless eval_source)
@@ -33,6 +34,10 @@ class DataConfig:
     epochs: int = 0  # TSV: passes over the training lines; the run is as long as they are (0: `steps`)
     skip_bad_lines: bool = False  # TSV: skip malformed lines (logged, counted) instead of stopping
     data_seed: int = 0  # synthetic: which stream of batches
+
+    def __post_init__(self) -> None:
+        if self.universe == 0 and self.source == "synthetic":
+            self.universe = SYNTHETIC_UNIVERSE
 
 
 @dataclass
@@ -104,8 +109,8 @@ class TrainConfig:
             raise ValueError(f"eval_every and epochs must be >= 0, got {self.eval_every} and {self.data.epochs}")
         if (self.data.epochs or self.data.eval_source) and self.data.source == "synthetic":
             raise ValueError("epochs and eval_source are for file data: give --source FILE.tsv (or a folder)")
-        if not self.data.zipf > 0 or self.data.universe < 1:
-            raise ValueError(f"zipf must be > 0 (got {self.data.zipf}) and universe >= 1 (got {self.data.universe})")
+        if not self.data.zipf > 0 or self.data.universe < 0:
+            raise ValueError(f"zipf must be > 0 (got {self.data.zipf}) and universe >= 0 (got {self.data.universe})")
         if (self.checkpoint_every or self.checkpoint_at_end) and not self.checkpoint_dir:
             raise ValueError("checkpoint_every / checkpoint_at_end need checkpoint_dir")
         if self.resume == "latest" and not self.checkpoint_dir:
@@ -143,8 +148,10 @@ HELP = {
     "source": "'synthetic', or a Criteo TSV file or folder of *.tsv/*.txt files",
     "num_dense": "dense features per sample",
     "num_sparse": "sparse features per sample (one table each)",
-    "universe": "synthetic: distinct IDs per feature; also the rows of each full table (--no-dynamic), "
-    "into which any data's IDs go by id mod rows (the hashing trick: colliding IDs share a row)",
+    "universe": "distinct IDs per feature: sizes each table (--capacity-fraction of it; a full table's rows, "
+    "into which any data's IDs go by id mod rows, the hashing trick: colliding IDs share a row). Synthetic "
+    "data: also the IDs drawn [100,000]. File data: 0 counts each feature's distinct IDs in one pass over "
+    "--source first (not needed where --capacity is given)",
     "zipf": "synthetic: Zipf exponent of the ID draw over the universe (> 0; ID k-1 has probability ~ k^-zipf)",
     "ids_per_feature": "synthetic: IDs per sample and feature (bag size)",
     "eval_fraction": "TSV: share of lines held out for evaluation (every k-th line; not with --eval-source)",
@@ -157,7 +164,8 @@ HELP = {
     "data_seed": "synthetic: which stream of batches",
     "dim": "embedding dimension",
     "capacity_fraction": "device rows per table, as a share of the universe",
-    "capacity": "device rows per table across all ranks (overrides --capacity-fraction)",
+    "capacity": "device rows per table across all ranks (overrides --capacity-fraction; a full table's rows, "
+    "overriding --universe)",
     "policy": "eviction: lru, lfu or hybrid (LFU with decay, Redis-style)",
     "evict_fraction": "share of a rank's rows freed at once when its table is full",
     "admit_threshold": "sightings before an ID gets a row (1: at once)",

@@ -75,11 +75,11 @@ def _dense_optimizer(cfg: TrainConfig):
 
 
 def table_rows_total(cfg: TrainConfig, world_size: int, name: str) -> int:
-    """Rows of a table across all ranks: the universe for a full table; for a dynamic one
-    its capacity, rounded up to equal blocks per rank."""
+    """Rows of a table across all ranks: for a full table its capacity if given, else the
+    universe; for a dynamic one its capacity, rounded up to equal blocks per rank."""
     t = cfg.table_config(name)
     if not t.dynamic:
-        return cfg.data.universe
+        return t.capacity or cfg.data.universe
     cap = t.capacity or math.ceil(cfg.data.universe * t.capacity_fraction)
     per_rank = max(1, math.ceil(cap / world_size))
     return per_rank * world_size

@@ -16,9 +16,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
+import math
 import os
+import sys
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
@@ -36,7 +39,7 @@ from dynemb.ps_server.client import RetryPolicy
 from dynemb.trainer.checkpoint import Checkpointer
 from dynemb.trainer.collectives import all_gather_ragged
 from dynemb.trainer.config import TrainConfig
-from dynemb.trainer.data import SyntheticCriteo, batches_per_epoch, file_batches
+from dynemb.trainer.data import SyntheticCriteo, batches_per_epoch, count_distinct_ids, file_batches
 from dynemb.trainer.dynamic import DynamicTables, DynamicTableSpec
 from dynemb.trainer.metrics import TrainerMetrics
 from dynemb.trainer.model import Built, build
@@ -119,6 +122,34 @@ def batches(cfg: TrainConfig, split: int, start: int = 0):
     return job_batches(cfg, out, split)
 
 
+def size_tables(cfg: TrainConfig) -> TrainConfig:
+    """Collective. File data without --universe: each table without a --capacity gets one from a
+    count of its feature's distinct IDs (rank 0 counts in one pass, every rank gets the counts):
+    a dynamic table --capacity-fraction of them, a full table one row each."""
+    names = [f"t_{i}" for i in range(cfg.data.num_sparse)]
+    if cfg.data.source == "synthetic" or cfg.data.universe or all(cfg.table_config(n).capacity for n in names):
+        return cfg
+    counts: list[Any] = [count_distinct_ids(cfg.data, cfg.progress) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(counts, src=0)
+    tables = {n: dict(cfg.tables.get(n, {})) for n in names}
+    for name, distinct in zip(names, counts[0]):
+        t = cfg.table_config(name)
+        if not t.capacity:
+            tables[name]["capacity"] = max(1, math.ceil(distinct * (t.capacity_fraction if t.dynamic else 1.0)))
+    if dist.get_rank() == 0:
+        print(
+            f"sized the tables from {cfg.data.source}: {_span(counts[0])} distinct IDs per feature, "
+            f"{_span([tables[n]['capacity'] for n in names])} rows per table (--universe or --capacity skip the count)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return dataclasses.replace(cfg, tables=tables)
+
+
+def _span(values: list[int]) -> str:
+    return f"{min(values):,}" if min(values) == max(values) else f"{min(values):,} to {max(values):,}"
+
+
 def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
     """The whole job on this rank: build, restore (cfg.resume), train, checkpoint, evaluate.
 
@@ -135,9 +166,8 @@ def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
     """
     created = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = size_tables(cfg)
     if not cfg.table.dynamic and rank == 0:  # the job's first line: how IDs find their rows
-        import sys
-
         from dynemb.trainer.full_tables import describe
 
         print(describe(cfg), file=sys.stderr, flush=True)
