@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator, Mapping
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torchrec.datasets.utils import Batch
@@ -37,11 +38,9 @@ class IDOutOfRange(ValueError):
     """An ID outside its full table's rows (TorchRec would look row 0 up in its place)."""
 
 
-def _rows_per_value(kjt: KeyedJaggedTensor, rows: int | Mapping[str, int]) -> tuple[torch.Tensor, list[int]]:
-    keys = kjt.keys()
-    per_key = [rows if isinstance(rows, int) else rows[k] for k in keys]
-    lengths = torch.tensor(kjt.length_per_key())
-    return torch.tensor(per_key, dtype=torch.int64).repeat_interleave(lengths), per_key
+def _rows_per_value(kjt: KeyedJaggedTensor, rows: Mapping[str, int]) -> torch.Tensor:
+    per_key = torch.tensor([rows[k] for k in kjt.keys()], dtype=torch.int64, device=kjt.values().device)
+    return per_key.repeat_interleave(torch.tensor(kjt.length_per_key(), device=per_key.device))
 
 
 def hash_into_rows(kjt: KeyedJaggedTensor, rows: int | Mapping[str, int]) -> KeyedJaggedTensor:
@@ -49,10 +48,14 @@ def hash_into_rows(kjt: KeyedJaggedTensor, rows: int | Mapping[str, int]) -> Key
     negative v): the hashing trick. `rows`: one row count for every feature, or one per feature
     name. IDs already in range are unchanged."""
     values = kjt.values()
-    if isinstance(rows, int):
+    # numpy's mod by one Python int is ~5x torch.remainder's speed on CPU (a batch's 13k IDs: 50 us)
+    if values.device.type == "cpu" and (isinstance(rows, int) or len(set(rows.values())) == 1):
+        n = rows if isinstance(rows, int) else next(iter(rows.values()))
+        mapped = torch.from_numpy(np.mod(values.numpy(), int(n)))
+    elif isinstance(rows, int):
         mapped = torch.remainder(values, rows)
     else:
-        mapped = torch.remainder(values, _rows_per_value(kjt, rows)[0])
+        mapped = torch.remainder(values, _rows_per_value(kjt, rows))
     return KeyedJaggedTensor(
         keys=kjt.keys(),
         values=mapped,
@@ -69,12 +72,15 @@ def check_in_rows(
     kjt: KeyedJaggedTensor, rows: int | Mapping[str, int], tables: Mapping[str, str] | None = None
 ) -> None:
     """Raise IDOutOfRange, naming the table (tables: feature -> table name), the ID and the row
-    count, for the first feature with an ID outside [0, rows). One min and max per feature."""
+    count, for the first feature with an ID outside [0, rows). One min and max over the batch
+    (then per feature, to name the one that is out)."""
     values = kjt.values()
     if values.numel() == 0:
         return
-    keys = kjt.keys()
-    for key, part in zip(keys, values.split(kjt.length_per_key())):
+    fewest = rows if isinstance(rows, int) else min(rows[k] for k in kjt.keys())
+    if int(values.min()) >= 0 and int(values.max()) < fewest:
+        return
+    for key, part in zip(kjt.keys(), values.split(kjt.length_per_key())):
         if part.numel() == 0:
             continue
         n = rows if isinstance(rows, int) else rows[key]
@@ -162,7 +168,12 @@ def full_batches(
     there, and with `even` (file data: ranks may hold different numbers of lines) the same
     number of batches on every rank (collective; see same_batch_count)."""
 
+    fewest = rows if isinstance(rows, int) else min(rows.values(), default=0)
+
     def prepare(batch: Batch) -> Batch:
+        values = batch.sparse_features.values()
+        if values.numel() == 0 or (int(values.min()) >= 0 and int(values.max()) < fewest):
+            return batch  # every ID is a row of its table already (synthetic data): nothing to map
         kjt = hash_into_rows(batch.sparse_features, rows)
         check_in_rows(kjt, rows, tables)
         return Batch(dense_features=batch.dense_features, sparse_features=kjt, labels=batch.labels)
