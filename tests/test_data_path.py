@@ -94,3 +94,18 @@ def test_file_data_without_a_universe_sizes_the_tables_from_a_count(tmp_path, ca
     cfg.table.capacity_fraction = 1.0  # room for a batch's distinct IDs in every table
     result = train(cfg)
     assert len(result.losses) == 2 and np.isfinite(result.auc)
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_the_hit_rate_is_over_every_lookup_and_names_each_table():
+    from helpers import config
+
+    # t_0 thrashes: room for a quarter of what the others hold (one batch in flight at a time)
+    tables = {"t_0": {"capacity": 150, "evict_fraction": 0.5}}
+    cfg = config("adagrad", dynamic=True, steps=30, pipeline=False, prefetch=0, tables=tables)
+    result = train(cfg)
+    rates = result.table_hit_rates
+    assert set(rates) == {f"t_{i}" for i in range(6)}
+    assert min(rates, key=rates.get) == "t_0" and rates["t_0"] < min(v for k, v in rates.items() if k != "t_0")
+    # every table looks up as many IDs a batch (2 per sample, none missing): the mean is the ID-weighted rate
+    assert result.hit_rate == pytest.approx(np.mean(list(rates.values())), rel=1e-9)

@@ -218,6 +218,9 @@ class DynamicTables:
         self._stat_rows = None if metrics is None else metrics.tables.add_tables(self.names)
         self._capacity = np.array([self.transformers[n].capacity_per_rank for n in self.names], dtype=np.float64)
         self.last_hit_rate = 0.0
+        # this rank's owned IDs looked up and found resident, per table, over the run
+        self.looked_up = np.zeros(len(self.names), dtype=np.int64)
+        self.found = np.zeros(len(self.names), dtype=np.int64)
         self.hit_rates = array("d")  # per transformed batch, in order (8 bytes a step)
         self.ahead = 0  # see wrap()
         self._keys_seen: tuple | None = None  # the KJT keys _key_table was made for
@@ -428,6 +431,8 @@ class DynamicTables:
         """(looked up, hits) among the IDs this rank owns, over all tables; metrics updated,
         all tables at once."""
         looked, hits = np.array(share.looked, dtype=np.int64), np.array(share.hits, dtype=np.int64)
+        self.looked_up += looked
+        self.found += hits
         if self.metrics is not None:
             assert self._stat_rows is not None  # added to the metrics with them (__init__)
             admitted, evicted = np.array(share.admitted, dtype=np.int64), np.array(share.evicted, dtype=np.int64)
@@ -524,6 +529,15 @@ class DynamicTables:
         finally:
             self.ahead = 0
             self.settle()
+
+    def run_hit_rates(self) -> tuple[float, dict[str, float]]:
+        """Collective: the share of the run's lookups that found their ID resident, over every
+        rank's: of all lookups (each ID counts once per lookup), and of each table's."""
+        both = torch.from_numpy(np.stack([self.looked_up, self.found]))
+        dist.all_reduce(both, group=self.process_group)
+        looked, found = both.numpy()
+        per_table = {n: float(f / lk) if lk else float("nan") for n, lk, f in zip(self.names, looked, found)}
+        return (float(found.sum() / looked.sum()) if looked.sum() else float("nan")), per_table
 
     # -- looking up without training (evaluation) ---------------------------------------
 

@@ -57,7 +57,8 @@ class TrainResult:
     auc: float = float("nan")
     logloss: float = float("nan")
     samples_per_second: float = 0.0
-    hit_rate: float = float("nan")
+    hit_rate: float = float("nan")  # dynamic tables: of every lookup of the run, on every rank
+    table_hit_rates: dict[str, float] = field(default_factory=dict)  # the same per table
     hit_rates: list[float] = field(default_factory=list)  # dynamic tables: this rank's, per batch
     evals: list[tuple[int, float, float]] = field(default_factory=list)  # (step, AUC, log-loss), eval_every
     data_ran_out: bool = False  # the data ended before the planned steps
@@ -332,7 +333,7 @@ def _loop(
     elapsed = time.perf_counter() - start
     result.samples_per_second = len(result.losses) * cfg.batch_size * dist.get_world_size() / max(elapsed, 1e-9)
     if dynamic is not None:
-        result.hit_rate = dynamic.last_hit_rate
+        result.hit_rate, result.table_hit_rates = dynamic.run_hit_rates()
         result.hit_rates = list(dynamic.hit_rates[: len(result.losses)])  # not the ones fetched ahead
         while dynamic.in_flight:  # batches the pipeline fetched but the step limit cut off
             dynamic.release_oldest()
