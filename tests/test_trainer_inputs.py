@@ -167,3 +167,12 @@ def test_the_training_cli_names_bad_data_and_too_small_tables(tmp_path):
     assert run.returncode == 1
     assert "does not fit its table" in run.stderr and "64 distinct IDs but the table holds 16" in run.stderr
     assert "--capacity" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_an_error_starts_a_line_of_its_own_after_the_progress_bar(tmp_path):
+    lines = [_line(cats=[f"{(i * 26 + j):08x}" for j in range(26)]) for i in range(64)]  # every ID new
+    source = _tsv(tmp_path / "wide.tsv", lines)
+    run = _train("--source", source, *"--batch-size 64 --steps 1 --capacity 16 --eval-fraction 0 --progress".split())
+    assert run.returncode == 1 and "train (rank 0)" in run.stderr  # the bar was drawn
+    (error,) = [line for line in run.stderr.split("\n") if "error:" in line]
+    assert error.startswith("dynemb"), error  # not after the bar's \r on its line

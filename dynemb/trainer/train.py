@@ -317,9 +317,9 @@ def _loop(
                     if rank == 0:
                         bar.write(f"step {k}: eval AUC {result.evals[-1][1]:.4f}  log-loss {result.evals[-1][2]:.4f}")
                 current, step = segment(boundary(k))
-    finally:  # a step that raised leaves no transform thread behind
+    finally:  # a step that raised leaves no transform thread behind, nor a bar on the error's line
         current.close()
-    bar.close()
+        bar.close()
     if result.data_ran_out and rank == 0:
         log.warning(
             "the training data ran out after step %d of %d (%s): the run ends there%s",
