@@ -186,6 +186,8 @@ class PSServer:
             self._metrics_http.shutdown()
         self.store.close()
         self.segments.close()
+        self.service.exported.close()
+        self.service.imported.close()
         log.info("stopped")
 
     def _count_refusal(self, method: str) -> None:

@@ -22,6 +22,7 @@ from dynemb.common.version import __version__
 from dynemb.protos import ps_pb2, ps_pb2_grpc
 from dynemb.ps_server import codec
 from dynemb.ps_server.backends.base import Store
+from dynemb.ps_server.burst_log import BurstLog
 from dynemb.ps_server.errors import Abandoned, InvalidArgument, PSError, ResourceExhausted, TableNotFound
 from dynemb.ps_server.initializer import fill_initial_rows
 from dynemb.ps_server.metrics import PSMetrics
@@ -173,6 +174,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         self.max_message_bytes = max_message_bytes
         self.segments = segments if segments is not None else SegmentTable(0, 0.0)  # 0 bytes: none taken
         self.started = time.time()
+        # a checkpoint's exports, a restore's imports: one log line a burst, not one a table
+        self.exported, self.imported = BurstLog("exported"), BurstLog("imported")
 
     # -- plumbing ---------------------------------------------------------------
 
@@ -456,7 +459,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 yield chunk
             if first is not None:  # an empty table still tells its schema
                 yield first
-            log.info("exported table %s (%d rows)", schema.name, total)
+            self.exported.add(schema.name, total)
 
     def Import(self, request_iterator, context):
         with self._call("Import", context):
@@ -484,7 +487,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 self._count("Import", schema.name, len(ids), len(chunk.ids) + len(chunk.rows), 0)
             if schema is None:
                 raise InvalidArgument("import stream was empty: send at least one chunk with the table's spec")
-            log.info("imported %d rows into table %s", written, schema.name)
+            self.imported.add(schema.name, written)
             return ps_pb2.ImportResponse(table=self._info(schema), rows_written=written)
 
     # -- same-host row transfer (shm.py) ----------------------------------------
