@@ -109,3 +109,26 @@ def test_the_hit_rate_is_over_every_lookup_and_names_each_table():
     assert min(rates, key=rates.get) == "t_0" and rates["t_0"] < min(v for k, v in rates.items() if k != "t_0")
     # every table looks up as many IDs a batch (2 per sample, none missing): the mean is the ID-weighted rate
     assert result.hit_rate == pytest.approx(np.mean(list(rates.values())), rel=1e-9)
+
+
+def test_the_summary_names_the_lowest_hit_rates_and_the_json_has_the_evaluations(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "run.json").write_text(json.dumps({"tables": {"t_1": {"capacity": 150, "evict_fraction": 0.5}}}))
+    flags = "--num-sparse 4 --universe 6000 --capacity-fraction 0.1 --batch-size 48 --steps 20 --eval-every 10"
+    flags += " --dim 8 --dense-arch 8 --over-arch 8,1 --no-pipeline --prefetch 0 --no-progress"
+    run = subprocess.run(
+        [sys.executable, "-m", "dynemb.cli", "train", "--config", str(tmp_path / "run.json"), *flags.split()]
+        + ["--result-json", str(tmp_path / "out.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    (line,) = [x for x in run.stdout.splitlines() if x.startswith("lowest hit rates:")]
+    assert line.split()[3] == "t_1", line  # the thrashing table first
+    got = json.loads((tmp_path / "out.json").read_text())
+    assert [e["step"] for e in got["evals"]] == [10] and not got["data_ran_out"]
+    assert min(got["table_hit_rates"], key=got["table_hit_rates"].get) == "t_1"

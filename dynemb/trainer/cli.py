@@ -100,6 +100,7 @@ def _train(args: argparse.Namespace, cfg, rank: int) -> int:
 
 # how long the ranks of a failed job wait for the one that reports it (_report)
 AGREE_SECONDS = 30.0
+LOWEST_SHOWN = 3  # tables named in the summary's lowest hit rates
 # what a refused batch (too many distinct IDs for a table, no room) says a user can do
 _FIT_ADVICE = (
     "raise --capacity or --capacity-fraction, or lower --batch-size or --prefetch "
@@ -226,6 +227,9 @@ def _finish(args: argparse.Namespace, cfg, rank: int, result) -> int:
             f"{result.samples_per_second:,.0f} samples/s"
             + (f"  hit rate {result.hit_rate:.3f}" if cfg.table.dynamic else "")
         )
+        if result.table_hit_rates:  # a thrashing table is named, not averaged away among the others
+            lowest = sorted(result.table_hit_rates.items(), key=lambda kv: kv[1])[:LOWEST_SHOWN]
+            print("lowest hit rates: " + "  ".join(f"{name} {rate:.3f}" for name, rate in lowest))
     if args.result_json and (rank == 0 or "{rank}" in args.result_json):  # never two ranks on one file
         path = args.result_json.replace("{rank}", str(rank))
         with open(path, "w") as f:
@@ -236,6 +240,9 @@ def _finish(args: argparse.Namespace, cfg, rank: int, result) -> int:
                     "logloss": result.logloss,
                     "samples_per_second": result.samples_per_second,
                     "hit_rate": result.hit_rate,
+                    "table_hit_rates": result.table_hit_rates,
+                    "evals": [{"step": k, "auc": auc, "logloss": loss} for k, auc, loss in result.evals],
+                    "data_ran_out": result.data_ran_out,
                 },
                 f,
             )
