@@ -65,6 +65,11 @@ class Checkpointer:
         self.last: str | None = None  # the newest checkpoint's folder name, the next one's parent
         self.touched: dict[str, list[np.ndarray]] = {name: [] for name in built.table_names}
 
+    def _bar(self, names: list[str], what: str) -> tqdm:
+        """Rank 0's bar over the tables; it goes when done, so the training bar stays on its line."""
+        quiet = not self.cfg.progress or self.rank != 0
+        return tqdm(names, desc=f"{what}: tables", unit="table", leave=False, disable=quiet)
+
     def _directory(self) -> Path:
         """The folder checkpoints go in (TrainConfig refuses to save or resume 'latest' without it)."""
         if self.root is None:
@@ -173,9 +178,7 @@ class Checkpointer:
             if self.rank != 0 and not self.store.per_rank:
                 return
             failure: Exception | None = None
-            for name in tqdm(
-                names, desc="checkpoint: tables", unit="table", disable=not self.cfg.progress or self.rank != 0
-            ):
+            for name in self._bar(names, "checkpoint"):
                 schema = self.built.schemas[name]
                 chunks = self._table_rows(schema, None if touched is None else touched[name])
                 # a failure is raised once every table's rounds are over: the other ranks are
@@ -334,9 +337,7 @@ class Checkpointer:
             # rows of the IDs that rank owns (every rank reads the files)
             per_rank = self.store.per_rank
             if self.rank == 0 or per_rank:
-                for name in tqdm(
-                    names, desc="restore: tables", unit="table", disable=not self.cfg.progress or self.rank != 0
-                ):
+                for name in self._bar(names, "restore"):
                     schema = self.built.schemas[name]
                     base, *deltas = [TableReader(c / "tables" / name) for c in links]
 
