@@ -16,12 +16,20 @@ OPEN_METHODS_PREFIX = "/grpc.health.v1.Health/"
 
 
 def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The gRPC metadata that carries token; empty when there is no token."""
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Refuses, with UNAUTHENTICATED, every RPC that does not carry the token (see the module doc).
+
+    Args:
+        token: the shared token; must not be empty.
+        open_health: let health checks through without the token.
+        on_deny: on_deny(method) is told of each refused call (the PS counts them in its metrics).
+    """
+
     def __init__(self, token: str, open_health: bool = True, on_deny=None) -> None:
-        """on_deny(method): told of each refused call (the PS counts them in its metrics)."""
         if not token:
             raise ValueError("auth token must not be empty")
         self._expected = f"Bearer {token}".encode()
@@ -38,6 +46,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         self._deny = deny
 
     def intercept_service(self, continuation, handler_call_details):
+        """The method's handler if the call carries the token, else one that refuses it."""
         if self._open_prefix and handler_call_details.method.startswith(self._open_prefix):
             return continuation(handler_call_details)
         for key, value in handler_call_details.invocation_metadata or ():

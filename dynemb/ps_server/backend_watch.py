@@ -19,6 +19,14 @@ log = logging.getLogger("dynemb.ps")
 
 
 class BackendWatch:
+    """Pings the store from a thread and reports each change between reachable and not.
+
+    Args:
+        store: the store to ping.
+        interval: seconds between pings; must be > 0.
+        on_change: on_change(up) is called at the first check and at each change.
+    """
+
     def __init__(self, store: Store, interval: float, on_change: Callable[[bool], None]) -> None:
         if interval <= 0:
             raise ValueError(f"backend check interval must be > 0 seconds, got {interval}")
@@ -48,6 +56,7 @@ class BackendWatch:
         return up
 
     def start(self) -> BackendWatch:
+        """Start the pinging thread; returns self."""
         self._thread.start()
         return self
 
@@ -56,6 +65,7 @@ class BackendWatch:
             self.check()
 
     def stop(self) -> None:
+        """Stop the thread and wait for it (at most interval + 15 seconds)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=self.interval + 15)

@@ -30,6 +30,12 @@ LATENCY_BUCKETS = (
 
 
 class PSMetrics:
+    """Every metric of one PS (listed in docs/metrics.md).
+
+    Args:
+        registry: the registry to put them on; None makes a new one.
+    """
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry

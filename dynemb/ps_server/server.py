@@ -86,6 +86,13 @@ class ServeConfig:
 
 
 class PSServer:
+    """One PS: the gRPC service over a store, with health, reflection, auth, TLS and metrics.
+
+    Args:
+        config: how to serve.
+        store: the store to serve; None opens config.backend.
+    """
+
     def __init__(self, config: ServeConfig, store: Store | None = None) -> None:
         self.config = config
         self.metrics = PSMetrics()
@@ -128,6 +135,12 @@ class PSServer:
         )
 
     def start(self) -> PSServer:
+        """Listen and serve; returns self.
+
+        Raises:
+            OSError: the address could not be bound.
+            ValueError: TLS is set up with a certificate but no key.
+        """
         cfg = self.config
         if cfg.tls_cert:
             if not cfg.tls_key:  # __post_init__ refuses this; the config was changed since
@@ -202,4 +215,5 @@ class PSServer:
             self.health.set(SERVICE_NAME, status)
 
     def wait(self) -> None:
+        """Block until the server has stopped."""
         self._grpc.wait_for_termination()

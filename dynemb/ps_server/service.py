@@ -166,6 +166,15 @@ class _Tally:
 
 
 class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
+    """The ParameterServer RPCs of ps.proto over one store; each handler is the RPC of its name.
+
+    Args:
+        store: where the rows are.
+        metrics: where each request is recorded.
+        max_message_bytes: the gRPC message limit: larger tables and replies are refused.
+        segments: shared-memory segments attached to this PS; None takes none.
+    """
+
     def __init__(
         self, store: Store, metrics: PSMetrics, max_message_bytes: int, segments: SegmentTable | None = None
     ) -> None:
@@ -264,6 +273,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     # -- tables -----------------------------------------------------------------
 
     def CreateTable(self, request, context):
+        """Create a table unless it exists with the same schema."""
         with self._call("CreateTable", context):
             if not request.HasField("spec"):
                 raise InvalidArgument("CreateTable needs a spec (name, dim, state_width, dtype)")
@@ -275,16 +285,19 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             return ps_pb2.CreateTableResponse(table=self._info(schema), created=created)
 
     def DescribeTable(self, request, context):
+        """The table's schema and row count."""
         with self._call("DescribeTable", context):
             return self._info(self._schema(request.table))
 
     def ListTables(self, request, context):
+        """Every table's schema and row count."""
         with self._call("ListTables", context):
             with self._backend("list_tables"):
                 schemas = self.store.list_tables()
             return ps_pb2.ListTablesResponse(tables=[self._info(s) for s in schemas])
 
     def DropTable(self, request, context):
+        """Drop a table and its rows (TableNotFound unless missing_ok)."""
         with self._call("DropTable", context):
             check_name(request.table)
             with self._backend("drop_table"):
@@ -308,12 +321,14 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             tally.report(self.metrics, method)
 
     def Pull(self, request, context):
+        """Rows of ids, those never pushed initialised, into the reply or a segment."""
         with self._call("Pull", context), self._tallied("Pull") as tally:
             plan = self._pull_plan(request, tally)
             self._check_reply_size("pull", [plan])
             return build_pull_response(self._reply_plan(*plan, tally))
 
     def PullMany(self, request, context):
+        """Pull from several tables; every entry is checked before any is read."""
         with self._call("PullMany", context), self._tallied("Pull") as tally:
             # every entry checked before any is read
             plans = [self._pull_plan(p, tally) for p in request.pulls]
@@ -390,12 +405,14 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         return codec.encode_mask(missing), num_missing
 
     def Push(self, request, context):
+        """Write rows from the message or a segment (not if the caller gave up first)."""
         with self._call("Push", context), self._tallied("Push") as tally:
             plan = self._push_plan(request, tally)
             self._still_wanted(context, "push")
             return ps_pb2.PushResponse(rows_written=self._push_rows(*plan, tally))
 
     def PushMany(self, request, context):
+        """Push to several tables; every entry is checked before any is written."""
         with self._call("PushMany", context), self._tallied("Push") as tally:
             # every entry checked before any is written: a bad one writes nothing
             plans = [self._push_plan(p, tally) for p in request.pushes]
@@ -426,6 +443,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         return written
 
     def Delete(self, request, context):
+        """Delete ids' rows; replies how many were stored."""
         with self._call("Delete", context):
             schema = self._schema(request.table)
             ids = codec.decode_ids(request.ids, schema.name)
@@ -438,6 +456,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     # -- whole tables -----------------------------------------------------------
 
     def Export(self, request, context) -> Iterator[ps_pb2.RowChunk]:
+        """Stream every row of a table in chunks; the first chunk carries the schema."""
         with self._call("Export", context):
             schema = self._schema(request.table)
             fit = max(1, (self.max_message_bytes - MESSAGE_OVERHEAD) // (schema.row_bytes + 8))
@@ -462,6 +481,10 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             self.exported.add(schema.name, total)
 
     def Import(self, request_iterator, context):
+        """Write a stream of chunks into a table, creating it (and clearing it first if asked).
+
+        The first chunk must carry the schema; nothing is created or cleared before it checks out.
+        """
         with self._call("Import", context):
             schema = None
             written = 0
@@ -493,16 +516,19 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     # -- same-host row transfer (shm.py) ----------------------------------------
 
     def AttachSegment(self, request, context):
+        """Map a client's shared-memory segment; replies its id."""
         with self._call("AttachSegment", context):
             return ps_pb2.AttachSegmentResponse(segment=self.segments.attach(request.path, request.size, request.token))
 
     def DetachSegment(self, request, context):
+        """Forget a segment; replies whether it was attached."""
         with self._call("DetachSegment", context):
             return ps_pb2.DetachSegmentResponse(detached=self.segments.detach(request.segment))
 
     # -- stats ------------------------------------------------------------------
 
     def Stats(self, request, context):
+        """Backend, version, uptime, every table, and per-method request counts."""
         with self._call("Stats", context):
             with self._backend("list_tables"):
                 schemas = self.store.list_tables()

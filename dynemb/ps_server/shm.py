@@ -85,6 +85,13 @@ class SegmentTable:
         return len(self._by_id)
 
     def attach(self, path: str, size: int, token: bytes) -> int:
+        """Map a client's segment after checking its path, size and token; returns its new id.
+
+        Raises:
+            SegmentUnusable: this PS takes no segments, or the file cannot be mapped safely.
+            InvalidArgument: a malformed path, token or size.
+            ResourceExhausted: the segment would go over max_bytes.
+        """
         if not self.max_bytes:
             raise SegmentUnusable("this PS does not take shared-memory segments (--shm-max-mb 0)")
         if not _PATH.fullmatch(path):
@@ -131,6 +138,7 @@ class SegmentTable:
         return found.view[offset : offset + nbytes]
 
     def detach(self, segment: int) -> bool:
+        """Forget a segment; False if it was not attached."""
         with self._lock:
             found = self._by_id.pop(segment, None)
             if found is not None:
@@ -145,6 +153,7 @@ class SegmentTable:
             log.info("dropped segment %x: unused for over %g s", segment, self.idle_seconds)
 
     def close(self) -> None:
+        """Forget every segment."""
         with self._lock:
             self._by_id.clear()
             self.bytes = 0
@@ -207,9 +216,11 @@ class Segment:
 
     @property
     def path(self) -> str:
+        """Where the PS opens this segment: /proc/<our pid>/fd/<fd>."""
         return f"/proc/{os.getpid()}/fd/{self.fd}"
 
     def close_fd(self) -> None:
+        """Close the file descriptor (the mapping stays); the PS must have opened it by then."""
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
@@ -293,6 +304,7 @@ class SegmentPool:
         return seg
 
     def give_back(self, seg: Segment) -> None:
+        """Return a segment after a call succeeded; beyond `keep` idle ones, the smallest is dropped."""
         with self._lock:
             self._free.append(seg)
             if len(self._free) <= self.keep:

@@ -13,6 +13,16 @@ from dynemb.ps_server.backends.base import Store
 
 
 def open_store(url: str = "", *, namespace: str = "dynemb", **options) -> Store:
+    """The store for a backend URL (the schemes are in the module doc).
+
+    Args:
+        url: the backend URL; empty means embedded://.
+        namespace: the Redis key namespace (Redis backends only).
+        **options: passed to RedisStore.from_url (Redis backends only).
+
+    Raises:
+        InvalidArgument: the scheme is not one of those.
+    """
     url = (url or "embedded://").strip()
     scheme = url.split("://", 1)[0].lower() if "://" in url else url.lower()
     if scheme in ("embedded", "memory"):

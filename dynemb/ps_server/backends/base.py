@@ -38,6 +38,12 @@ def check_same_schema(stored: TableSchema, requested: TableSchema, where: str = 
 
 
 class Store(abc.ABC):
+    """The rows of every table on one PS, behind one interface for every backend.
+
+    The methods below are the contract; subclasses document only what they add. `kind` is the
+    backend name Stats reports.
+    """
+
     #: what Stats reports as the backend ("embedded", "redis", "redis-cluster")
     kind: str = ""
 

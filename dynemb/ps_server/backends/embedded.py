@@ -74,6 +74,13 @@ SNAPSHOT_SUFFIX = ".safetensors"
 
 
 class EmbeddedStore(Store):
+    """Every table in this process's memory (see the module doc).
+
+    Args:
+        directory: where tables are loaded from at start and saved to by close();
+            None keeps nothing on disk.
+    """
+
     kind = "embedded"
 
     def __init__(self, directory: str | None = None) -> None:
@@ -125,6 +132,7 @@ class EmbeddedStore(Store):
         log.info("saved %d tables to %s", len(self._tables), self.directory)
 
     def close(self) -> None:
+        """Save every table to the directory, if there is one (see save)."""
         self.save()
 
     def _table(self, name: str) -> _Table:
@@ -134,6 +142,7 @@ class EmbeddedStore(Store):
             raise TableNotFound(f"table {name!r} does not exist on this PS (embedded store)") from None
 
     def create_table(self, schema: TableSchema) -> bool:
+        """See Store.create_table."""
         with self._lock:
             have = self._tables.get(schema.name)
             if have is None:
@@ -143,26 +152,32 @@ class EmbeddedStore(Store):
         return False
 
     def schema(self, table: str) -> TableSchema:
+        """See Store.schema."""
         return self._table(table).schema
 
     def list_tables(self) -> list[TableSchema]:
+        """See Store.list_tables."""
         return [self._tables[name].schema for name in sorted(self._tables)]
 
     def num_rows(self, table: str) -> int:
+        """See Store.num_rows."""
         return len(self._table(table).index)
 
     def drop_table(self, table: str) -> int | None:
+        """See Store.drop_table."""
         with self._lock:
             t = self._tables.pop(table, None)
         return None if t is None else len(t.index)
 
     def pull(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """See Store.pull; rows of ids not found are left as they were in out."""
         rows = rows_out(out, len(ids), self.schema(table))
         found = np.ones(len(ids), dtype=bool)
         found[self.pull_into(table, ids, rows)] = False
         return rows, found
 
     def pull_into(self, table: str, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """See Store.pull_into: one compiled call per batch."""
         t = self._table(table)
         with t.lock:
             # one compiled call: lookup, and the present rows copied with the ones further down
@@ -170,6 +185,7 @@ class EmbeddedStore(Store):
             return t.index.pull_rows(ids, t.rows, rows_out(out, len(ids), t.schema))
 
     def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> int:
+        """See Store.push."""
         t = self._table(table)
         if len(ids) == 0:
             return 0
@@ -185,6 +201,7 @@ class EmbeddedStore(Store):
         return len(ids)
 
     def delete(self, table: str, ids: np.ndarray) -> int:
+        """See Store.delete; the freed row numbers are reused by later pushes."""
         t = self._table(table)
         with t.lock:
             freed = t.index.remove(ids)
@@ -193,6 +210,7 @@ class EmbeddedStore(Store):
         return len(freed)
 
     def clear(self, table: str) -> int:
+        """See Store.clear; the table's rows array shrinks back to its initial size."""
         t = self._table(table)
         with t.lock:
             n = len(t.index)
@@ -203,6 +221,7 @@ class EmbeddedStore(Store):
         return n
 
     def export(self, table: str, rows_per_chunk: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """See Store.export: ids ascending; rows changed during the export are read as they are then."""
         t = self._table(table)
         with t.lock:
             ids, _ = t.index.items()
@@ -218,4 +237,5 @@ class EmbeddedStore(Store):
             yield chunk[present], rows
 
     def nbytes(self) -> int:
+        """Bytes held by every table's rows and id index."""
         return sum(t.rows.nbytes + t.index.nbytes() for t in self._tables.values())

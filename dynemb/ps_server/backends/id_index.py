@@ -36,6 +36,13 @@ def _int64s(a, what: str) -> np.ndarray:
 
 
 class IdIndex:
+    """The id → row-number map of one table; lookups and inserts take a whole batch of ids at once.
+
+    Args:
+        capacity: how many ids to make room for at first (the map grows as needed).
+        seed: the hash seed; None draws a random one.
+    """
+
     def __init__(self, capacity: int = 1024, seed: int | None = None) -> None:
         self._c = native.id_index()
         # a random hash seed per index: ids crafted to share one probe chain can't be precomputed
@@ -47,12 +54,14 @@ class IdIndex:
 
     @property
     def capacity(self) -> int:
+        """Slots allocated."""
         return self._c.capacity(self._h)
 
     def __len__(self) -> int:
         return self._c.size(self._h)
 
     def nbytes(self) -> int:
+        """Bytes of memory the map holds."""
         return self._c.nbytes(self._h)
 
     def lookup(self, ids) -> np.ndarray:
@@ -142,6 +151,7 @@ class IdIndex:
         return keys, values
 
     def clear(self) -> None:
+        """Remove every id and give the slots' memory back (down to the smallest table)."""
         with self._lock:
             self._c.clear(self._h)
 

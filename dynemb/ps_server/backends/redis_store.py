@@ -65,6 +65,7 @@ _CLEAR_BUCKET_LUA = "local n = redis.call('HLEN', KEYS[1]) if n > 0 then redis.c
 
 
 def meta_key(namespace: str) -> bytes:
+    """The key of the namespace's table-metadata hash."""
     return f"dn:{namespace}:tables".encode()
 
 
@@ -287,6 +288,7 @@ class RedisStore(Store):
     # -- tables ------------------------------------------------------------------------
 
     def create_table(self, schema: TableSchema) -> bool:
+        """See Store.create_table; the table gets this store's num_buckets."""
         raw = json.dumps(
             {"format": META_FORMAT, "num_buckets": self.num_buckets, "schema": schema.to_dict()}, sort_keys=True
         ).encode()
@@ -298,9 +300,11 @@ class RedisStore(Store):
         return False
 
     def schema(self, table: str) -> TableSchema:
+        """See Store.schema."""
         return self._meta(table).schema
 
     def list_tables(self) -> list[TableSchema]:
+        """See Store.list_tables."""
         with self._redis():
             entries = self.client.hgetall(self._meta_key)
         metas = [self._parse_meta(_raw(name).decode(), _raw(raw)) for name, raw in entries.items()]
@@ -320,15 +324,18 @@ class RedisStore(Store):
         return np.array(self._each_bucket(meta, "HLEN"), dtype=np.int64)
 
     def num_rows(self, table: str) -> int:
+        """See Store.num_rows (one HLEN per bucket)."""
         return int(self._bucket_lens(self._meta(table)).sum())
 
     def _delete_buckets(self, meta: _TableMeta) -> int:
         return int(sum(self._each_bucket(meta, "EVAL", _CLEAR_BUCKET_LUA, 1)))
 
     def clear(self, table: str) -> int:
+        """See Store.clear."""
         return self._delete_buckets(self._meta(table))
 
     def drop_table(self, table: str) -> int | None:
+        """See Store.drop_table: rows first, metadata last, so a retried drop finishes the job."""
         try:
             meta = self._meta(table)
         except TableNotFound:
@@ -344,6 +351,7 @@ class RedisStore(Store):
     # -- rows --------------------------------------------------------------------------
 
     def pull(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """See Store.pull; rows of ids not found are zeros."""
         meta = self._meta(table)
         schema, keys = meta.schema, meta.keys
         ids = _as_ids(ids)
@@ -381,6 +389,7 @@ class RedisStore(Store):
         return rows, found
 
     def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> int:
+        """See Store.push."""
         meta = self._meta(table)
         schema, keys = meta.schema, meta.keys
         ids = _as_ids(ids)
@@ -400,6 +409,7 @@ class RedisStore(Store):
         return len(ids)
 
     def delete(self, table: str, ids: np.ndarray) -> int:
+        """See Store.delete."""
         meta = self._meta(table)
         keys = meta.keys
         ids = _as_ids(ids)
@@ -416,6 +426,7 @@ class RedisStore(Store):
         return int(deleted)
 
     def export(self, table: str, rows_per_chunk: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """See Store.export: bucket by bucket, ids in no particular order."""
         if rows_per_chunk < 1:
             raise InvalidArgument(f"rows_per_chunk must be >= 1, got {rows_per_chunk}")
         meta = self._meta(table)  # here, so an unknown table raises at the call, not at the first chunk
@@ -465,10 +476,12 @@ class RedisStore(Store):
     # -- service -----------------------------------------------------------------------
 
     def ping(self) -> None:
+        """See Store.ping (a Redis PING)."""
         with self._redis():
             self.client.ping()
 
     def close(self) -> None:
+        """See Store.close; errors while closing are ignored."""
         with contextlib.suppress(*_REDIS_ERRORS):
             self.client.close()
             if not isinstance(self.client, redis.cluster.RedisCluster):  # i.e. not self.cluster

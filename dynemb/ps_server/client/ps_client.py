@@ -223,15 +223,18 @@ class PSClient:
         return self.delete_async(table, ids, timeout).result()
 
     def pull_async(self, table: str, ids, timeout: float | None = None) -> Future[PullResult]:
+        """pull() without waiting: a Future of its PullResult."""
         ids = as_ids(ids)
         return self._lanes.submit(table, self._rows.pull, table, ids, self._deadline(timeout))
 
     def push_async(self, table: str, ids, rows, timeout: float | None = None) -> Future[int]:
+        """push() without waiting: a Future of the rows written."""
         ids = as_ids(ids)
         rows = as_rows(table, ids, rows)
         return self._lanes.submit(table, self._rows.push, table, ids, rows, self._deadline(timeout))
 
     def delete_async(self, table: str, ids, timeout: float | None = None) -> Future[int]:
+        """delete() without waiting: a Future of the rows deleted."""
         ids = as_ids(ids)
         return self._lanes.submit(table, self._rows.delete, table, ids, self._deadline(timeout))
 
@@ -246,12 +249,14 @@ class PSClient:
     def pull_many_async(
         self, ids_by_table: Mapping[str, object], timeout: float | None = None
     ) -> Future[dict[str, PullResult]]:
+        """pull_many() without waiting: a Future of {table: PullResult}."""
         wanted = {table: as_ids(ids) for table, ids in ids_by_table.items()}
         return self._lanes.submit_many(wanted, self._rows.pull_many, wanted, self._deadline(timeout))
 
     def push_many_async(
         self, rows_by_table: Mapping[str, tuple[object, object]], timeout: float | None = None
     ) -> Future[int]:
+        """push_many() without waiting: a Future of the rows written."""
         given = {}
         for table, (ids, rows) in rows_by_table.items():
             ids = as_ids(ids)

@@ -19,6 +19,7 @@ class TableInfo:
 
     @classmethod
     def from_proto(cls, msg: ps_pb2.TableInfo) -> TableInfo:
+        """The TableInfo of a ps_pb2.TableInfo message."""
         return cls(TableSchema.from_proto(msg.spec), msg.num_rows)
 
 
@@ -38,8 +39,10 @@ class PullResult:
 
     @property
     def embeddings(self) -> np.ndarray:
+        """The first dim columns of rows (a view)."""
         return self.rows[:, : self.dim]
 
     @property
     def state(self) -> np.ndarray:
+        """The columns after dim: the optimizer state (a view)."""
         return self.rows[:, self.dim :]

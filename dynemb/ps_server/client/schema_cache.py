@@ -36,9 +36,11 @@ class SchemaCache:
         return have
 
     def remember(self, schema: TableSchema) -> None:
+        """Keep a schema, replacing the one known for its table."""
         with self._lock:
             self._schemas[schema.name] = schema
 
     def forget(self, table: str) -> None:
+        """Drop the table's schema, if known."""
         with self._lock:
             self._schemas.pop(table, None)

@@ -286,5 +286,6 @@ class Transport:
         return out
 
     def close(self) -> None:
+        """Close every channel."""
         for channel in self.channels:
             channel.close()
