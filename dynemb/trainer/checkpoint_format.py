@@ -41,6 +41,7 @@ class CheckpointError(UserError, ValueError):
 
 
 def step_folder(step: int) -> str:
+    """The folder name of a step's checkpoint, e.g. step-00000100."""
     return f"step-{step:08d}"
 
 
@@ -64,6 +65,12 @@ def write_manifest(work: Path, manifest: dict, final: Path) -> None:
 
 
 def read_manifest(folder: str | os.PathLike) -> dict:
+    """The checkpoint's manifest.json, its format, version and main fields checked.
+
+    Raises:
+        CheckpointError: the manifest is missing, not valid JSON, of another format or version,
+            or without its files, tables or kind.
+    """
     path = Path(folder) / MANIFEST
     if not path.is_file():
         raise CheckpointError(f"{folder}: no {MANIFEST} (not a checkpoint, or one cut short)")

@@ -79,6 +79,7 @@ class TableStats:
             self.latency_sums[k, rows] += seconds
 
     def collect(self):
+        """The metric families, from a copy of the arrays (prometheus_client's collector interface)."""
         with self._lock:
             names = list(self.names)
             counts, occupancy = self.counts.copy(), self.occupancy.copy()
@@ -117,6 +118,13 @@ class TableStats:
 
 
 class TrainerMetrics:
+    """Every metric of one trainer rank (listed in docs/metrics.md).
+
+    Args:
+        rank: the global rank, the `rank` label.
+        registry: the registry to put them on; None makes a new one.
+    """
+
     def __init__(self, rank: int, registry: CollectorRegistry | None = None) -> None:
         self.rank = str(rank)
         self.registry = r = registry or CollectorRegistry()

@@ -48,6 +48,7 @@ class RowWiseSharder(EmbeddingBagCollectionSharder):
     (see docs/design.md), and the dynamic tables need it: a rank's rows are one contiguous block."""
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
+        """TorchRec's sharding types for the device, row-wise added."""
         types = super().sharding_types(compute_device_type)
         return types if ShardingType.ROW_WISE.value in types else [*types, ShardingType.ROW_WISE.value]
 
@@ -86,6 +87,7 @@ def table_rows_total(cfg: TrainConfig, world_size: int, name: str) -> int:
 
 
 def ps_schema(cfg: TrainConfig, feature: int) -> TableSchema:
+    """The PS schema of table t_<feature>: fp32, uniform in ±init_scale (default 1/sqrt(dim))."""
     scale = cfg.table_config(f"t_{feature}").init_scale or 1.0 / math.sqrt(cfg.table.dim)
     return TableSchema(
         name=f"{cfg.ps_table_prefix}t_{feature}",
@@ -98,6 +100,8 @@ def ps_schema(cfg: TrainConfig, feature: int) -> TableSchema:
 
 @dataclass
 class Built:
+    """What build() returns: the sharded model, its optimizer and the tables' names and schemas."""
+
     model: DistributedModelParallel
     optimizer: TrainedOptimizer  # TorchRec's CombinedOptimizer, plus RowSparseAdam for Adam on CPU
     table_names: list[str]
@@ -111,6 +115,11 @@ _CPU = torch.device("cpu")
 
 
 def build(cfg: TrainConfig, device: torch.device = _CPU) -> Built:
+    """The DLRM model of cfg, sharded row-wise over the process group with fused sparse optimizers.
+
+    Needs torch.distributed initialised. Full (non-dynamic) tables get every row initialised as
+    the PS would hand it out.
+    """
     world = dist.get_world_size()
     features = feature_names(cfg.data.num_sparse)
     tables = [
@@ -162,4 +171,5 @@ def build(cfg: TrainConfig, device: torch.device = _CPU) -> Built:
 
 
 def dense_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters not updated in backward (the dense layers'), by name."""
     return dict(in_backward_optimizer_filter(model.named_parameters()))

@@ -1,12 +1,12 @@
 """Batches transformed ahead of the training loop, by a thread of their own.
 
 A dynamic step's transform (the IDs' exchange between ranks, the ID transformer, the rows'
-push and pull) ran on the training thread: ~8 ms of CPU and ~15 ms of a ~50 ms step on 2
-CPU cores, the rest waiting on the other rank's exchange or on the PS. Here a thread
-transforms batch j while the loop trains earlier ones, and the loop takes j ready, its rows
-in place. The thread's waits no longer stall training, and it runs while the training thread
-waits in TorchRec's own collectives. The cost: one more batch pinned per batch ahead, so a
-table needs room for that many more batches' IDs (a batch refused for want of room says so).
+push and pull) takes ~8 ms of CPU and ~15 ms of a ~50 ms step on 2 CPU cores, the rest
+waiting on the other rank's exchange or on the PS. Here a thread transforms batch j while the
+loop trains earlier ones, and the loop takes j ready, its rows in place. The thread's waits do
+not stall training, and it runs while the training thread waits in TorchRec's own collectives.
+The cost: one more batch pinned per batch ahead, so a table needs room for that many more
+batches' IDs (a batch refused for want of room says so).
 The thread sends the batches through DynamicTables.transform_stream: one exchange between the
 ranks per batch instead of three (dynemb/idtransformer/stream.py), since it knows the next batch.
 
@@ -79,6 +79,16 @@ def set_thread_priority(priority: str) -> None:
 
 
 class TransformAhead(Iterator[Batch]):
+    """The batches, transformed by a thread ahead of the loop (see the module doc).
+
+    Args:
+        tables: the DynamicTables the batches are transformed by.
+        batches: the raw batches.
+        window: at most window - 1 batches are in flight when one is transformed; >= 1.
+        join_seconds: how long close() waits for the thread.
+        priority: "normal", "idle" or "low": how the thread is scheduled.
+    """
+
     def __init__(
         self, tables, batches: Iterable[Batch], window: int, join_seconds: float = 60.0, priority: str = "normal"
     ) -> None:

@@ -61,6 +61,12 @@ def _flat(views: list[torch.Tensor], row_offsets: list[int]) -> _Flat | None:
 
 
 class RowGroup:
+    """Several tables' rows read and written together (see the module doc).
+
+    Args:
+        tables: the tables, in the order read and write take their slots.
+    """
+
     def __init__(self, tables: list[TableRows]) -> None:
         self.tables = tables
         self.flats: list[_Flat] | None = None

@@ -27,17 +27,26 @@ from dynemb.ps_server.schema import TableSchema
 
 
 class RowStore:
+    """Where the trainer's tables keep their rows; the methods below are the contract.
+
+    Rows are (n, dim + optimizer-state width), those of never-pushed ids initialised as the PS
+    does.
+    """
+
     # True: each rank of the job has a store of its own, holding the rows of the IDs that rank
     # owns; False: one PS that every rank shares
     per_rank = False
 
     def create_table(self, schema: TableSchema) -> None:
+        """Create the table; nothing to do if it exists with this schema."""
         raise NotImplementedError
 
     def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
+        """The rows of ids, in their order."""
         raise NotImplementedError
 
     def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Write one row per id (a repeated id's last row wins)."""
         raise NotImplementedError
 
     def export(self, table: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -62,6 +71,7 @@ class RowStore:
         return _done(lambda: {t: self.pull(t, ids) for t, ids in ids_by_table.items()})
 
     def close(self) -> None:
+        """Release the store (connections, memory)."""
         pass
 
 
@@ -89,14 +99,23 @@ def _then(inner: Future, fn) -> Future:
 
 
 class LocalRowStore(RowStore):
+    """The embedded store inside this process: no gRPC between the trainer and its rows.
+
+    Args:
+        store: the store to use; None makes an empty in-memory one.
+        per_rank: whether each rank has one of its own (see RowStore).
+    """
+
     def __init__(self, store: EmbeddedStore | None = None, per_rank: bool = False) -> None:
         self.store = store or EmbeddedStore()
         self.per_rank = per_rank
 
     def create_table(self, schema: TableSchema) -> None:
+        """See RowStore.create_table."""
         self.store.create_table(schema)
 
     def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
+        """See RowStore.pull."""
         schema = self.store.schema(table)
         rows = rows_out(None, len(ids), schema)
         missing = self.store.pull_into(table, ids, rows)
@@ -105,48 +124,67 @@ class LocalRowStore(RowStore):
         return rows
 
     def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
+        """See RowStore.push; rows are converted to float32."""
         self.store.push(table, ids, np.ascontiguousarray(rows, dtype=np.float32))
 
     def export(self, table: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """See RowStore.export (chunks of 65536 rows)."""
         return self.store.export(table, 1 << 16)
 
     def replace(self, schema: TableSchema, chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
+        """See RowStore.replace."""
         self.store.create_table(schema)
         self.store.clear(schema.name)
         for ids, rows in chunks:
             self.push(schema.name, ids, rows)
 
     def close(self) -> None:
+        """Close the embedded store (which saves it if it has a directory)."""
         self.store.close()
 
 
 class RemoteRowStore(RowStore):
+    """The PS over gRPC, through a PSClient; waits until the PSes are ready.
+
+    Args:
+        addresses: the PSes' addresses, comma-separated (one per shard).
+        **client_args: passed to PSClient.
+    """
+
     def __init__(self, addresses: str, **client_args) -> None:
         self.client = PSClient([a.strip() for a in addresses.split(",") if a.strip()], **client_args)
         self.client.wait_ready()
 
     def create_table(self, schema: TableSchema) -> None:
+        """See RowStore.create_table."""
         self.client.create_table_from_schema(schema)
 
     def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
+        """See RowStore.pull."""
         return self.client.pull(table, ids).rows
 
     def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
+        """See RowStore.push; rows are converted to float32."""
         self.client.push(table, ids, np.ascontiguousarray(rows, dtype=np.float32))
 
     def export(self, table: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """See RowStore.export."""
         return self.client.export(table)
 
     def replace(self, schema: TableSchema, chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
+        """See RowStore.replace: one import with replace=True."""
         self.client.import_rows(schema, chunks, replace=True)
 
     def push_many_async(self, rows_by_table: dict[str, tuple[np.ndarray, np.ndarray]]) -> Future:
+        """See RowStore.push_many_async: one call per PS; the future's result is the rows written."""
         return self.client.push_many_async(
             {t: (ids, np.ascontiguousarray(rows, dtype=np.float32)) for t, (ids, rows) in rows_by_table.items()}
         )
 
     def pull_many_async(self, ids_by_table: dict[str, np.ndarray]) -> Future:
+        """See RowStore.pull_many_async: one call per PS."""
         return _then(self.client.pull_many_async(ids_by_table), lambda got: {t: r.rows for t, r in got.items()})
 
     def close(self) -> None:
+        """Close the PS client."""
         self.client.close()

@@ -121,6 +121,7 @@ class RowSparseAdam:
 
     @torch.no_grad()
     def step(self) -> None:
+        """Apply Adam to the rows the last training lookup used; nothing if there was none."""
         if all(s.used is None for s in self.tables):
             return
         self.iter += 1
@@ -139,9 +140,11 @@ class RowSparseAdam:
             s.used = None
 
     def state_dict(self) -> dict:
+        """{'iter': the step count}; the moments are not in it."""
         return {"iter": self.iter}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the step count of state_dict()."""
         self.iter = int(state["iter"])
 
 
@@ -153,9 +156,11 @@ class TrainedOptimizer:
         self.inner, self.sparse_adam = inner, sparse_adam
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """zero_grad of the inner optimizer."""
         self.inner.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure=None) -> None:
+        """Step the inner optimizer, then RowSparseAdam if there is one."""
         self.inner.step(closure)
         if self.sparse_adam is not None:
             self.sparse_adam.step()

@@ -79,6 +79,7 @@ class TableFileError(UserError, ValueError):
 
 
 def shard_name(index: int) -> str:
+    """The file name of shard number index, e.g. part-00000.safetensors."""
     return f"part-{index:05d}.safetensors"
 
 
@@ -90,6 +91,8 @@ def sha256_of(path: Path) -> str:
 
 @dataclass(frozen=True)
 class Shard:
+    """One shard file as table.json lists it: its name, rows and sha256."""
+
     file: str
     rows: int
     sha256: str
@@ -97,12 +100,15 @@ class Shard:
 
 @dataclass
 class Manifest:
+    """A table folder's table.json (the format is in the module doc)."""
+
     schema: TableSchema
     num_rows: int
     shards: list[Shard]
     source: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
+        """The manifest as the JSON object table.json holds."""
         return {
             "format": FORMAT,
             "version": VERSION,
@@ -114,6 +120,12 @@ class Manifest:
 
     @classmethod
     def read(cls, folder: str | os.PathLike) -> Manifest:
+        """The folder's table.json, every field checked.
+
+        Raises:
+            TableFileError: the file is missing or not valid JSON, or a field is missing, of the wrong
+                type or at odds with another (a format version this dynemb does not read included).
+        """
         path = Path(folder) / MANIFEST
         if not path.is_file():
             what = "folder" if Path(folder).is_dir() else "no such folder"
@@ -215,6 +227,16 @@ class TableWriter:
         self.folder.mkdir(parents=True, exist_ok=True)
 
     def write(self, ids, embeddings, state=None) -> None:
+        """Add rows; full shards are written as they fill.
+
+        Args:
+            ids: (n,) integer ids.
+            embeddings: (n, dim) of the table's dtype.
+            state: (n, state_width) of the table's dtype; None for a table without state.
+
+        Raises:
+            TableFileError: the writer is closed, or an array's shape or dtype is wrong.
+        """
         if self._closed:
             raise TableFileError(f"{self.folder}: writer already closed")
         s = self.schema
@@ -267,6 +289,7 @@ class TableWriter:
         self._pending_rows = rest
 
     def close(self) -> Manifest:
+        """Write the rows still pending and then table.json; returns the manifest."""
         if self._pending_rows:
             self._flush(self._pending_rows)
         manifest = Manifest(self.schema, sum(s.rows for s in self._shards), list(self._shards), self.source)
@@ -296,10 +319,12 @@ class TableReader:
 
     @property
     def schema(self) -> TableSchema:
+        """The table's schema, from table.json."""
         return self.manifest.schema
 
     @property
     def num_rows(self) -> int:
+        """Rows in the table, from table.json."""
         return self.manifest.num_rows
 
     def verify(self, progress: bool = False) -> None:

@@ -19,6 +19,8 @@ from torch import nn
 
 @dataclass
 class TableRows:
+    """One table's rows on this rank: its weight view, optimizer-state views and first table row."""
+
     name: str
     weights: torch.Tensor  # (local_rows, dim)
     states: list[torch.Tensor]  # each (local_rows, k)
@@ -26,14 +28,17 @@ class TableRows:
 
     @property
     def dim(self) -> int:
+        """The embedding width."""
         return self.weights.shape[1]
 
     @property
     def local_rows(self) -> int:
+        """Rows of the table on this rank."""
         return self.weights.shape[0]
 
     @property
     def state_width(self) -> int:
+        """Optimizer-state values per row, over every state view."""
         return sum(s.shape[1] for s in self.states)
 
     def read(self, local: torch.Tensor) -> torch.Tensor:

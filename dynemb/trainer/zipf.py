@@ -20,6 +20,13 @@ import numpy as np
 
 
 class BoundedZipf:
+    """Draws k in [1, n] with P(k) proportional to k^-s; call it with a Generator and a shape.
+
+    Args:
+        s: the exponent, > 0.
+        n: the universe size, >= 1.
+    """
+
     def __init__(self, s: float, n: int) -> None:
         if not s > 0:
             raise ValueError(f"Zipf exponent must be > 0, got {s}")
