@@ -107,6 +107,8 @@ def slice_key(name: str, extents: list[tuple[int, int]]) -> bytes:
 
 @dataclass(frozen=True)
 class TensorInfo:
+    """A tensor as the index lists it: name, TensorFlow dtype name, shape, and slices if partitioned."""
+
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -159,21 +161,25 @@ class Bundle:
     # -- listing ------------------------------------------------------------------
 
     def names(self) -> list[str]:
+        """Every tensor's name, sorted."""
         return sorted(self.entries)
 
     def entry(self, name: str) -> pb.BundleEntryProto:
+        """The index entry of a tensor; raises TFMigrationError if there is none."""
         try:
             return self.entries[name]
         except KeyError:
             raise TFMigrationError(f"{self.prefix}: no tensor named {name!r}") from None
 
     def info(self, name: str) -> TensorInfo:
+        """The TensorInfo of a tensor; raises TFMigrationError if there is none."""
         e = self.entry(name)
         return TensorInfo(name, dtype_name(e.dtype), tuple(d.size for d in e.shape.dim), len(e.slices))
 
     # -- bytes --------------------------------------------------------------------
 
     def data_path(self, shard: int) -> str:
+        """The path of data shard number shard (P.data-SSSSS-of-NNNNN for prefix P)."""
         return f"{self.prefix}.data-{shard:05d}-of-{self.num_shards:05d}"
 
     def _file(self, shard: int, name: str) -> np.ndarray:

@@ -43,6 +43,15 @@ def _h5():
 
 
 class KerasSource(Source):
+    """The tensors of a Keras 3 .keras archive or .weights.h5 file (HDF5 datasets).
+
+    Args:
+        path: the file; a .keras archive's weights are unzipped to a temporary file.
+
+    Raises:
+        TFMigrationError: the file is missing, or not a readable archive or HDF5 file.
+    """
+
     def __init__(self, path: str) -> None:
         super().__init__(path)
         h5 = _h5()  # (not named h5py: that name is the annotations' module, below)
@@ -87,12 +96,14 @@ class KerasSource(Source):
         return TensorInfo(name, kind, tuple(int(n) for n in ds.shape))
 
     def tensors(self) -> list[TensorInfo]:
+        """See Source.tensors: every dataset, in natural order of names."""
         return [self._info(n) for n in sorted(self.datasets, key=_natural)]
 
     def _is_tensor(self, name: str) -> bool:
         return name in self.datasets
 
     def rows(self, name: str) -> Rows:
+        """See Source.rows; its verify() reads every row (HDF5 has no checksums)."""
         name = self.resolve(name)
         if name not in self.datasets:
             raise TFMigrationError(f"{self.path}: no dataset named {name!r} (see `dynemb tf ls`)")
@@ -114,6 +125,7 @@ class KerasSource(Source):
         return Rows(name, info.dtype, info.shape, read, verify)
 
     def layer_name(self, name: str) -> str | None:
+        """The `name` attribute of the group holding dataset name (its layer's name), or None."""
         group = name.rpartition("/")[0]
         return self.file[group].attrs.get("name") if group in self.file else None
 

@@ -68,6 +68,8 @@ INT64_MAX = (1 << 63) - 1
 
 @dataclass
 class TableSpec:
+    """What one --table NAME=TENSOR[,key=value...] option asks for."""
+
     table: str
     tensor: str
     offset: int = 0
@@ -77,6 +79,11 @@ class TableSpec:
 
     @classmethod
     def parse(cls, text: str) -> TableSpec:
+        """The spec of a --table option's text.
+
+        Raises:
+            TFMigrationError: the text is malformed or names an unknown key.
+        """
         head, *options = text.split(",")
         table, eq, tensor = head.partition("=")
         if not eq or not table or not tensor:
@@ -118,9 +125,11 @@ class Plan:
 
     @property
     def num_rows(self) -> int:
+        """Rows the table's values tensor holds."""
         return self.source.values.num_rows
 
     def tensors(self) -> list[Rows]:
+        """Every tensor the migration reads: values, keys (TFRA) and slots."""
         return [r for r in (self.source.values, self.source.keys, *self.slots.values()) if r is not None]
 
 

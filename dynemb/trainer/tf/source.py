@@ -50,6 +50,7 @@ class Rows:
 
     @property
     def num_rows(self) -> int:
+        """Rows along the first dimension (0 for a scalar)."""
         return self.shape[0] if self.shape else 0
 
 
@@ -173,12 +174,18 @@ class Source:
         return self.aliases.get(name, name)
 
     def tensors(self) -> list[TensorInfo]:
+        """Every tensor of the checkpoint (what `dynemb tf ls` lists)."""
         raise NotImplementedError
 
     def _is_tensor(self, name: str) -> bool:
         raise NotImplementedError
 
     def rows(self, name: str) -> Rows:
+        """The Rows of a tensor named by its name or an alias.
+
+        Raises:
+            TFMigrationError: no such tensor, or an ambiguous alias.
+        """
         raise NotImplementedError
 
     def _find(self) -> dict[str, Table]:
@@ -217,18 +224,28 @@ class Source:
 
 
 class BundleSource(Source):
+    """The tensors of a TensorFlow checkpoint bundle (a TF1/TF2 checkpoint or SavedModel variables).
+
+    Args:
+        path: the checkpoint's path, for messages.
+        bundle: the bundle read.
+        kind: what the checkpoint is, for messages.
+    """
+
     def __init__(self, path: str, bundle: Bundle, kind: str) -> None:
         super().__init__(path)
         self.bundle = bundle
         self.kind = kind
 
     def tensors(self) -> list[TensorInfo]:
+        """See Source.tensors."""
         return [self.bundle.info(n) for n in self.bundle.names()]
 
     def _is_tensor(self, name: str) -> bool:
         return name in self.bundle.entries
 
     def rows(self, name: str) -> Rows:
+        """See Source.rows; a TF2 key may leave out its /.ATTRIBUTES/VARIABLE_VALUE."""
         name = self.resolve(name)
         if name not in self.bundle.entries and name + VALUE_SUFFIX in self.bundle.entries:
             name += VALUE_SUFFIX
