@@ -25,6 +25,7 @@ def digest(*parts: bytes) -> str:
 
 
 def verbose() -> bool:
+    """Whether DYNEMB_VERBOSE_BUILD=1 asks for the compiler's output."""
     return os.environ.get("DYNEMB_VERBOSE_BUILD") == "1"
 
 

@@ -34,6 +34,14 @@ def _signed(u: int) -> int:
 
 
 class CountMinSketch:
+    """Sightings per ID, estimated in depth x width int32 counters (see the module doc).
+
+    Args:
+        width: counters per row, a power of two >= 2.
+        depth: rows, each with its own hash, 1 to 8.
+        device: where the counters live.
+    """
+
     def __init__(self, width: int = 1 << 20, depth: int = 4, device: torch.device | str = "cpu") -> None:
         if width < 2 or width & (width - 1):
             raise ValueError(f"sketch width must be a power of two >= 2, got {width}")
@@ -65,6 +73,7 @@ class CountMinSketch:
         return flat[cells].amin(dim=0)
 
     def estimate(self, ids: torch.Tensor) -> torch.Tensor:
+        """Each id's estimated count (never below its true count), without counting it."""
         return self.counts.view(-1)[self._cells(ids)].amin(dim=0)
 
     def halve(self) -> None:
@@ -73,12 +82,15 @@ class CountMinSketch:
 
     @property
     def nbytes(self) -> int:
+        """Bytes the counters take."""
         return self.counts.numel() * self.counts.element_size()
 
     def state_dict(self) -> dict:
+        """The sketch's size and a copy of its counters."""
         return {"width": self.width, "depth": self.depth, "counts": self.counts.clone()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the counters of state_dict(); raises ValueError for another size."""
         if (state["width"], state["depth"]) != (self.width, self.depth):
             raise ValueError(
                 f"sketch state is {state['depth']}x{state['width']}, this sketch is {self.depth}x{self.width}"

@@ -15,6 +15,11 @@ _REINTERPRETED = tuple(getattr(torch, name) for name in ("uint64",) if hasattr(t
 
 
 def as_int64_ids(ids: torch.Tensor) -> torch.Tensor:
+    """ids as int64 (see the module doc): returned as is, widened, or reinterpreted bit for bit.
+
+    Raises:
+        TypeError: ids is not a tensor, or not of an integer dtype.
+    """
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"ids must be a torch tensor of integers, got {type(ids).__name__}")
     if ids.dtype == torch.int64:

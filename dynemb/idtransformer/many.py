@@ -63,6 +63,7 @@ class ManyResult:
 
     @property
     def results(self) -> list[TransformResult | None]:
+        """Per table, its TransformResult or None where it failed (cut from the flat tensors when first asked for)."""
         if self._results is None:  # made with the kernel's flat tensors instead
             flat, counts, sizes, hits = self.flat_parts()
             parts = {f: torch.split(flat[f], counts[f]) for f in self.FIELDS}

@@ -34,6 +34,8 @@ _FREQ_SHIFT = 40  # last_access (a step count) stays below 2^40
 
 @dataclass(frozen=True)
 class EvictionPolicy:
+    """Which slots a full table frees, and how many (see the module doc); checked when made."""
+
     kind: str = "hybrid"
     evict_fraction: float = 0.05  # share of the table freed when it is full
     ttl_steps: int | None = None  # idle longer than this: evicted first

@@ -45,6 +45,7 @@ def route(ids: torch.Tensor, sizes: list[int], world: int, kernel: bool) -> Rout
 
 
 def route_torch(ids: torch.Tensor, sizes: list[int], world: int) -> Routed:
+    """route() in torch ops (any device)."""
     n_tables = len(sizes)
     table_of = torch.repeat_interleave(
         torch.arange(n_tables, device=ids.device), torch.tensor(sizes, dtype=torch.int64, device=ids.device)
@@ -65,6 +66,7 @@ def transpose_blocks(x: torch.Tensor, counts: torch.Tensor, kernel: bool) -> tor
 
 
 def transpose_blocks_torch(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """transpose_blocks() in torch ops (any device)."""
     # within a column the blocks already come in row order: a stable sort by column does it
     rows, cols = counts.shape
     column = torch.arange(cols, device=x.device).repeat(rows).repeat_interleave(counts.reshape(-1))

@@ -41,6 +41,8 @@ from dynemb.idtransformer.transformer import IDTransformer, TransformResult
 
 @dataclass
 class ShardedTransformResult:
+    """What a sharded transform gives one rank: its ids' global slots and its share as owner."""
+
     slots: torch.Tensor  # global rows of the caller's ids (same shape); -1: not admitted
     owned: TransformResult  # the owner's view of what it received: its slots are global rows
     pinned: torch.Tensor | None = None  # this rank's local slots pinned for the batch
@@ -74,6 +76,17 @@ class BatchRefused(RuntimeError):
 
 
 class ShardedIDTransformer:
+    """One IDTransformer per rank, each owning the IDs that hash to it (see the module doc).
+
+    Args:
+        capacity_per_rank: slots per rank; rank r's are global rows [r * c, (r + 1) * c).
+        policy: the eviction policy.
+        admit_threshold: sightings an ID needs before it gets a slot.
+        group: the process group; None is the default group.
+        device: where this rank's transformer lives.
+        **kwargs: passed to IDTransformer.
+    """
+
     def __init__(
         self,
         capacity_per_rank: int,
@@ -104,9 +117,11 @@ class ShardedIDTransformer:
         result.pinned = None
 
     def state_dict(self) -> dict:
+        """This rank's transformer state, with its rank and the world size."""
         return {"rank": self.rank, "world_size": self.world_size, "local": self.local.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a state_dict() of the same rank and world size; else ValueError."""
         if (state["rank"], state["world_size"]) != (self.rank, self.world_size):
             raise ValueError(
                 f"state is of rank {state['rank']} of {state['world_size']}, this is rank {self.rank} "

@@ -21,6 +21,7 @@ _FMIX = (0xFF51AFD7ED558CCD - (1 << 64), 0xC4CEB9FE1A85EC53 - (1 << 64))
 
 
 def map_size(capacity: int, load: float) -> int:
+    """Entries of a map holding capacity ids at most at load; raises ValueError beyond 2^31."""
     size = max(16, int(capacity / load) + 1)
     if size >= 1 << 31:
         raise ValueError(f"capacity {capacity:,} is too large for one table's slot map (at most ~1.6e9 per rank)")
@@ -33,6 +34,7 @@ def _lsr(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def fmix64(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 64-bit finalizer, elementwise on int64 (as the kernel computes it)."""
     x = x ^ _lsr(x, 33)
     x = x * _FMIX[0]
     x = x ^ _lsr(x, 33)
@@ -62,9 +64,11 @@ class KernelSlotMap:
 
     @property
     def nbytes(self) -> int:
+        """Bytes the entries take."""
         return self.entries.numel() * 4
 
     def find(self, ids: torch.Tensor) -> torch.Tensor:
+        """The slot of each id, -1 where it is not in the map."""
         return self.ops.find(self.entries, self.records, ids, MAP_SEED)
 
     def insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
@@ -92,6 +96,7 @@ class SortedSlotMap:
 
     @property
     def nbytes(self) -> int:
+        """Bytes the sorted ids and their slots take."""
         return self.keys.numel() * 8 + self.vals.numel() * 4
 
     def _at(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,6 +105,7 @@ class SortedSlotMap:
         return pos, self.keys[pos] == ids
 
     def find(self, ids: torch.Tensor) -> torch.Tensor:
+        """The slot of each id (int64), -1 where it is not in the map."""
         if self.keys.numel() == 0:
             return torch.full_like(ids, -1)
         pos, there = self._at(ids)
@@ -143,6 +149,7 @@ def coin(ids: torch.Tensor, step: int) -> torch.Tensor:
 
 
 def make_slot_map(capacity: int, records: torch.Tensor, backend: str) -> KernelSlotMap | SortedSlotMap:
+    """The slot map of a backend: 'kernel' (KernelSlotMap) or 'torch' (SortedSlotMap)."""
     if backend == "kernel":
         return KernelSlotMap(capacity, records)
     if backend == "torch":

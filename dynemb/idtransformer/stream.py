@@ -100,6 +100,13 @@ def _unpack(got: torch.Tensor, layout: list[_Message]) -> list[_Message]:
 
 
 class TransformStream:
+    """Sharded transforms of a stream of batches, one exchange each (see the module doc).
+
+    Args:
+        tables: the tables, each a ShardedIDTransformer of the same group.
+        pin: pin each batch's slots until it is released.
+    """
+
     def __init__(self, tables: list[ShardedIDTransformer], pin: bool = False) -> None:
         if not tables:
             raise ValueError("a transform stream needs at least one table")

@@ -46,6 +46,14 @@ _NOT_PINNED = "release of slots that are not pinned (released twice?)"
 
 @dataclass
 class TransformResult:
+    """What IDTransformer.transform gives for a batch.
+
+    Attributes:
+        slots: the slot of each id (the batch's shape); -1 where not admitted.
+        admitted_ids, admitted_slots: IDs given a slot by this call, and their slots.
+        evicted_ids, evicted_slots: IDs evicted to make room, and the slots they left.
+    """
+
     slots: torch.Tensor
     admitted_ids: torch.Tensor
     admitted_slots: torch.Tensor
@@ -89,6 +97,7 @@ class NoRoom(RuntimeError):
 
 
 def too_many_ids(distinct: int, capacity: int) -> TooManyIDs:
+    """The TooManyIDs error for a batch of distinct IDs in a table of capacity slots."""
     return TooManyIDs(
         f"batch has {distinct} distinct IDs but the table holds {capacity}: use a larger capacity or smaller batches"
     )
@@ -403,6 +412,7 @@ class IDTransformer:
     # -- state -------------------------------------------------------------------
 
     def state_dict(self) -> dict:
+        """The step, the resident IDs with their slots, every slot's metadata and the sketch, on CPU."""
         slots = torch.nonzero(self.last_access != FREE).squeeze(1)
         state = {
             "capacity": self.capacity,
@@ -418,6 +428,11 @@ class IDTransformer:
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a state_dict() of a table of the same capacity.
+
+        Raises:
+            ValueError: another capacity, or a state that is inconsistent.
+        """
         if state["capacity"] != self.capacity:
             raise ValueError(f"state is of a table of {state['capacity']} slots, this one has {self.capacity}")
         _check_state(state)
