@@ -171,8 +171,8 @@ HELP = {
     "admit_threshold": "sightings before an ID gets a row (1: at once)",
     "ttl_steps": "IDs idle longer than this many steps go first (0: no TTL)",
     "init_scale": "never-seen IDs start uniform(-s, s); 0 means 1/sqrt(dim)",
-    "dynamic": "dynamic tables over the PS (--no-dynamic: plain full TorchRec tables of --universe rows each; "
-    "an ID v takes row v mod --universe, the hashing trick, as TorchRec's Criteo examples do)",
+    "dynamic": "dynamic tables over the PS (--no-dynamic: plain full TorchRec tables of --capacity, else "
+    "--universe rows each; an ID v takes row v mod rows, the hashing trick, as TorchRec's Criteo examples do)",
     "optimizer": "sgd, adagrad, rowwise_adagrad, adam "
     "(fused into backward; Adam on CPU through dynemb/trainer/sparse_adam.py)",
     "lr": "learning rate of the embedding tables",

@@ -1,6 +1,6 @@
 """The data side of full (non-dynamic, `--no-dynamic`) tables.
 
-A full table has a fixed number of rows (`--universe`), and TorchRec looks an ID up as a row
+A full table has a fixed number of rows (`--capacity`, else `--universe`), and TorchRec looks an ID up as a row
 number: an ID outside [0, rows) is not an error there (FBGEMM logs "Out of bounds ... Setting idx
 to zero" and trains row 0). IDs of file data are signed 64-bit hashes, so a full table maps
 them into its rows with the hashing trick, as TorchRec's Criteo examples do: row = id mod rows
@@ -152,9 +152,14 @@ def _agreed(it: Iterator[Batch], prepare, what: str, group: dist.ProcessGroup | 
 
 def describe(cfg: TrainConfig) -> str:
     """The job's first log line on the full-table path."""
-    rows = sorted(set(table_rows(cfg)[0].values()))
-    n = f"{rows[0]:,}" if len(rows) == 1 else "/".join(f"{r:,}" for r in rows)
-    return f"full tables: {n} rows each, IDs mapped by id mod {n} (hashing trick; --universe sets the rows)"
+    rows = table_rows(cfg)[0].values()
+    lo, hi = min(rows), max(rows)
+    if lo == hi:
+        return f"full tables: {lo:,} rows each, IDs mapped by id mod {lo:,} (hashing trick; {_SET_BY})"
+    return f"full tables: {lo:,} to {hi:,} rows, IDs mapped by id mod the table's rows (hashing trick; {_SET_BY})"
+
+
+_SET_BY = "rows: --capacity, else --universe, else a count of the file's distinct IDs"
 
 
 def full_batches(
