@@ -43,9 +43,15 @@ class LocalPS(TempDirProcess):
 
     @property
     def address(self) -> str:
+        """host:port of its gRPC service (set by start())."""
         return f"127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 30.0) -> LocalPS:
+        """Start the PS and wait until it has written its ports; returns self.
+
+        Raises:
+            RuntimeError: the PS exited or did not start within timeout seconds (its log in the message).
+        """
         port_file = os.path.join(self.dir, "port")
         cmd = [
             sys.executable,
@@ -76,12 +82,14 @@ class LocalPS(TempDirProcess):
             return reply.read().decode()
 
     def log(self) -> str:
+        """Everything the PS has logged so far; empty if the log cannot be read."""
         try:
             return Path(self.log_path).read_text(errors="replace")
         except OSError:
             return ""
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int | None:
+        """Signal the PS and wait up to timeout seconds (then kill it); its exit code, None if not running."""
         if self.proc is None:
             return None
         code = end_process(self.proc, sig, timeout)

@@ -84,21 +84,26 @@ class RedisProcess(TempDirProcess):
 
     @property
     def host(self) -> str:
+        """The loopback address it listens on."""
         return "127.0.0.1"
 
     @property
     def address(self) -> str:
+        """host:port."""
         return f"{self.host}:{self.port}"
 
     @property
     def url(self) -> str:
+        """Its redis:// (rediss:// with TLS) URL, database 0."""
         return f"{'rediss' if self.tls else 'redis'}://{self.address}/0"
 
     @property
     def log_path(self) -> str:
+        """Where the server logs, in its folder."""
         return os.path.join(self.dir, "redis.log")
 
     def log(self) -> str:
+        """The last 4000 characters of its log; empty if it cannot be read."""
         try:
             return Path(self.log_path).read_text(errors="replace")[-4000:]
         except OSError:
@@ -127,9 +132,15 @@ class RedisProcess(TempDirProcess):
         return self
 
     def client(self, **kw) -> redis.Redis:
+        """A redis-py client for it, with client_kwargs (and kw over them)."""
         return redis.Redis(host=self.host, port=self.port, ssl=self.tls, **{**self.client_kwargs, **kw})
 
     def wait_ready(self, timeout: float) -> None:
+        """Wait until the started server answers PING.
+
+        Raises:
+            RuntimeError: it was not started, exited, or did not answer within timeout seconds.
+        """
         proc = self.proc
         if proc is None:
             raise RuntimeError(f"redis-server on {self.address} is not started: call start(), not wait_ready()")
@@ -152,6 +163,7 @@ class RedisProcess(TempDirProcess):
             client.close()
 
     def stop(self) -> None:
+        """Terminate the server (its folder and port stay for a restart)."""
         if self.proc is not None:
             end_process(self.proc)
         self.proc = None
@@ -200,13 +212,20 @@ class RedisClusterProcesses:
 
     @property
     def addresses(self) -> list[str]:
+        """host:port of every node."""
         return [n.address for n in self.nodes]
 
     @property
     def url(self) -> str:
+        """Its redis+cluster:// (rediss+cluster:// with TLS) URL, every node listed."""
         return f"{'rediss' if self.tls_files else 'redis'}+cluster://" + ",".join(self.addresses)
 
     def start(self, timeout: float = 30.0) -> RedisClusterProcesses:
+        """Start every node, create the cluster and wait until each node reports it ok; returns self.
+
+        Raises:
+            RuntimeError: a node, `redis-cli --cluster create` or the cluster failed (the nodes are closed then).
+        """
         try:
             self._start(timeout)
         except BaseException:
@@ -238,6 +257,7 @@ class RedisClusterProcesses:
                 c.close()
 
     def close(self) -> None:
+        """Stop every node and remove its folder."""
         for n in self.nodes:
             n.close()
 

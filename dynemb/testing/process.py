@@ -30,12 +30,15 @@ class TempDirProcess:
     dir: str
 
     def start(self, *args, **kwargs):
+        """Start the process; returns self (what `with` binds)."""
         raise NotImplementedError
 
     def stop(self, *args, **kwargs):
+        """Stop the process; the folder stays."""
         raise NotImplementedError
 
     def close(self) -> None:
+        """Stop the process and remove its folder."""
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
 
