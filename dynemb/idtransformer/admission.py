@@ -1,6 +1,6 @@
 """Admission counting: how often has an ID been seen, in bounded memory.
 
-An ID gets a slot only after it was seen `threshold` times (issue 3). Keeping a dict of
+An ID gets a slot only after it was seen `threshold` times. Keeping a dict of
 every ID ever seen grows without bound in an unbounded ID space, so counts live in a
 count-min sketch: `depth` rows of `width` counters, each ID hashed to one counter per row;
 its estimate is the minimum over the rows. The estimate never undercounts; it overcounts
