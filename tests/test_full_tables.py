@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from helpers import learnable_tsv
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -66,22 +67,6 @@ def test_full_batches_map_every_batch():
     assert got.labels is batch.labels and got.dense_features is batch.dense_features
 
 
-def _learnable_tsv(path, n: int, seed: int = 0) -> str:
-    """Criteo lines whose label is a fixed function of the first categorical column (16 values)
-    and of nothing else: dense columns are noise, no column is ever missing. A model that looks
-    every ID up as row 0 learns nothing (AUC 0.5); one that finds the IDs' rows learns it."""
-    rng = np.random.default_rng(seed)
-    lines = []
-    for _ in range(n):
-        first = int(rng.integers(0, 16))
-        cats = [f"{first:08x}"] + [f"{int(rng.integers(0, 40)):08x}" for _ in range(25)]
-        label = str(int((first * 7919) % 16 < 8))
-        dense = [str(int(rng.integers(0, 20))) for _ in range(13)]
-        lines.append("\t".join([label, *dense, *cats]) + "\n")
-    path.write_text("".join(lines))
-    return str(path)
-
-
 def _flags(*extra: str) -> list[str]:
     return [*"--no-dynamic --dim 8 --dense-arch 16,8 --over-arch 16,1 --no-progress".split(), *extra]
 
@@ -91,7 +76,7 @@ def test_no_dynamic_trains_on_tsv_hashes(tmp_path):
     """`dynemb train --no-dynamic --source day.tsv`: the IDs (XXH64 hashes) find their rows, the
     job says how, and it learns the data (before: "Out of bounds ... Setting idx to zero" per
     batch, every ID on row 0, AUC 0.5)."""
-    source = _learnable_tsv(tmp_path / "day.tsv", 1600)
+    source = learnable_tsv(tmp_path / "day.tsv", 1600)
     out = tmp_path / "result.json"
     run = subprocess.run(
         [
@@ -139,7 +124,7 @@ def test_uneven_ranks_stop_together_on_full_tables(tmp_path, pipeline):
     33 held-out ones. Rank 0 gets 17 of each (2 batches), rank 1 16 (1 batch); rank 0's extra
     batch of training and of evaluation is dropped with a warning, and the job ends (before:
     rank 0's second step waited forever in a collective rank 1 never joined)."""
-    source = _learnable_tsv(tmp_path / "day.tsv", 66)
+    source = learnable_tsv(tmp_path / "day.tsv", 66)
     out = tmp_path / "result.json"
     run = _torchrun_train(
         *_flags("--source", source, "--universe", "500", "--batch-size", "16", "--steps", "10", pipeline),
@@ -153,3 +138,13 @@ def test_uneven_ranks_stop_together_on_full_tables(tmp_path, pipeline):
     assert "rank 1 had" not in run.stderr
     got = json.loads(out.read_text())
     assert len(got["losses"]) == 1 and np.isfinite(got["losses"]).all() and np.isfinite(got["auc"])
+
+
+def test_the_cli_says_an_id_out_of_range_in_one_line_from_its_rank():
+    from dynemb.trainer.cli import _failure
+    from dynemb.trainer.full_tables import IDOutOfRange
+
+    assert _failure(IDOutOfRange("ID 9 of feature cat_0 is outside table t_0's 4 rows")) == (
+        "ID 9 of feature cat_0 is outside table t_0's 4 rows",
+        None,  # this rank's data: it reports, naming itself
+    )

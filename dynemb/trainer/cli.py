@@ -119,9 +119,12 @@ def _failure(exc: Exception) -> tuple[str, int | None] | None:
     from dynemb.idtransformer.transformer import NoRoom, TooManyIDs
     from dynemb.ps_server.errors import PSError, TableExists
     from dynemb.trainer.data import BadLine
+    from dynemb.trainer.full_tables import IDOutOfRange
 
     if isinstance(exc, BadLine):
         return f"malformed training data: {exc} (--skip-bad-lines skips such lines)", None
+    if isinstance(exc, IDOutOfRange):  # this rank's data
+        return str(exc), None
     if isinstance(exc, BatchRefused):  # on every rank; a refusing one's errors say why
         refusing = sorted({r for ranks in exc.refused_by for r in ranks})
         own = [(t, e) for t, e in enumerate(exc.errors) if e is not None]

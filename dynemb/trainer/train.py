@@ -126,7 +126,8 @@ def batches(cfg: TrainConfig, split: int, start: int = 0):
 def size_tables(cfg: TrainConfig) -> TrainConfig:
     """Collective. File data without --universe: each table without a --capacity gets one from a
     count of its feature's distinct IDs (rank 0 counts in one pass, every rank gets the counts):
-    a dynamic table --capacity-fraction of them, a full table one row each."""
+    a dynamic table --capacity-fraction of them, a full table as many rows as IDs (which, under
+    id mod rows, still collide: the hashing trick has no one-to-one size)."""
     names = [f"t_{i}" for i in range(cfg.data.num_sparse)]
     if cfg.data.source == "synthetic" or cfg.data.universe or all(cfg.table_config(n).capacity for n in names):
         return cfg
