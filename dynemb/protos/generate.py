@@ -27,6 +27,17 @@ GENERATED = tuple(name for names, _ in PROTOS.values() for name in names)
 
 
 def generate(out_dir: Path) -> list[Path]:
+    """Run protoc on the project's protos.
+
+    Args:
+        out_dir: the root to write dynemb/protos/*_pb2*.py under.
+
+    Returns:
+        The files written.
+
+    Raises:
+        RuntimeError: protoc failed.
+    """
     import grpc_tools
     from grpc_tools import protoc  # imported here: only the build and the test need it
 
@@ -44,6 +55,7 @@ def generate(out_dir: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m dynemb.protos.generate`: regenerate the protos' Python modules; exit status."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--out", type=Path, default=ROOT, help="root to write dynemb/protos/*.py under (default: the repo)"

@@ -288,6 +288,11 @@ class Checkpointer:
     # -- restore ------------------------------------------------------------------
 
     def resolve(self, which: str) -> Path:
+        """The folder of checkpoint `which` (a folder, or "latest" in checkpoint_dir).
+
+        Raises:
+            CheckpointError: no such checkpoint, or "latest" without a checkpoint_dir.
+        """
         if which == "latest":
             self._directory()  # raises without one
         return resolve(self.cfg, which)

@@ -18,6 +18,7 @@ Prints the loss as it goes and the held-out AUC and log-loss at the end."""
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
+    """Add `dynemb train` to the CLI's subcommands `sub`; returns its parser."""
     p = sub.add_parser(
         "train",
         help="train a DLRM with dynamic embedding tables",
@@ -29,6 +30,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def configure(p: argparse.ArgumentParser) -> None:
+    """Give parser `p` the training settings' flags (config.py), --result-json, and run()."""
     from dynemb.trainer.config import add_arguments
 
     add_arguments(p)
@@ -52,6 +54,7 @@ def quiet_library_warnings() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Train with the parsed flags; exit status (0, 1 for a user's error said in one line, 2 for bad settings)."""
     from dynemb.trainer.config import from_args
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -253,6 +256,7 @@ def _finish(args: argparse.Namespace, cfg, rank: int, result) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m dynemb.trainer` (what torchrun runs): parse argv, train; exit status."""
     p = argparse.ArgumentParser(
         prog="python -m dynemb.trainer", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -23,6 +23,8 @@ def optimizer_state_width(optimizer: str, dim: int) -> int:
 
 @dataclass
 class DataConfig:
+    """Where the batches come from: synthetic Criteo-like data, or Criteo TSV files."""
+
     source: str = "synthetic"  # "synthetic" or a Criteo TSV file / folder of them
     num_dense: int = 13
     num_sparse: int = 26
@@ -57,6 +59,12 @@ class TableConfig:
 
 @dataclass
 class TrainConfig:
+    """A training job's settings: the model, the data, the tables, the PS, checkpoints, metrics.
+
+    Raises:
+        ValueError: a setting out of its range, or settings that contradict each other.
+    """
+
     data: DataConfig = field(default_factory=DataConfig)
     table: TableConfig = field(default_factory=TableConfig)
     optimizer: str = "rowwise_adagrad"
@@ -228,6 +236,7 @@ def _fields(cls) -> list[dataclasses.Field]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Give parser `p` --config and one flag per setting of TrainConfig, DataConfig and TableConfig."""
     p.add_argument("--config", help="YAML or JSON file with any of the settings below (flags override it)")
     for group, cls in (("training", TrainConfig), ("data", DataConfig), ("tables", TableConfig)):
         g = p.add_argument_group(group)
@@ -278,6 +287,11 @@ def _read_file(path: str) -> dict:
 
 
 def from_args(args: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig of parsed flags over the --config file's settings.
+
+    Raises:
+        ValueError: an unknown or invalid setting. OSError: the --config file cannot be read.
+    """
     raw = _read_file(args.config) if args.config else {}
     data = dict(raw.pop("data", {}) or {})
     table = dict(raw.pop("table", {}) or {})

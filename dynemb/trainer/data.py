@@ -38,6 +38,7 @@ class BadLine(ValueError):
 
 
 def feature_names(num_sparse: int) -> list[str]:
+    """The KJT keys of the sparse features: cat_0 ... cat_{num_sparse - 1}."""
     return [f"cat_{i}" for i in range(num_sparse)]
 
 
@@ -53,6 +54,15 @@ def _hidden_score(ids: np.ndarray) -> np.ndarray:
 
 
 class SyntheticCriteo:
+    """Criteo-shaped batches drawn for one rank (see the module): batch k of rank r depends on
+    (data_seed, r, k) alone.
+
+    Args:
+        cfg: the data settings (universe, zipf, features, bag size, seed).
+        batch_size: samples per batch.
+        rank, world_size: whose batches.
+    """
+
     def __init__(self, cfg: DataConfig, batch_size: int, rank: int = 0, world_size: int = 1) -> None:
         self.cfg, self.batch_size, self.rank, self.world_size = cfg, batch_size, rank, world_size
         self.keys = feature_names(cfg.num_sparse)
@@ -79,12 +89,14 @@ class SyntheticCriteo:
         return Batch(dense_features=torch.from_numpy(dense), sparse_features=kjt, labels=torch.from_numpy(labels))
 
     def train_batches(self, start: int = 0) -> Iterator[Batch]:
+        """This rank's training batches from batch `start` on, without end."""
         step = start
         while True:
             yield self.batch(step)
             step += 1
 
     def eval_batches(self, n: int) -> Iterator[Batch]:
+        """This rank's `n` held-out batches (a stream of their own)."""
         for k in range(n):
             yield self.batch(k, split=1)
 

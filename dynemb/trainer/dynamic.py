@@ -74,6 +74,8 @@ _ROWS_PULLED = [name for name, _ in TABLE_COUNTERS].index("rows_pulled")
 
 @dataclass
 class DynamicTableSpec:
+    """One dynamic table: its TorchRec name, the features it serves, its PS table, eviction and admission."""
+
     name: str  # the TorchRec table's name
     features: list[str]  # the KJT keys it serves
     ps_schema: TableSchema  # its PS table (name, dim, state width, initializer)

@@ -52,6 +52,8 @@ log = logging.getLogger("dynemb.trainer")
 
 @dataclass
 class TrainResult:
+    """What train() returns on each rank."""
+
     losses: list[float] = field(default_factory=list)  # this rank's loss per step
     first_step: int = 0  # the step the job began at (> 0 when resumed from a checkpoint)
     auc: float = float("nan")
@@ -80,6 +82,9 @@ def init_distributed() -> bool:
 
 
 def open_row_store(cfg: TrainConfig) -> RowStore:
+    """Where the job's rows live: a client of the PS at cfg.ps (retrying per the job's timeouts), or
+    the embedded store in this process (per rank under torchrun: each keeps its own IDs' rows).
+    """
     if cfg.ps:
         # every PS call is idempotent, so a PS that is down or hangs is simply tried again, for
         # up to ps_timeout_seconds, each try given ps_attempt_seconds
@@ -97,6 +102,7 @@ def open_row_store(cfg: TrainConfig) -> RowStore:
 
 
 def make_dynamic(cfg: TrainConfig, built: Built, store: RowStore, metrics: TrainerMetrics) -> DynamicTables:
+    """The dynamic tables in front of the built model, one per table of it, as cfg sets them."""
     specs = []
     for name, feature in zip(built.table_names, built.features):
         t = cfg.table_config(name)
