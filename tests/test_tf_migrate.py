@@ -469,49 +469,7 @@ embedding tables (--table NAME=TENSOR takes the first column):
 
 
 # a Keras model saved with tf.train.Checkpoint: names from the object graph, the Dense kernel apart
-KERAS_CHECKPOINT_LS = """\
-tests/fixtures/tf/keras_checkpoint/ckpt-1: TF2 object-based checkpoint, 16 tensors
-TENSOR                                                       DTYPE    SHAPE    VARIABLE                           ROLE
-_CHECKPOINTABLE_OBJECT_GRAPH                                 string   []
-optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE             int64    []       adam/iteration
-optimizer/_learning_rate/.ATTRIBUTES/VARIABLE_VALUE          float32  []       adam/learning_rate
-optimizer/_trainable_variables/0/.ATTRIBUTES/VARIABLE_VALUE  float32  [10, 4]  user_emb/embeddings                \
-table
-optimizer/_trainable_variables/1/.ATTRIBUTES/VARIABLE_VALUE  float32  [10, 4]  item_emb/embeddings                \
-table
-optimizer/_trainable_variables/2/.ATTRIBUTES/VARIABLE_VALUE  float32  [8, 1]   head/kernel                        \
-other 2-D variable
-optimizer/_trainable_variables/3/.ATTRIBUTES/VARIABLE_VALUE  float32  [1]      head/bias
-optimizer/_variables/2/.ATTRIBUTES/VARIABLE_VALUE            float32  [10, 4]  adam/user_emb_embeddings_momentum  m \
-slot of user_emb/embeddings
-optimizer/_variables/3/.ATTRIBUTES/VARIABLE_VALUE            float32  [10, 4]  adam/user_emb_embeddings_velocity  v \
-slot of user_emb/embeddings
-optimizer/_variables/4/.ATTRIBUTES/VARIABLE_VALUE            float32  [10, 4]  adam/item_emb_embeddings_momentum  m \
-slot of item_emb/embeddings
-optimizer/_variables/5/.ATTRIBUTES/VARIABLE_VALUE            float32  [10, 4]  adam/item_emb_embeddings_velocity  v \
-slot of item_emb/embeddings
-optimizer/_variables/6/.ATTRIBUTES/VARIABLE_VALUE            float32  [8, 1]   adam/head_kernel_momentum          m \
-slot of head/kernel
-optimizer/_variables/7/.ATTRIBUTES/VARIABLE_VALUE            float32  [8, 1]   adam/head_kernel_velocity          v \
-slot of head/kernel
-optimizer/_variables/8/.ATTRIBUTES/VARIABLE_VALUE            float32  [1]      adam/head_bias_momentum
-optimizer/_variables/9/.ATTRIBUTES/VARIABLE_VALUE            float32  [1]      adam/head_bias_velocity
-save_counter/.ATTRIBUTES/VARIABLE_VALUE                      int64    []       save_counter
-
-embedding tables (--table NAME=TENSOR takes the first column, or a name in ALSO):
-  TABLE                ROWS  DIM  DTYPE    KIND      \
-SLOTS                                                                     ALSO
-  item_emb/embeddings  10    4    float32  variable  m=adam/item_emb_embeddings_momentum, \
-v=adam/item_emb_embeddings_velocity  item_emb, optimizer/_trainable_variables/1, model/_operations/3/_embeddings
-  user_emb/embeddings  10    4    float32  variable  m=adam/user_emb_embeddings_momentum, \
-v=adam/user_emb_embeddings_velocity  user_emb, optimizer/_trainable_variables/0, model/_operations/2/_embeddings
-
-other 2-D variables (not named or made like embeddings, e.g. a Dense kernel; --table NAME=TENSOR takes the first \
-column, or a name in ALSO):
-  TABLE        ROWS  DIM  DTYPE    KIND      SLOTS                                                     ALSO
-  head/kernel  8     1    float32  variable  m=adam/head_kernel_momentum, v=adam/head_kernel_velocity  head, \
-optimizer/_trainable_variables/2, model/_operations/7/_kernel
-"""
+KERAS_CHECKPOINT_LS = (FIX / "keras_checkpoint_ls.txt").read_text()  # `tf ls` of it, word for word
 
 
 def test_cli_ls():
