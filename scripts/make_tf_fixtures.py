@@ -103,17 +103,24 @@ def make_tf2_slot_variables(out: Path) -> None:
     tf.train.Checkpoint(model=model, optimizer=opt).save(str(out / "ckpt"))
 
 
+def _user_after_a_step(tf, shape: list[int], opt):
+    """A tf.Module with one variable `user` of `shape`, after one training step of `opt`: the
+    optimizer has made its slots for it."""
+    model = tf.Module()
+    model.user = tf.Variable(tf.zeros(shape))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model.user)
+    opt.apply_gradients([(tape.gradient(loss, model.user), model.user)])
+    return model
+
+
 def make_tf2_keras3(out: Path) -> None:
     tf = quiet_tf()
     import keras
 
     k = FIXTURES["tf2_keras3"]["model/user"]
-    model = tf.Module()
-    model.user = tf.Variable(tf.zeros([9, 5]))
     opt = keras.optimizers.Adagrad(0.1)
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_sum(model.user)
-    opt.apply_gradients([(tape.gradient(loss, model.user), model.user)])
+    model = _user_after_a_step(tf, [9, 5], opt)
     model.user.assign(k.array())
     opt._accumulators[0].assign(k.slot("accumulator"))
     tf.train.Checkpoint(model=model, optimizer=opt).save(str(out / "ckpt"))
@@ -124,15 +131,12 @@ def make_saved_model(out: Path) -> None:
     import keras
 
     k = FIXTURES["saved_model"]["model/user"]
-    model = tf.Module()
-    model.user = tf.Variable(tf.zeros([8, 4]))
-    model.optimizer = keras.optimizers.Adam(0.1)
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_sum(model.user)
-    model.optimizer.apply_gradients([(tape.gradient(loss, model.user), model.user)])
+    opt = keras.optimizers.Adam(0.1)
+    model = _user_after_a_step(tf, [8, 4], opt)
+    model.optimizer = opt  # saved with the model: its slots are what the fixture is for
     model.user.assign(k.array())
-    model.optimizer._momentums[0].assign(k.slot("m"))
-    model.optimizer._velocities[0].assign(k.slot("v"))
+    opt._momentums[0].assign(k.slot("m"))
+    opt._velocities[0].assign(k.slot("v"))
     root = tf.Module()
     root.model = model
     tf.saved_model.save(root, str(out))
