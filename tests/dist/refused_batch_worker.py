@@ -21,7 +21,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from helpers import leave_process_groups  # noqa: E402
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: E402
 
 from dynemb.idtransformer.hashing import owner_of  # noqa: E402
@@ -181,9 +183,9 @@ class Scenario:
 
 
 def main() -> None:
-    from dynemb.trainer.row_store import RemoteRowStore
-
     import faulthandler
+
+    from dynemb.trainer.row_store import RemoteRowStore
 
     faulthandler.dump_traceback_later(200, exit=True)  # a hung collective prints its stacks
     dist.init_process_group("gloo")
@@ -203,7 +205,7 @@ def main() -> None:
     if ps is not None:
         ps.close()
     print(f"OK rank {rank}: trained rows {trained}", flush=True)
-    dist.destroy_process_group()
+    leave_process_groups()  # no gloo thread left to abort the exit
 
 
 if __name__ == "__main__":

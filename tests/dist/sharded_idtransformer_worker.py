@@ -10,6 +10,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from helpers import leave_process_groups  # noqa: E402
 
 from dynemb.idtransformer.hashing import owner_of  # noqa: E402
 from dynemb.idtransformer.policy import EvictionPolicy  # noqa: E402
@@ -149,7 +152,7 @@ def main() -> None:
     _pin_refusal(rank, world)
     _torch_routing(rank, world)
     print(f"OK rank {rank} of {world}: {len(sharded.local)} resident", flush=True)
-    dist.destroy_process_group()
+    leave_process_groups()  # no gloo thread left to abort the exit
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from helpers import leave_process_groups  # noqa: E402
 
 from dynemb.idtransformer.policy import EvictionPolicy  # noqa: E402
 from dynemb.idtransformer.sharded import BatchRefused, ShardedIDTransformer, release_tables, transform_tables  # noqa: E402
@@ -141,7 +144,7 @@ def main() -> None:
     a_rank_with_fewer_batches(rank, world)
     a_refused_batch(rank, world)
     print(f"OK rank {rank} of {world}", flush=True)
-    dist.destroy_process_group()
+    leave_process_groups()  # no gloo thread left to abort the exit
 
 
 if __name__ == "__main__":
