@@ -163,6 +163,23 @@ def test_docs_metrics_table_matches_the_code():
 # -- Grafana -----------------------------------------------------------------------------
 
 
+def test_the_dashboard_builder_has_help_writes_and_checks(tmp_path):
+    def builder(*args: str) -> subprocess.CompletedProcess:
+        script = DEPLOY / "grafana" / "build_dashboard.py"
+        return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=60)
+
+    shown = builder("--help")
+    assert shown.returncode == 0 and "--check" in shown.stdout and "--out" in shown.stdout
+    out = tmp_path / "dash.json"
+    stale = builder("--check", "--out", str(out))
+    assert stale.returncode == 1 and "out of date" in stale.stdout
+    written = builder("--out", str(out))
+    assert written.returncode == 0
+    assert out.read_text() == (DEPLOY / "grafana" / "dashboards" / "dynemb.json").read_text()
+    current = builder("--check", "--out", str(out))
+    assert current.returncode == 0 and "current" in current.stdout
+
+
 def test_grafana_dashboard_is_what_its_builder_writes_and_well_formed():
     sys.path.insert(0, str(DEPLOY / "grafana"))
     try:

@@ -277,7 +277,24 @@ def render() -> str:
     return json.dumps(build(), indent=2) + "\n"
 
 
+def main(argv: list[str] | None = None) -> int:
+    """Write the dashboard (or check it is current, with --check); exit status."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=OUT, help=f"where to write it [default {OUT}]")
+    p.add_argument("--check", action="store_true", help="write nothing: exit 1 if --out differs from the panels here")
+    args = p.parse_args(argv)
+    text = render()
+    if args.check:
+        current = args.out.exists() and args.out.read_text() == text
+        print(f"{args.out}: {'current' if current else 'out of date: run python deploy/grafana/build_dashboard.py'}")
+        return 0 if current else 1
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(f"wrote {args.out}")
+    return 0
+
+
 if __name__ == "__main__":
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(render())
-    print(f"wrote {OUT}")
+    raise SystemExit(main())
