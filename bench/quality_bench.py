@@ -61,21 +61,6 @@ def write_synthetic_tsv(path: Path, lines: int, universe: int, zipf: float, seed
             f.write("".join(line % tuple(row) for row in table.tolist()))
 
 
-def distinct_per_column(paths: list[Path], num_dense: int = 13) -> list[int]:
-    """Distinct non-empty values of each categorical column, over the files."""
-    seen: list[set[str]] | None = None
-    for path in paths:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                cats = line.rstrip("\n").split("\t")[1 + num_dense :]
-                if seen is None:
-                    seen = [set() for _ in cats]
-                for s, c in zip(seen, cats):
-                    if c:
-                        s.add(c)
-    return [len(s) for s in seen or []]
-
-
 def has_eval_source() -> bool:
     from dynemb.trainer.config import DataConfig
 
@@ -136,12 +121,10 @@ def main(argv=None) -> int:
                 f"synthetic Criteo TSV: {args.lines:,} lines, Zipf {args.zipf} over {args.universe:,} IDs per "
                 f"feature (written in {time.perf_counter() - t0:.0f} s)"
             )
-        files = sorted(source.glob("*.tsv")) + sorted(source.glob("*.txt")) if source.is_dir() else [source]
-        eval_files: list[Path] = []
-        if args.eval_source:
-            e = Path(args.eval_source)
-            eval_files = sorted(e.glob("*.tsv")) + sorted(e.glob("*.txt")) if e.is_dir() else [e]
-        distinct = distinct_per_column(files + eval_files)
+        from dynemb.trainer.data import distinct_ids, tsv_files
+
+        files = tsv_files(str(source)) + (tsv_files(args.eval_source) if args.eval_source else [])
+        distinct = distinct_ids(files, num_dense=13, num_sparse=26, progress=False)
         largest = max(distinct)
         rows = max(1, math.ceil(args.fraction * largest))
         print(f"quality_bench: {what}")

@@ -104,7 +104,17 @@ class SyntheticCriteo:
 # -- Criteo TSV ----------------------------------------------------------------------
 
 
-def _tsv_files(source: str) -> list[Path]:
+def held_out_every(cfg: DataConfig) -> int:
+    """Every k-th line of a file is held out for evaluation (eval_fraction 1/k); 0: none."""
+    return max(1, round(1 / cfg.eval_fraction)) if cfg.eval_fraction > 0 else 0
+
+
+def tsv_files(source: str) -> list[Path]:
+    """The Criteo TSV files of a source: the file, or a folder's *.tsv then *.txt files.
+
+    Raises:
+        FileNotFoundError: none there.
+    """
     p = Path(source)
     files = sorted(p.glob("*.tsv")) + sorted(p.glob("*.txt")) if p.is_dir() else [p]
     if not files or not all(f.is_file() for f in files):
@@ -153,10 +163,10 @@ def criteo_tsv_batches(
     skip = cfg.skip_bad_lines if skip_bad_lines is None else skip_bad_lines
     skipped = 0
     keys = feature_names(cfg.num_sparse)
-    every = max(1, round(1 / cfg.eval_fraction)) if cfg.eval_fraction > 0 else 0
+    every = held_out_every(cfg)
     rows: list[tuple] = []
     sample = 0
-    for path in _tsv_files(cfg.source):
+    for path in tsv_files(cfg.source):
         # undecodable bytes become U+FFFD, so such a line fails as a malformed line (named) and
         # not as a UnicodeDecodeError of the whole file
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -202,9 +212,9 @@ def file_batches(cfg: DataConfig, batch_size: int, rank: int, world_size: int, s
 def batches_per_epoch(cfg: DataConfig, batch_size: int, world_size: int) -> int:
     """Training batches that every rank of `world_size` gets from one pass over a file source
     (the fewest any rank has: ranks stop together), counted from the files' lines alone."""
-    every = max(1, round(1 / cfg.eval_fraction)) if cfg.eval_fraction > 0 and not cfg.eval_source else 0
+    every = 0 if cfg.eval_source else held_out_every(cfg)
     samples = 0
-    for path in _tsv_files(cfg.source):
+    for path in tsv_files(cfg.source):
         lines = _count_lines(path)
         samples += lines - (lines // every if every else 0)
     fewest = samples // world_size  # the last rank's share
@@ -212,12 +222,16 @@ def batches_per_epoch(cfg: DataConfig, batch_size: int, world_size: int) -> int:
 
 
 def count_distinct_ids(cfg: DataConfig, progress: bool = True) -> list[int]:
-    """Distinct IDs of each sparse feature over every line of a file source, in one pass (a
-    progress bar over the bytes read). A missing value is no ID; an ID is its column's hex
-    string, so the count needs no hashing. Memory: the distinct strings of every column."""
-    files = _tsv_files(cfg.source)
-    seen: list[set[str]] = [set() for _ in range(cfg.num_sparse)]
-    first = 1 + cfg.num_dense
+    """Distinct IDs of each sparse feature over every line of a file source (distinct_ids)."""
+    return distinct_ids(tsv_files(cfg.source), cfg.num_dense, cfg.num_sparse, progress)
+
+
+def distinct_ids(files: list[Path], num_dense: int, num_sparse: int, progress: bool = True) -> list[int]:
+    """Distinct IDs of each sparse feature over every line of the files, in one pass (a progress
+    bar over the bytes read). A missing value is no ID; an ID is its column's hex string, so the
+    count needs no hashing. Memory: the distinct strings of every column."""
+    seen: list[set[str]] = [set() for _ in range(num_sparse)]
+    first = 1 + num_dense
     with tqdm(
         total=sum(f.stat().st_size for f in files),
         desc="counting distinct IDs",
