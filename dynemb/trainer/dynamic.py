@@ -454,9 +454,13 @@ class DynamicTables:
                     ],
                     1,
                 ),
-                np.array([self.transformers[n].local.resident for n in self.names]) / self._capacity,
+                self._occupancy(),
             )
         return int(looked.sum()), int(hits.sum())
+
+    def _occupancy(self) -> np.ndarray:
+        """Each table's resident IDs as a share of its rows on this rank, in the order of names."""
+        return np.array([self.transformers[n].local.resident for n in self.names]) / self._capacity
 
     def release_oldest(self) -> None:
         """The oldest batch in flight is through backward and the optimizer step. While a
@@ -594,8 +598,7 @@ class DynamicTables:
             assert self._stat_rows is not None
             counts = np.zeros((n_tables, len(TABLE_COUNTERS)), dtype=np.int64)
             counts[:, _ROWS_PULLED] = np.bincount(missing_table.numpy(), minlength=n_tables)
-            occupancy = np.array([self.transformers[n].local.resident for n in self.names]) / self._capacity
-            self.metrics.tables.count(self._stat_rows, counts, occupancy)
+            self.metrics.tables.count(self._stat_rows, counts, self._occupancy())
         answer = torch.zeros(len(missing_ids), width)
         for t, name in enumerate(self.names):
             if self.ps_names[t] in pulled:
