@@ -14,11 +14,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from dynemb.idtransformer.ids import as_int64_ids
-from dynemb.idtransformer.route import route, transpose_blocks
-from dynemb.idtransformer.sharded import ShardedIDTransformer, _exchange
+from dynemb.idtransformer.route import transpose_blocks
+from dynemb.idtransformer.sharded import ShardedIDTransformer, _exchange, send_to_owners
 
 
 class Found(NamedTuple):
@@ -47,28 +46,16 @@ def find_blocks(tables: list[ShardedIDTransformer], ids: torch.Tensor, sizes: li
     """
     first = tables[0]
     group, world, device = first.group, first.world_size, first.device
-    n_tables = len(tables)
     every = as_int64_ids(ids).reshape(-1).to(device)
     kernel = all(t.local.backend == "kernel" for t in tables)
-    send, position, counts = route(every, sizes, world, kernel)
-    sent_counts = counts.view(world, n_tables)
-    if world == 1:
-        asked, asked_counts = send, sent_counts
-    else:
-        recv = torch.empty_like(counts)
-        dist.all_to_all_single(recv, counts, group=group)
-        asked_counts = recv.view(world, n_tables)
-        asked = _exchange(send, sent_counts.sum(1).tolist(), asked_counts.sum(1).tolist(), group)
-    table_major = transpose_blocks(asked, asked_counts, kernel)
-    per_table = torch.split(table_major, asked_counts.sum(0).tolist())
-    found = torch.cat([_find(t, x) for t, x in zip(tables, per_table)]) if n_tables else asked[:0]
-    asked_slots = transpose_blocks(found, asked_counts.t(), kernel)
-    if world == 1:
-        answers = asked_slots
-    else:
-        answers = _exchange(asked_slots, asked_counts.sum(1).tolist(), sent_counts.sum(1).tolist(), group)
-    slots = answers.index_select(0, position)
-    return Found(slots, answers, position, sent_counts, asked, asked_slots, asked_counts)
+    sent = send_to_owners(every, sizes, world, kernel, group)
+    table_major = transpose_blocks(sent.asked, sent.asked_counts, kernel)
+    per_table = torch.split(table_major, sent.asked_counts.sum(0).tolist())
+    found = torch.cat([_find(t, x) for t, x in zip(tables, per_table)]) if tables else sent.asked[:0]
+    asked_slots = transpose_blocks(found, sent.asked_counts.t(), kernel)
+    answers = asked_slots if world == 1 else _exchange(asked_slots, sent.asked_per_rank, sent.sent_per_rank, group)
+    slots = answers.index_select(0, sent.position)
+    return Found(slots, answers, sent.position, sent.sent_counts, sent.asked, asked_slots, sent.asked_counts)
 
 
 def _find(table: ShardedIDTransformer, ids: torch.Tensor) -> torch.Tensor:

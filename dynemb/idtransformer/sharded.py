@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import overload
+from typing import NamedTuple, overload
 
 import torch
 import torch.distributed as dist
@@ -211,6 +211,35 @@ def release_tables(tables: list[ShardedIDTransformer], results: Sequence[Sharded
         raise error
 
 
+class SentToOwners(NamedTuple):
+    """A batch's IDs sent to their owners (send_to_owners): both sides of the exchange."""
+
+    position: torch.Tensor  # where each ID of the batch stands in the send layout
+    sent_counts: torch.Tensor  # (world, tables): IDs this rank sent each owner, per table
+    sent_per_rank: list[int]  # their sums per owner
+    asked: torch.Tensor  # the IDs the ranks sent this one, in (source, table) blocks
+    asked_counts: torch.Tensor  # (world, tables): IDs each source rank sent, per table
+    asked_per_rank: list[int]  # their sums per source
+
+
+def send_to_owners(ids: torch.Tensor, sizes: list[int], world: int, kernel: bool, group) -> SentToOwners:
+    """Collective: each of a batch's IDs (laid out in blocks of `sizes`, one per table) to the rank
+    that owns it, in the send layout (for each owner, table 0's IDs it owns, then table 1's ...):
+    one all_to_all of the counts, one of the IDs. On one rank, nothing to exchange."""
+    n_tables = len(sizes)
+    send, position, counts = route(ids, sizes, world, kernel)  # counts: (owner, table)
+    sent_counts = counts.view(world, n_tables)
+    sent_per_rank = sent_counts.sum(1).tolist()
+    if world == 1:
+        return SentToOwners(position, sent_counts, sent_per_rank, send, sent_counts, sent_per_rank)
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts, group=group)  # now (source, table)
+    asked_counts = recv_counts.view(world, n_tables)
+    asked_per_rank = asked_counts.sum(1).tolist()
+    asked = _exchange(send, sent_per_rank, asked_per_rank, group)
+    return SentToOwners(position, sent_counts, sent_per_rank, asked, asked_counts, asked_per_rank)
+
+
 def _exchange(send: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:
     recv = torch.empty(sum(recv_counts), dtype=send.dtype, device=send.device)
     dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group)
@@ -269,20 +298,11 @@ def transform_blocks(
             raise _refused(results, many.errors, refused_by, 0) from many.error
         return many.slots, results
 
-    # send layout: for each destination rank, table 0's IDs it owns, then table 1's, ...
     kernel = all(t.local.backend == "kernel" for t in tables)  # else torch ops (CUDA)
-    n_tables = len(tables)
-    send, position, counts = route(every, sizes, world, kernel)  # counts: (dest, table)
-    recv_counts = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts, counts, group=group)  # now (source, table)
-    recv_matrix = recv_counts.view(world, n_tables)
-    send_per_rank = counts.view(world, n_tables).sum(1).tolist()
-    recv_per_rank = recv_matrix.sum(1).tolist()
-    received = _exchange(send, send_per_rank, recv_per_rank, group)
-
-    many, answers, refused = transform_share(tables, received, recv_matrix, pin, kernel)
-    answered, refusals = _answer(answers, refused, recv_per_rank, send_per_rank, group)
-    flat_slots = answered.index_select(0, position)  # (faster than answered[position] on CPU)
+    sent = send_to_owners(every, sizes, world, kernel, group)
+    many, answers, refused = transform_share(tables, sent.asked, sent.asked_counts, pin, kernel)
+    answered, refusals = _answer(answers, refused, sent.asked_per_rank, sent.sent_per_rank, group)
+    flat_slots = answered.index_select(0, sent.position)  # (faster than answered[position] on CPU)
     results = ShareResults(flat_slots, sizes, many, pin)
     if bool(refusals.any()):
         refused_by = [torch.nonzero(column).squeeze(1).tolist() for column in refusals.t().cpu()]
