@@ -28,8 +28,9 @@ examples:
   dynemb ps serve --backend redis+cluster://10.0.0.1:7000,10.0.0.2:7000 --auth-token s3cret
   dynemb ps serve --tls-cert server.pem --tls-key server.key
 
-The PS drains on SIGTERM or SIGINT: health turns NOT_SERVING, new requests are
-refused, in-flight ones get --drain-seconds to finish.
+The PS drains on SIGTERM or SIGINT: health turns NOT_SERVING; after --not-serving-seconds
+new requests are refused with UNAVAILABLE (clients retry them), in-flight ones get
+--drain-seconds to finish, and the process exits.
 """
 
 CLIENT_EPILOG = """\
@@ -231,7 +232,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args) -> int:
-    """`dynemb ps serve`: serve until SIGTERM or SIGINT, then drain; 2 where the PS cannot start."""
+    """`dynemb ps serve`: serve until SIGTERM or SIGINT, then drain and exit the process (0); 2 where the
+    PS cannot start."""
     from dynemb.ps_server.parent_watch import die_with_parent
     from dynemb.ps_server.server import PSServer, ServeConfig
 
@@ -281,8 +283,12 @@ def cmd_serve(args) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     stop.wait()
-    server.stop()
-    return 0
+    server.stop(close_port=False)
+    # Exit without grpc's shutdown (see PSServer.stop): the connections close with the process.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def add_client_flags(p: argparse.ArgumentParser, ps_default: str | None = "localhost:50051", ps_group=None) -> None:

@@ -47,6 +47,11 @@ class BackendUnavailable(PSError, code=grpc.StatusCode.UNAVAILABLE):
     """The store behind the PS (Redis) is down or refused us; retrying may help."""
 
 
+class ShuttingDown(PSError, code=grpc.StatusCode.UNAVAILABLE):
+    """The PS is draining (SIGTERM) and takes no new calls; the client retries them, on this
+    address once the PS is back or on another replica."""
+
+
 class DeadlineExceeded(PSError, code=grpc.StatusCode.DEADLINE_EXCEEDED):
     """Raised by the client when a call did not succeed within its deadline."""
 

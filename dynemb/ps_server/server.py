@@ -5,8 +5,9 @@
     server.stop()
 
 `dynemb ps serve` wraps this and drains on SIGTERM: health turns NOT_SERVING at once
-(so load balancers stop sending), new RPCs are refused, in-flight ones get up to
-`drain_seconds` to finish, then the process exits.
+(so load balancers stop sending), after `not_serving_seconds` new RPCs are refused with
+UNAVAILABLE (which clients retry), in-flight ones get up to `drain_seconds` to finish, the
+store is closed (the embedded one saves its rows), then the process exits.
 """
 
 from __future__ import annotations
@@ -107,7 +108,9 @@ class PSServer:
         self.port: int | None = None
         self.metrics_port: int | None = None
         self._metrics_http: WSGIServer | None = None
-        self._stopped = threading.Event()
+        self._stopped = threading.Event()  # set once draining: health stays NOT_SERVING
+        self._drained: int | None = None  # drain()'s result, once drained
+        self._closed = False
         interceptors = (
             [TokenAuthInterceptor(config.auth_token, open_health=not config.auth_health, on_deny=self._count_refusal)]
             if config.auth_token
@@ -182,19 +185,50 @@ class PSServer:
         )
         return self
 
-    def stop(self, grace: float | None = None) -> None:
-        """Drain: NOT_SERVING first, then refuse new RPCs and let in-flight ones finish."""
-        if self._stopped.is_set():
-            return
+    def drain(self, grace: float | None = None) -> int:
+        """NOT_SERVING at once (load balancers stop sending), calls still served for
+        not_serving_seconds; then every new call is refused with UNAVAILABLE (clients retry it)
+        and those in flight get what is left of `grace` seconds to finish.
+
+        Returns:
+            How many calls were still in flight when the time ran out (0: none).
+        """
+        if self._drained is not None:
+            return self._drained
         self._stopped.set()
         self.backend_watch.stop()
         grace = self.config.drain_seconds if grace is None else grace
+        deadline = time.monotonic() + grace
         self.metrics.serving.set(0)
         self.health.enter_graceful_shutdown()  # every service → NOT_SERVING
         log.info("draining: NOT_SERVING, up to %.1fs for in-flight requests", grace)
         if self.config.not_serving_seconds > 0:
             time.sleep(min(self.config.not_serving_seconds, grace))
-        self._grpc.stop(grace).wait()
+        left = self.service.drain(max(0.0, deadline - time.monotonic()))
+        if left:
+            log.warning("%d calls still in flight after %gs of draining (--drain-seconds)", left, grace)
+        else:
+            log.info("drained: no call in flight, new ones refused with UNAVAILABLE")
+        self._drained = left
+        return left
+
+    def stop(self, grace: float | None = None, close_port: bool = True) -> None:
+        """Drain (see drain), then stop serving and close the store.
+
+        Args:
+            grace: seconds in-flight calls may take [default: config.drain_seconds].
+            close_port: stop the gRPC server too. A process about to exit passes False and
+                leaves its connections to the exit: grpc's own shutdown cancels, with CANCELLED
+                (which clients do not retry), any call that reaches it while it says GOAWAY,
+                where an exiting process's connections close under their calls, which clients
+                see as UNAVAILABLE and retry.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self.drain(grace)
+        if close_port:
+            self._grpc.stop(0).wait()  # after the drain, only refusals can be in flight
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
         self.store.close()

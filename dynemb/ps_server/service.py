@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Iterator
 
@@ -23,7 +24,14 @@ from dynemb.protos import ps_pb2, ps_pb2_grpc
 from dynemb.ps_server import codec
 from dynemb.ps_server.backends.base import Store
 from dynemb.ps_server.burst_log import BurstLog
-from dynemb.ps_server.errors import Abandoned, InvalidArgument, PSError, ResourceExhausted, TableNotFound
+from dynemb.ps_server.errors import (
+    Abandoned,
+    InvalidArgument,
+    PSError,
+    ResourceExhausted,
+    ShuttingDown,
+    TableNotFound,
+)
 from dynemb.ps_server.initializer import fill_initial_rows
 from dynemb.ps_server.metrics import PSMetrics
 from dynemb.ps_server.schema import TableSchema, check_name
@@ -101,6 +109,44 @@ def _decoding(servicer: ParameterServerService, name: str, handler, request_type
     return handle
 
 
+def _admitted(servicer: ParameterServerService, name: str, handler, server_streaming: bool):
+    """`handler` counted in the service's calls in flight, or refused with UNAVAILABLE once the
+    service drains (ParameterServerService.drain): a call is either served whole or refused
+    with a status clients retry, never cut off by the server's shutdown."""
+
+    def refuse(context) -> None:
+        with servicer._call(name, context):
+            raise ShuttingDown(
+                f"{name} refused: this PS is shutting down (SIGTERM); retry here once it is back, or on a replica"
+            )
+
+    if server_streaming:
+
+        def handle_stream(request, context):
+            if not servicer._enter():
+                refuse(context)
+
+            def stream():
+                try:
+                    yield from handler(request, context)
+                finally:
+                    servicer._leave()
+
+            return stream()
+
+        return handle_stream
+
+    def handle(request, context):
+        if not servicer._enter():
+            refuse(context)
+        try:
+            return handler(request, context)
+        finally:
+            servicer._leave()
+
+    return handle
+
+
 def add_to_server(servicer: ParameterServerService, server: grpc.Server) -> None:
     """Register the service like the generated add_..._to_server, except that requests are
     decoded by the handler (see _decoding) and a handler may return an already serialized
@@ -116,8 +162,11 @@ def add_to_server(servicer: ParameterServerService, server: grpc.Server) -> None
     for method in service.methods:
         request_type = getattr(ps_pb2, method.input_type.name)
         response_type = getattr(ps_pb2, method.output_type.name)
-        handler = _decoding(
-            servicer, method.name, getattr(servicer, method.name), request_type, method.client_streaming
+        handler = _admitted(
+            servicer,
+            method.name,
+            _decoding(servicer, method.name, getattr(servicer, method.name), request_type, method.client_streaming),
+            method.server_streaming,
         )
         handlers[method.name] = factories[(method.client_streaming, method.server_streaming)](
             handler, request_deserializer=None, response_serializer=_serialize(response_type)
@@ -185,6 +234,37 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         self.started = time.time()
         # a checkpoint's exports, a restore's imports: one log line a burst, not one a table
         self.exported, self.imported = BurstLog("exported"), BurstLog("imported")
+        self._in_flight = 0  # calls admitted (see _admitted) and not yet done
+        self._idle = threading.Condition()
+        self.draining = False
+
+    # -- drain ------------------------------------------------------------------
+
+    def _enter(self) -> bool:
+        """Count a call in; False once draining (the call is refused)."""
+        with self._idle:
+            if self.draining:
+                return False
+            self._in_flight += 1
+            return True
+
+    def _leave(self) -> None:
+        with self._idle:
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._idle.notify_all()
+
+    def drain(self, timeout: float) -> int:
+        """Refuse every new call with UNAVAILABLE from now on, and wait up to timeout seconds
+        for those in flight to finish.
+
+        Returns:
+            How many calls are still in flight (0: all finished).
+        """
+        with self._idle:
+            self.draining = True
+            self._idle.wait_for(lambda: not self._in_flight, timeout)
+            return self._in_flight
 
     # -- plumbing ---------------------------------------------------------------
 
