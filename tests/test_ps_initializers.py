@@ -157,3 +157,32 @@ def test_pushed_and_missing_rows_side_by_side(two_ps, dtype):
     for address in two_ps:
         with PSClient(address) as one:
             assert 0 < one.describe_table(table).num_rows < len(rows)
+
+
+@pytest.mark.parametrize(
+    "dtype,init,bound",
+    [
+        ("fp32", Initializer("uniform", -1e308, 1e308), "3.40282e+38"),
+        ("fp32", Initializer("constant", 1e39), "3.40282e+38"),
+        ("fp16", Initializer("constant", 1e6), "65504"),
+        ("fp32", Initializer("normal", 0.0, 1e308), "3.40282e+38"),
+        ("fp16", Initializer("normal", 0.0, 8000.0), "65504"),  # mean + 8.6 std is past fp16's range
+        ("bf16", Initializer("zeros", state_init=1e39), "3.38953e+38"),
+    ],
+    ids=["uniform-fp32", "constant-fp32", "constant-fp16", "normal-fp32", "normal-fp16", "state-bf16"],
+)
+def test_an_initializer_that_overflows_its_dtype_is_refused(two_ps, dtype, init, bound):
+    """Such a table was created, and every pull of a new row returned inf."""
+    from dynemb.ps_server.errors import InvalidArgument
+
+    for address in two_ps:
+        with PSClient(address) as ps:
+            with pytest.raises(InvalidArgument) as info:
+                ps.create_table(f"overflow_{dtype}_{init.kind}", dim=DIM, dtype=dtype, initializer=init)
+            assert f"{dtype} range" in str(info.value) and bound in str(info.value)
+            assert "INVALID_ARGUMENT" in str(info.value)
+            assert not any(t.schema.name.startswith("overflow_") for t in ps.list_tables())
+    # the widest that fit are taken, and pull finite values
+    with PSClient(two_ps[0]) as ps:
+        ps.create_table("fits_fp16", dim=DIM, dtype="fp16", initializer=Initializer("uniform", -65504.0, 65504.0))
+        assert np.isfinite(ps.pull("fits_fp16", sample_ids()).rows).all()

@@ -537,7 +537,7 @@ def test_a_call_past_its_deadline_says_so_by_its_code(make_ps):
 
 
 def test_a_table_whose_rows_cannot_travel_is_refused(make_ps):
-    proc = make_ps("--max-message-mb", "0.0625")  # 64 KiB messages
+    proc = make_ps("--max-message-mb", "0.0625", "--max-row-width", "65536")  # 64 KiB messages
     with PSClient(proc.address, max_message_bytes=64 << 10) as ps:
         with pytest.raises(InvalidArgument, match="a row is 80000 bytes, more than fits"):
             ps.create_table("wide", dim=20_000)

@@ -119,6 +119,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     option("--namespace", "DYNEMB_NAMESPACE", "dynemb", "Redis key prefix, so several models share one Redis")
     option("--max-message-mb", "DYNEMB_PS_MAX_MESSAGE_MB", 64.0, "largest gRPC message in MiB, either way", float)
+    option(
+        "--max-row-width",
+        "DYNEMB_PS_MAX_ROW_WIDTH",
+        16384,
+        "widest rows (dim + state_width values) a table created here may have; wider ones are refused",
+        int,
+    )
+    option(
+        "--max-request-mb",
+        "DYNEMB_PS_MAX_REQUEST_MB",
+        64.0,
+        "most MiB of rows one pull or push may ask for or carry, in its messages or through shared memory: "
+        "bounds the memory one request makes the PS use",
+        float,
+    )
     option("--workers", "DYNEMB_PS_WORKERS", 16, "request-handling threads", int)
     option(
         "--auth-token",
@@ -250,6 +265,8 @@ def cmd_serve(args) -> int:
             backend=args.backend,
             namespace=args.namespace,
             max_message_bytes=int(args.max_message_mb * (1 << 20)),
+            max_row_width=args.max_row_width,
+            max_request_bytes=int(args.max_request_mb * (1 << 20)),
             workers=args.workers,
             auth_token=args.auth_token or None,
             auth_health=args.auth_health,

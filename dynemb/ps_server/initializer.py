@@ -15,6 +15,7 @@ from typing import Literal
 
 import numpy as np
 
+from dynemb.ps_server.errors import InvalidArgument
 from dynemb.ps_server.schema import TableSchema
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -72,23 +73,73 @@ def to_table_dtype(values: np.ndarray, schema: TableSchema) -> np.ndarray:
     return values.astype(schema.np_dtype)
 
 
-def initial_rows(schema: TableSchema, ids: np.ndarray) -> np.ndarray:
-    """Rows of shape (len(ids), width) in the table's dtype, as a never-pushed id has them."""
+# The largest finite value of each dtype (bf16: 0x7F7F).
+DTYPE_MAX = {
+    "fp32": float(np.finfo(np.float32).max),
+    "fp16": float(np.finfo(np.float16).max),
+    "bf16": 3.3895313892515355e38,
+}
+# The largest |z| of a normal draw here: sqrt(-2 ln(1 - u)), u in [0, 1 - 2**-53] (see _uniform01).
+NORMAL_MAX_Z = float(np.sqrt(-2.0 * np.log(2.0**-53)))
+# Values computed at once (float64 temporaries) by initial_rows: a pull of many wide rows is
+# initialised in slices of this size, so its temporaries stay a few tens of MiB.
+INIT_CHUNK_VALUES = 1 << 20
+
+
+def check_initializer_fits(schema: TableSchema) -> None:
+    """Whether every value the table's initializer can give is finite in the table's dtype.
+
+    Raises:
+        InvalidArgument: one can overflow to inf (every pull of a new row would hold it).
+    """
+    init, top = schema.initializer, DTYPE_MAX[schema.dtype]
+    reach = {  # the largest |value| each part can take
+        "zeros": 0.0,
+        "constant": abs(init.a),
+        "uniform": max(abs(init.a), abs(init.b)),
+        "normal": abs(init.a) + NORMAL_MAX_Z * init.b,
+    }[init.kind]
+    what = f"{init.kind} initializer (a={init.a:g}, b={init.b:g})"
+    if not reach <= top:  # also catches a float64 overflow to inf
+        raise InvalidArgument(
+            f"table {schema.name!r}: the {what} gives values beyond the {schema.dtype} range "
+            f"[-{top:g}, {top:g}]: they would be pulled as inf"
+            + (f" (a normal draw reaches mean + {NORMAL_MAX_Z:.2f} std)" if init.kind == "normal" else "")
+        )
+    if not abs(init.state_init) <= top:
+        raise InvalidArgument(
+            f"table {schema.name!r}: state_init {init.state_init:g} is beyond the {schema.dtype} range "
+            f"[-{top:g}, {top:g}]: it would be pulled as inf"
+        )
+
+
+def _initial_values(schema: TableSchema, ids: np.ndarray) -> np.ndarray:
+    """The float64 embedding values of initial_rows, shape (len(ids), dim)."""
     init = schema.initializer
-    n = len(ids)
-    emb = np.zeros((n, schema.dim), dtype=np.float64)
-    if init.kind == "constant":
-        emb[:] = init.a
-    elif init.kind == "uniform":
-        emb = init.a + (init.b - init.a) * _uniform01(init.seed, ids, schema.dim, 0)
-    elif init.kind == "normal":
+    if init.kind == "uniform":
+        return init.a + (init.b - init.a) * _uniform01(init.seed, ids, schema.dim, 0)
+    if init.kind == "normal":
         u1 = _uniform01(init.seed, ids, schema.dim, 1)
         u2 = _uniform01(init.seed, ids, schema.dim, 2)
-        emb = init.a + init.b * np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2 * np.pi * u2)
-    values = np.empty((n, schema.width), dtype=np.float64)
-    values[:, : schema.dim] = emb
-    values[:, schema.dim :] = init.state_init
-    return to_table_dtype(values, schema)
+        return init.a + init.b * np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2 * np.pi * u2)
+    return np.full((len(ids), schema.dim), init.a if init.kind == "constant" else 0.0)
+
+
+def initial_rows(schema: TableSchema, ids: np.ndarray) -> np.ndarray:
+    """Rows of shape (len(ids), width) in the table's dtype, as a never-pushed id has them.
+
+    Computed in slices of about INIT_CHUNK_VALUES values: the float64 temporaries of all the
+    rows at once were several times the rows' own size (a 64 MiB fp16 pull made 1.3 GB)."""
+    n = len(ids)
+    out = np.empty((n, schema.width), dtype=schema.np_dtype)
+    step = max(1, INIT_CHUNK_VALUES // schema.width)
+    for lo in range(0, n, step):
+        part = ids[lo : lo + step]
+        values = np.empty((len(part), schema.width), dtype=np.float64)
+        values[:, : schema.dim] = _initial_values(schema, part)
+        values[:, schema.dim :] = schema.initializer.state_init
+        out[lo : lo + step] = to_table_dtype(values, schema)
+    return out
 
 
 _KINDS = {"zeros": 0, "constant": 1, "uniform": 2}
@@ -117,7 +168,9 @@ def fill_initial_rows(schema: TableSchema, ids: np.ndarray, out: np.ndarray, pos
         or not out.flags.c_contiguous
         or out.shape[1:] != (schema.width,)
     ):
-        out[positions] = initial_rows(schema, ids)
+        step = max(1, INIT_CHUNK_VALUES // schema.width)  # out[positions] = ... in slices, as initial_rows
+        for lo in range(0, len(ids), step):
+            out[positions[lo : lo + step]] = initial_rows(schema, ids[lo : lo + step])
         return
     _native.init_rows(
         out,

@@ -31,7 +31,7 @@ from dynemb.ps_server.auth import TokenAuthInterceptor
 from dynemb.ps_server.backend_watch import BackendWatch
 from dynemb.ps_server.backends import Store, open_store
 from dynemb.ps_server.metrics import PSMetrics
-from dynemb.ps_server.service import ParameterServerService, add_to_server
+from dynemb.ps_server.service import DEFAULT_MAX_ROW_WIDTH, ParameterServerService, add_to_server
 from dynemb.ps_server.shm import SegmentTable
 
 log = logging.getLogger("dynemb.ps")
@@ -47,6 +47,10 @@ class ServeConfig:
     backend: str = ""  # "" or embedded:// → the in-process store; redis://, rediss://, redis+cluster://
     namespace: str = "dynemb"  # Redis key prefix, so several models share one Redis
     max_message_bytes: int = 64 << 20
+    # Bounds on what one request makes the PS do: the widest rows a new table may have, and the
+    # most bytes of rows one pull or push may ask for or carry (messages and shared memory).
+    max_row_width: int = DEFAULT_MAX_ROW_WIDTH
+    max_request_bytes: int = 64 << 20
     workers: int = 16
     auth_token: str | None = field(default=None, repr=False)  # never in a repr, so never in a log
     auth_health: bool = False  # health checks need the token too (default: open, for probes)
@@ -78,6 +82,10 @@ class ServeConfig:
             raise ValueError("--auth-health closes health checks to callers without the token: set --auth-token")
         if self.max_message_bytes < 64 << 10:
             raise ValueError(f"max message size {self.max_message_bytes} is below the 64 KiB minimum")
+        if self.max_row_width < 1:
+            raise ValueError(f"--max-row-width must be >= 1, got {self.max_row_width}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"--max-request-mb must be > 0, got {self.max_request_bytes} bytes")
         if self.workers < 1:
             raise ValueError("workers must be >= 1")
         if self.shm_max_bytes < 0 or self.shm_idle_seconds <= 0:
@@ -129,7 +137,14 @@ class PSServer:
         self.segments = SegmentTable(config.shm_max_bytes if shm.available() else 0, config.shm_idle_seconds)
         self.metrics.shm_segments.set_function(lambda: len(self.segments))
         self.metrics.shm_bytes.set_function(lambda: self.segments.bytes)
-        self.service = ParameterServerService(store, self.metrics, config.max_message_bytes, self.segments)
+        self.service = ParameterServerService(
+            store,
+            self.metrics,
+            config.max_message_bytes,
+            self.segments,
+            max_row_width=config.max_row_width,
+            max_request_bytes=config.max_request_bytes,
+        )
         add_to_server(self.service, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         reflection.enable_server_reflection(

@@ -32,7 +32,7 @@ from dynemb.ps_server.errors import (
     ShuttingDown,
     TableNotFound,
 )
-from dynemb.ps_server.initializer import fill_initial_rows
+from dynemb.ps_server.initializer import check_initializer_fits, fill_initial_rows
 from dynemb.ps_server.metrics import PSMetrics
 from dynemb.ps_server.schema import TableSchema, check_name
 from dynemb.ps_server.shm import SegmentTable
@@ -48,6 +48,10 @@ from dynemb.ps_server.wire import (
 
 log = logging.getLogger("dynemb.ps")
 
+# The widest rows (dim + state_width values) a table may have unless --max-row-width says otherwise:
+# room for a dim of 4096 with two optimizer states per value (Adam), and a 64 MiB message still
+# carries a thousand fp32 rows of it.
+DEFAULT_MAX_ROW_WIDTH = 16384
 # Room left in a message for everything but the packed ids and rows.
 DEFAULT_EXPORT_CHUNK_BYTES = 4 << 20
 # A status message travels in metadata, which the client takes up to 16 KiB of: a longer one
@@ -222,14 +226,25 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         metrics: where each request is recorded.
         max_message_bytes: the gRPC message limit: larger tables and replies are refused.
         segments: shared-memory segments attached to this PS; None takes none.
+        max_row_width: the most values (dim + state_width) a row of a table created here may have.
+        max_request_bytes: the most bytes of rows one pull or push may ask for or carry, in its
+            messages or through shared memory [default: max_message_bytes].
     """
 
     def __init__(
-        self, store: Store, metrics: PSMetrics, max_message_bytes: int, segments: SegmentTable | None = None
+        self,
+        store: Store,
+        metrics: PSMetrics,
+        max_message_bytes: int,
+        segments: SegmentTable | None = None,
+        max_row_width: int = DEFAULT_MAX_ROW_WIDTH,
+        max_request_bytes: int | None = None,
     ) -> None:
         self.store = store
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
+        self.max_row_width = max_row_width
+        self.max_request_bytes = max_message_bytes if max_request_bytes is None else max_request_bytes
         self.segments = segments if segments is not None else SegmentTable(0, 0.0)  # 0 bytes: none taken
         self.started = time.time()
         # a checkpoint's exports, a restore's imports: one log line a burst, not one a table
@@ -317,8 +332,15 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         return _StoreTimer(self.metrics.child(self.metrics.backend_latency, op))
 
     def _fitting(self, schema: TableSchema) -> TableSchema:
-        """The schema, if one of its rows (with its id) fits in a message of this PS: a table
-        whose rows cannot travel could be created but never pulled, pushed or exported."""
+        """The schema, if this PS may create it: rows no wider than --max-row-width, one row (with
+        its id) fitting in a message (a table whose rows cannot travel could be created but never
+        pulled, pushed or exported), and an initializer whose values are finite in its dtype."""
+        if schema.width > self.max_row_width:
+            raise InvalidArgument(
+                f"table {schema.name!r}: rows of {schema.width} values (dim {schema.dim} + state {schema.state_width}) "
+                f"are wider than this PS's limit of {self.max_row_width} (--max-row-width)"
+            )
+        check_initializer_fits(schema)
         if schema.row_bytes + 8 + MESSAGE_OVERHEAD > self.max_message_bytes:
             raise InvalidArgument(
                 f"table {schema.name!r}: a row is {schema.row_bytes} bytes, more than fits in this PS's "
@@ -436,7 +458,24 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         raw = self.segments.rows(segment, offset, size)
         return raw.view(schema.np_dtype).reshape(n, schema.width)
 
+    def _check_request_rows(self, what: str, entries: list[tuple[TableSchema, int]]) -> None:
+        """Refuse a pull or push whose rows, (schema, rows) per entry, total over max_request_bytes,
+        in the message or through shared memory: what one request makes the PS read, write or
+        initialise is checked before any of it is done."""
+        total = sum(n * schema.row_bytes for schema, n in entries)
+        if total <= self.max_request_bytes:
+            return
+        names = list(dict.fromkeys(schema.name for schema, _ in entries))  # a PullMany may name thousands
+        tables = ", ".join(map(repr, names[:3])) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        row_bytes = max(schema.row_bytes for schema, _ in entries)
+        raise ResourceExhausted(
+            f"{what} of {sum(n for _, n in entries)} rows of table {tables} is {total} bytes of rows, over this "
+            f"PS's limit of {self.max_request_bytes} bytes per request (--max-request-mb); send at most "
+            f"{max(1, self.max_request_bytes // row_bytes)} rows of {row_bytes} bytes per request"
+        )
+
     def _check_reply_size(self, what: str, plans: list) -> None:
+        self._check_request_rows(what, [(s, len(ids)) for s, ids, _, _ in plans])
         inline = [(s, ids) for s, ids, _, into in plans if into is None]  # rows through a segment take no room
         if not inline:
             return
@@ -488,6 +527,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         """Write rows from the message or a segment (not if the caller gave up first)."""
         with self._call("Push", context), self._tallied("Push") as tally:
             plan = self._push_plan(request, tally)
+            self._check_request_rows("push", [(plan[0], len(plan[1]))])
             self._still_wanted(context, "push")
             return ps_pb2.PushResponse(rows_written=self._push_rows(*plan, tally))
 
@@ -496,6 +536,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         with self._call("PushMany", context), self._tallied("Push") as tally:
             # every entry checked before any is written: a bad one writes nothing
             plans = [self._push_plan(p, tally) for p in request.pushes]
+            self._check_request_rows("push to several tables", [(schema, len(ids)) for schema, ids, _ in plans])
             self._still_wanted(context, "push")
             return ps_pb2.PushManyResponse(
                 pushes=[ps_pb2.PushResponse(rows_written=self._push_rows(*plan, tally)) for plan in plans]

@@ -96,7 +96,7 @@ class PSClient:
             tls_server_name=tls_server_name,
             max_message_bytes=max_message_bytes,
         )
-        self._sharding = Sharding(len(self.addresses), self.chunk_bytes)
+        self._sharding = Sharding(len(self.addresses), self.chunk_bytes, max_message_bytes)
         self._lanes = TableLanes(lanes)
         # one segment kept per call that can be in flight: one per lane, and the lane of *_many calls
         self._pools = segment_pools(self._transport, shared_memory, keep=len(self._lanes) + 1)

@@ -264,7 +264,10 @@ class RowTransfer:
                 sizes = [
                     len(p.ids) * (per_id if place else p.schema.row_bytes + per_id) for p, place in zip(pieces, places)
                 ]
-                messages = self.sharding.pack([(p.shard, size, k) for k, (p, size) in enumerate(zip(pieces, sizes))])
+                shared = [len(p.ids) * p.schema.row_bytes if place else 0 for p, place in zip(pieces, places)]
+                messages = self.sharding.pack(
+                    [(p.shard, size, k) for k, (p, size) in enumerate(zip(pieces, sizes))], shared
+                )
             else:
                 messages = [(p.shard, [k]) for k, p in enumerate(pieces)]
             calls = [(shard, _MESSAGE_OF[rpc]([requests[k] for k in ks])) for shard, ks in messages]

@@ -23,11 +23,14 @@ class Sharding:
     Args:
         num_shards: how many PS addresses.
         chunk_bytes: the most bytes one message may carry; bigger batches go as several.
+        segment_bytes: the most bytes of rows one message's pieces may have in shared memory (a PS
+            refuses a request of more rows than its --max-request-mb) [default: 4 x chunk_bytes].
     """
 
-    def __init__(self, num_shards: int, chunk_bytes: int) -> None:
+    def __init__(self, num_shards: int, chunk_bytes: int, segment_bytes: int | None = None) -> None:
         self.num_shards = num_shards
         self.chunk_bytes = chunk_bytes
+        self.segment_bytes = 4 * chunk_bytes if segment_bytes is None else segment_bytes
 
     def ids_per_message(self, per_id_bytes: int) -> int:
         """How many ids of per_id_bytes each (with their rows) one message carries; at least one."""
@@ -116,25 +119,30 @@ class Sharding:
             ids, rows = ids[order], rows[order]
         return [(shard, ids[sl], rows[sl]) for shard, sl in pieces]
 
-    def pack(self, pieces: list[tuple[int, int, object]]) -> list[tuple[int, list]]:
-        """Pieces packed into messages of at most chunk_bytes each, a shard's pieces in their order.
+    def pack(
+        self, pieces: list[tuple[int, int, object]], in_segments: list[int] | None = None
+    ) -> list[tuple[int, list]]:
+        """Pieces packed into messages of at most chunk_bytes each (and at most segment_bytes of rows
+        in shared memory), a shard's pieces in their order.
 
         Args:
             pieces: (shard, bytes, item); a piece already fits one message alone (`split` cut it so).
+            in_segments: each piece's bytes of rows in shared memory (not in the message) [default: none].
 
         Returns:
             (shard, [item, ...]) messages, in the order their first piece came.
         """
         messages: list[tuple[int, list]] = []
-        open_msg: dict[int, tuple[int, list]] = {}
-        for shard, nbytes, item in pieces:
-            size, items = open_msg.get(shard, (MESSAGE_OVERHEAD, None))
-            if items is None or size + nbytes > self.chunk_bytes:
+        open_msg: dict[int, tuple[int, int, list]] = {}
+        for k, (shard, nbytes, item) in enumerate(pieces):
+            shared = in_segments[k] if in_segments is not None else 0
+            size, rows, items = open_msg.get(shard, (MESSAGE_OVERHEAD, 0, None))
+            if items is None or size + nbytes > self.chunk_bytes or (rows and rows + shared > self.segment_bytes):
                 items = []
                 messages.append((shard, items))
-                size = MESSAGE_OVERHEAD
+                size, rows = MESSAGE_OVERHEAD, 0
             items.append(item)
-            open_msg[shard] = (size + nbytes, items)
+            open_msg[shard] = (size + nbytes, rows + shared, items)
         return messages
 
     def stream_pieces(self, ids: np.ndarray, per_id_bytes: int) -> Iterator[tuple[int, np.ndarray]]:
