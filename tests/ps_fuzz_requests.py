@@ -202,24 +202,11 @@ def generic_probe(draw, tables: Tables) -> Probe:
     msg = draw(any_message(REQUEST_TYPE[method].DESCRIPTOR, names))
     table = _table_of(method, msg)
     if method in ("PullMany", "PushMany"):
-        # every entry is checked before any is served: one invalid name refuses the whole call
-        # entries are checked in order: a well-named table that does not exist before the
-        # badly named entry answers NOT_FOUND first
-        named = [valid_name(t) for t in _tables_of(method, msg)]
-        bad = not all(named)
-        codes = frozenset({C.INVALID_ARGUMENT, C.NOT_FOUND}) if bad else ALLOWED
-        # ... and a well-named entry of an existing table before it may be refused for its own
-        # ids or rows (INVALID_ARGUMENT about those): the name is named only when it comes first
-        first_bad_first = bad and not any(named[: named.index(False)])
-        return Probe(
-            method,
-            "unary",
-            msg,
-            codes,
-            ("table name",) if first_bad_first else (),
-            words_for=C.INVALID_ARGUMENT,
-            note="generic many",
-        )
+        # every entry's name is checked before anything else: one invalid name anywhere refuses
+        # the whole call, as such
+        if not all(valid_name(t) for t in _tables_of(method, msg)):
+            return Probe(method, "unary", msg, frozenset({C.INVALID_ARGUMENT}), ("table name",), note="generic many")
+        return Probe(method, "unary", msg, note="generic many")
     if table is not None and not valid_name(table):
         # the name is checked first by every method that takes one
         words = ("table name",) if method != "CreateTable" else ()

@@ -277,13 +277,31 @@ def test_attach_refuses_what_it_must_not_map(make_ps, tmp_path):
     os.ftruncate(plain, mib)
     os.pwrite(plain, token, 0)
     expect(code.FAILED_PRECONDITION, "not a memfd", attach, req(path=f"{mine}/{plain}", size=mib, token=token))
+    # sealed against writes: mmap refused with EPERM, which came back as INTERNAL with a traceback
+    sealed, sealed_token = _memfd(mib)
+    fcntl.fcntl(sealed, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+    expect(
+        code.FAILED_PRECONDITION,
+        "sealed against writes",
+        attach,
+        req(path=f"{mine}/{sealed}", size=mib, token=sealed_token),
+    )
+    future, future_token = _memfd(mib)
+    fcntl.fcntl(future, fcntl.F_ADD_SEALS, 0x0010)  # F_SEAL_FUTURE_WRITE (Linux 5.1)
+    expect(
+        code.FAILED_PRECONDITION,
+        "sealed against writes",
+        attach,
+        req(path=f"{mine}/{future}", size=mib, token=future_token),
+    )
     r, w = os.pipe()  # never opened: opening a pipe or device can block or act
     expect(code.FAILED_PRECONDITION, "not a memory file", attach, req(path=f"{mine}/{r}", size=mib, token=token))
     expect(code.FAILED_PRECONDITION, "another host", attach, req(path="/proc/999999999/fd/3", size=mib, token=token))
     # and a proper one is taken, after all that
     assert attach(req(path=f"{mine}/{fd}", size=mib, token=token)).segment > 0
-    for f in (fd, loose, plain, r, w):
+    for f in (fd, loose, sealed, future, plain, r, w):
         os.close(f)
+    assert "Traceback" not in proc.log()
 
 
 def test_bad_segment_references_change_nothing(ps_proc):

@@ -432,7 +432,10 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     def PullMany(self, request, context):
         """Pull from several tables; every entry is checked before any is read."""
         with self._call("PullMany", context), self._tallied("Pull") as tally:
-            # every entry checked before any is read
+            # every entry checked before any is read, every name first: a bad one is refused as
+            # such wherever it stands, not after an earlier entry's own refusal
+            for p in request.pulls:
+                check_name(p.table)
             plans = [self._pull_plan(p, tally) for p in request.pulls]
             self._check_reply_size("pull of several tables", plans)
             return build_pull_many_response([self._reply_plan(*plan, tally) for plan in plans])
@@ -534,7 +537,9 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     def PushMany(self, request, context):
         """Push to several tables; every entry is checked before any is written."""
         with self._call("PushMany", context), self._tallied("Push") as tally:
-            # every entry checked before any is written: a bad one writes nothing
+            # every entry checked before any is written (a bad one writes nothing), names first as in PullMany
+            for p in request.pushes:
+                check_name(p.table)
             plans = [self._push_plan(p, tally) for p in request.pushes]
             self._check_request_rows("push to several tables", [(schema, len(ids)) for schema, ids, _ in plans])
             self._still_wanted(context, "push")

@@ -50,6 +50,9 @@ TOKEN_BYTES = 16
 ROWS_START = 64  # rows begin after the token, on a cache line
 _ALIGN = 64  # every piece's rows start on a cache line
 _PATH = re.compile(r"/proc/[0-9]{1,10}/fd/[0-9]{1,10}")
+# Seals that make a writable shared mapping fail (linux/fcntl.h; the fcntl module may lack the second).
+F_SEAL_WRITE = getattr(fcntl, "F_SEAL_WRITE", 0x0008)
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 
 
 def available() -> bool:
@@ -161,34 +164,42 @@ class SegmentTable:
 
 def _map_checked(path: str, size: int, token: bytes) -> np.ndarray:
     """Map the client's memfd after checking it can never fault and is the one meant."""
+    where = shown(path)  # checked against _PATH already; quoted the one way every error quotes input
     try:
         # only a regular file is ever opened: opening a device or a pipe can block or act
         if not stat.S_ISREG(os.stat(path).st_mode):
-            raise SegmentUnusable(f"{path} is not a memory file")
+            raise SegmentUnusable(f"{where} is not a memory file")
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
     except OSError as e:
         raise SegmentUnusable(
-            f"cannot open {path} ({e.strerror}): the client is on another host or in another pid "
+            f"cannot open {where} ({e.strerror}): the client is on another host or in another pid "
             f"namespace, or this PS's user may not read its /proc"
         ) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-            raise SegmentUnusable(f"{path} is not a {size}-byte memory file (size {st.st_size})")
+            raise SegmentUnusable(f"{where} is not a {size}-byte memory file (size {st.st_size})")
         try:
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         except OSError:
-            raise SegmentUnusable(f"{path} is not a memfd (it takes no seals)") from None
+            raise SegmentUnusable(f"{where} is not a memfd (it takes no seals)") from None
         if not seals & fcntl.F_SEAL_SHRINK:  # a shrunk file would fault (SIGBUS) the PS
-            raise SegmentUnusable(f"{path} is not sealed against shrinking")
+            raise SegmentUnusable(f"{where} is not sealed against shrinking")
+        if seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE):  # the kernel refuses a writable mapping
+            raise SegmentUnusable(
+                f"{where} is sealed against writes: the PS writes pulled rows into a segment, so it must stay writable"
+            )
         if st.st_blksize != mmap.PAGESIZE:  # a hugetlb memfd faults when huge pages run out
-            raise SegmentUnusable(f"{path} is not a memfd of ordinary pages (block size {st.st_blksize})")
-        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            raise SegmentUnusable(f"{where} is not a memfd of ordinary pages (block size {st.st_blksize})")
+        try:
+            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:  # what the checks above did not foresee: refused, not a server fault
+            raise SegmentUnusable(f"cannot map {where} for reading and writing ({e.strerror})") from None
     finally:
         os.close(fd)
     view = np.frombuffer(mapping, dtype=np.uint8)
     if view[:TOKEN_BYTES].tobytes() != token:
-        raise SegmentUnusable(f"{path} does not carry the token the client sent (another process's memory)")
+        raise SegmentUnusable(f"{where} does not carry the token the client sent (another process's memory)")
     return view
 
 
