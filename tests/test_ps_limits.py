@@ -151,3 +151,19 @@ def test_a_push_of_more_rows_than_the_limit_is_refused(make_ps):
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-request-mb" in err.details()
         assert ps.describe_table("t").num_rows == 0
         assert ps.push("t", ids[:1000], rows[:1000]) == 1000
+
+
+def test_serve_help_names_the_limits():
+    import subprocess
+    import sys
+
+    from dynemb.testing.local_ps import REPO
+
+    command = [sys.executable, "-m", "dynemb.cli", "ps", "serve", "--help"]
+    out = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    for flag, env in (("--max-row-width", "DYNEMB_PS_MAX_ROW_WIDTH"), ("--max-request-mb", "DYNEMB_PS_MAX_REQUEST_MB")):
+        assert flag in text and env in text
+    assert "bounds the memory one request makes the PS use" in text
+    assert "refused with UNAVAILABLE" in text  # the drain, in the epilog
