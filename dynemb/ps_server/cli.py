@@ -123,7 +123,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--max-row-width",
         "DYNEMB_PS_MAX_ROW_WIDTH",
         16384,
-        "widest rows (dim + state_width values) a table created here may have; wider ones are refused",
+        "widest rows (dim + state_width values) a table created here may have, at most 65536; wider ones are refused",
         int,
     )
     option(

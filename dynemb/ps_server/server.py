@@ -31,6 +31,7 @@ from dynemb.ps_server.auth import TokenAuthInterceptor
 from dynemb.ps_server.backend_watch import BackendWatch
 from dynemb.ps_server.backends import Store, open_store
 from dynemb.ps_server.metrics import PSMetrics
+from dynemb.ps_server.schema import MAX_ROW_WIDTH
 from dynemb.ps_server.service import DEFAULT_MAX_ROW_WIDTH, ParameterServerService, add_to_server
 from dynemb.ps_server.shm import SegmentTable
 
@@ -82,8 +83,8 @@ class ServeConfig:
             raise ValueError("--auth-health closes health checks to callers without the token: set --auth-token")
         if self.max_message_bytes < 64 << 10:
             raise ValueError(f"max message size {self.max_message_bytes} is below the 64 KiB minimum")
-        if self.max_row_width < 1:
-            raise ValueError(f"--max-row-width must be >= 1, got {self.max_row_width}")
+        if not 1 <= self.max_row_width <= MAX_ROW_WIDTH:
+            raise ValueError(f"--max-row-width must be in [1, {MAX_ROW_WIDTH}], got {self.max_row_width}")
         if self.max_request_bytes < 1:
             raise ValueError(f"--max-request-mb must be > 0, got {self.max_request_bytes} bytes")
         if self.workers < 1:
