@@ -277,7 +277,11 @@ def test_k8s_ps_agrees_with_its_cli(overlay, k8s_dir, monkeypatch):
     assert env["DYNEMB_PS_AUTH_TOKEN"] == "<from a secret>"
     secret = ps["env"][0]["valueFrom"]["secretKeyRef"]
     assert named(docs, "Secret", "dynemb-ps-auth")["metadata"]["name"] == secret["name"]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    # liveness asks about the health service that says only "the process runs" (SERVING while
+    # Redis is away: a Redis outage must not restart every PS); startup and readiness about ""
+    from dynemb.ps_server.server import LIVENESS_SERVICE
+
+    for probe, service in (("startupProbe", ""), ("readinessProbe", ""), ("livenessProbe", LIVENESS_SERVICE)):
         if overlay.endswith("tls"):  # exec: `dynemb ps health` over TLS, parsed by the real CLI
             from dynemb.cli import build_parser
 
@@ -285,11 +289,13 @@ def test_k8s_ps_agrees_with_its_cli(overlay, k8s_dir, monkeypatch):
             assert command[0] == "dynemb"
             health = build_parser().parse_args(command[1:])
             assert health.ps_command == "health" and health.ps == f"localhost:{port}"
+            assert health.service == service, probe
             mounts = {m["name"]: m["mountPath"] for m in ps["volumeMounts"]}
             assert health.tls_ca.startswith(mounts["tls"] + "/")
             assert args.tls_cert.startswith(mounts["tls"] + "/") and args.tls_key.startswith(mounts["tls"] + "/")
         else:  # Kubernetes' own gRPC probe on the gRPC port
-            assert ps[probe]["grpc"] == {"port": int(port)}, probe
+            want = {"port": int(port), **({"service": service} if service else {})}
+            assert ps[probe]["grpc"] == want, probe
     backend = args.backend
     if overlay == "cluster":
         from dynemb.ps_server.backends.redis_store import _split_cluster_url
@@ -302,6 +308,46 @@ def test_k8s_ps_agrees_with_its_cli(overlay, k8s_dir, monkeypatch):
     else:
         assert re.fullmatch(r"redis://:<from a secret>@dynemb-redis:6379/0", backend)
         find(docs, "StatefulSet", "dynemb-redis")
+
+
+@pytest.mark.slow
+def test_ps_liveness_stays_serving_while_redis_is_away_and_while_draining(redis_process):
+    """What the probes ask a real `dynemb ps serve` over a Redis that is stopped: readiness ("")
+    NOT_SERVING, liveness SERVING (the kubelet restarts no PS for a Redis outage); both again
+    through `dynemb ps health`, the TLS overlay's probe command. While it drains after SIGTERM
+    the PS is unready but alive."""
+    import signal
+
+    from helpers import wait_until
+
+    from dynemb.ps_server.server import LIVENESS_SERVICE
+
+    redis = redis_process()
+    ps = LocalPS("--backend", redis.url, "--not-serving-seconds", "30", "--backend-check-seconds", "0.2").start()
+
+    def health(service: str) -> list[str]:
+        with PSClient(ps.address, timeout=5) as client:
+            return client.health(timeout=2, service=service)
+
+    def probe(service: str) -> int:
+        command = [tool("dynemb"), "ps", "health", "--ps", ps.address, "--timeout", "2", "--service", service]
+        return subprocess.run(command, capture_output=True, text=True, timeout=60).returncode
+
+    try:
+        wait_until(lambda: health("") == ["SERVING"], timeout=30, what="PS SERVING")
+        assert health(LIVENESS_SERVICE) == ["SERVING"]
+        redis.stop()
+        wait_until(lambda: health("") == ["NOT_SERVING"], timeout=30, what="PS NOT_SERVING without Redis")
+        assert health(LIVENESS_SERVICE) == ["SERVING"]
+        assert probe("") == 1 and probe(LIVENESS_SERVICE) == 0
+        redis.start()
+        wait_until(lambda: health("") == ["SERVING"], timeout=30, what="PS SERVING once Redis is back")
+        ps.proc.send_signal(signal.SIGTERM)  # drains: NOT_SERVING for --not-serving-seconds
+        wait_until(lambda: health("") == ["NOT_SERVING"], timeout=30, what="PS NOT_SERVING while draining")
+        assert health(LIVENESS_SERVICE) == ["SERVING"]
+    finally:
+        ps.stop(signal.SIGKILL)  # not 30 s of draining
+        ps.close()
 
 
 @lru_cache(maxsize=1)
