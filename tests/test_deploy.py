@@ -72,7 +72,20 @@ def test_the_alerts_the_issue_asks_for_exist():
         "DynembPSErrors",
         "DynembPSDown",
         "DynembRedisMemoryNearLimit",
+        "DynembPSAbsent",
+        "DynembRedisAbsent",
+        "DynembTrainerDown",
+        "DynembTrainerStalled",
     } <= alerts
+
+
+def test_every_alert_has_a_unit_test_that_fires_it():
+    alerts = {r["alert"] for g in rule_groups() for r in g["rules"] if "alert" in r}
+    fired = set()
+    for path in (DEPLOY / "prometheus" / "tests").glob("*.yml"):
+        for case in yaml.safe_load(path.read_text())["tests"]:
+            fired |= {t["alertname"] for t in case.get("alert_rule_test", []) if t["exp_alerts"]}
+    assert alerts <= fired, f"alerts no test in deploy/prometheus/tests fires: {sorted(alerts - fired)}"
 
 
 def _scrape_jobs(config: str) -> set[str]:
@@ -348,6 +361,32 @@ def test_ps_liveness_stays_serving_while_redis_is_away_and_while_draining(redis_
     finally:
         ps.stop(signal.SIGKILL)  # not 30 s of draining
         ps.close()
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_k8s_prometheus_discovers_pods_that_are_not_ready(overlay, k8s_dir):
+    """Every Service that prometheus-k8s.yml finds targets through (SRV _port._tcp.service) lists
+    its pods ready or not: a crashed PS or a Redis that is down stays a target whose `up` is 0,
+    so its alert keeps firing instead of resolving when the pod drops out of discovery."""
+    docs = rendered(overlay, k8s_dir)
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus-k8s.yml").read_text())
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    checked = set()
+    for job in config["scrape_configs"]:
+        for sd in job["dns_sd_configs"]:
+            for name in sd["names"]:
+                port, _, service, namespace = re.fullmatch(
+                    r"_([a-z0-9-]+)\._(tcp)\.([a-z0-9-]+)\.([a-z0-9-]+)\.svc\.cluster\.local", name
+                ).groups()
+                if service not in services:  # the other overlay's Redis
+                    continue
+                assert namespace == "dynemb"
+                spec = services[service]["spec"]
+                assert spec["clusterIP"] == "None", f"{service}: SRV records per pod need a headless Service"
+                assert spec.get("publishNotReadyAddresses") is True, f"{service} hides pods that are not ready"
+                assert port in {p["name"] for p in spec["ports"]}, f"{service} has no port {port}"
+                checked.add(job["job_name"])
+    assert checked == {"dynemb-ps", "dynemb-trainer", "redis"}
 
 
 @lru_cache(maxsize=1)
