@@ -88,6 +88,37 @@ def test_every_alert_has_a_unit_test_that_fires_it():
     assert alerts <= fired, f"alerts no test in deploy/prometheus/tests fires: {sorted(alerts - fired)}"
 
 
+def test_ps_error_alert_counts_the_server_side_codes_the_ps_starts_at_zero():
+    """DynembPSErrors' ratio selects exactly the server-side codes of dynemb/ps_server/metrics.py,
+    and a real PS's /metrics has each of them, for every method, at 0 before any request (so
+    rate() and increase() see the first burst of errors)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dynemb.ps_server.metrics import METHODS, SERVER_ERROR_CODES
+
+    rules = {r.get("record") or r["alert"]: r["expr"] for g in rule_groups() for r in g["rules"]}
+    ratio = rules["instance_method:dynemb_ps_server_error_ratio:rate5m"]
+    selected = re.search(r'dynemb_ps_errors_total\{code=~"([^"]+)"\}', ratio).group(1)
+    assert set(selected.split("|")) == set(SERVER_ERROR_CODES)
+    assert re.search(r"sum by \(job, instance, method\)", ratio)
+    assert "instance_method:dynemb_ps_server_error_ratio:rate5m" in rules["DynembPSErrors"]
+    assert {"NOT_FOUND", "INVALID_ARGUMENT", "ALREADY_EXISTS", "UNAUTHENTICATED"}.isdisjoint(SERVER_ERROR_CODES)
+    assert {"Pull", "Push", "PullMany", "PushMany", "DescribeTable"} <= set(METHODS)
+
+    ps = LocalPS("--backend", "embedded://", "--not-serving-seconds", "0").start()
+    try:
+        samples = {
+            (s.labels["method"], s.labels["code"]): s.value
+            for f in text_string_to_metric_families(ps.metrics_text())
+            if f.name == "dynemb_ps_errors"
+            for s in f.samples
+            if s.name == "dynemb_ps_errors_total"
+        }
+    finally:
+        ps.close()
+    assert samples == {(m, c): 0.0 for m in METHODS for c in SERVER_ERROR_CODES}
+
+
 def _scrape_jobs(config: str) -> set[str]:
     return {j["job_name"] for j in yaml.safe_load((DEPLOY / "prometheus" / config).read_text())["scrape_configs"]}
 
@@ -204,6 +235,9 @@ def test_grafana_dashboard_is_what_its_builder_writes_and_well_formed():
     d = json.loads(path.read_text())
     variables = {v["name"]: v for v in d["templating"]["list"]}
     assert {"datasource", "table", "rank", "ps"} <= set(variables)
+    # every PS Prometheus scrapes, idle or down too (a PS that has served no request has no
+    # dynemb_ps_requests_total series)
+    assert variables["ps"]["query"]["query"] == 'label_values(up{job="dynemb-ps"}, instance)'
     panels = [p for p in d["panels"] if p["type"] != "row"]
     assert len({p["id"] for p in d["panels"]}) == len(d["panels"])
     titles = " ".join(p["title"].lower() for p in panels)

@@ -265,7 +265,8 @@ def build() -> dict:
                 },
                 variable("table", "table", "label_values(dynemb_trainer_lookups_total, table)"),
                 variable("rank", "rank", 'label_values(dynemb_trainer_lookups_total{table=~"$table"}, rank)'),
-                variable("ps", "PS", 'label_values(dynemb_ps_requests_total{job="dynemb-ps"}, instance)'),
+                # every scraped PS, an idle one (no request yet: no dynemb_ps_requests_total) or a down one too
+                variable("ps", "PS", 'label_values(up{job="dynemb-ps"}, instance)'),
             ]
         },
         "annotations": {"list": []},
