@@ -177,8 +177,8 @@ def test_metric_names_follow_prometheus_conventions():
             assert not name.endswith("_total"), name
     labels = metric_labels()
     for name, names in labels.items():
-        if name.startswith("dynemb_trainer_"):
-            assert "rank" in names, f"{name} has no rank label"
+        if name.startswith("dynemb_trainer_"):  # jobs sharing a Prometheus stay apart by train_job
+            assert names[-2:] == ["rank", "train_job"], f"{name}: labels {names}"
     for name in (
         "dynemb_trainer_hits_total",
         "dynemb_trainer_evictions_total",
@@ -186,13 +186,13 @@ def test_metric_names_follow_prometheus_conventions():
         "dynemb_ps_rows_total",
     ):
         assert "table" in labels[name], name
-    assert labels["dynemb_trainer_ps_request_seconds"] == ["op", "table", "rank"]
+    assert labels["dynemb_trainer_ps_request_seconds"] == ["op", "table", "rank", "train_job"]
 
 
 def test_docs_metrics_table_matches_the_code():
     """docs/metrics.md lists every exported metric, with its type and labels, and no other."""
     text = (REPO / "docs" / "metrics.md").read_text()
-    rows = re.findall(r"^\| `(dynemb_[a-z0-9_]+)` \| (\w+) \|\s*([a-z, ]*?)\s*\|", text, re.M)
+    rows = re.findall(r"^\| `(dynemb_[a-z0-9_]+)` \| (\w+) \|\s*([a-z_, ]*?)\s*\|", text, re.M)
     documented = {name: (kind, [s.strip() for s in labels.split(",") if s.strip()]) for name, kind, labels in rows}
     types = {name: kind for name, kind in exported_samples().items()}
     labels = metric_labels()
@@ -234,7 +234,7 @@ def test_grafana_dashboard_is_what_its_builder_writes_and_well_formed():
     assert path.read_text() == build_dashboard.render(), "run python deploy/grafana/build_dashboard.py"
     d = json.loads(path.read_text())
     variables = {v["name"]: v for v in d["templating"]["list"]}
-    assert {"datasource", "table", "rank", "ps"} <= set(variables)
+    assert {"datasource", "train_job", "table", "rank", "ps"} <= set(variables)
     # every PS Prometheus scrapes, idle or down too (a PS that has served no request has no
     # dynemb_ps_requests_total series)
     assert variables["ps"]["query"]["query"] == 'label_values(up{job="dynemb-ps"}, instance)'
@@ -245,8 +245,14 @@ def test_grafana_dashboard_is_what_its_builder_writes_and_well_formed():
         assert word in titles, word
     for p in panels:
         assert p["targets"] and p["datasource"]["uid"] == "${datasource}", p["title"]
-        if "dynemb_trainer_" in json.dumps(p["targets"]) and "rank" not in p["title"].lower():
-            assert all('rank=~"$rank"' in t["expr"] or ":rate5m" in t["expr"] for t in p["targets"]), p["title"]
+        if "dynemb_trainer_" in json.dumps(p["targets"]):
+            for t in p["targets"]:  # one job's panels apart from another's, per job
+                assert 'train_job=~"$train_job"' in t["expr"], p["title"]
+                assert "sum (" not in t["expr"] and all(
+                    "train_job" in by for by in re.findall(r"by \(([^)]*)\)", t["expr"])
+                )
+                if "rank" not in p["title"].lower():
+                    assert 'rank=~"$rank"' in t["expr"] or ":rate5m" in t["expr"], p["title"]
 
 
 def test_grafana_provisioning_points_at_the_dashboard_and_prometheus():
