@@ -534,6 +534,47 @@ def test_k8s_redis_is_durable_and_watched_by_redis_exporter(overlay, k8s_dir):
         assert container(create, "create")["env"][0] == {"name": "NODES", "value": str(sts["spec"]["replicas"])}
 
 
+def _bytes(quantity: str) -> int:
+    """A Kubernetes memory quantity (8Gi, 512Mi, 8G) or a Redis one (4gb, 4g, 512mb) in bytes."""
+    m = re.fullmatch(r"(\d+)\s*([a-zA-Z]*)", quantity.strip())
+    assert m, quantity
+    units = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30}
+    units |= {"kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30}  # Redis: kb, mb, gb are powers of 1024
+    return int(m.group(1)) * units[m.group(2).lower()]
+
+
+@pytest.mark.parametrize("overlay", ["standalone", "cluster"])
+def test_k8s_redis_maxmemory_leaves_room_for_the_fork(overlay, k8s_dir):
+    """maxmemory at most 60% of the container's memory limit: an AOF rewrite or snapshot forks,
+    and the child's copy-on-write pages grow while pushes go on; past the limit Redis is killed."""
+    docs = rendered(overlay, k8s_dir)
+    name = "dynemb-redis" if overlay == "standalone" else "dynemb-redis-cluster"
+    redis = container(find(docs, "StatefulSet", name), "redis")
+    conf = dict(line.split(None, 1) for line in redis_conf_lines(named(docs, "ConfigMap", name)["data"]["redis.conf"]))
+    limit = _bytes(redis["resources"]["limits"]["memory"])
+    assert _bytes(redis["resources"]["requests"]["memory"]) == limit, "a Redis that is never squeezed"
+    assert 0 < _bytes(conf["maxmemory"]) <= 0.6 * limit, (conf["maxmemory"], redis["resources"])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_k8s_ps_survives_drains_and_a_lost_node(overlay, k8s_dir):
+    """A PodDisruptionBudget keeps a PS serving through voluntary disruptions, and anti-affinity
+    spreads the replicas over nodes; both select the Deployment's own pods."""
+    docs = rendered(overlay, k8s_dir)
+    deployment = find(docs, "Deployment", "dynemb-ps")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    replicas = deployment["spec"]["replicas"]
+    pdb = find(docs, "PodDisruptionBudget", "dynemb-ps")["spec"]
+    assert pdb["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert 1 <= pdb["minAvailable"] < replicas, "one PS always serves; a drain can still take one"
+    terms = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"
+    ]
+    term = terms[0]["podAffinityTerm"]
+    assert term["labelSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+
+
 @pytest.mark.parametrize("folder", ["redis", "redis-cluster"])
 def test_k8s_redis_conf_starts_a_real_redis(folder, redis_process):
     """The deployed redis.conf, but for its port, address and folder, runs on the tested redis-server."""
@@ -612,6 +653,115 @@ def test_dockerfile_builds_what_the_manifests_run():
     assert "torch==2.13.0" in text and "--no-deps -r requirements/torchrec.txt" in text
     for exposed in ("50051", "9090", "9400", "29500"):
         assert exposed in text.split("EXPOSE", 1)[1].splitlines()[0]
+
+
+def _requirement_names(lines) -> set[str]:
+    names = set()
+    for line in lines:
+        line = line.split("#", 1)[0].strip()
+        if line and not line.startswith("-"):
+            names.add(re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9_.-]+", line).group(0)).lower())
+    return names
+
+
+def _constraints() -> dict[str, str]:
+    pins = {}
+    for line in (REPO / "requirements" / "constraints.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            m = re.fullmatch(r"([A-Za-z0-9_.-]+)==([A-Za-z0-9_.+!-]+)", line)
+            assert m, f"requirements/constraints.txt: {line!r} is no exact pin (name==version)"
+            pins[re.sub(r"[-_.]+", "-", m.group(1)).lower()] = m.group(2)
+    return pins
+
+
+def test_constraints_pin_everything_and_are_what_the_tests_run_on():
+    """requirements/constraints.txt pins every package the project, the torch set and the tests
+    ask for, at the versions installed here (where the tests ran); requirements/*.txt pin each
+    name they list; torch is 2.13.0."""
+    import tomllib
+    from importlib import metadata
+
+    pins = _constraints()
+    assert pins["torch"] == "2.13.0"
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wanted = _requirement_names(project["dependencies"])
+    for extra in project["optional-dependencies"].values():
+        wanted |= _requirement_names(extra)
+    for path in sorted((REPO / "requirements").glob("*.txt")):
+        if path.name == "constraints.txt":
+            continue
+        lines = path.read_text().splitlines()
+        wanted |= _requirement_names(lines)
+        for line in lines:
+            line = line.split("#", 1)[0].strip()
+            assert not line or "==" in line, f"{path.name}: {line} is not pinned"
+    assert wanted <= set(pins), f"not in requirements/constraints.txt: {sorted(wanted - set(pins))}"
+    for name, version in pins.items():
+        try:
+            installed = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+        assert installed.split("+")[0] == version.split("+")[0], f"{name}: pinned {version}, installed {installed}"
+    setup = (REPO / "scripts" / "setup_env.sh").read_text()
+    assert 'PIP_CONSTRAINT="$ROOT/requirements/constraints.txt"' in setup
+
+
+def _dockerignored(patterns: list[str], path: str) -> bool:
+    """Whether docker leaves `path` out of the build context: the last pattern that matches the
+    path or a folder above it decides; `!` lets it in; `*` stays within a name, `**` does not."""
+    ignored = False
+    parts = path.split("/")
+    for pattern in patterns:
+        let_in = pattern.startswith("!")
+        regex = re.escape(pattern.lstrip("!")).replace(r"\*\*/", "(.*/)?").replace(r"\*", "[^/]*")
+        if any(re.fullmatch(regex, "/".join(parts[:i])) for i in range(1, len(parts) + 1)):
+            ignored = not let_in
+    return ignored
+
+
+def test_image_is_reproducible():
+    """The base image is pinned by digest, Debian's packages by version from one dated snapshot,
+    every pip install by requirements/constraints.txt; .dockerignore lets in what the
+    Dockerfile copies and nothing that is secret or local."""
+    text = (DEPLOY / "docker" / "Dockerfile").read_text()
+    instructions = re.sub(r"\\\n", " ", "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#")))
+    froms = re.findall(r"^FROM (\S+)", instructions, re.M)
+    assert froms and all(re.fullmatch(r"[\w./:-]+@sha256:[0-9a-f]{64}", f) for f in froms), froms
+    snapshot = re.search(r"ARG DEBIAN_SNAPSHOT=(\d{8}T\d{6}Z)", instructions)
+    assert snapshot and "snapshot.debian.org/archive/debian/${DEBIAN_SNAPSHOT}" in instructions
+    assert "deb.debian.org" not in instructions
+    for install in re.findall(r"apt-get install ([^&\n]+)", instructions):
+        packages = [w for w in install.split() if not w.startswith("-")]
+        assert packages and all(re.fullmatch(r"[a-z0-9.+-]+=[\w.:+~-]+", p) for p in packages), install
+    assert "ENV PIP_CONSTRAINT=/opt/dynemb/requirements/constraints.txt" in instructions
+    assert instructions.index("ENV PIP_CONSTRAINT") < instructions.index("pip install")
+    for pip in re.findall(r"pip install ([^&\n]+)", instructions):
+        named = [w for w in pip.split() if not w.startswith("-") and "/" not in w and w != "."]
+        assert all("==" in w or w in ("pip", "setuptools", "wheel") for w in named), pip
+    assert "torch==2.13.0+cpu" in instructions
+
+    patterns = [ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines() if ln.strip() and ln[0] != "#"]
+    copied = [src for line in re.findall(r"^COPY (.+)$", instructions, re.M) for src in line.split()[:-1]]
+    assert copied
+    for src in copied:
+        assert not _dockerignored(patterns, src.rstrip("/")), f"{src} is copied but left out of the context"
+    for kept in (
+        "dynemb/ps_server/server.py",
+        "requirements/constraints.txt",
+        "dynemb/ps_server/csrc/id_index_module.cpp",
+    ):
+        assert not _dockerignored(patterns, kept), kept
+    for left_out in (
+        ".venv/bin/python",
+        ".bin/redis-server",
+        ".git/HEAD",
+        "deploy/k8s/base/secrets/ps-token",
+        "deploy/k8s/components/ps-tls/secrets/tls.key",
+        "tests/test_deploy.py",
+        "dynemb/ps_server/__pycache__/server.cpython-311.pyc",
+    ):
+        assert _dockerignored(patterns, left_out), left_out
 
 
 # -- systemd -----------------------------------------------------------------------------
