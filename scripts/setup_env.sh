@@ -18,9 +18,11 @@ want=$(cat pyproject.toml requirements/*.txt | sha1sum | cut -c1-16)
 if [ "$(cat $stamp 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing the pinned torch set and dynemb[test] (a few minutes the first time; log in .venv/setup.log)"
   log=.venv/setup.log
-  pipi() { $VPY -m pip install -q --disable-pip-version-check "$@" >>"$log" 2>&1 || { cat "$log"; echo "[setup] pip install $* failed" >&2; exit 1; }; }
+  # every version from requirements/constraints.txt (the image's too); PIP_CONSTRAINT reaches
+  # the isolated environments pip builds packages in (setuptools for dynemb itself)
+  pipi() { PIP_CONSTRAINT="$ROOT/requirements/constraints.txt" $VPY -m pip install -q --disable-pip-version-check "$@" >>"$log" 2>&1 || { cat "$log"; echo "[setup] pip install $* failed" >&2; exit 1; }; }
   : > "$log"
-  pipi -U pip wheel setuptools
+  pipi -U pip wheel setuptools  # to the constrained versions
   # torch==2.13.0 is the CPU build on this machine's disk; see docs/design.md.
   pipi -r requirements/torch.txt
   # torchrec's metadata asks for the CUDA fbgemm-gpu, which does not load on a CPU torch.

@@ -72,7 +72,51 @@ def test_the_alerts_the_issue_asks_for_exist():
         "DynembPSErrors",
         "DynembPSDown",
         "DynembRedisMemoryNearLimit",
+        "DynembPSAbsent",
+        "DynembRedisAbsent",
+        "DynembTrainerDown",
+        "DynembTrainerStalled",
     } <= alerts
+
+
+def test_every_alert_has_a_unit_test_that_fires_it():
+    alerts = {r["alert"] for g in rule_groups() for r in g["rules"] if "alert" in r}
+    fired = set()
+    for path in (DEPLOY / "prometheus" / "tests").glob("*.yml"):
+        for case in yaml.safe_load(path.read_text())["tests"]:
+            fired |= {t["alertname"] for t in case.get("alert_rule_test", []) if t["exp_alerts"]}
+    assert alerts <= fired, f"alerts no test in deploy/prometheus/tests fires: {sorted(alerts - fired)}"
+
+
+def test_ps_error_alert_counts_the_server_side_codes_the_ps_starts_at_zero():
+    """DynembPSErrors' ratio selects exactly the server-side codes of dynemb/ps_server/metrics.py,
+    and a real PS's /metrics has each of them, for every method, at 0 before any request (so
+    rate() and increase() see the first burst of errors)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dynemb.ps_server.metrics import METHODS, SERVER_ERROR_CODES
+
+    rules = {r.get("record") or r["alert"]: r["expr"] for g in rule_groups() for r in g["rules"]}
+    ratio = rules["instance_method:dynemb_ps_server_error_ratio:rate5m"]
+    selected = re.search(r'dynemb_ps_errors_total\{code=~"([^"]+)"\}', ratio).group(1)
+    assert set(selected.split("|")) == set(SERVER_ERROR_CODES)
+    assert re.search(r"sum by \(job, instance, method\)", ratio)
+    assert "instance_method:dynemb_ps_server_error_ratio:rate5m" in rules["DynembPSErrors"]
+    assert {"NOT_FOUND", "INVALID_ARGUMENT", "ALREADY_EXISTS", "UNAUTHENTICATED"}.isdisjoint(SERVER_ERROR_CODES)
+    assert {"Pull", "Push", "PullMany", "PushMany", "DescribeTable"} <= set(METHODS)
+
+    ps = LocalPS("--backend", "embedded://", "--not-serving-seconds", "0").start()
+    try:
+        samples = {
+            (s.labels["method"], s.labels["code"]): s.value
+            for f in text_string_to_metric_families(ps.metrics_text())
+            if f.name == "dynemb_ps_errors"
+            for s in f.samples
+            if s.name == "dynemb_ps_errors_total"
+        }
+    finally:
+        ps.close()
+    assert samples == {(m, c): 0.0 for m in METHODS for c in SERVER_ERROR_CODES}
 
 
 def _scrape_jobs(config: str) -> set[str]:
@@ -133,8 +177,8 @@ def test_metric_names_follow_prometheus_conventions():
             assert not name.endswith("_total"), name
     labels = metric_labels()
     for name, names in labels.items():
-        if name.startswith("dynemb_trainer_"):
-            assert "rank" in names, f"{name} has no rank label"
+        if name.startswith("dynemb_trainer_"):  # jobs sharing a Prometheus stay apart by train_job
+            assert names[-2:] == ["rank", "train_job"], f"{name}: labels {names}"
     for name in (
         "dynemb_trainer_hits_total",
         "dynemb_trainer_evictions_total",
@@ -142,13 +186,13 @@ def test_metric_names_follow_prometheus_conventions():
         "dynemb_ps_rows_total",
     ):
         assert "table" in labels[name], name
-    assert labels["dynemb_trainer_ps_request_seconds"] == ["op", "table", "rank"]
+    assert labels["dynemb_trainer_ps_request_seconds"] == ["op", "table", "rank", "train_job"]
 
 
 def test_docs_metrics_table_matches_the_code():
     """docs/metrics.md lists every exported metric, with its type and labels, and no other."""
     text = (REPO / "docs" / "metrics.md").read_text()
-    rows = re.findall(r"^\| `(dynemb_[a-z0-9_]+)` \| (\w+) \|\s*([a-z, ]*?)\s*\|", text, re.M)
+    rows = re.findall(r"^\| `(dynemb_[a-z0-9_]+)` \| (\w+) \|\s*([a-z_, ]*?)\s*\|", text, re.M)
     documented = {name: (kind, [s.strip() for s in labels.split(",") if s.strip()]) for name, kind, labels in rows}
     types = {name: kind for name, kind in exported_samples().items()}
     labels = metric_labels()
@@ -190,7 +234,10 @@ def test_grafana_dashboard_is_what_its_builder_writes_and_well_formed():
     assert path.read_text() == build_dashboard.render(), "run python deploy/grafana/build_dashboard.py"
     d = json.loads(path.read_text())
     variables = {v["name"]: v for v in d["templating"]["list"]}
-    assert {"datasource", "table", "rank", "ps"} <= set(variables)
+    assert {"datasource", "train_job", "table", "rank", "ps"} <= set(variables)
+    # every PS Prometheus scrapes, idle or down too (a PS that has served no request has no
+    # dynemb_ps_requests_total series)
+    assert variables["ps"]["query"]["query"] == 'label_values(up{job="dynemb-ps"}, instance)'
     panels = [p for p in d["panels"] if p["type"] != "row"]
     assert len({p["id"] for p in d["panels"]}) == len(d["panels"])
     titles = " ".join(p["title"].lower() for p in panels)
@@ -198,8 +245,14 @@ def test_grafana_dashboard_is_what_its_builder_writes_and_well_formed():
         assert word in titles, word
     for p in panels:
         assert p["targets"] and p["datasource"]["uid"] == "${datasource}", p["title"]
-        if "dynemb_trainer_" in json.dumps(p["targets"]) and "rank" not in p["title"].lower():
-            assert all('rank=~"$rank"' in t["expr"] or ":rate5m" in t["expr"] for t in p["targets"]), p["title"]
+        if "dynemb_trainer_" in json.dumps(p["targets"]):
+            for t in p["targets"]:  # one job's panels apart from another's, per job
+                assert 'train_job=~"$train_job"' in t["expr"], p["title"]
+                assert "sum (" not in t["expr"] and all(
+                    "train_job" in by for by in re.findall(r"by \(([^)]*)\)", t["expr"])
+                )
+                if "rank" not in p["title"].lower():
+                    assert 'rank=~"$rank"' in t["expr"] or ":rate5m" in t["expr"], p["title"]
 
 
 def test_grafana_provisioning_points_at_the_dashboard_and_prometheus():
@@ -277,7 +330,11 @@ def test_k8s_ps_agrees_with_its_cli(overlay, k8s_dir, monkeypatch):
     assert env["DYNEMB_PS_AUTH_TOKEN"] == "<from a secret>"
     secret = ps["env"][0]["valueFrom"]["secretKeyRef"]
     assert named(docs, "Secret", "dynemb-ps-auth")["metadata"]["name"] == secret["name"]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    # liveness asks about the health service that says only "the process runs" (SERVING while
+    # Redis is away: a Redis outage must not restart every PS); startup and readiness about ""
+    from dynemb.ps_server.server import LIVENESS_SERVICE
+
+    for probe, service in (("startupProbe", ""), ("readinessProbe", ""), ("livenessProbe", LIVENESS_SERVICE)):
         if overlay.endswith("tls"):  # exec: `dynemb ps health` over TLS, parsed by the real CLI
             from dynemb.cli import build_parser
 
@@ -285,11 +342,13 @@ def test_k8s_ps_agrees_with_its_cli(overlay, k8s_dir, monkeypatch):
             assert command[0] == "dynemb"
             health = build_parser().parse_args(command[1:])
             assert health.ps_command == "health" and health.ps == f"localhost:{port}"
+            assert health.service == service, probe
             mounts = {m["name"]: m["mountPath"] for m in ps["volumeMounts"]}
             assert health.tls_ca.startswith(mounts["tls"] + "/")
             assert args.tls_cert.startswith(mounts["tls"] + "/") and args.tls_key.startswith(mounts["tls"] + "/")
         else:  # Kubernetes' own gRPC probe on the gRPC port
-            assert ps[probe]["grpc"] == {"port": int(port)}, probe
+            want = {"port": int(port), **({"service": service} if service else {})}
+            assert ps[probe]["grpc"] == want, probe
     backend = args.backend
     if overlay == "cluster":
         from dynemb.ps_server.backends.redis_store import _split_cluster_url
@@ -302,6 +361,72 @@ def test_k8s_ps_agrees_with_its_cli(overlay, k8s_dir, monkeypatch):
     else:
         assert re.fullmatch(r"redis://:<from a secret>@dynemb-redis:6379/0", backend)
         find(docs, "StatefulSet", "dynemb-redis")
+
+
+@pytest.mark.slow
+def test_ps_liveness_stays_serving_while_redis_is_away_and_while_draining(redis_process):
+    """What the probes ask a real `dynemb ps serve` over a Redis that is stopped: readiness ("")
+    NOT_SERVING, liveness SERVING (the kubelet restarts no PS for a Redis outage); both again
+    through `dynemb ps health`, the TLS overlay's probe command. While it drains after SIGTERM
+    the PS is unready but alive."""
+    import signal
+
+    from helpers import wait_until
+
+    from dynemb.ps_server.server import LIVENESS_SERVICE
+
+    redis = redis_process()
+    ps = LocalPS("--backend", redis.url, "--not-serving-seconds", "30", "--backend-check-seconds", "0.2").start()
+
+    def health(service: str) -> list[str]:
+        with PSClient(ps.address, timeout=5) as client:
+            return client.health(timeout=2, service=service)
+
+    def probe(service: str) -> int:
+        command = [tool("dynemb"), "ps", "health", "--ps", ps.address, "--timeout", "2", "--service", service]
+        return subprocess.run(command, capture_output=True, text=True, timeout=60).returncode
+
+    try:
+        wait_until(lambda: health("") == ["SERVING"], timeout=30, what="PS SERVING")
+        assert health(LIVENESS_SERVICE) == ["SERVING"]
+        redis.stop()
+        wait_until(lambda: health("") == ["NOT_SERVING"], timeout=30, what="PS NOT_SERVING without Redis")
+        assert health(LIVENESS_SERVICE) == ["SERVING"]
+        assert probe("") == 1 and probe(LIVENESS_SERVICE) == 0
+        redis.start()
+        wait_until(lambda: health("") == ["SERVING"], timeout=30, what="PS SERVING once Redis is back")
+        ps.proc.send_signal(signal.SIGTERM)  # drains: NOT_SERVING for --not-serving-seconds
+        wait_until(lambda: health("") == ["NOT_SERVING"], timeout=30, what="PS NOT_SERVING while draining")
+        assert health(LIVENESS_SERVICE) == ["SERVING"]
+    finally:
+        ps.stop(signal.SIGKILL)  # not 30 s of draining
+        ps.close()
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_k8s_prometheus_discovers_pods_that_are_not_ready(overlay, k8s_dir):
+    """Every Service that prometheus-k8s.yml finds targets through (SRV _port._tcp.service) lists
+    its pods ready or not: a crashed PS or a Redis that is down stays a target whose `up` is 0,
+    so its alert keeps firing instead of resolving when the pod drops out of discovery."""
+    docs = rendered(overlay, k8s_dir)
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus-k8s.yml").read_text())
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    checked = set()
+    for job in config["scrape_configs"]:
+        for sd in job["dns_sd_configs"]:
+            for name in sd["names"]:
+                port, _, service, namespace = re.fullmatch(
+                    r"_([a-z0-9-]+)\._(tcp)\.([a-z0-9-]+)\.([a-z0-9-]+)\.svc\.cluster\.local", name
+                ).groups()
+                if service not in services:  # the other overlay's Redis
+                    continue
+                assert namespace == "dynemb"
+                spec = services[service]["spec"]
+                assert spec["clusterIP"] == "None", f"{service}: SRV records per pod need a headless Service"
+                assert spec.get("publishNotReadyAddresses") is True, f"{service} hides pods that are not ready"
+                assert port in {p["name"] for p in spec["ports"]}, f"{service} has no port {port}"
+                checked.add(job["job_name"])
+    assert checked == {"dynemb-ps", "dynemb-trainer", "redis"}
 
 
 @lru_cache(maxsize=1)
@@ -409,6 +534,47 @@ def test_k8s_redis_is_durable_and_watched_by_redis_exporter(overlay, k8s_dir):
         assert container(create, "create")["env"][0] == {"name": "NODES", "value": str(sts["spec"]["replicas"])}
 
 
+def _bytes(quantity: str) -> int:
+    """A Kubernetes memory quantity (8Gi, 512Mi, 8G) or a Redis one (4gb, 4g, 512mb) in bytes."""
+    m = re.fullmatch(r"(\d+)\s*([a-zA-Z]*)", quantity.strip())
+    assert m, quantity
+    units = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30}
+    units |= {"kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30}  # Redis: kb, mb, gb are powers of 1024
+    return int(m.group(1)) * units[m.group(2).lower()]
+
+
+@pytest.mark.parametrize("overlay", ["standalone", "cluster"])
+def test_k8s_redis_maxmemory_leaves_room_for_the_fork(overlay, k8s_dir):
+    """maxmemory at most 60% of the container's memory limit: an AOF rewrite or snapshot forks,
+    and the child's copy-on-write pages grow while pushes go on; past the limit Redis is killed."""
+    docs = rendered(overlay, k8s_dir)
+    name = "dynemb-redis" if overlay == "standalone" else "dynemb-redis-cluster"
+    redis = container(find(docs, "StatefulSet", name), "redis")
+    conf = dict(line.split(None, 1) for line in redis_conf_lines(named(docs, "ConfigMap", name)["data"]["redis.conf"]))
+    limit = _bytes(redis["resources"]["limits"]["memory"])
+    assert _bytes(redis["resources"]["requests"]["memory"]) == limit, "a Redis that is never squeezed"
+    assert 0 < _bytes(conf["maxmemory"]) <= 0.6 * limit, (conf["maxmemory"], redis["resources"])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_k8s_ps_survives_drains_and_a_lost_node(overlay, k8s_dir):
+    """A PodDisruptionBudget keeps a PS serving through voluntary disruptions, and anti-affinity
+    spreads the replicas over nodes; both select the Deployment's own pods."""
+    docs = rendered(overlay, k8s_dir)
+    deployment = find(docs, "Deployment", "dynemb-ps")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    replicas = deployment["spec"]["replicas"]
+    pdb = find(docs, "PodDisruptionBudget", "dynemb-ps")["spec"]
+    assert pdb["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert 1 <= pdb["minAvailable"] < replicas, "one PS always serves; a drain can still take one"
+    terms = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"
+    ]
+    term = terms[0]["podAffinityTerm"]
+    assert term["labelSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+
+
 @pytest.mark.parametrize("folder", ["redis", "redis-cluster"])
 def test_k8s_redis_conf_starts_a_real_redis(folder, redis_process):
     """The deployed redis.conf, but for its port, address and folder, runs on the tested redis-server."""
@@ -487,6 +653,115 @@ def test_dockerfile_builds_what_the_manifests_run():
     assert "torch==2.13.0" in text and "--no-deps -r requirements/torchrec.txt" in text
     for exposed in ("50051", "9090", "9400", "29500"):
         assert exposed in text.split("EXPOSE", 1)[1].splitlines()[0]
+
+
+def _requirement_names(lines) -> set[str]:
+    names = set()
+    for line in lines:
+        line = line.split("#", 1)[0].strip()
+        if line and not line.startswith("-"):
+            names.add(re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9_.-]+", line).group(0)).lower())
+    return names
+
+
+def _constraints() -> dict[str, str]:
+    pins = {}
+    for line in (REPO / "requirements" / "constraints.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            m = re.fullmatch(r"([A-Za-z0-9_.-]+)==([A-Za-z0-9_.+!-]+)", line)
+            assert m, f"requirements/constraints.txt: {line!r} is no exact pin (name==version)"
+            pins[re.sub(r"[-_.]+", "-", m.group(1)).lower()] = m.group(2)
+    return pins
+
+
+def test_constraints_pin_everything_and_are_what_the_tests_run_on():
+    """requirements/constraints.txt pins every package the project, the torch set and the tests
+    ask for, at the versions installed here (where the tests ran); requirements/*.txt pin each
+    name they list; torch is 2.13.0."""
+    import tomllib
+    from importlib import metadata
+
+    pins = _constraints()
+    assert pins["torch"] == "2.13.0"
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wanted = _requirement_names(project["dependencies"])
+    for extra in project["optional-dependencies"].values():
+        wanted |= _requirement_names(extra)
+    for path in sorted((REPO / "requirements").glob("*.txt")):
+        if path.name == "constraints.txt":
+            continue
+        lines = path.read_text().splitlines()
+        wanted |= _requirement_names(lines)
+        for line in lines:
+            line = line.split("#", 1)[0].strip()
+            assert not line or "==" in line, f"{path.name}: {line} is not pinned"
+    assert wanted <= set(pins), f"not in requirements/constraints.txt: {sorted(wanted - set(pins))}"
+    for name, version in pins.items():
+        try:
+            installed = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+        assert installed.split("+")[0] == version.split("+")[0], f"{name}: pinned {version}, installed {installed}"
+    setup = (REPO / "scripts" / "setup_env.sh").read_text()
+    assert 'PIP_CONSTRAINT="$ROOT/requirements/constraints.txt"' in setup
+
+
+def _dockerignored(patterns: list[str], path: str) -> bool:
+    """Whether docker leaves `path` out of the build context: the last pattern that matches the
+    path or a folder above it decides; `!` lets it in; `*` stays within a name, `**` does not."""
+    ignored = False
+    parts = path.split("/")
+    for pattern in patterns:
+        let_in = pattern.startswith("!")
+        regex = re.escape(pattern.lstrip("!")).replace(r"\*\*/", "(.*/)?").replace(r"\*", "[^/]*")
+        if any(re.fullmatch(regex, "/".join(parts[:i])) for i in range(1, len(parts) + 1)):
+            ignored = not let_in
+    return ignored
+
+
+def test_image_is_reproducible():
+    """The base image is pinned by digest, Debian's packages by version from one dated snapshot,
+    every pip install by requirements/constraints.txt; .dockerignore lets in what the
+    Dockerfile copies and nothing that is secret or local."""
+    text = (DEPLOY / "docker" / "Dockerfile").read_text()
+    instructions = re.sub(r"\\\n", " ", "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#")))
+    froms = re.findall(r"^FROM (\S+)", instructions, re.M)
+    assert froms and all(re.fullmatch(r"[\w./:-]+@sha256:[0-9a-f]{64}", f) for f in froms), froms
+    snapshot = re.search(r"ARG DEBIAN_SNAPSHOT=(\d{8}T\d{6}Z)", instructions)
+    assert snapshot and "snapshot.debian.org/archive/debian/${DEBIAN_SNAPSHOT}" in instructions
+    assert "deb.debian.org" not in instructions
+    for install in re.findall(r"apt-get install ([^&\n]+)", instructions):
+        packages = [w for w in install.split() if not w.startswith("-")]
+        assert packages and all(re.fullmatch(r"[a-z0-9.+-]+=[\w.:+~-]+", p) for p in packages), install
+    assert "ENV PIP_CONSTRAINT=/opt/dynemb/requirements/constraints.txt" in instructions
+    assert instructions.index("ENV PIP_CONSTRAINT") < instructions.index("pip install")
+    for pip in re.findall(r"pip install ([^&\n]+)", instructions):
+        named = [w for w in pip.split() if not w.startswith("-") and "/" not in w and w != "."]
+        assert all("==" in w or w in ("pip", "setuptools", "wheel") for w in named), pip
+    assert "torch==2.13.0+cpu" in instructions
+
+    patterns = [ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines() if ln.strip() and ln[0] != "#"]
+    copied = [src for line in re.findall(r"^COPY (.+)$", instructions, re.M) for src in line.split()[:-1]]
+    assert copied
+    for src in copied:
+        assert not _dockerignored(patterns, src.rstrip("/")), f"{src} is copied but left out of the context"
+    for kept in (
+        "dynemb/ps_server/server.py",
+        "requirements/constraints.txt",
+        "dynemb/ps_server/csrc/id_index_module.cpp",
+    ):
+        assert not _dockerignored(patterns, kept), kept
+    for left_out in (
+        ".venv/bin/python",
+        ".bin/redis-server",
+        ".git/HEAD",
+        "deploy/k8s/base/secrets/ps-token",
+        "deploy/k8s/components/ps-tls/secrets/tls.key",
+        "tests/test_deploy.py",
+        "dynemb/ps_server/__pycache__/server.cpython-311.pyc",
+    ):
+        assert _dockerignored(patterns, left_out), left_out
 
 
 # -- systemd -----------------------------------------------------------------------------

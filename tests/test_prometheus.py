@@ -33,6 +33,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.dist]
 # that differ, and 40 steps ran in well under a second
 STEPS, BATCH, TABLES, RANKS = 600, 64, 3, 2
 TOKEN = "prometheus-test-token"
+JOB = "promtest"  # the trainer's --job-name: its metrics' train_job label
+TABLE_NAMES = [f"dynemb_t_{t}" for t in range(TABLES)]  # the PS's table names, on both sides
 
 
 def free_port_pair() -> int:
@@ -177,7 +179,9 @@ def stack(tmp_path_factory, redis_binaries):
                 str(BATCH),
                 "--steps",
                 str(STEPS),
-                *"--eval-batches 1 --no-progress --metrics-port".split(),
+                *"--eval-batches 1 --no-progress --job-name".split(),
+                JOB,
+                "--metrics-port",
                 str(metrics_port),
                 "--metrics-linger-seconds",
                 "12",
@@ -234,18 +238,21 @@ def test_every_target_is_up(stack):
 
 def test_trainer_hit_and_eviction_counters_per_table_and_rank(stack):
     prom, _ = stack
-    keys = {(f"t_{t}", str(r)) for t in range(TABLES) for r in range(RANKS)}
+    keys = {(table, str(r), JOB) for table in TABLE_NAMES for r in range(RANKS)}
     for name in ("dynemb_trainer_hits_total", "dynemb_trainer_evictions_total", "dynemb_trainer_admissions_total"):
-        got = prom.values(f'{name}{{job="dynemb-trainer"}}', "table", "rank")
+        got = prom.values(f'{name}{{job="dynemb-trainer"}}', "table", "rank", "train_job")
         assert set(got) == keys, (name, got)
         assert all(v > 0 for v in got.values()), (name, got)
+    assert prom.values("dynemb_trainer_steps_total", "rank", "train_job") == {
+        (str(r), JOB): STEPS for r in range(RANKS)
+    }
     # every ID of every rank's batches is looked up once, by the rank that owns it
     lookups = prom.values('sum by (table) (dynemb_trainer_lookups_total{job="dynemb-trainer"})', "table")
-    assert lookups == {(f"t_{t}",): RANKS * BATCH * STEPS for t in range(TABLES)}  # evaluation counts none
+    assert lookups == {(table,): RANKS * BATCH * STEPS for table in TABLE_NAMES}  # evaluation counts none
     hits = prom.values("sum by (table) (dynemb_trainer_hits_total)", "table")
     misses = prom.values("sum by (table) (dynemb_trainer_misses_total)", "table")
     assert {k: hits[k] + misses[k] for k in hits} == lookups
-    latency = prom.values('dynemb_trainer_ps_request_seconds_count{op="pull"}', "table", "rank")
+    latency = prom.values('dynemb_trainer_ps_request_seconds_count{op="pull"}', "table", "rank", "train_job")
     assert set(latency) == keys and all(v > 0 for v in latency.values())
 
 
@@ -253,26 +260,27 @@ def test_ps_counts_the_rows_the_trainers_moved_per_table(stack):
     prom, _ = stack
     ps_pulled = prom.values('dynemb_ps_rows_total{job="dynemb-ps", method="Pull"}', "table")
     trainer_pulled = prom.values("sum by (table) (dynemb_trainer_rows_pulled_total)", "table")
-    assert ps_pulled == {(f"dynemb_t_{t}",): trainer_pulled[(f"t_{t}",)] for t in range(TABLES)}
+    assert set(ps_pulled) == {(table,) for table in TABLE_NAMES}
+    assert ps_pulled == trainer_pulled  # one table name on both sides
     pushed = prom.values('dynemb_ps_rows_total{job="dynemb-ps", method="Push"}', "table")
     evicted = prom.values("sum by (table) (dynemb_trainer_evictions_total)", "table")
-    for t in range(TABLES):  # evictions, then the final flush of every resident row
-        assert pushed[(f"dynemb_t_{t}",)] > evicted[(f"t_{t}",)] > 0
+    for table in TABLE_NAMES:  # evictions, then the final flush of every resident row
+        assert pushed[(table,)] > evicted[(table,)] > 0
     assert prom.values('up{job="dynemb-ps"}', "job") == {("dynemb-ps",): 1.0}
     assert prom.values("dynemb_ps_serving", "job") == {("dynemb-ps",): 1.0}
 
 
 def test_recording_rules_evaluate_on_real_data(stack):
     prom, _ = stack
-    hit = prom.values("table:dynemb_trainer_hit_ratio:rate5m", "table")
-    assert set(hit) == {(f"t_{t}",) for t in range(TABLES)} and all(0 < v < 1 for v in hit.values()), hit
-    per_rank = prom.values("table_rank:dynemb_trainer_hit_ratio:rate5m", "table", "rank")
-    assert len(per_rank) == TABLES * RANKS
-    evictions = prom.values("table:dynemb_trainer_evictions:rate5m", "table")
+    hit = prom.values("train_job_table:dynemb_trainer_hit_ratio:rate5m", "train_job", "table")
+    assert set(hit) == {(JOB, table) for table in TABLE_NAMES} and all(0 < v < 1 for v in hit.values()), hit
+    per_rank = prom.values("train_job_table_rank:dynemb_trainer_hit_ratio:rate5m", "train_job", "table", "rank")
+    assert len(per_rank) == TABLES * RANKS and {k[0] for k in per_rank} == {JOB}
+    evictions = prom.values("train_job_table:dynemb_trainer_evictions:rate5m", "train_job", "table")
     assert len(evictions) == TABLES and all(v > 0 for v in evictions.values())
     p99 = prom.values("method:dynemb_ps_request_seconds:p99_5m", "method")
     assert 0 < p99[("PullMany",)] < 30 and 0 < p99[("PushMany",)] < 30  # a trainer step: one call each
-    trainer_p99 = prom.values("op_table:dynemb_trainer_ps_request_seconds:p99_5m", "op", "table")
+    trainer_p99 = prom.values("train_job_op_table:dynemb_trainer_ps_request_seconds:p99_5m", "op", "table")
     assert {op for op, _ in trainer_p99} == {"pull", "push"}
 
 
@@ -296,7 +304,7 @@ def test_every_dashboard_query_runs_and_shows_data(stack):
     empty = []
     for title, expr in dashboard_exprs():
         promql = expr.replace("$__rate_interval", "1m")
-        for variable in ("$table", "$rank", "$ps"):
+        for variable in ("$train_job", "$table", "$rank", "$ps"):
             promql = promql.replace(variable, ".*")
         if not prom.query(promql):
             empty.append(title)

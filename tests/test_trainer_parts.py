@@ -173,15 +173,23 @@ def test_training_serves_metrics_per_rank():
         "dynemb_trainer_rows_pulled_total",
         "dynemb_trainer_table_occupancy_ratio",
     ):
-        assert f'{name}{{rank="0",table="t_0"}}' in text, name
-    lookups = float(text.split('dynemb_trainer_lookups_total{rank="0",table="t_0"} ')[1].split()[0])
+        assert f'{name}{{rank="0",table="dynemb_t_0",train_job="dynemb"}}' in text, name
+    lookups = float(
+        text.split('dynemb_trainer_lookups_total{rank="0",table="dynemb_t_0",train_job="dynemb"} ')[1].split()[0]
+    )
     assert lookups == 64 * 30  # every ID of the 30 training batches; evaluation looks up without counting
-    hits = float(text.split('dynemb_trainer_hits_total{rank="0",table="t_0"} ')[1].split()[0])
-    misses = float(text.split('dynemb_trainer_misses_total{rank="0",table="t_0"} ')[1].split()[0])
+    hits = float(text.split('dynemb_trainer_hits_total{rank="0",table="dynemb_t_0",train_job="dynemb"} ')[1].split()[0])
+    misses = float(
+        text.split('dynemb_trainer_misses_total{rank="0",table="dynemb_t_0",train_job="dynemb"} ')[1].split()[0]
+    )
     assert hits + misses == lookups and hits > 0 and misses > 0
-    assert 'dynemb_trainer_steps_total{rank="0"} 30.0' in text
+    assert 'dynemb_trainer_steps_total{rank="0",train_job="dynemb"} 30.0' in text
     # one pull per step that admitted IDs, timed per table and direction
-    pulls = float(text.split('dynemb_trainer_ps_request_seconds_count{op="pull",rank="0",table="t_0"} ')[1].split()[0])
+    pulls = float(
+        text.split(
+            'dynemb_trainer_ps_request_seconds_count{op="pull",rank="0",table="dynemb_t_0",train_job="dynemb"} '
+        )[1].split()[0]
+    )
     assert 1 <= pulls <= 31
 
 

@@ -13,9 +13,10 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parent / "dashboards" / "dynemb.json"
 
-# Template variables narrow every trainer panel to some tables and ranks, PS panels to some PS.
-T = 'table=~"$table", rank=~"$rank"'
-R = 'rank=~"$rank"'
+# Template variables narrow every trainer panel to some jobs, tables and ranks, PS panels to some
+# PS. Trainer and PS name a table alike (the PS table's name), so $table narrows PS rows too.
+T = 'train_job=~"$train_job", table=~"$table", rank=~"$rank"'
+R = 'train_job=~"$train_job", rank=~"$rank"'
 P = 'job="dynemb-ps", instance=~"$ps"'
 RATE = "$__rate_interval"
 
@@ -29,9 +30,9 @@ ROWS = [
                 "percentunit",
                 [
                     (
-                        f"sum by (table) (rate(dynemb_trainer_hits_total{{{T}}}[{RATE}])) / "
-                        f"sum by (table) (rate(dynemb_trainer_lookups_total{{{T}}}[{RATE}]))",
-                        "{{table}}",
+                        f"sum by (train_job, table) (rate(dynemb_trainer_hits_total{{{T}}}[{RATE}])) / "
+                        f"sum by (train_job, table) (rate(dynemb_trainer_lookups_total{{{T}}}[{RATE}]))",
+                        "{{train_job}} {{table}}",
                     )
                 ],
             ),
@@ -40,9 +41,9 @@ ROWS = [
                 "percentunit",
                 [
                     (
-                        f"sum by (rank) (rate(dynemb_trainer_hits_total{{{T}}}[{RATE}])) / "
-                        f"sum by (rank) (rate(dynemb_trainer_lookups_total{{{T}}}[{RATE}]))",
-                        "rank {{rank}}",
+                        f"sum by (train_job, rank) (rate(dynemb_trainer_hits_total{{{T}}}[{RATE}])) / "
+                        f"sum by (train_job, rank) (rate(dynemb_trainer_lookups_total{{{T}}}[{RATE}]))",
+                        "{{train_job}} rank {{rank}}",
                     )
                 ],
             ),
@@ -51,8 +52,8 @@ ROWS = [
                 "ops",
                 [
                     (
-                        f"sum by (table, rank) (rate(dynemb_trainer_evictions_total{{{T}}}[{RATE}]))",
-                        "{{table}} rank {{rank}}",
+                        f"sum by (train_job, table, rank) (rate(dynemb_trainer_evictions_total{{{T}}}[{RATE}]))",
+                        "{{train_job}} {{table}} rank {{rank}}",
                     )
                 ],
             ),
@@ -60,22 +61,31 @@ ROWS = [
                 "Admissions and rejections /s",
                 "ops",
                 [
-                    (f"sum by (table) (rate(dynemb_trainer_admissions_total{{{T}}}[{RATE}]))", "admitted {{table}}"),
                     (
-                        f"sum by (table) (rate(dynemb_trainer_rejections_total{{{T}}}[{RATE}]))",
-                        "below threshold {{table}}",
+                        f"sum by (train_job, table) (rate(dynemb_trainer_admissions_total{{{T}}}[{RATE}]))",
+                        "admitted {{train_job}} {{table}}",
+                    ),
+                    (
+                        f"sum by (train_job, table) (rate(dynemb_trainer_rejections_total{{{T}}}[{RATE}]))",
+                        "below threshold {{train_job}} {{table}}",
                     ),
                 ],
             ),
             (
                 "Table occupancy",
                 "percentunit",
-                [(f"dynemb_trainer_table_occupancy_ratio{{{T}}}", "{{table}} rank {{rank}}")],
+                [(f"dynemb_trainer_table_occupancy_ratio{{{T}}}", "{{train_job}} {{table}} rank {{rank}}")],
             ),
             (
                 "Eviction share of lookups (5m)",
                 "percentunit",
-                [('table:dynemb_trainer_eviction_ratio:rate5m{table=~"$table"}', "{{table}}")],
+                [
+                    (
+                        "train_job_table:dynemb_trainer_eviction_ratio:rate5m"
+                        '{train_job=~"$train_job", table=~"$table"}',
+                        "{{train_job}} {{table}}",
+                    )
+                ],
             ),
         ],
     ),
@@ -86,8 +96,14 @@ ROWS = [
                 "Rows pulled and pushed /s",
                 "ops",
                 [
-                    (f"sum by (table) (rate(dynemb_trainer_rows_pulled_total{{{T}}}[{RATE}]))", "pull {{table}}"),
-                    (f"sum by (table) (rate(dynemb_trainer_rows_pushed_total{{{T}}}[{RATE}]))", "push {{table}}"),
+                    (
+                        f"sum by (train_job, table) (rate(dynemb_trainer_rows_pulled_total{{{T}}}[{RATE}]))",
+                        "pull {{train_job}} {{table}}",
+                    ),
+                    (
+                        f"sum by (train_job, table) (rate(dynemb_trainer_rows_pushed_total{{{T}}}[{RATE}]))",
+                        "push {{train_job}} {{table}}",
+                    ),
                 ],
             ),
             (
@@ -95,14 +111,14 @@ ROWS = [
                 "s",
                 [
                     (
-                        "histogram_quantile(0.5, sum by (op, le) "
+                        "histogram_quantile(0.5, sum by (train_job, op, le) "
                         f"(rate(dynemb_trainer_ps_request_seconds_bucket{{{T}}}[{RATE}])))",
-                        "{{op}} p50",
+                        "{{train_job}} {{op}} p50",
                     ),
                     (
-                        "histogram_quantile(0.99, sum by (op, le) "
+                        "histogram_quantile(0.99, sum by (train_job, op, le) "
                         f"(rate(dynemb_trainer_ps_request_seconds_bucket{{{T}}}[{RATE}])))",
-                        "{{op}} p99",
+                        "{{train_job}} {{op}} p99",
                     ),
                 ],
             ),
@@ -115,15 +131,26 @@ ROWS = [
                 "Samples /s",
                 "ops",
                 [
-                    (f"sum by (rank) (rate(dynemb_trainer_samples_total{{{R}}}[{RATE}]))", "rank {{rank}}"),
-                    (f"sum (rate(dynemb_trainer_samples_total{{{R}}}[{RATE}]))", "all ranks"),
+                    (
+                        f"sum by (train_job, rank) (rate(dynemb_trainer_samples_total{{{R}}}[{RATE}]))",
+                        "{{train_job}} rank {{rank}}",
+                    ),
+                    (
+                        f"sum by (train_job) (rate(dynemb_trainer_samples_total{{{R}}}[{RATE}]))",
+                        "{{train_job}} all ranks",
+                    ),
                 ],
             ),
-            ("Loss", "none", [(f"dynemb_trainer_loss{{{R}}}", "rank {{rank}}")]),
+            ("Loss", "none", [(f"dynemb_trainer_loss{{{R}}}", "{{train_job}} rank {{rank}}")]),
             (
                 "Steps /s",
                 "ops",
-                [(f"sum by (rank) (rate(dynemb_trainer_steps_total{{{R}}}[{RATE}]))", "rank {{rank}}")],
+                [
+                    (
+                        f"sum by (train_job, rank) (rate(dynemb_trainer_steps_total{{{R}}}[{RATE}]))",
+                        "{{train_job}} rank {{rank}}",
+                    )
+                ],
             ),
         ],
     ),
@@ -138,7 +165,12 @@ ROWS = [
             (
                 "PS rows /s by table",
                 "ops",
-                [(f"sum by (method, table) (rate(dynemb_ps_rows_total{{{P}}}[{RATE}]))", "{{method}} {{table}}")],
+                [
+                    (
+                        f'sum by (method, table) (rate(dynemb_ps_rows_total{{{P}, table=~"$table"}}[{RATE}]))',
+                        "{{method}} {{table}}",
+                    )
+                ],
             ),
             (
                 "PS latency p99 by method",
@@ -263,9 +295,13 @@ def build() -> dict:
                     "current": {},
                     "hide": 0,
                 },
-                variable("table", "table", "label_values(dynemb_trainer_lookups_total, table)"),
-                variable("rank", "rank", 'label_values(dynemb_trainer_lookups_total{table=~"$table"}, rank)'),
-                variable("ps", "PS", 'label_values(dynemb_ps_requests_total{job="dynemb-ps"}, instance)'),
+                variable("train_job", "job", "label_values(dynemb_trainer_steps_total, train_job)"),
+                variable(
+                    "table", "table", 'label_values(dynemb_trainer_lookups_total{train_job=~"$train_job"}, table)'
+                ),
+                variable("rank", "rank", 'label_values(dynemb_trainer_steps_total{train_job=~"$train_job"}, rank)'),
+                # every scraped PS, an idle one (no request yet: no dynemb_ps_requests_total) or a down one too
+                variable("ps", "PS", 'label_values(up{job="dynemb-ps"}, instance)'),
             ]
         },
         "annotations": {"list": []},

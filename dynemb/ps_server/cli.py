@@ -243,6 +243,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = client_parser("stats")
     p.set_defaults(func=cmd_stats)
     p = client_parser("health")
+    p.add_argument(
+        "--service",
+        default="",
+        help="health service to ask about: '' (the PS can serve; NOT_SERVING while its store is away or it "
+        "drains: a readiness check) or 'liveness' (the process is alive: a liveness check) [default '']",
+    )
     p.set_defaults(func=cmd_health)
 
 
@@ -449,7 +455,7 @@ def cmd_stats(args) -> int:
 def cmd_health(args) -> int:
     """`dynemb ps health`: print each PS's health; 1 unless all are SERVING."""
     with client_from_args(args) as ps:
-        status = ps.health(timeout=args.timeout)
+        status = ps.health(timeout=args.timeout, service=args.service)
         for address, s in zip(ps.addresses, status):
             print(f"{address}: {s}")
     return 0 if all(s == "SERVING" for s in status) else 1

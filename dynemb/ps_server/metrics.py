@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
+from dynemb.protos import ps_pb2
+
 # Latencies from 100 us (a small pull on the embedded store) to 30 s (a big import).
 LATENCY_BUCKETS = (
     0.0001,
@@ -28,6 +30,17 @@ LATENCY_BUCKETS = (
     30.0,
 )
 
+# The status codes that are failures of the PS, not of the caller (the alert DynembPSErrors and
+# its recorded ratio select these, deploy/prometheus/rules): INTERNAL (a bug or an unexpected
+# store failure), UNAVAILABLE (the store is away), DEADLINE_EXCEEDED (the PS took longer than the
+# caller would wait), RESOURCE_EXHAUSTED (above all Redis at its maxmemory, refusing writes; also a
+# request over the PS's message or shared-memory limits, a deployment's mismatch, not a typo).
+# Left out, as the caller's doing: INVALID_ARGUMENT, NOT_FOUND (describe_table on a table that
+# does not exist), ALREADY_EXISTS, FAILED_PRECONDITION (a segment the PS cannot use: the client
+# sends bytes instead), UNAUTHENTICATED, CANCELLED.
+SERVER_ERROR_CODES = ("INTERNAL", "UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED")
+METHODS = tuple(m.name for m in ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].methods)
+
 
 class PSMetrics:
     """Every metric of one PS (listed in docs/metrics.md).
@@ -48,6 +61,12 @@ class PSMetrics:
         self.errors = Counter(
             "dynemb_ps_errors", "RPCs that ended in an error, by method and status code", ["method", "code"], registry=r
         )
+        # every server-side failure a method can end in, at 0 from the start: a series that first
+        # appears at 5 has no earlier sample to rate() or increase() against, so the first burst
+        # of errors would go unseen by the alerts
+        for method in METHODS:
+            for code in SERVER_ERROR_CODES:
+                self.errors.labels(method, code)
         self.rows = Counter(
             "dynemb_ps_rows",
             "Rows pulled, pushed, deleted, exported or imported, by method and table",

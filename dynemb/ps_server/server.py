@@ -38,6 +38,10 @@ from dynemb.ps_server.shm import SegmentTable
 log = logging.getLogger("dynemb.ps")
 
 SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+# A health service name that says only "this process is alive": SERVING from start to exit, the
+# store's state and draining aside. A liveness probe checks it; readiness checks "" (which
+# follows the store), so an outage of Redis makes PS pods unready, not restarted.
+LIVENESS_SERVICE = "liveness"
 
 
 @dataclass
@@ -120,6 +124,7 @@ class PSServer:
         self._stopped = threading.Event()  # set once draining: health stays NOT_SERVING
         self._drained: int | None = None  # drain()'s result, once drained
         self._closed = False
+        self._health_lock = threading.Lock()  # the store watch's updates against the drain's
         interceptors = (
             [TokenAuthInterceptor(config.auth_token, open_health=not config.auth_health, on_deny=self._count_refusal)]
             if config.auth_token
@@ -187,6 +192,7 @@ class PSServer:
         self._grpc.start()
         self.metrics.info.labels(self.store.kind, __version__).set(1)
         self.metrics.serving.set(1)
+        self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         # Start even when the store is away: NOT_SERVING (and UNAVAILABLE per request) until it is back.
         self.backend_watch.check()
         self.backend_watch.start()
@@ -216,7 +222,9 @@ class PSServer:
         grace = self.config.drain_seconds if grace is None else grace
         deadline = time.monotonic() + grace
         self.metrics.serving.set(0)
-        self.health.enter_graceful_shutdown()  # every service → NOT_SERVING
+        with self._health_lock:  # the served services NOT_SERVING; LIVENESS_SERVICE stays SERVING
+            for service in ("", SERVICE_NAME):
+                self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         log.info("draining: NOT_SERVING, up to %.1fs for in-flight requests", grace)
         if self.config.not_serving_seconds > 0:
             time.sleep(min(self.config.not_serving_seconds, grace))
@@ -260,9 +268,10 @@ class PSServer:
     def _backend_changed(self, up: bool) -> None:
         self.metrics.backend_up.set(1 if up else 0)
         status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
-        if not self._stopped.is_set():  # a draining PS stays NOT_SERVING
-            self.health.set("", status)
-            self.health.set(SERVICE_NAME, status)
+        with self._health_lock:
+            if not self._stopped.is_set():  # a draining PS stays NOT_SERVING
+                self.health.set("", status)
+                self.health.set(SERVICE_NAME, status)
 
     def wait(self) -> None:
         """Block until the server has stopped."""

@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 SYNTHETIC_UNIVERSE = 100_000  # synthetic data's distinct IDs per feature, unless --universe
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+JOB_NAME = re.compile(r"([A-Za-z0-9][A-Za-z0-9._:-]{0,127})?")  # a label value that reads well in a query
 
 
 def optimizer_state_width(optimizer: str, dim: int) -> int:
@@ -89,6 +91,7 @@ class TrainConfig:
     metrics_port: int = 0  # each rank serves /metrics on metrics_port + its local rank; 0: off
     metrics_address: str = "127.0.0.1"  # 0.0.0.0 where Prometheus scrapes from another host or pod
     metrics_linger_seconds: float = 0.0  # keep /metrics up this long after the job, for a last scrape
+    job_name: str = ""  # the metrics' train_job label; "": ps_table_prefix without its trailing "_"
     seed: int = 0
     checkpoint_dir: str = ""  # where checkpoints go (step-NNNNNNNN/ folders); "" = none
     checkpoint_every: int = 0  # steps between checkpoints (0: only with --checkpoint-at-end)
@@ -129,6 +132,11 @@ class TrainConfig:
             raise ValueError("checkpoint_every must be >= 0, checkpoint_full_every and checkpoint_keep >= 1")
         if self.ps_timeout_seconds <= 0 or self.ps_attempt_seconds <= 0:
             raise ValueError("ps_timeout_seconds and ps_attempt_seconds must be > 0")
+        if not JOB_NAME.fullmatch(self.job_name):
+            raise ValueError(
+                f"job_name {self.job_name!r} must be 1 to 128 letters, digits and . _ : - (starting with a letter "
+                "or digit), or empty for the PS table prefix"
+            )
         if not 0 <= self.metrics_port < 65536 or self.metrics_linger_seconds < 0:
             raise ValueError(
                 f"metrics_port must be in [0, 65535] (got {self.metrics_port}) and "
@@ -144,6 +152,11 @@ class TrainConfig:
             bad = set(over) - per_table
             if bad:
                 raise ValueError(f"tables.{name}: {sorted(bad)} cannot be set per table (only {sorted(per_table)})")
+
+    def metrics_job(self) -> str:
+        """The `train_job` label of this job's metrics: job_name, else the PS table prefix without
+        its trailing "_" (what already tells jobs that share a PS apart; "dynemb" by default)."""
+        return self.job_name or self.ps_table_prefix.rstrip("_") or "dynemb"
 
     def table_config(self, name: str) -> TableConfig:
         """The settings of one table: `table` with that table's entries in `tables` over it."""
@@ -212,6 +225,8 @@ HELP = {
     "(its rank within the machine or pod, env LOCAL_RANK; 0: off)",
     "metrics_address": "address of the ranks' /metrics endpoints (0.0.0.0: reachable from other hosts and pods)",
     "metrics_linger_seconds": "keep /metrics up this long after training, so Prometheus scrapes the final counts",
+    "job_name": "this job's name in its metrics (label train_job), so the jobs that one Prometheus watches stay "
+    "apart; empty: --ps-table-prefix without its trailing _ (dynemb)",
     "seed": "seed of the model and the tables' initializers",
     "checkpoint_dir": "folder for checkpoints (one step-NNNNNNNN/ folder each; shared by all ranks)",
     "checkpoint_every": "steps between checkpoints (0: none during training)",

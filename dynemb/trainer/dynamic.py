@@ -216,8 +216,9 @@ class DynamicTables:
         self.ps_names = [self.specs[n].ps_schema.name for n in self.names]
         self.row_group = RowGroup([self.rows[n] for n in self.names])  # one gather/scatter for all, where it can
         self.in_flight: deque[Sequence[ShardedTransformResult]] = deque()
-        # where the metrics keep these tables (rows of TableStats' arrays, in the order of names)
-        self._stat_rows = None if metrics is None else metrics.tables.add_tables(self.names)
+        # where the metrics keep these tables (rows of TableStats' arrays, in the order of names),
+        # under their PS names: the table label the PS's own metrics give them
+        self._stat_rows = None if metrics is None else metrics.tables.add_tables(self.ps_names)
         self._capacity = np.array([self.transformers[n].capacity_per_rank for n in self.names], dtype=np.float64)
         self.last_hit_rate = 0.0
         # this rank's owned IDs looked up and found resident, per table, over the run

@@ -1,7 +1,8 @@
 """Prometheus metrics of one trainer rank, on a registry of its own; served on /metrics at
 metrics_port + local rank when the port is set (so every machine's, or pod's, ranks use the
-same ports). Per-table metrics carry `table` and `rank` (the global rank) labels; the rest `rank`.
-Every metric is listed in docs/metrics.md."""
+same ports). Every metric carries `rank` (the global rank) and `train_job` (the job's name, so
+several jobs can share one Prometheus); per-table ones `table` too, the PS table's name (as the
+PS's own metrics name it). Every metric is listed in docs/metrics.md."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ TABLE_COUNTERS = (
     ("rows_pushed", "Rows pushed to the PS"),
 )
 OPS = ("pull", "push")  # the `op` label of dynemb_trainer_ps_request_seconds
+# on every metric of a rank; `train_job`, not `job`: Prometheus sets `job` to the scrape job
+RANK_LABELS = ("rank", "train_job")
 
 
 class TableStats:
@@ -35,8 +38,9 @@ class TableStats:
     per table and step, each behind a lock of its own (26 tables: ~0.3 ms of a ~25 ms step on
     the transform thread, which shares the cores with training)."""
 
-    def __init__(self, rank: str, registry: CollectorRegistry, buckets=LATENCY_BUCKETS) -> None:
+    def __init__(self, rank: str, registry: CollectorRegistry, buckets=LATENCY_BUCKETS, job: str = "dynemb") -> None:
         self.rank = rank
+        self.job = job
         self.names: list[str] = []
         self._index: dict[str, int] = {}
         self.bounds = np.asarray(buckets, dtype=np.float64)  # upper bounds; +Inf after them
@@ -84,62 +88,70 @@ class TableStats:
             names = list(self.names)
             counts, occupancy = self.counts.copy(), self.occupancy.copy()
             latency, sums = np.cumsum(self.latency_counts, axis=2), self.latency_sums.copy()
-        labels = ["table", "rank"]
+        labels = ["table", *RANK_LABELS]
         for j, (name, help_text) in enumerate(TABLE_COUNTERS):
             family = CounterMetricFamily(f"dynemb_trainer_{name}", help_text, labels=labels)
             for t, table in enumerate(names):
-                family.add_metric([table, self.rank], float(counts[t, j]))
+                family.add_metric([table, self.rank, self.job], float(counts[t, j]))
             yield family
         family = GaugeMetricFamily(
             "dynemb_trainer_table_occupancy_ratio", "Resident share of this rank's rows", labels=labels
         )
         for t, table in enumerate(names):
-            family.add_metric([table, self.rank], float(occupancy[t]))
+            family.add_metric([table, self.rank, self.job], float(occupancy[t]))
         yield family
         family = HistogramMetricFamily(
             "dynemb_trainer_ps_request_seconds",
             "PS pull or push time as the trainer sees it, from the call to its reply",
-            labels=["op", "table", "rank"],
+            labels=["op", *labels],
         )
         les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
         for k, op in enumerate(OPS):
             for t, table in enumerate(names):
                 family.add_metric(
-                    [op, table, self.rank], list(zip(les, latency[k, t].astype(float))), float(sums[k, t])
+                    [op, table, self.rank, self.job], list(zip(les, latency[k, t].astype(float))), float(sums[k, t])
                 )
         yield family
 
     def label_names(self) -> dict[str, list[str]]:
         """{family name as documented (counters with _total): its label names} (tests/deploy_files.py)."""
-        out = {f"dynemb_trainer_{name}_total": ["table", "rank"] for name, _ in TABLE_COUNTERS}
-        out["dynemb_trainer_table_occupancy_ratio"] = ["table", "rank"]
-        out["dynemb_trainer_ps_request_seconds"] = ["op", "table", "rank"]
+        labels = ["table", *RANK_LABELS]
+        out = {f"dynemb_trainer_{name}_total": labels for name, _ in TABLE_COUNTERS}
+        out["dynemb_trainer_table_occupancy_ratio"] = labels
+        out["dynemb_trainer_ps_request_seconds"] = ["op", *labels]
         return out
 
 
 class TrainerMetrics:
-    """Every metric of one trainer rank (listed in docs/metrics.md).
+    """Every metric of one trainer rank (listed in docs/metrics.md). The per-rank ones are the
+    children of this rank's labels, made here: they are exposed (at 0) from the start, so an
+    alert sees a rank that never makes its first step.
 
     Args:
         rank: the global rank, the `rank` label.
         registry: the registry to put them on; None makes a new one.
+        job: the job's name, the `train_job` label (TrainConfig.metrics_job()).
     """
 
-    def __init__(self, rank: int, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, rank: int, registry: CollectorRegistry | None = None, job: str = "dynemb") -> None:
         self.rank = str(rank)
+        self.job = job
         self.registry = r = registry or CollectorRegistry()
-        self.tables = TableStats(self.rank, r)
-        self.samples = Counter("dynemb_trainer_samples", "Training samples processed", ["rank"], registry=r)
+        self.tables = TableStats(self.rank, r, job=job)
+        mine = (self.rank, job)
+        self.samples = Counter("dynemb_trainer_samples", "Training samples processed", RANK_LABELS, registry=r).labels(
+            *mine
+        )
         self.samples_per_second = Gauge(
             "dynemb_trainer_samples_per_second",
             "This rank's mean training throughput since the job started",
-            ["rank"],
+            RANK_LABELS,
             registry=r,
-        )
+        ).labels(*mine)
         self.loss = Gauge(
-            "dynemb_trainer_loss", "Recent training loss (mean over the last steps)", ["rank"], registry=r
-        )
-        self.steps = Counter("dynemb_trainer_steps", "Training steps done", ["rank"], registry=r)
+            "dynemb_trainer_loss", "Recent training loss (mean over the last steps)", RANK_LABELS, registry=r
+        ).labels(*mine)
+        self.steps = Counter("dynemb_trainer_steps", "Training steps done", RANK_LABELS, registry=r).labels(*mine)
 
     def serve(self, port: int, address: str = "127.0.0.1"):
         """Serve /metrics; returns the HTTP server (its `shutdown()` stops it)."""

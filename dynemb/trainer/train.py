@@ -180,7 +180,7 @@ def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
 
         print(describe(cfg), file=sys.stderr, flush=True)
     store = open_row_store(cfg)
-    metrics = TrainerMetrics(rank)
+    metrics = TrainerMetrics(rank, job=cfg.metrics_job())
     if cfg.metrics_port:  # + local rank: every machine's (or pod's) ranks serve on the same ports
         metrics.serve(cfg.metrics_port + int(os.environ.get("LOCAL_RANK", "0")), cfg.metrics_address)
     try:
@@ -298,13 +298,13 @@ def _loop(
                 dynamic.release_oldest()
             result.losses.append(float(loss.detach()))
             window.append(result.losses[-1])
-            metrics.steps.labels(metrics.rank).inc()
-            metrics.samples.labels(metrics.rank).inc(cfg.batch_size)
+            metrics.steps.inc()
+            metrics.samples.inc(cfg.batch_size)
             if (k + 1) % cfg.log_every == 0 or k + 1 == total:
                 elapsed = time.perf_counter() - start
                 rate = len(result.losses) * cfg.batch_size * dist.get_world_size() / elapsed
-                metrics.samples_per_second.labels(metrics.rank).set(rate / dist.get_world_size())
-                metrics.loss.labels(metrics.rank).set(float(np.mean(window)))
+                metrics.samples_per_second.set(rate / dist.get_world_size())
+                metrics.loss.set(float(np.mean(window)))
                 post = {"loss": f"{np.mean(window):.4f}", "samples/s": f"{rate:,.0f}"}
                 if dynamic is not None:
                     post["hit"] = f"{dynamic.last_hit_rate:.3f}"

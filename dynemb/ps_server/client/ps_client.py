@@ -300,9 +300,15 @@ class PSClient:
         """Each PS's StatsResponse, in address order."""
         return self._transport.to_every_shard("Stats", ps_pb2.StatsRequest(), self._deadline(timeout))
 
-    def health(self, timeout: float = 5.0) -> list[str]:
-        """Each PS's health status name (SERVING, NOT_SERVING...) or the error reaching it."""
-        return self._transport.health(timeout)
+    def health(self, timeout: float = 5.0, service: str = "") -> list[str]:
+        """Each PS's health status name (SERVING, NOT_SERVING...) or the error reaching it.
+
+        Args:
+            timeout: seconds to wait for each PS.
+            service: the health service asked about: "" (the PS can serve: follows its store),
+                "liveness" (the process is alive).
+        """
+        return self._transport.health(timeout, service)
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Block until every PS answers health checks with SERVING.

@@ -271,14 +271,14 @@ class Transport:
         except grpc.RpcError as err:
             raise self.error(err, shard) from None
 
-    def health(self, timeout: float) -> list[str]:
-        """Each PS's health status name (SERVING, NOT_SERVING...), or the error reaching it."""
+    def health(self, timeout: float, service: str = "") -> list[str]:
+        """Each PS's health status name (SERVING, NOT_SERVING...) for `service`, or the error reaching it."""
         out = []
         for address, channel in zip(self.addresses, self.channels):
             try:
                 # with the token: a PS run with --auth-health wants it on health checks too
                 reply = health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(), timeout=timeout, metadata=self.metadata
+                    health_pb2.HealthCheckRequest(service=service), timeout=timeout, metadata=self.metadata
                 )
                 out.append(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
             except grpc.RpcError as err:
