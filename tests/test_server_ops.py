@@ -182,6 +182,60 @@ def test_metrics(make_ps):
     assert 10 << 20 < m["process_resident_memory_bytes"] < 4 << 30 and m["process_cpu_seconds_total"] > 0
 
 
+def table_labels(text: str) -> set[str]:
+    """The `table` label values on /metrics."""
+    import re
+
+    return set(re.findall(r'^dynemb_ps_[a-z_]+\{[^}]*table="([^"]*)"', text, re.M))
+
+
+def test_dropped_tables_leave_metrics_and_labels_are_bounded(make_ps):
+    """A dropped table's label values go; past --max-table-labels tables, rows count under (other)."""
+    proc = make_ps("--max-table-labels", "3")
+    with PSClient(proc.address) as ps:
+        for i in range(30):  # create, pull, push, drop: /metrics must not grow with the cycles
+            ps.create_table(f"c{i}", dim=2)
+            ps.pull(f"c{i}", np.arange(5))
+            ps.push(f"c{i}", np.arange(5), np.ones((5, 2), np.float32))
+            ps.drop_table(f"c{i}")
+            if i == 0:
+                size_after_one = len(proc.metrics_text())
+        text = proc.metrics_text()
+        assert not table_labels(text), table_labels(text)
+        assert len(text) < size_after_one + 2000  # a few more latency samples, no per-table series
+        for i in range(5):
+            ps.create_table(f"k{i}", dim=2)
+            ps.pull(f"k{i}", np.arange(10 + i))
+        m = scrape(proc)
+        assert table_labels(proc.metrics_text()) == {"k0", "k1", "k2", "(other)"}
+        assert m['dynemb_ps_rows_total{method="Pull",table="(other)"}'] == 13 + 14
+        assert m['dynemb_ps_missing_rows_total{table="(other)"}'] == 13 + 14
+        ps.drop_table("k1")  # frees a place: the next new table gets its own label
+        ps.create_table("k5", dim=2)
+        ps.pull("k5", np.arange(3))
+        assert table_labels(proc.metrics_text()) == {"k0", "k2", "k5", "(other)"}
+        # Stats still counts every row pulled, dropped tables' included
+        pulled = {s.method: s.rows for s in ps.stats()[0].methods}["Pull"]
+        assert pulled == 30 * 5 + sum(10 + i for i in range(5)) + 3
+
+
+@pytest.mark.slow
+def test_tables_dropped_through_another_ps_leave_its_metrics(redis_url, redis_namespace, make_ps):
+    flags = ("--backend", redis_url, "--namespace", redis_namespace)
+    a, b = make_ps(*flags), make_ps(*flags)
+    with PSClient(a.address) as on_a, PSClient(b.address) as on_b:
+        for name in ("x", "y"):
+            on_a.create_table(name, dim=2)
+            on_a.pull(name, np.arange(4))
+            on_b.drop_table(name)
+        assert table_labels(a.metrics_text()) == {"x", "y"}
+        with pytest.raises(TableNotFound):
+            on_a.pull("x", np.arange(4))  # noticed on the next use
+        assert table_labels(a.metrics_text()) == {"y"}
+        on_a.list_tables()  # or by the next listing
+        assert table_labels(a.metrics_text()) == set()
+
+
 @pytest.mark.slow
 def test_retries_land_a_push_exactly_once(redis_url, redis_namespace, make_ps):
     port = free_port()

@@ -248,14 +248,17 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 
     def _schema(self, table: str, tally: _Tally | None = None) -> TableSchema:
         check_name(table)
-        if tally is None:
-            with self._backend("schema"):
-                return self.store.schema(table)
         start = time.perf_counter()
         try:
             return self.store.schema(table)
+        except TableNotFound:
+            self.metrics.forget_table(table)  # dropped, maybe through another PS on the same Redis
+            raise
         finally:
-            tally.store_time("schema", start)
+            if tally is None:
+                self.metrics.child(self.metrics.backend_latency, "schema").observe(time.perf_counter() - start)
+            else:
+                tally.store_time("schema", start)
 
     def _info(self, schema: TableSchema) -> ps_pb2.TableInfo:
         with self._backend("num_rows"):
@@ -264,7 +267,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 
     def _count(self, method: str, table: str, rows: int, nbytes_in: int, nbytes_out: int) -> None:
         m = self.metrics
-        m.child(m.rows, method, table).inc(rows)
+        m.child(m.rows, method, m.table_label(table)).inc(rows)
         if nbytes_in:
             m.child(m.bytes, method, "in").inc(nbytes_in)
         if nbytes_out:
@@ -292,9 +295,17 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     def ListTables(self, request, context):
         """Every table's schema and row count."""
         with self._call("ListTables", context):
-            with self._backend("list_tables"):
-                schemas = self.store.list_tables()
-            return ps_pb2.ListTablesResponse(tables=[self._info(s) for s in schemas])
+            return ps_pb2.ListTablesResponse(tables=self._all_tables(context))
+
+    def _all_tables(self, context: grpc.ServicerContext) -> list[ps_pb2.TableInfo]:
+        """Every table with its row count, within the call's deadline (DeadlineExceeded past it);
+        label values of tables no longer there (dropped through another PS) are removed."""
+        time_left = context.time_remaining if context.time_remaining() is not None else None
+        with self._backend("list_tables"):
+            tables = self.store.list_tables_with_rows(time_left)
+        for gone in self.metrics.labelled_tables() - {s.name for s, _ in tables}:
+            self.metrics.forget_table(gone)
+        return [ps_pb2.TableInfo(spec=s.to_proto(), num_rows=n) for s, n in tables]
 
     def DropTable(self, request, context):
         """Drop a table and its rows (TableNotFound unless missing_ok)."""
@@ -302,6 +313,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             check_name(request.table)
             with self._backend("drop_table"):
                 dropped = self.store.drop_table(request.table)
+            self.metrics.forget_table(request.table)
             if dropped is None:
                 if request.missing_ok:
                     return ps_pb2.DropTableResponse(dropped=False)
@@ -393,13 +405,14 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         tally.store_time("pull", start)
         num_missing = len(positions)
         m = self.metrics
-        m.child(m.rows, "Pull", schema.name).inc(len(ids))
+        label = m.table_label(schema.name)
+        m.child(m.rows, "Pull", label).inc(len(ids))
         tally.bytes_in += nbytes_in
         tally.bytes_out += out.nbytes
         if not num_missing:
             return b"", 0
         fill_initial_rows(schema, ids[positions], out, positions)
-        m.child(m.missing_rows, schema.name).inc(num_missing)
+        m.child(m.missing_rows, label).inc(num_missing)
         missing = np.zeros(len(ids), dtype=bool)
         missing[positions] = True
         return codec.encode_mask(missing), num_missing
@@ -438,7 +451,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         start = time.perf_counter()
         written = self.store.push(schema.name, ids, rows)
         tally.store_time("push", start)
-        self.metrics.child(self.metrics.rows, "Push", schema.name).inc(written)
+        m = self.metrics
+        m.child(m.rows, "Push", m.table_label(schema.name)).inc(written)
         tally.bytes_in += ids.nbytes + rows.nbytes
         return written
 
@@ -530,8 +544,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     def Stats(self, request, context):
         """Backend, version, uptime, every table, and per-method request counts."""
         with self._call("Stats", context):
-            with self._backend("list_tables"):
-                schemas = self.store.list_tables()
+            tables = self._all_tables(context)
             methods = []
             for metric in self.metrics.requests.collect():
                 per: dict[str, list[int]] = {}
@@ -542,7 +555,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                     entry[0] += int(s.value)
                     if s.labels["code"] != "OK":
                         entry[1] += int(s.value)
-            rows: dict[str, int] = {}  # per method, over all tables
+            rows = {k: int(v) for k, v in self.metrics.retired_rows.items()}  # per method, over all tables
             for metric in self.metrics.rows.collect():
                 for s in metric.samples:
                     if s.name.endswith("_total"):
@@ -555,6 +568,6 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 backend=self.store.kind,
                 version=__version__,
                 uptime_seconds=time.time() - self.started,
-                tables=[self._info(s) for s in schemas],
+                tables=tables,
                 methods=methods,
             )
