@@ -260,6 +260,22 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             else:
                 tally.store_time("schema", start)
 
+    def _schemas(self, tables: list[str], tally: _Tally) -> dict[str, TableSchema]:
+        """The schema of each table a PullMany / PushMany names, in one store call (its entries
+        may name one table many times); TableNotFound for the first that does not exist."""
+        names = list(dict.fromkeys(tables))
+        for name in names:
+            check_name(name)
+        start = time.perf_counter()
+        try:
+            found = self.store.schemas(names)
+        finally:
+            tally.store_time("schema", start)
+        for name in names:
+            if name not in found:
+                found[name] = self._schema(name, tally)  # the store's own TableNotFound (or created since)
+        return found
+
     def _info(self, schema: TableSchema) -> ps_pb2.TableInfo:
         with self._backend("num_rows"):
             n = self.store.num_rows(schema.name)
@@ -343,13 +359,17 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         """Pull from several tables; every entry is checked before any is read."""
         with self._call("PullMany", context), self._tallied("Pull") as tally:
             # every entry checked before any is read
-            plans = [self._pull_plan(p, tally) for p in request.pulls]
+            known = self._schemas([p.table for p in request.pulls], tally)
+            plans = [self._pull_plan(p, tally, known) for p in request.pulls]
             self._check_reply_size("pull of several tables", plans)
             return build_pull_many_response([self._reply_plan(*plan, tally) for plan in plans])
 
-    def _pull_plan(self, request, tally: _Tally) -> tuple[TableSchema, np.ndarray, int, np.ndarray | None]:
-        """(schema, ids, request bytes, where the rows go: a segment's rows or None for the reply)."""
-        schema = self._schema(request.table, tally)
+    def _pull_plan(
+        self, request, tally: _Tally, known: dict[str, TableSchema] | None = None
+    ) -> tuple[TableSchema, np.ndarray, int, np.ndarray | None]:
+        """(schema, ids, request bytes, where the rows go: a segment's rows or None for the reply).
+        known: schemas already looked up for this call, by table."""
+        schema = known[request.table] if known is not None else self._schema(request.table, tally)
         ids = codec.decode_ids(request.ids, schema.name)
         into = None
         if request.HasField("rows_to"):
@@ -400,6 +420,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         self, schema: TableSchema, ids: np.ndarray, nbytes_in: int, out: np.ndarray, tally: _Tally
     ) -> tuple[bytes, int]:
         """Rows of ids into out, the missing ones initialised; (missing bitmap, how many missing)."""
+        if not len(ids):  # an entry with no ids costs no store call
+            return b"", 0
         start = time.perf_counter()
         positions = self.store.pull_into(schema.name, ids, out)
         tally.store_time("pull", start)
@@ -428,15 +450,18 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         """Push to several tables; every entry is checked before any is written."""
         with self._call("PushMany", context), self._tallied("Push") as tally:
             # every entry checked before any is written: a bad one writes nothing
-            plans = [self._push_plan(p, tally) for p in request.pushes]
+            known = self._schemas([p.table for p in request.pushes], tally)
+            plans = [self._push_plan(p, tally, known) for p in request.pushes]
             self._still_wanted(context, "push")
             return ps_pb2.PushManyResponse(
                 pushes=[ps_pb2.PushResponse(rows_written=self._push_rows(*plan, tally)) for plan in plans]
             )
 
-    def _push_plan(self, request, tally: _Tally) -> tuple[TableSchema, np.ndarray, np.ndarray]:
-        """(schema, ids, rows) of a PushRequest read by wire.parse_push_request."""
-        schema = self._schema(request.table, tally)
+    def _push_plan(
+        self, request, tally: _Tally, known: dict[str, TableSchema] | None = None
+    ) -> tuple[TableSchema, np.ndarray, np.ndarray]:
+        """(schema, ids, rows) of a PushRequest read by wire.parse_push_request (known: as in _pull_plan)."""
+        schema = known[request.table] if known is not None else self._schema(request.table, tally)
         ids = codec.decode_ids(request.ids, schema.name)
         if request.rows_from is None:
             return schema, ids, codec.decode_rows(request.rows, schema, len(ids))
@@ -448,6 +473,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         return schema, ids, self._segment_rows(segment, offset, size, schema, len(ids))
 
     def _push_rows(self, schema: TableSchema, ids: np.ndarray, rows: np.ndarray, tally: _Tally) -> int:
+        if not len(ids):  # an entry with no ids costs no store call
+            return 0
         start = time.perf_counter()
         written = self.store.push(schema.name, ids, rows)
         tally.store_time("push", start)

@@ -64,6 +64,16 @@ class Store(abc.ABC):
     def schema(self, table: str) -> TableSchema:
         """The table's schema; raises TableNotFound."""
 
+    def schemas(self, tables: list[str]) -> dict[str, TableSchema]:
+        """The schemas of those of tables that exist, by name (a backend may look them up at once)."""
+        found = {}
+        for table in tables:
+            try:
+                found[table] = self.schema(table)
+            except TableNotFound:
+                continue
+        return found
+
     @abc.abstractmethod
     def list_tables(self) -> list[TableSchema]:
         """Every table, sorted by name."""
