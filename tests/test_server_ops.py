@@ -237,6 +237,38 @@ def test_tables_dropped_through_another_ps_leave_its_metrics(redis_url, redis_na
 
 
 @pytest.mark.slow
+def test_entries_with_no_ids_cost_no_store_call(redis_url, redis_namespace, make_ps):
+    """A PullMany / PushMany of 20,000 entries naming 2 tables, most with no ids: one lookup of
+    both tables' schemas per call (it was one HGET per entry), and no reads or writes for the
+    empty entries."""
+    import redis
+
+    proc = make_ps("--backend", redis_url, "--namespace", redis_namespace)
+    with PSClient(proc.address) as ps:
+        ps.create_table("e1", dim=2)
+        ps.create_table("e2", dim=2)
+    r = redis.Redis.from_url(redis_url)
+    ids = np.arange(3, dtype=np.int64).tobytes()
+    rows = np.ones((3, 2), np.float32).tobytes()
+    pulls = [ps_pb2.PullRequest(table=f"e{1 + i % 2}") for i in range(20_000)]
+    pulls[7].ids = ids
+    pushes = [ps_pb2.PushRequest(table=f"e{1 + i % 2}") for i in range(20_000)]
+    pushes[7].ids, pushes[7].rows = ids, rows
+    with grpc.insecure_channel(proc.address) as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        r.config_resetstat()
+        pushed = stub.PushMany(ps_pb2.PushManyRequest(pushes=pushes), timeout=60)
+        pulled = stub.PullMany(ps_pb2.PullManyRequest(pulls=pulls), timeout=60)
+    stats = {k.removeprefix("cmdstat_"): v["calls"] for k, v in r.info("commandstats").items()}
+    r.close()
+    assert [p.rows_written for p in pushed.pushes][6:9] == [0, 3, 0] and len(pushed.pushes) == 20_000
+    assert np.frombuffer(pulled.pulls[7].rows, np.float32).tolist() == [1.0] * 6 and not pulled.pulls[8].rows
+    # a lookup of both schemas per call (HMGET), then the store's own for the entry with ids:
+    # its metadata (HGET) and one HMGET per bucket its 3 ids fall in
+    assert stats.get("hmget", 0) <= 2 + 3 and stats.get("hget", 0) <= 2, stats
+
+
+@pytest.mark.slow
 def test_retries_land_a_push_exactly_once(redis_url, redis_namespace, make_ps):
     port = free_port()
     first = make_ps("--backend", redis_url, "--namespace", redis_namespace, "--address", f"127.0.0.1:{port}")
