@@ -593,6 +593,9 @@ def test_row_counts_follow_every_write_without_scanning_buckets(store, redis_url
 
     store.num_rows = counted
     check_counts_follow_every_write(store, lambda t: true_rows(r, redis_namespace, t))
+    r.script_flush()  # as after a Redis restart: the scripts are loaded again, nothing written twice
+    store.push("cnt", np.arange(10), np.zeros((10, 2), np.float32))
+    assert store.num_rows("cnt") == 10 == true_rows(r, redis_namespace, "cnt")
     r.close()
 
 
@@ -601,6 +604,11 @@ def test_row_counts_on_cluster(redis_cluster, redis_namespace):
     s = open_store(redis_cluster.url, namespace=redis_namespace)
     nodes = [node.client() for node in redis_cluster.nodes]
     check_counts_follow_every_write(s, lambda t: sum(true_rows(c, redis_namespace, t) for c in nodes))
+    for c in nodes:  # as after a failover to a node that never loaded the scripts
+        c.script_flush()
+    s.push("cnt", np.arange(10), np.zeros((10, 2), np.float32))
+    s.delete("cnt", np.arange(3))
+    assert s.num_rows("cnt") == 7 == sum(true_rows(c, redis_namespace, "cnt") for c in nodes)
     # the count hash shares the table hash's slot, so create and drop change both in one script
     assert s.client.keyslot(redis_store.rows_key(redis_namespace)) == s.client.keyslot(
         redis_store.meta_key(redis_namespace)
