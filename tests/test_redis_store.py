@@ -14,7 +14,14 @@ import xxhash
 
 from dynemb.ps_server.backends import open_store, redis_store
 from dynemb.ps_server.backends.redis_store import RedisStore, _split_cluster_url, bucket_of
-from dynemb.ps_server.errors import BackendUnavailable, InvalidArgument, PSError, TableExists, TableNotFound
+from dynemb.ps_server.errors import (
+    BackendUnavailable,
+    DeadlineExceeded,
+    InvalidArgument,
+    PSError,
+    TableExists,
+    TableNotFound,
+)
 from dynemb.ps_server.hashing import ROW_HASH_SEED
 from dynemb.ps_server.schema import DTYPES, Initializer, TableSchema
 
@@ -539,3 +546,137 @@ def test_cluster_over_tls_with_acl_user(redis_tls_cluster, redis_namespace):
         RedisStore.from_url(redis_tls_cluster.url_for(redis_tls_cluster.user, wrong), namespace=redis_namespace)
     msg = str(err.value)
     assert "authentication" in msg and redis_tls_cluster.cluster.addresses[0] in msg and wrong not in msg
+
+
+# -- many tables: kept row counts, small per-table state ----------------------------------
+
+
+def calls(r: redis.Redis, command: str) -> int:
+    """How often the server ran `command` since its stats were reset (scripts' commands included)."""
+    return int(r.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+def true_rows(r, namespace: str, table: str) -> int:
+    return sum(r.hlen(k) for k in r.scan_iter(match=f"dn:{namespace}:{table}:r:*".encode(), count=1000))
+
+
+def check_counts_follow_every_write(s: RedisStore, true_count) -> None:
+    s.create_table(TableSchema("cnt", dim=2))
+    rng = np.random.default_rng(4)
+    ids = unique_ids(rng, 3000)
+    rows = random_rows(rng, 3000, TableSchema("cnt", dim=2))
+    steps = [
+        lambda: s.push("cnt", ids[:2000], rows[:2000]),
+        lambda: s.push("cnt", np.concatenate([ids[1000:2500], ids[2400:2500]]), rows[:1600]),  # old, new, repeated
+        lambda: s.delete("cnt", np.concatenate([ids[:500], ids[:10], unique_ids(rng, 50)])),  # repeated, missing
+        lambda: s.push("cnt", ids[:0], rows[:0]),
+        lambda: s.clear("cnt"),
+        lambda: s.push("cnt", ids[:700], rows[:700]),
+    ]
+    for step in steps:
+        step()
+        assert s.num_rows("cnt") == true_count("cnt")
+    assert s.drop_table("cnt") == 700
+    s.create_table(TableSchema("cnt", dim=2))  # a new table of the same name starts at 0
+    assert s.num_rows("cnt") == 0 == true_count("cnt")
+
+
+def test_row_counts_follow_every_write_without_scanning_buckets(store, redis_url, redis_namespace):
+    r = redis.Redis.from_url(redis_url)
+    original = store.num_rows
+
+    def counted(table: str) -> int:  # the count, read with no HLEN at all
+        before = calls(r, "hlen")
+        n = original(table)
+        assert calls(r, "hlen") == before
+        return n
+
+    store.num_rows = counted
+    check_counts_follow_every_write(store, lambda t: true_rows(r, redis_namespace, t))
+    r.script_flush()  # as after a Redis restart: the scripts are loaded again, nothing written twice
+    store.push("cnt", np.arange(10), np.zeros((10, 2), np.float32))
+    assert store.num_rows("cnt") == 10 == true_rows(r, redis_namespace, "cnt")
+    r.close()
+
+
+@pytest.mark.cluster
+def test_row_counts_on_cluster(redis_cluster, redis_namespace):
+    s = open_store(redis_cluster.url, namespace=redis_namespace)
+    nodes = [node.client() for node in redis_cluster.nodes]
+    check_counts_follow_every_write(s, lambda t: sum(true_rows(c, redis_namespace, t) for c in nodes))
+    for c in nodes:  # as after a failover to a node that never loaded the scripts
+        c.script_flush()
+    s.push("cnt", np.arange(10), np.zeros((10, 2), np.float32))
+    s.delete("cnt", np.arange(3))
+    assert s.num_rows("cnt") == 7 == sum(true_rows(c, redis_namespace, "cnt") for c in nodes)
+    # the count hash shares the table hash's slot, so create and drop change both in one script
+    assert s.client.keyslot(redis_store.rows_key(redis_namespace)) == s.client.keyslot(
+        redis_store.meta_key(redis_namespace)
+    )
+    for c in nodes:
+        c.close()
+    s.close()
+
+
+def test_listing_many_tables_takes_two_commands(store, redis_url):
+    for i in range(40):
+        store.create_table(TableSchema(f"l{i:02d}", dim=2))
+        store.push(f"l{i:02d}", np.arange(i), np.zeros((i, 2), np.float32))
+    r = redis.Redis.from_url(redis_url)
+    r.config_resetstat()
+    listed = store.list_tables_with_rows()
+    stats = r.info("commandstats")
+    assert [(sch.name, n) for sch, n in listed] == [(f"l{i:02d}", i) for i in range(40)]
+    assert {k: v["calls"] for k, v in stats.items() if not k.startswith(("cmdstat_config", "cmdstat_info"))} == {
+        "cmdstat_hgetall": 2
+    }
+    r.close()
+
+
+def test_tables_of_an_older_version_are_counted_once_and_listing_stops_at_the_deadline(store, redis_url):
+    r = redis.Redis.from_url(redis_url)
+    for name in ("old1", "old2", "old3"):
+        store.create_table(TableSchema(name, dim=2))
+        store.push(name, np.arange(30), np.zeros((30, 2), np.float32))
+        r.hdel(redis_store.rows_key(store.namespace), name)  # as an older version left it: no count
+    times = iter([1.0, 0.0])
+    with pytest.raises(DeadlineExceeded, match="listing tables: the call's deadline passed"):
+        store.list_tables_with_rows(lambda: next(times))
+    assert r.hget(redis_store.rows_key(store.namespace), "old1") == b"30"  # counted before the deadline
+    assert r.hget(redis_store.rows_key(store.namespace), "old2") is None  # not counted after it
+    assert store.num_rows("old2") == 30 and r.hget(redis_store.rows_key(store.namespace), "old2") == b"30"
+    store.push("old2", np.arange(25, 40), np.zeros((15, 2), np.float32))  # from now on kept by each write
+    store.delete("old2", np.arange(5))
+    assert [n for _, n in store.list_tables_with_rows(lambda: 1.0)] == [30, 35, 30]
+    r.close()
+
+
+def test_per_table_state_is_small_and_leaves_with_the_table(store, redis_url, redis_namespace, monkeypatch):
+    """A PS that used many tables keeps about 1 KB for each, and nothing for tables dropped
+    through another PS once it lists the tables or uses one of them again."""
+    import tracemalloc
+
+    other = RedisStore.from_url(redis_url, namespace=redis_namespace)
+    names = [f"m{i}" for i in range(200)]
+    for name in names:
+        other.create_table(TableSchema(name, dim=2))
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for name in names:
+        store.push(name, np.arange(3), np.zeros((3, 2), np.float32))
+        store.pull(name, np.arange(3))
+    per_table = (tracemalloc.get_traced_memory()[0] - before) / len(names)
+    tracemalloc.stop()
+    assert per_table < 8 << 10, per_table  # was ~285 KB: the key of each of 4,096 buckets
+    for name in names[:150]:
+        other.drop_table(name)
+    with pytest.raises(TableNotFound):
+        store.pull("m0", np.arange(3))
+    store.list_tables()
+    assert sorted(store._cache) == sorted(names[150:])
+    monkeypatch.setattr(redis_store, "META_CACHE_TABLES", 20)  # and at most this many, dropped or not
+    for i in range(30):
+        other.create_table(TableSchema(f"n{i}", dim=2))
+        store.num_rows(f"n{i}")
+    assert list(store._cache) == [f"n{i}" for i in range(10, 30)]  # the least recently used went
+    other.close()

@@ -564,3 +564,19 @@ def test_a_bad_name_in_a_many_table_call_is_named_wherever_it_stands(stored):
         for call, req in ((stub.PullMany, pulls), (stub.PushMany, pushes)):
             err = status_of(call, req)
             assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "table name" in err.details(), err.details()
+
+
+@pytest.mark.parametrize("method", ["ListTables", "Stats"])
+def test_listing_tables_stops_at_the_call_deadline(method):
+    """Counting rows table by table stops once nobody waits for the answer: DEADLINE_EXCEEDED."""
+    store = EmbeddedStore()
+    for i in range(3):
+        store.create_table(TableSchema(f"t{i}", dim=2))
+    service = ParameterServerService(store, PSMetrics(), 4 << 20)
+    request = {"ListTables": ps_pb2.ListTablesRequest(), "Stats": ps_pb2.StatsRequest()}[method]
+    context = _Context(0.0, True)
+    with pytest.raises(_Aborted, match="listing tables: the call's deadline passed"):
+        getattr(service, method)(request, context)
+    assert context.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    reply = getattr(service, method)(request, _Context(5.0, True))
+    assert [t.spec.name for t in reply.tables] == ["t0", "t1", "t2"]

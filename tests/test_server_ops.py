@@ -182,6 +182,92 @@ def test_metrics(make_ps):
     assert 10 << 20 < m["process_resident_memory_bytes"] < 4 << 30 and m["process_cpu_seconds_total"] > 0
 
 
+def table_labels(text: str) -> set[str]:
+    """The `table` label values on /metrics."""
+    import re
+
+    return set(re.findall(r'^dynemb_ps_[a-z_]+\{[^}]*table="([^"]*)"', text, re.M))
+
+
+def test_dropped_tables_leave_metrics_and_labels_are_bounded(make_ps):
+    """A dropped table's label values go; past --max-table-labels tables, rows count under (other)."""
+    proc = make_ps("--max-table-labels", "3")
+    with PSClient(proc.address) as ps:
+        for i in range(30):  # create, pull, push, drop: /metrics must not grow with the cycles
+            ps.create_table(f"c{i}", dim=2)
+            ps.pull(f"c{i}", np.arange(5))
+            ps.push(f"c{i}", np.arange(5), np.ones((5, 2), np.float32))
+            ps.drop_table(f"c{i}")
+            if i == 0:
+                size_after_one = len(proc.metrics_text())
+        text = proc.metrics_text()
+        assert not table_labels(text), table_labels(text)
+        assert len(text) < size_after_one + 2000  # a few more latency samples, no per-table series
+        for i in range(5):
+            ps.create_table(f"k{i}", dim=2)
+            ps.pull(f"k{i}", np.arange(10 + i))
+        m = scrape(proc)
+        assert table_labels(proc.metrics_text()) == {"k0", "k1", "k2", "(other)"}
+        assert m['dynemb_ps_rows_total{method="Pull",table="(other)"}'] == 13 + 14
+        assert m['dynemb_ps_missing_rows_total{table="(other)"}'] == 13 + 14
+        ps.drop_table("k1")  # frees a place: the next new table gets its own label
+        ps.create_table("k5", dim=2)
+        ps.pull("k5", np.arange(3))
+        assert table_labels(proc.metrics_text()) == {"k0", "k2", "k5", "(other)"}
+        # Stats still counts every row pulled, dropped tables' included
+        pulled = {s.method: s.rows for s in ps.stats()[0].methods}["Pull"]
+        assert pulled == 30 * 5 + sum(10 + i for i in range(5)) + 3
+
+
+@pytest.mark.slow
+def test_tables_dropped_through_another_ps_leave_its_metrics(redis_url, redis_namespace, make_ps):
+    flags = ("--backend", redis_url, "--namespace", redis_namespace)
+    a, b = make_ps(*flags), make_ps(*flags)
+    with PSClient(a.address) as on_a, PSClient(b.address) as on_b:
+        for name in ("x", "y"):
+            on_a.create_table(name, dim=2)
+            on_a.pull(name, np.arange(4))
+            on_b.drop_table(name)
+        assert table_labels(a.metrics_text()) == {"x", "y"}
+        with pytest.raises(TableNotFound):
+            on_a.pull("x", np.arange(4))  # noticed on the next use
+        assert table_labels(a.metrics_text()) == {"y"}
+        on_a.list_tables()  # or by the next listing
+        assert table_labels(a.metrics_text()) == set()
+
+
+@pytest.mark.slow
+def test_entries_with_no_ids_cost_no_store_call(redis_url, redis_namespace, make_ps):
+    """A PullMany / PushMany of 20,000 entries naming 2 tables, most with no ids: one lookup of
+    both tables' schemas per call (it was one HGET per entry), and no reads or writes for the
+    empty entries."""
+    import redis
+
+    proc = make_ps("--backend", redis_url, "--namespace", redis_namespace)
+    with PSClient(proc.address) as ps:
+        ps.create_table("e1", dim=2)
+        ps.create_table("e2", dim=2)
+    r = redis.Redis.from_url(redis_url)
+    ids = np.arange(3, dtype=np.int64).tobytes()
+    rows = np.ones((3, 2), np.float32).tobytes()
+    pulls = [ps_pb2.PullRequest(table=f"e{1 + i % 2}") for i in range(20_000)]
+    pulls[7].ids = ids
+    pushes = [ps_pb2.PushRequest(table=f"e{1 + i % 2}") for i in range(20_000)]
+    pushes[7].ids, pushes[7].rows = ids, rows
+    with grpc.insecure_channel(proc.address) as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        r.config_resetstat()
+        pushed = stub.PushMany(ps_pb2.PushManyRequest(pushes=pushes), timeout=60)
+        pulled = stub.PullMany(ps_pb2.PullManyRequest(pulls=pulls), timeout=60)
+    stats = {k.removeprefix("cmdstat_"): v["calls"] for k, v in r.info("commandstats").items()}
+    r.close()
+    assert [p.rows_written for p in pushed.pushes][6:9] == [0, 3, 0] and len(pushed.pushes) == 20_000
+    assert np.frombuffer(pulled.pulls[7].rows, np.float32).tolist() == [1.0] * 6 and not pulled.pulls[8].rows
+    # a lookup of both schemas per call (HMGET), then the store's own for the entry with ids:
+    # its metadata (HGET) and one HMGET per bucket its 3 ids fall in
+    assert stats.get("hmget", 0) <= 2 + 3 and stats.get("hget", 0) <= 2, stats
+
+
 @pytest.mark.slow
 def test_retries_land_a_push_exactly_once(redis_url, redis_namespace, make_ps):
     port = free_port()

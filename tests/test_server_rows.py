@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import signal
+
 import numpy as np
 import pytest
+from helpers import wait_until
 
+from dynemb.ps_server.backends.embedded import STALL_ENV
 from dynemb.ps_server.client import PSClient
 from dynemb.ps_server.hashing import shard_of
 from dynemb.ps_server.schema import Initializer, TableSchema
@@ -233,3 +237,39 @@ def test_concurrent_clients_keep_their_rows_apart(backend, embedded_ps, redis_ps
     assert not errors, errors
     with PSClient(address) as ps:
         assert ps.describe_table("conc").num_rows == 6 * 3000
+
+
+@pytest.mark.slow
+def test_embedded_store_killed_mid_save_restarts_with_every_table_of_one_save(make_ps, tmp_path):
+    """kill -9 while the drain's save has written 2 of 5 table files: the restart loads the save before."""
+    backend = f"embedded://{tmp_path}/tables"
+    ids = np.arange(200, dtype=np.int64)
+    first = make_ps("--backend", backend)
+    with PSClient(first.address) as ps:
+        for name in "abcd":
+            ps.create_table(name, dim=2)
+            ps.push(name, ids, np.full((200, 2), 1, np.float32))
+    assert first.stop() == 0
+    second = make_ps("--backend", backend, env={STALL_ENV: "2"})
+    with PSClient(second.address) as ps:
+        for name in "abcd":
+            ps.push(name, ids, np.full((200, 2), 2, np.float32))
+        ps.create_table("e", dim=2)
+    second.proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: "save stalled after 2 table files" in second.log(), timeout=30, what="the save to stall")
+    second.stop(signal.SIGKILL)
+    assert sorted(p.name for p in (tmp_path / "tables" / "gen-00000002").iterdir()) == [
+        "a.safetensors",
+        "b.safetensors",
+    ]
+    third = make_ps("--backend", backend)
+    with PSClient(third.address) as ps:
+        assert [t.schema.name for t in ps.list_tables()] == ["a", "b", "c", "d"]
+        for name in "abcd":
+            got = ps.pull(name, ids)
+            assert not got.missing.any() and (got.rows == 1).all(), name
+        ps.push("a", ids, np.full((200, 2), 3, np.float32))
+    assert third.stop() == 0  # a save after the torn one completes, and is what loads next
+    fourth = make_ps("--backend", backend)
+    with PSClient(fourth.address) as ps:
+        assert (ps.pull("a", ids).rows == 3).all() and (ps.pull("d", ids).rows == 1).all()

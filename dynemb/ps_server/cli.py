@@ -167,6 +167,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         int,
     )
     option(
+        "--max-table-labels",
+        "DYNEMB_PS_MAX_TABLE_LABELS",
+        1000,
+        "tables whose rows /metrics shows under their own table label; the rows of further tables "
+        'count under table="(other)" (ListTables and Stats show every table)',
+        int,
+    )
+    option(
         "--metrics-address",
         "DYNEMB_PS_METRICS_ADDRESS",
         "127.0.0.1",
@@ -281,6 +289,7 @@ def cmd_serve(args) -> int:
             tls_client_ca=args.tls_client_ca,
             metrics_port=None if args.metrics_port < 0 else args.metrics_port,
             metrics_address=args.metrics_address,
+            max_table_labels=args.max_table_labels,
             drain_seconds=args.drain_seconds,
             not_serving_seconds=args.not_serving_seconds,
             redis_buckets=args.redis_buckets,

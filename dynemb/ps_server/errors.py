@@ -53,7 +53,7 @@ class ShuttingDown(PSError, code=grpc.StatusCode.UNAVAILABLE):
 
 
 class DeadlineExceeded(PSError, code=grpc.StatusCode.DEADLINE_EXCEEDED):
-    """Raised by the client when a call did not succeed within its deadline."""
+    """A call did not succeed within its deadline (raised by the client; by the PS for work it stopped)."""
 
 
 class Abandoned(PSError, code=grpc.StatusCode.DEADLINE_EXCEEDED):

@@ -5,6 +5,9 @@ Prometheus' conventions (counters are exposed with `_total`, times in seconds)."
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from dynemb.protos import ps_pb2
@@ -29,6 +32,9 @@ LATENCY_BUCKETS = (
     10.0,
     30.0,
 )
+# The `table` label of tables past --max-table-labels: not a valid table name, so no table's own.
+OTHER_TABLES = "(other)"
+DEFAULT_MAX_TABLE_LABELS = 1000
 
 # The status codes that are failures of the PS, not of the caller (the alert DynembPSErrors and
 # its recorded ratio select these, deploy/prometheus/rules): INTERNAL (a bug or an unexpected
@@ -47,9 +53,21 @@ class PSMetrics:
 
     Args:
         registry: the registry to put them on; None makes a new one.
+        max_table_labels: how many tables get a `table` label value of their own; the rows of
+            tables beyond count under OTHER_TABLES. A dropped table's values are removed
+            (forget_table), which frees its place.
     """
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, registry: CollectorRegistry | None = None, max_table_labels: int = DEFAULT_MAX_TABLE_LABELS
+    ) -> None:
+        if max_table_labels < 0:
+            raise ValueError(f"max_table_labels must be >= 0, got {max_table_labels}")
+        self.max_table_labels = max_table_labels
+        self._labelled: set[str] = set()  # tables with label values of their own
+        self._labels_lock = threading.Lock()
+        # rows of forgotten tables, per method, so Stats' per-method totals never go down
+        self.retired_rows: dict[str, float] = {}
         self.registry = registry or CollectorRegistry()
         r = self.registry
         # process_resident_memory_bytes, process_cpu_seconds_total, open fds...: what an operator
@@ -117,3 +135,39 @@ class PSMetrics:
         if found is None:
             found = self._children[key] = metric.labels(*labels)
         return found
+
+    def table_label(self, table: str) -> str:
+        """The `table` label value for a table's rows: its name while fewer than
+        max_table_labels tables have one, OTHER_TABLES after that."""
+        if table in self._labelled:
+            return table
+        with self._labels_lock:
+            if len(self._labelled) < self.max_table_labels:
+                self._labelled.add(table)
+                return table
+        return OTHER_TABLES
+
+    def forget_table(self, table: str) -> None:
+        """Remove a table's label values (it was dropped): /metrics stops showing it and its
+        place goes to the next table. Its rows still count in Stats' per-method totals."""
+        with self._labels_lock:
+            if table not in self._labelled:
+                return
+            self._labelled.discard(table)
+            tabled = (self.rows, self.missing_rows)
+            # list(): a C-level copy, safe while request threads add children
+            for key in [k for k in list(self._children) if k[0] in tabled and k[1][-1] == table]:
+                self._children.pop(key, None)
+            for metric in self.rows.collect():
+                for s in metric.samples:
+                    if s.name.endswith("_total") and s.labels["table"] == table:
+                        method = s.labels["method"]
+                        self.retired_rows[method] = self.retired_rows.get(method, 0.0) + s.value
+                        self.rows.remove(method, table)
+            with contextlib.suppress(KeyError):
+                self.missing_rows.remove(table)
+
+    def labelled_tables(self) -> set[str]:
+        """The tables with label values of their own now."""
+        with self._labels_lock:
+            return set(self._labelled)

@@ -30,7 +30,7 @@ from dynemb.ps_server import shm
 from dynemb.ps_server.auth import TokenAuthInterceptor
 from dynemb.ps_server.backend_watch import BackendWatch
 from dynemb.ps_server.backends import Store, open_store
-from dynemb.ps_server.metrics import PSMetrics
+from dynemb.ps_server.metrics import DEFAULT_MAX_TABLE_LABELS, PSMetrics
 from dynemb.ps_server.schema import MAX_ROW_WIDTH
 from dynemb.ps_server.service import DEFAULT_MAX_ROW_WIDTH, ParameterServerService, add_to_server
 from dynemb.ps_server.shm import SegmentTable
@@ -75,6 +75,7 @@ class ServeConfig:
     shm_max_bytes: int = 4 << 30
     shm_idle_seconds: float = 300.0
     backend_options: dict = field(default_factory=dict)
+    max_table_labels: int = DEFAULT_MAX_TABLE_LABELS  # tables with /metrics label values of their own
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -95,6 +96,8 @@ class ServeConfig:
             raise ValueError("workers must be >= 1")
         if self.shm_max_bytes < 0 or self.shm_idle_seconds <= 0:
             raise ValueError("--shm-max-mb must be >= 0 and --shm-idle-seconds > 0")
+        if self.max_table_labels < 0:
+            raise ValueError(f"--max-table-labels must be >= 0, got {self.max_table_labels}")
         if self.backend_check_seconds <= 0:
             raise ValueError(f"backend check interval must be > 0 seconds, got {self.backend_check_seconds}")
 
@@ -109,7 +112,7 @@ class PSServer:
 
     def __init__(self, config: ServeConfig, store: Store | None = None) -> None:
         self.config = config
-        self.metrics = PSMetrics()
+        self.metrics = PSMetrics(max_table_labels=config.max_table_labels)
         if store is None:
             options = dict(config.backend_options)
             if config.backend and not config.backend.startswith(("embedded", "memory")):

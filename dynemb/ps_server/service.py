@@ -350,14 +350,33 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 
     def _schema(self, table: str, tally: _Tally | None = None) -> TableSchema:
         check_name(table)
-        if tally is None:
-            with self._backend("schema"):
-                return self.store.schema(table)
         start = time.perf_counter()
         try:
             return self.store.schema(table)
+        except TableNotFound:
+            self.metrics.forget_table(table)  # dropped, maybe through another PS on the same Redis
+            raise
+        finally:
+            if tally is None:
+                self.metrics.child(self.metrics.backend_latency, "schema").observe(time.perf_counter() - start)
+            else:
+                tally.store_time("schema", start)
+
+    def _schemas(self, tables: list[str], tally: _Tally) -> dict[str, TableSchema]:
+        """The schema of each table a PullMany / PushMany names, in one store call (its entries
+        may name one table many times); TableNotFound for the first that does not exist."""
+        names = list(dict.fromkeys(tables))
+        for name in names:
+            check_name(name)
+        start = time.perf_counter()
+        try:
+            found = self.store.schemas(names)
         finally:
             tally.store_time("schema", start)
+        for name in names:
+            if name not in found:
+                found[name] = self._schema(name, tally)  # the store's own TableNotFound (or created since)
+        return found
 
     def _info(self, schema: TableSchema) -> ps_pb2.TableInfo:
         with self._backend("num_rows"):
@@ -366,7 +385,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 
     def _count(self, method: str, table: str, rows: int, nbytes_in: int, nbytes_out: int) -> None:
         m = self.metrics
-        m.child(m.rows, method, table).inc(rows)
+        m.child(m.rows, method, m.table_label(table)).inc(rows)
         if nbytes_in:
             m.child(m.bytes, method, "in").inc(nbytes_in)
         if nbytes_out:
@@ -394,9 +413,17 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     def ListTables(self, request, context):
         """Every table's schema and row count."""
         with self._call("ListTables", context):
-            with self._backend("list_tables"):
-                schemas = self.store.list_tables()
-            return ps_pb2.ListTablesResponse(tables=[self._info(s) for s in schemas])
+            return ps_pb2.ListTablesResponse(tables=self._all_tables(context))
+
+    def _all_tables(self, context: grpc.ServicerContext) -> list[ps_pb2.TableInfo]:
+        """Every table with its row count, within the call's deadline (DeadlineExceeded past it);
+        label values of tables no longer there (dropped through another PS) are removed."""
+        time_left = context.time_remaining if context.time_remaining() is not None else None
+        with self._backend("list_tables"):
+            tables = self.store.list_tables_with_rows(time_left)
+        for gone in self.metrics.labelled_tables() - {s.name for s, _ in tables}:
+            self.metrics.forget_table(gone)
+        return [ps_pb2.TableInfo(spec=s.to_proto(), num_rows=n) for s, n in tables]
 
     def DropTable(self, request, context):
         """Drop a table and its rows (TableNotFound unless missing_ok)."""
@@ -404,6 +431,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             check_name(request.table)
             with self._backend("drop_table"):
                 dropped = self.store.drop_table(request.table)
+            self.metrics.forget_table(request.table)
             if dropped is None:
                 if request.missing_ok:
                     return ps_pb2.DropTableResponse(dropped=False)
@@ -436,13 +464,17 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             # such wherever it stands, not after an earlier entry's own refusal
             for p in request.pulls:
                 check_name(p.table)
-            plans = [self._pull_plan(p, tally) for p in request.pulls]
+            known = self._schemas([p.table for p in request.pulls], tally)
+            plans = [self._pull_plan(p, tally, known) for p in request.pulls]
             self._check_reply_size("pull of several tables", plans)
             return build_pull_many_response([self._reply_plan(*plan, tally) for plan in plans])
 
-    def _pull_plan(self, request, tally: _Tally) -> tuple[TableSchema, np.ndarray, int, np.ndarray | None]:
-        """(schema, ids, request bytes, where the rows go: a segment's rows or None for the reply)."""
-        schema = self._schema(request.table, tally)
+    def _pull_plan(
+        self, request, tally: _Tally, known: dict[str, TableSchema] | None = None
+    ) -> tuple[TableSchema, np.ndarray, int, np.ndarray | None]:
+        """(schema, ids, request bytes, where the rows go: a segment's rows or None for the reply).
+        known: schemas already looked up for this call, by table."""
+        schema = known[request.table] if known is not None else self._schema(request.table, tally)
         ids = codec.decode_ids(request.ids, schema.name)
         into = None
         if request.HasField("rows_to"):
@@ -510,18 +542,21 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         self, schema: TableSchema, ids: np.ndarray, nbytes_in: int, out: np.ndarray, tally: _Tally
     ) -> tuple[bytes, int]:
         """Rows of ids into out, the missing ones initialised; (missing bitmap, how many missing)."""
+        if not len(ids):  # an entry with no ids costs no store call
+            return b"", 0
         start = time.perf_counter()
         positions = self.store.pull_into(schema.name, ids, out)
         tally.store_time("pull", start)
         num_missing = len(positions)
         m = self.metrics
-        m.child(m.rows, "Pull", schema.name).inc(len(ids))
+        label = m.table_label(schema.name)
+        m.child(m.rows, "Pull", label).inc(len(ids))
         tally.bytes_in += nbytes_in
         tally.bytes_out += out.nbytes
         if not num_missing:
             return b"", 0
         fill_initial_rows(schema, ids[positions], out, positions)
-        m.child(m.missing_rows, schema.name).inc(num_missing)
+        m.child(m.missing_rows, label).inc(num_missing)
         missing = np.zeros(len(ids), dtype=bool)
         missing[positions] = True
         return codec.encode_mask(missing), num_missing
@@ -540,16 +575,19 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             # every entry checked before any is written (a bad one writes nothing), names first as in PullMany
             for p in request.pushes:
                 check_name(p.table)
-            plans = [self._push_plan(p, tally) for p in request.pushes]
+            known = self._schemas([p.table for p in request.pushes], tally)
+            plans = [self._push_plan(p, tally, known) for p in request.pushes]
             self._check_request_rows("push to several tables", [(schema, len(ids)) for schema, ids, _ in plans])
             self._still_wanted(context, "push")
             return ps_pb2.PushManyResponse(
                 pushes=[ps_pb2.PushResponse(rows_written=self._push_rows(*plan, tally)) for plan in plans]
             )
 
-    def _push_plan(self, request, tally: _Tally) -> tuple[TableSchema, np.ndarray, np.ndarray]:
-        """(schema, ids, rows) of a PushRequest read by wire.parse_push_request."""
-        schema = self._schema(request.table, tally)
+    def _push_plan(
+        self, request, tally: _Tally, known: dict[str, TableSchema] | None = None
+    ) -> tuple[TableSchema, np.ndarray, np.ndarray]:
+        """(schema, ids, rows) of a PushRequest read by wire.parse_push_request (known: as in _pull_plan)."""
+        schema = known[request.table] if known is not None else self._schema(request.table, tally)
         ids = codec.decode_ids(request.ids, schema.name)
         if request.rows_from is None:
             return schema, ids, codec.decode_rows(request.rows, schema, len(ids))
@@ -561,10 +599,13 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         return schema, ids, self._segment_rows(segment, offset, size, schema, len(ids))
 
     def _push_rows(self, schema: TableSchema, ids: np.ndarray, rows: np.ndarray, tally: _Tally) -> int:
+        if not len(ids):  # an entry with no ids costs no store call
+            return 0
         start = time.perf_counter()
         written = self.store.push(schema.name, ids, rows)
         tally.store_time("push", start)
-        self.metrics.child(self.metrics.rows, "Push", schema.name).inc(written)
+        m = self.metrics
+        m.child(m.rows, "Push", m.table_label(schema.name)).inc(written)
         tally.bytes_in += ids.nbytes + rows.nbytes
         return written
 
@@ -656,8 +697,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     def Stats(self, request, context):
         """Backend, version, uptime, every table, and per-method request counts."""
         with self._call("Stats", context):
-            with self._backend("list_tables"):
-                schemas = self.store.list_tables()
+            tables = self._all_tables(context)
             methods = []
             for metric in self.metrics.requests.collect():
                 per: dict[str, list[int]] = {}
@@ -668,7 +708,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                     entry[0] += int(s.value)
                     if s.labels["code"] != "OK":
                         entry[1] += int(s.value)
-            rows: dict[str, int] = {}  # per method, over all tables
+            rows = {k: int(v) for k, v in self.metrics.retired_rows.items()}  # per method, over all tables
             for metric in self.metrics.rows.collect():
                 for s in metric.samples:
                     if s.name.endswith("_total"):
@@ -681,6 +721,6 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 backend=self.store.kind,
                 version=__version__,
                 uptime_seconds=time.time() - self.started,
-                tables=[self._info(s) for s in schemas],
+                tables=tables,
                 methods=methods,
             )

@@ -8,11 +8,11 @@ finds wrong (unknown table, schema clash, store unreachable).
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from dynemb.ps_server.errors import TableExists
+from dynemb.ps_server.errors import DeadlineExceeded, TableExists, TableNotFound
 from dynemb.ps_server.schema import TableSchema
 
 
@@ -37,6 +37,12 @@ def check_same_schema(stored: TableSchema, requested: TableSchema, where: str = 
         )
 
 
+def check_time(time_left: Callable[[], float] | None, what: str) -> None:
+    """Raise DeadlineExceeded if the caller's time_left() has run out: work nobody waits for stops."""
+    if time_left is not None and time_left() <= 0:
+        raise DeadlineExceeded(f"{what}: the call's deadline passed before the PS finished; stopped")
+
+
 class Store(abc.ABC):
     """The rows of every table on one PS, behind one interface for every backend.
 
@@ -58,6 +64,16 @@ class Store(abc.ABC):
     def schema(self, table: str) -> TableSchema:
         """The table's schema; raises TableNotFound."""
 
+    def schemas(self, tables: list[str]) -> dict[str, TableSchema]:
+        """The schemas of those of tables that exist, by name (a backend may look them up at once)."""
+        found = {}
+        for table in tables:
+            try:
+                found[table] = self.schema(table)
+            except TableNotFound:
+                continue
+        return found
+
     @abc.abstractmethod
     def list_tables(self) -> list[TableSchema]:
         """Every table, sorted by name."""
@@ -65,6 +81,24 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def num_rows(self, table: str) -> int:
         """Rows stored in the table; raises TableNotFound."""
+
+    def list_tables_with_rows(self, time_left: Callable[[], float] | None = None) -> list[tuple[TableSchema, int]]:
+        """(schema, rows stored) of every table, sorted by name; a table dropped meanwhile is left out.
+
+        Args:
+            time_left: seconds the caller still waits; checked between tables.
+
+        Raises:
+            DeadlineExceeded: time_left() ran out before every table was counted.
+        """
+        out = []
+        for schema in self.list_tables():
+            check_time(time_left, "listing tables")
+            try:
+                out.append((schema, self.num_rows(schema.name)))
+            except TableNotFound:
+                continue
+        return out
 
     @abc.abstractmethod
     def drop_table(self, table: str) -> int | None:

@@ -6,18 +6,34 @@ one 2-D array of rows that grows by doubling; deleted rows' numbers are reused. 
 per table keeps concurrent gRPC handlers apart.
 
 Without a directory nothing is written to disk: a restarted PS starts empty. With one
-(`embedded:///dir`), `close()` (the PS's drain on SIGTERM) saves each table to
-`dir/<table>.safetensors` (ids, rows, and the schema in the metadata) and a new store
-loads them, so a graceful restart keeps every row; a crash loses what changed since
+(`embedded:///dir`), `close()` (the PS's drain on SIGTERM) saves every table and a new
+store loads them, so a graceful restart keeps every row; a crash loses what changed since
 the last save. Use the Redis backend where every write must be durable at once.
+
+A save is one generation, all tables of one moment, switched to as a whole:
+
+    dir/MANIFEST.json                 {"format": 2, "generation": N}: the generation to load
+    dir/gen-0000000N/<table>.safetensors   ids, rows, and the schema in the metadata
+    dir/gen-0000000N/tables.json      each file's name, size and sha256, written last
+
+The files and tables.json are fsynced, then the directory, then MANIFEST.json is replaced
+by rename (and the directory fsynced again): a save cut short (kill -9, power loss) leaves
+the previous MANIFEST.json and its generation as they were. The previous generation is
+kept beside the new one; at start, a file of the newest generation that is missing, torn or
+corrupt (size or sha256 not what tables.json says) is named in the log and the previous
+generation loads instead. A directory of the older layout (`dir/<table>.safetensors`, no
+MANIFEST.json) still loads; the first save after it moves to generations.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import shutil
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +43,7 @@ from dynemb.ps_server import native
 from dynemb.ps_server.backends.base import Store, check_same_schema, rows_out
 from dynemb.ps_server.backends.id_index import IdIndex
 from dynemb.ps_server.codec import rows_for_table
-from dynemb.ps_server.errors import TableNotFound
+from dynemb.ps_server.errors import PSError, TableNotFound
 from dynemb.ps_server.schema import TableSchema
 
 
@@ -71,6 +87,71 @@ class _Table:
 
 log = logging.getLogger("dynemb.ps")
 SNAPSHOT_SUFFIX = ".safetensors"
+MANIFEST = "MANIFEST.json"
+TABLES_FILE = "tables.json"
+SAVE_FORMAT = 2
+# Tests only: the save stops for good after writing this many table files (a kill -9 lands mid-save).
+STALL_ENV = "DYNEMB_TEST_SAVE_STALL_AFTER"
+
+
+class SnapshotError(PSError):
+    """A saved generation that cannot be loaded (a file missing, torn or corrupt)."""
+
+
+def _gen_dir(directory: Path, generation: int) -> Path:
+    return directory / f"gen-{generation:08d}"
+
+
+def _generations(directory: Path) -> list[int]:
+    """Numbers of the generation directories there, complete or not, ascending."""
+    found = []
+    for path in directory.glob("gen-*"):
+        suffix = path.name[4:]
+        if suffix.isdigit() and path.is_dir():
+            found.append(int(suffix))
+    return sorted(found)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_json(path: Path, value: dict) -> None:
+    """value as path, atomically: written to a temporary name, fsynced, renamed, directory fsynced."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync(path.parent)
+
+
+def _read_table_file(path: Path) -> tuple[TableSchema, np.ndarray, np.ndarray]:
+    """(schema, ids, rows) of one saved table; SnapshotError naming the file if it is unreadable."""
+    from safetensors import safe_open  # only with a directory
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            schema = TableSchema.from_dict(json.loads(f.metadata()["schema"]))
+            ids, rows = f.get_tensor("ids"), f.get_tensor("rows")
+    except Exception as exc:  # safetensors raises its own error types for torn headers and data
+        raise SnapshotError(f"{path}: unreadable ({type(exc).__name__}: {exc})") from None
+    if ids.ndim != 1 or rows.shape != (len(ids), schema.width):
+        raise SnapshotError(f"{path}: ids {ids.shape} and rows {rows.shape} do not match table {schema.name!r}")
+    return schema, ids, rows
 
 
 class EmbeddedStore(Store):
@@ -79,6 +160,10 @@ class EmbeddedStore(Store):
     Args:
         directory: where tables are loaded from at start and saved to by close();
             None keeps nothing on disk.
+
+    Raises:
+        SnapshotError: the directory has saved tables but no generation of them loads
+            (the message names each file that failed).
     """
 
     kind = "embedded"
@@ -87,30 +172,107 @@ class EmbeddedStore(Store):
         self._tables: dict[str, _Table] = {}
         self._lock = threading.Lock()
         self.directory = Path(directory) if directory else None
+        self.generation = 0  # the generation loaded or last saved (0: none, or the older layout)
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._load(self.directory)
 
-    def _load(self, directory: Path) -> None:
-        from safetensors import safe_open  # only with a directory
-        from safetensors.numpy import load_file
+    # -- loading ---------------------------------------------------------------------
 
-        for path in sorted(directory.glob(f"*{SNAPSHOT_SUFFIX}")):
-            with safe_open(str(path), framework="numpy") as f:
-                schema = TableSchema.from_dict(json.loads(f.metadata()["schema"]))
-            tensors = load_file(str(path))
-            self.create_table(schema)
-            if len(tensors["ids"]):
-                self.push(schema.name, tensors["ids"], tensors["rows"])
-            log.info("loaded table %s (%d rows) from %s", schema.name, len(tensors["ids"]), path)
+    def _load(self, directory: Path) -> None:
+        """The newest generation that loads whole; a failed newer one is logged, file named."""
+        candidates: list[int] = []  # generation numbers, newest first; 0: the older layout
+        manifest = directory / MANIFEST
+        if manifest.exists():
+            try:
+                current = int(json.loads(manifest.read_text())["generation"])
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise SnapshotError(f"{manifest}: unreadable ({exc}); move it away to load older generations") from None
+            candidates = [current] + [g for g in reversed(_generations(directory)) if g < current]
+        if any(directory.glob(f"*{SNAPSHOT_SUFFIX}")):
+            candidates.append(0)
+        failed: list[str] = []
+        for generation in candidates:
+            try:
+                tables = self._read_generation(directory, generation)
+            except SnapshotError as exc:
+                log.error("saved tables of generation %d not loaded: %s", generation, exc)
+                failed.append(str(exc))
+                continue
+            self._tables = tables
+            self.generation = generation
+            where = _gen_dir(directory, generation) if generation else directory
+            rows = sum(len(t.index) for t in tables.values())
+            if failed:
+                log.error(
+                    "loaded generation %d instead (%s: %d tables, %d rows), an older save: %s",
+                    generation,
+                    where,
+                    len(tables),
+                    rows,
+                    "; ".join(failed),
+                )
+            else:
+                log.info("loaded %d tables (%d rows) from %s", len(tables), rows, where)
+            return
+        if failed:
+            raise SnapshotError(
+                f"no saved generation of tables in {directory} loads: {'; '.join(failed)}. Move the directory "
+                f"away to start empty"
+            )
+
+    def _read_generation(self, directory: Path, generation: int) -> dict[str, _Table]:
+        """Every table of one generation, checked against its tables.json (0: the older layout)."""
+        if generation == 0:
+            paths = sorted(directory.glob(f"*{SNAPSHOT_SUFFIX}"))
+        else:
+            gen = _gen_dir(directory, generation)
+            try:
+                listing = json.loads((gen / TABLES_FILE).read_text())
+                entries = listing["tables"]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise SnapshotError(f"{gen / TABLES_FILE}: missing or unreadable ({exc})") from None
+            paths = []
+            for e in entries:
+                try:
+                    name, want_bytes, want_sha = e["file"], int(e["bytes"]), e["sha256"]
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise SnapshotError(f"{gen / TABLES_FILE}: an entry is unreadable ({exc!r})") from None
+                if not isinstance(name, str) or Path(name).name != name:
+                    raise SnapshotError(f"{gen / TABLES_FILE}: {name!r} is no file name in {gen}")
+                path = gen / name
+                size = path.stat().st_size if path.exists() else None
+                if size != want_bytes:
+                    state = "missing" if size is None else f"{size} bytes"
+                    raise SnapshotError(f"{path}: {state}, {TABLES_FILE} says {want_bytes} bytes (torn or truncated)")
+                if _sha256(path) != want_sha:
+                    raise SnapshotError(f"{path}: sha256 is not the one {TABLES_FILE} lists (corrupt)")
+                paths.append(path)
+        staging = EmbeddedStore()
+        for path in paths:
+            schema, ids, rows = _read_table_file(path)
+            staging.create_table(schema)
+            if len(ids):
+                staging.push(schema.name, ids, rows)
+        return staging._tables
+
+    # -- saving ----------------------------------------------------------------------
 
     def save(self) -> None:
-        """Write every table to the directory (each file replaced atomically)."""
+        """Write every table as a new generation and switch to it (see the module doc)."""
         if self.directory is None:
             return
         from safetensors.numpy import save_file
 
-        for name in list(self._tables):
+        directory = self.directory
+        previous = self.generation
+        generation = max([previous, *_generations(directory)]) + 1
+        gen = _gen_dir(directory, generation)
+        shutil.rmtree(gen, ignore_errors=True)
+        gen.mkdir()
+        stall_after = int(os.environ.get(STALL_ENV, "-1"))
+        entries = []
+        for name in sorted(self._tables):
             t = self._tables.get(name)
             if t is None:
                 continue
@@ -118,18 +280,31 @@ class EmbeddedStore(Store):
                 ids, where = t.index.items()
                 rows = t.rows[where]
             order = np.argsort(ids)
-            tmp = self.directory / f".{name}{SNAPSHOT_SUFFIX}.tmp"
+            path = gen / f"{name}{SNAPSHOT_SUFFIX}"
             save_file(
                 {"ids": ids[order], "rows": np.ascontiguousarray(rows[order])},
-                str(tmp),
+                str(path),
                 metadata={"schema": json.dumps(t.schema.to_dict())},
             )
-            os.replace(tmp, self.directory / f"{name}{SNAPSHOT_SUFFIX}")
-        # a dropped table must not come back at the next start
-        for path in self.directory.glob(f"*{SNAPSHOT_SUFFIX}"):
-            if path.name[: -len(SNAPSHOT_SUFFIX)] not in self._tables:
+            _fsync(path)
+            entries.append({"file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path), "rows": len(ids)})
+            if len(entries) == stall_after:
+                log.warning("save stalled after %d table files (%s, tests only)", len(entries), STALL_ENV)
+                while True:
+                    time.sleep(60)
+        _write_json(gen / TABLES_FILE, {"generation": generation, "tables": entries})
+        _fsync(directory)
+        # the switch: until this rename lands, a restart loads the previous generation
+        _write_json(directory / MANIFEST, {"format": SAVE_FORMAT, "generation": generation})
+        self.generation = generation
+        # keep the previous generation (the fallback if this one is found torn), nothing older
+        for g in _generations(directory):
+            if g not in (generation, previous):
+                shutil.rmtree(_gen_dir(directory, g), ignore_errors=True)
+        if previous:  # the older layout stays only as the fallback of a first save
+            for path in directory.glob(f"*{SNAPSHOT_SUFFIX}"):
                 path.unlink()
-        log.info("saved %d tables to %s", len(self._tables), self.directory)
+        log.info("saved %d tables to %s", len(entries), gen)
 
     def close(self) -> None:
         """Save every table to the directory, if there is one (see save)."""

@@ -3,6 +3,7 @@
 Layout (namespace <ns>, table <t>, bucket number <b>; the braces are literal):
 
     dn:<ns>:tables             HASH  table name -> JSON {"format", "num_buckets", "schema"}
+    {dn:<ns>:tables}:rows      HASH  table name -> rows stored (kept by every write)
     dn:<ns>:<t>:r:{<t>.<b>}    HASH  id as 8 little-endian bytes -> the row's raw bytes
 
 e.g. `dn:ctr:users:r:{users.17}`. A row lives in bucket hashing.bucket_of(id, num_buckets): the
@@ -14,10 +15,21 @@ hash tag keeps each bucket on one Cluster node while a table's buckets spread ov
 `num_buckets` is fixed when a table is created and read back from its metadata, so a PS
 started with another default still finds every row.
 
+The row counts live in a hash whose hash tag is the table hash's whole name, so both sit in
+one Cluster slot: a create or drop changes both atomically (a Lua script), and ListTables reads
+every table and its count in two commands, whatever the number of tables. Each write changes
+the count by what it changed (HSET's new fields, HDEL's and a clear's removed ones). On
+standalone Redis the bucket write and the count change are one Lua script, so the count is
+exact. On Cluster a table's buckets span slots, so the count is changed by the PS right after
+the writes; a PS killed between the two leaves it off by that batch (`clear` or a drop resets
+it). A table created by an older version has no count: it is counted once (HLEN of each
+bucket) when first asked for.
+
 Every call reads the table's metadata first (one HGET), so PS processes sharing a namespace
-see each other's creates and drops; parsed metadata is cached by its raw bytes. Requests go
-as one non-transactional pipeline (a few for very large batches) from the client's
-connection pool, so the store is safe to call from many threads.
+see each other's creates and drops; parsed metadata is cached by its raw bytes (a bounded
+cache: a table dropped through another PS leaves it at its next use here, at the next listing,
+or as the least recently used). Requests go as one non-transactional pipeline (a few for very
+large batches) from the client's connection pool, so the store is safe to call from many threads.
 """
 
 from __future__ import annotations
@@ -27,8 +39,11 @@ import contextlib
 import itertools
 import json
 import operator
-from collections.abc import Iterator
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode
 
 import numpy as np
@@ -39,7 +54,7 @@ from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from dynemb.common.errors import shown
-from dynemb.ps_server.backends.base import Store, check_same_schema, rows_out
+from dynemb.ps_server.backends.base import Store, check_same_schema, check_time, rows_out
 from dynemb.ps_server.backends.redis_tls import check_tls_files, untrusted_hint
 from dynemb.ps_server.codec import rows_for_table
 from dynemb.ps_server.errors import (
@@ -60,8 +75,47 @@ PIPELINE_MAX_IDS = 65536
 PIPELINE_MAX_BYTES = 64 << 20
 # Export reads at least this many rows per pipeline.
 EXPORT_READ_ROWS = 16384
-# Counts and deletes a bucket atomically, so clear/drop report exactly what they removed.
-_CLEAR_BUCKET_LUA = "local n = redis.call('HLEN', KEYS[1]) if n > 0 then redis.call('UNLINK', KEYS[1]) end return n"
+# Parsed metadata of at most this many tables is kept (each about 1 KB).
+META_CACHE_TABLES = 2048
+# Names per HMGET when looking up many tables' schemas at once.
+SCHEMAS_PER_HMGET = 4096
+
+# The row count of table ARGV[1] in hash KEYS[ROWS] changes by n, if the table has one (a table
+# of an older version has none: it is counted when first asked for).
+_ADD_COUNT_LUA = (
+    "if n ~= 0 and redis.call('HEXISTS', KEYS[ROWS], ARGV[1]) == 1 then "
+    "redis.call('HINCRBY', KEYS[ROWS], ARGV[1], n) end"
+)
+# Counts and deletes bucket KEYS[1] atomically, so clear/drop report exactly what they removed;
+# on standalone Redis (ARGV[2] '1') the count in KEYS[2] goes down in the same script.
+_CLEAR_BUCKET_LUA = (
+    "local n = redis.call('HLEN', KEYS[1]) if n > 0 then redis.call('UNLINK', KEYS[1]) end "
+    "if ARGV[2] == '1' then n = -n " + _ADD_COUNT_LUA.replace("ROWS", "2") + " n = -n end return n"
+)
+# Standalone Redis: one pipeline's writes and the count change, atomically. KEYS[1] the
+# row-count hash, KEYS[2...] buckets; ARGV[1] the table, ARGV[2...] how many values each
+# bucket has, then the values (fields, or field-row pairs), bucket after bucket. A command
+# takes at most 4000 values (Lua's unpack() takes under 8000). Returns the fields added (HSET)
+# or removed (HDEL).
+_WRITE_LUA = (
+    "local nb = #KEYS - 1 local at = nb + 2 local total = 0 "
+    "for k = 1, nb do local stop = at + tonumber(ARGV[k + 1]) - 1 "
+    "for i = at, stop, 4000 do "
+    "total = total + redis.call('CMD', KEYS[k + 1], unpack(ARGV, i, math.min(i + 3999, stop))) end "
+    "at = stop + 1 end local n = SIGN total " + _ADD_COUNT_LUA.replace("ROWS", "1") + " return total"
+)
+_WRITE_SCRIPTS = {
+    "HSET": _WRITE_LUA.replace("CMD", "HSET").replace("SIGN", ""),
+    "HDEL": _WRITE_LUA.replace("CMD", "HDEL").replace("SIGN", "-"),
+}
+# Cluster, after a pipeline's writes: KEYS[1] the row-count hash, ARGV[1] the table, ARGV[2] the change.
+_ADD_ROWS_LUA = "local n = tonumber(ARGV[2]) " + _ADD_COUNT_LUA.replace("ROWS", "1")
+# KEYS[1] the table hash, KEYS[2] the row-count hash: a table and its count of 0, or nothing.
+_CREATE_LUA = (
+    "if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then "
+    "redis.call('HSET', KEYS[2], ARGV[1], 0) return 1 end return 0"
+)
+_DROP_LUA = "redis.call('HDEL', KEYS[2], ARGV[1]) return redis.call('HDEL', KEYS[1], ARGV[1])"
 
 
 def meta_key(namespace: str) -> bytes:
@@ -69,9 +123,20 @@ def meta_key(namespace: str) -> bytes:
     return f"dn:{namespace}:tables".encode()
 
 
+def rows_key(namespace: str) -> bytes:
+    """The key of the namespace's row-count hash (in the table hash's Cluster slot)."""
+    return b"{" + meta_key(namespace) + b"}:rows"
+
+
+def bucket_prefix(namespace: str, table: str) -> bytes:
+    """What every bucket key of the table starts with; bucket b's key is this + b"<b>}"."""
+    return f"dn:{namespace}:{table}:r:{{{table}.".encode()
+
+
 def bucket_keys(namespace: str, table: str, num_buckets: int) -> list[bytes]:
     """Every bucket's key name, index = bucket number (exactly one `{...}` hash tag each)."""
-    return [f"dn:{namespace}:{table}:r:{{{table}.{b}}}".encode() for b in range(num_buckets)]
+    prefix = bucket_prefix(namespace, table)
+    return [b"%s%d}" % (prefix, b) for b in range(num_buckets)]
 
 
 def id_fields(ids: np.ndarray) -> list[bytes]:
@@ -81,10 +146,15 @@ def id_fields(ids: np.ndarray) -> list[bytes]:
 
 @dataclass(frozen=True)
 class _TableMeta:
+    """A table's parsed metadata: small (no per-bucket state), as a PS may see thousands of tables."""
+
     raw: bytes  # as stored; the cache key
     schema: TableSchema
     num_buckets: int
-    keys: list[bytes]
+    prefix: bytes  # of its bucket keys
+
+    def key(self, bucket: int) -> bytes:
+        return b"%s%d}" % (self.prefix, bucket)
 
 
 @dataclass(frozen=True)
@@ -178,7 +248,10 @@ class RedisStore(Store):
         self.address = address or "redis"
         self._password = password
         self._meta_key = meta_key(namespace)
-        self._cache: dict[str, _TableMeta] = {}
+        self._rows_key = rows_key(namespace)
+        self._cache: OrderedDict[str, _TableMeta] = OrderedDict()  # least recently used first
+        self._cache_lock = threading.Lock()
+        self._scripts: dict[str, str] = {}  # Lua source -> its SHA1, loaded on first use
 
     # -- construction ------------------------------------------------------------------
 
@@ -259,20 +332,56 @@ class RedisStore(Store):
                     raise r
         return results
 
+    def _sha(self, lua: str) -> str:
+        sha = self._scripts.get(lua)
+        if sha is None:
+            with self._redis():
+                sha = self._scripts[lua] = _sha_text(self.client.script_load(lua))
+        return sha
+
+    def _script(self, pipe, lua: str, keys: list[bytes], args: list) -> None:
+        """Queue the script on pipe (EVALSHA: its source is not sent each time)."""
+        pipe.execute_command("EVALSHA", self._sha(lua), len(keys), *keys, *args)
+
+    def _run_scripted(self, fill: Callable[[Any], None]) -> list:
+        """A pipeline that fill() queues commands on, run; run again once if Redis lost the
+        scripts (restarted, SCRIPT FLUSH, a new Cluster node). A NOSCRIPT command did nothing,
+        so running the others again writes the same rows and changes no count twice."""
+        for attempt in (0, 1):
+            pipe = self._pipeline()
+            fill(pipe)
+            with self._redis():
+                results = pipe.execute(raise_on_error=False)
+            if attempt == 0 and any(isinstance(r, redis.exceptions.NoScriptError) for r in results):
+                with self._redis():
+                    for lua in self._scripts:
+                        self._scripts[lua] = _sha_text(self.client.script_load(lua))
+                continue
+            for r in results:
+                if isinstance(r, Exception):
+                    with self._redis():
+                        raise r
+            return results
+        raise AssertionError("unreachable")
+
+    def _not_found(self, table: str) -> TableNotFound:
+        with self._cache_lock:
+            self._cache.pop(table, None)
+        return TableNotFound(f"table {table!r} does not exist in Redis namespace {self.namespace!r} ({self.address})")
+
     def _meta(self, table: str) -> _TableMeta:
         with self._redis():
             raw = self.client.hget(self._meta_key, table)
         if raw is None:
-            self._cache.pop(table, None)
-            raise TableNotFound(
-                f"table {table!r} does not exist in Redis namespace {self.namespace!r} ({self.address})"
-            )
+            raise self._not_found(table)
         return self._parse_meta(table, _raw(raw))
 
     def _parse_meta(self, table: str, raw: bytes) -> _TableMeta:
-        have = self._cache.get(table)
-        if have is not None and have.raw == raw:
-            return have
+        with self._cache_lock:
+            have = self._cache.get(table)
+            if have is not None and have.raw == raw:
+                self._cache.move_to_end(table)
+                return have
         try:
             d = json.loads(raw)
             schema = TableSchema.from_dict(d["schema"])
@@ -281,8 +390,12 @@ class RedisStore(Store):
             raise PSError(
                 f"metadata of table {table!r} in Redis namespace {self.namespace!r} is unreadable: {exc}"
             ) from None
-        meta = _TableMeta(raw, schema, nb, bucket_keys(self.namespace, table, nb))
-        self._cache[table] = meta
+        meta = _TableMeta(raw, schema, nb, bucket_prefix(self.namespace, table))
+        with self._cache_lock:
+            self._cache[table] = meta
+            self._cache.move_to_end(table)
+            while len(self._cache) > META_CACHE_TABLES:
+                self._cache.popitem(last=False)
         return meta
 
     # -- tables ------------------------------------------------------------------------
@@ -292,10 +405,12 @@ class RedisStore(Store):
         raw = json.dumps(
             {"format": META_FORMAT, "num_buckets": self.num_buckets, "schema": schema.to_dict()}, sort_keys=True
         ).encode()
-        with self._redis():
-            # HSETNX: of several PS processes creating one table, exactly one wins
-            if self.client.hsetnx(self._meta_key, schema.name, raw):
-                return True
+        # HSETNX in the script: of several PS processes creating one table, exactly one wins
+        created = self._run_scripted(
+            lambda pipe: self._script(pipe, _CREATE_LUA, [self._meta_key, self._rows_key], [schema.name, raw])
+        )[0]
+        if created:
+            return True
         check_same_schema(self._meta(schema.name).schema, schema, f" in Redis namespace {self.namespace!r}")
         return False
 
@@ -303,32 +418,126 @@ class RedisStore(Store):
         """See Store.schema."""
         return self._meta(table).schema
 
+    def _all_metas(self) -> tuple[list[_TableMeta], dict[bytes, bytes]]:
+        """(every table's metadata sorted by name, the row counts by table name), in one pipeline."""
+        pipe = self._pipeline()
+        pipe.hgetall(self._meta_key)
+        pipe.hgetall(self._rows_key)
+        entries, counts = self._run(pipe)
+        names = {_raw(name).decode() for name in entries}
+        metas = [self._parse_meta(_raw(name).decode(), _raw(raw)) for name, raw in entries.items()]
+        with self._cache_lock:  # tables dropped through another PS leave the cache
+            for gone in [t for t in self._cache if t not in names]:
+                del self._cache[gone]
+        return sorted(metas, key=lambda m: m.schema.name), counts
+
+    def schemas(self, tables: list[str]) -> dict[str, TableSchema]:
+        """See Store.schemas: one pipeline of HMGETs."""
+        if not tables:
+            return {}
+        pipe = self._pipeline()
+        for lo in range(0, len(tables), SCHEMAS_PER_HMGET):
+            pipe.hmget(self._meta_key, tables[lo : lo + SCHEMAS_PER_HMGET])
+        raws = [raw for reply in self._run(pipe) for raw in reply]
+        found = {}
+        for table, raw in zip(tables, raws):
+            if raw is None:
+                with self._cache_lock:
+                    self._cache.pop(table, None)
+            else:
+                found[table] = self._parse_meta(table, _raw(raw)).schema
+        return found
+
     def list_tables(self) -> list[TableSchema]:
         """See Store.list_tables."""
-        with self._redis():
-            entries = self.client.hgetall(self._meta_key)
-        metas = [self._parse_meta(_raw(name).decode(), _raw(raw)) for name, raw in entries.items()]
-        return sorted((m.schema for m in metas), key=lambda s: s.name)
+        return [m.schema for m in self._all_metas()[0]]
 
-    def _each_bucket(self, meta: _TableMeta, *command) -> list:
-        """`command` with each bucket key appended, for every bucket of the table; the replies."""
+    def list_tables_with_rows(self, time_left: Callable[[], float] | None = None) -> list[tuple[TableSchema, int]]:
+        """See Store.list_tables_with_rows: two commands, whatever the number of tables (tables
+        of an older version with no row count yet are counted bucket by bucket, once)."""
+        metas, counts = self._all_metas()
+        out = []
+        for meta in metas:
+            stored = counts.get(meta.schema.name.encode())
+            if stored is not None:
+                out.append((meta.schema, int(stored)))
+                continue
+            check_time(time_left, "listing tables")
+            with contextlib.suppress(TableNotFound):  # dropped meanwhile
+                out.append((meta.schema, self._recount(meta)))
+        return out
+
+    def _each_bucket(self, meta: _TableMeta, command: Callable[[Any, bytes], None]) -> list:
+        """command(pipe, key) for every bucket of the table, in pipelines; the replies."""
         replies: list = []
         for lo in range(0, meta.num_buckets, PIPELINE_MAX_IDS):
-            pipe = self._pipeline()
-            for key in meta.keys[lo : lo + PIPELINE_MAX_IDS]:
-                pipe.execute_command(*command, key)
-            replies += self._run(pipe)
+            buckets = range(lo, min(lo + PIPELINE_MAX_IDS, meta.num_buckets))
+
+            def fill(pipe, buckets=buckets) -> None:
+                for b in buckets:
+                    command(pipe, meta.key(b))
+
+            replies += self._run_scripted(fill)
         return replies
 
     def _bucket_lens(self, meta: _TableMeta) -> np.ndarray:
-        return np.array(self._each_bucket(meta, "HLEN"), dtype=np.int64)
+        return np.array(self._each_bucket(meta, lambda pipe, key: pipe.execute_command("HLEN", key)), dtype=np.int64)
+
+    def _recount(self, meta: _TableMeta) -> int:
+        """Count a table without a row count (created by an older version) and keep the count.
+
+        Writes while it counts are not in the count: it is exact only if none come then."""
+        n = int(self._bucket_lens(meta).sum())
+        with self._redis():
+            if self.client.hget(self._meta_key, meta.schema.name) != meta.raw:
+                raise self._not_found(meta.schema.name)  # dropped (or re-created) meanwhile
+            self.client.hsetnx(self._rows_key, meta.schema.name, n)
+            stored = self.client.hget(self._rows_key, meta.schema.name)
+        return n if stored is None else int(stored)
 
     def num_rows(self, table: str) -> int:
-        """See Store.num_rows (one HLEN per bucket)."""
-        return int(self._bucket_lens(self._meta(table)).sum())
+        """See Store.num_rows (the table's kept count: one command)."""
+        pipe = self._pipeline()
+        pipe.hget(self._meta_key, table)
+        pipe.hget(self._rows_key, table)
+        raw, n = self._run(pipe)
+        if raw is None:
+            raise self._not_found(table)
+        meta = self._parse_meta(table, _raw(raw))
+        return int(n) if n is not None else self._recount(meta)
+
+    def _add_rows(self, table: str, change: int) -> None:
+        """On Cluster, change the count after the writes (on standalone their scripts did)."""
+        if self.cluster and change:
+            self._run_scripted(lambda pipe: self._script(pipe, _ADD_ROWS_LUA, [self._rows_key], [table, change]))
+
+    def _write(self, meta: _TableMeta, command: str, part: list, values: list, per_id: int) -> int:
+        """HSET or HDEL of each (bucket, start, end) of part with the ids' values[per_id * start :
+        per_id * end] (field-row pairs, or fields), as one pipeline; the fields added or removed.
+        On standalone Redis one script that changes the row count too; on Cluster a command per
+        bucket (a table's buckets span slots), the count changed by the caller afterwards."""
+        if self.cluster:
+
+            def fill(pipe) -> None:
+                for b, start, end in part:
+                    pipe.execute_command(command, meta.key(b), *values[per_id * start : per_id * end])
+
+            return int(sum(self._run_scripted(fill)))
+        keys = [self._rows_key, *(meta.key(b) for b, _, _ in part)]
+        args = [meta.schema.name, *(per_id * (end - start) for _, start, end in part)]
+        args += values[per_id * part[0][1] : per_id * part[-1][2]]  # the groups are contiguous
+        return int(self._run_scripted(lambda pipe: self._script(pipe, _WRITE_SCRIPTS[command], keys, args))[0])
 
     def _delete_buckets(self, meta: _TableMeta) -> int:
-        return int(sum(self._each_bucket(meta, "EVAL", _CLEAR_BUCKET_LUA, 1)))
+        def clear(pipe, key: bytes) -> None:
+            if self.cluster:  # keys of one slot only: the count is changed afterwards
+                self._script(pipe, _CLEAR_BUCKET_LUA, [key], [meta.schema.name, b"0"])
+            else:
+                self._script(pipe, _CLEAR_BUCKET_LUA, [key, self._rows_key], [meta.schema.name, b"1"])
+
+        n = int(sum(self._each_bucket(meta, clear)))
+        self._add_rows(meta.schema.name, -n)
+        return n
 
     def clear(self, table: str) -> int:
         """See Store.clear."""
@@ -343,9 +552,9 @@ class RedisStore(Store):
         # rows first, metadata last: a drop cut short leaves a table that a retried drop
         # removes, never orphan rows that a new table of this name would inherit
         n = self._delete_buckets(meta)
-        with self._redis():
-            self.client.hdel(self._meta_key, table)
-        self._cache.pop(table, None)
+        self._run_scripted(lambda pipe: self._script(pipe, _DROP_LUA, [self._meta_key, self._rows_key], [table]))
+        with self._cache_lock:
+            self._cache.pop(table, None)
         return n
 
     # -- rows --------------------------------------------------------------------------
@@ -353,7 +562,7 @@ class RedisStore(Store):
     def pull(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """See Store.pull; rows of ids not found are zeros."""
         meta = self._meta(table)
-        schema, keys = meta.schema, meta.keys
+        schema = meta.schema
         ids = _as_ids(ids)
         n = len(ids)
         rows = rows_out(out, n, schema)
@@ -366,7 +575,7 @@ class RedisStore(Store):
         for part in g.pipelines(schema.row_bytes):
             pipe = self._pipeline()
             for b, start, end in part:
-                pipe.execute_command("HMGET", keys[b], *fields[start:end])
+                pipe.execute_command("HMGET", meta.key(b), *fields[start:end])
             for reply in self._run(pipe):
                 values += reply
         present = list(filter(None, values))  # drops None (and b"", caught by the size checks)
@@ -390,28 +599,27 @@ class RedisStore(Store):
 
     def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> int:
         """See Store.push."""
-        meta = self._meta(table)
-        schema, keys = meta.schema, meta.keys
         ids = _as_ids(ids)
-        rows = rows_for_table(rows, schema, len(ids))
-        if len(ids) == 0:
+        if len(ids) == 0:  # nothing to write: no command at all
+            rows_for_table(rows, self.schema(table), 0)
             return 0
+        meta = self._meta(table)
+        schema = meta.schema
+        rows = rows_for_table(rows, schema, len(ids))
         g = _group_by_bucket(ids, meta.num_buckets)
         # field, value, field, value... in bucket order: one HSET per bucket
         pairs: list = [None] * (2 * len(ids))
         pairs[0::2] = id_fields(ids[g.order])
         pairs[1::2] = rows[g.order].view(f"V{schema.row_bytes}").ravel().tolist()
+        added = 0
         for part in g.pipelines(schema.row_bytes + 8):
-            pipe = self._pipeline()
-            for b, start, end in part:
-                pipe.execute_command("HSET", keys[b], *pairs[2 * start : 2 * end])
-            self._run(pipe)
+            added += self._write(meta, "HSET", list(part), pairs, 2)
+        self._add_rows(table, added)
         return len(ids)
 
     def delete(self, table: str, ids: np.ndarray) -> int:
         """See Store.delete."""
         meta = self._meta(table)
-        keys = meta.keys
         ids = _as_ids(ids)
         if len(ids) == 0:
             return 0
@@ -419,10 +627,8 @@ class RedisStore(Store):
         fields = id_fields(ids[g.order])
         deleted = 0
         for part in g.pipelines(8):
-            pipe = self._pipeline()
-            for b, start, end in part:
-                pipe.execute_command("HDEL", keys[b], *fields[start:end])
-            deleted += sum(self._run(pipe))
+            deleted += self._write(meta, "HDEL", list(part), fields, 1)
+        self._add_rows(table, -deleted)
         return int(deleted)
 
     def export(self, table: str, rows_per_chunk: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -452,7 +658,7 @@ class RedisStore(Store):
                 i += 1
             pipe = self._pipeline()
             for b in group:
-                pipe.execute_command("HGETALL", meta.keys[b])
+                pipe.execute_command("HGETALL", meta.key(b))
             ids_parts, rows_parts = [ids_left], [rows_left]
             for bucket in self._run(pipe):
                 if not bucket:  # emptied since it was counted
@@ -494,6 +700,11 @@ def _raw(value: bytes | str) -> bytes:
     if isinstance(value, str):
         raise PSError("the Redis client decodes responses (decode_responses=True); RedisStore needs raw bytes")
     return value
+
+
+def _sha_text(reply) -> str:
+    """SCRIPT LOAD's reply (redis-py decodes it, whatever decode_responses says)."""
+    return reply.decode() if isinstance(reply, bytes) else str(reply)
 
 
 def _as_ids(ids: np.ndarray) -> np.ndarray:
