@@ -12,7 +12,12 @@ evictions): the tests hold both backends to identical ones.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from dynemb.idtransformer.triton_map import TritonSlotMap
 
 EMPTY = -1
 MAP_SEED = 0x51_07
@@ -148,10 +153,15 @@ def coin(ids: torch.Tensor, step: int) -> torch.Tensor:
     return _lsr(r, 11).to(torch.float64) * 2.0**-53
 
 
-def make_slot_map(capacity: int, records: torch.Tensor, backend: str) -> KernelSlotMap | SortedSlotMap:
-    """The slot map of a backend: 'kernel' (KernelSlotMap) or 'torch' (SortedSlotMap)."""
+def make_slot_map(capacity: int, records: torch.Tensor, backend: str) -> KernelSlotMap | SortedSlotMap | TritonSlotMap:
+    """The slot map of a backend: 'kernel' (KernelSlotMap), 'torch' (SortedSlotMap) or
+    'triton' (triton_map.TritonSlotMap)."""
     if backend == "kernel":
         return KernelSlotMap(capacity, records)
     if backend == "torch":
         return SortedSlotMap(capacity, records.device)
-    raise ValueError(f"slot map backend {backend!r} is not one of 'kernel', 'torch'")
+    if backend == "triton":
+        from dynemb.idtransformer.triton_map import TritonSlotMap
+
+        return TritonSlotMap(capacity, records)
+    raise ValueError(f"slot map backend {backend!r} is not one of 'kernel', 'torch', 'triton'")
