@@ -46,14 +46,15 @@ def lowest(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     key = scores ^ _SIGN  # order-preserving as unsigned: digits compare in the scores' order
     dev = scores.device
     candidate = torch.ones_like(scores, dtype=torch.bool)
-    left = k.clamp(min=1)  # how many of the candidates are still to take (k = 0: masked at the end)
-    threshold = torch.zeros((), dtype=torch.int64, device=dev)
+    # (1-element tensors, not 0-dim ones: indexing with a 0-dim tensor may read it on the host)
+    left = k.reshape(1).clamp(min=1)  # how many candidates are still to take (k = 0: masked at the end)
+    threshold = torch.zeros(1, dtype=torch.int64, device=dev)
     for shift in range(64 - _DIGIT, -1, -_DIGIT):
         digit = _lsr(key, shift) & (_BINS - 1)
         hist = torch.zeros(_BINS, dtype=torch.int64, device=dev).index_add_(0, digit, candidate.to(torch.int64))
         below = torch.cumsum(hist, 0)
-        b = torch.searchsorted(below, left.reshape(1)).reshape(())  # the first bin reaching `left`
-        left = left - (below[b] - hist[b])
+        b = torch.searchsorted(below, left)  # the first bin reaching `left`
+        left = left - (below.gather(0, b) - hist.gather(0, b))
         threshold = threshold | (b << shift)
         candidate &= digit == b
     cut = threshold ^ _SIGN  # the k-th lowest score
