@@ -62,9 +62,7 @@ def _tag_home(ids, seed, size):
 
 @triton.jit
 def _limit(count_ptr, n):
-    """How many lanes are live: n, or fewer when count_ptr holds a device count."""
-    if count_ptr is None:
-        return n
+    """How many lanes are live: n, or fewer when count_ptr holds a smaller device count."""
     return tl.minimum(tl.load(count_ptr).to(tl.int64), n)
 
 
@@ -91,13 +89,23 @@ def _find_kernel(entries, record_ids, ids_ptr, out_ptr, count_ptr, n, size, seed
 
 @triton.jit
 def _insert_kernel(
-    entries, record_ids, slots_ptr, occupied_ptr, count_ptr, reused_ptr, n, size, seed, BLOCK: tl.constexpr
+    entries,
+    record_ids,
+    slots_ptr,
+    occupied_ptr,
+    count_ptr,
+    reused_ptr,
+    n,
+    size,
+    seed,
+    REBUILD: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = offs < _limit(count_ptr, n)
-    if occupied_ptr is None:
+    if not REBUILD:
         slot = tl.load(slots_ptr + offs, mask=live, other=0)
-    else:  # a rebuild: every slot whose record is occupied (last access != -1)
+    else:  # every slot whose record is occupied (last access != -1); slots_ptr is unused
         slot = offs
         last = tl.load(occupied_ptr + 4 * offs, mask=live, other=-1)
         live = live & (last != -1)
@@ -117,8 +125,7 @@ def _insert_kernel(
         # a lane that lost a race for an open entry reads it again; the others move on
         step = todo & ~open_
         pos = tl.where(step, tl.where(pos + 1 == size, 0, pos + 1), pos)
-    if reused_ptr is not None:
-        tl.atomic_add(reused_ptr, tl.sum(reused, 0))
+    tl.atomic_add(reused_ptr, tl.sum(reused, 0))
 
 
 @triton.jit
@@ -169,28 +176,36 @@ class TritonSlotMap:
     def _ids(self) -> torch.Tensor:
         return self.records.view(-1)
 
+    def _all(self, n: int) -> torch.Tensor:
+        """A device count of n (a fill, not a copy from the host)."""
+        return torch.full((1,), n, dtype=torch.int64, device=self.entries.device)
+
     def find_upto(self, ids: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
         """The slot of each of ids' first `count` (a device int64 scalar; all if None), -1 where
         absent or past the count."""
         n = ids.numel()
         out = torch.empty(n, dtype=torch.int64, device=ids.device)
         if n:
+            count = self._all(n) if count is None else count
             _find_kernel[_grid(n)](self.entries, self._ids, ids, out, count, n, self.size, MAP_SEED, BLOCK=_BLOCK)
         return out
 
     def insert_upto(self, slots: torch.Tensor, count: torch.Tensor | None, reused: torch.Tensor | None) -> None:
-        """Enter the IDs the records hold at slots' first `count` (absent, distinct); adds the
-        tombstones they took over to `reused` (a device int64 scalar)."""
+        """Enter the IDs the records hold at slots' first `count` (absent, distinct; all if None);
+        adds the tombstones they took over to `reused` (a 1-element device int64 tensor)."""
         n = slots.numel()
         if n:
+            count = self._all(n) if count is None else count
+            reused = torch.zeros(1, dtype=torch.int64, device=slots.device) if reused is None else reused
             _insert_kernel[_grid(n)](
-                self.entries, self._ids, slots, None, count, reused, n, self.size, MAP_SEED, BLOCK=_BLOCK
+                self.entries, self._ids, slots, self.entries, count, reused, n, self.size, MAP_SEED, False, _BLOCK
             )
 
     def erase_upto(self, slots: torch.Tensor, count: torch.Tensor | None) -> None:
-        """Remove the IDs held at slots' first `count` (their records still hold them)."""
+        """Remove the IDs held at slots' first `count` (their records still hold them; all if None)."""
         n = slots.numel()
         if n:
+            count = self._all(n) if count is None else count
             _erase_kernel[_grid(n)](self.entries, self._ids, slots, count, n, self.size, MAP_SEED, BLOCK=_BLOCK)
 
     def find(self, ids: torch.Tensor) -> torch.Tensor:
@@ -218,8 +233,9 @@ class TritonSlotMap:
         """Clear the entries and insert every occupied slot's ID again (no tombstones left)."""
         self.entries.fill_(EMPTY)
         meta = self.records.view(torch.int32)  # last access: int32 2 of each 4-int32 record
-        c = self.capacity
+        c, spare = self.capacity, torch.zeros(1, dtype=torch.int64, device=self.entries.device)
+        every = self._all(c)
         _insert_kernel[_grid(c)](
-            self.entries, self._ids, None, meta[:, 2:], None, None, c, self.size, MAP_SEED, BLOCK=_BLOCK
+            self.entries, self._ids, self.entries, meta[:, 2:], every, spare, c, self.size, MAP_SEED, True, _BLOCK
         )
         self.tombs = 0
