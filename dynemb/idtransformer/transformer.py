@@ -17,12 +17,16 @@ step (int32, -1 = free), log frequency counter (uint8), pin count (uint8), and 1
 kernel uses within a call; `slot_id`, `last_access`, `freq` and `pins` are views of it.
 Plus the id → slot map (slot_map.py), 16 bytes per slot: 32 bytes per slot in all.
 
-Two backends with identical results (the tests compare them call by call): on CPU a
-compiled kernel (csrc/slot_map.cpp) does a batch in two passes (lookup, then admit); the
-torch-ops version (for CUDA, or backend="torch") does the same in bulk tensor ops: on
-CUDA about a dozen host syncs per batch whatever its size or the table's state (for the
-sizes of the outputs, which the caller moves to and from the PS from the host anyway), none
-per ID or per probe step (bench/idtransformer_bench.py --device cuda counts them).
+Three backends with identical results (the tests compare them call by call; backend.py):
+- "kernel" (CPU): a compiled kernel (csrc/slot_map.cpp) does a batch in two passes (lookup,
+  then admit).
+- "triton" (CUDA, the default there when triton imports): a Triton hash table for the map
+  (triton_map.py) and a batched pass in fixed-shape tensors with device-side counts
+  (device_transform.py): one device-to-host copy per call, of the counts that size the
+  outputs; refusals found on the device mask the steps that would change something.
+- "torch" (any device): the same in bulk torch ops over a sorted map: on CUDA about a dozen
+  host syncs per batch whatever its size or the table's state, none per ID or per probe step.
+bench/idtransformer_bench.py --device cuda counts each one's syncs.
 """
 
 from __future__ import annotations
@@ -136,10 +140,12 @@ class IDTransformer:
         admit_threshold: sightings an ID needs before it gets a slot (1: at once); counted in a
             count-min sketch of `sketch_width` x `sketch_depth` counters.
         device: where the table's records live.
-        backend: "auto" (the compiled kernel on CPU, torch ops elsewhere), "kernel" or "torch".
+        backend: "auto" (the compiled kernel on CPU; on CUDA triton where it imports, else torch
+            ops), "kernel", "triton" or "torch".
 
     Raises:
-        ValueError: capacity or admit_threshold below 1.
+        ValueError: capacity or admit_threshold below 1; an unknown backend, or triton where it
+            cannot run (not installed; CPU tensors without TRITON_INTERPRET=1).
     """
 
     def __init__(
