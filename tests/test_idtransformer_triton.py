@@ -246,6 +246,22 @@ def test_on_cuda_the_pass_does_not_sync_but_for_its_copy(monkeypatch):
     assert len(t) > 0
 
 
+def test_shapes_dtypes_empty_batches_and_bytes():
+    """2-D int32 IDs keep their shape; an empty batch advances the step; 32 bytes a slot."""
+    k, t = pair(capacity=16, policy=EvictionPolicy("lru", evict_fraction=0.5))
+    for ids in (
+        torch.tensor([[3, 4], [4, -7]], dtype=torch.int32),
+        torch.zeros(0, dtype=torch.int64),
+        torch.arange(30),
+    ):
+        a, b = outcome(k, lambda x: x.transform(ids)), outcome(t, lambda x: x.transform(ids))
+        same_result(a, b, f"ids {ids.tolist()}")
+        if not isinstance(b, Exception):
+            assert b.slots.shape == ids.shape
+        same_state(k, t, f"after {ids.tolist()}")
+    assert t.nbytes == 16 * 16 + 8 * (t.triton_map.size + 1)  # records and map entries: ~32 bytes a slot
+
+
 def test_backends_are_chosen_and_refused_clearly(monkeypatch):
     assert IDTransformer(4).backend == "kernel"
     with pytest.raises(ValueError, match="is not one of"):
