@@ -8,7 +8,8 @@
 - backend.py: the backends ("kernel", "triton", "torch") and where each runs.
 - slot_map.py: the id → slot maps (the kernel's, and a sorted one in torch ops); triton_map.py:
   the triton backend's hash table; device_transform.py: its batched pass with one host copy,
-  device_select.py: its fixed-shape selections (compaction, lowest-k by radix select).
+  device_select.py: its compaction into fixed shapes; triton_select.py: its victims (the k
+  lowest scores by radix select).
 - kernel.py builds and loads the CPU kernel: csrc/slot_map.cpp (the map, lookup, admission,
   eviction), csrc/route.cpp (the exchange's routing); the hashes both use are dynemb/common/csrc/hash.h.
 - hashing.py: XXH64 in torch ops (an ID's owner rank); ids.py: what counts as an ID.

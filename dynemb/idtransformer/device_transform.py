@@ -7,7 +7,7 @@ the counts and masks of the steps that would change something, so they run and c
 nothing. At the end one small int64 tensor (the counts and a status) comes to the host
 (`to_host`), which slices the outputs and raises a refusal. The map is triton_map.py's hash
 table (a find, an erase, an insert: three kernel launches); the rest are torch ops that do
-not wait for the device (sort, cumsum, scatter; device_select.py picks the victims). The
+not wait for the device (sort, cumsum, scatter); triton_select.py picks the victims. The
 host decides two things from what it already knows: whether eviction can be needed at all
 (a batch of n IDs fits in the free slots: no scoring), and when to rebuild the map.
 
@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dynemb.idtransformer.device_select import compact, lowest
+from dynemb.idtransformer.device_select import compact
 from dynemb.idtransformer.slot_map import coin
+from dynemb.idtransformer.triton_select import lowest
 
 if TYPE_CHECKING:
     from dynemb.idtransformer.transformer import IDTransformer, TransformResult

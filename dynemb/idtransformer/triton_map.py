@@ -18,7 +18,7 @@ when it is full; fbgemm's faster_hash (TorchRec MPZCH) probes an identity tensor
 position is the output slot and evicts on the probe path. Both tie a victim to where its key
 hashes, while this table's results must equal the CPU kernel's: a global lowest-score victim
 choice and the lowest free slot for each admitted ID. So slots and their scores stay in the
-transformer's records (chosen over the whole capacity, device_select.py) and the map only
+transformer's records (chosen over the whole capacity, triton_select.py) and the map only
 answers id -> slot: 8 bytes an entry, one CAS to claim, a 32-bit digest that spares most
 record reads on a probe miss, and neighbouring probes on one cache line (coalesced loads).
 """
