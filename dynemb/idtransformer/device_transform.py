@@ -11,6 +11,11 @@ not wait for the device (sort, cumsum, scatter); triton_select.py picks the vict
 host decides two things from what it already knows: whether eviction can be needed at all
 (a batch of n IDs fits in the free slots: no scoring), and when to rebuild the map.
 
+The touch and the log counter's bump stay torch ops beside the find kernel, not in it: the
+pins check needs the whole batch's verdict before any slot is touched (a second launch
+anyway), and policy.bump's float64 exp/log1p are torch's, the same ops the other backends
+use, where a kernel's libdevice calls could round differently.
+
 The results equal the other backends' call by call (the lowest free slots to the admitted
 in order of first sighting, victims by lowest score then index): see transformer.py.
 """
