@@ -2,6 +2,12 @@
 
     .venv/bin/python bench/idtransformer_bench.py                     # CPU, the issue's setting
     python3 bench/idtransformer_bench.py --device cuda                # on a GPU machine
+    TRITON_INTERPRET=1 .venv/bin/python bench/idtransformer_bench.py --backends triton --capacity 64 \
+        --batch 40 --universe 500 --warmup 2 --batches 2 --skip-mch  # smoke run of the triton pass on CPU
+
+--backends picks which of our backends run, one after the other on the same batches: by
+default the kernel on CPU; on CUDA the triton backend (where triton imports) and the torch
+ops, each with its host syncs per batch (torch's sync debug mode) beside its IDs/s.
 
 A Zipf(1.05) stream over 10^8 distinct IDs (rank r → a fixed scrambled 62-bit ID; rank r has
 probability ~ r^-1.05 among the 10^8, dynemb/trainer/zipf.py), batches of 262,144, capacity 10^6.
@@ -11,9 +17,9 @@ stream that is 40% IDs never seen again). Both sides first see --warmup batches 
 eviction starts), then the same --batches timed batches. MCH: DistanceLFU eviction,
 eviction_interval 10 (its eviction cost is inside its timing, as ours is).
 
-Printed: IDs/s of each and the ratio (goal >= 10x MCH), hit rate of each (share of the
-batch's IDs already resident before the batch; goal >= MCH's), resident bytes per ID
-(goal <= 32).
+Printed: IDs/s of each and the ratio (goal >= 10x MCH; the first backend's), hit rate of each
+(share of the batch's IDs already resident before the batch; goal >= MCH's), resident bytes
+per ID (goal <= 32), and for the triton backend its host copies per batch (1 by design).
 """
 
 from __future__ import annotations
@@ -51,35 +57,68 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run_ours(args, batches, device) -> dict:
+def run_ours(args, batches, device, backend: str) -> dict:
     t = IDTransformer(
         args.capacity,
         EvictionPolicy("hybrid", evict_fraction=args.evict_fraction),
         device=device,
-        backend=args.backend,
+        backend=backend,
         admit_threshold=args.admit_threshold,
     )
-    hits = total = 0
+    hits = total = timed = 0
     elapsed = 0.0
-    for k, b in enumerate(tqdm(batches, desc="idtransformer", unit="batch", leave=False)):
-        x = b.to(device)
-        sync(device)
-        start = time.perf_counter()
-        out = t.transform(x)
-        sync(device)
-        if k >= args.warmup:
-            elapsed += time.perf_counter() - start
-            hits += int((~torch.isin(x, out.admitted_ids) & (out.slots.reshape(-1) >= 0)).sum())
-            total += x.numel()
+    copies = [0]
+    if t.backend == "triton":  # count the pass's device-to-host copies through its one door
+        from dynemb.idtransformer import device_transform
+
+        real = device_transform.to_host
+
+        def counted(counts):
+            copies[0] += 1
+            return real(counts)
+
+        device_transform.to_host = counted
+    try:
+        for k, b in enumerate(tqdm(batches, desc=f"idtransformer ({t.backend})", unit="batch", leave=False)):
+            x = b.to(device)
+            sync(device)
+            if k == args.warmup:
+                copies[0] = 0
+            start = time.perf_counter()
+            out = t.transform(x)
+            sync(device)
+            if k >= args.warmup:
+                elapsed += time.perf_counter() - start
+                hits += int(out.hits)
+                total += x.numel()
+                timed += 1
+    finally:
+        if t.backend == "triton":
+            device_transform.to_host = real
     result = {
+        "backend": t.backend,
         "ids_per_s": total / elapsed,
         "hit_rate": hits / total,
-        "bytes_per_id": t.nbytes / len(t),
+        "bytes_per_id": t.nbytes / max(len(t), 1),
         "resident": len(t),
     }
+    if t.backend == "triton":
+        result["copies"] = copies[0] / max(timed, 1)
     if device.type == "cuda":
-        result["syncs"] = count_syncs(lambda: t.transform(batches[-1].to(device)))
+        last = batches[-1].to(device)  # (the copy to the device is not the transform's)
+        result["syncs"] = count_syncs(lambda: t.transform(last))
     return result
+
+
+def backends_for(device: torch.device, asked: str) -> list[str]:
+    """The backends to run: those asked (comma-separated), or by default the device's."""
+    if asked != "auto":
+        return asked.split(",")
+    if device.type != "cuda":
+        return ["kernel"]
+    from dynemb.idtransformer.backend import triton_available
+
+    return ["triton", "torch"] if triton_available() else ["torch"]
 
 
 def count_syncs(fn) -> int:
@@ -137,10 +176,10 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, default=20, help="timed batches [default %(default)s]")
     p.add_argument("--evict-fraction", type=float, default=0.05)
     p.add_argument(
-        "--backend",
+        "--backends",
         default="auto",
-        choices=["auto", "kernel", "torch"],
-        help="slot map: the compiled CPU kernel, torch ops, or auto (kernel on CPU) [default %(default)s]",
+        help="ours to run, comma-separated, of kernel (CPU), torch, triton (CUDA; CPU under TRITON_INTERPRET=1); "
+        "auto: kernel on CPU, triton and torch on CUDA [default %(default)s]",
     )
     p.add_argument(
         "--admit-threshold",
@@ -163,15 +202,30 @@ def main(argv=None) -> int:
         f"{args.capacity:,}, {args.warmup} warm-up + {args.batches} timed batches, device {device}, "
         f"{torch.get_num_threads()} CPU threads"
     )
-    ours = run_ours(args, batches, device)
-    print(
-        f"  idtransformer (hybrid)   {ours['ids_per_s']:>14,.0f} IDs/s   hit rate {ours['hit_rate']:.4f}   "
-        f"{ours['bytes_per_id']:.1f} bytes per resident ID ({ours['resident']:,} resident)"
-    )
-    if "syncs" in ours:
-        print(f"  host syncs in one batch's transform: {ours['syncs']}")
+    names = backends_for(device, args.backends)
+    unknown = sorted(set(names) - {"kernel", "torch", "triton"})
+    if unknown:
+        p.error(f"--backends: {', '.join(unknown)} not among kernel, torch, triton")
+    runs = []
+    for name in names:
+        ours = run_ours(args, batches, device, name)
+        runs.append(ours)
+        extra = f"   host syncs per batch {ours['syncs']}" if "syncs" in ours else ""
+        if "copies" in ours:
+            extra += f"   host copies per batch {ours['copies']:.2f}"
+        print(
+            f"  idtransformer ({ours['backend']:<6})  {ours['ids_per_s']:>14,.0f} IDs/s   hit rate "
+            f"{ours['hit_rate']:.4f}   {ours['bytes_per_id']:.1f} bytes per resident ID "
+            f"({ours['resident']:,} resident){extra}"
+        )
     if args.skip_mch:
         return 0
+    try:
+        import torchrec  # noqa: F401
+    except ImportError:
+        print("  MCH: torchrec does not import here, skipped")
+        return 0
+    ours = runs[0]
     mch = run_mch(args, batches, device)
     print(f"  MCH (DistanceLFU, 10)    {mch['ids_per_s']:>14,.0f} IDs/s   hit rate {mch['hit_rate']:.4f}")
     print(

@@ -15,7 +15,8 @@ changes.
 
 Tables on the compiled kernel without an admission sketch take one kernel call for them all
 (csrc/slot_map.cpp transform_many: lookup and admit, table after table, no Python between);
-the rest (the torch backend, an admission threshold) go one by one through transform.
+the rest (the triton and torch backends, an admission threshold) go one by one through
+transform (on triton: one host copy per table).
 
     errors = release_many(tables, [out.distinct_slots for out in out.results])   # when done
 """

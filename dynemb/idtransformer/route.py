@@ -47,14 +47,18 @@ def route(ids: torch.Tensor, sizes: list[int], world: int, kernel: bool) -> Rout
 def route_torch(ids: torch.Tensor, sizes: list[int], world: int) -> Routed:
     """route() in torch ops (any device)."""
     n_tables = len(sizes)
+    # (output_size and index_add_ rather than bincount: sizes known on the host, no sync on CUDA)
     table_of = torch.repeat_interleave(
-        torch.arange(n_tables, device=ids.device), torch.tensor(sizes, dtype=torch.int64, device=ids.device)
+        torch.arange(n_tables, device=ids.device),
+        torch.tensor(sizes, dtype=torch.int64, device=ids.device),
+        output_size=ids.numel(),
     )
     bucket = owner_of(ids, world) * n_tables + table_of  # (destination, table); one hash call for all
     order = torch.argsort(bucket, stable=True)
     position = torch.empty_like(order)
     position[order] = torch.arange(order.numel(), device=ids.device)
-    return Routed(ids[order], position, torch.bincount(bucket, minlength=world * n_tables))
+    counts = torch.zeros(world * n_tables, dtype=torch.int64, device=ids.device)
+    return Routed(ids[order], position, counts.index_add_(0, bucket, torch.ones_like(bucket)))
 
 
 def transpose_blocks(x: torch.Tensor, counts: torch.Tensor, kernel: bool) -> torch.Tensor:
@@ -69,5 +73,6 @@ def transpose_blocks_torch(x: torch.Tensor, counts: torch.Tensor) -> torch.Tenso
     """transpose_blocks() in torch ops (any device)."""
     # within a column the blocks already come in row order: a stable sort by column does it
     rows, cols = counts.shape
-    column = torch.arange(cols, device=x.device).repeat(rows).repeat_interleave(counts.reshape(-1))
+    column = torch.arange(cols, device=x.device).repeat(rows)
+    column = column.repeat_interleave(counts.reshape(-1).to(x.device), output_size=x.numel())
     return x[torch.argsort(column, stable=True)]

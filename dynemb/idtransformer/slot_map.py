@@ -1,18 +1,25 @@
-"""The ID transformer's id → slot map. Two implementations of one small API (find,
+"""The ID transformer's id → slot map. Three implementations of one small API (find,
 insert, erase), at most 16 bytes per slot each:
 - KernelSlotMap (CPU): open addressing with linear probing, 8-byte entries {tag, slot} at
   most half full, used by the compiled kernel (csrc/slot_map.cpp), which also runs the
   transformer's two per-batch passes (lookup, admit) over them. An ID's home position is
   fastrange(fmix64(id ^ seed) >> 32, size); `home` computes it in torch ops, as the kernel does.
-- SortedSlotMap (CUDA, or CPU for reference): the resident ids sorted, with their slots;
+- SortedSlotMap (backend "torch", any device): the resident ids sorted, with their slots;
   bulk torch ops (searchsorted, merge, compaction), no host round-trips.
+- TritonSlotMap (backend "triton", triton_map.py): the kernel's tags and homes in an
+  open-addressing table of Triton kernels (CAS insert, tombstones, rebuild).
 Which map holds the ids does not change a transformer's results (slots, admissions,
-evictions): the tests hold both backends to identical ones.
+evictions): the tests hold the backends to identical ones.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from dynemb.idtransformer.triton_map import TritonSlotMap
 
 EMPTY = -1
 MAP_SEED = 0x51_07
@@ -148,10 +155,15 @@ def coin(ids: torch.Tensor, step: int) -> torch.Tensor:
     return _lsr(r, 11).to(torch.float64) * 2.0**-53
 
 
-def make_slot_map(capacity: int, records: torch.Tensor, backend: str) -> KernelSlotMap | SortedSlotMap:
-    """The slot map of a backend: 'kernel' (KernelSlotMap) or 'torch' (SortedSlotMap)."""
+def make_slot_map(capacity: int, records: torch.Tensor, backend: str) -> KernelSlotMap | SortedSlotMap | TritonSlotMap:
+    """The slot map of a backend: 'kernel' (KernelSlotMap), 'torch' (SortedSlotMap) or
+    'triton' (triton_map.TritonSlotMap)."""
     if backend == "kernel":
         return KernelSlotMap(capacity, records)
     if backend == "torch":
         return SortedSlotMap(capacity, records.device)
-    raise ValueError(f"slot map backend {backend!r} is not one of 'kernel', 'torch'")
+    if backend == "triton":
+        from dynemb.idtransformer.triton_map import TritonSlotMap
+
+        return TritonSlotMap(capacity, records)
+    raise ValueError(f"slot map backend {backend!r} is not one of 'kernel', 'torch', 'triton'")

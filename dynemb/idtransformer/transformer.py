@@ -17,25 +17,33 @@ step (int32, -1 = free), log frequency counter (uint8), pin count (uint8), and 1
 kernel uses within a call; `slot_id`, `last_access`, `freq` and `pins` are views of it.
 Plus the id → slot map (slot_map.py), 16 bytes per slot: 32 bytes per slot in all.
 
-Two backends with identical results (the tests compare them call by call): on CPU a
-compiled kernel (csrc/slot_map.cpp) does a batch in two passes (lookup, then admit); the
-torch-ops version (for CUDA, or backend="torch") does the same in bulk tensor ops: on
-CUDA about a dozen host syncs per batch whatever its size or the table's state (for the
-sizes of the outputs, which the caller moves to and from the PS from the host anyway), none
-per ID or per probe step (bench/idtransformer_bench.py --device cuda counts them).
+Three backends with identical results (the tests compare them call by call; backend.py):
+- "kernel" (CPU): a compiled kernel (csrc/slot_map.cpp) does a batch in two passes (lookup,
+  then admit).
+- "triton" (CUDA, the default there when triton imports): a Triton hash table for the map
+  (triton_map.py) and a batched pass in fixed-shape tensors with device-side counts
+  (device_transform.py): one device-to-host copy per call, of the counts that size the
+  outputs; refusals found on the device mask the steps that would change something.
+- "torch" (any device): the same in bulk torch ops over a sorted map: on CUDA about a dozen
+  host syncs per batch whatever its size or the table's state, none per ID or per probe step.
+bench/idtransformer_bench.py --device cuda counts each one's syncs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from dynemb.idtransformer.admission import CountMinSketch
+from dynemb.idtransformer.backend import BACKENDS, check_triton_device, triton_available
 from dynemb.idtransformer.ids import as_int64_ids
 from dynemb.idtransformer.policy import DEFAULT_POLICY, EvictionPolicy
 from dynemb.idtransformer.slot_map import COIN_SEED, MAP_SEED, KernelSlotMap, coin, make_slot_map
+
+if TYPE_CHECKING:
+    from dynemb.idtransformer.triton_map import TritonSlotMap
 
 FREE = -1
 _MAX_PINS = 255
@@ -132,10 +140,12 @@ class IDTransformer:
         admit_threshold: sightings an ID needs before it gets a slot (1: at once); counted in a
             count-min sketch of `sketch_width` x `sketch_depth` counters.
         device: where the table's records live.
-        backend: "auto" (the compiled kernel on CPU, torch ops elsewhere), "kernel" or "torch".
+        backend: "auto" (the compiled kernel on CPU; on CUDA triton where it imports, else torch
+            ops), "kernel", "triton" or "torch".
 
     Raises:
-        ValueError: capacity or admit_threshold below 1.
+        ValueError: capacity or admit_threshold below 1; an unknown backend, or triton where it
+            cannot run (not installed; CPU tensors without TRITON_INTERPRET=1).
     """
 
     def __init__(
@@ -155,7 +165,11 @@ class IDTransformer:
         self.capacity, self.policy, self.admit_threshold = capacity, policy, admit_threshold
         self.device = dev = torch.device(device)
         if backend == "auto":
-            backend = "kernel" if dev.type == "cpu" else "torch"
+            backend = "kernel" if dev.type == "cpu" else ("triton" if triton_available() else "torch")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend {backend!r} is not one of {('auto',) + BACKENDS}")
+        if backend == "triton":
+            check_triton_device(dev)
         self.backend = backend
         # one 16-byte record per slot: (id, meta); the rest are views of it (little-endian
         # meta: bytes 0-3 last access, 4 freq, 5 pins)
@@ -163,8 +177,11 @@ class IDTransformer:
             from dynemb.idtransformer.kernel import ops
 
             self.records = ops().huge_empty([capacity, 2], torch.int64).zero_()
-        else:
-            self.records = torch.zeros(capacity, 2, dtype=torch.int64, device=dev)
+        else:  # (triton: a spare last row, where the batched pass sends its masked-off writes)
+            spare = 1 if backend == "triton" else 0
+            self._ext = torch.zeros(capacity + spare, 2, dtype=torch.int64, device=dev)
+            self._ext[:, 1] = 0xFFFFFFFF  # (the spare row too: last access -1, free)
+            self.records = self._ext[:capacity]
         self.slot_id = self.records[:, 0]
         self.meta = self.records[:, 1]
         self.meta.fill_(0xFFFFFFFF)  # last access -1: free
@@ -176,6 +193,11 @@ class IDTransformer:
         self.step = 0
         self.resident = 0
         self._policy_settings: tuple | None = None  # (policy, the kernel's settings for it, where step and resident go)
+
+    def ext_views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(last_access, freq, pins, slot_id) with the triton backend's spare row at `capacity`."""
+        ext = self._ext
+        return ext.view(torch.int32)[:, 2], ext.view(torch.uint8)[:, 12], ext.view(torch.uint8)[:, 13], ext[:, 0]
 
     def __len__(self) -> int:
         return self.resident
@@ -212,6 +234,12 @@ class IDTransformer:
         ids = as_int64_ids(ids)
         self._check_step()
         flat = ids.reshape(-1).to(self.device)
+        if self.backend == "triton":  # every check on the device, one copy to the host
+            from dynemb.idtransformer import device_transform
+
+            out = device_transform.transform(self, flat.contiguous(), pin)
+            out.slots = out.slots.reshape(ids.shape)
+            return out
         if flat.numel() > self.capacity:  # only then can it hold too many distinct IDs
             distinct = torch.unique(flat).numel()
             if distinct > self.capacity:
@@ -260,6 +288,13 @@ class IDTransformer:
         if not isinstance(self.map, KernelSlotMap):
             raise RuntimeError(f"this transformer's backend is {self.backend!r}, not the kernel")
         return self.map
+
+    @property
+    def triton_map(self) -> TritonSlotMap:
+        """The triton backend's hash table (triton_map.py)."""
+        if self.backend != "triton":
+            raise RuntimeError(f"this transformer's backend is {self.backend!r}, not triton")
+        return self.map  # type: ignore[return-value]
 
     @property
     def evict_min(self) -> int:
@@ -405,9 +440,28 @@ class IDTransformer:
             if error is not None:
                 raise error
             return
-        if bool((self.pins[held] == 0).any()):
+        if self.backend == "triton":  # the kernel's checks, the first bad slot deciding; one copy
+            error = self._release_check(held)
+            if error is not None:
+                raise error
+        elif bool((self.pins[held] == 0).any()):
             raise ValueError(_NOT_PINNED)
         self.pins[held] -= 1
+
+    def _release_check(self, held: torch.Tensor) -> Exception | None:
+        n, c = held.numel(), self.capacity
+        if n == 0:
+            return None
+        at = torch.arange(n, device=held.device)
+        outside = (held < 0) | (held >= c)
+        unpinned = ~outside & (self.pins[held.clamp(0, c - 1)] == 0)
+        firsts = torch.stack([torch.where(outside, at, n).amin(), torch.where(unpinned, at, n).amin()])
+        first_outside, first_unpinned = firsts.tolist()
+        if first_outside < first_unpinned:
+            return IndexError(f"slot out of range for a table of {c} slots")
+        if first_unpinned < n:
+            return ValueError(_NOT_PINNED)
+        return None
 
     # -- state -------------------------------------------------------------------
 
