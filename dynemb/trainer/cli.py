@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -81,7 +82,21 @@ def _train(args: argparse.Namespace, cfg, rank: int) -> int:
     import torch.distributed as dist
 
     from dynemb.trainer.device import DeviceUnavailable, init_distributed, resolve_device
-    from dynemb.trainer.train import train
+    from dynemb.trainer.jagged import TORCHREC_ERROR
+
+    if cfg.model == "dlrm" and TORCHREC_ERROR:  # fbgemm-gpu (and with it TorchRec) does not load here
+        if rank == 0:
+            print(
+                f"dynemb: note: TorchRec did not load ({TORCHREC_ERROR}); training the plain model "
+                f"(torch EmbeddingBags, one process: --model plain) instead",
+                file=sys.stderr,
+                flush=True,
+            )
+        cfg = dataclasses.replace(cfg, model="plain")
+    if cfg.model == "plain":
+        from dynemb.trainer.plain import train_plain as train
+    else:
+        from dynemb.trainer.train import train
 
     try:
         device = resolve_device(cfg.device)

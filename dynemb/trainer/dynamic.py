@@ -47,8 +47,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 import torch.distributed as dist
-from torchrec.datasets.utils import Batch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb.idtransformer.find import Found, find_blocks
 from dynemb.idtransformer.policy import EvictionPolicy
@@ -63,6 +61,7 @@ from dynemb.idtransformer.sharded import (
 from dynemb.idtransformer.stream import TransformStream
 from dynemb.ps_server.schema import TableSchema
 from dynemb.trainer.device import collective_device
+from dynemb.trainer.jagged import Batch, KeyedJaggedTensor
 from dynemb.trainer.metrics import TABLE_COUNTERS, TrainerMetrics
 from dynemb.trainer.prefetch import TransformAhead
 from dynemb.trainer.row_group import RowGroup

@@ -24,13 +24,12 @@ from collections.abc import Iterable, Iterator, Mapping
 import numpy as np
 import torch
 import torch.distributed as dist
-from torchrec.datasets.utils import Batch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb.trainer.config import TrainConfig
 from dynemb.trainer.data import feature_names
 from dynemb.trainer.device import collective_device
-from dynemb.trainer.model import table_rows_total
+from dynemb.trainer.jagged import Batch, KeyedJaggedTensor
+from dynemb.trainer.schemas import table_rows_total
 
 log = logging.getLogger("dynemb.trainer")
 

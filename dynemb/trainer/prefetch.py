@@ -59,7 +59,7 @@ import queue
 import threading
 from collections.abc import Iterable, Iterator
 
-from torchrec.datasets.utils import Batch
+from dynemb.trainer.jagged import Batch
 
 log = logging.getLogger("dynemb.trainer")
 

@@ -26,7 +26,6 @@ import os
 import sys
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -37,7 +36,6 @@ from tqdm import tqdm
 
 from dynemb.idtransformer.hashing import owner_of
 from dynemb.idtransformer.policy import EvictionPolicy
-from dynemb.ps_server.client import RetryPolicy
 from dynemb.trainer.checkpoint import Checkpointer
 from dynemb.trainer.collectives import all_gather_ragged
 from dynemb.trainer.config import TrainConfig
@@ -46,51 +44,13 @@ from dynemb.trainer.device import init_distributed, resolve_device
 from dynemb.trainer.dynamic import DynamicTables, DynamicTableSpec
 from dynemb.trainer.metrics import TrainerMetrics
 from dynemb.trainer.model import Built, build
-from dynemb.trainer.row_store import LocalRowStore, RemoteRowStore, RowStore
+from dynemb.trainer.result import TrainResult
+from dynemb.trainer.row_store import RowStore, open_row_store
 from dynemb.trainer.startup import check_before_training
 from dynemb.trainer.table_rows import find_tables
 
 log = logging.getLogger("dynemb.trainer")
 _CPU = torch.device("cpu")
-
-
-@dataclass
-class TrainResult:
-    """What train() returns on each rank."""
-
-    losses: list[float] = field(default_factory=list)  # this rank's loss per step
-    first_step: int = 0  # the step the job began at (> 0 when resumed from a checkpoint)
-    auc: float = float("nan")
-    logloss: float = float("nan")
-    samples_per_second: float = 0.0
-    hit_rate: float = float("nan")  # dynamic tables: of every lookup of the run, on every rank
-    table_hit_rates: dict[str, float] = field(default_factory=dict)  # the same per table
-    hit_rates: list[float] = field(default_factory=list)  # dynamic tables: this rank's, per batch
-    evals: list[tuple[int, float, float]] = field(default_factory=list)  # (step, AUC, log-loss), eval_every
-    data_ran_out: bool = False  # the data ended before the planned steps
-    # with train(..., collect_tables=True): this rank's block of every table after training,
-    # {name: (first row, rows (n, dim + state width))}; dynamic tables read back from the PS
-    tables: dict = field(default_factory=dict)
-
-
-def open_row_store(cfg: TrainConfig) -> RowStore:
-    """Where the job's rows live: a client of the PS at cfg.ps (retrying per the job's timeouts), or
-    the embedded store in this process (per rank under torchrun: each keeps its own IDs' rows).
-    """
-    if cfg.ps:
-        # every PS call is idempotent, so a PS that is down or hangs is simply tried again, for
-        # up to ps_timeout_seconds, each try given ps_attempt_seconds
-        retry = RetryPolicy(attempts=None, max_backoff=5.0, attempt_timeout=cfg.ps_attempt_seconds)
-        return RemoteRowStore(
-            cfg.ps,
-            timeout=cfg.ps_timeout_seconds,
-            retry=retry,
-            auth_token=os.environ.get("DYNEMB_PS_AUTH_TOKEN") or None,
-            tls_ca=cfg.ps_tls_ca or None,
-            tls_cert=cfg.ps_tls_cert or None,
-            tls_key=cfg.ps_tls_key or None,
-        )
-    return LocalRowStore(per_rank=dist.get_world_size() > 1)
 
 
 def make_dynamic(
@@ -167,6 +127,10 @@ def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
     Returns:
         Losses per step, evaluation AUC and log-loss, throughput, hit rates (and the tables).
     """
+    if cfg.model == "plain":  # torch EmbeddingBags, no TorchRec (plain.py)
+        from dynemb.trainer.plain import train_plain
+
+        return train_plain(cfg)
     device = resolve_device(cfg.device)
     created = init_distributed(device)
     rank, world = dist.get_rank(), dist.get_world_size()
