@@ -9,6 +9,9 @@ about to be reused), then the rows of admitted IDs are pulled (a never-seen ID c
 initialised by the table's initializer) and written in.
 The batch's slots are pinned until `release_oldest()` says the batch is through backward and
 the optimizer step, so a batch in flight never has a row pushed or reused under it.
+On a GPU the rows go to and from the host through pinned buffers on a side stream, and the
+training stream waits on events, not on the device (dynemb/trainer/row_moves.py); the batches
+themselves stay on the CPU until the loop (or the pipeline) copies them over.
 A batch that some owner refuses (too many distinct IDs for a table, no room) raises
 BatchRefused on every rank, after the shares of it that went through have had their rows moved
 and their pins released: the tables stay consistent, and the caller may go on with other
