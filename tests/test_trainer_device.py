@@ -3,6 +3,7 @@ here, and on a GPU where there is one (the tests marked so are skipped without).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -70,21 +71,24 @@ def _tables(device: str = "cpu"):
     return tables, RowGroup(tables)
 
 
-def _check_moves(device: str) -> None:
+def _check_moves(device: str, no_syncs=contextlib.nullcontext) -> None:
+    """Read 3 rows out of 2 tables and write others in; `no_syncs`: what the moves run under."""
     from dynemb.trainer.row_moves import RowMoves
 
     tables, group = _tables(device)
     moves = RowMoves(group, device)
     slots = torch.tensor([2, 5, 13], device=device)  # 2 rows of t0, 1 of t1 (at its offset 10)
-    moves.released()
-    rows, held = moves.read_out(slots, [2, 1])
-    assert [r.shape for r in rows] == [(2, 8), (1, 8)]
-    np.testing.assert_array_equal(rows[0][:, :4], np.arange(40, dtype=np.float32).reshape(10, 4)[[2, 5]])
-    np.testing.assert_array_equal(rows[1][:, 4:], -(np.arange(40, dtype=np.float32).reshape(10, 4)[[3]] + 100))
-    moves.give_back(held)
     new = [np.full((2, 8), 7.0, np.float32), np.full((1, 8), 9.0, np.float32)]
-    moves.write_in(slots, [2, 1], new)
-    moves.wait()
+    with no_syncs():
+        moves.released()
+        rows, held = moves.read_out(slots, [2, 1])
+        expected = [r.copy() for r in rows]
+        moves.give_back(held)
+        moves.write_in(slots, [2, 1], new)
+        moves.wait()
+    assert [r.shape for r in expected] == [(2, 8), (1, 8)]
+    np.testing.assert_array_equal(expected[0][:, :4], np.arange(40, dtype=np.float32).reshape(10, 4)[[2, 5]])
+    np.testing.assert_array_equal(expected[1][:, 4:], -(np.arange(40, dtype=np.float32).reshape(10, 4)[[3]] + 100))
     assert float(tables[0].weights[5, 0]) == 7.0 and float(tables[0].states[0][2, 3]) == 7.0
     assert float(tables[1].weights[3, 1]) == 9.0 and float(tables[1].weights[4, 1]) == 117.0  # others untouched
     assert float(tables[0].weights[0, 0]) == 0.0
@@ -105,11 +109,15 @@ def test_row_moves_on_the_cpu_are_the_row_groups_reads_and_writes():
 def test_row_moves_on_a_gpu_use_events_not_device_syncs():
     from dynemb.trainer.row_moves import RowMoves
 
-    torch.cuda.set_sync_debug_mode("error")  # a device-wide or stream sync raises
-    try:
-        _check_moves("cuda")
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    @contextlib.contextmanager
+    def no_syncs():
+        torch.cuda.set_sync_debug_mode("error")  # a device-wide or stream sync raises
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    _check_moves("cuda", no_syncs)
     tables, group = _tables("cuda")
     moves = RowMoves(group, "cuda")
     for n in (3, 3, 5):  # reused, not made again each time
