@@ -45,7 +45,8 @@ from dynemb.trainer.table_rows import find_tables
 
 class RowWiseSharder(EmbeddingBagCollectionSharder):
     """TorchRec leaves row-wise out of the sharding types it offers on CPU; it works there
-    (see docs/design.md), and the dynamic tables need it: a rank's rows are one contiguous block."""
+    (see docs/design.md), and the dynamic tables need it: a rank's rows are one contiguous block.
+    On CUDA TorchRec offers it already, and this adds nothing."""
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         """TorchRec's sharding types for the device, row-wise added."""
@@ -92,7 +93,8 @@ _CPU = torch.device("cpu")
 
 
 def build(cfg: TrainConfig, device: torch.device = _CPU) -> Built:
-    """The DLRM model of cfg, sharded row-wise over the process group with fused sparse optimizers.
+    """The DLRM model of cfg, sharded row-wise over the process group with fused sparse optimizers,
+    on `device`: FBGEMM's CPU TBEs, or on cuda its GPU TBEs in GPU memory (the FUSED kernel).
 
     Needs torch.distributed initialised. Full (non-dynamic) tables get every row initialised as
     the PS would hand it out.
