@@ -236,11 +236,11 @@ def _reported_elsewhere() -> bool:
 
 
 def _peer_gone(exc: BaseException | None) -> bool:
-    """Whether exc is gloo's on a rank whose peer left: it failed (a malformed line of its
-    data, say) and exited, or was killed. The rank that failed says why, not this one."""
+    """Whether exc is gloo's (or NCCL's) on a rank whose peer left: it failed (a malformed line
+    of its data, say) and exited, or was killed. The rank that failed says why, not this one."""
     while exc is not None:
         if isinstance(exc, RuntimeError) and any(
-            s in str(exc) for s in ("Connection closed by peer", "Connection reset by peer")
+            s in str(exc) for s in ("Connection closed by peer", "Connection reset by peer", "remote process exited")
         ):
             return True
         exc = exc.__cause__ or exc.__context__
