@@ -13,6 +13,7 @@ ranks, timed over the training loop only, start-up and evaluation excluded) and 
 
     .venv/bin/python bench/train_bench.py --ps-process   # the rows in a PS process
     .venv/bin/python bench/train_bench.py --pairs 3      # 3 alternating pairs, their mean and median
+    .venv/bin/python bench/train_bench.py --device cuda  # one rank per GPU (NCCL), both runs on the GPUs
 """
 
 from __future__ import annotations
@@ -54,7 +55,13 @@ def run(nproc: int, extra: list[str], out: Path) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="both runs' --device: cuda (one rank per GPU, NCCL), cpu (gloo), auto: cuda when a GPU is visible",
+    )
+    p.add_argument("--nproc", type=int, default=None, help="ranks [default: 2 on the CPU, one per GPU on cuda]")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--universe", type=int, default=100_000)
@@ -88,6 +95,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.pairs < 1:
         p.error("--pairs must be at least 1")
+    import torch
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA GPU is visible")
+    if args.nproc is None:
+        args.nproc = torch.cuda.device_count() if device == "cuda" else 2
     common = [
         "--steps",
         str(args.steps),
@@ -99,6 +113,8 @@ def main(argv=None) -> int:
         args.optimizer,
         "--eval-batches",
         "2",
+        "--device",
+        device,
     ]
     dynamic = ["--capacity-fraction", str(args.capacity_fraction)]
     if args.prefetch is not None:
@@ -106,7 +122,8 @@ def main(argv=None) -> int:
     if args.transform_priority is not None:
         dynamic += ["--transform-priority", args.transform_priority]
     print(
-        f"train_bench: DLRM, 26 tables, {args.nproc} ranks (gloo, CPU), {args.steps} steps of {args.batch_size} "
+        f"train_bench: DLRM, 26 tables, {args.nproc} ranks "
+        f"({'NCCL, one GPU each' if device == 'cuda' else 'gloo, CPU'}), {args.steps} steps of {args.batch_size} "
         f"per rank, universe {args.universe:,} IDs per table, {args.optimizer}"
     )
     where = "a PS process" if args.ps_process else "in-process PS"

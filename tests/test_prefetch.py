@@ -127,8 +127,12 @@ class _GatedTables:
     batches through."""
 
     def __init__(self) -> None:
+        from dynemb.trainer.row_group import RowGroup
+        from dynemb.trainer.row_moves import RowMoves
+
         self.gate = threading.Event()
         self.entered = threading.Event()  # the thread is in the stream (its priority set before)
+        self.moves = RowMoves(RowGroup([]))  # on the CPU: nothing to wait for
 
     def defer_releases(self) -> None:
         pass

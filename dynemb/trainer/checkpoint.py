@@ -208,7 +208,7 @@ class Checkpointer:
                 touched_ids = torch.from_numpy(touched[name])
                 in_block = (touched_ids >= r.row_offset) & (touched_ids < r.row_offset + r.local_rows)
                 local = (touched_ids[in_block] - r.row_offset).long()
-            rows = r.read(local).numpy().astype(schema.np_dtype)
+            rows = r.read(local).cpu().numpy().astype(schema.np_dtype)
             with TableWriter(
                 work / "tables" / name / f"rank-{self.rank:05d}",
                 schema,
@@ -372,7 +372,7 @@ class Checkpointer:
             local = t.local
             slots = torch.nonzero(local.last_access != -1).squeeze(1)
             if len(slots):
-                ids = local.slot_id[slots].numpy()
+                ids = local.slot_id[slots].cpu().numpy()
                 rows = self.store.pull(self.built.schemas[name].name, ids)
                 self.dynamic.rows[name].write(slots, torch.from_numpy(np.asarray(rows, dtype=np.float32)))
 

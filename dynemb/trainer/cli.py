@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -80,11 +81,32 @@ def run(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace, cfg, rank: int) -> int:
     import torch.distributed as dist
 
-    from dynemb.trainer.train import init_distributed, train
+    from dynemb.trainer.device import DeviceUnavailable, init_distributed, resolve_device
+    from dynemb.trainer.jagged import TORCHREC_ERROR
 
+    if cfg.model == "dlrm" and TORCHREC_ERROR:  # fbgemm-gpu (and with it TorchRec) does not load here
+        if rank == 0:
+            print(
+                f"dynemb: note: TorchRec did not load ({TORCHREC_ERROR}); training the plain model "
+                f"(torch EmbeddingBags, one process: --model plain) instead",
+                file=sys.stderr,
+                flush=True,
+            )
+        cfg = dataclasses.replace(cfg, model="plain")
+    if cfg.model == "plain":
+        from dynemb.trainer.plain import train_plain as train
+    else:
+        from dynemb.trainer.train import train
+
+    try:
+        device = resolve_device(cfg.device)
+    except DeviceUnavailable as e:  # every rank of the machine alike, before any group: one says it
+        if rank == 0 or int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            print(f"dynemb: error: {e}", file=sys.stderr, flush=True)
+        return 1
     # the job's process group is made here rather than in train(), so that it outlives a
     # failure: the ranks agree on which one reports it (_report)
-    created = init_distributed()
+    created = init_distributed(device)
     try:
         try:
             result = train(cfg)
@@ -168,6 +190,8 @@ def _report(message: str, reporter: int | None) -> int:
 
     import torch.distributed as dist
 
+    from dynemb.trainer.device import control_group
+
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def say(text: str) -> None:
@@ -181,7 +205,8 @@ def _report(message: str, reporter: int | None) -> int:
         say(message)
         _mark_reported()
     try:  # torchrun stops every rank once one has exited: none leaves before the reporter spoke
-        dist.monitored_barrier(timeout=timedelta(seconds=AGREE_SECONDS), wait_all_ranks=True)
+        # on gloo: NCCL has no monitored_barrier, so a job on GPUs waits in its gloo control group
+        dist.monitored_barrier(group=control_group(), timeout=timedelta(seconds=AGREE_SECONDS), wait_all_ranks=True)
     except Exception:  # noqa: BLE001 - whatever kept the ranks apart, this rank's error is said
         if rank != reporter:
             say(f"rank {rank}: {message}")
@@ -211,11 +236,11 @@ def _reported_elsewhere() -> bool:
 
 
 def _peer_gone(exc: BaseException | None) -> bool:
-    """Whether exc is gloo's on a rank whose peer left: it failed (a malformed line of its
-    data, say) and exited, or was killed. The rank that failed says why, not this one."""
+    """Whether exc is gloo's (or NCCL's) on a rank whose peer left: it failed (a malformed line
+    of its data, say) and exited, or was killed. The rank that failed says why, not this one."""
     while exc is not None:
         if isinstance(exc, RuntimeError) and any(
-            s in str(exc) for s in ("Connection closed by peer", "Connection reset by peer")
+            s in str(exc) for s in ("Connection closed by peer", "Connection reset by peer", "remote process exited")
         ):
             return True
         exc = exc.__cause__ or exc.__context__

@@ -16,6 +16,8 @@ from pathlib import Path
 SYNTHETIC_UNIVERSE = 100_000  # synthetic data's distinct IDs per feature, unless --universe
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 JOB_NAME = re.compile(r"([A-Za-z0-9][A-Za-z0-9._:-]{0,127})?")  # a label value that reads well in a query
+DEVICES = ("auto", "cpu", "cuda")
+MODELS = ("dlrm", "plain")
 
 
 def optimizer_state_width(optimizer: str, dim: int) -> int:
@@ -78,6 +80,8 @@ class TrainConfig:
     eval_every: int = 0  # steps between evaluations during training (0: only at the end)
     dense_arch: list[int] = field(default_factory=lambda: [64, 16])
     over_arch: list[int] = field(default_factory=lambda: [64, 32, 1])
+    device: str = "auto"  # auto (cuda when a GPU is visible), cpu or cuda: one rank per GPU on cuda
+    model: str = "dlrm"  # dlrm (TorchRec, FBGEMM tables) or plain (torch EmbeddingBags, no fbgemm-gpu; 1 rank)
     pipeline: bool = True  # TrainPipelineSparseDist: next batch's transform/pull overlaps
     prefetch: int = 1  # batches a thread transforms ahead of the loop (dynemb/trainer/prefetch.py); 0: inline
     transform_priority: str = "normal"  # that thread's scheduling: normal, low (nice 19), idle (SCHED_IDLE)
@@ -110,6 +114,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer {self.optimizer!r} is not one of {OPTIMIZERS}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
         if self.prefetch < 0:
             raise ValueError(f"prefetch must be >= 0 (batches transformed ahead), got {self.prefetch}")
         if self.transform_priority not in ("idle", "low", "normal"):
@@ -211,6 +219,10 @@ HELP = {
     "transform_priority": "scheduling of that thread: normal (as any thread; never starved), low (nice 19), or "
     "idle (Linux SCHED_IDLE: only on cores nothing else wants; a little faster on a machine the job has to "
     "itself, but any other busy process can stall it, and the training loop waits for its batches)",
+    "device": "where the tables and the model live: cuda (one rank per GPU: torchrun --nproc_per_node <GPUs>; "
+    "NCCL), cpu (gloo), or auto (cuda when a GPU is visible)",
+    "model": "dlrm: TorchRec's DLRM over FBGEMM tables; plain: torch EmbeddingBags with a sparse optimizer "
+    "(no fbgemm-gpu needed; one process, --no-pipeline implied)",
     "ps": "PS address(es) host:port, comma-separated; empty: the embedded store, in-process (each rank keeps "
     "the rows of the IDs it owns; they last as long as the job, and its checkpoints)",
     "ps_table_prefix": "prefix of the PS table names (several jobs can share one PS)",

@@ -20,12 +20,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import xxhash
-from torchrec.datasets.utils import Batch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from tqdm import tqdm
 
 from dynemb.common.errors import shown
 from dynemb.trainer.config import DataConfig
+from dynemb.trainer.jagged import Batch, KeyedJaggedTensor
 from dynemb.trainer.zipf import BoundedZipf
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)

@@ -9,6 +9,9 @@ about to be reused), then the rows of admitted IDs are pulled (a never-seen ID c
 initialised by the table's initializer) and written in.
 The batch's slots are pinned until `release_oldest()` says the batch is through backward and
 the optimizer step, so a batch in flight never has a row pushed or reused under it.
+On a GPU the rows go to and from the host through pinned buffers on a side stream, and the
+training stream waits on events, not on the device (dynemb/trainer/row_moves.py); the batches
+themselves stay on the CPU until the loop (or the pipeline) copies them over.
 A batch that some owner refuses (too many distinct IDs for a table, no room) raises
 BatchRefused on every rank, after the shares of it that went through have had their rows moved
 and their pins released: the tables stay consistent, and the caller may go on with other
@@ -47,8 +50,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 import torch.distributed as dist
-from torchrec.datasets.utils import Batch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb.idtransformer.find import Found, find_blocks
 from dynemb.idtransformer.policy import EvictionPolicy
@@ -62,9 +63,12 @@ from dynemb.idtransformer.sharded import (
 )
 from dynemb.idtransformer.stream import TransformStream
 from dynemb.ps_server.schema import TableSchema
+from dynemb.trainer.device import collective_device
+from dynemb.trainer.jagged import Batch, KeyedJaggedTensor
 from dynemb.trainer.metrics import TABLE_COUNTERS, TrainerMetrics
 from dynemb.trainer.prefetch import TransformAhead
 from dynemb.trainer.row_group import RowGroup
+from dynemb.trainer.row_moves import RowMoves
 from dynemb.trainer.row_store import RowStore
 from dynemb.trainer.table_rows import TableRows
 
@@ -111,6 +115,7 @@ class _Moves:
     pull: Future | None
     admitted_slots: torch.Tensor
     admitted_counts: list[int]
+    held: torch.Tensor | None = None  # the evicted rows' host buffer, until pushed (RowMoves.give_back)
 
 
 @dataclass
@@ -174,6 +179,8 @@ class DynamicTables:
             rank's embedded store).
         metrics: per-table counters, occupancy and PS latency, if given.
         group: the process group of the ID owners [default: the world].
+        device: where the tables' rows and the ID transformers live (the rank's device); on
+            a GPU rows move through pinned buffers on a side stream (row_moves.py).
 
     Raises:
         ValueError: a table's rows are not as wide as its PS table, or not row-wise sharded
@@ -187,7 +194,9 @@ class DynamicTables:
         store: RowStore,
         metrics: TrainerMetrics | None = None,
         group: dist.ProcessGroup | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
+        self.device = torch.device(device)
         self.specs = {s.name: s for s in specs}
         self.store, self.metrics, self.process_group = store, metrics, group
         self.rank = dist.get_rank(group)
@@ -202,7 +211,9 @@ class DynamicTables:
                     f"table {spec.name}: the model's rows are {r.dim} wide with {r.state_width} optimizer values, "
                     f"its PS table {spec.ps_schema.name} {spec.ps_schema.dim} and {spec.ps_schema.state_width}"
                 )
-            t = ShardedIDTransformer(r.local_rows, spec.policy, spec.admit_threshold, group=group)
+            t = ShardedIDTransformer(
+                r.local_rows, spec.policy, spec.admit_threshold, group=group, device=self.device, backend="auto"
+            )
             if t.offset != r.row_offset:
                 raise ValueError(
                     f"table {spec.name}: rank {self.rank} holds rows from {r.row_offset}, but its ID owner block "
@@ -215,6 +226,7 @@ class DynamicTables:
         self.names = list(self.transformers)  # every rank lists the tables in one order
         self.ps_names = [self.specs[n].ps_schema.name for n in self.names]
         self.row_group = RowGroup([self.rows[n] for n in self.names])  # one gather/scatter for all, where it can
+        self.moves = RowMoves(self.row_group, self.device)  # to and from the host (pinned, a side stream on GPU)
         self.in_flight: deque[Sequence[ShardedTransformResult]] = deque()
         # where the metrics keep these tables (rows of TableStats' arrays, in the order of names),
         # under their PS names: the table label the PS's own metrics give them
@@ -331,6 +343,7 @@ class DynamicTables:
         """The KJT with its dynamic tables' IDs replaced by their slots."""
         values, lengths = kjt.values(), kjt.lengths()
         new_values = values.clone()
+        slots = slots.to(values.device)  # the batch stays where it is (the pipeline moves it to the device)
         new_values[layout.order] = slots
         keep = torch.ones_like(values, dtype=torch.bool)  # features of no dynamic table keep their IDs
         keep[layout.order] = slots >= 0
@@ -378,6 +391,7 @@ class DynamicTables:
         push raises here; pulled rows are written into their slots."""
         while len(self._moving) > keep:
             self._finish_moves(self._moving.popleft())
+        self.moves.wait()  # on a GPU: this thread's stream, after the rows written in
 
     def _start_moves(self, share: _Share) -> _Moves:
         """Evicted rows out, then admitted rows in: every table's rows in one push and one pull
@@ -385,16 +399,17 @@ class DynamicTables:
         rows are read now: their slots may be handed out as soon as this returns."""
         evicted, evicting = {}, []  # evicting: the tables' numbers
         counts = share.evicted
+        held = None
         if sum(counts):  # first: their rows are about to be reused
-            data = self.row_group.read(share.evicted_slots, counts)
-            ids, at = share.evicted_ids.numpy(), 0
+            data, held = self.moves.read_out(share.evicted_slots, counts)
+            ids, at = share.evicted_ids.cpu().numpy(), 0
             for k, n in enumerate(counts):
                 if n:
-                    evicted[self.ps_names[k]] = (ids[at : at + n], data[k].numpy())
+                    evicted[self.ps_names[k]] = (ids[at : at + n], data[k])
                     evicting.append(k)
                 at += n
         pulling, wanted = [], {}
-        ids, at = share.admitted_ids.numpy(), 0
+        ids, at = share.admitted_ids.cpu().numpy(), 0
         for k, n in enumerate(share.admitted):
             if n:
                 wanted[self.ps_names[k]] = ids[at : at + n]
@@ -403,14 +418,15 @@ class DynamicTables:
         start = time.perf_counter()
         push = self._timed(self.store.push_many_async(evicted), evicting, "push", start) if evicted else None
         pull = self._timed(self.store.pull_many_async(wanted), pulling, "pull", start) if pulling else None
-        return _Moves(push, pull, share.admitted_slots, share.admitted)
+        return _Moves(push, pull, share.admitted_slots, share.admitted, held)
 
     def _finish_moves(self, moves: _Moves) -> None:
         if moves.push is not None:  # on the PS before their slots take other rows; a failed push fails the step
             moves.push.result()
+        self.moves.give_back(moves.held)
         if moves.pull is not None:
             got = moves.pull.result()
-            self.row_group.write(
+            self.moves.write_in(
                 moves.admitted_slots,
                 moves.admitted_counts,
                 [got[t] if n else None for t, n in zip(self.ps_names, moves.admitted_counts)],
@@ -466,6 +482,7 @@ class DynamicTables:
     def release_oldest(self) -> None:
         """The oldest batch in flight is through backward and the optimizer step. While a
         transform thread owns the tables (dynemb/trainer/prefetch.py), it applies the release."""
+        self.moves.released()  # on a GPU: rows read out from here on wait for that step
         with self._releases:
             if self._deferred is not None:
                 self._deferred += 1
@@ -540,9 +557,9 @@ class DynamicTables:
     def run_hit_rates(self) -> tuple[float, dict[str, float]]:
         """Collective: the share of the run's lookups that found their ID resident, over every
         rank's: of all lookups (each ID counts once per lookup), and of each table's."""
-        both = torch.from_numpy(np.stack([self.looked_up, self.found]))
+        both = torch.from_numpy(np.stack([self.looked_up, self.found])).to(collective_device(self.process_group))
         dist.all_reduce(both, group=self.process_group)
-        looked, found = both.numpy()
+        looked, found = both.cpu().numpy()
         per_table = {n: float(f / lk) if lk else float("nan") for n, lk, f in zip(self.names, looked, found)}
         return (float(found.sum() / looked.sum()) if looked.sum() else float("nan")), per_table
 
@@ -566,13 +583,15 @@ class DynamicTables:
         self.settle()  # rows of transformed batches in place before any is read
         layout = self._layout(kjt)
         found = find_blocks([self.transformers[n] for n in self.names], layout.ids, layout.sizes)
-        rows = self._missing_rows(found)  # per value of layout, in its order (zero for a hit)
-        lengths = kjt.lengths().long()
-        segment = torch.repeat_interleave(torch.arange(len(lengths)), lengths)[layout.order]
+        rows = self._missing_rows(found)  # per value of layout, in its order (zero for a hit); on the device
+        device = rows.device
+        lengths = kjt.lengths().long().to(device)
+        order = layout.order if isinstance(layout.order, slice) else layout.order.to(device)
+        segment = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)[order]
         weights = kjt.weights_or_none()
         if weights is not None:
-            rows = rows * weights[layout.order].unsqueeze(1)
-        pooled = torch.zeros(len(lengths), rows.shape[1]).index_add_(0, segment, rows)
+            rows = rows * weights.to(device)[order].unsqueeze(1)
+        pooled = torch.zeros(len(lengths), rows.shape[1], device=device).index_add_(0, segment, rows)
         pooled = pooled.view(len(kjt.keys()), -1, rows.shape[1])
         missing = {
             key: pooled[k, :, : self.rows[self.feature_table[key]].dim]
@@ -587,38 +606,43 @@ class DynamicTables:
         stores nothing) and sends them back, in the order they were asked."""
         width = max(self.rows[n].dim for n in self.names)
         world = self.world_size
+        device = found.asked.device  # the transformers': the rows come back there
         # the owner's side: what it was asked and holds no row of, pulled table by table
         asked_missing = found.asked_slots < 0
         n_tables = len(self.names)
-        table_of = torch.arange(n_tables).repeat(world).repeat_interleave(found.asked_counts.reshape(-1))
-        missing_table = table_of[asked_missing]
-        missing_ids = found.asked[asked_missing]
-        wanted = {self.ps_names[t]: missing_ids[missing_table == t].numpy() for t in range(n_tables)}
+        asked_counts = found.asked_counts.to(device)
+        table_of = torch.arange(n_tables, device=device).repeat(world).repeat_interleave(asked_counts.reshape(-1))
+        missing_table = table_of[asked_missing].cpu().numpy()
+        missing_ids = found.asked[asked_missing].cpu().numpy()
+        wanted = {self.ps_names[t]: missing_ids[missing_table == t] for t in range(n_tables)}
         pulled = self.store.pull_many_async({name: ids for name, ids in wanted.items() if len(ids)}).result()
         if self.metrics is not None:  # rows pulled from the PS, as the PS counts them
             assert self._stat_rows is not None
             counts = np.zeros((n_tables, len(TABLE_COUNTERS)), dtype=np.int64)
-            counts[:, _ROWS_PULLED] = np.bincount(missing_table.numpy(), minlength=n_tables)
+            counts[:, _ROWS_PULLED] = np.bincount(missing_table, minlength=n_tables)
             self.metrics.tables.count(self._stat_rows, counts, self._occupancy())
-        answer = torch.zeros(len(missing_ids), width)
+        answer_host = np.zeros((len(missing_ids), width), dtype=np.float32)
         for t, name in enumerate(self.names):
             if self.ps_names[t] in pulled:
                 dim = self.rows[name].dim
-                answer[missing_table == t, :dim] = torch.from_numpy(pulled[self.ps_names[t]][:, :dim])
+                answer_host[missing_table == t, :dim] = pulled[self.ps_names[t]][:, :dim]
         # the asker's side: the rows of its IDs answered -1, owner by owner
         sent_missing = found.answers < 0
         if world == 1:
-            got = answer
-        else:
-            source_of = torch.arange(world).repeat_interleave(found.asked_counts.sum(1))
-            owner_of = torch.arange(world).repeat_interleave(found.sent_counts.sum(1))
+            got = torch.from_numpy(answer_host).to(device)
+        else:  # on the group's device (NCCL: the GPU), in the counts the owners answer
+            wire = collective_device(self.process_group)
+            source_of = torch.arange(world, device=device).repeat_interleave(asked_counts.sum(1))
+            owner_of = torch.arange(world, device=device).repeat_interleave(found.sent_counts.to(device).sum(1))
             answer_counts = torch.bincount(source_of[asked_missing], minlength=world).tolist()
             got_counts = torch.bincount(owner_of[sent_missing], minlength=world).tolist()
-            got = torch.empty(sum(got_counts), width)
+            got = torch.empty(sum(got_counts), width, device=wire)
+            answer = torch.from_numpy(answer_host).to(wire)
             dist.all_to_all_single(got, answer, got_counts, answer_counts, group=self.process_group)
-        rows = torch.zeros(len(found.answers), width)
+            got = got.to(device)
+        rows = torch.zeros(len(found.answers), width, device=device)
         rows[sent_missing] = got
-        return rows.index_select(0, found.position)
+        return rows.index_select(0, found.position.to(device))
 
     def look_up_batches(self, batches: Iterator[Batch]) -> Iterator[tuple[Batch, dict[str, torch.Tensor]]]:
         """Collective: each batch over device rows and its missing rows pooled (look_up)."""
@@ -637,6 +661,7 @@ class DynamicTables:
             slots = torch.nonzero(local.last_access != -1).squeeze(1)
             if len(slots):
                 ids = local.slot_id[slots]
-                self.store.push(self.specs[name].ps_schema.name, ids.numpy(), self.rows[name].read(slots).numpy())
+                rows = self.rows[name].read(slots).cpu().numpy()
+                self.store.push(self.specs[name].ps_schema.name, ids.cpu().numpy(), rows)
                 pushed += len(slots)
         return pushed

@@ -24,12 +24,12 @@ from collections.abc import Iterable, Iterator, Mapping
 import numpy as np
 import torch
 import torch.distributed as dist
-from torchrec.datasets.utils import Batch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb.trainer.config import TrainConfig
 from dynemb.trainer.data import feature_names
-from dynemb.trainer.model import table_rows_total
+from dynemb.trainer.device import collective_device
+from dynemb.trainer.jagged import Batch, KeyedJaggedTensor
+from dynemb.trainer.schemas import table_rows_total
 
 log = logging.getLogger("dynemb.trainer")
 
@@ -124,7 +124,11 @@ def _agreed(it: Iterator[Batch], prepare, what: str, group: dist.ProcessGroup | 
             yield batch
             continue
         # MIN over ranks: 1 every rank has a batch, 0 one has none, -1 - r rank r's is refused
-        status = torch.tensor([-1 - rank if error is not None else int(batch is not None)], dtype=torch.int64)
+        status = torch.tensor(
+            [-1 - rank if error is not None else int(batch is not None)],
+            dtype=torch.int64,
+            device=collective_device(group),
+        )
         dist.all_reduce(status, op=dist.ReduceOp.MIN, group=group)
         agreed = int(status.item())
         if agreed < 0:

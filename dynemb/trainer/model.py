@@ -9,7 +9,6 @@ full model and a dynamic one start from the same values.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -36,16 +35,18 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from dynemb.ps_server.initializer import initial_rows
-from dynemb.ps_server.schema import Initializer, TableSchema
-from dynemb.trainer.config import TrainConfig, optimizer_state_width
+from dynemb.ps_server.schema import TableSchema
+from dynemb.trainer.config import TrainConfig
 from dynemb.trainer.data import feature_names
+from dynemb.trainer.schemas import ps_schema, table_rows_total
 from dynemb.trainer.sparse_adam import RowSparseAdam, TrainedOptimizer, fused_tbes
 from dynemb.trainer.table_rows import find_tables
 
 
 class RowWiseSharder(EmbeddingBagCollectionSharder):
     """TorchRec leaves row-wise out of the sharding types it offers on CPU; it works there
-    (see docs/design.md), and the dynamic tables need it: a rank's rows are one contiguous block."""
+    (see docs/design.md), and the dynamic tables need it: a rank's rows are one contiguous block.
+    On CUDA TorchRec offers it already, and this adds nothing."""
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         """TorchRec's sharding types for the device, row-wise added."""
@@ -75,29 +76,6 @@ def _dense_optimizer(cfg: TrainConfig):
     return lambda params: torch.optim.Adagrad(params, lr=cfg.dense_lr)
 
 
-def table_rows_total(cfg: TrainConfig, world_size: int, name: str) -> int:
-    """Rows of a table across all ranks: for a full table its capacity if given, else the
-    universe; for a dynamic one its capacity, rounded up to equal blocks per rank."""
-    t = cfg.table_config(name)
-    if not t.dynamic:
-        return t.capacity or cfg.data.universe
-    cap = t.capacity or math.ceil(cfg.data.universe * t.capacity_fraction)
-    per_rank = max(1, math.ceil(cap / world_size))
-    return per_rank * world_size
-
-
-def ps_schema(cfg: TrainConfig, feature: int) -> TableSchema:
-    """The PS schema of table t_<feature>: fp32, uniform in ±init_scale (default 1/sqrt(dim))."""
-    scale = cfg.table_config(f"t_{feature}").init_scale or 1.0 / math.sqrt(cfg.table.dim)
-    return TableSchema(
-        name=f"{cfg.ps_table_prefix}t_{feature}",
-        dim=cfg.table.dim,
-        state_width=optimizer_state_width(cfg.optimizer, cfg.table.dim),
-        dtype="fp32",
-        initializer=Initializer("uniform", -scale, scale, seed=cfg.seed * 1000 + feature),
-    )
-
-
 @dataclass
 class Built:
     """What build() returns: the sharded model, its optimizer and the tables' names and schemas."""
@@ -115,7 +93,8 @@ _CPU = torch.device("cpu")
 
 
 def build(cfg: TrainConfig, device: torch.device = _CPU) -> Built:
-    """The DLRM model of cfg, sharded row-wise over the process group with fused sparse optimizers.
+    """The DLRM model of cfg, sharded row-wise over the process group with fused sparse optimizers,
+    on `device`: FBGEMM's CPU TBEs, or on cuda its GPU TBEs in GPU memory (the FUSED kernel).
 
     Needs torch.distributed initialised. Full (non-dynamic) tables get every row initialised as
     the PS would hand it out.

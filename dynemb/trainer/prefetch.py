@@ -27,6 +27,9 @@ What keeps it exact and reproducible:
   with the loop's (TorchRec's input and output dists, DDP's all-reduce) on one group.
 - Rows moved by the thread are never rows a batch in flight uses (those slots are pinned),
   so the loop's forward, backward and fused optimizer touch other rows of the same tables.
+- On a GPU the thread has a CUDA stream of its own (RowMoves.thread_stream), and hands each
+  batch over with the event after its rows' copy in: the loop's stream waits on that event
+  (not the host, not the device) before it computes on the batch (dynemb/trainer/row_moves.py).
 
 priority: how the operating system schedules the thread against the training threads.
 "normal" (the trainer's default): as any other thread. "idle" (Linux's SCHED_IDLE): it runs on cores the training
@@ -56,7 +59,7 @@ import queue
 import threading
 from collections.abc import Iterable, Iterator
 
-from torchrec.datasets.utils import Batch
+from dynemb.trainer.jagged import Batch
 
 log = logging.getLogger("dynemb.trainer")
 
@@ -113,11 +116,13 @@ class TransformAhead(Iterator[Batch]):
         self.native_id = threading.get_native_id()
         set_thread_priority(self.priority)
         try:
-            # tables.ahead is 0: each batch's rows are in place when it is handed over
-            for batch in tables.transform_stream(batches, lambda: tables.make_room(self.window - 1, self._stop)):
-                self._ready.put(batch)
-                if self._stop.is_set():
-                    return
+            with tables.moves.thread_stream():
+                # tables.ahead is 0: each batch's rows are in place when it is handed over (on a GPU:
+                # once its rows_in event has passed)
+                for batch in tables.transform_stream(batches, lambda: tables.make_room(self.window - 1, self._stop)):
+                    self._ready.put((batch, tables.moves.rows_in))
+                    if self._stop.is_set():
+                        return
         except BaseException as exc:  # noqa: BLE001 - handed to the loop, raised there in order
             self._ready.put(exc)
         finally:
@@ -134,7 +139,9 @@ class TransformAhead(Iterator[Batch]):
         if isinstance(item, BaseException):
             self._finish()
             raise item
-        return item
+        batch, rows_in = item
+        self.tables.moves.wait(rows_in)  # the loop's stream, after the batch's rows are in
+        return batch
 
     def _finish(self) -> None:
         self._done = True

@@ -12,6 +12,9 @@ rows either way.
     group = RowGroup([rows_a, rows_b])
     data = group.read(slots, [2, 3])      # slots: 2 table rows of a, then 3 of b
     group.write(slots, [2, 3], data)      # data: per table, (n, dim + state width) float32
+
+Rows are read on the tables' device, and written from any (row_moves.py moves them to and from
+the host).
 """
 
 from __future__ import annotations
@@ -32,7 +35,10 @@ class _Flat:
     def rows(self, slots: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The rows of `whole` at `slots`, counts[t] of them table t's, after those of the tables
         before it (numpy's repeat: a third of the time of torch's repeat_interleave here)."""
-        return slots + torch.from_numpy(np.repeat(self.shift, counts))
+        shift = torch.from_numpy(np.repeat(self.shift, counts))
+        if slots.is_cuda:  # from pinned memory: the copy does not hold the host up (nor sync the device)
+            shift = shift.pin_memory().to(slots.device, non_blocking=True)
+        return slots + shift
 
 
 def _flat(views: list[torch.Tensor], row_offsets: list[int]) -> _Flat | None:
@@ -90,7 +96,7 @@ class RowGroup:
             return [t.read(s - t.row_offset) for t, s in zip(self.tables, torch.split(slots, counts))]
         with torch.no_grad():
             # index_select into one preallocated block: about half the time of advanced indexing
-            data = torch.empty(len(slots), sum(f.whole.shape[1] for f in self.flats))
+            data = torch.empty(len(slots), sum(f.whole.shape[1] for f in self.flats), device=self.flats[0].whole.device)
             at = 0
             for f in self.flats:
                 k = f.whole.shape[1]
@@ -114,7 +120,7 @@ class RowGroup:
             return
         if not given:
             return
-        data = torch.cat(given)
+        data = torch.cat(given).to(self.flats[0].whole.device)
         with torch.no_grad():
             at = 0
             for f in self.flats:

@@ -26,8 +26,8 @@ from dynemb.ps_server.errors import PSError
 from dynemb.ps_server.schema import TableSchema
 from dynemb.trainer.checkpoint import check_settings
 from dynemb.trainer.config import TrainConfig
-from dynemb.trainer.model import ps_schema
 from dynemb.trainer.row_store import LocalRowStore, RemoteRowStore, RowStore
+from dynemb.trainer.schemas import ps_schema
 
 log = logging.getLogger("dynemb.trainer")
 

@@ -42,7 +42,8 @@ class TableRows:
         return sum(s.shape[1] for s in self.states)
 
     def read(self, local: torch.Tensor) -> torch.Tensor:
-        """(n, dim + state_width) float32 rows at local row indices."""
+        """(n, dim + state_width) float32 rows at local row indices, on the table's device."""
+        local = local.to(self.weights.device)
         with torch.no_grad():
             return torch.cat([self.weights[local].float()] + [s[local].float() for s in self.states], dim=1)
 
@@ -52,6 +53,7 @@ class TableRows:
         and the TBE's backward would refuse a weights tensor changed since its forward. The
         rows written are never the batch's own (those slots are pinned), so its gradient is
         the same."""
+        local, rows = local.to(self.weights.device), rows.to(self.weights.device)
         with torch.no_grad():
             self.weights.data[local] = rows[:, : self.dim].to(self.weights.dtype)
             at = self.dim

@@ -3,8 +3,10 @@
     dynemb train --steps 300                      # one process, embedded PS in-process
     torchrun --nproc_per_node 2 -m dynemb.trainer ...    # N ranks (gloo on CPU); each rank keeps the
                                                   # rows of its own IDs in-process unless --ps
+    torchrun --nproc_per_node <GPUs> -m dynemb.trainer --device cuda ...   # one rank per GPU, NCCL
 
-1. torch.distributed up (a one-process group when not under torchrun);
+1. the rank's device (--device: device.py) and torch.distributed up (a one-process group when
+   not under torchrun);
 2. the PS: --ps addresses, or the embedded store in each rank's process (a rank holds the
    rows of the IDs it owns: row_store.LocalRowStore);
 3. the DLRM under DistributedModelParallel (model.py), dynamic tables in front of it
@@ -24,7 +26,6 @@ import os
 import sys
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -35,74 +36,28 @@ from tqdm import tqdm
 
 from dynemb.idtransformer.hashing import owner_of
 from dynemb.idtransformer.policy import EvictionPolicy
-from dynemb.ps_server.client import RetryPolicy
 from dynemb.trainer.checkpoint import Checkpointer
 from dynemb.trainer.collectives import all_gather_ragged
 from dynemb.trainer.config import TrainConfig
 from dynemb.trainer.data import SyntheticCriteo, batches_per_epoch, count_distinct_ids, file_batches
+from dynemb.trainer.device import init_distributed, resolve_device
 from dynemb.trainer.dynamic import DynamicTables, DynamicTableSpec
 from dynemb.trainer.metrics import TrainerMetrics
 from dynemb.trainer.model import Built, build
-from dynemb.trainer.row_store import LocalRowStore, RemoteRowStore, RowStore
+from dynemb.trainer.result import TrainResult
+from dynemb.trainer.row_store import RowStore, open_row_store
 from dynemb.trainer.startup import check_before_training
 from dynemb.trainer.table_rows import find_tables
 
 log = logging.getLogger("dynemb.trainer")
+_CPU = torch.device("cpu")
 
 
-@dataclass
-class TrainResult:
-    """What train() returns on each rank."""
-
-    losses: list[float] = field(default_factory=list)  # this rank's loss per step
-    first_step: int = 0  # the step the job began at (> 0 when resumed from a checkpoint)
-    auc: float = float("nan")
-    logloss: float = float("nan")
-    samples_per_second: float = 0.0
-    hit_rate: float = float("nan")  # dynamic tables: of every lookup of the run, on every rank
-    table_hit_rates: dict[str, float] = field(default_factory=dict)  # the same per table
-    hit_rates: list[float] = field(default_factory=list)  # dynamic tables: this rank's, per batch
-    evals: list[tuple[int, float, float]] = field(default_factory=list)  # (step, AUC, log-loss), eval_every
-    data_ran_out: bool = False  # the data ended before the planned steps
-    # with train(..., collect_tables=True): this rank's block of every table after training,
-    # {name: (first row, rows (n, dim + state width))}; dynamic tables read back from the PS
-    tables: dict = field(default_factory=dict)
-
-
-def init_distributed() -> bool:
-    """Join torchrun's group, or make a one-process one. True if this call created it."""
-    if dist.is_initialized():
-        return False
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group("gloo")
-    else:
-        # an in-process store: a group of one needs no rendezvous (and no port)
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    return True
-
-
-def open_row_store(cfg: TrainConfig) -> RowStore:
-    """Where the job's rows live: a client of the PS at cfg.ps (retrying per the job's timeouts), or
-    the embedded store in this process (per rank under torchrun: each keeps its own IDs' rows).
-    """
-    if cfg.ps:
-        # every PS call is idempotent, so a PS that is down or hangs is simply tried again, for
-        # up to ps_timeout_seconds, each try given ps_attempt_seconds
-        retry = RetryPolicy(attempts=None, max_backoff=5.0, attempt_timeout=cfg.ps_attempt_seconds)
-        return RemoteRowStore(
-            cfg.ps,
-            timeout=cfg.ps_timeout_seconds,
-            retry=retry,
-            auth_token=os.environ.get("DYNEMB_PS_AUTH_TOKEN") or None,
-            tls_ca=cfg.ps_tls_ca or None,
-            tls_cert=cfg.ps_tls_cert or None,
-            tls_key=cfg.ps_tls_key or None,
-        )
-    return LocalRowStore(per_rank=dist.get_world_size() > 1)
-
-
-def make_dynamic(cfg: TrainConfig, built: Built, store: RowStore, metrics: TrainerMetrics) -> DynamicTables:
-    """The dynamic tables in front of the built model, one per table of it, as cfg sets them."""
+def make_dynamic(
+    cfg: TrainConfig, built: Built, store: RowStore, metrics: TrainerMetrics, device: torch.device = _CPU
+) -> DynamicTables:
+    """The dynamic tables in front of the built model, one per table of it, as cfg sets them,
+    their ID transformers and row moves on `device` (the model's)."""
     specs = []
     for name, feature in zip(built.table_names, built.features):
         t = cfg.table_config(name)
@@ -111,7 +66,7 @@ def make_dynamic(cfg: TrainConfig, built: Built, store: RowStore, metrics: Train
     # a process group of their own: their collectives (the IDs' exchange) may run on a
     # transform thread (cfg.prefetch) beside the training loop's on the default group
     group = dist.new_group(backend=dist.get_backend())
-    return DynamicTables(find_tables(built.model), specs, store, metrics, group=group)
+    return DynamicTables(find_tables(built.model), specs, store, metrics, group=group, device=device)
 
 
 def batches(cfg: TrainConfig, split: int, start: int = 0):
@@ -172,7 +127,12 @@ def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
     Returns:
         Losses per step, evaluation AUC and log-loss, throughput, hit rates (and the tables).
     """
-    created = init_distributed()
+    if cfg.model == "plain":  # torch EmbeddingBags, no TorchRec (plain.py)
+        from dynemb.trainer.plain import train_plain
+
+        return train_plain(cfg)
+    device = resolve_device(cfg.device)
+    created = init_distributed(device)
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = size_tables(cfg)
     if not cfg.table.dynamic and rank == 0:  # the job's first line: how IDs find their rows
@@ -185,16 +145,16 @@ def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
         metrics.serve(cfg.metrics_port + int(os.environ.get("LOCAL_RANK", "0")), cfg.metrics_address)
     try:
         check_before_training(cfg, store)  # the checkpoint's settings, then rows left on the PS (startup.py)
-        built = build(cfg)
-        dynamic = make_dynamic(cfg, built, store, metrics) if cfg.table.dynamic else None
+        built = build(cfg, device)
+        dynamic = make_dynamic(cfg, built, store, metrics, device) if cfg.table.dynamic else None
         ckpt = Checkpointer(cfg, built, dynamic, store) if cfg.checkpoint_dir or cfg.resume else None
         first_step = ckpt.restore(cfg.resume) if ckpt is not None and cfg.resume else 0
-        result = _loop(cfg, built, dynamic, metrics, ckpt, first_step)
+        result = _loop(cfg, built, dynamic, metrics, ckpt, first_step, device)
         result.first_step = first_step
         if cfg.checkpoint_at_end and result.losses:
             assert ckpt is not None, "TrainConfig refuses checkpoint_at_end without checkpoint_dir"
             ckpt.save(first_step + len(result.losses))
-        result.auc, result.logloss = evaluate(cfg, built, dynamic)
+        result.auc, result.logloss = evaluate(cfg, built, dynamic, device)
         if dynamic is not None:
             dynamic.flush()  # the PS holds every row the job has trained
             if world > 1:  # ... from every rank, before any rank reads rows back
@@ -217,6 +177,7 @@ def _loop(
     metrics: TrainerMetrics,
     ckpt: Checkpointer | None = None,
     first_step: int = 0,
+    device: torch.device = _CPU,
 ) -> TrainResult:
     """Steps first_step .. cfg.steps - 1. With checkpoints, in segments that end at each
     checkpoint step: the pipeline drains there (no batch in flight) and a fresh one starts."""
@@ -246,17 +207,19 @@ def _loop(
             part = itertools.islice(data, end - k)
             # wrapped per segment: at its end every row move is settled and the transform
             # thread, if any, is done, before a checkpoint is taken
-            yield from (
+            ready = (
                 part
                 if dynamic is None
                 else dynamic.wrap(part, ahead=ahead, window=transform_window, priority=cfg.transform_priority)
             )
+            # on a GPU, from pinned memory: the copies to the device do not hold the host up
+            yield from ready if device.type == "cpu" else (b.pin_memory() for b in ready)
 
         limited = limited_batches()
         if not cfg.pipeline:
 
             def plain() -> torch.Tensor:
-                batch = next(limited)
+                batch = on_device(next(limited), device)
                 optimizer.zero_grad()
                 loss, _ = model(batch)
                 loss.backward()
@@ -268,7 +231,7 @@ def _loop(
 
         if pipeline is not None:
             pipeline.detach()
-        pipeline = this = TrainPipelineSparseDist(model, optimizer, torch.device("cpu"))
+        pipeline = this = TrainPipelineSparseDist(model, optimizer, device)
         return limited, lambda: this.progress(limited)[0]  # DLRMTrain's output: (loss, logits, labels)
 
     total = planned_steps(cfg)
@@ -284,7 +247,14 @@ def _loop(
         unit="step",
         disable=not cfg.progress or rank != 0,
     )
-    start, window = time.perf_counter(), []
+    start, logged = time.perf_counter(), 0
+    pending: list[torch.Tensor] = []  # losses still on the device: read back once per log_every steps
+
+    def read_losses() -> None:
+        if pending:
+            result.losses.extend(torch.stack(pending).cpu().tolist())
+            pending.clear()
+
     k = first_step
     current, step = segment(boundary(k))
     try:
@@ -296,11 +266,12 @@ def _loop(
                 break
             if dynamic is not None:
                 dynamic.release_oldest()
-            result.losses.append(float(loss.detach()))
-            window.append(result.losses[-1])
+            pending.append(loss.detach())
             metrics.steps.inc()
             metrics.samples.inc(cfg.batch_size)
             if (k + 1) % cfg.log_every == 0 or k + 1 == total:
+                read_losses()
+                window, logged = result.losses[logged:], len(result.losses)
                 elapsed = time.perf_counter() - start
                 rate = len(result.losses) * cfg.batch_size * dist.get_world_size() / elapsed
                 metrics.samples_per_second.set(rate / dist.get_world_size())
@@ -309,7 +280,6 @@ def _loop(
                 if dynamic is not None:
                     post["hit"] = f"{dynamic.last_hit_rate:.3f}"
                 bar.set_postfix(post)
-                window = []
             bar.update(1)
             k += 1
             if k < total and k == boundary(k - 1):  # drained: the segment ended here
@@ -320,13 +290,14 @@ def _loop(
                 if evaluating and k % evaluating == 0:
                     if pipeline is not None:
                         pipeline.detach()  # the model's own forward, for evaluation
-                    result.evals.append((k, *evaluate(cfg, built, dynamic)))
+                    result.evals.append((k, *evaluate(cfg, built, dynamic, device)))
                     if rank == 0:
                         bar.write(f"step {k}: eval AUC {result.evals[-1][1]:.4f}  log-loss {result.evals[-1][2]:.4f}")
                 current, step = segment(boundary(k))
     finally:  # a step that raised leaves no transform thread behind, nor a bar on the error's line
         current.close()
         bar.close()
+    read_losses()
     if result.data_ran_out and rank == 0:
         log.warning(
             "the training data ran out after step %d of %d (%s): the run ends there%s",
@@ -347,6 +318,12 @@ def _loop(
     return result
 
 
+def on_device(batch, device: torch.device):
+    """The batch on `device` (copied without holding the host up where it is pinned); on the
+    CPU the batch itself."""
+    return batch if device.type == "cpu" else batch.to(device, non_blocking=True)
+
+
 def planned_steps(cfg: TrainConfig) -> int:
     """The steps of the job: `steps`, or with file data and `epochs`, that many passes' batches."""
     if cfg.data.source == "synthetic" or not cfg.data.epochs:
@@ -358,7 +335,7 @@ def _collect_tables(built: Built, dynamic: DynamicTables | None, store: RowStore
     out = {}
     for name, r in find_tables(built.model).items():
         if dynamic is None:
-            out[name] = (r.row_offset, r.read(torch.arange(r.local_rows)).numpy())
+            out[name] = (r.row_offset, r.read(torch.arange(r.local_rows)).cpu().numpy())
         else:  # the same block of IDs, as the PS has them (IDs are < the universe here)
             rank, world = dist.get_rank(), dist.get_world_size()
             block = -(-built.model_rows_full // world)
@@ -390,8 +367,10 @@ def _pull_from_owners(store: RowStore, table: str, ids: np.ndarray, universe: in
 
 
 @torch.no_grad()
-def evaluate(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None) -> tuple[float, float]:
-    """AUC and log-loss over every rank's held-out batches."""
+def evaluate(
+    cfg: TrainConfig, built: Built, dynamic: DynamicTables | None, device: torch.device = _CPU
+) -> tuple[float, float]:
+    """AUC and log-loss over every rank's held-out batches, computed on `device` (the model's)."""
     from torchmetrics.functional.classification import binary_auroc
 
     model = built.model
@@ -409,20 +388,20 @@ def evaluate(cfg: TrainConfig, built: Built, dynamic: DynamicTables | None) -> t
         missing = pending.pop()
         if not missing:
             return pooled
-        return pooled + torch.stack([missing[f] for f in module.sparse_feature_names], dim=1)
+        return pooled + torch.stack([missing[f] for f in module.sparse_feature_names], dim=1).to(pooled.device)
 
     hook = sparse_arch.register_forward_hook(add_missing)
     try:
         for batch, missing in looked:
             pending.append(missing or {})
-            _, (_, logit, label) = model(batch)
+            _, (_, logit, label) = model(on_device(batch, device))
             logits.append(logit.reshape(-1))
             labels.append(label.reshape(-1))
     finally:
         hook.remove()
     model.train()
-    local = torch.stack([torch.cat(logits), torch.cat(labels)]) if logits else torch.zeros(2, 0)
-    every = torch.cat(all_gather_ragged(local), dim=1)
+    local = torch.stack([torch.cat(logits), torch.cat(labels)]) if logits else torch.zeros(2, 0, device=device)
+    every = torch.cat(all_gather_ragged(local), dim=1)  # on the group's device (NCCL: the GPU)
     if every.shape[1] == 0:
         return float("nan"), float("nan")
     logit, label = every[0], every[1]

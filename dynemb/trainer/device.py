@@ -1,0 +1,94 @@
+"""Which device a rank trains on, and the process groups that go with it.
+
+--device cpu: every rank on the CPU, gloo. --device cuda: one rank per GPU, rank with
+LOCAL_RANK l on cuda:l, NCCL; a gloo group of the same ranks beside it (control_group) for
+what NCCL lacks (monitored_barrier, used to agree on who reports a failure). --device auto:
+cuda when torch sees a GPU, else cpu.
+
+    device = resolve_device("auto")
+    init_distributed(device)               # nccl on cuda, gloo on cpu
+    t = torch.zeros(1, device=collective_device())   # what the default group's collectives take
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from dynemb.common.errors import UserError
+
+_control: dist.ProcessGroup | None = None  # the gloo group beside an NCCL default group
+
+
+class DeviceUnavailable(UserError):
+    """--device cuda where this rank has no GPU of its own."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device of this rank for --device `name` (auto, cpu, cuda); on cuda also made the
+    current device of the calling thread.
+
+    Raises:
+        DeviceUnavailable: cuda without a visible GPU, or with more local ranks
+            (LOCAL_WORLD_SIZE, LOCAL_RANK) than GPUs.
+        ValueError: an unknown name.
+    """
+    if name not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {name!r}")
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise DeviceUnavailable(
+            f"--device cuda: no CUDA GPU is visible (torch {torch.__version__}, CUDA "
+            f"{torch.version.cuda or 'none: a CPU-only build'}); use --device cpu or auto"
+        )
+    gpus = torch.cuda.device_count()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1)))
+    if max(local_world, local_rank + 1) > gpus:
+        raise DeviceUnavailable(
+            f"--device cuda: {max(local_world, local_rank + 1)} ranks on this machine but {gpus} GPU"
+            f"{'s' if gpus != 1 else ''}: one rank per GPU (torchrun --nproc_per_node {gpus})"
+        )
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+def backend_for(device: torch.device) -> str:
+    """The torch.distributed backend of a job on `device`: nccl on cuda, gloo on cpu."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(device: torch.device | None = None) -> bool:
+    """Join torchrun's group (RANK, WORLD_SIZE in the environment), or make a one-process one,
+    with the device's backend; on NCCL also the gloo control group. True if this call
+    created the group."""
+    global _control
+    if dist.is_initialized():
+        return False
+    backend = backend_for(device or torch.device("cpu"))
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        # an in-process store: a group of one needs no rendezvous (and no port)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    _control = dist.new_group(backend="gloo") if backend == "nccl" else None
+    return True
+
+
+def control_group() -> dist.ProcessGroup | None:
+    """A gloo group of every rank for monitored_barrier: the default group on gloo, the one
+    made beside NCCL's otherwise (None: the default group)."""
+    if _control is not None and dist.is_initialized() and dist.get_backend() == "nccl":
+        return _control
+    return None
+
+
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where the tensors of `group`'s collectives live: the current GPU on NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

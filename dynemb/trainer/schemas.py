@@ -1,0 +1,32 @@
+"""The tables of a job as its settings size them, and their PS schemas (no TorchRec here: the
+plain model, plain.py, uses them too)."""
+
+from __future__ import annotations
+
+import math
+
+from dynemb.ps_server.schema import Initializer, TableSchema
+from dynemb.trainer.config import TrainConfig, optimizer_state_width
+
+
+def table_rows_total(cfg: TrainConfig, world_size: int, name: str) -> int:
+    """Rows of a table across all ranks: for a full table its capacity if given, else the
+    universe; for a dynamic one its capacity, rounded up to equal blocks per rank."""
+    t = cfg.table_config(name)
+    if not t.dynamic:
+        return t.capacity or cfg.data.universe
+    cap = t.capacity or math.ceil(cfg.data.universe * t.capacity_fraction)
+    per_rank = max(1, math.ceil(cap / world_size))
+    return per_rank * world_size
+
+
+def ps_schema(cfg: TrainConfig, feature: int) -> TableSchema:
+    """The PS schema of table t_<feature>: fp32, uniform in ±init_scale (default 1/sqrt(dim))."""
+    scale = cfg.table_config(f"t_{feature}").init_scale or 1.0 / math.sqrt(cfg.table.dim)
+    return TableSchema(
+        name=f"{cfg.ps_table_prefix}t_{feature}",
+        dim=cfg.table.dim,
+        state_width=optimizer_state_width(cfg.optimizer, cfg.table.dim),
+        dtype="fp32",
+        initializer=Initializer("uniform", -scale, scale, seed=cfg.seed * 1000 + feature),
+    )
