@@ -11,8 +11,8 @@
 #
 # Without a GPU (e.g. here) it runs as far as it can and reports the GPU steps "no GPU: skipped".
 # Environment: PYTHON (default python3: on the host the one with torch), OUT (default
-# bench/out/gpu_check), GPU_CHECK_BUDGET (seconds for the whole run, default 540: a device call
-# runs at most 600), GPU_WHEELS (default .whl), GPU_SITE (default /tmp/site), GPU_CHECK_IDT_ARGS and
+# bench/out/gpu_check), GPU_CHECK_BUDGET (seconds for the whole run, default 480: a device call
+# runs at most 600, and a session's 15 device minutes hold the machine's start and the carry calls), GPU_WHEELS (default .whl), GPU_SITE (default /tmp/site), GPU_CHECK_IDT_ARGS and
 # GPU_CHECK_TRAIN_ARGS (more arguments for the two benchmarks).
 # Exit status: 1 if a step failed (the other steps still run), else 0.
 set -euo pipefail
@@ -23,14 +23,14 @@ PY=${PYTHON:-python3}
 WHL=${GPU_WHEELS:-.whl}
 SITE=${GPU_SITE:-/tmp/site}
 RESULTS=${OUT:-$ROOT/bench/out/gpu_check}
-BUDGET=${GPU_CHECK_BUDGET:-540}
+BUDGET=${GPU_CHECK_BUDGET:-480}
 LOG=$RESULTS/gpu_check.log
 DRY=
 ONLY=
 
 # The steps in order, with the most seconds each may take (the whole run's budget caps them too).
 STEPS=(setup versions build tests bench-idtransformer bench-train)
-declare -A MAX_S=([setup]=180 [versions]=60 [build]=240 [tests]=300 [bench-idtransformer]=180 [bench-train]=240)
+declare -A MAX_S=([setup]=150 [versions]=60 [build]=180 [tests]=240 [bench-idtransformer]=150 [bench-train]=180)
 declare -A PART=([tests]=tests [bench-idtransformer]=bench [bench-train]=bench)
 
 # What the steps found out, for the later ones.
@@ -97,7 +97,7 @@ step_setup() {
   local sums=$WHL/small/pieces.sha256 stamp=$SITE/.gpu_check.stamp want notes=() line sum name parts
   if [ -n "$DRY" ]; then
     echo "    join $WHL/pieces/*.part-NN, check each against $sums, unpack into $SITE"
-    sh_ "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHL/small/*.whl"
+    sh_ "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHL/small/*.whl"
     echo "    dpkg-deb -x $WHL/small/*.deb (redis-server for the tests' fixtures); PYTHONPATH=$ROOT:$SITE"
     return 0
   fi
@@ -136,7 +136,7 @@ step_setup() {
     joined=$((joined + 1))
   done <"$sums"
   local wheels=("$WHL/small/"*.whl)
-  sh_ "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}" || return 1
+  PIP_ROOT_USER_ACTION=ignore sh_ "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}" || return 1
   echo "$want" >"$stamp"
   setup_redis
   STEP_FIGURE="${#wheels[@]} small wheels, $joined re-joined from pieces${notes:+; ${notes[*]}}"
@@ -173,7 +173,8 @@ setup_redis() {
 # Versions of what the checks rely on; fails when a module the project needs does not import.
 step_versions() {
   local facts=$WORK/versions.sh
-  sh_ "$PY" - "$facts" <<'PY' || return 1
+  local rc=0
+  sh_ "$PY" - "$facts" <<'PY' || rc=$?
 import importlib, importlib.metadata as md, platform, shlex, sys
 
 def version(module, dist=None):
@@ -230,7 +231,8 @@ with open(sys.argv[1], "w") as f:
     f.writelines(f"{k}={shlex.quote(v)}\n" for k, v in facts.items())
 sys.exit(1 if missing else 0)
 PY
-  [ -n "$DRY" ] || source "$facts"
+  if [ -z "$DRY" ] && [ -e "$facts" ]; then source "$facts"; fi
+  return "$rc"
 }
 
 step_build() {
