@@ -106,22 +106,22 @@ step_setup() {
     return 0
   fi
   export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
-  # what is wanted: the re-packed wheels by their recorded sha256, the small files by their own
-  want=$( (cat "$sums" 2>/dev/null; sha256sum "$WHL/small/"*) | sha256sum | cut -c1-16)
+  # what is wanted: the re-packed wheels by their recorded sha256 and the pieces there (an install
+  # made before the pieces came is redone), the small files by their own sha256
+  want=$( (cat "$sums" 2>/dev/null; ls -l "$WHL/pieces" 2>/dev/null; sha256sum "$WHL/small/"*) | sha256sum | cut -c1-16)
   if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
     STEP_FIGURE="already installed in $SITE"
     setup_redis
     return 0
   fi
   rm -rf "$SITE" && mkdir -p "$SITE" || return 1
-  local joined=0 absent=0
+  local joined=0
   while read -r sum name; do
     [ -n "$sum" ] && [ "${sum:0:1}" != "#" ] || continue
     parts=("$WHL/pieces/$name.part-"*)
     if [ ! -e "${parts[0]}" ]; then
       echo "$name: no pieces here, so ${name%%-*} is absent (carry the calls of $WHL/plan.txt in order)"
       notes+=("${name%%-*} absent: no pieces")
-      absent=$((absent + 1))
       continue
     fi
     echo "$name: joining ${#parts[@]} pieces"
@@ -136,7 +136,8 @@ step_setup() {
     joined=$((joined + 1))
   done <"$sums"
   local wheels=("$WHL/small/"*.whl)
-  PIP_ROOT_USER_ACTION=ignore sh_ "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}" || return 1
+  [ -e "${wheels[0]}" ] || wheels=()
+  [ ${#wheels[@]} = 0 ] || PIP_ROOT_USER_ACTION=ignore sh_ "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}" || return 1
   echo "$want" >"$stamp"
   setup_redis
   STEP_FIGURE="${#wheels[@]} small wheels, $joined re-joined from pieces${notes:+; ${notes[*]}}"

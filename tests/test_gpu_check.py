@@ -177,6 +177,14 @@ def test_pieces_rejoin_install_and_a_damaged_piece_fails_setup(tmp_path):
 
     site = tmp_path / "site"
     common = dict(OUT=str(tmp_path / "out"), GPU_WHEELS=str(whl), GPU_CHECK_BUDGET="200")
+    # before the pieces came: the small wheels alone, and a line saying what is absent
+    (whl / "pieces").rename(tmp_path / "away")
+    proc = _run(CHECK, "--only", "tests", GPU_SITE=str(site), **common)
+    setup = _table(proc.stdout)["setup"]
+    assert setup == ("pass", "1 small wheels, 0 re-joined from pieces; gpuprobe absent: no pieces")
+    assert (site / "gpusmall").is_dir() and not (site / "gpuprobe").exists()
+    # the pieces came: the same folder is installed again, with them
+    (tmp_path / "away").rename(whl / "pieces")
     proc = _run(CHECK, "--only", "tests", GPU_SITE=str(site), **common)
     table = _table(proc.stdout)
     assert table["setup"] == ("pass", "1 small wheels, 1 re-joined from pieces"), proc.stdout
