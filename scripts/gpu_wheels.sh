@@ -43,9 +43,12 @@ WHEELS=(
 # redis-server for the tests' fixtures: Debian 12's 7.0 build, unpacked there with dpkg -x.
 DEBS=(redis-tools libjemalloc2 liblzf1)
 # The tags pip may take for the host (device/README.md): CPython 3.12 on x86-64 glibc.
-PLATFORMS=(manylinux_2_34_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64
+PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64
   manylinux2014_x86_64 manylinux1_x86_64)
 CALL_LIMIT=$((64 * 1024 * 1024))  # the device tool's limit per call: tree + carried paths
+# -9e packs fbgemm-gpu 1.6.0 into 154 MB, 3 calls, where -6 gives 176 MB, 4 calls; it takes ~2x
+# as long (25 minutes on 2 busy cores, once: the tar.xz is kept), and unpacks as fast.
+XZ_LEVEL=-9e
 
 DIR=.whl
 DOWNLOAD=1
@@ -129,19 +132,19 @@ fetch_debs() {
 }
 
 # Re-pack one wheel as $DIR/download/<wheel>.tar.xz (kept: a second run reuses it). Why: a wheel
-# is a deflate zip, and xz packs fbgemm-gpu's CUDA libraries 2.8x smaller (465 -> 168 MB), which
+# is a deflate zip, and xz packs fbgemm-gpu's CUDA libraries 3x smaller (465 -> 154 MB), which
 # saves device calls. The host unpacks the tar into its --target folder, as pip would write it.
 repack_wheel() {
   local whl=$1 name tarxz from
   name=$(basename "$whl")
   tarxz=$DIR/download/$name.tar.xz
-  from=$(sha256sum "$whl" | cut -d' ' -f1)
+  from="$(sha256sum "$whl" | cut -d' ' -f1) xz $XZ_LEVEL"
   if [ "$(cat "$tarxz.from" 2>/dev/null)" != "$from" ]; then
     echo "[gpu_wheels] re-packing $name ($(mib "$(size_of "$whl")")) as tar.xz"
     rm -rf "$WORK/tree" && mkdir -p "$WORK/tree"
-    unzip -q "$whl" -d "$WORK/tree"
+    unzip_keeping_modes "$whl" "$WORK/tree"
     # multi-threaded xz writes independent blocks, which a multi-threaded xz can also unpack
-    tar -C "$WORK/tree" --owner=0 --group=0 -cf - . | nice xz -6 -T0 >"$tarxz.tmp"
+    tar -C "$WORK/tree" --owner=0 --group=0 -cf - . | nice xz "$XZ_LEVEL" -T0 >"$tarxz.tmp"
     rm -rf "$WORK/tree"
     # every file of the wheel in the tar, each matching the wheel's own RECORD
     check_record "$name" <"$tarxz.tmp"
@@ -149,6 +152,18 @@ repack_wheel() {
   fi
   echo "$(sha256sum "$tarxz" | cut -d' ' -f1)  $name.tar.xz" >>"$DIR/small/pieces.sha256"
   BIG+=("$tarxz")
+}
+
+# Python's zipfile (no unzip needed), keeping the files' modes as pip would on install.
+unzip_keeping_modes() {
+  "$(pip_python)" -c '
+import os, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    for info in z.infolist():
+        path = z.extract(info, sys.argv[2])
+        if info.external_attr >> 16 & 0o777:
+            os.chmod(path, info.external_attr >> 16 & 0o777)
+' "$1" "$2"
 }
 
 # Read a tar.xz on stdin and check every file against the sha256 and size in the wheel's RECORD.
@@ -252,7 +267,6 @@ main() {
   parse_args "$@"
   WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_wheels.XXXXXX")
   trap 'rm -rf "$WORK"' EXIT
-  command -v unzip >/dev/null || die "unzip is needed (apt-get install unzip)"
   if [ -n "$DOWNLOAD" ]; then download_wheels; fi
   BIG=()
   lay_out
