@@ -195,11 +195,34 @@ _CLUSTER_FIXTURES = {"redis_cluster", "redis_tls_cluster"}
 
 
 def pytest_collection_modifyitems(items) -> None:
-    """`cluster` on every test that starts a Redis Cluster (through its fixtures), and the
-    markers of _MARKED_HERE."""
+    """`cluster` on every test that starts a Redis Cluster (through its fixtures), the markers
+    of _MARKED_HERE, `cuda` on every case parametrized with a CUDA device; then, without a GPU,
+    a skip on every `cuda` test (so `pytest -m cuda` selects the GPU checks, scripts/gpu_check.sh)."""
     for item in items:
         if _CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.cluster)
         for pattern, mark in _MARKED_HERE.get(item.path.name, {}).items():
             if fnmatch.fnmatchcase(item.name, pattern):
                 item.add_marker(getattr(pytest.mark, mark))
+        if _is_cuda_case(item):
+            item.add_marker(pytest.mark.cuda)
+    cuda_items = [item for item in items if item.get_closest_marker("cuda")]
+    if cuda_items and not _cuda_available():
+        for item in cuda_items:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+def _is_cuda_case(item) -> bool:
+    """Whether a parameter of this case is a CUDA device: "cuda", "cuda:N" or a torch.device."""
+    for value in getattr(getattr(item, "callspec", None), "params", {}).values():
+        if isinstance(value, str) and (value == "cuda" or value.startswith("cuda:")):
+            return True
+        if type(value).__name__ == "device" and getattr(value, "type", None) == "cuda":
+            return True
+    return False
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

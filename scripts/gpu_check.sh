@@ -1,0 +1,401 @@
+#!/usr/bin/env bash
+# The GPU checks in one command, for the lent GPU host (offline; docs/gpu.md says how a session
+# gets the tree and the wheels there): install the carried wheels, print the versions, build,
+# run every CUDA test, then the GPU benchmarks; each step under a time budget. Logs and
+# results.json go to $OUT (the device tool brings them back); ONE table is printed at the end.
+#
+#   scripts/gpu_check.sh                  # every step
+#   scripts/gpu_check.sh --only tests     # setup, versions and build, then the CUDA tests
+#   scripts/gpu_check.sh --only bench     # setup, versions and build, then the GPU benchmarks
+#   scripts/gpu_check.sh --dry-run        # what it would do, doing nothing
+#
+# Without a GPU (e.g. here) it runs as far as it can and reports the GPU steps "no GPU: skipped".
+# Environment: PYTHON (default python3: on the host the one with torch), OUT (default
+# bench/out/gpu_check), GPU_CHECK_BUDGET (seconds for the whole run, default 480: a device call
+# runs at most 600, and a session's 15 device minutes hold the machine's start and the carry calls), GPU_WHEELS (default .whl), GPU_SITE (default /tmp/site), GPU_CHECK_IDT_ARGS and
+# GPU_CHECK_TRAIN_ARGS (more arguments for the two benchmarks).
+# Exit status: 1 if a step failed (the other steps still run), else 0.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+PY=${PYTHON:-python3}
+WHL=${GPU_WHEELS:-.whl}
+SITE=${GPU_SITE:-/tmp/site}
+RESULTS=${OUT:-$ROOT/bench/out/gpu_check}
+BUDGET=${GPU_CHECK_BUDGET:-480}
+LOG=$RESULTS/gpu_check.log
+DRY=
+ONLY=
+
+# The steps in order, with the most seconds each may take (the whole run's budget caps them too).
+STEPS=(setup versions build tests bench-idtransformer bench-train)
+declare -A MAX_S=([setup]=150 [versions]=60 [build]=180 [tests]=240 [bench-idtransformer]=150 [bench-train]=180)
+declare -A PART=([tests]=tests [bench-idtransformer]=bench [bench-train]=bench)
+
+# What the steps found out, for the later ones.
+HAVE_GPU=
+HAVE_TORCHREC=
+HAVE_FBGEMM=
+
+# One row per step for the table and results.json.
+ROW_NAME=() ROW_STATUS=() ROW_FIGURE=() ROW_SECS=()
+STEP_SKIP= STEP_FIGURE= STEP_BUDGET=0 FAILED=0
+
+die() { echo "gpu_check: $*" >&2; exit 2; }
+
+parse_args() {
+  while [ $# -gt 0 ]; do
+    case $1 in
+      --dry-run) DRY=1 ;;
+      --only)
+        ONLY=${2:-}
+        case $ONLY in tests | bench) ;; *) die "--only takes 'tests' or 'bench', not '${ONLY}'" ;; esac
+        shift
+        ;;
+      -h | --help) sed -n '2,19p' "$0"; exit 0 ;;
+      *) die "unknown argument '$1' (see --help)" ;;
+    esac
+    shift
+  done
+  [[ $BUDGET =~ ^[0-9]+$ ]] || die "GPU_CHECK_BUDGET must be whole seconds, not '$BUDGET'"
+}
+
+# Run a command under the step's time budget (timeout kills its whole process group: torchrun's
+# ranks too); under --dry-run only print it.
+sh_() {
+  if [ -n "$DRY" ]; then
+    echo "    would run: $(quoted "$@")"
+    return 0
+  fi
+  echo "+ $(quoted "$@")"
+  timeout -k 10 "$STEP_BUDGET" "$@"
+}
+
+skip() { STEP_SKIP=$1; }
+
+# The words of a command as a shell would read them back, quoting only where needed.
+quoted() {
+  local w out=()
+  for w in "$@"; do
+    if [[ $w =~ ^[A-Za-z0-9_./=:,+@%*-]+$ ]]; then
+      out+=("$w")
+    elif [[ $w != *"'"* ]]; then
+      out+=("'$w'")
+    else
+      out+=("$(printf %q "$w")")
+    fi
+  done
+  echo "${out[*]}"
+}
+
+# --- the steps: each sets STEP_FIGURE (or calls skip) and returns non-zero on failure ---------
+
+# Join the pieces of each large wheel, check them against the sha256 taken when they were cut,
+# unpack them, and pip-install the small wheels, all into $SITE; unpack redis-server's .debs.
+step_setup() {
+  local sums=$WHL/small/pieces.sha256 stamp=$SITE/.gpu_check.stamp want notes=() line sum name parts
+  if [ -n "$DRY" ]; then
+    echo "    join $WHL/pieces/*.part-NN, check each against $sums, unpack into $SITE"
+    sh_ "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHL/small/*.whl"
+    echo "    dpkg-deb -x $WHL/small/*.deb (redis-server for the tests' fixtures); PYTHONPATH=$ROOT:$SITE"
+    return 0
+  fi
+  if [ ! -d "$WHL/small" ]; then
+    skip "no $WHL/small: fbgemm_gpu and torchrec absent (scripts/gpu_wheels.sh, then carry it)"
+    return 0
+  fi
+  export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  # what is wanted: the re-packed wheels by their recorded sha256 and the pieces there (an install
+  # made before the pieces came is redone), the small files by their own sha256
+  want=$( (cat "$sums" 2>/dev/null; ls -l "$WHL/pieces" 2>/dev/null; sha256sum "$WHL/small/"*) | sha256sum | cut -c1-16)
+  if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+    STEP_FIGURE="already installed in $SITE"
+    setup_redis
+    return 0
+  fi
+  rm -rf "$SITE" && mkdir -p "$SITE" || return 1
+  local joined=0
+  while read -r sum name; do
+    [ -n "$sum" ] && [ "${sum:0:1}" != "#" ] || continue
+    parts=("$WHL/pieces/$name.part-"*)
+    if [ ! -e "${parts[0]}" ]; then
+      echo "$name: no pieces here, so ${name%%-*} is absent (carry the calls of $WHL/plan.txt in order)"
+      notes+=("${name%%-*} absent: no pieces")
+      continue
+    fi
+    echo "$name: joining ${#parts[@]} pieces"
+    cat "${parts[@]}" >"$SITE/$name"
+    if [ "$(sha256sum "$SITE/$name" | cut -d' ' -f1)" != "$sum" ]; then
+      echo "$name: the ${#parts[@]} pieces here (${parts[*]##*/}) do not give sha256 $sum: one is missing or damaged"
+      STEP_FIGURE="$name: pieces missing or damaged"
+      return 1
+    fi
+    unpack_tar_xz "$SITE/$name" "$SITE" || return 1
+    rm -f "$SITE/$name"
+    joined=$((joined + 1))
+  done <"$sums"
+  local wheels=("$WHL/small/"*.whl)
+  [ -e "${wheels[0]}" ] || wheels=()
+  [ ${#wheels[@]} = 0 ] || PIP_ROOT_USER_ACTION=ignore sh_ "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}" || return 1
+  echo "$want" >"$stamp"
+  setup_redis
+  STEP_FIGURE="${#wheels[@]} small wheels, $joined re-joined from pieces${notes:+; ${notes[*]}}"
+}
+
+# xz's own threads where the host has xz, else Python's tarfile (standard library).
+unpack_tar_xz() {
+  if command -v xz >/dev/null; then
+    xz -dc -T0 "$1" | tar -x -C "$2"
+  else
+    "$PY" -m tarfile -e "$1" "$2"
+  fi
+}
+
+# Debian's redis-server (redis-check-rdb under another name: it picks its role from argv[0]),
+# as scripts/setup_env.sh lays it out, for tests whose fixtures start one.
+setup_redis() {
+  local dir=$SITE/.redis tool
+  [ -e "$WHL/small/redis-tools.deb" ] || { echo "no redis-tools.deb carried: tests that start Redis fail"; return 0; }
+  if [ ! -x "$dir/bin/redis-server" ]; then
+    for deb in "$WHL/small/"*.deb; do dpkg-deb -x "$deb" "$dir"; done
+    ln -sf redis-check-rdb "$dir/usr/bin/redis-server"
+    mkdir -p "$dir/bin"
+    for tool in redis-server redis-cli; do
+      printf '#!/usr/bin/env bash\nexport LD_LIBRARY_PATH="%s/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"\nexec "%s/usr/bin/%s" "$@"\n' \
+        "$dir" "$dir" "$tool" >"$dir/bin/$tool"
+      chmod +x "$dir/bin/$tool"
+    done
+  fi
+  export DYNEMB_REDIS_SERVER=$dir/bin/redis-server
+  "$DYNEMB_REDIS_SERVER" --version || echo "the carried redis-server does not run here: tests that start Redis fail"
+}
+
+# Versions of what the checks rely on; fails when a module the project needs does not import.
+step_versions() {
+  local facts=$WORK/versions.sh
+  local rc=0
+  sh_ "$PY" - "$facts" <<'PY' || rc=$?
+import importlib, importlib.metadata as md, platform, shlex, sys
+
+def version(module, dist=None):
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # an import that crashes is as absent as a missing one
+        return None, f"{type(exc).__name__}: {str(exc)[:120]}"
+    try:
+        return md.version(dist or module), None
+    except md.PackageNotFoundError:
+        return getattr(sys.modules[module], "__version__", "?"), None
+
+print(f"python {platform.python_version()} ({sys.executable})")
+facts, figure, missing = {}, [], []
+try:
+    import torch
+    gpu = torch.cuda.is_available()
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, GPU: {gpu}")
+    figure.append(f"torch {torch.__version__}")
+    if gpu:
+        p = torch.cuda.get_device_properties(0)
+        print(f"GPU 0: {p.name}, sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB, "
+              f"{p.multi_processor_count} SMs, {torch.cuda.device_count()} device(s)")
+        figure += [f"CUDA {torch.version.cuda}", p.name]
+    else:
+        figure.append("no GPU")
+    facts["HAVE_GPU"] = "1" if gpu else ""
+except Exception as exc:
+    print(f"torch does not import: {exc}")
+    missing.append("torch")
+    facts["HAVE_GPU"] = ""
+# the project's own needs (pyproject.toml), then the GPU side's (absent: their steps skip)
+needed = {"numpy": None, "grpc": "grpcio", "grpc_health": "grpcio-health-checking",
+          "grpc_reflection": "grpcio-reflection", "google.protobuf": "protobuf", "redis": None,
+          "hiredis": None, "xxhash": None, "prometheus_client": "prometheus-client", "tqdm": None,
+          "safetensors": None, "h5py": None, "google_crc32c": "google-crc32c", "yaml": "pyyaml",
+          "ninja": None, "pytest": None, "hypothesis": None}
+optional = {"triton": None, "fbgemm_gpu": "fbgemm-gpu", "torchrec": None, "tensordict": None,
+            "torchmetrics": None, "cupy": "cupy-cuda13x"}
+for group, mods in (("needed", needed), ("optional", optional)):
+    for module, dist in mods.items():
+        v, err = version(module, dist)
+        print(f"  {group:8} {module:18} {v or 'ABSENT: ' + err}")
+        if v is None and group == "needed":
+            missing.append(module)
+        if module in ("triton", "fbgemm_gpu", "torchrec"):
+            figure.append(f"{module} {v or 'absent'}")
+facts["HAVE_FBGEMM"] = "1" if version("fbgemm_gpu", "fbgemm-gpu")[0] else ""
+facts["HAVE_TORCHREC"] = "1" if version("torchrec")[0] else ""
+if missing:
+    figure.insert(0, f"MISSING {' '.join(missing)}")
+facts["STEP_FIGURE"] = ", ".join(figure)
+with open(sys.argv[1], "w") as f:
+    f.writelines(f"{k}={shlex.quote(v)}\n" for k, v in facts.items())
+sys.exit(1 if missing else 0)
+PY
+  if [ -z "$DRY" ] && [ -e "$facts" ]; then source "$facts"; fi
+  return "$rc"
+}
+
+step_build() {
+  if [ -z "$DRY" ] && [ -z "$HAVE_GPU" ]; then skip "no GPU: skipped"; return 0; fi
+  # the CUDA tests hold the GPU paths to the compiled CPU kernel; both are cached by source hash
+  sh_ "$PY" -c "from dynemb.idtransformer.kernel import ops; ops()" || { STEP_FIGURE="ID transformer kernel"; return 1; }
+  sh_ "$PY" -c "from dynemb.ps_server.native import id_index; id_index()" || { STEP_FIGURE="PS id index"; return 1; }
+  STEP_FIGURE="ID transformer kernel, PS id index"
+}
+
+step_tests() {
+  if [ -z "$DRY" ] && [ -z "$HAVE_GPU" ]; then skip "no GPU: skipped"; return 0; fi
+  local junit=$RESULTS/junit.xml rc=0
+  # A module that cannot be imported here must not hide the others' CUDA tests; it still fails the step.
+  sh_ "$PY" -m pytest -m cuda -q --continue-on-collection-errors --junitxml "$junit" tests || rc=$?
+  [ -z "$DRY" ] || return 0
+  if [ "$rc" = 5 ]; then skip "no test is marked cuda"; return 0; fi
+  STEP_FIGURE=$("$PY" -c '
+import sys, xml.etree.ElementTree as ET
+t = f = e = s = 0
+for suite in ET.parse(sys.argv[1]).getroot().iter("testsuite"):
+    t += int(suite.get("tests", 0)); f += int(suite.get("failures", 0))
+    e += int(suite.get("errors", 0)); s += int(suite.get("skipped", 0))
+print(f"{t - f - e - s} passed, {f} failed, {e} errors, {s} skipped")
+' "$junit" 2>/dev/null || echo "no junit report (pytest exit $rc)")
+  return "$rc"
+}
+
+step_bench_idtransformer() {
+  if [ -z "$DRY" ] && [ -z "$HAVE_GPU" ]; then skip "no GPU: skipped"; return 0; fi
+  local args=(--device cuda) note= out=$WORK/bench-idtransformer.out rc=0
+  if [ -z "$DRY" ] && [ -z "$HAVE_TORCHREC" ]; then
+    args+=(--skip-mch)
+    note="; MCH skipped: no torchrec"
+    echo "torchrec absent: timing ours alone (--skip-mch), no ratio"
+  fi
+  # shellcheck disable=SC2086  # extra arguments are meant to split
+  sh_ "$PY" bench/idtransformer_bench.py "${args[@]}" ${GPU_CHECK_IDT_ARGS:-} >"$out" 2>&1 || rc=$?
+  cat "$out"
+  [ -z "$DRY" ] || return 0
+  STEP_FIGURE="$(figure_from "$out" 'idtransformer (hybrid)' 'ratio IDs/s')$note"
+  return "$rc"
+}
+
+step_bench_train() {
+  if [ -z "$DRY" ]; then
+    if [ -z "$HAVE_GPU" ]; then skip "no GPU: skipped"; return 0; fi
+    if [ -z "$HAVE_TORCHREC" ] || [ -z "$HAVE_FBGEMM" ]; then skip "needs torchrec and fbgemm_gpu: skipped"; return 0; fi
+    if ! "$PY" bench/train_bench.py --help 2>/dev/null | grep -q -- '--device'; then
+      skip "bench/train_bench.py has no --device yet: skipped"
+      return 0
+    fi
+  fi
+  local out=$WORK/bench-train.out rc=0
+  # shellcheck disable=SC2086
+  sh_ "$PY" bench/train_bench.py --device cuda ${GPU_CHECK_TRAIN_ARGS:-} >"$out" 2>&1 || rc=$?
+  cat "$out"
+  [ -z "$DRY" ] || return 0
+  STEP_FIGURE=$(figure_from "$out" 'dynamic tables' 'ratio dynamic / full')
+  return "$rc"
+}
+
+# "<first pattern's figures>; <second's>" from a benchmark's output: the numbers on its last
+# line matching each pattern, e.g. "ours 89,778,428 IDs/s 0.5120; ratio 0.23".
+figure_from() {
+  local out=$1 a b
+  a=$(grep -F -- "$2" "$out" | tail -1 | grep -oE '[0-9][0-9,]*(\.[0-9]+)?' | head -2 | paste -sd' ' || true)
+  b=$(grep -F -- "$3" "$out" | tail -1 | grep -oE '[0-9][0-9,]*\.[0-9]+' | head -1 || true)
+  echo "${2}: ${a:-?}${b:+; ${3}: $b}"
+}
+
+# --- the runner ----------------------------------------------------------------------------
+
+# Run one step: its output into the log, its row into the table and results.json.
+run_step() {
+  local name=$1 fn=step_${1//-/_} start rc=0 status remaining offset
+  start=$(date +%s)
+  STEP_SKIP= STEP_FIGURE=
+  remaining=$((DEADLINE - start))
+  STEP_BUDGET=$((MAX_S[$name] < remaining ? MAX_S[$name] : remaining))
+  if [ -n "$ONLY" ] && [ -n "${PART[$name]:-}" ] && [ "${PART[$name]}" != "$ONLY" ]; then
+    add_row "$name" skipped "not asked (--only $ONLY)" 0
+    return 0
+  fi
+  if [ -n "$DRY" ]; then
+    echo "step $name (at most ${MAX_S[$name]} s):"
+    "$fn"
+    add_row "$name" skipped "dry run" 0
+    return 0
+  fi
+  if [ "$STEP_BUDGET" -lt 10 ]; then
+    add_row "$name" skipped "out of time (GPU_CHECK_BUDGET=$BUDGET s)" 0
+    return 0
+  fi
+  echo "[gpu_check] $name: start (budget $STEP_BUDGET s)"
+  offset=$(stat -c %s "$LOG")
+  printf '\n===== %s (budget %s s) %s =====\n' "$name" "$STEP_BUDGET" "$(date -u +%FT%TZ)" >>"$LOG"
+  # In this shell, not a pipeline or subshell: a step sets variables for the later ones. Called
+  # after ||, the step runs without set -e, so each step checks its own commands.
+  "$fn" >>"$LOG" 2>&1 </dev/null || rc=$?
+  if [ -n "$STEP_SKIP" ]; then
+    status=skipped STEP_FIGURE=$STEP_SKIP
+  elif [ "$rc" = 0 ]; then
+    status=pass
+  else
+    status=fail FAILED=1
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then STEP_FIGURE="timed out after $STEP_BUDGET s; ${STEP_FIGURE}"; fi
+    echo "[gpu_check] $name failed (exit $rc); the end of its log:"
+    tail -c +"$((offset + 1))" "$LOG" | tail -n 15 | sed 's/^/    /'
+  fi
+  add_row "$name" "$status" "${STEP_FIGURE:-}" $(($(date +%s) - start))
+}
+
+add_row() {
+  ROW_NAME+=("$1") ROW_STATUS+=("$2") ROW_FIGURE+=("$3") ROW_SECS+=("$4")
+  [ -n "$DRY" ] || write_results
+}
+
+# results.json after every step, so that a call cut short still brings back the steps done.
+write_results() {
+  local i
+  for i in "${!ROW_NAME[@]}"; do
+    printf '%s\t%s\t%s\t%s\n' "${ROW_NAME[i]}" "${ROW_STATUS[i]}" "${ROW_FIGURE[i]}" "${ROW_SECS[i]}"
+  done | "$PY" -c '
+import json, sys, time
+steps = [dict(zip(("step", "status", "figure", "seconds"), line.rstrip("\n").split("\t")))
+         for line in sys.stdin if line.strip()]
+for s in steps:
+    s["seconds"] = int(s["seconds"])
+json.dump({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "steps": steps,
+           "failed": any(s["status"] == "fail" for s in steps)}, open(sys.argv[1], "w"), indent=1)
+' "$RESULTS/results.json" || echo "[gpu_check] could not write results.json" >&2
+}
+
+print_table() {
+  local i
+  echo
+  printf '%-20s %-8s %7s  %s\n' step status seconds "key figure"
+  printf '%-20s %-8s %7s  %s\n' -------------------- -------- ------- ----------
+  for i in "${!ROW_NAME[@]}"; do
+    printf '%-20s %-8s %7s  %s\n' "${ROW_NAME[i]}" "${ROW_STATUS[i]}" "${ROW_SECS[i]}" "${ROW_FIGURE[i]}"
+  done
+  if [ -z "$DRY" ]; then echo "(logs: $LOG; $RESULTS/results.json)"; fi
+}
+
+main() {
+  parse_args "$@"
+  DEADLINE=$(($(date +%s) + BUDGET))
+  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+  WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
+  trap 'rm -rf "$WORK"' EXIT
+  if [ -n "$DRY" ]; then
+    echo "gpu_check --dry-run: python $PY, wheels from $WHL into $SITE, results into $RESULTS, budget $BUDGET s"
+  else
+    mkdir -p "$RESULTS"
+    : >"$LOG"
+    echo "[gpu_check] $(date -u +%FT%TZ) python $PY, results into $RESULTS, budget $BUDGET s"
+  fi
+  local name
+  for name in "${STEPS[@]}"; do run_step "$name"; done
+  print_table
+  return "$FAILED"
+}
+
+main "$@"
