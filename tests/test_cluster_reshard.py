@@ -9,8 +9,10 @@ import time
 import numpy as np
 import pytest
 
+from dynemb.ps_server.backends.redis_store import RedisStore, meta_key, rows_key
 from dynemb.ps_server.client import PSClient
 from dynemb.ps_server.client.retry import RetryPolicy
+from dynemb.ps_server.schema import TableSchema
 from dynemb.testing.local_redis import RedisClusterProcesses
 
 DIM = 8
@@ -113,5 +115,67 @@ def test_slots_move_to_a_new_master_under_load_without_errors_or_lost_rows(redis
             assert not got.missing.any(), f"{int(got.missing.sum())} of {len(every)} rows lost"
             assert np.array_equal(got.rows, rows_of(every))
             assert ps.list_tables()[0].num_rows == len(every)
+    finally:
+        cluster.close()
+
+
+def _node_id(node) -> str:
+    c = node.client()
+    try:
+        return c.execute_command("CLUSTER", "MYID").decode()
+    finally:
+        c.close()
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_scripts_follow_a_slot_caught_half_migrated(redis_binaries, redis_namespace):
+    """The slot of the table metadata and row counts, caught half moved to a master that never
+    ran a script: the count script is redirected there (ASK, then NOSCRIPT on that node), and a
+    create, whose script needs both keys, gets TRYAGAIN until the move ends."""
+    cluster = RedisClusterProcesses(masters=3).start()
+    try:
+        new = cluster.add_master()
+        store = RedisStore.from_url(cluster.url, namespace=redis_namespace)
+        schema = TableSchema("t", dim=4)
+        store.create_table(schema)
+        ids = np.arange(100, dtype=np.int64)
+        store.push("t", ids, np.ones((100, 4), np.float32))
+        mkey, rkey = meta_key(redis_namespace), rows_key(redis_namespace)
+        any_node = cluster.nodes[0].client()
+        slot = any_node.cluster("KEYSLOT", mkey)
+        assert any_node.cluster("KEYSLOT", rkey) == slot
+        src = next(n for n in cluster.nodes[:3] if n.client().cluster("COUNTKEYSINSLOT", slot) > 0)
+        src_c, dst_c = src.client(), new.client()
+        dst_c.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", _node_id(src))
+        src_c.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", _node_id(new))
+        src_c.execute_command("MIGRATE", new.host, new.port, "", 0, 5000, "KEYS", rkey)
+
+        # the count lives on the new node now: ASK, and that node has no script loaded
+        more = np.arange(100, 150, dtype=np.int64)
+        store.push("t", more, np.ones((50, 4), np.float32))
+        asking = dst_c.pipeline(transaction=False)  # one connection: ASKING, then the read
+        asking.execute_command("ASKING")
+        asking.hget(rkey, "t")
+        assert asking.execute()[1] == b"150"
+
+        def finish() -> None:
+            time.sleep(1.0)
+            src_c.execute_command("MIGRATE", new.host, new.port, "", 0, 5000, "KEYS", mkey)
+            for c in (dst_c, src_c):
+                c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", _node_id(new))
+
+        mover = threading.Thread(target=finish)
+        mover.start()
+        try:
+            # the metadata is still on the old node, the count on the new: TRYAGAIN until the move ends
+            t0 = time.monotonic()
+            assert store.create_table(TableSchema("u", dim=4))
+            assert time.monotonic() - t0 >= 0.5
+        finally:
+            mover.join()
+        assert {s.name for s in store.list_tables()} == {"t", "u"}
+        assert store.num_rows("t") == 150 and store.num_rows("u") == 0
+        store.close()
     finally:
         cluster.close()
