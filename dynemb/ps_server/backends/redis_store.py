@@ -30,6 +30,9 @@ see each other's creates and drops; parsed metadata is cached by its raw bytes (
 cache: a table dropped through another PS leaves it at its next use here, at the next listing,
 or as the least recently used). Requests go as one non-transactional pipeline (a few for very
 large batches) from the client's connection pool, so the store is safe to call from many threads.
+While Cluster slots move (a master added, a reshard), commands follow ASK and MOVED (redis-py,
+helped to reach a master that owns no slot yet), and scripts that meet TRYAGAIN or NOSCRIPT are
+sent again (_run_scripted); tests/test_cluster_reshard.py moves slots under load.
 """
 
 from __future__ import annotations
