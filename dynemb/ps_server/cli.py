@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -44,8 +45,30 @@ examples:
 """
 
 
+PLAN_EPILOG = """\
+examples:
+  dynemb ps plan --rows 1e10 --dim 64 --optimizer adam --samples-per-s 1e6 --ids-per-sample 40 --hit-rate 0.9
+  dynemb ps plan --rows 2e9 --dim 128 --optimizer rowwise_adagrad --samples-per-s 300000 \\
+      --ids-per-sample 26 --hit-rate 0.8 --replicas 0 --json
+
+What it computes (docs/scale.md explains each step and worked examples):
+  misses/s = samples/s x IDs per sample x (1 - hit rate): each is pulled from the PS, and
+  about as many evicted rows are pushed back, so the PS moves 2 x misses rows/s.
+  Redis memory = rows x (the row's bytes on Redis); masters = enough for the memory at
+  --redis-gib-per-master each, and for the rows/s at --utilisation of one core each.
+  PS processes = rows/s over --utilisation x the rows/s one PS process was measured to move.
+The measured constants (and the benchmark each comes from) are in dynemb/ps_server/sizing.py.
+Numbers may be written 1e10, 10000000000 or 10_000_000_000.
+"""
+
 # subcommand: (its line in `dynemb ps --help`, the start of its own --help)
 HELP = {
+    "plan": (
+        "size Redis and the PS processes for a model and a training rate (no PS needed)",
+        "Print what a model needs: Redis memory, Redis Cluster masters, PS processes, the rows/s\n"
+        "the PS must move, CPU and network, from the model's size, the training rate and\n"
+        "measured constants.",
+    ),
     "serve": (
         "run a parameter server",
         "Run a long-lived PS: gRPC service (with health checking and reflection) over the embedded store or Redis, "
@@ -223,6 +246,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     option("--log-level", "DYNEMB_LOG_LEVEL", "INFO", "")
     serve.set_defaults(func=cmd_serve)
 
+    add_plan_parser(ps_sub)
+
     def client_parser(name: str) -> argparse.ArgumentParser:
         p = add_command(ps_sub, name, HELP, CLIENT_EPILOG)
         add_client_flags(p)
@@ -258,6 +283,97 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "drains: a readiness check) or 'liveness' (the process is alive: a liveness check) [default '']",
     )
     p.set_defaults(func=cmd_health)
+
+
+def _number(kind: str):
+    """An argparse type: a finite number, written 1e10, 10000000000 or 10_000_000_000; whole
+    when kind is "whole"."""
+
+    def parse(text: str) -> float | int:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number (write e.g. 1e10 or 10000000000)") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if kind == "whole":
+            if value != int(value):
+                raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+            return int(text) if text.strip().lstrip("+-").replace("_", "").isdigit() else int(value)
+        return value
+
+    parse.__name__ = f"{kind} number"
+    return parse
+
+
+def add_plan_parser(ps_sub: argparse._SubParsersAction) -> None:
+    """Adds `ps plan`."""
+    from dynemb.ps_server.sizing import OPTIMIZERS
+
+    p = add_command(ps_sub, "plan", HELP, PLAN_EPILOG)
+    model = p.add_argument_group("the model")
+    model.add_argument(
+        "--rows", type=_number("whole"), required=True, help="rows stored, all tables together (e.g. 1e10)"
+    )
+    model.add_argument("--dim", type=_number("whole"), required=True, help="embedding values per row (e.g. 64)")
+    model.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        required=True,
+        help="the trainer's optimizer: it sets the optimizer state stored with each row (sgd none, "
+        "rowwise_adagrad 1 value, adagrad dim values, adam 2 x dim)",
+    )
+    rate = p.add_argument_group("the training rate")
+    rate.add_argument(
+        "--samples-per-s", type=_number("real"), required=True, help="samples trained per second, all trainers"
+    )
+    rate.add_argument(
+        "--ids-per-sample", type=_number("real"), required=True, help="IDs looked up per sample, all features together"
+    )
+    rate.add_argument(
+        "--hit-rate",
+        type=_number("real"),
+        required=True,
+        help="share of IDs found in the trainers' device tables, 0 to 1 (the trainer's metrics report it)",
+    )
+    fleet = p.add_argument_group("the fleet")
+    fleet.add_argument(
+        "--utilisation",
+        type=_number("real"),
+        default=0.5,
+        help="share of measured capacity to plan on; the rest is headroom [default %(default)s]",
+    )
+    fleet.add_argument(
+        "--redis-gib-per-master",
+        type=_number("real"),
+        default=32.0,
+        help="row data one Redis master holds; give its machine more RAM for forks and fragmentation "
+        "[default %(default)s]",
+    )
+    fleet.add_argument(
+        "--replicas", type=_number("whole"), default=1, help="replicas per Redis master [default %(default)s]"
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args) -> int:
+    """`ps plan`: print the plan (an InvalidArgument for a value out of range)."""
+    from dynemb.ps_server.sizing import format_plan, plan
+
+    result = plan(
+        args.rows,
+        args.dim,
+        args.optimizer,
+        args.samples_per_s,
+        args.ids_per_sample,
+        args.hit_rate,
+        utilisation=args.utilisation,
+        redis_gib_per_master=args.redis_gib_per_master,
+        replicas=args.replicas,
+    )
+    print(json.dumps(result.as_dict(), sort_keys=True) if args.json else format_plan(result))
+    return 0
 
 
 def cmd_serve(args) -> int:

@@ -194,21 +194,62 @@ class RedisClusterProcesses:
                 "tls-cluster yes",
             ]
             client_kwargs["ssl_ca_certs"] = tls_files["ca"]
-        self.nodes = [
-            # the cluster bus port is chosen too, so it need not be port + 10000
-            RedisProcess(
-                [
-                    "cluster-enabled yes",
-                    "cluster-config-file nodes.conf",
-                    f"cluster-port {free_port()}",
-                    "cluster-node-timeout 5000",
-                    *extra_config,
-                ],
-                tls=bool(tls_files),
-                client_kwargs=client_kwargs,
-            )
-            for _ in range(masters)
-        ]
+        self._extra_config = extra_config
+        self._client_kwargs = client_kwargs
+        self.nodes = [self._new_node() for _ in range(masters)]
+
+    def _new_node(self) -> RedisProcess:
+        # the cluster bus port is chosen too, so it need not be port + 10000
+        return RedisProcess(
+            [
+                "cluster-enabled yes",
+                "cluster-config-file nodes.conf",
+                f"cluster-port {free_port()}",
+                "cluster-node-timeout 5000",
+                *self._extra_config,
+            ],
+            tls=bool(self.tls_files),
+            client_kwargs=self._client_kwargs,
+        )
+
+    def cli(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
+        """`redis-cli <args>` with the cluster's TLS and user options; its output captured, not checked."""
+        cmd = [find_binary("redis-cli"), *args]
+        if self.tls_files:
+            cmd += ["--tls", "--cacert", self.tls_files["ca"]]
+        if self.acl:
+            cmd += ["--user", self.acl[0], "--pass", self.acl[1], "--no-auth-warning"]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+    def add_master(self, timeout: float = 30.0) -> RedisProcess:
+        """Start one more node and join it as a master with no slots (`redis-cli --cluster add-node`);
+        returns it once every node knows it. Moving slots to it is the caller's (reshard, rebalance).
+
+        Raises:
+            RuntimeError: the node did not start or join, or the nodes did not agree on it in time.
+        """
+        node = self._new_node()
+        self.nodes.append(node)
+        node.start()
+        done = self.cli("--cluster", "add-node", node.address, self.nodes[0].address, timeout=timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"redis-cli --cluster add-node {node.address} failed:\n{done.stdout}\n{done.stderr}")
+        # redis-cli's reshard and rebalance refuse to run until the nodes agree on the
+        # configuration, and the new node refuses MIGRATE (CLUSTERDOWN) until it sees every slot
+        deadline = time.monotonic() + timeout
+        for n in self.nodes:
+            c = n.client()
+            try:
+                while True:
+                    info = c.cluster("INFO")
+                    if info.get("cluster_state") == "ok" and int(info.get("cluster_known_nodes", 0)) == len(self.nodes):
+                        break
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"cluster node {n.address} never saw the new node {node.address}")
+                    time.sleep(0.1)
+            finally:
+                c.close()
+        return node
 
     @property
     def addresses(self) -> list[str]:
@@ -236,15 +277,10 @@ class RedisClusterProcesses:
     def _start(self, timeout: float) -> None:
         for n in self.nodes:
             n.start()
-        cmd = [find_binary("redis-cli"), "--cluster", "create", *self.addresses]
-        cmd += ["--cluster-replicas", "0", "--cluster-yes"]
-        if self.tls_files:
-            cmd += ["--tls", "--cacert", self.tls_files["ca"]]
-        if self.acl:
-            cmd += ["--user", self.acl[0], "--pass", self.acl[1], "--no-auth-warning"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        args = ["--cluster", "create", *self.addresses, "--cluster-replicas", "0", "--cluster-yes"]
+        done = self.cli(*args, timeout=timeout)
         if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+            raise RuntimeError(f"redis-cli {' '.join(args)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
         deadline = time.monotonic() + timeout
         for n in self.nodes:
             c = n.client()

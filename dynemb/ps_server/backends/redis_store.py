@@ -30,6 +30,9 @@ see each other's creates and drops; parsed metadata is cached by its raw bytes (
 cache: a table dropped through another PS leaves it at its next use here, at the next listing,
 or as the least recently used). Requests go as one non-transactional pipeline (a few for very
 large batches) from the client's connection pool, so the store is safe to call from many threads.
+While Cluster slots move (a master added, a reshard), commands follow ASK and MOVED (redis-py,
+helped to reach a master that owns no slot yet), and scripts that meet TRYAGAIN or NOSCRIPT are
+sent again (_run_scripted); tests/test_cluster_reshard.py moves slots under load.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import itertools
 import json
 import operator
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -79,6 +83,8 @@ EXPORT_READ_ROWS = 16384
 META_CACHE_TABLES = 2048
 # Names per HMGET when looking up many tables' schemas at once.
 SCHEMAS_PER_HMGET = 4096
+# How long commands the cluster answers "not now" (TRYAGAIN while a slot moves...) are retried.
+PASSING_RETRY_SECONDS = 5.0
 
 # The row count of table ARGV[1] in hash KEYS[ROWS] changes by n, if the table has one (a table
 # of an older version has none: it is counted when first asked for).
@@ -289,6 +295,7 @@ class RedisStore(Store):
                     )
                 except _REDIS_ERRORS as exc:  # it connects at once, to learn the slot map
                     raise _translate(exc, f"Redis Cluster {address}", options.get("password")) from None
+                _follow_ask_to_new_masters(client)
             elif scheme in ("redis", "rediss", "unix"):
                 standalone = redis.Redis.from_url(url, socket_timeout=socket_timeout, retry=retry, **kw)
                 client = standalone
@@ -344,25 +351,45 @@ class RedisStore(Store):
         pipe.execute_command("EVALSHA", self._sha(lua), len(keys), *keys, *args)
 
     def _run_scripted(self, fill: Callable[[Any], None]) -> list:
-        """A pipeline that fill() queues commands on, run; run again once if Redis lost the
-        scripts (restarted, SCRIPT FLUSH, a new Cluster node). A NOSCRIPT command did nothing,
-        so running the others again writes the same rows and changes no count twice."""
-        for attempt in (0, 1):
+        """The commands that fill() queues, as one pipeline; their replies.
+
+        A command the cluster answered with "not now" (TRYAGAIN: a script whose keys a slot
+        migration has split; ASK/MOVED chains redis-py gave up on; CLUSTERDOWN) or NOSCRIPT
+        (Redis restarted, SCRIPT FLUSH, a node new to the slot) did nothing, so those commands
+        alone are sent again, NOSCRIPT ones as EVAL with the source, until PASSING_RETRY_SECONDS
+        have gone; the others' replies are kept, so no write or count change happens twice.
+        """
+        queued = _Queued()
+        fill(queued)
+        commands = queued.commands
+        results: list = [None] * len(commands)
+        todo = list(range(len(commands)))
+        deadline = time.monotonic() + PASSING_RETRY_SECONDS
+        wait = 0.01
+        while todo:
             pipe = self._pipeline()
-            fill(pipe)
+            for i in todo:
+                pipe.execute_command(*commands[i])
             with self._redis():
-                results = pipe.execute(raise_on_error=False)
-            if attempt == 0 and any(isinstance(r, redis.exceptions.NoScriptError) for r in results):
+                replies = pipe.execute(raise_on_error=False)
+            for i, r in zip(todo, replies):
+                results[i] = r
+            todo = [i for i, r in zip(todo, replies) if isinstance(r, _NOT_NOW_REPLIES)]
+            if not todo or time.monotonic() > deadline:
+                break
+            if all(isinstance(results[i], redis.exceptions.NoScriptError) for i in todo):
+                wait = 0.0  # nothing to wait for: the source goes along this time
+            time.sleep(wait)
+            wait = min(max(wait, 0.01) * 2, 0.5)
+            sources = {sha: lua for lua, sha in self._scripts.items()}
+            for i in todo:
+                if isinstance(results[i], redis.exceptions.NoScriptError) and commands[i][0] == "EVALSHA":
+                    commands[i] = ("EVAL", sources[commands[i][1]], *commands[i][2:])
+        for r in results:
+            if isinstance(r, Exception):
                 with self._redis():
-                    for lua in self._scripts:
-                        self._scripts[lua] = _sha_text(self.client.script_load(lua))
-                continue
-            for r in results:
-                if isinstance(r, Exception):
-                    with self._redis():
-                        raise r
-            return results
-        raise AssertionError("unreachable")
+                    raise r
+        return results
 
     def _not_found(self, table: str) -> TableNotFound:
         with self._cache_lock:
@@ -694,6 +721,42 @@ class RedisStore(Store):
                 self.client.connection_pool.disconnect()
 
 
+def _follow_ask_to_new_masters(client: redis.cluster.RedisCluster) -> None:
+    """Let the client follow an ASK to a master that owns no slot yet.
+
+    redis-py (8.1) looks an ASK's target up among the nodes it learnt from CLUSTER SLOTS, which
+    lists only nodes that own slots; while the first slot moves to a new master the lookup
+    finds nothing and the command dies with AttributeError (redis/redis-py#4015). Here a node
+    name that is not known becomes a primary at that address (as redis-py does for a MOVED),
+    kept until the client next reads the slot map; SCRIPT LOAD then reaches it too.
+    """
+    manager = client.nodes_manager
+    lookup = manager.get_node
+
+    def get_node(host: str | None = None, port: int | None = None, node_name: str | None = None):
+        node = lookup(host, port, node_name)
+        if node is None and node_name and not (host or port):
+            at, _, number = node_name.rpartition(":")
+            if at and number.isdigit():
+                with manager._lock:
+                    node = manager.nodes_cache.setdefault(
+                        node_name, redis.cluster.ClusterNode(at, int(number), redis.cluster.PRIMARY)
+                    )
+        return node
+
+    manager.get_node = get_node  # type: ignore[method-assign]
+
+
+class _Queued:
+    """Stands in for a pipeline while a fill() function queues its commands (_run_scripted)."""
+
+    def __init__(self) -> None:
+        self.commands: list[tuple] = []
+
+    def execute_command(self, *args) -> None:
+        self.commands.append(args)
+
+
 def _raw(value: bytes | str) -> bytes:
     """A reply as the bytes it is: redis-py types replies bytes | str, as it cannot know that
     this store's client does not decode responses (every reply is raw bytes)."""
@@ -718,6 +781,14 @@ def _as_ids(ids: np.ndarray) -> np.ndarray:
 _REDIS_ERRORS = (redis.RedisError, RedisClusterException)
 # error replies of a cluster or server that is failing over or resharding: retrying may help
 _PASSING_REPLIES = (redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError, redis.exceptions.ReadOnlyError)
+# replies to a command that did nothing and may do it when sent again soon (_run_scripted);
+# ClusterError: redis-py's "TTL exhausted" after following TRYAGAIN, ASK or MOVED too often
+_NOT_NOW_REPLIES = (
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.ClusterError,
+    redis.exceptions.NoScriptError,
+)
 _AUTH_ERRORS = (redis.AuthenticationError, redis.exceptions.AuthenticationWrongNumberOfArgsError)
 # what Redis answers to a wrong or missing password, when it reaches us only as text
 _AUTH_REPLIES = ("WRONGPASS", "NOAUTH", "invalid username-password", "invalid password", "already authenticated")
