@@ -24,9 +24,13 @@ from dynemb.idtransformer.policy import EvictionPolicy  # noqa: E402
 from dynemb.idtransformer.transformer import IDTransformer, NoRoom, TooManyIDs, _lowest  # noqa: E402
 from dynemb.idtransformer.triton_select import lowest  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    not CUDA and os.environ.get("TRITON_INTERPRET") != "1", reason="needs a GPU or TRITON_INTERPRET=1"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not CUDA and os.environ.get("TRITON_INTERPRET") != "1", reason="needs a GPU or TRITON_INTERPRET=1"
+    )
+]
+if CUDA:  # every test here then runs the triton tables on the GPU: `pytest -m cuda` selects them
+    pytestmark.append(pytest.mark.cuda)
 
 FIELDS = ("slots", "admitted_ids", "admitted_slots", "evicted_ids", "evicted_slots")
 
@@ -229,7 +233,7 @@ def _interpreter_frame() -> bool:
     return False
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_on_cuda_the_pass_does_not_sync_but_for_its_copy(monkeypatch):
     real = device_transform.to_host
 

@@ -15,7 +15,7 @@ from helpers import config
 
 from dynemb.trainer.device import DeviceUnavailable, resolve_device
 
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_gpu = pytest.mark.cuda  # skipped without a GPU (conftest); `pytest -m cuda` selects it
 FLAGS = (
     "--steps 4 --num-sparse 3 --universe 1000 --capacity-fraction 0.5 --dim 8 --dense-arch 16,8 --over-arch 16,1 "
     "--batch-size 16 --eval-batches 1 --log-every 2 --no-progress"

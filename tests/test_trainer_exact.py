@@ -16,24 +16,31 @@ from dynemb.trainer.train import train
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
 @pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "plain"])
-def test_dynamic_tables_train_exactly_like_full_ones(optimizer, pipeline):
-    full = train(config(optimizer, dynamic=False, pipeline=pipeline), collect_tables=True)
-    dyn = train(config(optimizer, dynamic=True, pipeline=pipeline), collect_tables=True)
+@pytest.mark.parametrize("device", ["cpu", "cuda"])  # cuda: skipped without a GPU (conftest)
+def test_dynamic_tables_train_exactly_like_full_ones(optimizer, pipeline, device):
+    """On the GPU, FBGEMM's kernels may sum a row's gradients in another order when its slot
+    differs from its full-table row: the losses agree within 1e-5 relative (issue 22's bar)."""
+    full = train(config(optimizer, dynamic=False, pipeline=pipeline, device=device), collect_tables=True)
+    dyn = train(config(optimizer, dynamic=True, pipeline=pipeline, device=device), collect_tables=True)
     assert len(full.losses) == len(dyn.losses) == 100
-    diff = np.abs(np.array(full.losses) - np.array(dyn.losses))
-    assert diff.max() <= 1e-6, f"losses part at step {int(diff.argmax())}: {diff.max():.3g}"
+    if device == "cpu":
+        diff = np.abs(np.array(full.losses) - np.array(dyn.losses))
+        assert diff.max() <= 1e-6, f"losses part at step {int(diff.argmax())}: {diff.max():.3g}"
+    else:
+        np.testing.assert_allclose(dyn.losses, full.losses, rtol=1e-5, atol=0, err_msg="losses on the GPU")
     # not trivially equal: the optimizer moved the rows (against the same model before any step)
-    start = train(config(optimizer, dynamic=False, pipeline=pipeline, steps=0), collect_tables=True)
+    start = train(config(optimizer, dynamic=False, pipeline=pipeline, steps=0, device=device), collect_tables=True)
     assert max(float(np.abs(full.tables[n][1] - start.tables[n][1]).max()) for n in full.tables) > 1e-3
     assert dyn.hit_rate < 1.0  # the small tables did evict and pull back
     # evaluation reads the rows it has no room for from the PS: the same figures as full tables
-    assert abs(full.auc - dyn.auc) <= 1e-6 and abs(full.logloss - dyn.logloss) <= 1e-6, (
+    tol = 1e-6 if device == "cpu" else 1e-5
+    assert abs(full.auc - dyn.auc) <= tol and abs(full.logloss - dyn.logloss) <= tol, (
         f"AUC {full.auc} vs {dyn.auc}, log-loss {full.logloss} vs {dyn.logloss}"
     )
     for name, (first, rows) in full.tables.items():
         dfirst, drows = dyn.tables[name]
         assert first == dfirst and rows.shape == drows.shape
-        np.testing.assert_allclose(drows, rows, rtol=0, atol=1e-6, err_msg=f"table {name}")
+        np.testing.assert_allclose(drows, rows, rtol=0, atol=tol, err_msg=f"table {name}")
 
 
 @pytest.mark.parametrize(
