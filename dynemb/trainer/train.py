@@ -44,7 +44,7 @@ from dynemb.trainer.dynamic import DynamicTables, DynamicTableSpec
 from dynemb.trainer.metrics import TrainerMetrics
 from dynemb.trainer.model import Built, build
 from dynemb.trainer.row_store import LocalRowStore, RemoteRowStore, RowStore
-from dynemb.trainer.startup import check_before_training
+from dynemb.trainer.startup import check_before_training, choose_resume
 from dynemb.trainer.table_rows import find_tables
 
 log = logging.getLogger("dynemb.trainer")
@@ -56,6 +56,7 @@ class TrainResult:
 
     losses: list[float] = field(default_factory=list)  # this rank's loss per step
     first_step: int = 0  # the step the job began at (> 0 when resumed from a checkpoint)
+    data_start: int = 0  # the batch of each rank's stream it began at (first_step unless resharded)
     auc: float = float("nan")
     logloss: float = float("nan")
     samples_per_second: float = 0.0
@@ -174,7 +175,7 @@ def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
     """
     created = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = size_tables(cfg)
+    cfg = choose_resume(size_tables(cfg))  # --resume auto: the newest checkpoint, if any (startup.py)
     if not cfg.table.dynamic and rank == 0:  # the job's first line: how IDs find their rows
         from dynemb.trainer.full_tables import describe
 
@@ -189,8 +190,9 @@ def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
         dynamic = make_dynamic(cfg, built, store, metrics) if cfg.table.dynamic else None
         ckpt = Checkpointer(cfg, built, dynamic, store) if cfg.checkpoint_dir or cfg.resume else None
         first_step = ckpt.restore(cfg.resume) if ckpt is not None and cfg.resume else 0
-        result = _loop(cfg, built, dynamic, metrics, ckpt, first_step)
-        result.first_step = first_step
+        data_start = ckpt.data_start if ckpt is not None and cfg.resume else 0
+        result = _loop(cfg, built, dynamic, metrics, ckpt, first_step, data_start)
+        result.first_step, result.data_start = first_step, data_start
         if cfg.checkpoint_at_end and result.losses:
             assert ckpt is not None, "TrainConfig refuses checkpoint_at_end without checkpoint_dir"
             ckpt.save(first_step + len(result.losses))
@@ -217,12 +219,16 @@ def _loop(
     metrics: TrainerMetrics,
     ckpt: Checkpointer | None = None,
     first_step: int = 0,
+    data_start: int | None = None,
 ) -> TrainResult:
-    """Steps first_step .. cfg.steps - 1. With checkpoints, in segments that end at each
-    checkpoint step: the pipeline drains there (no batch in flight) and a fresh one starts."""
+    """Steps first_step .. cfg.steps - 1, on each rank's batches from data_start on (default:
+    first_step; another where a checkpoint of another world size was restored). With
+    checkpoints, in segments that end at each checkpoint step: the pipeline drains there (no
+    batch in flight) and a fresh one starts."""
     rank = dist.get_rank()
     result = TrainResult()
-    data = iter(batches(cfg, split=0, start=first_step))
+    data_start = first_step if data_start is None else data_start
+    data = iter(batches(cfg, split=0, start=data_start))
     if ckpt is not None:
         data = ckpt.tap(data)  # the global IDs each batch touches (incremental checkpoints)
     # With cfg.prefetch, a thread transforms batches ahead (dynemb/trainer/prefetch.py): its window is
@@ -272,6 +278,8 @@ def _loop(
         return limited, lambda: this.progress(limited)[0]  # DLRMTrain's output: (loss, logits, labels)
 
     total = planned_steps(cfg)
+    if cfg.data.source != "synthetic" and cfg.data.epochs:  # the batches left of the epochs
+        total = first_step + max(0, total - data_start)
     evaluating = cfg.eval_every
 
     def boundary(k: int) -> int:  # the end of the segment that starts at step k

@@ -1,0 +1,89 @@
+"""A checkpoint of 2 torchrun ranks restored onto 1 and onto 3 (resharding): every row with its
+optimizer state comes back as the 2-rank job left it, each rank's rebuilt ID transformers hold
+only IDs it owns now, with the checkpoint's rows in their slots, and training goes on from the
+same global data position."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import torchrun
+
+from dynemb.idtransformer.hashing import owner_of
+from dynemb.trainer.checkpoint_format import checkpoints, read_manifest
+
+WORKER = Path(__file__).parent / "dist" / "reshard_worker.py"
+BATCH = 48  # helpers.config's batch size per rank
+
+
+def whole_tables(out: Path, phase: str, world: int, tag: str) -> dict[str, np.ndarray]:
+    """Every rank's block of every table, joined: the rows of IDs 0 .. universe - 1."""
+    parts = [np.load(out / f"{phase}-{world}-rank{r}.npz") for r in range(world)]
+    names = [k[len(f"{tag}_table_") :] for k in parts[0].files if k.startswith(f"{tag}_table_")]
+    return {n: np.concatenate([p[f"{tag}_table_{n}"] for p in parts]) for n in names}
+
+
+def run(world: int, out: Path, *args: str) -> None:
+    done = torchrun(world, WORKER, str(out), *args, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # four torchrun jobs; 3 ranks on a small machine take a minute
+@pytest.mark.parametrize(
+    "optimizer,tables,ps,worlds",
+    [
+        ("adam", "dynamic", "", (1, 3)),
+        ("adagrad", "dynamic", "process", (3,)),
+        ("rowwise_adagrad", "full", "", (1, 3)),
+    ],
+    ids=["dynamic-in-process-adam", "dynamic-ps-process", "full-tables"],
+)
+def test_two_ranks_resume_on_fewer_and_on_more(tmp_path, optimizer, tables, ps, worlds):
+    from dynemb.testing.local_ps import LocalPS
+
+    with contextlib.ExitStack() as stack:
+        address = stack.enter_context(LocalPS()).address if ps else ""
+        run(2, tmp_path, "first", optimizer, tables, address)
+        assert [read_manifest(c)["world_size"] for c in checkpoints(tmp_path / "ck")] == [2, 2]
+        want = whole_tables(tmp_path, "first", 2, "first")
+        assert len(want) == 6
+        for world in worlds:
+            run(world, tmp_path, "resume", optimizer, tables, address)
+            got = whole_tables(tmp_path, "resume", world, "restored")
+            assert got.keys() == want.keys()
+            for name, rows in want.items():  # rows and optimizer state, as the 2-rank job left them
+                np.testing.assert_array_equal(got[name], rows, err_msg=f"{world} ranks, table {name}")
+            saved = read_manifest(tmp_path / f"ck{world}" / "step-00000030")
+            start = 20 * 2 // world  # each rank's batch: 40 batches of 48 taken by the 2 ranks
+            assert saved["world_size"] == world and saved["samples"] == (start + 10) * BATCH * world
+            for r in range(world):
+                got_r = np.load(tmp_path / f"resume-{world}-rank{r}.npz")
+                assert int(got_r["restored_first_step"]) == 20 and len(got_r["restored_losses"]) == 0
+                assert int(got_r["trained_first_step"]) == 20 and int(got_r["trained_data_start"]) == start
+                losses = got_r["trained_losses"]
+                assert len(losses) == 10 and np.isfinite(losses).all() and losses.max() < 5
+                if tables == "dynamic":
+                    check_transformers(tmp_path, got_r, want, r, world)
+
+
+def check_transformers(out: Path, got, want: dict[str, np.ndarray], rank: int, world: int) -> None:
+    """This rank's rebuilt transformers: IDs it owns under `world` that were resident on a
+    rank of the 2-rank job, as many as fit (all, where they do), each slot holding its ID's
+    row as the 2-rank job left it."""
+    old = [torch.load(out / "ck" / "step-00000020" / f"rank-{r:05d}.pt", weights_only=False) for r in range(2)]
+    for name, rows in want.items():
+        ids = got[f"resident_ids_{name}"]
+        assert len(ids), name
+        owned = owner_of(torch.from_numpy(ids), world).numpy()
+        assert (owned == rank).all(), f"table {name}: rank {rank} holds IDs it does not own"
+        was = np.concatenate([o["transformers"][name]["ids"].numpy() for o in old])
+        assert np.isin(ids, was).all()
+        mine = was[owner_of(torch.from_numpy(was), world).numpy() == rank]
+        assert len(ids) == min(len(mine), int(got[f"capacity_{name}"])), name
+        np.testing.assert_array_equal(got[f"resident_rows_{name}"], rows[ids], err_msg=f"table {name}")
