@@ -87,3 +87,31 @@ def check_transformers(out: Path, got, want: dict[str, np.ndarray], rank: int, w
         mine = was[owner_of(torch.from_numpy(was), world).numpy() == rank]
         assert len(ids) == min(len(mine), int(got[f"capacity_{name}"])), name
         np.testing.assert_array_equal(got[f"resident_rows_{name}"], rows[ids], err_msg=f"table {name}")
+
+
+def test_a_rebuilt_transformer_keeps_what_its_policy_keeps_first_and_sums_the_sketches():
+    """More resident IDs than slots: the most recently used stay (LRU), in slots 0..n-1, the
+    rest left out; the admission sketches' counters are summed, so an ID seen on two old ranks
+    once each is admitted at its next sighting under admit_threshold 3."""
+    from dynemb.idtransformer.admission import CountMinSketch
+    from dynemb.idtransformer.policy import EvictionPolicy
+    from dynemb.idtransformer.transformer import IDTransformer
+    from dynemb.trainer.checkpoint import rebuild_transformer
+
+    local = IDTransformer(4, EvictionPolicy("lru"), admit_threshold=3, sketch_width=64, sketch_depth=2)
+    found = [  # (ids, last access, freq) of two old ranks
+        (torch.tensor([10, 11, 12]), torch.tensor([5, 9, 1], dtype=torch.int32), torch.ones(3, dtype=torch.uint8)),
+        (torch.tensor([20, 21, 22]), torch.tensor([8, 2, 7], dtype=torch.int32), torch.ones(3, dtype=torch.uint8)),
+    ]
+    sketches = []
+    for _ in range(2):
+        sketch = CountMinSketch(64, 2)
+        sketch.add(torch.tensor([99]))
+        sketches.append(sketch.state_dict()["counts"].to(torch.int64))
+    assert rebuild_transformer(local, found, step=10, sketch=sketches[0] + sketches[1]) == 4
+    state = local.state_dict()
+    assert sorted(state["ids"].tolist()) == [10, 11, 20, 22]  # last access 5, 9, 8, 7: the newest four
+    assert state["step"] == 10 and local.resident == 4 and state["slots"].tolist() == [0, 1, 2, 3]
+    assert int(local.sketch.estimate(torch.tensor([99]))[0]) == 2
+    got = local.transform(torch.tensor([11, 99]))
+    assert got.slots[0] >= 0 and int(got.admitted_ids.numel()) == 1  # 11 resident; 99's third sighting admits it
