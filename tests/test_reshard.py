@@ -115,3 +115,18 @@ def test_a_rebuilt_transformer_keeps_what_its_policy_keeps_first_and_sums_the_sk
     assert int(local.sketch.estimate(torch.tensor([99]))[0]) == 2
     got = local.transform(torch.tensor([11, 99]))
     assert got.slots[0] >= 0 and int(got.admitted_ids.numel()) == 1  # 11 resident; 99's third sighting admits it
+
+
+def test_the_data_resumes_at_the_global_sample_rounded_down_to_a_step():
+    from dynemb.trainer.checkpoint import data_start
+
+    doc = {"step": 20, "samples": 20 * 48 * 2, "world_size": 2, "config": {"batch_size": 48}}
+    assert data_start(doc, 48, 2) == 20  # same world: the step
+    assert data_start(doc, 48, 1) == 40  # exact
+    assert data_start(doc, 48, 4) == 10
+    assert data_start(doc, 48, 3) == 13  # 1920 // 144: 48 samples trained again
+    assert data_start(doc, 96, 1) == 20  # another batch size: the same samples
+    old = {k: v for k, v in doc.items() if k != "samples"}  # a manifest from before `samples`
+    assert data_start(old, 48, 1) == 40
+    resharded = dict(doc, step=30, samples=13 * 48 * 3 + 10 * 48 * 3)  # a 3-rank job's, 10 steps after
+    assert data_start(resharded, 48, 3) == 23 and data_start(resharded, 48, 1) == 69
