@@ -166,7 +166,7 @@ def test_a_checkpoint_of_another_job_is_refused(copy_of):
     doc = json.loads((copy_of / "step-00000020" / MANIFEST).read_text())
     doc["world_size"] = 4
     (copy_of / "step-00000020" / MANIFEST).write_text(json.dumps(doc))
-    assert "written by 4 ranks, this job has 1" in resume_error(copy_of, latest)
+    assert "written by 4 ranks, but it lists no rank-00001.pt" in resume_error(copy_of, latest)
 
 
 def test_resume_latest_with_no_checkpoint_says_so(tmp_path):

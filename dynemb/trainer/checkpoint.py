@@ -6,7 +6,18 @@ What goes in: dynamic tables' rows from the PS (flushed first; rank 0 writes the
 from every rank where each keeps the rows of its own IDs in-process), full
 tables' rows per rank, each rank's ID transformers and row-sparse Adam step, and the dense
 parameters with their optimizer (rank 0; DDP keeps them equal on every rank). The data
-position is the step: batches(start=step) resumes the stream there.
+position is the step, and the training samples the job had taken by then over all ranks
+(`samples` in the manifest).
+
+A checkpoint of N ranks restores onto M ranks (resharding). The rows are global (one folder
+per dynamic table; full tables' per-rank folders hold global row numbers): each rank takes the
+IDs it owns under M, or the rows of its block. The ID transformers are rebuilt: each rank
+re-admits the IDs it now owns that were resident on any old rank, the most recently or often
+used first (its eviction policy's order) as far as its slots go; the others stay on the PS,
+where every resident row was flushed before the save. Their admission sketches are summed
+(a count-min sketch never counts low, and the sum keeps that). The dense part and the
+optimizer step counts are the same on every rank. The data resumes at the same global sample
+where the ranks' streams allow it (see data_start()).
 
 A full checkpoint holds every row; an incremental one (--checkpoint-full-every k > 1) only
 the rows of IDs the training touched since the previous checkpoint (its `parent`); restore
@@ -33,6 +44,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from dynemb.idtransformer.hashing import owner_of
+from dynemb.idtransformer.transformer import FREE, IDTransformer
 from dynemb.ps_server.schema import TableSchema
 from dynemb.trainer.checkpoint_format import (
     FORMAT,
@@ -43,6 +55,7 @@ from dynemb.trainer.checkpoint_format import (
     files_digest,
     read_manifest,
     step_folder,
+    table_parts,
     verify,
     write_manifest,
 )
@@ -64,6 +77,9 @@ class Checkpointer:
         self.saved = 0  # checkpoints this job wrote (full every checkpoint_full_every)
         self.last: str | None = None  # the newest checkpoint's folder name, the next one's parent
         self.touched: dict[str, list[np.ndarray]] = {name: [] for name in built.table_names}
+        # the data position: at step base_step the job's ranks had taken base_samples samples
+        self.base_step, self.base_samples = 0, 0
+        self.data_start = 0  # each rank's batch index in its stream at the restored step
 
     def _bar(self, names: list[str], what: str) -> tqdm:
         """Rank 0's bar over the tables; it goes when done, so the training bar stays on its line."""
@@ -129,6 +145,7 @@ class Checkpointer:
                     "format": FORMAT,
                     "version": VERSION,
                     "step": step,
+                    "samples": self.samples_at(step),
                     "world_size": self.world,
                     "kind": "full" if full else "incremental",
                     "parent": None if full else self.last,
@@ -146,6 +163,11 @@ class Checkpointer:
         self.last = final.name
         self.touched = {name: [] for name in self.touched}
         return final
+
+    def samples_at(self, step: int) -> int:
+        """The training samples all ranks had taken by `step` (step counts this job's steps
+        and those before it; a resharded job's ranks take batch_size each per step)."""
+        return self.base_samples + (step - self.base_step) * self.cfg.batch_size * self.world
 
     def _agree(self, step: int, work: Path, part) -> None:
         """Run this rank's part of a save; if it failed to write on any rank (disk full, no
@@ -315,13 +337,19 @@ class Checkpointer:
         links = chain(folder)
         doc = read_manifest(folder)
         self._restore_tables(links)
-        rank_state = torch.load(folder / f"rank-{self.rank:05d}.pt", weights_only=False)
+        written_by = int(doc["world_size"])
+        if written_by == self.world:  # each rank's own state, as it was
+            rank_state = torch.load(folder / f"rank-{self.rank:05d}.pt", weights_only=False)
+            if self.dynamic is not None:
+                for name, t in self.dynamic.transformers.items():
+                    t.local.load_state_dict(rank_state["transformers"][name])
+            adam_state = rank_state.get("sparse_adam")
+        else:
+            adam_state = self._reshard_rank_states(folder, written_by)
         if self.dynamic is not None:
-            for name, t in self.dynamic.transformers.items():
-                t.local.load_state_dict(rank_state["transformers"][name])
             self._pull_resident()
         if self.built.optimizer.sparse_adam is not None:
-            self.built.optimizer.sparse_adam.load_state_dict(rank_state["sparse_adam"])
+            self.built.optimizer.sparse_adam.load_state_dict(adam_state)
         dense = torch.load(folder / "dense.pt", weights_only=False)
         with torch.no_grad():
             for k, p in dense_parameters(self.built.model).items():
@@ -329,8 +357,42 @@ class Checkpointer:
         self.built.dense_optimizer.init_state()  # its state is made lazily: make it, then overwrite
         self.built.dense_optimizer.load_state_dict(dense["optimizer"])
         self.last = folder.name
+        step = int(doc["step"])
+        self.base_step = step
+        self.data_start = data_start(doc, self.cfg.batch_size, self.world)
+        self.base_samples = self.data_start * self.cfg.batch_size * self.world
         dist.barrier()
-        return int(doc["step"])
+        return step
+
+    def _reshard_rank_states(self, folder: Path, written_by: int) -> dict | None:
+        """The per-rank state of a checkpoint of `written_by` ranks, for this rank of another
+        world size: the ID transformers rebuilt from every old rank's (the IDs this rank owns
+        now), and the row-sparse Adam step count (the same on every rank; the largest taken).
+        Returns that Adam state (None if the checkpoint has none)."""
+        found: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        sketches: dict[str, torch.Tensor] = {}
+        step, adam_iter = 0, None
+        for r in range(written_by):  # one file at a time: a rank's transformers may be large
+            state = torch.load(folder / f"rank-{r:05d}.pt", weights_only=False)
+            if state.get("sparse_adam") is not None:
+                adam_iter = max(adam_iter or 0, int(state["sparse_adam"]["iter"]))
+            if self.dynamic is None:
+                continue
+            for name, old in state["transformers"].items():
+                step = max(step, int(old["step"]))
+                slots, ids = old["slots"].long(), old["ids"]
+                mine = torch.from_numpy(self._owned(ids.numpy()))
+                found.setdefault(name, []).append(
+                    (ids[mine], old["last_access"][slots[mine]], old["freq"][slots[mine]])
+                )
+                if "sketch" in old:
+                    counts = old["sketch"]["counts"].to(torch.int64)
+                    sketches[name] = sketches[name] + counts if name in sketches else counts
+        if self.dynamic is not None:
+            for name, t in self.dynamic.transformers.items():
+                sketch = sketches.get(name)
+                rebuild_transformer(t.local, found.get(name, []), step, sketch)
+        return None if adam_iter is None else {"iter": adam_iter}
 
     def _check_fits(self, folder: Path, doc: dict) -> None:
         check_fits(folder, doc, self.cfg, self.built.schemas, self.world)
@@ -360,11 +422,20 @@ class Checkpointer:
                             self.store.push(schema.name, ids, delta_rows)
             dist.barrier()  # the PS holds the checkpoint's rows before any rank pulls
             return
+        # full tables: global row numbers in per-rank folders; each rank takes its block's, from
+        # its own folder when the link was written by as many ranks, else from every rank's
         for name, r in find_tables(self.built.model).items():
+            first, end = r.row_offset, r.row_offset + r.local_rows
             for c in links:
-                for ids, e, s in TableReader(c / "tables" / name / f"rank-{self.rank:05d}").chunks(verify=False):
-                    local = torch.from_numpy(ids - r.row_offset)
-                    r.write(local, torch.from_numpy(np.concatenate([e, s], axis=1)).float())
+                own = c / "tables" / name / f"rank-{self.rank:05d}"
+                same = read_manifest(c)["world_size"] == self.world
+                for part in [own] if same else table_parts(c, name):
+                    for ids, e, s in TableReader(part).chunks(verify=False):
+                        keep = (ids >= first) & (ids < end)
+                        if keep.any():
+                            local = torch.from_numpy(ids[keep] - first)
+                            block = np.concatenate([e[keep], s[keep]], axis=1)
+                            r.write(local, torch.from_numpy(block).float())
 
     def _pull_resident(self) -> None:
         """The rows of the IDs the restored transformers hold, from the PS into their slots."""
@@ -375,6 +446,55 @@ class Checkpointer:
                 ids = local.slot_id[slots].cpu().numpy()
                 rows = self.store.pull(self.built.schemas[name].name, ids)
                 self.dynamic.rows[name].write(slots, torch.from_numpy(np.asarray(rows, dtype=np.float32)))
+
+
+def rebuild_transformer(
+    local: IDTransformer,
+    found: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    step: int,
+    sketch: torch.Tensor | None,
+) -> int:
+    """Fill an empty ID transformer with resident IDs of other transformers (a checkpoint of
+    another world size): those of `found` ((ids, last access, freq) per old rank) that fit,
+    the ones its eviction policy would keep first; the rest stay out (their rows on the PS).
+    `sketch`: the admission sketches' counters summed, if they have one. Returns the IDs
+    admitted."""
+    ids = torch.cat([f[0] for f in found]) if found else torch.zeros(0, dtype=torch.int64)
+    last = torch.cat([f[1] for f in found]).to(torch.int32) if found else torch.zeros(0, dtype=torch.int32)
+    freq = torch.cat([f[2] for f in found]).to(torch.uint8) if found else torch.zeros(0, dtype=torch.uint8)
+    if len(ids) > local.capacity:  # the highest scores stay (the lowest are evicted first)
+        keep = torch.topk(local.policy.scores(last, freq, step), local.capacity).indices
+        keep = keep.sort().values  # in the order found: deterministic slots
+        ids, last, freq = ids[keep], last[keep], freq[keep]
+    n = len(ids)
+    state: dict[str, Any] = {
+        "capacity": local.capacity,
+        "step": step,
+        "slots": torch.arange(n),
+        "ids": ids,
+        "last_access": torch.full((local.capacity,), FREE, dtype=torch.int32),
+        "freq": torch.zeros(local.capacity, dtype=torch.uint8),
+        "pins": torch.zeros(local.capacity, dtype=torch.uint8),  # no batch in flight at a checkpoint
+    }
+    state["last_access"][:n], state["freq"][:n] = last, freq
+    if local.sketch is not None:
+        have = local.sketch.state_dict()
+        counts = have["counts"] if sketch is None else sketch.clamp(max=torch.iinfo(torch.int32).max).to(torch.int32)
+        state["sketch"] = {"width": have["width"], "depth": have["depth"], "counts": counts}
+    local.load_state_dict(state)
+    return n
+
+
+def data_start(doc: dict, batch_size: int, world: int) -> int:
+    """Where each rank's training stream resumes (its batch index) for a job of `world` ranks
+    and `batch_size` per rank resuming from the checkpoint of manifest `doc`: at the global
+    sample the checkpoint's ranks had reached, rounded down to a whole step of the new job
+    (its ranks' streams start at multiples of batch_size * world: up to that many samples
+    are seen again). The same step for the same world size and batch size."""
+    samples = doc.get("samples")
+    if samples is None:  # a manifest of before `samples`: steps of its job alone
+        samples = int(doc["step"]) * int(doc["config"]["batch_size"]) * int(doc["world_size"])
+    return int(samples) // (batch_size * world)
 
 
 def resolve(cfg: TrainConfig, which: str) -> Path:
@@ -404,11 +524,11 @@ def check_fits(folder: Path, doc: dict, cfg: TrainConfig, schemas: dict[str, Tab
             f"{folder}: holds PS tables only (made by `dynemb checkpoint save`), not a "
             f"training job's state; put them on a PS with `dynemb checkpoint restore`"
         )
-    if doc["world_size"] != world:
-        raise CheckpointError(
-            f"{folder}: written by {doc['world_size']} ranks, this job has {world} "
-            f"(restoring onto another number of ranks is not supported yet)"
-        )
+    if not isinstance(doc.get("world_size"), int) or doc["world_size"] < 1:
+        raise CheckpointError(f"{folder}: its manifest has no world size (the ranks that wrote it)")
+    missing = [f"rank-{r:05d}.pt" for r in range(doc["world_size"]) if f"rank-{r:05d}.pt" not in doc["files"]]
+    if missing:
+        raise CheckpointError(f"{folder}: written by {doc['world_size']} ranks, but it lists no {missing[0]}")
     if doc["dynamic"] != cfg.table.dynamic:
         raise CheckpointError(
             f"{folder}: {'dynamic' if doc['dynamic'] else 'full'} tables, this job's are "

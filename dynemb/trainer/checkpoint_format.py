@@ -2,7 +2,8 @@
 operations that need no training job (`dynemb checkpoint save|restore|inspect`).
 
     <root>/step-00000100/
-        manifest.json      written last: format, version, step, world size, kind ("full" or
+        manifest.json      written last: format, version, step, samples (taken by all ranks
+                           by that step: the data position), world size, kind ("full" or
                            "incremental"), parent (the checkpoint an incremental one builds on),
                            tables (name -> PS schema), the job's config, and "files": the
                            sha256 of every other file in the folder
@@ -248,7 +249,8 @@ def describe(folder: str | os.PathLike) -> str:
         f"  chain        {' -> '.join(c.name for c in chain(folder))}",
     ]
     if doc.get("world_size") is not None:
-        lines.append(f"  ranks        {doc['world_size']}")
+        samples = f", {doc['samples']:,} samples taken" if doc.get("samples") is not None else ""
+        lines.append(f"  ranks        {doc['world_size']}{samples} (resumes on any number)")
         lines.append(
             f"  tables       {'dynamic (PS)' if doc.get('dynamic') else 'full (per rank)'}, "
             f"optimizer {doc.get('optimizer')}"

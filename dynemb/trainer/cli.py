@@ -111,8 +111,18 @@ def _train(args: argparse.Namespace, cfg, rank: int) -> int:
         try:
             result = train(cfg)
         except Exception as exc:
-            if _peer_gone(exc) and _reported_elsewhere():
-                return 1  # another rank stopped the job, and said why
+            if _peer_gone(exc):
+                if _reported_elsewhere():
+                    return 1  # another rank stopped the job, and said why
+                # it died unheard (killed, its node gone): under torchrun --max-restarts an
+                # elastic agent restarts the job, which goes on with --resume auto
+                print(
+                    f"dynemb: error: rank {rank}: another rank of the job is gone without a word "
+                    f"(killed, or its node went away): {str(exc).splitlines()[0]}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return 1
             failure = _failure(exc)
             if failure is None:  # not a user's error: a bug, with its traceback
                 raise

@@ -102,7 +102,7 @@ class TrainConfig:
     checkpoint_full_every: int = 1  # every k-th checkpoint is full, the others incremental
     checkpoint_keep: int = 3  # newest checkpoints kept (plus what their chains need)
     checkpoint_at_end: bool = False
-    resume: str = ""  # a checkpoint folder, or "latest" (in checkpoint_dir)
+    resume: str = ""  # a checkpoint folder, "latest" (in checkpoint_dir), or "auto" (latest if any)
     warm_start: bool = False  # train on from the rows an earlier run left on the PS (startup.py)
     fresh: bool = False  # drop the rows an earlier run left on the PS before training
     log_every: int = 20
@@ -132,8 +132,8 @@ class TrainConfig:
             raise ValueError(f"zipf must be > 0 (got {self.data.zipf}) and universe >= 0 (got {self.data.universe})")
         if (self.checkpoint_every or self.checkpoint_at_end) and not self.checkpoint_dir:
             raise ValueError("checkpoint_every / checkpoint_at_end need checkpoint_dir")
-        if self.resume == "latest" and not self.checkpoint_dir:
-            raise ValueError("resume 'latest' needs checkpoint_dir")
+        if self.resume in ("latest", "auto") and not self.checkpoint_dir:
+            raise ValueError(f"resume {self.resume!r} needs checkpoint_dir")
         if self.warm_start and self.fresh:
             raise ValueError("warm_start and fresh exclude each other: keep the PS's rows or drop them, not both")
         if self.checkpoint_every < 0 or self.checkpoint_full_every < 1 or self.checkpoint_keep < 1:
@@ -245,7 +245,8 @@ HELP = {
     "checkpoint_full_every": "every k-th checkpoint holds every row; the ones between only rows changed since the last",
     "checkpoint_keep": "newest checkpoints to keep (older ones go, unless a kept one builds on them)",
     "checkpoint_at_end": "also checkpoint after the last step",
-    "resume": "continue from a checkpoint: its folder, or 'latest' in --checkpoint-dir",
+    "resume": "continue from a checkpoint: its folder, 'latest' in --checkpoint-dir, or 'auto': the latest if "
+    "there is one, else start afresh (for torchrun's elastic restarts); on any number of ranks",
     "warm_start": "train on from the rows an earlier run left in this job's PS tables (without it, or --fresh, "
     "or --resume, a job that finds such rows refuses to start)",
     "fresh": "drop the rows an earlier run left in this job's PS tables before training (see --warm-start)",

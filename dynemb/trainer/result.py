@@ -11,6 +11,7 @@ class TrainResult:
 
     losses: list[float] = field(default_factory=list)  # this rank's loss per step
     first_step: int = 0  # the step the job began at (> 0 when resumed from a checkpoint)
+    data_start: int = 0  # the batch of each rank's stream it began at (first_step unless resharded)
     auc: float = float("nan")
     logloss: float = float("nan")
     samples_per_second: float = 0.0

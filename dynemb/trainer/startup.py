@@ -9,6 +9,10 @@
    --fresh drops them first, --resume replaces them with the checkpoint's anyway. A rerun
    must not silently start from the embeddings of the last one (and fresh dense layers).
 
+Before both, choose_resume settles what --resume auto means: the newest complete checkpoint in
+--checkpoint-dir if there is one (torchrun's elastic restarts then go on from it, at whatever
+world size the new rendezvous has), else a start from step 0.
+
 One PS call for all of it (ListTables: each table's schema and rows), made by rank 0 where the
 ranks share a PS, by each rank where each keeps its own rows (the embedded store, empty at a
 job's start). Every rank raises the same error, so none is left waiting in a collective.
@@ -16,7 +20,9 @@ job's start). Every rank raises the same error, so none is left waiting in a col
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import sys
 from typing import Any
 
 import torch.distributed as dist
@@ -24,7 +30,8 @@ import torch.distributed as dist
 from dynemb.common.errors import UserError
 from dynemb.ps_server.errors import PSError
 from dynemb.ps_server.schema import TableSchema
-from dynemb.trainer.checkpoint import check_settings
+from dynemb.trainer.checkpoint import check_settings, data_start
+from dynemb.trainer.checkpoint_format import CheckpointError, checkpoints, read_manifest
 from dynemb.trainer.config import TrainConfig
 from dynemb.trainer.row_store import LocalRowStore, RemoteRowStore, RowStore
 from dynemb.trainer.schemas import ps_schema
@@ -37,6 +44,51 @@ _FLAG = {"dim": "--dim", "state_width": "--optimizer", "initializer": "--seed, -
 
 class JobRefused(UserError):
     """A job that will not start as asked: what it found, and the flags that say what to do."""
+
+
+def choose_resume(cfg: TrainConfig) -> TrainConfig:
+    """Collective: cfg with --resume auto made a checkpoint folder (the newest complete one in
+    checkpoint_dir, as rank 0 sees it: every rank takes the same) or "" (none yet). Rank 0
+    says which, and, where the checkpoint is of another world size, what happens to the rows
+    and to the data position."""
+    if not cfg.resume:
+        return cfg
+    world = dist.get_world_size()
+    chosen: list[Any] = [cfg.resume]
+    if dist.get_rank() == 0:
+        if cfg.resume == "auto":
+            have = checkpoints(cfg.checkpoint_dir)
+            chosen[0] = str(have[-1]) if have else ""
+            if not have:
+                print(f"--resume auto: no checkpoint in {cfg.checkpoint_dir} yet, starting at step 0", file=sys.stderr)
+        folder = chosen[0] if chosen[0] != "latest" else str(next(iter(checkpoints(cfg.checkpoint_dir)[-1:]), ""))
+        if folder:
+            _say_resuming(folder, cfg, world)
+    if world > 1:
+        dist.broadcast_object_list(chosen, src=0)
+    return dataclasses.replace(cfg, resume=chosen[0]) if chosen[0] != cfg.resume else cfg
+
+
+def _say_resuming(folder: str, cfg: TrainConfig, world: int) -> None:
+    """Rank 0's line on the checkpoint a job resumes from (a bad one is refused later, by
+    check_settings and restore, with the problem named: nothing said here)."""
+    try:
+        doc = read_manifest(folder)
+        step, was = int(doc["step"]), int(doc["world_size"])
+        start = data_start(doc, cfg.batch_size, world)
+    except (CheckpointError, KeyError, TypeError, ValueError):
+        return
+    line = f"resuming from {folder} (step {step}, {was} rank{'s' * (was != 1)})"
+    if was != world:
+        samples = start * cfg.batch_size * world
+        line += (
+            f" on {world} rank{'s' * (world != 1)}: rows and ID transformers resharded to their new owners; "
+            f"each rank's data resumes at its batch {start}, global sample {samples:,}"
+        )
+        taken = doc.get("samples")
+        if taken is not None and samples != taken:
+            line += f" (the checkpoint was at sample {taken:,}: {taken - samples:,} samples are seen again)"
+    print(line, file=sys.stderr, flush=True)
 
 
 def check_before_training(cfg: TrainConfig, store: RowStore) -> None:

@@ -46,7 +46,7 @@ from dynemb.trainer.metrics import TrainerMetrics
 from dynemb.trainer.model import Built, build
 from dynemb.trainer.result import TrainResult
 from dynemb.trainer.row_store import RowStore, open_row_store
-from dynemb.trainer.startup import check_before_training
+from dynemb.trainer.startup import check_before_training, choose_resume
 from dynemb.trainer.table_rows import find_tables
 
 log = logging.getLogger("dynemb.trainer")
@@ -134,7 +134,7 @@ def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
     device = resolve_device(cfg.device)
     created = init_distributed(device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = size_tables(cfg)
+    cfg = choose_resume(size_tables(cfg))  # --resume auto: the newest checkpoint, if any (startup.py)
     if not cfg.table.dynamic and rank == 0:  # the job's first line: how IDs find their rows
         from dynemb.trainer.full_tables import describe
 
@@ -149,8 +149,9 @@ def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
         dynamic = make_dynamic(cfg, built, store, metrics, device) if cfg.table.dynamic else None
         ckpt = Checkpointer(cfg, built, dynamic, store) if cfg.checkpoint_dir or cfg.resume else None
         first_step = ckpt.restore(cfg.resume) if ckpt is not None and cfg.resume else 0
-        result = _loop(cfg, built, dynamic, metrics, ckpt, first_step, device)
-        result.first_step = first_step
+        data_start = ckpt.data_start if ckpt is not None and cfg.resume else 0
+        result = _loop(cfg, built, dynamic, metrics, ckpt, first_step, device, data_start)
+        result.first_step, result.data_start = first_step, data_start
         if cfg.checkpoint_at_end and result.losses:
             assert ckpt is not None, "TrainConfig refuses checkpoint_at_end without checkpoint_dir"
             ckpt.save(first_step + len(result.losses))
@@ -178,12 +179,16 @@ def _loop(
     ckpt: Checkpointer | None = None,
     first_step: int = 0,
     device: torch.device = _CPU,
+    data_start: int | None = None,
 ) -> TrainResult:
-    """Steps first_step .. cfg.steps - 1. With checkpoints, in segments that end at each
-    checkpoint step: the pipeline drains there (no batch in flight) and a fresh one starts."""
+    """Steps first_step .. cfg.steps - 1, on each rank's batches from data_start on (default:
+    first_step; another where a checkpoint of another world size was restored). With
+    checkpoints, in segments that end at each checkpoint step: the pipeline drains there (no
+    batch in flight) and a fresh one starts."""
     rank = dist.get_rank()
     result = TrainResult()
-    data = iter(batches(cfg, split=0, start=first_step))
+    data_start = first_step if data_start is None else data_start
+    data = iter(batches(cfg, split=0, start=data_start))
     if ckpt is not None:
         data = ckpt.tap(data)  # the global IDs each batch touches (incremental checkpoints)
     # With cfg.prefetch, a thread transforms batches ahead (dynemb/trainer/prefetch.py): its window is
@@ -235,6 +240,8 @@ def _loop(
         return limited, lambda: this.progress(limited)[0]  # DLRMTrain's output: (loss, logits, labels)
 
     total = planned_steps(cfg)
+    if cfg.data.source != "synthetic" and cfg.data.epochs:  # the batches left of the epochs
+        total = first_step + max(0, total - data_start)
     evaluating = cfg.eval_every
 
     def boundary(k: int) -> int:  # the end of the segment that starts at step k

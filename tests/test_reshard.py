@@ -1,0 +1,132 @@
+"""A checkpoint of 2 torchrun ranks restored onto 1 and onto 3 (resharding): every row with its
+optimizer state comes back as the 2-rank job left it, each rank's rebuilt ID transformers hold
+only IDs it owns now, with the checkpoint's rows in their slots, and training goes on from the
+same global data position."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import torchrun
+
+from dynemb.idtransformer.hashing import owner_of
+from dynemb.trainer.checkpoint_format import checkpoints, read_manifest
+
+WORKER = Path(__file__).parent / "dist" / "reshard_worker.py"
+BATCH = 48  # helpers.config's batch size per rank
+
+
+def whole_tables(out: Path, phase: str, world: int, tag: str) -> dict[str, np.ndarray]:
+    """Every rank's block of every table, joined: the rows of IDs 0 .. universe - 1."""
+    parts = [np.load(out / f"{phase}-{world}-rank{r}.npz") for r in range(world)]
+    names = [k[len(f"{tag}_table_") :] for k in parts[0].files if k.startswith(f"{tag}_table_")]
+    return {n: np.concatenate([p[f"{tag}_table_{n}"] for p in parts]) for n in names}
+
+
+def run(world: int, out: Path, *args: str) -> None:
+    done = torchrun(world, WORKER, str(out), *args, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # four torchrun jobs; 3 ranks on a small machine take a minute
+@pytest.mark.parametrize(
+    "optimizer,tables,ps,worlds",
+    [
+        ("adam", "dynamic", "", (1, 3)),
+        ("adagrad", "dynamic", "process", (3,)),
+        ("rowwise_adagrad", "full", "", (1, 3)),
+    ],
+    ids=["dynamic-in-process-adam", "dynamic-ps-process", "full-tables"],
+)
+def test_two_ranks_resume_on_fewer_and_on_more(tmp_path, optimizer, tables, ps, worlds):
+    from dynemb.testing.local_ps import LocalPS
+
+    with contextlib.ExitStack() as stack:
+        address = stack.enter_context(LocalPS()).address if ps else ""
+        run(2, tmp_path, "first", optimizer, tables, address)
+        assert [read_manifest(c)["world_size"] for c in checkpoints(tmp_path / "ck")] == [2, 2]
+        want = whole_tables(tmp_path, "first", 2, "first")
+        assert len(want) == 6
+        for world in worlds:
+            run(world, tmp_path, "resume", optimizer, tables, address)
+            got = whole_tables(tmp_path, "resume", world, "restored")
+            assert got.keys() == want.keys()
+            for name, rows in want.items():  # rows and optimizer state, as the 2-rank job left them
+                np.testing.assert_array_equal(got[name], rows, err_msg=f"{world} ranks, table {name}")
+            saved = read_manifest(tmp_path / f"ck{world}" / "step-00000030")
+            start = 20 * 2 // world  # each rank's batch: 40 batches of 48 taken by the 2 ranks
+            assert saved["world_size"] == world and saved["samples"] == (start + 10) * BATCH * world
+            for r in range(world):
+                got_r = np.load(tmp_path / f"resume-{world}-rank{r}.npz")
+                assert int(got_r["restored_first_step"]) == 20 and len(got_r["restored_losses"]) == 0
+                assert int(got_r["trained_first_step"]) == 20 and int(got_r["trained_data_start"]) == start
+                losses = got_r["trained_losses"]
+                assert len(losses) == 10 and np.isfinite(losses).all() and losses.max() < 5
+                if tables == "dynamic":
+                    check_transformers(tmp_path, got_r, want, r, world)
+
+
+def check_transformers(out: Path, got, want: dict[str, np.ndarray], rank: int, world: int) -> None:
+    """This rank's rebuilt transformers: IDs it owns under `world` that were resident on a
+    rank of the 2-rank job, as many as fit (all, where they do), each slot holding its ID's
+    row as the 2-rank job left it."""
+    old = [torch.load(out / "ck" / "step-00000020" / f"rank-{r:05d}.pt", weights_only=False) for r in range(2)]
+    for name, rows in want.items():
+        ids = got[f"resident_ids_{name}"]
+        assert len(ids), name
+        owned = owner_of(torch.from_numpy(ids), world).numpy()
+        assert (owned == rank).all(), f"table {name}: rank {rank} holds IDs it does not own"
+        was = np.concatenate([o["transformers"][name]["ids"].numpy() for o in old])
+        assert np.isin(ids, was).all()
+        mine = was[owner_of(torch.from_numpy(was), world).numpy() == rank]
+        assert len(ids) == min(len(mine), int(got[f"capacity_{name}"])), name
+        np.testing.assert_array_equal(got[f"resident_rows_{name}"], rows[ids], err_msg=f"table {name}")
+
+
+def test_a_rebuilt_transformer_keeps_what_its_policy_keeps_first_and_sums_the_sketches():
+    """More resident IDs than slots: the most recently used stay (LRU), in slots 0..n-1, the
+    rest left out; the admission sketches' counters are summed, so an ID seen on two old ranks
+    once each is admitted at its next sighting under admit_threshold 3."""
+    from dynemb.idtransformer.admission import CountMinSketch
+    from dynemb.idtransformer.policy import EvictionPolicy
+    from dynemb.idtransformer.transformer import IDTransformer
+    from dynemb.trainer.checkpoint import rebuild_transformer
+
+    local = IDTransformer(4, EvictionPolicy("lru"), admit_threshold=3, sketch_width=64, sketch_depth=2)
+    found = [  # (ids, last access, freq) of two old ranks
+        (torch.tensor([10, 11, 12]), torch.tensor([5, 9, 1], dtype=torch.int32), torch.ones(3, dtype=torch.uint8)),
+        (torch.tensor([20, 21, 22]), torch.tensor([8, 2, 7], dtype=torch.int32), torch.ones(3, dtype=torch.uint8)),
+    ]
+    sketches = []
+    for _ in range(2):
+        sketch = CountMinSketch(64, 2)
+        sketch.add(torch.tensor([99]))
+        sketches.append(sketch.state_dict()["counts"].to(torch.int64))
+    assert rebuild_transformer(local, found, step=10, sketch=sketches[0] + sketches[1]) == 4
+    state = local.state_dict()
+    assert sorted(state["ids"].tolist()) == [10, 11, 20, 22]  # last access 5, 9, 8, 7: the newest four
+    assert state["step"] == 10 and local.resident == 4 and state["slots"].tolist() == [0, 1, 2, 3]
+    assert int(local.sketch.estimate(torch.tensor([99]))[0]) == 2
+    got = local.transform(torch.tensor([11, 99]))
+    assert got.slots[0] >= 0 and int(got.admitted_ids.numel()) == 1  # 11 resident; 99's third sighting admits it
+
+
+def test_the_data_resumes_at_the_global_sample_rounded_down_to_a_step():
+    from dynemb.trainer.checkpoint import data_start
+
+    doc = {"step": 20, "samples": 20 * 48 * 2, "world_size": 2, "config": {"batch_size": 48}}
+    assert data_start(doc, 48, 2) == 20  # same world: the step
+    assert data_start(doc, 48, 1) == 40  # exact
+    assert data_start(doc, 48, 4) == 10
+    assert data_start(doc, 48, 3) == 13  # 1920 // 144: 48 samples trained again
+    assert data_start(doc, 96, 1) == 20  # another batch size: the same samples
+    old = {k: v for k, v in doc.items() if k != "samples"}  # a manifest from before `samples`
+    assert data_start(old, 48, 1) == 40
+    resharded = dict(doc, step=30, samples=13 * 48 * 3 + 10 * 48 * 3)  # a 3-rank job's, 10 steps after
+    assert data_start(resharded, 48, 3) == 23 and data_start(resharded, 48, 1) == 69
