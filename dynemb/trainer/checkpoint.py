@@ -339,7 +339,7 @@ class Checkpointer:
         self._restore_tables(links)
         written_by = int(doc["world_size"])
         if written_by == self.world:  # each rank's own state, as it was
-            rank_state = torch.load(folder / f"rank-{self.rank:05d}.pt", weights_only=False)
+            rank_state = torch.load(folder / f"rank-{self.rank:05d}.pt", map_location="cpu", weights_only=False)
             if self.dynamic is not None:
                 for name, t in self.dynamic.transformers.items():
                     t.local.load_state_dict(rank_state["transformers"][name])
@@ -350,7 +350,7 @@ class Checkpointer:
             self._pull_resident()
         if self.built.optimizer.sparse_adam is not None:
             self.built.optimizer.sparse_adam.load_state_dict(adam_state)
-        dense = torch.load(folder / "dense.pt", weights_only=False)
+        dense = torch.load(folder / "dense.pt", map_location="cpu", weights_only=False)
         with torch.no_grad():
             for k, p in dense_parameters(self.built.model).items():
                 p.copy_(dense["parameters"][k])
@@ -373,7 +373,7 @@ class Checkpointer:
         sketches: dict[str, torch.Tensor] = {}
         step, adam_iter = 0, None
         for r in range(written_by):  # one file at a time: a rank's transformers may be large
-            state = torch.load(folder / f"rank-{r:05d}.pt", weights_only=False)
+            state = torch.load(folder / f"rank-{r:05d}.pt", map_location="cpu", weights_only=False)
             if state.get("sparse_adam") is not None:
                 adam_iter = max(adam_iter or 0, int(state["sparse_adam"]["iter"]))
             if self.dynamic is None:
