@@ -7,12 +7,20 @@ Tests keep apart by namespace (`redis_namespace`), never by flushing a server.
 from __future__ import annotations
 
 import fnmatch
+import os
 import uuid
 from dataclasses import dataclass
 
 import pytest
+import torch
 from ps_procs import embedded_client, embedded_ps, make_ps  # noqa: F401  (fixtures, for every module)
 from redis_procs import RedisClusterProcesses, RedisProcess, find_binary, make_tls_files
+
+if not torch.cuda.is_available():
+    # Without a GPU the triton backend's kernels run under Triton's interpreter. Triton fixes the
+    # mode when a kernel is decorated, at import, so it is set here, before any test module (or
+    # a module it imports) brings in the triton kernels: set later, it came too late for them.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
