@@ -39,6 +39,7 @@ import contextlib
 import itertools
 import json
 import operator
+import socket
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -49,6 +50,7 @@ from urllib.parse import parse_qsl, unquote, urlencode
 import numpy as np
 import redis
 import redis.cluster
+from redis._parsers.base import BaseParser  # the error classes of error replies, as redis-py raises them
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisClusterException
 from redis.retry import Retry
@@ -65,6 +67,7 @@ from dynemb.ps_server.errors import (
     TableNotFound,
 )
 from dynemb.ps_server.hashing import bucket_of  # re-exported: bench/raw_redis.py reads the same buckets
+from dynemb.ps_server.native import redis_rows
 from dynemb.ps_server.schema import TableSchema, check_name
 
 META_FORMAT = 1
@@ -236,6 +239,7 @@ class RedisStore(Store):
         num_buckets: int = 4096,
         address: str = "",
         password: str | None = None,
+        native_rows: bool = True,
     ) -> None:
         check_name(namespace, "namespace")
         if not isinstance(num_buckets, int) or not 1 <= num_buckets <= MAX_BUCKETS:
@@ -252,6 +256,9 @@ class RedisStore(Store):
         self._cache: OrderedDict[str, _TableMeta] = OrderedDict()  # least recently used first
         self._cache_lock = threading.Lock()
         self._scripts: dict[str, str] = {}  # Lua source -> its SHA1, loaded on first use
+        # the compiled row path (module doc), on standalone Redis: a Cluster's buckets span nodes
+        self._native = None if self.cluster or not native_rows else redis_rows()
+        self._buffers = threading.local()  # each thread's reply buffer, kept between calls
 
     # -- construction ------------------------------------------------------------------
 
@@ -262,12 +269,15 @@ class RedisStore(Store):
         namespace: str = "dynemb",
         num_buckets: int = 4096,
         socket_timeout: float = 10.0,
+        native_rows: bool = True,
         **kw,
     ) -> RedisStore:
         """redis://, rediss://, unix://, redis+cluster://, rediss+cluster:// (see the module doc).
 
         Extra keywords go to redis-py (ssl_ca_certs=, ssl_cert_reqs=, max_connections=...);
         `retries` sets how often a request is retried on a dropped connection (default 2).
+        native_rows=False reads and writes rows through redis-py's commands instead of the
+        compiled row path (the same commands; for comparison and tests).
         """
         scheme = url.split("://", 1)[0].lower()
         retries = int(kw.pop("retries", 2))
@@ -307,7 +317,12 @@ class RedisStore(Store):
         except ValueError as exc:
             raise InvalidArgument(f"bad Redis URL: {exc}") from None
         return cls(
-            client, namespace=namespace, num_buckets=num_buckets, address=address, password=options.get("password")
+            client,
+            namespace=namespace,
+            num_buckets=num_buckets,
+            address=address,
+            password=options.get("password"),
+            native_rows=native_rows,
         )
 
     # -- plumbing ----------------------------------------------------------------------
@@ -363,6 +378,17 @@ class RedisStore(Store):
                         raise r
             return results
         raise AssertionError("unreachable")
+
+    def _wrong_size(self, table: str) -> PSError:
+        schema = self._meta(table).schema
+        return PSError(
+            f"table {table!r} in Redis namespace {self.namespace!r} holds rows of the wrong size "
+            f"(expected {schema.row_bytes} bytes each): the data does not match its schema"
+        )
+
+    def _error_reply(self, text: str) -> PSError:
+        """The PS's error for an error reply read by the compiled row path, as _run raises it."""
+        return _translate(BaseParser.parse_error(text), f"Redis at {self.address}", self._password)
 
     def _not_found(self, table: str) -> TableNotFound:
         with self._cache_lock:
@@ -557,10 +583,146 @@ class RedisStore(Store):
             self._cache.pop(table, None)
         return n
 
+    # -- the compiled row path (standalone Redis) -----------------------------------------
+
+    def _exchange(self, request: bytes, replies: int, expect_bytes: int) -> tuple[bytearray, int]:
+        """Send request (`replies` commands, already in the Redis protocol) on a pooled
+        connection and read their replies whole: (buffer, end of the replies in it). The socket
+        is read here, not by redis-py's parser, so no reply becomes Python objects; a
+        connection that fails or times out midway is closed (its stream is out of step), and
+        the exchange is tried once more on a fresh one, as redis-py retries a command."""
+        mod = self._native
+        assert mod is not None  # only called when there is one
+        buf = getattr(self._buffers, "buf", None)
+        if buf is None or len(buf) < expect_bytes:
+            buf = self._buffers.buf = bytearray(max(expect_bytes, 1 << 16))
+        assert isinstance(self.client, redis.Redis)  # the row path serves standalone Redis
+        pool = self.client.connection_pool
+        for attempt in (0, 1):
+            conn = pool.get_connection()
+            try:
+                conn.send_packed_command([request])
+                sock = conn._sock
+                assert sock is not None  # connected by send_packed_command
+                view = memoryview(buf)
+                end = pos = done = 0
+                while done < replies:
+                    if end == len(buf):  # a reply bigger than foreseen: a bigger buffer, with what came
+                        bigger = bytearray(2 * len(buf))
+                        bigger[:end] = view
+                        buf = self._buffers.buf = bigger
+                        view = memoryview(buf)
+                    got = sock.recv_into(view[end:])
+                    if not got:
+                        raise redis.ConnectionError(f"Redis at {self.address} closed the connection mid-reply")
+                    end += got
+                    pos, complete = mod.scan(buf, pos, end, replies - done)
+                    done += complete
+                return buf, end
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                conn.disconnect()
+                if attempt or isinstance(exc, socket.timeout | redis.TimeoutError):
+                    with self._redis():
+                        if isinstance(exc, socket.timeout):
+                            raise redis.TimeoutError(f"timed out reading from Redis at {self.address}") from None
+                        if isinstance(exc, OSError):
+                            raise redis.ConnectionError(f"{type(exc).__name__}: {exc}") from None
+                        raise
+            except BaseException:
+                conn.disconnect()
+                raise
+            finally:
+                pool.release(conn)
+        raise AssertionError("unreachable")
+
+    def _native_pull(self, meta: _TableMeta, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Rows of ids into out (a pipeline of HMGETs per at most PIPELINE_MAX_IDS ids, built and
+        read by the compiled module); the positions of the ids not found."""
+        schema = meta.schema
+        mod = self._native
+        assert mod is not None  # only called when there is one
+        n = len(ids)
+        step = max(1, min(PIPELINE_MAX_IDS, PIPELINE_MAX_BYTES // schema.row_bytes))
+        absent_parts = []
+        order = np.empty(min(n, step), dtype=np.int64)
+        missing = np.empty(min(n, step), dtype=np.int64)
+        for lo in range(0, n, step):
+            part = ids[lo : lo + step]
+            k = len(part)
+            request, commands = mod.pull_request(part, meta.num_buckets, meta.prefix, order[:k])
+            buf, end = self._exchange(request, commands, k * (schema.row_bytes + 16) + commands * 16)
+            try:
+                result = mod.pull_replies(buf, end, commands, order[:k], out[lo : lo + k], schema.row_bytes, missing)
+            except OverflowError:
+                raise self._wrong_size(meta.schema.name) from None
+            except ValueError as exc:
+                raise PSError(f"Redis at {self.address}: {exc}") from None
+            if isinstance(result, str):
+                raise self._error_reply(result)
+            if result:
+                absent_parts.append(missing[:result] + lo)
+        if not absent_parts:
+            return np.zeros(0, dtype=np.int64)
+        return np.sort(np.concatenate(absent_parts))
+
+    def _native_write(self, meta: _TableMeta, ids: np.ndarray, rows: np.ndarray | None) -> int:
+        """HSET of the ids' rows (rows given) or HDEL of the ids (None) by the write script, one
+        EVALSHA per at most PIPELINE_MAX_IDS ids built by the compiled module; the fields
+        added or removed (the row count changed with them)."""
+        schema = meta.schema
+        mod = self._native
+        assert mod is not None  # only called when there is one
+        lua = _WRITE_SCRIPTS["HSET" if rows is not None else "HDEL"]
+        per_id = schema.row_bytes + 8 if rows is not None else 8
+        step = max(1, min(PIPELINE_MAX_IDS, PIPELINE_MAX_BYTES // per_id))
+        name = schema.name.encode()
+        total = 0
+        for lo in range(0, len(ids), step):
+            part = ids[lo : lo + step]
+            part_rows = None if rows is None else rows[lo : lo + step]
+            for attempt in (0, 1):
+                request = mod.write_request(
+                    part, part_rows, schema.row_bytes, meta.num_buckets, meta.prefix, self._sha(lua).encode(),
+                    self._rows_key, name,
+                )  # fmt: skip
+                buf, end = self._exchange(request, 1, 64)
+                try:
+                    result = mod.integer_reply(buf, end)
+                except ValueError as exc:
+                    raise PSError(f"Redis at {self.address}: {exc}") from None
+                if isinstance(result, str) and result.startswith("NOSCRIPT") and not attempt:
+                    self._scripts.pop(lua, None)  # Redis lost it (restart, SCRIPT FLUSH): load it again
+                    continue
+                if isinstance(result, str):
+                    raise self._error_reply(result)
+                total += result
+                break
+        return total
+
     # -- rows --------------------------------------------------------------------------
 
     def pull(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """See Store.pull; rows of ids not found are zeros."""
+        if self._native is not None:
+            ids = _as_ids(ids)
+            meta = self._meta(table)
+            rows = rows_out(out, len(ids), meta.schema)
+            absent = self._native_pull(meta, ids, rows)
+            rows[absent] = 0
+            found = np.ones(len(ids), dtype=bool)
+            found[absent] = False
+            return rows, found
+        return self._pull(table, ids, out)
+
+    def pull_into(self, table: str, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """See Store.pull_into."""
+        if self._native is None:
+            return super().pull_into(table, ids, out)
+        ids = _as_ids(ids)
+        meta = self._meta(table)
+        return self._native_pull(meta, ids, rows_out(out, len(ids), meta.schema))
+
+    def _pull(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         meta = self._meta(table)
         schema = meta.schema
         ids = _as_ids(ids)
@@ -606,6 +768,9 @@ class RedisStore(Store):
         meta = self._meta(table)
         schema = meta.schema
         rows = rows_for_table(rows, schema, len(ids))
+        if self._native is not None:
+            self._native_write(meta, ids, rows)
+            return len(ids)
         g = _group_by_bucket(ids, meta.num_buckets)
         # field, value, field, value... in bucket order: one HSET per bucket
         pairs: list = [None] * (2 * len(ids))
@@ -623,6 +788,8 @@ class RedisStore(Store):
         ids = _as_ids(ids)
         if len(ids) == 0:
             return 0
+        if self._native is not None:
+            return self._native_write(meta, ids, None)
         g = _group_by_bucket(ids, meta.num_buckets)
         fields = id_fields(ids[g.order])
         deleted = 0
