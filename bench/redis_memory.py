@@ -14,8 +14,10 @@ Layouts (num_buckets, then redis.conf lines):
 - default: 4096 buckets, Redis's own hash-max-listpack-* (a 512-byte row is over
   hash-max-listpack-value's 64, so each bucket is a hashtable: a dict entry, an sds for the
   field and one for the row, rounded up to jemalloc's size classes).
-- tuned: --tuned-buckets buckets, hash-max-listpack-value 1024 and -entries 128: buckets of
-  ~61 rows at 1M kept as listpacks (each row in place with a few bytes of framing).
+- tuned: --tuned-buckets buckets, hash-max-listpack-value 1024 and -entries 32: buckets of
+  ~15 rows at 1M kept as listpacks (each row in place with a few bytes of framing); fewer
+  rows a bucket cost Redis less CPU (a listpack finds a field by walking it), up to where
+  the per-key overhead of more buckets outweighs it (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from dynemb.ps_server.schema import TableSchema  # noqa: E402
 from dynemb.testing.local_redis import RedisProcess  # noqa: E402
 
 BATCH = 16384
-TUNED = ["hash-max-listpack-value 1024", "hash-max-listpack-entries 128"]
+TUNED = ["hash-max-listpack-value 1024", "hash-max-listpack-entries 32"]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -88,10 +90,22 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows stored [default %(default)s]")
     parser.add_argument(
-        "--tuned-buckets", type=int, default=16384, help="buckets of the tuned layout [default %(default)s]"
+        "--tuned-buckets", type=int, default=65536, help="buckets of the tuned layout [default %(default)s]"
+    )
+    parser.add_argument(
+        "--layout",
+        action="append",
+        metavar="NAME:BUCKETS[:CONF;CONF...]",
+        help="measure this layout instead (repeatable), e.g. 'lp256:8192:hash-max-listpack-value 1024;"
+        "hash-max-listpack-entries 256'",
     )
     args = parser.parse_args(argv)
     layouts = [("default", 4096, []), ("tuned", args.tuned_buckets, TUNED)]
+    if args.layout:
+        layouts = []
+        for spec in args.layout:
+            name, buckets, *conf = spec.split(":", 2)
+            layouts.append((name, int(buckets), [c.strip() for c in conf[0].split(";")] if conf else []))
     print(f"redis_memory: {args.rows:,} rows of 512 B + an 8-byte id, {os.cpu_count()} CPUs")
     print(f"{'layout':<8} {'buckets':>7} {'encoding':<9} {'B/row':>7} {'x raw':>6} {'pull rows/s':>12} "
           f"{'us/row':>7} {'push rows/s':>12} {'us/row':>7}   (us/row: Redis CPU)")  # fmt: skip
