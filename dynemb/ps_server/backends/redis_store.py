@@ -585,12 +585,22 @@ class RedisStore(Store):
 
     # -- the compiled row path (standalone Redis) -----------------------------------------
 
-    def _exchange(self, request: bytes, replies: int, expect_bytes: int) -> tuple[bytearray, int]:
+    def _exchange(
+        self,
+        request: bytes,
+        replies: int,
+        expect_bytes: int,
+        take: Callable[[bytearray, int, int, int], None] | None = None,
+    ) -> tuple[bytearray, int]:
         """Send request (`replies` commands, already in the Redis protocol) on a pooled
         connection and read their replies whole: (buffer, end of the replies in it). The socket
         is read here, not by redis-py's parser, so no reply becomes Python objects; a
         connection that fails or times out midway is closed (its stream is out of step), and
-        the exchange is tried once more on a fresh one, as redis-py retries a command."""
+        the exchange is tried once more on a fresh one, as redis-py retries a command.
+
+        take(buf, start, end, count), if given, is handed each run of whole replies as it
+        arrives (buf[start:end], count of them), so they are read while Redis still answers
+        the rest; on a retry it sees them again from the first."""
         mod = self._native
         assert mod is not None  # only called when there is one
         buf = getattr(self._buffers, "buf", None)
@@ -616,8 +626,11 @@ class RedisStore(Store):
                     if not got:
                         raise redis.ConnectionError(f"Redis at {self.address} closed the connection mid-reply")
                     end += got
+                    start = pos
                     pos, complete = mod.scan(buf, pos, end, replies - done)
                     done += complete
+                    if take is not None and complete:
+                        take(buf, start, pos, complete)
                 return buf, end
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                 conn.disconnect()
@@ -650,17 +663,32 @@ class RedisStore(Store):
             part = ids[lo : lo + step]
             k = len(part)
             request, commands = mod.pull_request(part, meta.num_buckets, meta.prefix, order[:k])
-            buf, end = self._exchange(request, commands, k * (schema.row_bytes + 16) + commands * 16)
-            try:
-                result = mod.pull_replies(buf, end, commands, order[:k], out[lo : lo + k], schema.row_bytes, missing)
-            except OverflowError:
-                raise self._wrong_size(meta.schema.name) from None
-            except ValueError as exc:
-                raise PSError(f"Redis at {self.address}: {exc}") from None
-            if isinstance(result, str):
-                raise self._error_reply(result)
-            if result:
-                absent_parts.append(missing[:result] + lo)
+            rows = out[lo : lo + k]
+            state: list = [0, 0, None]  # fields read, ids absent, the first error reply
+
+            def take(buf, start, stop, count, rows=rows, k=k, state=state) -> None:
+                if start == 0:  # the first run, or the first again after a retry
+                    state[:] = [0, 0, None]
+                try:
+                    got = mod.pull_replies(
+                        buf, start, stop, count, order[:k], state[0], rows, schema.row_bytes, missing, state[1]
+                    )
+                except OverflowError:
+                    raise self._wrong_size(meta.schema.name) from None
+                except ValueError as exc:
+                    raise PSError(f"Redis at {self.address}: {exc}") from None
+                if isinstance(got, str):
+                    state[2] = state[2] or got  # raised once every reply is read: the connection stays in step
+                else:
+                    state[1], state[0] = got
+
+            self._exchange(request, commands, k * (schema.row_bytes + 16) + commands * 16, take)
+            if state[2] is not None:
+                raise self._error_reply(state[2])
+            if state[0] != k:
+                raise PSError(f"Redis at {self.address}: fewer fields in the HMGET replies than asked for")
+            if state[1]:
+                absent_parts.append(missing[: state[1]] + lo)
         if not absent_parts:
             return np.zeros(0, dtype=np.int64)
         return np.sort(np.concatenate(absent_parts))

@@ -322,30 +322,33 @@ PyObject* error_text(const char* p, const char* end) {  // an error reply's text
   return PyUnicode_DecodeUTF8(p + 1, (e ? e : end) - (p + 1), "replace");
 }
 
-// pull_replies(buf, end, commands, order, out, row_bytes, missing) -> how many ids are absent
-// (their positions in missing[:k]), or the text of the first error reply (str). The replies
-// are whole (scan said so): `commands` arrays of bulk strings or nulls, in the order of
-// pull_request's fields; field j's row goes to out row order[j].
+// pull_replies(buf, start, end, commands, order, j, out, row_bytes, missing, k) -> (k, j) or the
+// text of the first error reply (str). buf[start:end] holds `commands` whole replies (scan said
+// so) to pull_request's HMGETs, from the one that asks for field j on: arrays of bulk strings
+// or nulls. Field j's row goes to out row order[j]; an absent one's position to missing[k].
+// Returns the new k and j, so the replies can be read a run at a time as they arrive.
 PyObject* py_pull_replies(PyObject*, PyObject* args) {
   PyObject *buf_o, *order_o, *out_o, *missing_o;
-  Py_ssize_t stop, commands, row_bytes;
-  if (!PyArg_ParseTuple(args, "OnnOOnO", &buf_o, &stop, &commands, &order_o, &out_o, &row_bytes, &missing_o))
+  Py_ssize_t start, stop, commands, j0, row_bytes, k0;
+  if (!PyArg_ParseTuple(args, "OnnnOnOnOn", &buf_o, &start, &stop, &commands, &order_o, &j0, &out_o, &row_bytes,
+                        &missing_o, &k0))
     return nullptr;
   Buf b, order_b, out_b, missing_b;
   if (!b.get(buf_o, false) || !order_b.get(order_o, false) || !out_b.get(out_o, true) ||
       !missing_b.get(missing_o, true))
     return nullptr;
   const int64_t n = order_b.len() / 8;
-  if (stop < 0 || stop > b.len() || row_bytes < 1 || out_b.len() != n * row_bytes || missing_b.len() < n * 8) {
+  if (start < 0 || stop < start || stop > b.len() || row_bytes < 1 || out_b.len() != n * row_bytes ||
+      missing_b.len() < n * 8 || j0 < 0 || j0 > n || k0 < 0 || k0 > j0) {
     PyErr_SetString(PyExc_ValueError, "pull_replies: buffers of the wrong size");
     return nullptr;
   }
   const int64_t* order = reinterpret_cast<const int64_t*>(order_b.data());
   int64_t* missing = reinterpret_cast<int64_t*>(missing_b.data());
   char* out = out_b.data();
-  const char* p = b.data();
+  const char* p = b.data() + start;
   const char* end = b.data() + stop;
-  int64_t j = 0, k = 0;
+  int64_t j = j0, k = k0;
   const char* problem = nullptr;  // a reply that is not what the pipeline asks for
   const char* error = nullptr;    // the first error reply
   Py_BEGIN_ALLOW_THREADS
@@ -407,7 +410,6 @@ PyObject* py_pull_replies(PyObject*, PyObject* args) {
       }
     }
   }
-  if (!problem && !error && j != n) problem = "fewer fields in the replies than asked for";
   Py_END_ALLOW_THREADS
   if (problem) {
     if (std::strcmp(problem, "wrong size") == 0) {
@@ -418,7 +420,7 @@ PyObject* py_pull_replies(PyObject*, PyObject* args) {
     return nullptr;
   }
   if (error) return error_text(error, end);
-  return PyLong_FromLongLong(k);
+  return Py_BuildValue("(LL)", (long long)k, (long long)j);
 }
 
 // integer_reply(buf, end) -> the integer of the one reply in buf, or the error reply's text (str).
@@ -452,7 +454,7 @@ PyMethodDef kMethods[] = {
      "write_request(ids, rows|None, row_bytes, num_buckets, prefix, sha, rows_key, table) -> request"},
     {"scan", py_scan, METH_VARARGS, "scan(buf, start, end, wanted) -> (offset, complete replies)"},
     {"pull_replies", py_pull_replies, METH_VARARGS,
-     "pull_replies(buf, end, commands, order, out, row_bytes, missing) -> absent count | error text"},
+     "pull_replies(buf, start, end, commands, order, j, out, row_bytes, missing, k) -> (k, j) | error text"},
     {"integer_reply", py_integer_reply, METH_VARARGS, "integer_reply(buf, end) -> int | error text"},
     {nullptr, nullptr, 0, nullptr},
 };
