@@ -232,6 +232,12 @@ def test_compiled_row_path_reply_bigger_than_foreseen_and_dropped_connections(st
     assert store.push("big", ids[:10], rows[:10] + 1) == 10
     assert store.num_rows("big") == 2000
     r.close()
+    # a thread keeps a reply buffer up to the limit for its next call, not a bigger one
+    store.pull("big", ids[:100])
+    assert store._buffers.buf is not None
+    monkeypatch.setattr(redis_store, "REPLY_BUFFER_KEEP_BYTES", 1 << 20)
+    got, _ = store.pull("big", ids)  # ~2 MB of replies
+    assert np.array_equal(got[10:], rows[10:]) and store._buffers.buf is None
 
 
 def test_foreign_data_is_an_error_not_garbage(store, redis_url, redis_namespace):

@@ -76,6 +76,9 @@ MAX_BUCKETS = 1 << 20
 # pipelines in a row, so neither side buffers an unbounded reply.
 PIPELINE_MAX_IDS = 65536
 PIPELINE_MAX_BYTES = 64 << 20
+# A thread keeps its reply buffer for its next call up to this size (a 16k-id pull of 512-byte
+# rows takes ~8.5 MB); a bigger one is dropped after its call, so idle threads hold little.
+REPLY_BUFFER_KEEP_BYTES = 16 << 20
 # Export reads at least this many rows per pipeline.
 EXPORT_READ_ROWS = 16384
 # Parsed metadata of at most this many tables is kept (each about 1 KB).
@@ -631,6 +634,8 @@ class RedisStore(Store):
                     done += complete
                     if take is not None and complete:
                         take(buf, start, pos, complete)
+                if len(buf) > REPLY_BUFFER_KEEP_BYTES:
+                    self._buffers.buf = None
                 return buf, end
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                 conn.disconnect()
