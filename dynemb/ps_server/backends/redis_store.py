@@ -30,6 +30,13 @@ see each other's creates and drops; parsed metadata is cached by its raw bytes (
 cache: a table dropped through another PS leaves it at its next use here, at the next listing,
 or as the least recently used). Requests go as one non-transactional pipeline (a few for very
 large batches) from the client's connection pool, so the store is safe to call from many threads.
+
+On standalone Redis, pull, push and delete take the compiled row path (csrc/redis_rows_module.cpp):
+one call groups the ids by bucket and writes the whole pipeline (HMGETs, or the write script's
+EVALSHA) as Redis protocol bytes, sent on a pooled connection; the replies are read from its
+socket into a per-thread buffer and copied into the rows run by run as they arrive, so no row
+becomes a Python object. The commands, keys and scripts are redis-py's path's own, so either
+reads what the other wrote. On Cluster a table's buckets span nodes: redis-py's commands serve.
 """
 
 from __future__ import annotations
