@@ -56,39 +56,90 @@ struct Groups {
 };
 
 void group(const int64_t* ids, int64_t n, uint64_t num_buckets, Groups& g) {
-  std::vector<uint64_t> keys(n);  // bucket << 32 | position: sorting them is a stable sort by bucket
-  for (int64_t i = 0; i < n; ++i) keys[i] = (bucket_of(ids[i], num_buckets) << 32) | uint64_t(i);
-  std::sort(keys.begin(), keys.end());
   g.order.resize(n);
-  for (int64_t i = 0; i < n; ++i) {
-    const uint64_t b = keys[i] >> 32;
-    g.order[i] = int64_t(keys[i] & 0xFFFFFFFFULL);
-    if (i == 0 || b != g.buckets.back()) {
-      g.buckets.push_back(b);
-      g.starts.push_back(i);
+  if (num_buckets <= uint64_t(8 * n)) {  // a counting sort: two passes over the ids, one over the buckets
+    std::vector<uint32_t> bucket(n);
+    std::vector<int64_t> at(num_buckets + 1, 0);
+    for (int64_t i = 0; i < n; ++i) ++at[(bucket[i] = uint32_t(bucket_of(ids[i], num_buckets))) + 1];
+    for (uint64_t b = 0; b < num_buckets; ++b) {
+      if (at[b + 1]) {
+        g.buckets.push_back(b);
+        g.starts.push_back(at[b]);
+      }
+      at[b + 1] += at[b];
+    }
+    for (int64_t i = 0; i < n; ++i) g.order[at[bucket[i]]++] = i;  // in batch order within a bucket
+  } else {
+    std::vector<uint64_t> keys(n);  // bucket << 32 | position: sorting them is a stable sort by bucket
+    for (int64_t i = 0; i < n; ++i) keys[i] = (bucket_of(ids[i], num_buckets) << 32) | uint64_t(i);
+    std::sort(keys.begin(), keys.end());
+    for (int64_t i = 0; i < n; ++i) {
+      const uint64_t b = keys[i] >> 32;
+      g.order[i] = int64_t(keys[i] & 0xFFFFFFFFULL);
+      if (i == 0 || b != g.buckets.back()) {
+        g.buckets.push_back(b);
+        g.starts.push_back(i);
+      }
     }
   }
   g.starts.push_back(n);
 }
 
-void put_count(std::string& s, char kind, int64_t n) {
-  s += kind;
+// Where a request is written: counting its bytes (data null), then writing them into a bytes
+// object of that exact size, so the request is built in place, with no copy after.
+struct Out {
+  char* data = nullptr;
+  size_t size = 0;
+  void append(const char* p, size_t n) {
+    if (data) std::memcpy(data + size, p, n);
+    size += n;
+  }
+  Out& operator+=(const char* text) {
+    append(text, std::strlen(text));
+    return *this;
+  }
+  Out& operator+=(const std::string& text) {
+    append(text.data(), text.size());
+    return *this;
+  }
+};
+
+void put_count(Out& s, char kind, int64_t n) {
+  s.append(&kind, 1);
   s += std::to_string(n);
   s += "\r\n";
 }
 
-void put_bulk(std::string& s, const char* p, size_t n) {
+void put_bulk(Out& s, const char* p, size_t n) {
   put_count(s, '$', int64_t(n));
   s.append(p, n);
   s += "\r\n";
 }
 
-void put_key(std::string& s, const std::string& prefix, uint64_t bucket) {
+void put_key(Out& s, const std::string& prefix, uint64_t bucket) {
   const std::string b = std::to_string(bucket);
   put_count(s, '$', int64_t(prefix.size() + b.size() + 1));
   s += prefix;
   s += b;
   s += "}\r\n";
+}
+
+// emit(out) twice: to size the request, then to write it into a new bytes object (the GIL
+// dropped while it writes). Called with the GIL held.
+template <typename Emit>
+PyObject* build(Emit emit) {
+  Out count;
+  Py_BEGIN_ALLOW_THREADS
+  emit(count);
+  Py_END_ALLOW_THREADS
+  PyObject* bytes = PyBytes_FromStringAndSize(nullptr, Py_ssize_t(count.size));
+  if (!bytes) return nullptr;
+  Out out;
+  out.data = PyBytes_AS_STRING(bytes);
+  Py_BEGIN_ALLOW_THREADS
+  emit(out);
+  Py_END_ALLOW_THREADS
+  return bytes;
 }
 
 // Ids from a buffer of int64 (8-byte items, native order: the module is built for this machine).
@@ -106,7 +157,6 @@ bool ids_of(PyObject* obj, Buf& b, int64_t& n) {
   return true;
 }
 
-PyObject* bytes_of(const std::string& s) { return PyBytes_FromStringAndSize(s.data(), Py_ssize_t(s.size())); }
 
 // pull_request(ids, num_buckets, prefix, order) -> (request, commands): one HMGET per touched
 // bucket of the ids' 8-byte fields; order (int64, one per id) gets the position of each field
@@ -125,25 +175,24 @@ PyObject* py_pull_request(PyObject*, PyObject* args) {
     return nullptr;
   }
   const std::string prefix(prefix_p, size_t(prefix_n));
-  std::string req;
   Groups g;
   const int64_t* ids = reinterpret_cast<const int64_t*>(ids_b.data());
   Py_BEGIN_ALLOW_THREADS
   group(ids, n, num_buckets, g);
-  req.reserve(size_t(n) * 14 + g.buckets.size() * (prefix.size() + 40));
-  for (size_t k = 0; k + 1 < g.starts.size(); ++k) {
-    put_count(req, '*', 2 + g.starts[k + 1] - g.starts[k]);
-    req += "$5\r\nHMGET\r\n";
-    put_key(req, prefix, g.buckets[k]);
-    for (int64_t i = g.starts[k]; i < g.starts[k + 1]; ++i) {
-      req += "$8\r\n";
-      req.append(reinterpret_cast<const char*>(ids + g.order[i]), 8);
-      req += "\r\n";
-    }
-  }
   std::memcpy(order_b.data(), g.order.data(), size_t(n) * 8);
   Py_END_ALLOW_THREADS
-  PyObject* r = bytes_of(req);
+  PyObject* r = build([&](Out& req) {
+    for (size_t k = 0; k + 1 < g.starts.size(); ++k) {
+      put_count(req, '*', 2 + g.starts[k + 1] - g.starts[k]);
+      req += "$5\r\nHMGET\r\n";
+      put_key(req, prefix, g.buckets[k]);
+      for (int64_t i = g.starts[k]; i < g.starts[k + 1]; ++i) {
+        req += "$8\r\n";
+        req.append(reinterpret_cast<const char*>(ids + g.order[i]), 8);
+        req += "\r\n";
+      }
+    }
+  });
   return r ? Py_BuildValue("(Nn)", r, Py_ssize_t(g.buckets.size())) : nullptr;
 }
 
@@ -171,34 +220,34 @@ PyObject* py_write_request(PyObject*, PyObject* args) {
   }
   const std::string prefix(prefix_p, size_t(prefix_n));
   const int64_t per_id = with_rows ? 2 : 1;
-  std::string req;
   Groups g;
   const int64_t* ids = reinterpret_cast<const int64_t*>(ids_b.data());
   Py_BEGIN_ALLOW_THREADS
   group(ids, n, num_buckets, g);
-  const int64_t ng = int64_t(g.buckets.size());
-  req.reserve(size_t(n) * (14 + (with_rows ? size_t(row_bytes) + 16 : 0)) + size_t(ng) * (prefix.size() + 60) + 256);
-  put_count(req, '*', 3 + (1 + ng) + 1 + ng + per_id * n);
-  req += "$7\r\nEVALSHA\r\n";
-  put_bulk(req, sha_p, size_t(sha_n));
-  const std::string nkeys = std::to_string(1 + ng);
-  put_bulk(req, nkeys.data(), nkeys.size());
-  put_bulk(req, rows_key_p, size_t(rows_key_n));
-  for (int64_t k = 0; k < ng; ++k) put_key(req, prefix, g.buckets[k]);
-  put_bulk(req, table_p, size_t(table_n));
-  for (int64_t k = 0; k < ng; ++k) {
-    const std::string c = std::to_string(per_id * (g.starts[k + 1] - g.starts[k]));
-    put_bulk(req, c.data(), c.size());
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t at = g.order[i];
-    req += "$8\r\n";
-    req.append(reinterpret_cast<const char*>(ids + at), 8);
-    req += "\r\n";
-    if (with_rows) put_bulk(req, rows_b.data() + at * row_bytes, size_t(row_bytes));
-  }
   Py_END_ALLOW_THREADS
-  return bytes_of(req);
+  const int64_t ng = int64_t(g.buckets.size());
+  const char* rows = with_rows ? rows_b.data() : nullptr;
+  return build([&](Out& req) {
+    put_count(req, '*', 3 + (1 + ng) + 1 + ng + per_id * n);
+    req += "$7\r\nEVALSHA\r\n";
+    put_bulk(req, sha_p, size_t(sha_n));
+    const std::string nkeys = std::to_string(1 + ng);
+    put_bulk(req, nkeys.data(), nkeys.size());
+    put_bulk(req, rows_key_p, size_t(rows_key_n));
+    for (int64_t k = 0; k < ng; ++k) put_key(req, prefix, g.buckets[k]);
+    put_bulk(req, table_p, size_t(table_n));
+    for (int64_t k = 0; k < ng; ++k) {
+      const std::string c = std::to_string(per_id * (g.starts[k + 1] - g.starts[k]));
+      put_bulk(req, c.data(), c.size());
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t at = g.order[i];
+      req += "$8\r\n";
+      req.append(reinterpret_cast<const char*>(ids + at), 8);
+      req += "\r\n";
+      if (rows) put_bulk(req, rows + at * row_bytes, size_t(row_bytes));
+    }
+  });
 }
 
 // -- reading replies ---------------------------------------------------------------------
