@@ -619,7 +619,8 @@ class RedisStore(Store):
         assert isinstance(self.client, redis.Redis)  # the row path serves standalone Redis
         pool = self.client.connection_pool
         for attempt in (0, 1):
-            conn = pool.get_connection()
+            with self._redis():  # none free (max_connections), or Redis unreachable
+                conn = pool.get_connection()
             try:
                 conn.send_packed_command([request])
                 sock = conn._sock
