@@ -24,6 +24,7 @@ from dynemb.ps_server.errors import (
 )
 from dynemb.ps_server.hashing import ROW_HASH_SEED
 from dynemb.ps_server.schema import DTYPES, Initializer, TableSchema
+from dynemb.testing.local_redis import RedisProcess
 
 I64 = np.iinfo(np.int64)
 # ids whose 8 bytes hold NULs, at the end too (bytes-typed numpy 'S8' would strip them)
@@ -238,6 +239,35 @@ def test_compiled_row_path_reply_bigger_than_foreseen_and_dropped_connections(st
     monkeypatch.setattr(redis_store, "REPLY_BUFFER_KEEP_BYTES", 1 << 20)
     got, _ = store.pull("big", ids)  # ~2 MB of replies
     assert np.array_equal(got[10:], rows[10:]) and store._buffers.buf is None
+
+
+def test_listpack_buckets_read_the_same_and_outgrow_into_hashtables(redis_namespace):
+    """The memory layout of README "Redis memory": buckets kept as listpacks (rows under
+    hash-max-listpack-value) hold the same keys and rows, and a bucket that outgrows
+    hash-max-listpack-entries turns into a hashtable with every row still read back."""
+    with RedisProcess(["hash-max-listpack-value 1024", "hash-max-listpack-entries 8"]) as proc:
+        store = RedisStore.from_url(proc.url, namespace=redis_namespace, num_buckets=16)
+        schema = TableSchema("lp", dim=64, state_width=64)  # 512-byte rows: hashtables under Redis's defaults
+        store.create_table(schema)
+        rng = np.random.default_rng(13)
+        ids = unique_ids(rng, 400)
+        rows = random_rows(rng, 400, schema)
+        r = proc.client()
+        store.push("lp", ids[:50], rows[:50])  # ~3 rows a bucket
+        encodings = {r.object("encoding", store._meta("lp").key(b)) for b in range(16)} - {None}
+        assert encodings == {b"listpack"}
+        store.push("lp", ids[50:], rows[50:])  # ~25 a bucket: over 8
+        encodings = {r.object("encoding", store._meta("lp").key(b)) for b in range(16)}
+        assert encodings == {b"hashtable"}
+        got, found = store.pull("lp", ids)
+        assert found.all() and np.array_equal(got, rows)
+        slow = RedisStore.from_url(proc.url, namespace=redis_namespace, native_rows=False)
+        got, _ = slow.pull("lp", ids[:50])
+        assert np.array_equal(got, rows[:50])
+        slow.close()
+        assert store.num_rows("lp") == 400
+        r.close()
+        store.close()
 
 
 def test_foreign_data_is_an_error_not_garbage(store, redis_url, redis_namespace):
