@@ -75,6 +75,17 @@ def load(ps: PSClient, schema: TableSchema, ids: np.ndarray, rng, desc: str) -> 
         ps.push(schema.name, chunk, rng.random((len(chunk), schema.width), dtype=np.float32))
 
 
+def used_memory(url: str) -> int:
+    """Redis's used_memory (INFO memory), in bytes."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        return int(client.info("memory")["used_memory"])
+    finally:
+        client.close()
+
+
 def bench_redis(args, schema, ids, batches, rows) -> dict:
     from bench.raw_redis import RawRedisRows, RedisLimit
 
@@ -86,8 +97,12 @@ def bench_redis(args, schema, ids, batches, rows) -> dict:
         rng = np.random.default_rng(1)
         with PSClient(ps_proc.address) as ps:
             ps.wait_ready()
+            before = used_memory(redis_proc.url)
             ps.create_table_from_schema(schema)
             load(ps, schema, ids, rng, "load 1/2: rows into Redis through the PS")
+            # Redis's own accounting (INFO memory), per stored row, against the row's raw bytes
+            out["redis_bytes_per_row"] = (used_memory(redis_proc.url) - before) / len(ids)
+            out["raw_bytes_per_row"] = 8 + schema.row_bytes  # the id and the row (values + state)
             raw = RawRedisRows(redis_proc.url, "bench", schema)
             # Same data, same answers: the baseline must read exactly what the PS reads.
             assert np.array_equal(raw.pull(batches[0]), ps.pull(TABLE, batches[0]).rows)
@@ -216,6 +231,11 @@ def main(argv=None) -> int:
         print(f"  Redis alone (no client work) {r['limit_pull']:>8,.0f}  {r['limit_push']:>12,.0f}")
         print(f"  ratio PS / raw           {r['pull_ratio']:>12.2f}  {r['push_ratio']:>12.2f}   (goal >= 0.75)")
         print(f"  ratio PS / Redis alone   {r['pull_vs_limit']:>12.2f}  {r['push_vs_limit']:>12.2f}   (goal >= 0.8)")
+        per_row, raw_row = r["redis_bytes_per_row"], r["raw_bytes_per_row"]
+        print(
+            f"  Redis memory per row     {per_row:>12,.0f} B = {per_row / raw_row:.2f}x the {raw_row} raw bytes "
+            f"(goal <= 1.2x: listpack buckets, README 'Redis memory'; at 1M rows: bench/redis_memory.py)"
+        )
     if args.only in (None, "embedded"):
         e = results["embedded"] = bench_embedded(args, schema, ids, batches, rows)
         print("\nEmbedded backend (rows/s)       pull          push")
