@@ -700,6 +700,30 @@ def test_row_counts_follow_every_write_without_scanning_buckets(store, redis_url
     r.close()
 
 
+def test_a_row_count_below_zero_is_recounted(store, redis_url, redis_namespace):
+    """A push still in flight when its table was dropped writes its rows into the buckets of the
+    table created next under that name with no count (the count went with the drop): deleting
+    them then took the new table's count below 0, and ListTables failed with INTERNAL (a row
+    count is unsigned on the wire). A count below 0 is recounted from the buckets and kept."""
+    r = redis.Redis.from_url(redis_url)
+    rows = redis_store.rows_key(redis_namespace)
+    store.create_table(TableSchema("late", dim=2))
+    r.hdel(rows, "late")  # the drop took the count; the late push changes none
+    store.push("late", np.arange(5), np.ones((5, 2), np.float32))
+    r.hset(rows, "late", 0)  # the table of that name created anew
+    store.delete("late", np.arange(3))  # its count goes to -3 while 2 rows remain
+    assert int(r.hget(rows, "late")) == -3
+    assert (
+        dict((s.name, n) for s, n in store.list_tables_with_rows())["late"]
+        == 2
+        == true_rows(r, redis_namespace, "late")
+    )
+    assert int(r.hget(rows, "late")) == 2 and store.num_rows("late") == 2
+    r.hset(rows, "late", -1)
+    assert store.num_rows("late") == 2
+    r.close()
+
+
 @pytest.mark.cluster
 def test_row_counts_on_cluster(redis_cluster, redis_namespace):
     s = open_store(redis_cluster.url, namespace=redis_namespace)

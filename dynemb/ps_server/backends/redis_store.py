@@ -48,6 +48,7 @@ import bisect
 import contextlib
 import itertools
 import json
+import logging
 import operator
 import socket
 import threading
@@ -96,6 +97,8 @@ EXPORT_READ_ROWS = 16384
 META_CACHE_TABLES = 2048
 # Names per HMGET when looking up many tables' schemas at once.
 SCHEMAS_PER_HMGET = 4096
+log = logging.getLogger("dynemb.ps")
+
 # How long commands the cluster answers "not now" (TRYAGAIN while a slot moves...) are retried.
 PASSING_RETRY_SECONDS = 5.0
 
@@ -522,12 +525,12 @@ class RedisStore(Store):
         out = []
         for meta in metas:
             stored = counts.get(meta.schema.name.encode())
-            if stored is not None:
+            if stored is not None and int(stored) >= 0:
                 out.append((meta.schema, int(stored)))
                 continue
             check_time(time_left, "listing tables")
             with contextlib.suppress(TableNotFound):  # dropped meanwhile
-                out.append((meta.schema, self._recount(meta)))
+                out.append((meta.schema, self._recount(meta, wrong=stored is not None)))
         return out
 
     def _each_bucket(self, meta: _TableMeta, command: Callable[[Any, bytes], None]) -> list:
@@ -546,15 +549,22 @@ class RedisStore(Store):
     def _bucket_lens(self, meta: _TableMeta) -> np.ndarray:
         return np.array(self._each_bucket(meta, lambda pipe, key: pipe.execute_command("HLEN", key)), dtype=np.int64)
 
-    def _recount(self, meta: _TableMeta) -> int:
-        """Count a table without a row count (created by an older version) and keep the count.
+    def _recount(self, meta: _TableMeta, wrong: bool = False) -> int:
+        """Count a table without a row count (created by an older version) and keep the count;
+        with wrong, replace a kept count that cannot be right (below 0: rows that a write still
+        in flight when its table was dropped left in the buckets of the table now of that name,
+        which pulls of it do read).
 
         Writes while it counts are not in the count: it is exact only if none come then."""
         n = int(self._bucket_lens(meta).sum())
         with self._redis():
             if self.client.hget(self._meta_key, meta.schema.name) != meta.raw:
                 raise self._not_found(meta.schema.name)  # dropped (or re-created) meanwhile
-            self.client.hsetnx(self._rows_key, meta.schema.name, n)
+            if wrong:
+                log.warning("table %r: its row count was below 0; recounted %d rows", meta.schema.name, n)
+                self.client.hset(self._rows_key, meta.schema.name, n)
+            else:
+                self.client.hsetnx(self._rows_key, meta.schema.name, n)
             stored = self.client.hget(self._rows_key, meta.schema.name)
         return n if stored is None else int(stored)
 
@@ -567,7 +577,7 @@ class RedisStore(Store):
         if raw is None:
             raise self._not_found(table)
         meta = self._parse_meta(table, _raw(raw))
-        return int(n) if n is not None else self._recount(meta)
+        return int(n) if n is not None and int(n) >= 0 else self._recount(meta, wrong=n is not None)
 
     def _add_rows(self, table: str, change: int) -> None:
         """On Cluster, change the count after the writes (on standalone their scripts did)."""
