@@ -9,7 +9,10 @@ ids drawn uniformly from the stored ids; PS and baselines see the very same batc
 - Redis backend: PS (client → gRPC → PS process → Redis) against raw redis-py with
   hiredis doing the same work on the same data (HMGET / HSET of the same fields in
   the same bucket hashes, one pipeline per batch, decoded into the same numpy array).
-  Goal: PS >= 0.75x raw.
+  Goal: PS >= 0.75x raw. And against what Redis serves when the client does no work at all
+  (bench/raw_redis.py's RedisLimit: the PS's own requests for each batch, built beforehand,
+  sent on a plain socket, the replies read whole and never decoded): goal PS >= 0.8x, the two
+  timed batch by batch alternately.
 - Embedded backend: PS rows/s on loopback (goal 2M rows/s), the client as it comes: on
   one host the rows go through shared memory and only the ids through gRPC
   (dynemb/ps_server/shm.py). Next to it, measured in the same run: the PS with the rows inside
@@ -50,6 +53,21 @@ def timed(fn, batches) -> float:
     return sum(len(b) for b in batches) / (time.perf_counter() - start)
 
 
+def timed_alternating(fn_a, fn_b, batches) -> tuple[float, float]:
+    """rows/s of fn_a and of fn_b over the batches, each batch through one then the other, so
+    both see the same moments of a noisy machine."""
+    fn_a(batches[0])
+    fn_b(batches[0])
+    spent = [0.0, 0.0]
+    for b in batches:
+        for i, fn in enumerate((fn_a, fn_b)):
+            start = time.perf_counter()
+            fn(b)
+            spent[i] += time.perf_counter() - start
+    rows = sum(len(b) for b in batches)
+    return rows / spent[0], rows / spent[1]
+
+
 def load(ps: PSClient, schema: TableSchema, ids: np.ndarray, rng, desc: str) -> None:
     step = 65536
     for lo in tqdm(range(0, len(ids), step), desc=desc, unit="chunk", leave=False):
@@ -57,8 +75,19 @@ def load(ps: PSClient, schema: TableSchema, ids: np.ndarray, rng, desc: str) -> 
         ps.push(schema.name, chunk, rng.random((len(chunk), schema.width), dtype=np.float32))
 
 
+def used_memory(url: str) -> int:
+    """Redis's used_memory (INFO memory), in bytes."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        return int(client.info("memory")["used_memory"])
+    finally:
+        client.close()
+
+
 def bench_redis(args, schema, ids, batches, rows) -> dict:
-    from bench.raw_redis import RawRedisRows
+    from bench.raw_redis import RawRedisRows, RedisLimit
 
     out = {}
     with (
@@ -68,8 +97,12 @@ def bench_redis(args, schema, ids, batches, rows) -> dict:
         rng = np.random.default_rng(1)
         with PSClient(ps_proc.address) as ps:
             ps.wait_ready()
+            before = used_memory(redis_proc.url)
             ps.create_table_from_schema(schema)
             load(ps, schema, ids, rng, "load 1/2: rows into Redis through the PS")
+            # Redis's own accounting (INFO memory), per stored row, against the row's raw bytes
+            out["redis_bytes_per_row"] = (used_memory(redis_proc.url) - before) / len(ids)
+            out["raw_bytes_per_row"] = 8 + schema.row_bytes  # the id and the row (values + state)
             raw = RawRedisRows(redis_proc.url, "bench", schema)
             # Same data, same answers: the baseline must read exactly what the PS reads.
             assert np.array_equal(raw.pull(batches[0]), ps.pull(TABLE, batches[0]).rows)
@@ -78,8 +111,23 @@ def bench_redis(args, schema, ids, batches, rows) -> dict:
             out["ps_push"] = timed(lambda b: ps.push(TABLE, b, rows[: len(b)]), batches)
             out["raw_push"] = timed(lambda b: raw.push(b, rows[: len(b)]), batches)
             raw.close()
+            # the same requests the PS sends, prepared beforehand: only Redis works while timed
+            limit = RedisLimit(redis_proc.url, "bench", schema)
+            pulls = {id(b): limit.pull_request(b) for b in batches}
+            pushes = {id(b): limit.push_request(b, rows[: len(b)]) for b in batches}
+            # batch by batch alternately with the PS: the ratio is the figure, and the machine's
+            # speed drifts between separate timed loops
+            out["ps_pull_alt"], out["limit_pull"] = timed_alternating(
+                lambda b: ps.pull(TABLE, b), lambda b: limit.exchange(pulls[id(b)]), batches
+            )
+            out["ps_push_alt"], out["limit_push"] = timed_alternating(
+                lambda b: ps.push(TABLE, b, rows[: len(b)]), lambda b: limit.exchange(pushes[id(b)]), batches
+            )
+            limit.close()
     out["pull_ratio"] = out["ps_pull"] / out["raw_pull"]
     out["push_ratio"] = out["ps_push"] / out["raw_push"]
+    out["pull_vs_limit"] = out["ps_pull_alt"] / out["limit_pull"]
+    out["push_vs_limit"] = out["ps_push_alt"] / out["limit_push"]
     return out
 
 
@@ -179,7 +227,15 @@ def main(argv=None) -> int:
         print("\nRedis backend (rows/s)          pull          push")
         print(f"  PS (gRPC + PS + Redis)   {r['ps_pull']:>12,.0f}  {r['ps_push']:>12,.0f}")
         print(f"  raw redis-py + hiredis   {r['raw_pull']:>12,.0f}  {r['raw_push']:>12,.0f}")
+        print(f"  PS, alternating with:    {r['ps_pull_alt']:>12,.0f}  {r['ps_push_alt']:>12,.0f}")
+        print(f"  Redis alone (no client work) {r['limit_pull']:>8,.0f}  {r['limit_push']:>12,.0f}")
         print(f"  ratio PS / raw           {r['pull_ratio']:>12.2f}  {r['push_ratio']:>12.2f}   (goal >= 0.75)")
+        print(f"  ratio PS / Redis alone   {r['pull_vs_limit']:>12.2f}  {r['push_vs_limit']:>12.2f}   (goal >= 0.8)")
+        per_row, raw_row = r["redis_bytes_per_row"], r["raw_bytes_per_row"]
+        print(
+            f"  Redis memory per row     {per_row:>12,.0f} B = {per_row / raw_row:.2f}x the {raw_row} raw bytes "
+            f"(goal <= 1.2x: listpack buckets, README 'Redis memory'; at 1M rows: bench/redis_memory.py)"
+        )
     if args.only in (None, "embedded"):
         e = results["embedded"] = bench_embedded(args, schema, ids, batches, rows)
         print("\nEmbedded backend (rows/s)       pull          push")

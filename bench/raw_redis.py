@@ -9,6 +9,7 @@ process, no metadata read, no validation. It reads the very hashes the PS wrote.
 from __future__ import annotations
 
 import json
+import socket
 
 import numpy as np
 import redis
@@ -58,3 +59,55 @@ class RawRedisRows:
 
     def close(self) -> None:
         self.r.close()
+
+
+class RedisLimit:
+    """What Redis serves to a client that does no work of its own: the very requests the PS
+    sends for a batch (its HMGET pipeline for a pull, its write script's EVALSHA for a push),
+    built before the clock starts, sent on one plain socket, and the replies read until they
+    are complete, never decoded. The PS over Redis can at best match it.
+    """
+
+    def __init__(self, url: str, namespace: str, schema: TableSchema) -> None:
+        from dynemb.ps_server.backends.redis_store import RedisStore
+        from dynemb.ps_server.native import redis_rows
+
+        self.mod = redis_rows()
+        self.store = RedisStore.from_url(url, namespace=namespace)  # to read the table and load the script
+        self.meta = self.store._meta(schema.name)
+        self.schema = schema
+        kw = self.store.client.connection_pool.connection_kwargs
+        self.sock = socket.create_connection((kw.get("host", "localhost"), kw.get("port", 6379)))
+        self.buf = bytearray(64 << 20)
+
+    def pull_request(self, ids: np.ndarray) -> tuple[bytes, int]:
+        order = np.empty(len(ids), dtype=np.int64)
+        return self.mod.pull_request(ids, self.meta.num_buckets, self.meta.prefix, order)
+
+    def push_request(self, ids: np.ndarray, rows: np.ndarray) -> tuple[bytes, int]:
+        from dynemb.ps_server.backends.redis_store import _WRITE_SCRIPTS
+
+        sha = self.store._sha(_WRITE_SCRIPTS["HSET"]).encode()
+        s, m = self.schema, self.meta
+        rows = np.ascontiguousarray(rows, dtype=s.np_dtype)
+        key, name = self.store._rows_key, s.name.encode()
+        request = self.mod.write_request(ids, rows, s.row_bytes, m.num_buckets, m.prefix, sha, key, name)
+        return request, 1
+
+    def exchange(self, prepared: tuple[bytes, int]) -> None:
+        """Send one prepared request, read its replies whole."""
+        request, replies = prepared
+        self.sock.sendall(request)
+        view = memoryview(self.buf)
+        end = pos = done = 0
+        while done < replies:
+            got = self.sock.recv_into(view[end:])
+            if not got:
+                raise ConnectionError("Redis closed the connection")
+            end += got
+            pos, complete = self.mod.scan(self.buf, pos, end, replies - done)
+            done += complete
+
+    def close(self) -> None:
+        self.sock.close()
+        self.store.close()

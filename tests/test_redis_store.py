@@ -24,6 +24,7 @@ from dynemb.ps_server.errors import (
 )
 from dynemb.ps_server.hashing import ROW_HASH_SEED
 from dynemb.ps_server.schema import DTYPES, Initializer, TableSchema
+from dynemb.testing.local_redis import RedisProcess
 
 I64 = np.iinfo(np.int64)
 # ids whose 8 bytes hold NULs, at the end too (bytes-typed numpy 'S8' would strip them)
@@ -167,6 +168,106 @@ def test_batches_split_over_several_pipelines(store, monkeypatch):
     assert store.num_rows("split") == 2000
     assert store.delete("split", ids[:700]) == 700
     assert sum(len(i) for i, _ in store.export("split", 64)) == 1300
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_compiled_row_path_and_redis_py_agree(redis_url, redis_namespace, dtype):
+    """The compiled row path (one call builds a pull's HMGETs or a push's script, one reads
+    the replies) reads and writes exactly what redis-py's commands do, in the same layout."""
+    fast = RedisStore.from_url(redis_url, namespace=redis_namespace, num_buckets=64)
+    slow = RedisStore.from_url(redis_url, namespace=redis_namespace, native_rows=False)
+    assert fast._native is not None and slow._native is None
+    schema = TableSchema("agree", dim=5, state_width=2, dtype=dtype)
+    fast.create_table(schema)
+    rng = np.random.default_rng(11)
+    ids = np.concatenate([AWKWARD_IDS, unique_ids(rng, 3000)])
+    rows = random_rows(rng, len(ids), schema)
+    assert fast.push("agree", ids[::2], rows[::2]) == len(ids[::2])
+    assert slow.push("agree", ids[1::4], rows[1::4]) == len(ids[1::4])
+    asked = np.concatenate([ids, ids[:50], unique_ids(rng, 100)])  # repeats, and ids never written
+    got_fast, found_fast = fast.pull("agree", asked)
+    got_slow, found_slow = slow.pull("agree", asked)
+    np.testing.assert_array_equal(found_fast, found_slow)
+    np.testing.assert_array_equal(got_fast.view(np.uint16), got_slow.view(np.uint16))  # bit for bit
+    written = np.zeros(len(ids), dtype=bool)
+    written[::2] = written[1::4] = True
+    np.testing.assert_array_equal(found_fast[: len(ids)], written)
+    np.testing.assert_array_equal(got_fast[: len(ids)][written].view(np.uint16), rows[written].view(np.uint16))
+    assert not got_fast[~found_fast].any()  # absent rows read as zeros
+    out = np.full((len(asked), schema.width), 7, dtype=schema.np_dtype)
+    np.testing.assert_array_equal(fast.pull_into("agree", asked, out), np.flatnonzero(~found_slow))
+    assert fast.num_rows("agree") == slow.num_rows("agree") == int(written.sum())
+    assert fast.delete("agree", ids[:1000]) == int(written[:1000].sum())
+    assert slow.num_rows("agree") == int(written[1000:].sum())
+    fast.close()
+    slow.close()
+
+
+def test_compiled_row_path_reply_bigger_than_foreseen_and_dropped_connections(store, redis_url, monkeypatch):
+    schema = TableSchema("big", dim=256)
+    store.create_table(schema)
+    rng = np.random.default_rng(12)
+    ids = unique_ids(rng, 2000)
+    rows = random_rows(rng, 2000, schema)
+    store.push("big", ids, rows)
+    exchange = store._exchange
+    sizes = []
+
+    def foresee_little(request, replies, expect_bytes, take=None):  # the buffer must grow as the 2 MB come
+        buf, end = exchange(request, replies, 1, take)
+        sizes.append(len(buf))
+        return buf, end
+
+    monkeypatch.setattr(store, "_exchange", foresee_little)
+    store._buffers.buf = bytearray(1024)
+    got, found = store.pull("big", ids)
+    assert found.all() and np.array_equal(got, rows)
+    assert sizes[-1] >= 2000 * schema.row_bytes
+    # Redis closes every pooled connection (as on a restart or a client timeout): the row path,
+    # which reads the socket itself, still gets a live connection
+    r = redis.Redis.from_url(redis_url)
+    assert r.client_kill_filter(_type="normal", skipme=True) >= 1
+    got, found = store.pull("big", ids)
+    assert found.all() and np.array_equal(got, rows)
+    r.client_kill_filter(_type="normal", skipme=True)
+    assert store.push("big", ids[:10], rows[:10] + 1) == 10
+    assert store.num_rows("big") == 2000
+    r.close()
+    # a thread keeps a reply buffer up to the limit for its next call, not a bigger one
+    store.pull("big", ids[:100])
+    assert store._buffers.buf is not None
+    monkeypatch.setattr(redis_store, "REPLY_BUFFER_KEEP_BYTES", 1 << 20)
+    got, _ = store.pull("big", ids)  # ~2 MB of replies
+    assert np.array_equal(got[10:], rows[10:]) and store._buffers.buf is None
+
+
+def test_listpack_buckets_read_the_same_and_outgrow_into_hashtables(redis_namespace):
+    """The memory layout of README "Redis memory": buckets kept as listpacks (rows under
+    hash-max-listpack-value) hold the same keys and rows, and a bucket that outgrows
+    hash-max-listpack-entries turns into a hashtable with every row still read back."""
+    with RedisProcess(["hash-max-listpack-value 1024", "hash-max-listpack-entries 8"]) as proc:
+        store = RedisStore.from_url(proc.url, namespace=redis_namespace, num_buckets=16)
+        schema = TableSchema("lp", dim=64, state_width=64)  # 512-byte rows: hashtables under Redis's defaults
+        store.create_table(schema)
+        rng = np.random.default_rng(13)
+        ids = unique_ids(rng, 400)
+        rows = random_rows(rng, 400, schema)
+        r = proc.client()
+        store.push("lp", ids[:50], rows[:50])  # ~3 rows a bucket
+        encodings = {r.object("encoding", store._meta("lp").key(b)) for b in range(16)} - {None}
+        assert encodings == {b"listpack"}
+        store.push("lp", ids[50:], rows[50:])  # ~25 a bucket: over 8
+        encodings = {r.object("encoding", store._meta("lp").key(b)) for b in range(16)}
+        assert encodings == {b"hashtable"}
+        got, found = store.pull("lp", ids)
+        assert found.all() and np.array_equal(got, rows)
+        slow = RedisStore.from_url(proc.url, namespace=redis_namespace, native_rows=False)
+        got, _ = slow.pull("lp", ids[:50])
+        assert np.array_equal(got, rows[:50])
+        slow.close()
+        assert store.num_rows("lp") == 400
+        r.close()
+        store.close()
 
 
 def test_foreign_data_is_an_error_not_garbage(store, redis_url, redis_namespace):
@@ -596,6 +697,30 @@ def test_row_counts_follow_every_write_without_scanning_buckets(store, redis_url
     r.script_flush()  # as after a Redis restart: the scripts are loaded again, nothing written twice
     store.push("cnt", np.arange(10), np.zeros((10, 2), np.float32))
     assert store.num_rows("cnt") == 10 == true_rows(r, redis_namespace, "cnt")
+    r.close()
+
+
+def test_a_row_count_below_zero_is_recounted(store, redis_url, redis_namespace):
+    """A push still in flight when its table was dropped writes its rows into the buckets of the
+    table created next under that name with no count (the count went with the drop): deleting
+    them then took the new table's count below 0, and ListTables failed with INTERNAL (a row
+    count is unsigned on the wire). A count below 0 is recounted from the buckets and kept."""
+    r = redis.Redis.from_url(redis_url)
+    rows = redis_store.rows_key(redis_namespace)
+    store.create_table(TableSchema("late", dim=2))
+    r.hdel(rows, "late")  # the drop took the count; the late push changes none
+    store.push("late", np.arange(5), np.ones((5, 2), np.float32))
+    r.hset(rows, "late", 0)  # the table of that name created anew
+    store.delete("late", np.arange(3))  # its count goes to -3 while 2 rows remain
+    assert int(r.hget(rows, "late")) == -3
+    assert (
+        dict((s.name, n) for s, n in store.list_tables_with_rows())["late"]
+        == 2
+        == true_rows(r, redis_namespace, "late")
+    )
+    assert int(r.hget(rows, "late")) == 2 and store.num_rows("late") == 2
+    r.hset(rows, "late", -1)
+    assert store.num_rows("late") == 2
     r.close()
 
 

@@ -217,7 +217,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--redis-buckets",
         "DYNEMB_PS_REDIS_BUCKETS",
         4096,
-        "Redis hashes per new table (fixed once a table exists)",
+        "Redis hashes per new table (fixed once a table exists); rows per hash over Redis's "
+        "hash-max-listpack-entries cost ~1.35x their bytes in Redis memory (README: Redis memory)",
         int,
     )
     option(

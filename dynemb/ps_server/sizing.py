@@ -26,16 +26,18 @@ from dynemb.trainer.config import optimizer_state_width
 # redis_row_allocation(row) + 63. bench/RESULTS.md, ps_load (issue 7) agrees: 169.1 MiB for
 # 250,000 rows of 512 B = 709 B a row.
 REDIS_ENTRY_OVERHEAD_BYTES = 63
-# Redis CPU per row pulled or pushed: bench/RESULTS.md, ps_load (issue 7), 2026-11-23: Redis
-# used 14.6 CPU s while the PS moved 101,834 rows/s for 60.6 s (2.37 us a row).
-REDIS_CPU_SECONDS_PER_ROW = 14.6 / (101_834 * 60.6)
-# Rows/s one PS process moves (pulls and pushes together): bench/RESULTS.md, ps_load (issue 7),
-# 2026-11-23: 101,834 rows/s, 64 clients of 1,024-id batches, one PS over Redis, 2-core
-# machine (ps_bench's single client with 16,384-id batches got 165k pull / 163k push rows/s,
-# bench/RESULTS.md ps_bench 2026-11-25: big batches, one caller; not the figure to plan on).
-PS_ROWS_PER_SECOND = 101_834
-# PS CPU per row: the same ps_load run, the PS used 50.1 CPU s (8.1 us a row).
-PS_CPU_SECONDS_PER_ROW = 50.1 / (101_834 * 60.6)
+# Redis CPU per row pulled or pushed: bench/RESULTS.md, ps_load (issue 24, the compiled row
+# path), 2026-11-26, 64 clients, 60 s, commit 9698079: Redis used 52.6 CPU s while the PS moved
+# 200,329 rows/s (4.35 us a row; the hashtable-encoded buckets of Redis's default config).
+REDIS_CPU_SECONDS_PER_ROW = 4.35e-6
+# Rows/s one PS process moves (pulls and pushes together): the same run, 200,329 rows/s, 64
+# clients of 1,024-id batches, one PS over Redis, 2-core machine shared with its Redis and the
+# clients (ps_bench's single client with 16,384-id batches reaches 0.81-0.89x of a client that
+# does no work of its own, bench/RESULTS.md ps_bench 2026-11-26: not the figure to plan on).
+PS_ROWS_PER_SECOND = 200_329
+# PS CPU per row: the same run, the PS used 21.4 CPU s (1.77 us a row): a PS process is no longer
+# the bottleneck, Redis is (0.41 PS CPU per Redis CPU).
+PS_CPU_SECONDS_PER_ROW = 1.77e-6
 # Resident memory of one PS process (it holds no rows over Redis): the same ps_load run, peak RSS.
 PS_RSS_BYTES = int(205.1 * 2**20)
 

@@ -33,6 +33,13 @@ large batches) from the client's connection pool, so the store is safe to call f
 While Cluster slots move (a master added, a reshard), commands follow ASK and MOVED (redis-py,
 helped to reach a master that owns no slot yet), and scripts that meet TRYAGAIN or NOSCRIPT are
 sent again (_run_scripted); tests/test_cluster_reshard.py moves slots under load.
+
+On standalone Redis, pull, push and delete take the compiled row path (csrc/redis_rows_module.cpp):
+one call groups the ids by bucket and writes the whole pipeline (HMGETs, or the write script's
+EVALSHA) as Redis protocol bytes, sent on a pooled connection; the replies are read from its
+socket into a per-thread buffer and copied into the rows run by run as they arrive, so no row
+becomes a Python object. The commands, keys and scripts are redis-py's path's own, so either
+reads what the other wrote. On Cluster a table's buckets span nodes: redis-py's commands serve.
 """
 
 from __future__ import annotations
@@ -41,7 +48,9 @@ import bisect
 import contextlib
 import itertools
 import json
+import logging
 import operator
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -53,6 +62,7 @@ from urllib.parse import parse_qsl, unquote, urlencode
 import numpy as np
 import redis
 import redis.cluster
+from redis._parsers.base import BaseParser  # the error classes of error replies, as redis-py raises them
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisClusterException
 from redis.retry import Retry
@@ -69,6 +79,7 @@ from dynemb.ps_server.errors import (
     TableNotFound,
 )
 from dynemb.ps_server.hashing import bucket_of  # re-exported: bench/raw_redis.py reads the same buckets
+from dynemb.ps_server.native import redis_rows
 from dynemb.ps_server.schema import TableSchema, check_name
 
 META_FORMAT = 1
@@ -77,12 +88,17 @@ MAX_BUCKETS = 1 << 20
 # pipelines in a row, so neither side buffers an unbounded reply.
 PIPELINE_MAX_IDS = 65536
 PIPELINE_MAX_BYTES = 64 << 20
+# A thread keeps its reply buffer for its next call up to this size (a 16k-id pull of 512-byte
+# rows takes ~8.5 MB); a bigger one is dropped after its call, so idle threads hold little.
+REPLY_BUFFER_KEEP_BYTES = 16 << 20
 # Export reads at least this many rows per pipeline.
 EXPORT_READ_ROWS = 16384
 # Parsed metadata of at most this many tables is kept (each about 1 KB).
 META_CACHE_TABLES = 2048
 # Names per HMGET when looking up many tables' schemas at once.
 SCHEMAS_PER_HMGET = 4096
+log = logging.getLogger("dynemb.ps")
+
 # How long commands the cluster answers "not now" (TRYAGAIN while a slot moves...) are retried.
 PASSING_RETRY_SECONDS = 5.0
 
@@ -242,6 +258,7 @@ class RedisStore(Store):
         num_buckets: int = 4096,
         address: str = "",
         password: str | None = None,
+        native_rows: bool = True,
     ) -> None:
         check_name(namespace, "namespace")
         if not isinstance(num_buckets, int) or not 1 <= num_buckets <= MAX_BUCKETS:
@@ -258,6 +275,9 @@ class RedisStore(Store):
         self._cache: OrderedDict[str, _TableMeta] = OrderedDict()  # least recently used first
         self._cache_lock = threading.Lock()
         self._scripts: dict[str, str] = {}  # Lua source -> its SHA1, loaded on first use
+        # the compiled row path (module doc), on standalone Redis: a Cluster's buckets span nodes
+        self._native = None if self.cluster or not native_rows else redis_rows()
+        self._buffers = threading.local()  # each thread's reply buffer, kept between calls
 
     # -- construction ------------------------------------------------------------------
 
@@ -268,12 +288,15 @@ class RedisStore(Store):
         namespace: str = "dynemb",
         num_buckets: int = 4096,
         socket_timeout: float = 10.0,
+        native_rows: bool = True,
         **kw,
     ) -> RedisStore:
         """redis://, rediss://, unix://, redis+cluster://, rediss+cluster:// (see the module doc).
 
         Extra keywords go to redis-py (ssl_ca_certs=, ssl_cert_reqs=, max_connections=...);
         `retries` sets how often a request is retried on a dropped connection (default 2).
+        native_rows=False reads and writes rows through redis-py's commands instead of the
+        compiled row path (the same commands; for comparison and tests).
         """
         scheme = url.split("://", 1)[0].lower()
         retries = int(kw.pop("retries", 2))
@@ -314,7 +337,12 @@ class RedisStore(Store):
         except ValueError as exc:
             raise InvalidArgument(f"bad Redis URL: {exc}") from None
         return cls(
-            client, namespace=namespace, num_buckets=num_buckets, address=address, password=options.get("password")
+            client,
+            namespace=namespace,
+            num_buckets=num_buckets,
+            address=address,
+            password=options.get("password"),
+            native_rows=native_rows,
         )
 
     # -- plumbing ----------------------------------------------------------------------
@@ -390,6 +418,17 @@ class RedisStore(Store):
                 with self._redis():
                     raise r
         return results
+
+    def _wrong_size(self, table: str) -> PSError:
+        schema = self._meta(table).schema
+        return PSError(
+            f"table {table!r} in Redis namespace {self.namespace!r} holds rows of the wrong size "
+            f"(expected {schema.row_bytes} bytes each): the data does not match its schema"
+        )
+
+    def _error_reply(self, text: str) -> PSError:
+        """The PS's error for an error reply read by the compiled row path, as _run raises it."""
+        return _translate(BaseParser.parse_error(text), f"Redis at {self.address}", self._password)
 
     def _not_found(self, table: str) -> TableNotFound:
         with self._cache_lock:
@@ -486,12 +525,12 @@ class RedisStore(Store):
         out = []
         for meta in metas:
             stored = counts.get(meta.schema.name.encode())
-            if stored is not None:
+            if stored is not None and int(stored) >= 0:
                 out.append((meta.schema, int(stored)))
                 continue
             check_time(time_left, "listing tables")
             with contextlib.suppress(TableNotFound):  # dropped meanwhile
-                out.append((meta.schema, self._recount(meta)))
+                out.append((meta.schema, self._recount(meta, wrong=stored is not None)))
         return out
 
     def _each_bucket(self, meta: _TableMeta, command: Callable[[Any, bytes], None]) -> list:
@@ -510,15 +549,22 @@ class RedisStore(Store):
     def _bucket_lens(self, meta: _TableMeta) -> np.ndarray:
         return np.array(self._each_bucket(meta, lambda pipe, key: pipe.execute_command("HLEN", key)), dtype=np.int64)
 
-    def _recount(self, meta: _TableMeta) -> int:
-        """Count a table without a row count (created by an older version) and keep the count.
+    def _recount(self, meta: _TableMeta, wrong: bool = False) -> int:
+        """Count a table without a row count (created by an older version) and keep the count;
+        with wrong, replace a kept count that cannot be right (below 0: rows that a write still
+        in flight when its table was dropped left in the buckets of the table now of that name,
+        which pulls of it do read).
 
         Writes while it counts are not in the count: it is exact only if none come then."""
         n = int(self._bucket_lens(meta).sum())
         with self._redis():
             if self.client.hget(self._meta_key, meta.schema.name) != meta.raw:
                 raise self._not_found(meta.schema.name)  # dropped (or re-created) meanwhile
-            self.client.hsetnx(self._rows_key, meta.schema.name, n)
+            if wrong:
+                log.warning("table %r: its row count was below 0; recounted %d rows", meta.schema.name, n)
+                self.client.hset(self._rows_key, meta.schema.name, n)
+            else:
+                self.client.hsetnx(self._rows_key, meta.schema.name, n)
             stored = self.client.hget(self._rows_key, meta.schema.name)
         return n if stored is None else int(stored)
 
@@ -531,7 +577,7 @@ class RedisStore(Store):
         if raw is None:
             raise self._not_found(table)
         meta = self._parse_meta(table, _raw(raw))
-        return int(n) if n is not None else self._recount(meta)
+        return int(n) if n is not None and int(n) >= 0 else self._recount(meta, wrong=n is not None)
 
     def _add_rows(self, table: str, change: int) -> None:
         """On Cluster, change the count after the writes (on standalone their scripts did)."""
@@ -584,10 +630,177 @@ class RedisStore(Store):
             self._cache.pop(table, None)
         return n
 
+    # -- the compiled row path (standalone Redis) -----------------------------------------
+
+    def _exchange(
+        self,
+        request: bytes,
+        replies: int,
+        expect_bytes: int,
+        take: Callable[[bytearray, int, int, int], None] | None = None,
+    ) -> tuple[bytearray, int]:
+        """Send request (`replies` commands, already in the Redis protocol) on a pooled
+        connection and read their replies whole: (buffer, end of the replies in it). The socket
+        is read here, not by redis-py's parser, so no reply becomes Python objects; a
+        connection that fails or times out midway is closed (its stream is out of step), and
+        the exchange is tried once more on a fresh one, as redis-py retries a command.
+
+        take(buf, start, end, count), if given, is handed each run of whole replies as it
+        arrives (buf[start:end], count of them), so they are read while Redis still answers
+        the rest; on a retry it sees them again from the first."""
+        mod = self._native
+        assert mod is not None  # only called when there is one
+        buf = getattr(self._buffers, "buf", None)
+        if buf is None or len(buf) < expect_bytes:
+            buf = self._buffers.buf = bytearray(max(expect_bytes, 1 << 16))
+        assert isinstance(self.client, redis.Redis)  # the row path serves standalone Redis
+        pool = self.client.connection_pool
+        for attempt in (0, 1):
+            with self._redis():  # none free (max_connections), or Redis unreachable
+                conn = pool.get_connection()
+            try:
+                conn.send_packed_command([request])
+                sock = conn._sock
+                assert sock is not None  # connected by send_packed_command
+                view = memoryview(buf)
+                end = pos = done = 0
+                while done < replies:
+                    if end == len(buf):  # a reply bigger than foreseen: a bigger buffer, with what came
+                        bigger = bytearray(2 * len(buf))
+                        bigger[:end] = view
+                        buf = self._buffers.buf = bigger
+                        view = memoryview(buf)
+                    got = sock.recv_into(view[end:])
+                    if not got:
+                        raise redis.ConnectionError(f"Redis at {self.address} closed the connection mid-reply")
+                    end += got
+                    start = pos
+                    pos, complete = mod.scan(buf, pos, end, replies - done)
+                    done += complete
+                    if take is not None and complete:
+                        take(buf, start, pos, complete)
+                if len(buf) > REPLY_BUFFER_KEEP_BYTES:
+                    self._buffers.buf = None
+                return buf, end
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                conn.disconnect()
+                if attempt or isinstance(exc, socket.timeout | redis.TimeoutError):
+                    with self._redis():
+                        if isinstance(exc, socket.timeout):
+                            raise redis.TimeoutError(f"timed out reading from Redis at {self.address}") from None
+                        if isinstance(exc, OSError):
+                            raise redis.ConnectionError(f"{type(exc).__name__}: {exc}") from None
+                        raise
+            except BaseException:
+                conn.disconnect()
+                raise
+            finally:
+                pool.release(conn)
+        raise AssertionError("unreachable")
+
+    def _native_pull(self, meta: _TableMeta, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Rows of ids into out (a pipeline of HMGETs per at most PIPELINE_MAX_IDS ids, built and
+        read by the compiled module); the positions of the ids not found."""
+        schema = meta.schema
+        mod = self._native
+        assert mod is not None  # only called when there is one
+        n = len(ids)
+        step = max(1, min(PIPELINE_MAX_IDS, PIPELINE_MAX_BYTES // schema.row_bytes))
+        absent_parts = []
+        order = np.empty(min(n, step), dtype=np.int64)
+        missing = np.empty(min(n, step), dtype=np.int64)
+        for lo in range(0, n, step):
+            part = ids[lo : lo + step]
+            k = len(part)
+            request, commands = mod.pull_request(part, meta.num_buckets, meta.prefix, order[:k])
+            rows = out[lo : lo + k]
+            state: list = [0, 0, None]  # fields read, ids absent, the first error reply
+
+            def take(buf, start, stop, count, rows=rows, k=k, state=state) -> None:
+                if start == 0:  # the first run, or the first again after a retry
+                    state[:] = [0, 0, None]
+                try:
+                    got = mod.pull_replies(
+                        buf, start, stop, count, order[:k], state[0], rows, schema.row_bytes, missing, state[1]
+                    )
+                except OverflowError:
+                    raise self._wrong_size(meta.schema.name) from None
+                except ValueError as exc:
+                    raise PSError(f"Redis at {self.address}: {exc}") from None
+                if isinstance(got, str):
+                    state[2] = state[2] or got  # raised once every reply is read: the connection stays in step
+                else:
+                    state[1], state[0] = got
+
+            self._exchange(request, commands, k * (schema.row_bytes + 16) + commands * 16, take)
+            if state[2] is not None:
+                raise self._error_reply(state[2])
+            if state[0] != k:
+                raise PSError(f"Redis at {self.address}: fewer fields in the HMGET replies than asked for")
+            if state[1]:
+                absent_parts.append(missing[: state[1]] + lo)
+        if not absent_parts:
+            return np.zeros(0, dtype=np.int64)
+        return np.sort(np.concatenate(absent_parts))
+
+    def _native_write(self, meta: _TableMeta, ids: np.ndarray, rows: np.ndarray | None) -> int:
+        """HSET of the ids' rows (rows given) or HDEL of the ids (None) by the write script, one
+        EVALSHA per at most PIPELINE_MAX_IDS ids built by the compiled module; the fields
+        added or removed (the row count changed with them)."""
+        schema = meta.schema
+        mod = self._native
+        assert mod is not None  # only called when there is one
+        lua = _WRITE_SCRIPTS["HSET" if rows is not None else "HDEL"]
+        per_id = schema.row_bytes + 8 if rows is not None else 8
+        step = max(1, min(PIPELINE_MAX_IDS, PIPELINE_MAX_BYTES // per_id))
+        name = schema.name.encode()
+        total = 0
+        for lo in range(0, len(ids), step):
+            part = ids[lo : lo + step]
+            part_rows = None if rows is None else rows[lo : lo + step]
+            for attempt in (0, 1):
+                request = mod.write_request(
+                    part, part_rows, schema.row_bytes, meta.num_buckets, meta.prefix, self._sha(lua).encode(),
+                    self._rows_key, name,
+                )  # fmt: skip
+                buf, end = self._exchange(request, 1, 64)
+                try:
+                    result = mod.integer_reply(buf, end)
+                except ValueError as exc:
+                    raise PSError(f"Redis at {self.address}: {exc}") from None
+                if isinstance(result, str) and result.startswith("NOSCRIPT") and not attempt:
+                    self._scripts.pop(lua, None)  # Redis lost it (restart, SCRIPT FLUSH): load it again
+                    continue
+                if isinstance(result, str):
+                    raise self._error_reply(result)
+                total += result
+                break
+        return total
+
     # -- rows --------------------------------------------------------------------------
 
     def pull(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """See Store.pull; rows of ids not found are zeros."""
+        if self._native is not None:
+            ids = _as_ids(ids)
+            meta = self._meta(table)
+            rows = rows_out(out, len(ids), meta.schema)
+            absent = self._native_pull(meta, ids, rows)
+            rows[absent] = 0
+            found = np.ones(len(ids), dtype=bool)
+            found[absent] = False
+            return rows, found
+        return self._pull(table, ids, out)
+
+    def pull_into(self, table: str, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """See Store.pull_into."""
+        if self._native is None:
+            return super().pull_into(table, ids, out)
+        ids = _as_ids(ids)
+        meta = self._meta(table)
+        return self._native_pull(meta, ids, rows_out(out, len(ids), meta.schema))
+
+    def _pull(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         meta = self._meta(table)
         schema = meta.schema
         ids = _as_ids(ids)
@@ -633,6 +846,9 @@ class RedisStore(Store):
         meta = self._meta(table)
         schema = meta.schema
         rows = rows_for_table(rows, schema, len(ids))
+        if self._native is not None:
+            self._native_write(meta, ids, rows)
+            return len(ids)
         g = _group_by_bucket(ids, meta.num_buckets)
         # field, value, field, value... in bucket order: one HSET per bucket
         pairs: list = [None] * (2 * len(ids))
@@ -650,6 +866,8 @@ class RedisStore(Store):
         ids = _as_ids(ids)
         if len(ids) == 0:
             return 0
+        if self._native is not None:
+            return self._native_write(meta, ids, None)
         g = _group_by_bucket(ids, meta.num_buckets)
         fields = id_fields(ids[g.order])
         deleted = 0

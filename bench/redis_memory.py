@@ -1,0 +1,125 @@
+"""Redis memory per stored row, and Redis's CPU per row, for bucket layouts side by side.
+
+    .venv/bin/python bench/redis_memory.py                       # 1M rows: the default layout and the tuned one
+    .venv/bin/python bench/redis_memory.py --rows 200000         # quicker
+
+Each layout gets its own redis-server (started here, no persistence): a table of rows of
+dim 64 + 64 optimizer-state floats (fp32, 512 B) is written through RedisStore, 16,384 ids
+per push, and `INFO memory`'s used_memory after the writes less before is divided by the
+rows. The row's raw bytes are its 8-byte id and its values (the state is in the values).
+Then 8 pulls and 8 pushes of 16,384 ids drawn uniformly from the stored ones give the
+Redis CPU-seconds per row (from /proc) and the rows/s, the store in this process.
+
+Layouts (num_buckets, then redis.conf lines):
+- default: 4096 buckets, Redis's own hash-max-listpack-* (a 512-byte row is over
+  hash-max-listpack-value's 64, so each bucket is a hashtable: a dict entry, an sds for the
+  field and one for the row, rounded up to jemalloc's size classes).
+- tuned: --tuned-buckets buckets, hash-max-listpack-value 1024 and -entries 32: buckets of
+  ~15 rows at 1M kept as listpacks (each row in place with a few bytes of framing); fewer
+  rows a bucket cost Redis less CPU (a listpack finds a field by walking it), up to where
+  the per-key overhead of more buckets outweighs it (bench/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dynemb.ps_server.backends.redis_store import RedisStore  # noqa: E402
+from dynemb.ps_server.schema import TableSchema  # noqa: E402
+from dynemb.testing.local_redis import RedisProcess  # noqa: E402
+
+BATCH = 16384
+TUNED = ["hash-max-listpack-value 1024", "hash-max-listpack-entries 32"]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU-seconds of a process, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(rows: int, num_buckets: int, config: list[str], seed: int = 0) -> dict:
+    schema = TableSchema("mem", 64, 64, "fp32")
+    rng = np.random.default_rng(seed)
+    ids = rng.choice(1 << 62, size=rows, replace=False).astype(np.int64)
+    with RedisProcess(config) as proc:
+        assert proc.proc is not None
+        client = proc.client()
+        before = client.info("memory")["used_memory"]
+        store = RedisStore.from_url(proc.url, namespace="mem", num_buckets=num_buckets)
+        store.create_table(schema)
+        for lo in range(0, rows, BATCH):
+            part = ids[lo : lo + BATCH]
+            store.push("mem", part, rng.random((len(part), schema.width), dtype=np.float32))
+        used = client.info("memory")["used_memory"] - before
+        encoding = client.object("encoding", store._meta("mem").key(0))
+        batches = [ids[rng.integers(0, rows, BATCH)] for _ in range(8)]
+        out = np.empty((BATCH, schema.width), np.float32)
+        result = {}
+        for op in ("pull", "push"):
+            c0, t0 = cpu_seconds(proc.proc.pid), time.perf_counter()
+            for b in batches:
+                if op == "pull":
+                    store.pull_into("mem", b, out)
+                else:
+                    store.push("mem", b, out)
+            result[f"{op}_rows_per_s"] = len(batches) * BATCH / (time.perf_counter() - t0)
+            result[f"{op}_redis_us_per_row"] = (cpu_seconds(proc.proc.pid) - c0) / (len(batches) * BATCH) * 1e6
+        assert store.num_rows("mem") == rows
+        store.close()
+        client.close()
+    raw = 8 + schema.row_bytes
+    return {
+        "bytes_per_row": used / rows,
+        "vs_raw": used / rows / raw,
+        "raw": raw,
+        "encoding": encoding.decode() if isinstance(encoding, bytes) else str(encoding),
+        **result,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=1_000_000, help="rows stored [default %(default)s]")
+    parser.add_argument(
+        "--tuned-buckets", type=int, default=65536, help="buckets of the tuned layout [default %(default)s]"
+    )
+    parser.add_argument(
+        "--layout",
+        action="append",
+        metavar="NAME:BUCKETS[:CONF;CONF...]",
+        help="measure this layout instead (repeatable), e.g. 'lp256:8192:hash-max-listpack-value 1024;"
+        "hash-max-listpack-entries 256'",
+    )
+    args = parser.parse_args(argv)
+    layouts = [("default", 4096, []), ("tuned", args.tuned_buckets, TUNED)]
+    if args.layout:
+        layouts = []
+        for spec in args.layout:
+            name, buckets, *conf = spec.split(":", 2)
+            layouts.append((name, int(buckets), [c.strip() for c in conf[0].split(";")] if conf else []))
+    print(f"redis_memory: {args.rows:,} rows of 512 B + an 8-byte id, {os.cpu_count()} CPUs")
+    print(f"{'layout':<8} {'buckets':>7} {'encoding':<9} {'B/row':>7} {'x raw':>6} {'pull rows/s':>12} "
+          f"{'us/row':>7} {'push rows/s':>12} {'us/row':>7}   (us/row: Redis CPU)")  # fmt: skip
+    for name, buckets, config in layouts:
+        r = measure(args.rows, buckets, config)
+        print(
+            f"{name:<8} {buckets:>7} {r['encoding']:<9} {r['bytes_per_row']:>7.1f} {r['vs_raw']:>6.3f} "
+            f"{r['pull_rows_per_s']:>12,.0f} {r['pull_redis_us_per_row']:>7.2f} "
+            f"{r['push_rows_per_s']:>12,.0f} {r['push_redis_us_per_row']:>7.2f}"
+        )
+        if config:
+            print(f"         redis.conf: {'; '.join(config)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,515 @@
+// Python module `_dynemb_redis_rows`: the Redis store's row path (../backends/redis_store.py)
+// between numpy arrays and the Redis protocol (RESP) bytes, with no Python object per row.
+// A pull is one call that writes the HMGET pipeline, one that reads its replies into the rows;
+// a push one call that writes the write script's EVALSHA. The socket I/O stays in Python (it
+// serves TCP, unix sockets and TLS alike); `scan` tells it when the replies are complete.
+// Every size is checked against the buffer it came in: no reply, however wrong, makes a call
+// read or write outside a buffer. The GIL is dropped while the bytes are built or read.
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "hash.h"
+
+namespace {
+
+// ps_server/hashing.py's ROW_HASH_SEED and bucket_of: XXH64 of the id's 8 bytes with that
+// seed, its top 32 bits scaled to [0, num_buckets).
+constexpr uint64_t kRowHashSeed = 0x64796E656D62ULL;
+
+inline uint64_t bucket_of(int64_t id, uint64_t num_buckets) {
+  using namespace dynemb;
+  uint64_t h = kRowHashSeed + kXxhP5 + 8;
+  h ^= rotl64(uint64_t(id) * kXxhP2, 31) * kXxhP1;
+  h = rotl64(h, 27) * kXxhP1 + kXxhP4;
+  return ((xxh64_avalanche(h) >> 32) * num_buckets) >> 32;
+}
+
+// A contiguous buffer held for the length of a call.
+struct Buf {
+  Py_buffer view{};
+  bool held = false;
+  ~Buf() {
+    if (held) PyBuffer_Release(&view);
+  }
+  bool get(PyObject* obj, bool writable) {
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) != 0) return false;
+    held = true;
+    return true;
+  }
+  char* data() const { return static_cast<char*>(view.buf); }
+  Py_ssize_t len() const { return view.len; }
+};
+
+// The ids grouped by bucket: order[starts[g]:starts[g+1]] are the positions of the ids of
+// bucket buckets[g], in their order in the batch (so a repeated id's last row wins a write).
+struct Groups {
+  std::vector<int64_t> order;
+  std::vector<uint64_t> buckets;
+  std::vector<int64_t> starts;
+};
+
+void group(const int64_t* ids, int64_t n, uint64_t num_buckets, Groups& g) {
+  g.order.resize(n);
+  if (num_buckets <= uint64_t(8 * n)) {  // a counting sort: two passes over the ids, one over the buckets
+    std::vector<uint32_t> bucket(n);
+    std::vector<int64_t> at(num_buckets + 1, 0);
+    for (int64_t i = 0; i < n; ++i) ++at[(bucket[i] = uint32_t(bucket_of(ids[i], num_buckets))) + 1];
+    for (uint64_t b = 0; b < num_buckets; ++b) {
+      if (at[b + 1]) {
+        g.buckets.push_back(b);
+        g.starts.push_back(at[b]);
+      }
+      at[b + 1] += at[b];
+    }
+    for (int64_t i = 0; i < n; ++i) g.order[at[bucket[i]]++] = i;  // in batch order within a bucket
+  } else {
+    std::vector<uint64_t> keys(n);  // bucket << 32 | position: sorting them is a stable sort by bucket
+    for (int64_t i = 0; i < n; ++i) keys[i] = (bucket_of(ids[i], num_buckets) << 32) | uint64_t(i);
+    std::sort(keys.begin(), keys.end());
+    for (int64_t i = 0; i < n; ++i) {
+      const uint64_t b = keys[i] >> 32;
+      g.order[i] = int64_t(keys[i] & 0xFFFFFFFFULL);
+      if (i == 0 || b != g.buckets.back()) {
+        g.buckets.push_back(b);
+        g.starts.push_back(i);
+      }
+    }
+  }
+  g.starts.push_back(n);
+}
+
+// Where a request is written: counting its bytes (data null), then writing them into a bytes
+// object of that exact size, so the request is built in place, with no copy after.
+struct Out {
+  char* data = nullptr;
+  size_t size = 0;
+  void append(const char* p, size_t n) {
+    if (data) std::memcpy(data + size, p, n);
+    size += n;
+  }
+  Out& operator+=(const char* text) {
+    append(text, std::strlen(text));
+    return *this;
+  }
+  Out& operator+=(const std::string& text) {
+    append(text.data(), text.size());
+    return *this;
+  }
+};
+
+void put_count(Out& s, char kind, int64_t n) {
+  s.append(&kind, 1);
+  s += std::to_string(n);
+  s += "\r\n";
+}
+
+void put_bulk(Out& s, const char* p, size_t n) {
+  put_count(s, '$', int64_t(n));
+  s.append(p, n);
+  s += "\r\n";
+}
+
+void put_key(Out& s, const std::string& prefix, uint64_t bucket) {
+  const std::string b = std::to_string(bucket);
+  put_count(s, '$', int64_t(prefix.size() + b.size() + 1));
+  s += prefix;
+  s += b;
+  s += "}\r\n";
+}
+
+// emit(out) twice: to size the request, then to write it into a new bytes object (the GIL
+// dropped while it writes). Called with the GIL held.
+template <typename Emit>
+PyObject* build(Emit emit) {
+  Out count;
+  Py_BEGIN_ALLOW_THREADS
+  emit(count);
+  Py_END_ALLOW_THREADS
+  PyObject* bytes = PyBytes_FromStringAndSize(nullptr, Py_ssize_t(count.size));
+  if (!bytes) return nullptr;
+  Out out;
+  out.data = PyBytes_AS_STRING(bytes);
+  Py_BEGIN_ALLOW_THREADS
+  emit(out);
+  Py_END_ALLOW_THREADS
+  return bytes;
+}
+
+// Ids from a buffer of int64 (8-byte items, native order: the module is built for this machine).
+bool ids_of(PyObject* obj, Buf& b, int64_t& n) {
+  if (!b.get(obj, false)) return false;
+  if (b.len() % 8) {
+    PyErr_SetString(PyExc_ValueError, "ids must be a contiguous int64 array");
+    return false;
+  }
+  n = b.len() / 8;
+  if (n >= (int64_t(1) << 32)) {
+    PyErr_SetString(PyExc_ValueError, "at most 2**32 - 1 ids per call");
+    return false;
+  }
+  return true;
+}
+
+
+// pull_request(ids, num_buckets, prefix, order) -> (request, commands): one HMGET per touched
+// bucket of the ids' 8-byte fields; order (int64, one per id) gets the position of each field
+// in the replies' order.
+PyObject* py_pull_request(PyObject*, PyObject* args) {
+  PyObject *ids_o, *order_o;
+  unsigned long long num_buckets;
+  const char* prefix_p;
+  Py_ssize_t prefix_n;
+  if (!PyArg_ParseTuple(args, "OKy#O", &ids_o, &num_buckets, &prefix_p, &prefix_n, &order_o)) return nullptr;
+  Buf ids_b, order_b;
+  int64_t n;
+  if (!ids_of(ids_o, ids_b, n) || !order_b.get(order_o, true)) return nullptr;
+  if (order_b.len() != n * 8 || num_buckets < 1) {
+    PyErr_SetString(PyExc_ValueError, "pull_request: order must hold one int64 per id, num_buckets >= 1");
+    return nullptr;
+  }
+  const std::string prefix(prefix_p, size_t(prefix_n));
+  Groups g;
+  const int64_t* ids = reinterpret_cast<const int64_t*>(ids_b.data());
+  Py_BEGIN_ALLOW_THREADS
+  group(ids, n, num_buckets, g);
+  std::memcpy(order_b.data(), g.order.data(), size_t(n) * 8);
+  Py_END_ALLOW_THREADS
+  PyObject* r = build([&](Out& req) {
+    for (size_t k = 0; k + 1 < g.starts.size(); ++k) {
+      put_count(req, '*', 2 + g.starts[k + 1] - g.starts[k]);
+      req += "$5\r\nHMGET\r\n";
+      put_key(req, prefix, g.buckets[k]);
+      for (int64_t i = g.starts[k]; i < g.starts[k + 1]; ++i) {
+        req += "$8\r\n";
+        req.append(reinterpret_cast<const char*>(ids + g.order[i]), 8);
+        req += "\r\n";
+      }
+    }
+  });
+  return r ? Py_BuildValue("(Nn)", r, Py_ssize_t(g.buckets.size())) : nullptr;
+}
+
+// write_request(ids, rows or None, row_bytes, num_buckets, prefix, sha, rows_key, table)
+// -> request: the store's write script (sha: its HSET version with rows, its HDEL version
+// without) as one EVALSHA over every touched bucket: field-row pairs or fields; KEYS = rows_key, the buckets; ARGV = table,
+// each bucket's number of values, then the values bucket after bucket (redis_store._WRITE_LUA).
+PyObject* py_write_request(PyObject*, PyObject* args) {
+  PyObject *ids_o, *rows_o;
+  Py_ssize_t row_bytes;
+  unsigned long long num_buckets;
+  const char *prefix_p, *sha_p, *rows_key_p, *table_p;
+  Py_ssize_t prefix_n, sha_n, rows_key_n, table_n;
+  if (!PyArg_ParseTuple(args, "OOnKy#y#y#y#", &ids_o, &rows_o, &row_bytes, &num_buckets, &prefix_p, &prefix_n,
+                        &sha_p, &sha_n, &rows_key_p, &rows_key_n, &table_p, &table_n))
+    return nullptr;
+  Buf ids_b, rows_b;
+  int64_t n;
+  if (!ids_of(ids_o, ids_b, n)) return nullptr;
+  const bool with_rows = rows_o != Py_None;
+  if (with_rows && !rows_b.get(rows_o, false)) return nullptr;
+  if (num_buckets < 1 || row_bytes < 0 || (with_rows && rows_b.len() != n * row_bytes)) {
+    PyErr_SetString(PyExc_ValueError, "write_request: rows must be row_bytes per id, num_buckets >= 1");
+    return nullptr;
+  }
+  const std::string prefix(prefix_p, size_t(prefix_n));
+  const int64_t per_id = with_rows ? 2 : 1;
+  Groups g;
+  const int64_t* ids = reinterpret_cast<const int64_t*>(ids_b.data());
+  Py_BEGIN_ALLOW_THREADS
+  group(ids, n, num_buckets, g);
+  Py_END_ALLOW_THREADS
+  const int64_t ng = int64_t(g.buckets.size());
+  const char* rows = with_rows ? rows_b.data() : nullptr;
+  return build([&](Out& req) {
+    put_count(req, '*', 3 + (1 + ng) + 1 + ng + per_id * n);
+    req += "$7\r\nEVALSHA\r\n";
+    put_bulk(req, sha_p, size_t(sha_n));
+    const std::string nkeys = std::to_string(1 + ng);
+    put_bulk(req, nkeys.data(), nkeys.size());
+    put_bulk(req, rows_key_p, size_t(rows_key_n));
+    for (int64_t k = 0; k < ng; ++k) put_key(req, prefix, g.buckets[k]);
+    put_bulk(req, table_p, size_t(table_n));
+    for (int64_t k = 0; k < ng; ++k) {
+      const std::string c = std::to_string(per_id * (g.starts[k + 1] - g.starts[k]));
+      put_bulk(req, c.data(), c.size());
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t at = g.order[i];
+      req += "$8\r\n";
+      req.append(reinterpret_cast<const char*>(ids + at), 8);
+      req += "\r\n";
+      if (rows) put_bulk(req, rows + at * row_bytes, size_t(row_bytes));
+    }
+  });
+}
+
+// -- reading replies ---------------------------------------------------------------------
+
+constexpr int kMaxDepth = 16;
+
+// The number at p (up to its \r\n) and where the next line starts, or false if the line is
+// not complete within [p, end). bad is set for a line that is no number.
+bool read_line_int(const char* p, const char* end, int64_t& v, const char*& next, bool& bad) {
+  const char* e = static_cast<const char*>(std::memchr(p, '\r', size_t(end - p)));
+  if (!e || e + 1 >= end) return false;
+  if (e[1] != '\n') {
+    bad = true;
+    return false;
+  }
+  const char* q = p;
+  bool neg = false;
+  if (q < e && *q == '-') {
+    neg = true;
+    ++q;
+  }
+  if (q == e || e - q > 18) {
+    bad = true;
+    return false;
+  }
+  v = 0;
+  for (; q < e; ++q) {
+    if (*q < '0' || *q > '9') {
+      bad = true;
+      return false;
+    }
+    v = v * 10 + (*q - '0');
+  }
+  if (neg) v = -v;
+  next = e + 2;
+  return true;
+}
+
+// Skip one whole reply at p: its end, or nullptr if it is not complete yet (bad: malformed).
+const char* skip_reply(const char* p, const char* end, int depth, bool& bad) {
+  if (p >= end) return nullptr;
+  if (depth > kMaxDepth) {
+    bad = true;
+    return nullptr;
+  }
+  const char t = *p++;
+  switch (t) {
+    case '+':
+    case '-':
+    case ':':
+    case '_':
+    case ',':
+    case '#':
+    case '(': {
+      const char* e = static_cast<const char*>(std::memchr(p, '\n', size_t(end - p)));
+      return e ? e + 1 : nullptr;
+    }
+    case '$':
+    case '!':
+    case '=': {
+      int64_t len;
+      const char* body;
+      if (!read_line_int(p, end, len, body, bad)) return nullptr;
+      if (len < 0) return body;
+      if (end - body < len + 2) return nullptr;
+      return body + len + 2;
+    }
+    case '*':
+    case '~':
+    case '>':
+    case '%':
+    case '|': {
+      int64_t count;
+      const char* q;
+      if (!read_line_int(p, end, count, q, bad)) return nullptr;
+      if (count < 0) return q;
+      if (t == '%' || t == '|') count *= 2;
+      for (int64_t i = 0; i < count; ++i) {
+        q = skip_reply(q, end, depth + 1, bad);
+        if (!q) return nullptr;
+      }
+      return q;
+    }
+    default:
+      bad = true;
+      return nullptr;
+  }
+}
+
+// scan(buf, start, end, wanted) -> (offset, complete): how many whole replies (at most wanted)
+// lie in buf[start:end], and where the first one not counted starts.
+PyObject* py_scan(PyObject*, PyObject* args) {
+  PyObject* buf_o;
+  Py_ssize_t start, stop, wanted;
+  if (!PyArg_ParseTuple(args, "Onnn", &buf_o, &start, &stop, &wanted)) return nullptr;
+  Buf b;
+  if (!b.get(buf_o, false)) return nullptr;
+  if (start < 0 || stop < start || stop > b.len()) {
+    PyErr_SetString(PyExc_ValueError, "scan: start and end must lie within the buffer");
+    return nullptr;
+  }
+  const char* p = b.data() + start;
+  const char* end = b.data() + stop;
+  Py_ssize_t done = 0;
+  bool bad = false;
+  while (done < wanted) {
+    const char* q = skip_reply(p, end, 0, bad);
+    if (!q) break;
+    p = q;
+    ++done;
+  }
+  if (bad) {
+    PyErr_SetString(PyExc_ValueError, "Redis sent a reply that is not the Redis protocol");
+    return nullptr;
+  }
+  return Py_BuildValue("(nn)", Py_ssize_t(p - b.data()), done);
+}
+
+PyObject* error_text(const char* p, const char* end) {  // an error reply's text, without the '-'
+  const char* e = static_cast<const char*>(std::memchr(p, '\r', size_t(end - p)));
+  return PyUnicode_DecodeUTF8(p + 1, (e ? e : end) - (p + 1), "replace");
+}
+
+// pull_replies(buf, start, end, commands, order, j, out, row_bytes, missing, k) -> (k, j) or the
+// text of the first error reply (str). buf[start:end] holds `commands` whole replies (scan said
+// so) to pull_request's HMGETs, from the one that asks for field j on: arrays of bulk strings
+// or nulls. Field j's row goes to out row order[j]; an absent one's position to missing[k].
+// Returns the new k and j, so the replies can be read a run at a time as they arrive.
+PyObject* py_pull_replies(PyObject*, PyObject* args) {
+  PyObject *buf_o, *order_o, *out_o, *missing_o;
+  Py_ssize_t start, stop, commands, j0, row_bytes, k0;
+  if (!PyArg_ParseTuple(args, "OnnnOnOnOn", &buf_o, &start, &stop, &commands, &order_o, &j0, &out_o, &row_bytes,
+                        &missing_o, &k0))
+    return nullptr;
+  Buf b, order_b, out_b, missing_b;
+  if (!b.get(buf_o, false) || !order_b.get(order_o, false) || !out_b.get(out_o, true) ||
+      !missing_b.get(missing_o, true))
+    return nullptr;
+  const int64_t n = order_b.len() / 8;
+  if (start < 0 || stop < start || stop > b.len() || row_bytes < 1 || out_b.len() != n * row_bytes ||
+      missing_b.len() < n * 8 || j0 < 0 || j0 > n || k0 < 0 || k0 > j0) {
+    PyErr_SetString(PyExc_ValueError, "pull_replies: buffers of the wrong size");
+    return nullptr;
+  }
+  const int64_t* order = reinterpret_cast<const int64_t*>(order_b.data());
+  int64_t* missing = reinterpret_cast<int64_t*>(missing_b.data());
+  char* out = out_b.data();
+  const char* p = b.data() + start;
+  const char* end = b.data() + stop;
+  int64_t j = j0, k = k0;
+  const char* problem = nullptr;  // a reply that is not what the pipeline asks for
+  const char* error = nullptr;    // the first error reply
+  Py_BEGIN_ALLOW_THREADS
+  bool bad = false;
+  for (Py_ssize_t c = 0; c < commands && !problem; ++c) {
+    if (p >= end) {
+      problem = "fewer replies than commands";
+      break;
+    }
+    if (*p == '-') {  // this command failed: its fields count as absent, the error is raised
+      if (!error) error = p;
+      p = skip_reply(p, end, 0, bad);
+      if (!p) problem = "a cut-off error reply";
+      continue;
+    }
+    int64_t count;
+    const char* q;
+    if (*p != '*' || !read_line_int(p + 1, end, count, q, bad) || count < 0 || count > n - j) {
+      problem = "a reply that is not an array of the fields asked for";
+      break;
+    }
+    p = q;
+    for (int64_t i = 0; i < count; ++i, ++j) {
+      const int64_t at = order[j];
+      if (at < 0 || at >= n) {
+        problem = "an order outside the rows";
+        break;
+      }
+      if (p < end && *p == '_') {  // RESP3 null
+        missing[k++] = at;
+        p = skip_reply(p, end, 0, bad);
+      } else if (p < end && *p == '$') {
+        int64_t len;
+        const char* body;
+        if (!read_line_int(p + 1, end, len, body, bad)) {
+          problem = "a cut-off row";
+          break;
+        }
+        if (len < 0) {
+          missing[k++] = at;
+          p = body;
+        } else if (len != row_bytes) {
+          problem = "wrong size";
+          break;
+        } else if (end - body < len + 2) {
+          problem = "a cut-off row";
+          break;
+        } else {
+          std::memcpy(out + at * row_bytes, body, size_t(row_bytes));
+          p = body + len + 2;
+        }
+      } else {
+        problem = "a field's reply that is neither a row nor nil";
+        break;
+      }
+      if (!p) {
+        problem = "a cut-off reply";
+        break;
+      }
+    }
+  }
+  Py_END_ALLOW_THREADS
+  if (problem) {
+    if (std::strcmp(problem, "wrong size") == 0) {
+      PyErr_SetString(PyExc_OverflowError, "a row of the wrong size");  // the store names table and schema
+    } else {
+      PyErr_Format(PyExc_ValueError, "Redis replied to HMGET with %s", problem);
+    }
+    return nullptr;
+  }
+  if (error) return error_text(error, end);
+  return Py_BuildValue("(LL)", (long long)k, (long long)j);
+}
+
+// integer_reply(buf, end) -> the integer of the one reply in buf, or the error reply's text (str).
+PyObject* py_integer_reply(PyObject*, PyObject* args) {
+  PyObject* buf_o;
+  Py_ssize_t stop;
+  if (!PyArg_ParseTuple(args, "On", &buf_o, &stop)) return nullptr;
+  Buf b;
+  if (!b.get(buf_o, false)) return nullptr;
+  if (stop < 1 || stop > b.len()) {
+    PyErr_SetString(PyExc_ValueError, "integer_reply: no reply");
+    return nullptr;
+  }
+  const char* p = b.data();
+  const char* end = p + stop;
+  if (*p == '-') return error_text(p, end);
+  int64_t v;
+  const char* q;
+  bool bad = false;
+  if (*p != ':' || !read_line_int(p + 1, end, v, q, bad)) {
+    PyErr_SetString(PyExc_ValueError, "Redis replied to the write script with something other than an integer");
+    return nullptr;
+  }
+  return PyLong_FromLongLong(v);
+}
+
+PyMethodDef kMethods[] = {
+    {"pull_request", py_pull_request, METH_VARARGS,
+     "pull_request(ids, num_buckets, prefix, order) -> (request, commands): HMGETs of the ids' buckets"},
+    {"write_request", py_write_request, METH_VARARGS,
+     "write_request(ids, rows|None, row_bytes, num_buckets, prefix, sha, rows_key, table) -> request"},
+    {"scan", py_scan, METH_VARARGS, "scan(buf, start, end, wanted) -> (offset, complete replies)"},
+    {"pull_replies", py_pull_replies, METH_VARARGS,
+     "pull_replies(buf, start, end, commands, order, j, out, row_bytes, missing, k) -> (k, j) | error text"},
+    {"integer_reply", py_integer_reply, METH_VARARGS, "integer_reply(buf, end) -> int | error text"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_dynemb_redis_rows", "the Redis store's row path", -1, kMethods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__dynemb_redis_rows() { return PyModule_Create(&kModule); }
