@@ -43,6 +43,19 @@ class RowStore:
         """Create the table; nothing to do if it exists with this schema."""
         raise NotImplementedError
 
+    def tables(self) -> dict[str, tuple[TableSchema, int]]:
+        """{name: (schema, rows)} of every table the store holds."""
+        raise NotImplementedError
+
+    def drop_table(self, table: str) -> None:
+        """Drop the table and its rows; nothing to do if there is none."""
+        raise NotImplementedError
+
+    @property
+    def where(self) -> str:
+        """Where the rows are, as messages name it ("the PS host:port", "the embedded store")."""
+        raise NotImplementedError
+
     def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
         """The rows of ids, in their order."""
         raise NotImplementedError
@@ -116,6 +129,19 @@ class LocalRowStore(RowStore):
         """See RowStore.create_table."""
         self.store.create_table(schema)
 
+    def tables(self) -> dict[str, tuple[TableSchema, int]]:
+        """See RowStore.tables."""
+        return {t.name: (t, self.store.num_rows(t.name)) for t in self.store.list_tables()}
+
+    def drop_table(self, table: str) -> None:
+        """See RowStore.drop_table."""
+        self.store.drop_table(table)
+
+    @property
+    def where(self) -> str:
+        """See RowStore.where."""
+        return "the embedded store"
+
     def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
         """See RowStore.pull."""
         schema = self.store.schema(table)
@@ -160,6 +186,19 @@ class RemoteRowStore(RowStore):
     def create_table(self, schema: TableSchema) -> None:
         """See RowStore.create_table."""
         self.client.create_table_from_schema(schema)
+
+    def tables(self) -> dict[str, tuple[TableSchema, int]]:
+        """See RowStore.tables."""
+        return {i.schema.name: (i.schema, i.num_rows) for i in self.client.list_tables()}
+
+    def drop_table(self, table: str) -> None:
+        """See RowStore.drop_table."""
+        self.client.drop_table(table, missing_ok=True)
+
+    @property
+    def where(self) -> str:
+        """See RowStore.where."""
+        return "the PS " + ",".join(self.client.addresses)
 
     def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
         """See RowStore.pull."""

@@ -33,7 +33,7 @@ from dynemb.ps_server.schema import TableSchema
 from dynemb.trainer.checkpoint import check_settings, data_start
 from dynemb.trainer.checkpoint_format import CheckpointError, checkpoints, read_manifest
 from dynemb.trainer.config import TrainConfig
-from dynemb.trainer.row_store import LocalRowStore, RemoteRowStore, RowStore
+from dynemb.trainer.row_store import RowStore
 from dynemb.trainer.schemas import ps_schema
 
 log = logging.getLogger("dynemb.trainer")
@@ -119,7 +119,7 @@ def check_before_training(cfg: TrainConfig, store: RowStore) -> None:
 
 
 def _check_tables(cfg: TrainConfig, wanted: list[TableSchema], store: RowStore, rank: int) -> None:
-    found, where = _tables(store)
+    found, where = store.tables(), store.where
     mine = {s.name: s for s in wanted}
     left = {name: found[name] for name in mine if name in found}  # name: (schema, rows), in the job's order
     if not left:
@@ -127,7 +127,7 @@ def _check_tables(cfg: TrainConfig, wanted: list[TableSchema], store: RowStore, 
     if cfg.fresh:
         rows = sum(n for _, n in left.values())
         for name in left:
-            _drop(store, name)
+            store.drop_table(name)
         if rank == 0:
             log.warning("--fresh: dropped %d tables (%s, %s rows) on %s", len(left), _names(left), f"{rows:,}", where)
         return
@@ -146,25 +146,6 @@ def _check_tables(cfg: TrainConfig, wanted: list[TableSchema], store: RowStore, 
             f"left by an earlier run: --warm-start trains on from them, --fresh drops them first, "
             f"--resume continues from a checkpoint, --ps-table-prefix gives this job tables of its own"
         )
-
-
-def _tables(store: RowStore) -> tuple[dict[str, tuple[TableSchema, int]], str]:
-    """{name: (schema, rows)} of every table the store holds, and where that is (for messages)."""
-    if isinstance(store, RemoteRowStore):
-        infos = store.client.list_tables()
-        where = "the PS " + ",".join(store.client.addresses)
-        return {i.schema.name: (i.schema, i.num_rows) for i in infos}, where
-    if isinstance(store, LocalRowStore):
-        s = store.store
-        return {t.name: (t, s.num_rows(t.name)) for t in s.list_tables()}, "the embedded store"
-    return {}, "the store"
-
-
-def _drop(store: RowStore, name: str) -> None:
-    if isinstance(store, RemoteRowStore):
-        store.client.drop_table(name, missing_ok=True)
-    elif isinstance(store, LocalRowStore):
-        store.store.drop_table(name)
 
 
 def _names(tables: dict) -> str:
