@@ -91,7 +91,9 @@ class RedisLimit:
         s, m = self.schema, self.meta
         rows = np.ascontiguousarray(rows, dtype=s.np_dtype)
         key, name = self.store._rows_key, s.name.encode()
-        request = self.mod.write_request(ids, rows, s.row_bytes, m.num_buckets, m.prefix, sha, key, name)
+        request = self.mod.write_request(
+            ids, rows, s.row_bytes, m.num_buckets, m.prefix, sha, key, self.store._meta_key, name, m.raw
+        )
         return request, 1
 
     def exchange(self, prepared: tuple[bytes, int]) -> None:

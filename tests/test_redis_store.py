@@ -170,6 +170,42 @@ def test_batches_split_over_several_pipelines(store, monkeypatch):
     assert sum(len(i) for i, _ in store.export("split", 64)) == 1300
 
 
+@pytest.mark.parametrize("native_rows", [True, False])
+def test_write_planned_before_a_drop_lands_nowhere(redis_url, redis_namespace, native_rows):
+    """A push or delete that read the table's metadata before the table was dropped and created
+    again under its name (another schema, or the same) writes nothing into it: TableNotFound."""
+    store = RedisStore.from_url(redis_url, namespace=redis_namespace, num_buckets=16, native_rows=native_rows)
+    other = RedisStore.from_url(redis_url, namespace=redis_namespace, num_buckets=16)
+    assert (store._native is not None) == native_rows
+    old, new = TableSchema("race", dim=4), TableSchema("race", dim=6)
+    rng = np.random.default_rng(5)
+    ids = unique_ids(rng, 500)
+    kept = random_rows(rng, 300, new)
+    read_meta = store._meta
+
+    def meta_then_recreate(table: str):
+        meta = read_meta(table)
+        other.drop_table(table)  # between the write's metadata read and its script
+        other.create_table(new)
+        other.push(table, ids[:300], kept)
+        return meta
+
+    store.create_table(old)
+    store.push("race", ids, random_rows(rng, 500, old))
+    store._meta = meta_then_recreate
+    with pytest.raises(TableNotFound, match="re-created meanwhile"):
+        store.push("race", ids, random_rows(rng, 500, old))
+    got, found = other.pull("race", ids)
+    np.testing.assert_array_equal(found, np.arange(500) < 300)  # no ghost rows of the old dim
+    np.testing.assert_array_equal(got[:300], kept)
+    assert other.num_rows("race") == 300
+    with pytest.raises(TableNotFound, match="re-created meanwhile"):  # re-created with the same schema
+        store.delete("race", ids)
+    assert other.pull("race", ids)[1].sum() == 300 and other.num_rows("race") == 300
+    store.close()
+    other.close()
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_compiled_row_path_and_redis_py_agree(redis_url, redis_namespace, dtype):
     """The compiled row path (one call builds a pull's HMGETs or a push's script, one reads

@@ -2,7 +2,7 @@
 
 Layout (namespace <ns>, table <t>, bucket number <b>; the braces are literal):
 
-    dn:<ns>:tables             HASH  table name -> JSON {"format", "num_buckets", "schema"}
+    dn:<ns>:tables             HASH  table name -> JSON {"format", "num_buckets", "schema", "created"}
     {dn:<ns>:tables}:rows      HASH  table name -> rows stored (kept by every write)
     dn:<ns>:<t>:r:{<t>.<b>}    HASH  id as 8 little-endian bytes -> the row's raw bytes
 
@@ -24,6 +24,12 @@ exact. On Cluster a table's buckets span slots, so the count is changed by the P
 the writes; a PS killed between the two leaves it off by that batch (`clear` or a drop resets
 it). A table created by an older version has no count: it is counted once (HLEN of each
 bucket) when first asked for.
+
+A write on standalone Redis checks, in its script, that the table's metadata is still the raw
+bytes the write read: a write still in flight when its table was dropped (and perhaps created
+again under that name) writes nothing and fails with TableNotFound, rather than leaving rows
+that the next table of that name would read as its own. On Cluster the writes are plain
+per-bucket commands (the buckets span slots, so no script sees the metadata), without that check.
 
 Every call reads the table's metadata first (one HGET), so PS processes sharing a namespace
 see each other's creates and drops; parsed metadata is cached by its raw bytes (a bounded
@@ -50,6 +56,7 @@ import itertools
 import json
 import logging
 import operator
+import secrets
 import socket
 import threading
 import time
@@ -114,16 +121,19 @@ _CLEAR_BUCKET_LUA = (
     "local n = redis.call('HLEN', KEYS[1]) if n > 0 then redis.call('UNLINK', KEYS[1]) end "
     "if ARGV[2] == '1' then n = -n " + _ADD_COUNT_LUA.replace("ROWS", "2") + " n = -n end return n"
 )
-# Standalone Redis: one pipeline's writes and the count change, atomically. KEYS[1] the
-# row-count hash, KEYS[2...] buckets; ARGV[1] the table, ARGV[2...] how many values each
-# bucket has, then the values (fields, or field-row pairs), bucket after bucket. A command
-# takes at most 4000 values (Lua's unpack() takes under 8000). Returns the fields added (HSET)
-# or removed (HDEL).
+# Standalone Redis: one pipeline's writes and the count change, atomically, if the table's
+# metadata is still what the write was planned with (else nothing, and -1: the table was
+# dropped, or re-created, since; its buckets may belong to a new table of that name now).
+# KEYS[1] the row-count hash, KEYS[2] the table hash, KEYS[3...] buckets; ARGV[1] the table,
+# ARGV[2] its raw metadata, ARGV[3...] how many values each bucket has, then the values (fields,
+# or field-row pairs), bucket after bucket. A command takes at most 4000 values (Lua's unpack()
+# takes under 8000). Returns the fields added (HSET) or removed (HDEL).
 _WRITE_LUA = (
-    "local nb = #KEYS - 1 local at = nb + 2 local total = 0 "
-    "for k = 1, nb do local stop = at + tonumber(ARGV[k + 1]) - 1 "
+    "if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return -1 end "
+    "local nb = #KEYS - 2 local at = nb + 3 local total = 0 "
+    "for k = 1, nb do local stop = at + tonumber(ARGV[k + 2]) - 1 "
     "for i = at, stop, 4000 do "
-    "total = total + redis.call('CMD', KEYS[k + 1], unpack(ARGV, i, math.min(i + 3999, stop))) end "
+    "total = total + redis.call('CMD', KEYS[k + 2], unpack(ARGV, i, math.min(i + 3999, stop))) end "
     "at = stop + 1 end local n = SIGN total " + _ADD_COUNT_LUA.replace("ROWS", "1") + " return total"
 )
 _WRITE_SCRIPTS = {
@@ -435,6 +445,11 @@ class RedisStore(Store):
             self._cache.pop(table, None)
         return TableNotFound(f"table {table!r} does not exist in Redis namespace {self.namespace!r} ({self.address})")
 
+    def _gone(self, table: str) -> TableNotFound:
+        """A write's error when its table was dropped (or re-created) after the write read its metadata."""
+        err = self._not_found(table)
+        return TableNotFound(f"{err} (dropped or re-created meanwhile: nothing written)")
+
     def _meta(self, table: str) -> _TableMeta:
         with self._redis():
             raw = self.client.hget(self._meta_key, table)
@@ -468,9 +483,10 @@ class RedisStore(Store):
 
     def create_table(self, schema: TableSchema) -> bool:
         """See Store.create_table; the table gets this store's num_buckets."""
-        raw = json.dumps(
-            {"format": META_FORMAT, "num_buckets": self.num_buckets, "schema": schema.to_dict()}, sort_keys=True
-        ).encode()
+        # "created": a token of this creation, so that a table dropped and created again, even with
+        # the same schema, has other metadata (a write checks it: see _WRITE_LUA)
+        meta = {"format": META_FORMAT, "num_buckets": self.num_buckets, "schema": schema.to_dict()}
+        raw = json.dumps({**meta, "created": secrets.token_hex(8)}, sort_keys=True).encode()
         # HSETNX in the script: of several PS processes creating one table, exactly one wins
         created = self._run_scripted(
             lambda pipe: self._script(pipe, _CREATE_LUA, [self._meta_key, self._rows_key], [schema.name, raw])
@@ -596,10 +612,13 @@ class RedisStore(Store):
                     pipe.execute_command(command, meta.key(b), *values[per_id * start : per_id * end])
 
             return int(sum(self._run_scripted(fill)))
-        keys = [self._rows_key, *(meta.key(b) for b, _, _ in part)]
-        args = [meta.schema.name, *(per_id * (end - start) for _, start, end in part)]
+        keys = [self._rows_key, self._meta_key, *(meta.key(b) for b, _, _ in part)]
+        args = [meta.schema.name, meta.raw, *(per_id * (end - start) for _, start, end in part)]
         args += values[per_id * part[0][1] : per_id * part[-1][2]]  # the groups are contiguous
-        return int(self._run_scripted(lambda pipe: self._script(pipe, _WRITE_SCRIPTS[command], keys, args))[0])
+        n = int(self._run_scripted(lambda pipe: self._script(pipe, _WRITE_SCRIPTS[command], keys, args))[0])
+        if n < 0:
+            raise self._gone(meta.schema.name)
+        return n
 
     def _delete_buckets(self, meta: _TableMeta) -> int:
         def clear(pipe, key: bytes) -> None:
@@ -761,7 +780,7 @@ class RedisStore(Store):
             for attempt in (0, 1):
                 request = mod.write_request(
                     part, part_rows, schema.row_bytes, meta.num_buckets, meta.prefix, self._sha(lua).encode(),
-                    self._rows_key, name,
+                    self._rows_key, self._meta_key, name, meta.raw,
                 )  # fmt: skip
                 buf, end = self._exchange(request, 1, 64)
                 try:
@@ -773,6 +792,8 @@ class RedisStore(Store):
                     continue
                 if isinstance(result, str):
                     raise self._error_reply(result)
+                if result < 0:
+                    raise self._gone(schema.name)
                 total += result
                 break
         return total

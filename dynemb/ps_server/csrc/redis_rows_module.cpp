@@ -196,18 +196,20 @@ PyObject* py_pull_request(PyObject*, PyObject* args) {
   return r ? Py_BuildValue("(Nn)", r, Py_ssize_t(g.buckets.size())) : nullptr;
 }
 
-// write_request(ids, rows or None, row_bytes, num_buckets, prefix, sha, rows_key, table)
+// write_request(ids, rows or None, row_bytes, num_buckets, prefix, sha, rows_key, meta_key, table, meta)
 // -> request: the store's write script (sha: its HSET version with rows, its HDEL version
-// without) as one EVALSHA over every touched bucket: field-row pairs or fields; KEYS = rows_key, the buckets; ARGV = table,
-// each bucket's number of values, then the values bucket after bucket (redis_store._WRITE_LUA).
+// without) as one EVALSHA over every touched bucket: field-row pairs or fields; KEYS = rows_key,
+// meta_key, the buckets; ARGV = table, its raw metadata (the script writes only if it is still
+// that), each bucket's number of values, then the values bucket after bucket (redis_store._WRITE_LUA).
 PyObject* py_write_request(PyObject*, PyObject* args) {
   PyObject *ids_o, *rows_o;
   Py_ssize_t row_bytes;
   unsigned long long num_buckets;
-  const char *prefix_p, *sha_p, *rows_key_p, *table_p;
-  Py_ssize_t prefix_n, sha_n, rows_key_n, table_n;
-  if (!PyArg_ParseTuple(args, "OOnKy#y#y#y#", &ids_o, &rows_o, &row_bytes, &num_buckets, &prefix_p, &prefix_n,
-                        &sha_p, &sha_n, &rows_key_p, &rows_key_n, &table_p, &table_n))
+  const char *prefix_p, *sha_p, *rows_key_p, *meta_key_p, *table_p, *meta_p;
+  Py_ssize_t prefix_n, sha_n, rows_key_n, meta_key_n, table_n, meta_n;
+  if (!PyArg_ParseTuple(args, "OOnKy#y#y#y#y#y#", &ids_o, &rows_o, &row_bytes, &num_buckets, &prefix_p, &prefix_n,
+                        &sha_p, &sha_n, &rows_key_p, &rows_key_n, &meta_key_p, &meta_key_n, &table_p, &table_n,
+                        &meta_p, &meta_n))
     return nullptr;
   Buf ids_b, rows_b;
   int64_t n;
@@ -228,14 +230,16 @@ PyObject* py_write_request(PyObject*, PyObject* args) {
   const int64_t ng = int64_t(g.buckets.size());
   const char* rows = with_rows ? rows_b.data() : nullptr;
   return build([&](Out& req) {
-    put_count(req, '*', 3 + (1 + ng) + 1 + ng + per_id * n);
+    put_count(req, '*', 3 + (2 + ng) + 2 + ng + per_id * n);
     req += "$7\r\nEVALSHA\r\n";
     put_bulk(req, sha_p, size_t(sha_n));
-    const std::string nkeys = std::to_string(1 + ng);
+    const std::string nkeys = std::to_string(2 + ng);
     put_bulk(req, nkeys.data(), nkeys.size());
     put_bulk(req, rows_key_p, size_t(rows_key_n));
+    put_bulk(req, meta_key_p, size_t(meta_key_n));
     for (int64_t k = 0; k < ng; ++k) put_key(req, prefix, g.buckets[k]);
     put_bulk(req, table_p, size_t(table_n));
+    put_bulk(req, meta_p, size_t(meta_n));
     for (int64_t k = 0; k < ng; ++k) {
       const std::string c = std::to_string(per_id * (g.starts[k + 1] - g.starts[k]));
       put_bulk(req, c.data(), c.size());
@@ -500,7 +504,7 @@ PyMethodDef kMethods[] = {
     {"pull_request", py_pull_request, METH_VARARGS,
      "pull_request(ids, num_buckets, prefix, order) -> (request, commands): HMGETs of the ids' buckets"},
     {"write_request", py_write_request, METH_VARARGS,
-     "write_request(ids, rows|None, row_bytes, num_buckets, prefix, sha, rows_key, table) -> request"},
+     "write_request(ids, rows|None, row_bytes, num_buckets, prefix, sha, rows_key, meta_key, table, meta) -> request"},
     {"scan", py_scan, METH_VARARGS, "scan(buf, start, end, wanted) -> (offset, complete replies)"},
     {"pull_replies", py_pull_replies, METH_VARARGS,
      "pull_replies(buf, start, end, commands, order, j, out, row_bytes, missing, k) -> (k, j) | error text"},
