@@ -206,6 +206,68 @@ def test_write_planned_before_a_drop_lands_nowhere(redis_url, redis_namespace, n
     other.close()
 
 
+@pytest.mark.parametrize("native_rows", [True, False])
+def test_write_during_a_drop_lands_nowhere(redis_url, redis_namespace, native_rows):
+    """A push planned before a drop that runs after the drop cleared the buckets (but before it
+    removed the metadata) writes nothing: the new table of that name starts empty."""
+    store = RedisStore.from_url(redis_url, namespace=redis_namespace, num_buckets=16, native_rows=native_rows)
+    other = RedisStore.from_url(redis_url, namespace=redis_namespace, num_buckets=16)
+    schema = TableSchema("mid", dim=4)
+    store.create_table(schema)
+    ids = np.arange(200, dtype=np.int64)
+    rows = random_rows(np.random.default_rng(6), 200, schema)
+    read_meta = store._meta
+    clear_buckets = other._delete_buckets
+    pushed: list = []
+
+    def clear_then_push(meta):
+        n = clear_buckets(meta)
+        with pytest.raises(TableNotFound, match="re-created meanwhile"):
+            store.push("mid", ids, rows)  # planned with the metadata read before the drop
+        pushed.append(True)
+        return n
+
+    planned = read_meta("mid")
+    store._meta = lambda table, dropping=False: planned
+    other._delete_buckets = clear_then_push
+    assert other.drop_table("mid") == 0 and pushed
+    other.create_table(schema)
+    assert not other.pull("mid", ids)[1].any() and other.num_rows("mid") == 0
+    store.close()
+    other.close()
+
+
+def test_drop_cut_short_is_finished(store, redis_namespace):
+    """A drop cut short after marking the table leaves no table (not listed, not found); a
+    create of that name finishes the drop and starts empty, and a retried drop finishes it too."""
+    schema = TableSchema("cut", dim=3)
+    ids = np.arange(50, dtype=np.int64)
+    for finish in ("create", "drop"):
+        store.create_table(schema)
+        store.push("cut", ids, np.ones((50, schema.width), dtype=schema.np_dtype))
+        clear_buckets = store._delete_buckets
+
+        def killed(meta):
+            raise ConnectionError("PS killed mid-drop")
+
+        store._delete_buckets = killed
+        with pytest.raises(ConnectionError):
+            store.drop_table("cut")
+        store._delete_buckets = clear_buckets
+        assert "cut" not in [s.name for s in store.list_tables()] and store.schemas(["cut"]) == {}
+        with pytest.raises(TableNotFound):
+            store.pull("cut", ids)
+        with pytest.raises(TableNotFound):
+            store.push("cut", ids, np.ones((50, schema.width), dtype=schema.np_dtype))
+        if finish == "create":
+            assert store.create_table(schema) is True
+            assert not store.pull("cut", ids)[1].any() and store.num_rows("cut") == 0
+            assert store.drop_table("cut") == 0
+        else:
+            assert store.drop_table("cut") == 50
+        assert store.drop_table("cut") is None
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_compiled_row_path_and_redis_py_agree(redis_url, redis_namespace, dtype):
     """The compiled row path (one call builds a pull's HMGETs or a push's script, one reads

@@ -2,7 +2,7 @@
 
 Layout (namespace <ns>, table <t>, bucket number <b>; the braces are literal):
 
-    dn:<ns>:tables             HASH  table name -> JSON {"format", "num_buckets", "schema", "created"}
+    dn:<ns>:tables             HASH  table name -> JSON {"format", "num_buckets", "schema", "created"[, "dropping"]}
     {dn:<ns>:tables}:rows      HASH  table name -> rows stored (kept by every write)
     dn:<ns>:<t>:r:{<t>.<b>}    HASH  id as 8 little-endian bytes -> the row's raw bytes
 
@@ -30,6 +30,9 @@ bytes the write read: a write still in flight when its table was dropped (and pe
 again under that name) writes nothing and fails with TableNotFound, rather than leaving rows
 that the next table of that name would read as its own. On Cluster the writes are plain
 per-bucket commands (the buckets span slots, so no script sees the metadata), without that check.
+A drop first marks the metadata ("dropping": the table is then gone to every call but a drop,
+and writes planned before find other metadata), then clears the buckets, then removes the
+metadata; a drop cut short is finished by the next drop or create of that name.
 
 Every call reads the table's metadata first (one HGET), so PS processes sharing a namespace
 see each other's creates and drops; parsed metadata is cached by its raw bytes (a bounded
@@ -52,6 +55,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -102,6 +106,8 @@ REPLY_BUFFER_KEEP_BYTES = 16 << 20
 EXPORT_READ_ROWS = 16384
 # Parsed metadata of at most this many tables is kept (each about 1 KB).
 META_CACHE_TABLES = 2048
+# Tries of a create or drop that others' creates and drops of the same name keep undoing.
+CREATE_TRIES = 5
 # Names per HMGET when looking up many tables' schemas at once.
 SCHEMAS_PER_HMGET = 4096
 log = logging.getLogger("dynemb.ps")
@@ -147,6 +153,11 @@ _CREATE_LUA = (
     "if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then "
     "redis.call('HSET', KEYS[2], ARGV[1], 0) return 1 end return 0"
 )
+# KEYS[1] the table hash: table ARGV[1]'s metadata set to ARGV[3] if it is still ARGV[2] (1), else 0.
+_MARK_LUA = (
+    "if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then "
+    "redis.call('HSET', KEYS[1], ARGV[1], ARGV[3]) return 1 end return 0"
+)
 _DROP_LUA = "redis.call('HDEL', KEYS[2], ARGV[1]) return redis.call('HDEL', KEYS[1], ARGV[1])"
 
 
@@ -184,6 +195,7 @@ class _TableMeta:
     schema: TableSchema
     num_buckets: int
     prefix: bytes  # of its bucket keys
+    dropping: bool = False  # a drop has begun: no longer a table to anything but a drop
 
     def key(self, bucket: int) -> bytes:
         return b"%s%d}" % (self.prefix, bucket)
@@ -450,14 +462,21 @@ class RedisStore(Store):
         err = self._not_found(table)
         return TableNotFound(f"{err} (dropped or re-created meanwhile: nothing written)")
 
-    def _meta(self, table: str) -> _TableMeta:
+    def _meta(self, table: str, dropping: bool = False) -> _TableMeta:
         with self._redis():
             raw = self.client.hget(self._meta_key, table)
         if raw is None:
             raise self._not_found(table)
-        return self._parse_meta(table, _raw(raw))
+        return self._parse_meta(table, _raw(raw), dropping)
 
-    def _parse_meta(self, table: str, raw: bytes) -> _TableMeta:
+    def _parse_meta(self, table: str, raw: bytes, dropping: bool = False) -> _TableMeta:
+        """The parsed metadata; TableNotFound for a table being dropped, unless dropping."""
+        meta = self._parse_any_meta(table, raw)
+        if meta.dropping and not dropping:
+            raise self._not_found(table)
+        return meta
+
+    def _parse_any_meta(self, table: str, raw: bytes) -> _TableMeta:
         with self._cache_lock:
             have = self._cache.get(table)
             if have is not None and have.raw == raw:
@@ -471,7 +490,7 @@ class RedisStore(Store):
             raise PSError(
                 f"metadata of table {table!r} in Redis namespace {self.namespace!r} is unreadable: {exc}"
             ) from None
-        meta = _TableMeta(raw, schema, nb, bucket_prefix(self.namespace, table))
+        meta = _TableMeta(raw, schema, nb, bucket_prefix(self.namespace, table), bool(d.get("dropping")))
         with self._cache_lock:
             self._cache[table] = meta
             self._cache.move_to_end(table)
@@ -487,14 +506,25 @@ class RedisStore(Store):
         # the same schema, has other metadata (a write checks it: see _WRITE_LUA)
         meta = {"format": META_FORMAT, "num_buckets": self.num_buckets, "schema": schema.to_dict()}
         raw = json.dumps({**meta, "created": secrets.token_hex(8)}, sort_keys=True).encode()
-        # HSETNX in the script: of several PS processes creating one table, exactly one wins
-        created = self._run_scripted(
-            lambda pipe: self._script(pipe, _CREATE_LUA, [self._meta_key, self._rows_key], [schema.name, raw])
-        )[0]
-        if created:
-            return True
-        check_same_schema(self._meta(schema.name).schema, schema, f" in Redis namespace {self.namespace!r}")
-        return False
+        for _ in range(CREATE_TRIES):
+            # HSETNX in the script: of several PS processes creating one table, exactly one wins
+            created = self._run_scripted(
+                lambda pipe: self._script(pipe, _CREATE_LUA, [self._meta_key, self._rows_key], [schema.name, raw])
+            )[0]
+            if created:
+                return True
+            try:
+                have = self._meta(schema.name, dropping=True)
+            except TableNotFound:
+                continue  # dropped meanwhile
+            if not have.dropping:
+                check_same_schema(have.schema, schema, f" in Redis namespace {self.namespace!r}")
+                return False
+            self.drop_table(schema.name)  # a drop under way or cut short: finish it first
+        raise PSError(
+            f"table {schema.name!r} in Redis namespace {self.namespace!r} was dropped or created by others "
+            f"{CREATE_TRIES} times while this PS created it; try again"
+        )
 
     def schema(self, table: str) -> TableSchema:
         """See Store.schema."""
@@ -507,7 +537,8 @@ class RedisStore(Store):
         pipe.hgetall(self._rows_key)
         entries, counts = self._run(pipe)
         names = {_raw(name).decode() for name in entries}
-        metas = [self._parse_meta(_raw(name).decode(), _raw(raw)) for name, raw in entries.items()]
+        metas = [self._parse_any_meta(_raw(name).decode(), _raw(raw)) for name, raw in entries.items()]
+        metas = [m for m in metas if not m.dropping]
         with self._cache_lock:  # tables dropped through another PS leave the cache
             for gone in [t for t in self._cache if t not in names]:
                 del self._cache[gone]
@@ -526,8 +557,8 @@ class RedisStore(Store):
             if raw is None:
                 with self._cache_lock:
                     self._cache.pop(table, None)
-            else:
-                found[table] = self._parse_meta(table, _raw(raw)).schema
+            elif not (meta := self._parse_any_meta(table, _raw(raw))).dropping:
+                found[table] = meta.schema
         return found
 
     def list_tables(self) -> list[TableSchema]:
@@ -635,14 +666,31 @@ class RedisStore(Store):
         """See Store.clear."""
         return self._delete_buckets(self._meta(table))
 
+    def _mark(self, args: list, pipe) -> None:
+        self._script(pipe, _MARK_LUA, [self._meta_key], args)
+
     def drop_table(self, table: str) -> int | None:
-        """See Store.drop_table: rows first, metadata last, so a retried drop finishes the job."""
-        try:
-            meta = self._meta(table)
-        except TableNotFound:
-            return None
-        # rows first, metadata last: a drop cut short leaves a table that a retried drop
-        # removes, never orphan rows that a new table of this name would inherit
+        """See Store.drop_table: the metadata marked first, then the rows, then the metadata
+        removed, so a retried drop (or a create of that name) finishes the job."""
+        for _ in range(CREATE_TRIES):
+            try:
+                meta = self._meta(table, dropping=True)
+            except TableNotFound:
+                return None
+            if meta.dropping:
+                break
+            # marked first: a write planned before (even one in flight now) no longer finds the
+            # metadata it read and writes nothing, and no new one is planned; so the buckets
+            # cleared next stay empty, and no new table of this name inherits rows
+            mark = json.dumps({**json.loads(meta.raw), "dropping": True}, sort_keys=True).encode()
+            if self._run_scripted(functools.partial(self._mark, [table, meta.raw, mark]))[0]:
+                meta = self._parse_any_meta(table, mark)
+                break
+        else:
+            raise PSError(
+                f"table {table!r} in Redis namespace {self.namespace!r} kept changing while this PS "
+                "dropped it; try again"
+            )
         n = self._delete_buckets(meta)
         self._run_scripted(lambda pipe: self._script(pipe, _DROP_LUA, [self._meta_key, self._rows_key], [table]))
         with self._cache_lock:
