@@ -9,28 +9,21 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
+
+from dynemb.idtransformer import device_transform
+from dynemb.idtransformer.many import release_many, transform_many
+from dynemb.idtransformer.policy import EvictionPolicy
+from dynemb.idtransformer.transformer import IDTransformer, NoRoom, TooManyIDs, _lowest
+from dynemb.idtransformer.triton_select import lowest
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-if not CUDA:  # the interpreter runs @triton.jit kernels on CPU tensors: on before triton is imported
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# without a GPU, conftest.py turns Triton's interpreter on before anything imports the kernels
 
-import pytest  # noqa: E402
-
-from dynemb.idtransformer import device_transform  # noqa: E402
-from dynemb.idtransformer.many import release_many, transform_many  # noqa: E402
-from dynemb.idtransformer.policy import EvictionPolicy  # noqa: E402
-from dynemb.idtransformer.transformer import IDTransformer, NoRoom, TooManyIDs, _lowest  # noqa: E402
-from dynemb.idtransformer.triton_select import lowest  # noqa: E402
-
-pytestmark = [
-    pytest.mark.skipif(
-        not CUDA and os.environ.get("TRITON_INTERPRET") != "1", reason="needs a GPU or TRITON_INTERPRET=1"
-    )
-]
-if CUDA:  # every test here then runs the triton tables on the GPU: `pytest -m cuda` selects them
-    pytestmark.append(pytest.mark.cuda)
+# on a GPU every test here runs the triton tables there: `pytest -m cuda` selects them
+pytestmark = [pytest.mark.cuda] if CUDA else []
 
 FIELDS = ("slots", "admitted_ids", "admitted_slots", "evicted_ids", "evicted_slots")
 
