@@ -268,6 +268,60 @@ def test_drop_cut_short_is_finished(store, redis_namespace):
         assert store.drop_table("cut") is None
 
 
+@pytest.mark.parametrize("backend", ["standalone", pytest.param("cluster", marks=pytest.mark.cluster)])
+def test_a_drop_finished_by_another_spares_the_table_created_since(request, redis_namespace, monkeypatch, backend):
+    """Drop A marks the table and clears its first pipeline of buckets; drop B (another PS on
+    the namespace) finishes the drop, and the table is created again and written to; A's
+    remaining clears then leave the new table's rows, and A's end leaves its metadata (also
+    when A had cleared every bucket already). A clear overtaken the same way stops with
+    TableNotFound, the new table's rows and count intact."""
+    if backend == "standalone":
+        url = request.getfixturevalue("redis_url")
+    else:
+        url = request.getfixturevalue("redis_cluster").url
+    a = RedisStore.from_url(url, namespace=redis_namespace, num_buckets=16)
+    b = RedisStore.from_url(url, namespace=redis_namespace, num_buckets=16)
+    old, new = TableSchema("again", dim=2), TableSchema("again", dim=3)
+    rng = np.random.default_rng(12)
+    ids = unique_ids(rng, 600)
+    new_ids, new_rows = ids[:400], random_rows(rng, 400, new)
+    run_scripted = a._run_scripted
+    clear_sha = a._sha(redis_store._CLEAR_BUCKET_LUA)
+    overtaken: list = []
+
+    def overtake(fill):
+        queued = redis_store._Queued()
+        fill(queued)
+        replies = run_scripted(fill)
+        if queued.commands[0][1] == clear_sha and not overtaken:  # after A's first pipeline
+            overtaken.append(b.drop_table("again"))
+            b.create_table(new)
+            b.push("again", new_ids, new_rows)
+        return replies
+
+    a._run_scripted = overtake
+    for step, per_pipeline in (("drop", 4), ("clear", 4), ("drop", 16)):
+        monkeypatch.setattr(redis_store, "PIPELINE_MAX_IDS", per_pipeline)  # buckets per pipeline of clears
+        in_first = int(sum(expected_bucket(i, 16) < per_pipeline for i in ids.tolist()))
+        overtaken.clear()
+        b.create_table(old)
+        b.push("again", ids, random_rows(rng, 600, old))
+        if step == "drop":
+            assert a.drop_table("again") == in_first  # what A removed itself
+        else:
+            with pytest.raises(TableNotFound, match=f"dropped meanwhile, after {in_first} of its rows"):
+                a.clear("again")
+        assert overtaken == [600 - in_first]
+        assert b.schema("again") == new
+        got, found = b.pull("again", new_ids)
+        assert found.all()
+        np.testing.assert_array_equal(got, new_rows)
+        assert b.num_rows("again") == 400
+        assert b.drop_table("again") == 400
+    a.close()
+    b.close()
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_compiled_row_path_and_redis_py_agree(redis_url, redis_namespace, dtype):
     """The compiled row path (one call builds a pull's HMGETs or a push's script, one reads

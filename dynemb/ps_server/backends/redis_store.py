@@ -32,7 +32,16 @@ that the next table of that name would read as its own. On Cluster the writes ar
 per-bucket commands (the buckets span slots, so no script sees the metadata), without that check.
 A drop first marks the metadata ("dropping": the table is then gone to every call but a drop,
 and writes planned before find other metadata), then clears the buckets, then removes the
-metadata; a drop cut short is finished by the next drop or create of that name.
+metadata; a drop cut short is finished by the next drop or create of that name. Several PS
+processes may drop one table at once: a bucket clear, and the metadata's removal, happen only
+while the metadata is still the mark, so a drop that another finished first stops (reporting
+the rows it removed) instead of clearing the buckets of a table created since under that name;
+a `clear` likewise stops, with TableNotFound, once its table is dropped. On standalone Redis
+each bucket's clear script checks the metadata, so this is exact. On Cluster the clear scripts
+cannot see the metadata (another slot): it is read before each pipeline of clears (65536
+buckets), so a drop finished and the table created again and written to, all between that read
+and the pipeline's arrival (about a round trip), still loses those writes to the old drop; the
+row count is changed only while the metadata is unchanged (same slot: exact).
 
 Every call reads the table's metadata first (one HGET), so PS processes sharing a namespace
 see each other's creates and drops; parsed metadata is cached by its raw bytes (a bounded
@@ -121,11 +130,15 @@ _ADD_COUNT_LUA = (
     "if n ~= 0 and redis.call('HEXISTS', KEYS[ROWS], ARGV[1]) == 1 then "
     "redis.call('HINCRBY', KEYS[ROWS], ARGV[1], n) end"
 )
-# Counts and deletes bucket KEYS[1] atomically, so clear/drop report exactly what they removed;
-# on standalone Redis (ARGV[2] '1') the count in KEYS[2] goes down in the same script.
+# Counts and deletes bucket KEYS[1] atomically, so clear/drop report exactly what they removed.
+# On standalone Redis (KEYS[2] the table hash, KEYS[3] the row-count hash) only while table
+# ARGV[1]'s metadata is still ARGV[2] (else nothing, and -1: the table was dropped, perhaps
+# created again, since), and its count goes down in the same script. On Cluster (KEYS[1] alone)
+# the table hash is in another slot: the caller checks it, and changes the count (_CLEARED_ROWS_LUA).
 _CLEAR_BUCKET_LUA = (
+    "if #KEYS == 3 and redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return -1 end "
     "local n = redis.call('HLEN', KEYS[1]) if n > 0 then redis.call('UNLINK', KEYS[1]) end "
-    "if ARGV[2] == '1' then n = -n " + _ADD_COUNT_LUA.replace("ROWS", "2") + " n = -n end return n"
+    "if #KEYS == 3 then n = -n " + _ADD_COUNT_LUA.replace("ROWS", "3") + " n = -n end return n"
 )
 # Standalone Redis: one pipeline's writes and the count change, atomically, if the table's
 # metadata is still what the write was planned with (else nothing, and -1: the table was
@@ -148,6 +161,13 @@ _WRITE_SCRIPTS = {
 }
 # Cluster, after a pipeline's writes: KEYS[1] the row-count hash, ARGV[1] the table, ARGV[2] the change.
 _ADD_ROWS_LUA = "local n = tonumber(ARGV[2]) " + _ADD_COUNT_LUA.replace("ROWS", "1")
+# Cluster, after a pipeline of bucket clears: KEYS[1] the table hash, KEYS[2] the row-count hash
+# (one slot); table ARGV[1]'s count changes by ARGV[3] if its metadata is still ARGV[2].
+_CLEARED_ROWS_LUA = (
+    "if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then local n = tonumber(ARGV[3]) "
+    + _ADD_COUNT_LUA.replace("ROWS", "2")
+    + " end"
+)
 # KEYS[1] the table hash, KEYS[2] the row-count hash: a table and its count of 0, or nothing.
 _CREATE_LUA = (
     "if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then "
@@ -158,7 +178,13 @@ _MARK_LUA = (
     "if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then "
     "redis.call('HSET', KEYS[1], ARGV[1], ARGV[3]) return 1 end return 0"
 )
-_DROP_LUA = "redis.call('HDEL', KEYS[2], ARGV[1]) return redis.call('HDEL', KEYS[1], ARGV[1])"
+# KEYS[1] the table hash, KEYS[2] the row-count hash: table ARGV[1] and its count removed if its
+# metadata is still ARGV[2] (the mark of this drop: another drop may have finished it and a
+# create made a new table of that name since), else nothing.
+_DROP_LUA = (
+    "if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end "
+    "redis.call('HDEL', KEYS[2], ARGV[1]) return redis.call('HDEL', KEYS[1], ARGV[1])"
+)
 
 
 def meta_key(namespace: str) -> bytes:
@@ -651,27 +677,66 @@ class RedisStore(Store):
             raise self._gone(meta.schema.name)
         return n
 
-    def _delete_buckets(self, meta: _TableMeta) -> int:
-        def clear(pipe, key: bytes) -> None:
-            if self.cluster:  # keys of one slot only: the count is changed afterwards
-                self._script(pipe, _CLEAR_BUCKET_LUA, [key], [meta.schema.name, b"0"])
-            else:
-                self._script(pipe, _CLEAR_BUCKET_LUA, [key, self._rows_key], [meta.schema.name, b"1"])
+    def _delete_buckets(self, meta: _TableMeta) -> tuple[int, bool]:
+        """Clear the table's buckets while its metadata is still meta.raw, pipeline by pipeline.
 
-        n = int(sum(self._each_bucket(meta, clear)))
-        self._add_rows(meta.schema.name, -n)
-        return n
+        A clear or drop that outlives its table (finished by another PS's drop, perhaps created
+        again under the name since) stops rather than remove the new table's rows. On standalone
+        Redis each bucket's script checks the metadata, so that holds exactly; on Cluster it is
+        read before each pipeline (see the module doc for what that leaves).
+
+        Returns:
+            (rows removed, whether every bucket was cleared: False if it stopped).
+        """
+        name = meta.schema.name
+        removed = 0
+        for lo in range(0, meta.num_buckets, PIPELINE_MAX_IDS):
+            keys = [meta.key(b) for b in range(lo, min(lo + PIPELINE_MAX_IDS, meta.num_buckets))]
+            if self.cluster:  # the scripts cannot see the table hash (another slot)
+                with self._redis():
+                    raw = self.client.hget(self._meta_key, name)
+                if raw is None or _raw(raw) != meta.raw:
+                    return removed, False
+
+                def fill(pipe, keys=keys) -> None:
+                    for key in keys:
+                        self._script(pipe, _CLEAR_BUCKET_LUA, [key], [name])
+
+            else:
+
+                def fill(pipe, keys=keys) -> None:
+                    for key in keys:
+                        self._script(pipe, _CLEAR_BUCKET_LUA, [key, self._meta_key, self._rows_key], [name, meta.raw])
+
+            counts = [int(c) for c in self._run_scripted(fill)]
+            n = sum(c for c in counts if c > 0)
+            removed += n
+            if self.cluster and n:
+
+                def count(pipe, n=n) -> None:
+                    self._script(pipe, _CLEARED_ROWS_LUA, [self._meta_key, self._rows_key], [name, meta.raw, -n])
+
+                self._run_scripted(count)
+            if any(c < 0 for c in counts):  # the metadata changed: every later bucket said so too
+                return removed, False
+        return removed, True
 
     def clear(self, table: str) -> int:
-        """See Store.clear."""
-        return self._delete_buckets(self._meta(table))
+        """See Store.clear; TableNotFound if the table is dropped while it clears."""
+        n, whole = self._delete_buckets(self._meta(table))
+        if not whole:
+            err = self._not_found(table)
+            raise TableNotFound(f"{err} (dropped meanwhile, after {n} of its rows were cleared)")
+        return n
 
     def _mark(self, args: list, pipe) -> None:
         self._script(pipe, _MARK_LUA, [self._meta_key], args)
 
     def drop_table(self, table: str) -> int | None:
         """See Store.drop_table: the metadata marked first, then the rows, then the metadata
-        removed, so a retried drop (or a create of that name) finishes the job."""
+        removed, so a retried drop (or a create of that name) finishes the job. A drop that
+        another PS's drop finishes first stops there (a new table of the name may exist by
+        then) and returns the rows it removed itself."""
         for _ in range(CREATE_TRIES):
             try:
                 meta = self._meta(table, dropping=True)
@@ -691,8 +756,11 @@ class RedisStore(Store):
                 f"table {table!r} in Redis namespace {self.namespace!r} kept changing while this PS "
                 "dropped it; try again"
             )
-        n = self._delete_buckets(meta)
-        self._run_scripted(lambda pipe: self._script(pipe, _DROP_LUA, [self._meta_key, self._rows_key], [table]))
+        n, whole = self._delete_buckets(meta)
+        if whole:
+            self._run_scripted(
+                lambda pipe: self._script(pipe, _DROP_LUA, [self._meta_key, self._rows_key], [table, meta.raw])
+            )
         with self._cache_lock:
             self._cache.pop(table, None)
         return n
