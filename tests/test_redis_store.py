@@ -852,7 +852,7 @@ def test_row_counts_follow_every_write_without_scanning_buckets(store, redis_url
     r.close()
 
 
-def test_a_row_count_below_zero_is_recounted(store, redis_url, redis_namespace):
+def test_a_row_count_below_zero_is_recounted(store, redis_url, redis_namespace, caplog):
     """A push still in flight when its table was dropped writes its rows into the buckets of the
     table created next under that name with no count (the count went with the drop): deleting
     them then took the new table's count below 0, and ListTables failed with INTERNAL (a row
@@ -871,6 +871,9 @@ def test_a_row_count_below_zero_is_recounted(store, redis_url, redis_namespace):
         == true_rows(r, redis_namespace, "late")
     )
     assert int(r.hget(rows, "late")) == 2 and store.num_rows("late") == 2
+    (record,) = [rec for rec in caplog.records if "row count was below 0" in rec.getMessage()]
+    assert record.levelname == "WARNING"
+    assert "'late'" in record.getMessage() and "should not happen: please report it" in record.getMessage()
     r.hset(rows, "late", -1)
     assert store.num_rows("late") == 2
     r.close()

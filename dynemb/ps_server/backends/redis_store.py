@@ -634,7 +634,18 @@ class RedisStore(Store):
             if self.client.hget(self._meta_key, meta.schema.name) != meta.raw:
                 raise self._not_found(meta.schema.name)  # dropped (or re-created) meanwhile
             if wrong:
-                log.warning("table %r: its row count was below 0; recounted %d rows", meta.schema.name, n)
+                log.warning(
+                    "table %r in Redis namespace %r: its row count was below 0; recounted %d rows from its "
+                    "buckets. This should not happen%s: please report it to the dynemb developers with this "
+                    "line, the dynemb version, and which PS processes created, dropped or wrote to the table then",
+                    meta.schema.name,
+                    self.namespace,
+                    n,
+                    " (on Cluster, unless a PS was killed between a write and its count change, or a write was "
+                    "in flight when the table was dropped)"
+                    if self.cluster
+                    else "",
+                )
                 self.client.hset(self._rows_key, meta.schema.name, n)
             else:
                 self.client.hsetnx(self._rows_key, meta.schema.name, n)
