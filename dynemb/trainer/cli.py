@@ -153,6 +153,7 @@ def _failure(exc: Exception) -> tuple[str, int | None] | None:
     from dynemb.idtransformer.sharded import BatchRefused
     from dynemb.idtransformer.transformer import NoRoom, TooManyIDs
     from dynemb.ps_server.errors import PSError, TableExists
+    from dynemb.trainer.config import table_name
     from dynemb.trainer.data import BadLine
     from dynemb.trainer.full_tables import IDOutOfRange
 
@@ -171,7 +172,7 @@ def _failure(exc: Exception) -> tuple[str, int | None] | None:
         more = sum(map(len, exc.refused_by)) - 1  # shares refused: (table, rank) pairs
         by = f" (ranks {', '.join(map(str, refusing))})" if world > 1 else ""
         others = f"; {more} more of its tables' shares were refused{by}" if more else ""
-        where = f"table t_{t}" + (f" on rank {rank}" if world > 1 else "")
+        where = f"table {table_name(t)}" + (f" on rank {rank}" if world > 1 else "")
         return f"{fits}: {where}: {first}{others}; {_FIT_ADVICE}", refusing[0]
     if isinstance(exc, (TooManyIDs, NoRoom)):
         return f"a batch does not fit its table: {exc}; {_FIT_ADVICE}", 0

@@ -20,6 +20,12 @@ DEVICES = ("auto", "cpu", "cuda")
 MODELS = ("dlrm", "plain")
 
 
+def table_name(feature: int) -> str:
+    """The name of the trainer's table of sparse feature number `feature` (data.feature_names):
+    t_<feature>. On the PS it carries --ps-table-prefix in front (schemas.ps_schema)."""
+    return f"t_{feature}"
+
+
 def optimizer_state_width(optimizer: str, dim: int) -> int:
     """Floats of optimizer state per row, stored after the embedding in a PS row."""
     return {"sgd": 0, "adagrad": dim, "rowwise_adagrad": 1, "adam": 2 * dim}[optimizer]
@@ -152,11 +158,12 @@ class TrainConfig:
             )
         if self.dense_arch[-1] != self.table.dim:
             raise ValueError(f"dense_arch must end at the embedding dim {self.table.dim}, got {self.dense_arch}")
-        names = {f"t_{i}" for i in range(self.data.num_sparse)}
+        names = {table_name(i) for i in range(self.data.num_sparse)}
         per_table = {f.name for f in dataclasses.fields(TableConfig)} - {"dim", "dynamic"}
         for name, over in self.tables.items():
             if name not in names:
-                raise ValueError(f"tables: no table {name!r} (the tables are t_0 ... t_{self.data.num_sparse - 1})")
+                last = table_name(self.data.num_sparse - 1)
+                raise ValueError(f"tables: no table {name!r} (the tables are {table_name(0)} ... {last})")
             bad = set(over) - per_table
             if bad:
                 raise ValueError(f"tables.{name}: {sorted(bad)} cannot be set per table (only {sorted(per_table)})")

@@ -37,7 +37,8 @@ class BadLine(ValueError):
 
 
 def feature_names(num_sparse: int) -> list[str]:
-    """The KJT keys of the sparse features: cat_0 ... cat_{num_sparse - 1}."""
+    """The KJT keys of the sparse features: cat_0 ... cat_{num_sparse - 1} (feature i's table is
+    config.table_name(i))."""
     return [f"cat_{i}" for i in range(num_sparse)]
 
 

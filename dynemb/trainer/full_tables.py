@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dynemb.trainer.config import TrainConfig
+from dynemb.trainer.config import TrainConfig, table_name
 from dynemb.trainer.data import feature_names
 from dynemb.trainer.device import collective_device
 from dynemb.trainer.jagged import Batch, KeyedJaggedTensor
@@ -195,7 +195,7 @@ def full_batches(
 def table_rows(cfg: TrainConfig) -> tuple[dict[str, int], dict[str, str]]:
     """Per feature, the rows of its full table and that table's name, as model.build() makes them."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    names = {f: f"t_{i}" for i, f in enumerate(feature_names(cfg.data.num_sparse))}
+    names = {f: table_name(i) for i, f in enumerate(feature_names(cfg.data.num_sparse))}
     return {f: table_rows_total(cfg, world, t) for f, t in names.items()}, names
 
 

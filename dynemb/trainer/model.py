@@ -36,7 +36,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from dynemb.ps_server.initializer import initial_rows
 from dynemb.ps_server.schema import TableSchema
-from dynemb.trainer.config import TrainConfig
+from dynemb.trainer.config import TrainConfig, table_name
 from dynemb.trainer.data import feature_names
 from dynemb.trainer.schemas import ps_schema, table_rows_total
 from dynemb.trainer.sparse_adam import RowSparseAdam, TrainedOptimizer, fused_tbes
@@ -103,9 +103,9 @@ def build(cfg: TrainConfig, device: torch.device = _CPU) -> Built:
     features = feature_names(cfg.data.num_sparse)
     tables = [
         EmbeddingBagConfig(
-            name=f"t_{i}",
+            name=table_name(i),
             embedding_dim=cfg.table.dim,
-            num_embeddings=table_rows_total(cfg, world, f"t_{i}"),
+            num_embeddings=table_rows_total(cfg, world, table_name(i)),
             feature_names=[f],
         )
         for i, f in enumerate(features)

@@ -26,7 +26,7 @@ from torch import nn
 from dynemb.common.errors import UserError
 from dynemb.idtransformer.policy import EvictionPolicy
 from dynemb.ps_server.initializer import initial_rows
-from dynemb.trainer.config import TrainConfig
+from dynemb.trainer.config import TrainConfig, table_name
 from dynemb.trainer.data import SyntheticCriteo, feature_names, file_batches
 from dynemb.trainer.device import init_distributed, resolve_device
 from dynemb.trainer.dynamic import DynamicTables, DynamicTableSpec
@@ -84,7 +84,7 @@ class PlainModel(nn.Module):
         self.over = _mlp([cfg.dense_arch[-1] + dim * len(self.features), *cfg.over_arch], last_relu=False)
         self.tables = nn.ModuleList()
         for i in range(len(self.features)):
-            name = f"t_{i}"
+            name = table_name(i)
             rows = table_rows_total(cfg, 1, name)
             weight = torch.zeros(rows, dim)
             if not cfg.table_config(name).dynamic:  # every ID's row starts as the PS would hand it out
@@ -126,7 +126,7 @@ def _table_rows(model: PlainModel, sparse: torch.optim.Optimizer) -> dict[str, T
         assert isinstance(table, nn.EmbeddingBag)
         state = sparse.state[table.weight]  # Adagrad makes its state when made; SGD has none
         states = [state["sum"]] if "sum" in state else []
-        out[f"t_{i}"] = TableRows(f"t_{i}", table.weight, states, 0)
+        out[table_name(i)] = TableRows(table_name(i), table.weight, states, 0)
     return out
 
 
@@ -161,9 +161,9 @@ def train_plain(cfg: TrainConfig) -> TrainResult:
         if cfg.table.dynamic:
             specs = []
             for i, feature in enumerate(model.features):
-                t = cfg.table_config(f"t_{i}")
+                t = cfg.table_config(table_name(i))
                 policy = EvictionPolicy(t.policy, evict_fraction=t.evict_fraction, ttl_steps=t.ttl_steps or None)
-                specs.append(DynamicTableSpec(f"t_{i}", [feature], ps_schema(cfg, i), policy, t.admit_threshold))
+                specs.append(DynamicTableSpec(table_name(i), [feature], ps_schema(cfg, i), policy, t.admit_threshold))
             rows = _table_rows(model, optimizers[0])
             dynamic = DynamicTables(rows, specs, store, TrainerMetrics(0), device=device)
         result = _loop(cfg, model, optimizers, dynamic, device)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from dynemb.ps_server.schema import Initializer, TableSchema
-from dynemb.trainer.config import TrainConfig, optimizer_state_width
+from dynemb.trainer.config import TrainConfig, optimizer_state_width, table_name
 
 
 def table_rows_total(cfg: TrainConfig, world_size: int, name: str) -> int:
@@ -22,9 +22,9 @@ def table_rows_total(cfg: TrainConfig, world_size: int, name: str) -> int:
 
 def ps_schema(cfg: TrainConfig, feature: int) -> TableSchema:
     """The PS schema of table t_<feature>: fp32, uniform in ±init_scale (default 1/sqrt(dim))."""
-    scale = cfg.table_config(f"t_{feature}").init_scale or 1.0 / math.sqrt(cfg.table.dim)
+    scale = cfg.table_config(table_name(feature)).init_scale or 1.0 / math.sqrt(cfg.table.dim)
     return TableSchema(
-        name=f"{cfg.ps_table_prefix}t_{feature}",
+        name=cfg.ps_table_prefix + table_name(feature),
         dim=cfg.table.dim,
         state_width=optimizer_state_width(cfg.optimizer, cfg.table.dim),
         dtype="fp32",

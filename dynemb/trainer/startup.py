@@ -32,7 +32,7 @@ from dynemb.ps_server.errors import PSError
 from dynemb.ps_server.schema import TableSchema
 from dynemb.trainer.checkpoint import check_settings, data_start
 from dynemb.trainer.checkpoint_format import CheckpointError, checkpoints, read_manifest
-from dynemb.trainer.config import TrainConfig
+from dynemb.trainer.config import TrainConfig, table_name
 from dynemb.trainer.row_store import RowStore
 from dynemb.trainer.schemas import ps_schema
 
@@ -95,7 +95,7 @@ def check_before_training(cfg: TrainConfig, store: RowStore) -> None:
     """Collective: the checks above (and --fresh's drop); raises the same error on every rank.
     Made before the model is built: a job refused is told at once."""
     rank = dist.get_rank()
-    schemas = {f"t_{i}": ps_schema(cfg, i) for i in range(cfg.data.num_sparse)}  # as build() names them
+    schemas = {table_name(i): ps_schema(cfg, i) for i in range(cfg.data.num_sparse)}  # as build() names them
     mine: Exception | None = None
     if rank == 0 or store.per_rank:
         try:

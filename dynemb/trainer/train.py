@@ -38,7 +38,7 @@ from dynemb.idtransformer.hashing import owner_of
 from dynemb.idtransformer.policy import EvictionPolicy
 from dynemb.trainer.checkpoint import Checkpointer
 from dynemb.trainer.collectives import all_gather_ragged
-from dynemb.trainer.config import TrainConfig
+from dynemb.trainer.config import TrainConfig, table_name
 from dynemb.trainer.data import SyntheticCriteo, batches_per_epoch, count_distinct_ids, file_batches
 from dynemb.trainer.device import init_distributed, resolve_device
 from dynemb.trainer.dynamic import DynamicTables, DynamicTableSpec
@@ -89,7 +89,7 @@ def size_tables(cfg: TrainConfig) -> TrainConfig:
     count of its feature's distinct IDs (rank 0 counts in one pass, every rank gets the counts):
     a dynamic table --capacity-fraction of them, a full table as many rows as IDs (which, under
     id mod rows, still collide: the hashing trick has no one-to-one size)."""
-    names = [f"t_{i}" for i in range(cfg.data.num_sparse)]
+    names = [table_name(i) for i in range(cfg.data.num_sparse)]
     if cfg.data.source == "synthetic" or cfg.data.universe or all(cfg.table_config(n).capacity for n in names):
         return cfg
     counts: list[Any] = [count_distinct_ids(cfg.data, cfg.progress) if dist.get_rank() == 0 else None]
