@@ -146,11 +146,11 @@ def test_pin_overflow_and_double_release_change_nothing(backend):
         t.transform(torch.tensor([2, 1, 4]), pin=True)  # 2 and 4 could be pinned, 1 cannot
     # refused before anything changed: 4 not admitted, nothing touched or pinned, same step
     assert torch.equal(t.records, records) and t.step == step
-    assert len(t) == 3 and int(t.map.find(torch.tensor([4]))) == -1
+    assert len(t) == 3 and int(t.map.find(torch.tensor([4], device=t.device))) == -1
     assert before.view(torch.uint8)[:, 13].sum() + 2 == records.view(torch.uint8)[:, 13].sum()
     t.release(last.distinct_slots, distinct=True)  # 1 to 254, 2 to 0
     pins = t.pins.clone()
-    three = t.map.find(torch.tensor([3]))
+    three = t.map.find(torch.tensor([3], device=t.device))
     for bad in (torch.cat([one, three]), torch.cat([three, one])):  # 3 was never pinned
         with pytest.raises(ValueError, match=r"release of slots that are not pinned \(released twice\?\)"):
             t.release(bad, distinct=True)
