@@ -43,12 +43,20 @@ While Cluster slots move (a master added, a reshard), commands follow ASK and MO
 helped to reach a master that owns no slot yet), and scripts that meet TRYAGAIN or NOSCRIPT are
 sent again (_run_scripted); tests/test_cluster_reshard.py moves slots under load.
 
-On standalone Redis, pull, push and delete take the compiled row path (csrc/redis_rows_module.cpp):
-one call groups the ids by bucket and writes the whole pipeline (HMGETs, or the write script's
-EVALSHA) as Redis protocol bytes, sent on a pooled connection; the replies are read from its
-socket into a per-thread buffer and copied into the rows run by run as they arrive, so no row
-becomes a Python object. The commands, keys and scripts are redis-py's path's own, so either
-reads what the other wrote. On Cluster a table's buckets span nodes: redis-py's commands serve.
+Pull, push and delete take the compiled row path (csrc/redis_rows_module.cpp): one call groups
+the ids by bucket and writes the whole pipeline (HMGETs, or the write script's EVALSHA) as Redis
+protocol bytes, sent on a pooled connection; the replies are read from its socket into a
+per-thread buffer and copied into the rows run by run as they arrive, so no row becomes a Python
+object. The commands, keys and scripts are redis-py's path's own, so either reads what the other
+wrote. On Cluster the compiled module also tells each id's node (its bucket's slot, looked up in
+an array of the 16384 slots' nodes rebuilt whenever redis-py's slot map changes); each node gets
+its own pipeline (HMGETs, or plain HSETs / HDELs whose replies sum to the count change) on a
+connection from that node's pool, every request sent before any reply is read, so the nodes work
+at once. A command answered MOVED, ASK, TRYAGAIN or CLUSTERDOWN while slots move, and a node's
+part whose connection failed, are sent again through redis-py's commands, which follow the
+redirect (a MOVED updates redis-py's slot map first). A write whose connection dropped after it
+was sent is written again, and rows it had already added then go uncounted (as with redis-py's
+own retries).
 """
 
 from __future__ import annotations
