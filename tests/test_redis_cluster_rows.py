@@ -9,10 +9,12 @@ import binascii
 import numpy as np
 import pytest
 import redis
+from redis.crc import key_slot
 
 from dynemb.ps_server.backends import redis_store
 from dynemb.ps_server.backends.redis_store import RedisStore, bucket_of
 from dynemb.ps_server.errors import PSError
+from dynemb.ps_server.native import redis_rows
 from dynemb.ps_server.schema import TableSchema
 from dynemb.testing.local_redis import RedisClusterProcesses
 
@@ -63,6 +65,25 @@ def node_calls(cluster: RedisClusterProcesses, command: str) -> list[int]:
         out.append(int(c.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0)))
         c.close()
     return out
+
+
+@pytest.mark.parametrize("num_buckets", [1, 4096, 1 << 28, (1 << 32) - 1])
+def test_slot_nodes_match_redis_py_key_slot(num_buckets):
+    """The compiled node lookup hashes each id's bucket key's tag exactly as Redis Cluster does
+    (redis-py's key_slot of the whole key), for any bucket count up to 2**32 - 1."""
+    mod = redis_rows()
+    rng = np.random.default_rng(num_buckets % 1000)
+    ids = np.concatenate([AWKWARD_IDS, unique_ids(rng, 3000)])
+    prefix = redis_store.bucket_prefix("ns", "a_table.v-2")
+    slot_node = rng.integers(-1, 7, 16384, dtype=np.int32)  # any map: each slot's own value comes back
+    out = np.empty(len(ids), dtype=np.int32)
+    mod.slot_nodes(ids, num_buckets, prefix.rpartition(b"{")[2], slot_node, out)
+    keys = [prefix + b"%d}" % b for b in bucket_of(ids, num_buckets).tolist()]
+    np.testing.assert_array_equal(out, slot_node[[key_slot(k) for k in keys]])
+    with pytest.raises(ValueError, match="16384"):
+        mod.slot_nodes(ids, num_buckets, b"t.", slot_node[:100], out)
+    with pytest.raises(ValueError, match="num_buckets"):
+        mod.slot_nodes(ids, 0, b"t.", slot_node, out)
 
 
 @pytest.mark.cluster
