@@ -72,6 +72,7 @@ import secrets
 import socket
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -255,10 +256,12 @@ class _SlotMapWatch:
     """Told by redis-py whenever its slot map changes (a full refresh or a MOVED)."""
 
     def __init__(self, store: RedisStore) -> None:
-        self.store = store
+        self.store = weakref.ref(store)  # the client (its dispatcher) must not keep the store alive
 
     def listen(self, event: object) -> None:
-        self.store._slot_changed()
+        store = self.store()
+        if store is not None:
+            store._slot_changed()
 
 
 def _timed_out(exc: BaseException) -> bool:
