@@ -3,6 +3,7 @@
 - PS memory: the resident set size of the PS process (psutil), so only for a PS on this machine.
 - Redis memory: `used_memory` from INFO memory (what Redis itself has allocated).
 - CPU time: the PS process's (psutil) and Redis's (INFO cpu), to show who was busy.
+- On a Cluster: Redis memory and CPU summed over its masters.
 - PS errors: `dynemb_ps_errors_total` from the PS's /metrics, by status code.
 
 Memory growth is judged on smoothed figures: the median of the samples in the window that
@@ -23,15 +24,20 @@ from prometheus_client.parser import text_string_to_metric_families
 
 
 class MemorySampler:
-    def __init__(self, ps_pid: int | None, redis_url: str | None) -> None:
+    """Samples the PS's RSS and Redis's used_memory; with several Redis URLs (a Cluster's
+    masters) the Redis figures, memory and CPU, are their sums."""
+
+    def __init__(self, ps_pid: int | None, redis_url: str | list[str] | None) -> None:
         self.ps = psutil.Process(ps_pid) if ps_pid else None
-        self.redis = redis.Redis.from_url(redis_url) if redis_url else None
+        urls = [redis_url] if isinstance(redis_url, str) else list(redis_url or [])
+        self.nodes = [redis.Redis.from_url(u) for u in urls]
+        self.redis = self.nodes[0] if self.nodes else None
         self.times: list[float] = []
         self.ps_rss: list[float] = []
         self.redis_used: list[float] = []
 
     def redis_used_memory(self) -> int:
-        return int(self.redis.info("memory")["used_memory"])
+        return sum(int(r.info("memory")["used_memory"]) for r in self.nodes)
 
     def reset(self) -> None:
         self.times.clear()
@@ -50,14 +56,14 @@ class MemorySampler:
         if self.ps:
             t = self.ps.cpu_times()
             ps = t.user + t.system
-        if self.redis:
-            info = self.redis.info("cpu")
-            redis_cpu = float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+        if self.nodes:
+            infos = [r.info("cpu") for r in self.nodes]
+            redis_cpu = sum(float(i["used_cpu_user"]) + float(i["used_cpu_sys"]) for i in infos)
         return {"ps": ps, "redis": redis_cpu}
 
     def close(self) -> None:
-        if self.redis is not None:
-            self.redis.close()
+        for r in self.nodes:
+            r.close()
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,15 @@
     .venv/bin/python bench/ps_load.py --soak           # release soak: the same for 1 hour, progress every minute
     .venv/bin/python bench/ps_load.py --clients 8 --duration 10          # a quick look
     .venv/bin/python bench/ps_load.py --redis redis://10.0.0.5:6379/0    # your Redis; a PS is started here on it
+    .venv/bin/python bench/ps_load.py --cluster 3      # a 3-master Redis Cluster started here instead
     .venv/bin/python bench/ps_load.py --ps 10.0.0.7:50051 --redis redis://10.0.0.5:6379/0 \\
         --ps-metrics http://10.0.0.7:9090/metrics     # a running PS (add --ps-pid PID when it runs on this machine)
 
 What happens:
  1. Unless --ps is given, a redis-server (on a free port; no persistence) and a PS over it
-    are started as child processes (redis-server: DYNEMB_REDIS_SERVER, .bin/ or PATH).
+    are started as child processes (redis-server: DYNEMB_REDIS_SERVER, .bin/ or PATH); with
+    --cluster N a Redis Cluster of N masters instead, whose memory and CPU figures are the sums
+    over its masters.
  2. A table (--table, rows of --dim embedding + --state-width optimizer-state floats) is
     created and every id of the id space (--id-space random 62-bit ids) is written: the
     prefill. From then on no request adds a row, so Redis memory has no reason to grow.
@@ -59,7 +62,7 @@ from dynemb.ps_server.client import PSClient  # noqa: E402
 from dynemb.ps_server.errors import PSError  # noqa: E402
 from dynemb.ps_server.schema import TableSchema  # noqa: E402
 from dynemb.testing.local_ps import LocalPS  # noqa: E402
-from dynemb.testing.local_redis import RedisProcess  # noqa: E402
+from dynemb.testing.local_redis import RedisClusterProcesses, RedisProcess  # noqa: E402
 
 MiB = 1 << 20
 PREFILL_CHUNK = 16384
@@ -74,7 +77,7 @@ class SetupError(Exception):
 class Target:
     address: str
     ps_pid: int | None
-    redis_url: str | None
+    redis_url: str | list[str] | None  # what to sample: a server, or a Cluster's masters
     metrics_url: str | None
     describe: str
     local_ps: LocalPS | None = None  # the PS started here, for its log
@@ -162,6 +165,12 @@ def parse_args(argv) -> argparse.Namespace:
         "or to start the PS on (without); a standalone server",
     )
     where.add_argument(
+        "--cluster",
+        type=int,
+        metavar="MASTERS",
+        help="start a Redis Cluster of this many masters (no replicas) for the PS instead of one redis-server",
+    )
+    where.add_argument(
         "--namespace", default="ps_load", help="Redis key prefix of a PS started here [default %(default)s]"
     )
     where.add_argument("--table", default="ps_load", help="table to create and load [default %(default)s]")
@@ -196,6 +205,10 @@ def parse_args(argv) -> argparse.Namespace:
         )
     if args.procs > args.clients:
         p.error(f"--procs {args.procs} is more than --clients {args.clients}")
+    if args.cluster is not None and args.cluster < 1:
+        p.error(f"--cluster must be at least 1 master, got {args.cluster}")
+    if args.cluster and (args.ps or args.redis):
+        p.error("--cluster starts a Cluster for a PS started here: not with --ps or --redis")
     if args.ps is None and (args.ps_pid or args.ps_metrics):
         p.error("--ps-pid and --ps-metrics describe a running PS: give its address with --ps")
     if args.redis and not args.redis.startswith(("redis://", "rediss://", "unix://")):
@@ -213,9 +226,18 @@ def attach(args, stack: ExitStack) -> Target:
                 raise SetupError(f"--ps-pid {args.ps_pid}: no such process on this machine") from None
         return Target(args.ps, args.ps_pid, args.redis, args.ps_metrics, f"the PS at {args.ps}")
     redis_url = args.redis
-    if redis_url is None:
+    sampled: str | list[str] | None = redis_url
+    if args.cluster:
         try:
-            redis_url = stack.enter_context(RedisProcess()).url
+            cluster = RedisClusterProcesses(masters=args.cluster).start()
+        except (FileNotFoundError, RuntimeError) as exc:
+            raise SetupError(f"could not start a Redis Cluster: {exc}") from None
+        stack.callback(cluster.close)
+        redis_url = cluster.url
+        sampled = [f"redis://{a}/0" for a in cluster.addresses]
+    elif redis_url is None:
+        try:
+            redis_url = sampled = stack.enter_context(RedisProcess()).url
         except (FileNotFoundError, RuntimeError) as exc:
             raise SetupError(f"could not start redis-server: {exc}") from None
     ps = LocalPS(
@@ -228,7 +250,7 @@ def attach(args, stack: ExitStack) -> Target:
     return Target(
         ps.address,
         ps.proc.pid,
-        redis_url,
+        sampled,
         f"http://127.0.0.1:{ps.metrics_port}/metrics",
         f"a PS started here ({ps.address}, pid {ps.proc.pid}) over {redis_url}",
         ps,

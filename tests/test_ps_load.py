@@ -84,6 +84,26 @@ def test_short_run_passes_with_zero_errors_and_sane_figures(tmp_path):
     assert r["cpu_seconds"]["ps"] > 0 and r["cpu_seconds"]["redis"] > 0 and r["cpu_seconds"]["clients"] > 0
 
 
+@pytest.mark.cluster
+def test_a_run_on_a_cluster_it_starts_sums_redis_over_the_masters(tmp_path, redis_binaries):
+    args = ["--clients", "2", "--procs", "1", "--duration", "4", "--batch", "128", "--id-space", "2000"]
+    done, r = run_bench(*args, "--cluster", "3", "--warmup-fraction", "0.5", tmp_path=tmp_path)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr[-3000:]}"
+    assert r["ok"] and r["errors_total"] == 0 and "over redis+cluster://" in r["target"]
+    assert r["rows_stored"] == {"before": 2000, "after": 2000}
+    # three masters' used_memory (an empty one alone holds about 1 MiB) and CPU, summed
+    assert r["memory"]["redis_used_memory"]["at_end_bytes"] > 3 << 20
+    assert r["cpu_seconds"]["redis"] > 0
+    bad = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "ps_load.py"), "--cluster", "3", "--redis", "redis://x:1/0"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "--cluster" in bad.stderr
+
+
 def test_failed_calls_are_counted_by_status_code_and_fail_the_run(tmp_path, redis_server, redis_namespace, make_ps):
     ps = make_ps("--backend", redis_server.url, "--namespace", redis_namespace)
     done, r = run_bench(

@@ -52,12 +52,20 @@ While Cluster slots move (a master added, a reshard), commands follow ASK and MO
 helped to reach a master that owns no slot yet), and scripts that meet TRYAGAIN or NOSCRIPT are
 sent again (_run_scripted); tests/test_cluster_reshard.py moves slots under load.
 
-On standalone Redis, pull, push and delete take the compiled row path (csrc/redis_rows_module.cpp):
-one call groups the ids by bucket and writes the whole pipeline (HMGETs, or the write script's
-EVALSHA) as Redis protocol bytes, sent on a pooled connection; the replies are read from its
-socket into a per-thread buffer and copied into the rows run by run as they arrive, so no row
-becomes a Python object. The commands, keys and scripts are redis-py's path's own, so either
-reads what the other wrote. On Cluster a table's buckets span nodes: redis-py's commands serve.
+Pull, push and delete take the compiled row path (csrc/redis_rows_module.cpp): one call groups
+the ids by bucket and writes the whole pipeline (HMGETs, or the write script's EVALSHA) as Redis
+protocol bytes, sent on a pooled connection; the replies are read from its socket into a
+per-thread buffer and copied into the rows run by run as they arrive, so no row becomes a Python
+object. The commands, keys and scripts are redis-py's path's own, so either reads what the other
+wrote. On Cluster the compiled module also tells each id's node (its bucket's slot, looked up in
+an array of the 16384 slots' nodes rebuilt whenever redis-py's slot map changes); each node gets
+its own pipeline (HMGETs, or plain HSETs / HDELs whose replies sum to the count change) on a
+connection from that node's pool, every request sent before any reply is read, so the nodes work
+at once. A command answered MOVED, ASK, TRYAGAIN or CLUSTERDOWN while slots move, and a node's
+part whose connection failed, are sent again through redis-py's commands, which follow the
+redirect (a MOVED updates redis-py's slot map first). A write whose connection dropped after it
+was sent is written again, and rows it had already added then go uncounted (as with redis-py's
+own retries).
 """
 
 from __future__ import annotations
@@ -73,15 +81,17 @@ import secrets
 import socket
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import parse_qsl, unquote, urlencode
 
 import numpy as np
 import redis
 import redis.cluster
+import redis.event
 from redis._parsers.base import BaseParser  # the error classes of error replies, as redis-py raises them
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisClusterException
@@ -258,6 +268,32 @@ def _group_by_bucket(ids: np.ndarray, num_buckets: int) -> _Groups:
     return _Groups(order, sb[starts].tolist(), starts.tolist(), ends.tolist())
 
 
+@dataclass(frozen=True)
+class _SlotMap:
+    """Which node serves each Cluster slot, as redis-py's slot map said at `version`."""
+
+    version: int
+    slot_node: np.ndarray  # int32 per slot: an index into pools, or -1 (no node serves it)
+    pools: list  # each node's redis-py connection pool
+    source: dict  # redis-py's slot map it was built from (replaced on a full refresh)
+
+
+class _SlotMapWatch:
+    """Told by redis-py whenever its slot map changes (a full refresh or a MOVED)."""
+
+    def __init__(self, store: RedisStore) -> None:
+        self.store = weakref.ref(store)  # the client (its dispatcher) must not keep the store alive
+
+    def listen(self, event: object) -> None:
+        store = self.store()
+        if store is not None:
+            store._slot_changed()
+
+
+def _timed_out(exc: BaseException) -> bool:
+    return isinstance(exc, socket.timeout | redis.TimeoutError)
+
+
 def _split_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict]:
     """`redis+cluster://[user:pass@]h1:p1,h2:p2[/0][?opts]` -> (startup nodes, redis-py kwargs).
 
@@ -323,9 +359,16 @@ class RedisStore(Store):
         self._cache: OrderedDict[str, _TableMeta] = OrderedDict()  # least recently used first
         self._cache_lock = threading.Lock()
         self._scripts: dict[str, str] = {}  # Lua source -> its SHA1, loaded on first use
-        # the compiled row path (module doc), on standalone Redis: a Cluster's buckets span nodes
-        self._native = None if self.cluster or not native_rows else redis_rows()
-        self._buffers = threading.local()  # each thread's reply buffer, kept between calls
+        # the compiled row path (module doc)
+        self._native = redis_rows() if native_rows else None
+        self._buffers = threading.local()  # each thread's reply buffers, kept between calls
+        # on Cluster: which node serves each slot, rebuilt when redis-py's slot map changes
+        self._slot_map: _SlotMap | None = None
+        self._slot_versions = itertools.count(1)
+        self._slot_version = 0
+        self._slot_lock = threading.Lock()
+        if self.cluster and self._native is not None:
+            self._watch_slot_map()
 
     # -- construction ------------------------------------------------------------------
 
@@ -794,49 +837,18 @@ class RedisStore(Store):
         take(buf, start, end, count), if given, is handed each run of whole replies as it
         arrives (buf[start:end], count of them), so they are read while Redis still answers
         the rest; on a retry it sees them again from the first."""
-        mod = self._native
-        assert mod is not None  # only called when there is one
-        buf = getattr(self._buffers, "buf", None)
-        if buf is None or len(buf) < expect_bytes:
-            buf = self._buffers.buf = bytearray(max(expect_bytes, 1 << 16))
-        assert isinstance(self.client, redis.Redis)  # the row path serves standalone Redis
+        assert isinstance(self.client, redis.Redis)  # on Cluster: _cluster_exchange
         pool = self.client.connection_pool
         for attempt in (0, 1):
             with self._redis():  # none free (max_connections), or Redis unreachable
                 conn = pool.get_connection()
             try:
                 conn.send_packed_command([request])
-                sock = conn._sock
-                assert sock is not None  # connected by send_packed_command
-                view = memoryview(buf)
-                end = pos = done = 0
-                while done < replies:
-                    if end == len(buf):  # a reply bigger than foreseen: a bigger buffer, with what came
-                        bigger = bytearray(2 * len(buf))
-                        bigger[:end] = view
-                        buf = self._buffers.buf = bigger
-                        view = memoryview(buf)
-                    got = sock.recv_into(view[end:])
-                    if not got:
-                        raise redis.ConnectionError(f"Redis at {self.address} closed the connection mid-reply")
-                    end += got
-                    start = pos
-                    pos, complete = mod.scan(buf, pos, end, replies - done)
-                    done += complete
-                    if take is not None and complete:
-                        take(buf, start, pos, complete)
-                if len(buf) > REPLY_BUFFER_KEEP_BYTES:
-                    self._buffers.buf = None
-                return buf, end
+                return self._recv(conn, replies, expect_bytes, take)
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                 conn.disconnect()
-                if attempt or isinstance(exc, socket.timeout | redis.TimeoutError):
-                    with self._redis():
-                        if isinstance(exc, socket.timeout):
-                            raise redis.TimeoutError(f"timed out reading from Redis at {self.address}") from None
-                        if isinstance(exc, OSError):
-                            raise redis.ConnectionError(f"{type(exc).__name__}: {exc}") from None
-                        raise
+                if attempt or _timed_out(exc):
+                    self._raise_io(exc)
             except BaseException:
                 conn.disconnect()
                 raise
@@ -844,9 +856,61 @@ class RedisStore(Store):
                 pool.release(conn)
         raise AssertionError("unreachable")
 
+    def _raise_io(self, exc: BaseException) -> NoReturn:
+        """Raise a failed exchange's socket error as the PS's error (as redis-py's would be)."""
+        with self._redis():
+            if isinstance(exc, socket.timeout):
+                raise redis.TimeoutError(f"timed out reading from Redis at {self.address}") from None
+            if isinstance(exc, OSError):
+                raise redis.ConnectionError(f"{type(exc).__name__}: {exc}") from None
+            raise exc
+
+    def _recv(
+        self,
+        conn,
+        replies: int,
+        expect_bytes: int,
+        take: Callable[[bytearray, int, int, int], None] | None = None,
+        slot: int = 0,
+    ) -> tuple[bytearray, int]:
+        """Read `replies` whole replies from conn's socket into this thread's reply buffer
+        number `slot` (one per connection read at once); (buffer, end of the replies)."""
+        mod = self._native
+        assert mod is not None  # only called when there is one
+        name = "buf" if slot == 0 else f"buf{slot}"
+        buf = getattr(self._buffers, name, None)
+        if buf is None or len(buf) < expect_bytes:
+            buf = bytearray(max(expect_bytes, 1 << 16))
+            setattr(self._buffers, name, buf)
+        sock = conn._sock
+        assert sock is not None  # connected by send_packed_command
+        view = memoryview(buf)
+        end = pos = done = 0
+        while done < replies:
+            if end == len(buf):  # a reply bigger than foreseen: a bigger buffer, with what came
+                bigger = bytearray(2 * len(buf))
+                bigger[:end] = view
+                buf = bigger
+                setattr(self._buffers, name, buf)
+                view = memoryview(buf)
+            got = sock.recv_into(view[end:])
+            if not got:
+                raise redis.ConnectionError(f"Redis at {self.address} closed the connection mid-reply")
+            end += got
+            start = pos
+            pos, complete = mod.scan(buf, pos, end, replies - done)
+            done += complete
+            if take is not None and complete:
+                take(buf, start, pos, complete)
+        if len(buf) > REPLY_BUFFER_KEEP_BYTES:
+            setattr(self._buffers, name, None)
+        return buf, end
+
     def _native_pull(self, meta: _TableMeta, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Rows of ids into out (a pipeline of HMGETs per at most PIPELINE_MAX_IDS ids, built and
         read by the compiled module); the positions of the ids not found."""
+        if self.cluster:
+            return self._cluster_pull(meta, ids, out)
         schema = meta.schema
         mod = self._native
         assert mod is not None  # only called when there is one
@@ -893,6 +957,8 @@ class RedisStore(Store):
         """HSET of the ids' rows (rows given) or HDEL of the ids (None) by the write script, one
         EVALSHA per at most PIPELINE_MAX_IDS ids built by the compiled module; the fields
         added or removed (the row count changed with them)."""
+        if self.cluster:
+            return self._cluster_write(meta, ids, rows)
         schema = meta.schema
         mod = self._native
         assert mod is not None  # only called when there is one
@@ -925,6 +991,229 @@ class RedisStore(Store):
                 break
         return total
 
+    # -- the compiled row path on Redis Cluster -------------------------------------------
+
+    def _watch_slot_map(self) -> None:
+        """Have redis-py tell this store when its slot map changes (its event dispatcher, which
+        it fires after a full refresh and after a MOVED moved a slot)."""
+        assert isinstance(self.client, redis.cluster.RedisCluster)
+        dispatcher = getattr(self.client.nodes_manager, "_event_dispatcher", None)
+        if dispatcher is None:  # a redis-py without it: a rebuilt map is checked against the cache object
+            return
+        dispatcher.register_listeners({redis.event.AfterSlotsCacheRefreshEvent: [_SlotMapWatch(self)]})
+
+    def _slots(self) -> _SlotMap:
+        """The slot -> node map, rebuilt from redis-py's when that changed since it was built."""
+        assert isinstance(self.client, redis.cluster.RedisCluster)
+        manager = self.client.nodes_manager
+        have = self._slot_map
+        if have is not None and have.version == self._slot_version and have.source is manager.slots_cache:
+            return have
+        with self._slot_lock:
+            version = self._slot_version  # read first: a change while it is built makes it stale
+            cache = manager.slots_cache  # redis-py replaces the dict on a refresh, changes a slot in place on a MOVED
+            owners = cache.copy()
+            index: dict[str, int] = {}
+            nodes: list[redis.cluster.ClusterNode] = []
+            slot_node = np.full(redis.cluster.REDIS_CLUSTER_HASH_SLOTS, -1, dtype=np.int32)
+            for slot, serving in owners.items():
+                if not serving:
+                    continue
+                k = index.setdefault(serving[0].name, len(nodes))  # the primary: writes go there, as redis-py's
+                if k == len(nodes):
+                    nodes.append(serving[0])
+                slot_node[slot] = k
+            with self._redis():
+                pools = [self.client.get_redis_connection(node).connection_pool for node in nodes]
+            made = _SlotMap(version, slot_node, pools, cache)
+            self._slot_map = made
+        return made
+
+    def _slot_changed(self) -> None:
+        self._slot_version = next(self._slot_versions)  # next() of a count is atomic: no lost change
+
+    def _by_node(self, meta: _TableMeta, ids: np.ndarray) -> tuple[_SlotMap, list[tuple[int, np.ndarray]], list]:
+        """(the slot map, [(node, positions of the ids it serves)...], [positions of ids no node
+        serves]) with the node of each id's bucket from the compiled module: no Python per id."""
+        mod = self._native
+        assert mod is not None
+        smap = self._slots()
+        node = np.empty(len(ids), dtype=np.int32)
+        mod.slot_nodes(ids, meta.num_buckets, meta.prefix.rpartition(b"{")[2], smap.slot_node, node)
+        order = np.argsort(node, kind="stable")  # stable: each node's ids stay in batch order
+        bounds = np.cumsum(np.bincount(node + 1, minlength=len(smap.pools) + 1)).tolist()
+        parts = [(k, order[bounds[k] : bounds[k + 1]]) for k in range(len(smap.pools)) if bounds[k + 1] > bounds[k]]
+        return smap, parts, [order[: bounds[0]]] if bounds[0] else []
+
+    def _redirected(self, text: str) -> bool:
+        """Whether an error reply says the key's slot is served elsewhere or on the move (MOVED,
+        ASK, TRYAGAIN, CLUSTERDOWN): the command is then sent again through redis-py, which
+        follows it. A MOVED updates redis-py's slot map first, as redis-py does on one."""
+        word = text.split(" ", 1)[0]
+        if word == "MOVED":
+            assert isinstance(self.client, redis.cluster.RedisCluster)
+            moved = BaseParser.parse_error(text)
+            if isinstance(moved, redis.exceptions.MovedError):
+                with contextlib.suppress(*_REDIS_ERRORS, ValueError, KeyError):
+                    self.client.nodes_manager.move_slot(moved)
+            self._slot_changed()
+        return word in ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")
+
+    def _cluster_exchange(self, smap: _SlotMap, sends: list[tuple]) -> list[tuple[bytearray, int] | None]:
+        """Each send (node, request, replies, expect_bytes, take) as _exchange does it, on a
+        connection from its node's pool, at most one send per node: every request is sent
+        first, then each node's replies are read, so the nodes answer at once. Per send: its
+        (buffer, end), each in a buffer of its own, or None where the node's connection failed
+        (closed; the caller sends that part again through redis-py, which reconnects or finds
+        the slot's new node). A timeout raises; a connection not read to its end is closed."""
+        conns: dict[int, Any] = {}
+        results: list[tuple[bytearray, int] | None] = [None] * len(sends)
+        try:
+            for i, (node, request, *_) in enumerate(sends):
+                pool = smap.pools[node]
+                try:
+                    conns[i] = pool.get_connection()
+                    conns[i].send_packed_command([request])
+                except (redis.ConnectionError, OSError) as exc:
+                    if _timed_out(exc):
+                        raise
+                    conn = conns.pop(i, None)
+                    if conn is not None:
+                        conn.disconnect()
+                        pool.release(conn)
+            for i, conn in list(conns.items()):
+                _, _, replies, expect_bytes, take = sends[i]
+                try:
+                    results[i] = self._recv(conn, replies, expect_bytes, take, slot=i)
+                except (redis.ConnectionError, OSError) as exc:
+                    if _timed_out(exc):
+                        raise
+                    conn.disconnect()
+                del conns[i]
+                smap.pools[sends[i][0]].release(conn)
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            self._raise_io(exc)
+        finally:
+            for i, conn in conns.items():  # out of step with its stream
+                conn.disconnect()
+                smap.pools[sends[i][0]].release(conn)
+        return results
+
+    def _cluster_pull(self, meta: _TableMeta, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """_native_pull on Cluster: each node's HMGETs built and read by the compiled module,
+        all nodes at once (_cluster_exchange); the positions of the ids not found."""
+        schema = meta.schema
+        mod = self._native
+        assert mod is not None
+        step = max(1, min(PIPELINE_MAX_IDS, PIPELINE_MAX_BYTES // schema.row_bytes))
+        absent_parts = []
+        for lo in range(0, len(ids), step):
+            chunk = ids[lo : lo + step]
+            rows = out[lo : lo + len(chunk)]
+            smap, parts, again = self._by_node(meta, chunk)
+            sends, states = [], []
+            for node, pos in parts:
+                k = len(pos)
+                order = np.empty(k, dtype=np.int64)
+                request, commands = mod.pull_request(chunk[pos], meta.num_buckets, meta.prefix, order)
+                at = pos[order]  # each field's row in rows, in the replies' order
+                missing = np.empty(k, dtype=np.int64)
+                state: list = [0, 0, None]  # fields read, ids absent, the first error reply
+
+                def take(buf, start, stop, count, at=at, missing=missing, state=state, rows=rows) -> None:
+                    got = mod.pull_replies(
+                        buf, start, stop, count, at, state[0], rows, schema.row_bytes, missing, state[1]
+                    )
+                    if isinstance(got, str):
+                        state[2] = state[2] or got  # the rest is read: the connection stays in step
+                    else:
+                        state[1], state[0] = got
+
+                sends.append((node, request, commands, k * (schema.row_bytes + 16) + commands * 16, take))
+                states.append((pos, missing, state))
+            try:
+                replies = self._cluster_exchange(smap, sends)
+            except OverflowError:
+                raise self._wrong_size(schema.name) from None
+            except ValueError as exc:
+                raise PSError(f"Redis at {self.address}: {exc}") from None
+            error = None
+            for (pos, missing, state), reply in zip(states, replies):
+                if reply is None or (state[2] is not None and self._redirected(state[2])):
+                    again.append(pos)  # every row of the part is read again
+                elif state[2] is not None:
+                    error = error or state[2]
+                elif state[0] != len(pos):
+                    raise PSError(f"Redis at {self.address}: fewer fields in the HMGET replies than asked for")
+                elif state[1]:
+                    absent_parts.append(missing[: state[1]] + lo)
+            if error is not None:
+                raise self._error_reply(error)
+            if again:
+                pos = np.concatenate(again)
+                redone = np.empty((len(pos), schema.width), dtype=schema.np_dtype)
+                found = self._py_pull(meta, chunk[pos], redone)
+                rows[pos] = redone
+                absent_parts.append(pos[~found] + lo)
+        if not absent_parts:
+            return np.zeros(0, dtype=np.int64)
+        return np.sort(np.concatenate(absent_parts))
+
+    def _cluster_write(self, meta: _TableMeta, ids: np.ndarray, rows: np.ndarray | None) -> int:
+        """_native_write on Cluster: plain HSETs (rows given) or HDELs of each node's buckets,
+        built by the compiled module, all nodes at once; the row count is changed after, by the
+        fields added or removed (returned). Buckets whose command was redirected, and the parts
+        of a node whose connection failed, are written again through redis-py (_write)."""
+        schema = meta.schema
+        mod = self._native
+        assert mod is not None
+        command = "HSET" if rows is not None else "HDEL"
+        per_id = schema.row_bytes + 8 if rows is not None else 8
+        step = max(1, min(PIPELINE_MAX_IDS, PIPELINE_MAX_BYTES // per_id))
+        total = 0
+        try:
+            for lo in range(0, len(ids), step):
+                chunk = ids[lo : lo + step]
+                chunk_rows = None if rows is None else rows[lo : lo + step]
+                smap, parts, again = self._by_node(meta, chunk)
+                sends = []
+                for node, pos in parts:
+                    part_rows = None if chunk_rows is None else chunk_rows[pos]
+                    request, commands = mod.plain_write_request(
+                        chunk[pos], part_rows, schema.row_bytes, meta.num_buckets, meta.prefix
+                    )
+                    sends.append((node, request, commands, 16 * commands + 64, None))
+                error = None
+                for (_, pos), send, reply in zip(parts, sends, self._cluster_exchange(smap, sends)):
+                    if reply is None:
+                        again.append(pos)
+                        continue
+                    try:
+                        changed, failed = mod.integer_replies(reply[0], reply[1], send[2])
+                    except ValueError as exc:
+                        raise PSError(f"Redis at {self.address}: {exc}") from None
+                    total += changed
+                    redirected = []
+                    for c, text in failed:
+                        if self._redirected(text):
+                            redirected.append(c)
+                        else:
+                            error = error or text
+                    if redirected:  # the commands went bucket by bucket, in ascending order
+                        b = bucket_of(chunk[pos], meta.num_buckets)
+                        again.append(pos[np.isin(b, np.unique(b)[redirected])])
+                if again:
+                    pos = np.sort(np.concatenate(again))  # in batch order: a repeated id's last row wins
+                    total += self._py_write(meta, command, chunk[pos], None if chunk_rows is None else chunk_rows[pos])
+                if error is not None:
+                    raise self._error_reply(error)
+        except BaseException:
+            with contextlib.suppress(PSError):  # what was written is counted
+                self._add_rows(schema.name, total if rows is not None else -total)
+            raise
+        self._add_rows(schema.name, total if rows is not None else -total)
+        return total
+
     # -- rows --------------------------------------------------------------------------
 
     def pull(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -950,13 +1239,18 @@ class RedisStore(Store):
 
     def _pull(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         meta = self._meta(table)
-        schema = meta.schema
         ids = _as_ids(ids)
+        rows = rows_out(out, len(ids), meta.schema)
+        return rows, self._py_pull(meta, ids, rows)
+
+    def _py_pull(self, meta: _TableMeta, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Rows of ids into rows through redis-py's commands (absent ones zeros); which were found."""
+        schema = meta.schema
+        table = schema.name
         n = len(ids)
-        rows = rows_out(out, n, schema)
         found = np.zeros(n, dtype=bool)
         if n == 0:
-            return rows, found
+            return found
         g = _group_by_bucket(ids, meta.num_buckets)
         fields = id_fields(ids[g.order])
         values: list = []  # values[k]: the row of ids[order[k]], or None
@@ -972,7 +1266,7 @@ class RedisStore(Store):
         if n_hit == n and len(blob) == n * schema.row_bytes:  # every id found: no mask to build
             rows[g.order] = np.frombuffer(blob, dtype=schema.np_dtype).reshape(n, schema.width)
             found[:] = True
-            return rows, found
+            return found
         hit = np.fromiter(map(operator.is_not, values, itertools.repeat(None)), dtype=bool, count=n)
         if int(hit.sum()) != n_hit or len(blob) != n_hit * schema.row_bytes:
             raise PSError(
@@ -983,7 +1277,7 @@ class RedisStore(Store):
         rows[where] = np.frombuffer(blob, dtype=schema.np_dtype).reshape(n_hit, schema.width)
         rows[g.order[~hit]] = 0
         found[where] = True
-        return rows, found
+        return found
 
     def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> int:
         """See Store.push."""
@@ -997,15 +1291,7 @@ class RedisStore(Store):
         if self._native is not None:
             self._native_write(meta, ids, rows)
             return len(ids)
-        g = _group_by_bucket(ids, meta.num_buckets)
-        # field, value, field, value... in bucket order: one HSET per bucket
-        pairs: list = [None] * (2 * len(ids))
-        pairs[0::2] = id_fields(ids[g.order])
-        pairs[1::2] = rows[g.order].view(f"V{schema.row_bytes}").ravel().tolist()
-        added = 0
-        for part in g.pipelines(schema.row_bytes + 8):
-            added += self._write(meta, "HSET", list(part), pairs, 2)
-        self._add_rows(table, added)
+        self._add_rows(table, self._py_write(meta, "HSET", ids, rows))
         return len(ids)
 
     def delete(self, table: str, ids: np.ndarray) -> int:
@@ -1016,13 +1302,25 @@ class RedisStore(Store):
             return 0
         if self._native is not None:
             return self._native_write(meta, ids, None)
+        deleted = self._py_write(meta, "HDEL", ids, None)
+        self._add_rows(table, -deleted)
+        return deleted
+
+    def _py_write(self, meta: _TableMeta, command: str, ids: np.ndarray, rows: np.ndarray | None) -> int:
+        """HSET of the ids' rows or HDEL of the ids through redis-py's commands (_write); the
+        fields added or removed (on Cluster the caller changes the row count by them)."""
         g = _group_by_bucket(ids, meta.num_buckets)
         fields = id_fields(ids[g.order])
-        deleted = 0
-        for part in g.pipelines(8):
-            deleted += self._write(meta, "HDEL", list(part), fields, 1)
-        self._add_rows(table, -deleted)
-        return int(deleted)
+        values: list = fields
+        per_id = 1
+        if rows is not None:  # field, value, field, value... in bucket order: one HSET per bucket
+            values, per_id = [None] * (2 * len(ids)), 2
+            values[0::2] = fields
+            values[1::2] = rows[g.order].view(f"V{meta.schema.row_bytes}").ravel().tolist()
+        changed = 0
+        for part in g.pipelines(meta.schema.row_bytes + 8 if rows is not None else 8):
+            changed += self._write(meta, command, list(part), values, per_id)
+        return int(changed)
 
     def export(self, table: str, rows_per_chunk: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """See Store.export: bucket by bucket, ids in no particular order."""

@@ -1,7 +1,9 @@
 // Python module `_dynemb_redis_rows`: the Redis store's row path (../backends/redis_store.py)
 // between numpy arrays and the Redis protocol (RESP) bytes, with no Python object per row.
 // A pull is one call that writes the HMGET pipeline, one that reads its replies into the rows;
-// a push one call that writes the write script's EVALSHA. The socket I/O stays in Python (it
+// a push one call that writes the write script's EVALSHA. On Redis Cluster, slot_nodes tells
+// which node serves each id's bucket, and a push or delete is plain HSETs or HDELs per bucket
+// (plain_write_request, integer_replies). The socket I/O stays in Python (it
 // serves TCP, unix sockets and TLS alike); `scan` tells it when the replies are complete.
 // Every size is checked against the buffer it came in: no reply, however wrong, makes a call
 // read or write outside a buffer. The GIL is dropped while the bytes are built or read.
@@ -254,6 +256,109 @@ PyObject* py_write_request(PyObject*, PyObject* args) {
   });
 }
 
+// The Cluster hash slot of bucket key tag `tag_prefix` + the bucket's decimal number (what Redis
+// hashes of a key with a `{...}` hash tag): CRC16-CCITT (XMODEM: polynomial 0x1021, initial 0)
+// of the tag, mod 16384.
+struct Crc16 {
+  uint16_t table[256];
+  Crc16() {
+    for (int i = 0; i < 256; ++i) {
+      uint16_t c = uint16_t(i << 8);
+      for (int k = 0; k < 8; ++k) c = uint16_t((c & 0x8000) ? (c << 1) ^ 0x1021 : c << 1);
+      table[i] = c;
+    }
+  }
+  uint16_t update(uint16_t crc, const char* p, size_t n) const {
+    for (size_t i = 0; i < n; ++i) crc = uint16_t((crc << 8) ^ table[((crc >> 8) ^ uint8_t(p[i])) & 0xFF]);
+    return crc;
+  }
+};
+const Crc16 kCrc16;
+constexpr int64_t kClusterSlots = 16384;
+
+// slot_nodes(ids, num_buckets, tag_prefix, slot_node, out): out[i] (int32) = slot_node[slot of
+// the bucket of ids[i]] (int32 per slot, 16384 of them: the node that serves the slot, or -1).
+PyObject* py_slot_nodes(PyObject*, PyObject* args) {
+  PyObject *ids_o, *slot_node_o, *out_o;
+  unsigned long long num_buckets;
+  const char* tag_p;
+  Py_ssize_t tag_n;
+  if (!PyArg_ParseTuple(args, "OKy#OO", &ids_o, &num_buckets, &tag_p, &tag_n, &slot_node_o, &out_o)) return nullptr;
+  Buf ids_b, slot_node_b, out_b;
+  int64_t n;
+  if (!ids_of(ids_o, ids_b, n) || !slot_node_b.get(slot_node_o, false) || !out_b.get(out_o, true)) return nullptr;
+  if (num_buckets < 1 || num_buckets >= (1ULL << 32) || slot_node_b.len() != kClusterSlots * 4 ||
+      out_b.len() != n * 4) {
+    PyErr_SetString(PyExc_ValueError,
+                    "slot_nodes: num_buckets in [1, 2**32), slot_node 16384 int32, out one int32 per id");
+    return nullptr;
+  }
+  const int64_t* ids = reinterpret_cast<const int64_t*>(ids_b.data());
+  const int32_t* slot_node = reinterpret_cast<const int32_t*>(slot_node_b.data());
+  int32_t* out = reinterpret_cast<int32_t*>(out_b.data());
+  Py_BEGIN_ALLOW_THREADS
+  const uint16_t head = kCrc16.update(0, tag_p, size_t(tag_n));
+  char digits[24];
+  for (int64_t i = 0; i < n; ++i) {
+    uint64_t b = bucket_of(ids[i], num_buckets);
+    int d = int(sizeof digits);
+    do {
+      digits[--d] = char('0' + b % 10);
+      b /= 10;
+    } while (b);
+    const uint16_t crc = kCrc16.update(head, digits + d, sizeof digits - size_t(d));
+    out[i] = slot_node[crc % kClusterSlots];
+  }
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+// plain_write_request(ids, rows or None, row_bytes, num_buckets, prefix) -> (request, commands):
+// one plain HSET (rows given: field-row pairs) or HDEL (fields) per touched bucket, buckets in
+// ascending order, each bucket's ids in their order in the batch (a repeated id's last row wins).
+// For Redis Cluster, where a table's buckets span slots; each reply is the fields added or removed.
+PyObject* py_plain_write_request(PyObject*, PyObject* args) {
+  PyObject *ids_o, *rows_o;
+  Py_ssize_t row_bytes;
+  unsigned long long num_buckets;
+  const char* prefix_p;
+  Py_ssize_t prefix_n;
+  if (!PyArg_ParseTuple(args, "OOnKy#", &ids_o, &rows_o, &row_bytes, &num_buckets, &prefix_p, &prefix_n))
+    return nullptr;
+  Buf ids_b, rows_b;
+  int64_t n;
+  if (!ids_of(ids_o, ids_b, n)) return nullptr;
+  const bool with_rows = rows_o != Py_None;
+  if (with_rows && !rows_b.get(rows_o, false)) return nullptr;
+  if (num_buckets < 1 || row_bytes < 0 || (with_rows && rows_b.len() != n * row_bytes)) {
+    PyErr_SetString(PyExc_ValueError, "plain_write_request: rows must be row_bytes per id, num_buckets >= 1");
+    return nullptr;
+  }
+  const std::string prefix(prefix_p, size_t(prefix_n));
+  const int64_t per_id = with_rows ? 2 : 1;
+  Groups g;
+  const int64_t* ids = reinterpret_cast<const int64_t*>(ids_b.data());
+  Py_BEGIN_ALLOW_THREADS
+  group(ids, n, num_buckets, g);
+  Py_END_ALLOW_THREADS
+  const char* rows = with_rows ? rows_b.data() : nullptr;
+  PyObject* r = build([&](Out& req) {
+    for (size_t k = 0; k + 1 < g.starts.size(); ++k) {
+      put_count(req, '*', 2 + per_id * (g.starts[k + 1] - g.starts[k]));
+      req += rows ? "$4\r\nHSET\r\n" : "$4\r\nHDEL\r\n";
+      put_key(req, prefix, g.buckets[k]);
+      for (int64_t i = g.starts[k]; i < g.starts[k + 1]; ++i) {
+        const int64_t at = g.order[i];
+        req += "$8\r\n";
+        req.append(reinterpret_cast<const char*>(ids + at), 8);
+        req += "\r\n";
+        if (rows) put_bulk(req, rows + at * row_bytes, size_t(row_bytes));
+      }
+    }
+  });
+  return r ? Py_BuildValue("(Nn)", r, Py_ssize_t(g.buckets.size())) : nullptr;
+}
+
 // -- reading replies ---------------------------------------------------------------------
 
 constexpr int kMaxDepth = 16;
@@ -378,8 +483,11 @@ PyObject* error_text(const char* p, const char* end) {  // an error reply's text
 // pull_replies(buf, start, end, commands, order, j, out, row_bytes, missing, k) -> (k, j) or the
 // text of the first error reply (str). buf[start:end] holds `commands` whole replies (scan said
 // so) to pull_request's HMGETs, from the one that asks for field j on: arrays of bulk strings
-// or nulls. Field j's row goes to out row order[j]; an absent one's position to missing[k].
-// Returns the new k and j, so the replies can be read a run at a time as they arrive.
+// or nulls. Field j's row goes to out row order[j] (out: at least one row per field; on Cluster
+// the whole batch's rows, order mapped to positions in it); an absent one's position to
+// missing[k]. Returns the new k and j, so the replies can be read a run at a time as they
+// arrive. After an error reply the later fields' positions are not to be trusted: the caller
+// raises, or reads that part again.
 PyObject* py_pull_replies(PyObject*, PyObject* args) {
   PyObject *buf_o, *order_o, *out_o, *missing_o;
   Py_ssize_t start, stop, commands, j0, row_bytes, k0;
@@ -391,8 +499,9 @@ PyObject* py_pull_replies(PyObject*, PyObject* args) {
       !missing_b.get(missing_o, true))
     return nullptr;
   const int64_t n = order_b.len() / 8;
-  if (start < 0 || stop < start || stop > b.len() || row_bytes < 1 || out_b.len() != n * row_bytes ||
-      missing_b.len() < n * 8 || j0 < 0 || j0 > n || k0 < 0 || k0 > j0) {
+  const int64_t out_rows = row_bytes > 0 ? out_b.len() / row_bytes : 0;
+  if (start < 0 || stop < start || stop > b.len() || row_bytes < 1 || out_b.len() != out_rows * row_bytes ||
+      out_rows < n || missing_b.len() < n * 8 || j0 < 0 || j0 > n || k0 < 0 || k0 > j0) {
     PyErr_SetString(PyExc_ValueError, "pull_replies: buffers of the wrong size");
     return nullptr;
   }
@@ -426,7 +535,7 @@ PyObject* py_pull_replies(PyObject*, PyObject* args) {
     p = q;
     for (int64_t i = 0; i < count; ++i, ++j) {
       const int64_t at = order[j];
-      if (at < 0 || at >= n) {
+      if (at < 0 || at >= out_rows) {
         problem = "an order outside the rows";
         break;
       }
@@ -500,6 +609,49 @@ PyObject* py_integer_reply(PyObject*, PyObject* args) {
   return PyLong_FromLongLong(v);
 }
 
+// integer_replies(buf, end, commands) -> (total, errors): buf[:end] holds `commands` whole
+// replies (scan said so), integers (plain_write_request's HSETs or HDELs) or error replies; total
+// is the integers' sum, errors a list of (command index, error text), empty when none failed.
+PyObject* py_integer_replies(PyObject*, PyObject* args) {
+  PyObject* buf_o;
+  Py_ssize_t stop, commands;
+  if (!PyArg_ParseTuple(args, "Onn", &buf_o, &stop, &commands)) return nullptr;
+  Buf b;
+  if (!b.get(buf_o, false)) return nullptr;
+  if (stop < 0 || stop > b.len() || commands < 0) {
+    PyErr_SetString(PyExc_ValueError, "integer_replies: end must lie within the buffer");
+    return nullptr;
+  }
+  PyObject* errors = PyList_New(0);
+  if (!errors) return nullptr;
+  const char* p = b.data();
+  const char* end = p + stop;
+  int64_t total = 0;
+  for (Py_ssize_t c = 0; c < commands; ++c) {
+    bool bad = false;
+    const char* q = p < end ? skip_reply(p, end, 0, bad) : nullptr;
+    int64_t v;
+    const char* after;
+    if (q && *p == '-') {
+      PyObject* item = Py_BuildValue("(nN)", c, error_text(p, q));
+      if (!item || PyList_Append(errors, item) != 0) {
+        Py_XDECREF(item);
+        Py_DECREF(errors);
+        return nullptr;
+      }
+      Py_DECREF(item);
+    } else if (q && *p == ':' && read_line_int(p + 1, end, v, after, bad)) {
+      total += v;
+    } else {
+      Py_DECREF(errors);
+      PyErr_SetString(PyExc_ValueError, "Redis replied to HSET or HDEL with something other than an integer");
+      return nullptr;
+    }
+    p = q;
+  }
+  return Py_BuildValue("(LN)", (long long)total, errors);
+}
+
 PyMethodDef kMethods[] = {
     {"pull_request", py_pull_request, METH_VARARGS,
      "pull_request(ids, num_buckets, prefix, order) -> (request, commands): HMGETs of the ids' buckets"},
@@ -509,6 +661,12 @@ PyMethodDef kMethods[] = {
     {"pull_replies", py_pull_replies, METH_VARARGS,
      "pull_replies(buf, start, end, commands, order, j, out, row_bytes, missing, k) -> (k, j) | error text"},
     {"integer_reply", py_integer_reply, METH_VARARGS, "integer_reply(buf, end) -> int | error text"},
+    {"slot_nodes", py_slot_nodes, METH_VARARGS,
+     "slot_nodes(ids, num_buckets, tag_prefix, slot_node, out): out[i] = slot_node[Cluster slot of ids[i]'s bucket]"},
+    {"plain_write_request", py_plain_write_request, METH_VARARGS,
+     "plain_write_request(ids, rows|None, row_bytes, num_buckets, prefix) -> (request, commands): HSETs or HDELs"},
+    {"integer_replies", py_integer_replies, METH_VARARGS,
+     "integer_replies(buf, end, commands) -> (sum, [(command, error text)...])"},
     {nullptr, nullptr, 0, nullptr},
 };
 
