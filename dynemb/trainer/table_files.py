@@ -476,7 +476,8 @@ def import_table(
     from tqdm import tqdm
 
     reader = TableReader(folder)
-    schema = reader.schema if table is None else dataclasses.replace(reader.schema, name=table)
+    # the rows it holds sized for (the PS's layout; no part of the schema's identity)
+    schema = dataclasses.replace(reader.schema, name=table or reader.schema.name, expected_rows=reader.num_rows)
     if verify:
         reader.verify(progress=progress)
     check_no_conflict(client, schema, str(reader.folder / MANIFEST))
