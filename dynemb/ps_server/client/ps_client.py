@@ -157,10 +157,15 @@ class PSClient:
 
     def create_table_from_schema(self, schema: TableSchema, timeout: float | None = None) -> TableInfo:
         """create_table, from a TableSchema (its expected_rows over all PSes: each is asked for its share)."""
-        spec = schema.to_proto()
-        spec.expected_rows = -(-schema.expected_rows // len(self._transport.addresses))  # ids spread evenly
-        req = ps_pb2.CreateTableRequest(spec=spec)
-        replies = self._transport.to_every_shard("CreateTable", req, self._deadline(timeout))
+        # ids spread evenly over the PSes: each is asked for its share, the shares summing to the whole
+        shards = len(self._transport.addresses)
+        each, extra = divmod(schema.expected_rows, shards)
+        requests = []
+        for shard in range(shards):
+            spec = schema.to_proto()
+            spec.expected_rows = each + (shard < extra)
+            requests.append((shard, ps_pb2.CreateTableRequest(spec=spec)))
+        replies = self._transport.fanout("CreateTable", requests, self._deadline(timeout))
         self._remember(schema)
         return TableInfo(schema, sum(r.table.num_rows for r in replies))
 
