@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -18,6 +20,7 @@ from dynemb.ps_server.backends.redis_store import MAX_BUCKETS, RedisStore, bucke
 from dynemb.ps_server.client import PSClient
 from dynemb.ps_server.errors import InvalidArgument
 from dynemb.ps_server.schema import MAX_EXPECTED_ROWS, TableSchema
+from dynemb.testing.local_ps import REPO
 from dynemb.testing.local_redis import RedisProcess
 
 LIMITS = (redis_config.VALUE, redis_config.ENTRIES)
@@ -205,3 +208,38 @@ def test_the_ps_raises_the_limits_for_its_tables_at_start_and_shares_out_declare
         assert store.schema("split").expected_rows == share
         assert store.num_buckets_of("split") == -(-share // 16)
         store.close()
+
+
+def dynemb(*args: str) -> subprocess.CompletedProcess:
+    out = subprocess.run(
+        [sys.executable, "-m", "dynemb.cli", *args], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+@pytest.mark.slow
+def test_the_cli_declares_expected_rows(redis_process, make_ps, tmp_path):
+    proc = redis_process()
+    ps = make_ps("--backend", proc.url, "--namespace", "cli")
+    at = ("--ps", ps.address)
+    dynemb("ps", "create-table", "t", "--dim", "8", "--expected-rows", "1000", *at)
+    assert json.loads(dynemb("ps", "describe", "t", *at).stdout)["expected_rows"] == 1000
+    with PSClient(ps.address, timeout=30) as client:
+        client.push("t", np.arange(300, dtype=np.int64), np.ones((300, 8), np.float32))
+    dynemb("table", "export", "--table", "t", "--out", str(tmp_path), "--quiet", *at)
+    # imported as a new table: sized for the folder's rows, or for what --expected-rows says
+    dynemb("table", "import", str(tmp_path / "t"), "--as", "t2", "--quiet", *at)
+    dynemb("table", "import", str(tmp_path / "t"), "--as", "t3", "--expected-rows", "64000", "--quiet", *at)
+    store = RedisStore.from_url(proc.url, namespace="cli", listpack="off")
+    assert [store.num_buckets_of(t) for t in ("t", "t2", "t3")] == [63, 19, 4000]
+    assert store.schema("t2").expected_rows == 300
+    store.close()
+
+
+def test_the_trainer_declares_each_tables_universe():
+    from dynemb.trainer.config import DataConfig, TrainConfig
+    from dynemb.trainer.schemas import ps_schema
+
+    cfg = TrainConfig(data=DataConfig(universe=123_456))
+    assert ps_schema(cfg, 0).expected_rows == 123_456
