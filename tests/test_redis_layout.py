@@ -21,7 +21,7 @@ from dynemb.ps_server.client import PSClient
 from dynemb.ps_server.errors import InvalidArgument
 from dynemb.ps_server.schema import MAX_EXPECTED_ROWS, TableSchema
 from dynemb.testing.local_ps import REPO
-from dynemb.testing.local_redis import RedisProcess
+from dynemb.testing.local_redis import RedisClusterProcesses, RedisProcess
 
 LIMITS = (redis_config.VALUE, redis_config.ENTRIES)
 
@@ -243,3 +243,26 @@ def test_the_trainer_declares_each_tables_universe():
 
     cfg = TrainConfig(data=DataConfig(universe=123_456))
     assert ps_schema(cfg, 0).expected_rows == 123_456
+
+
+@pytest.mark.slow
+def test_every_cluster_master_gets_the_limits_and_huge_tables_scan_them_all(redis_binaries, caplog):
+    cluster = RedisClusterProcesses(masters=3).start()
+    try:
+        store = RedisStore.from_url(cluster.url, namespace="cl", rows_per_bucket=1)
+        with caplog.at_level(logging.INFO, logger="dynemb.ps"):
+            store.create_table(TableSchema("wide", dim=256, expected_rows=1 << 21))  # 1 KiB rows, 2^21 buckets
+        assert [int(n.client().config_get(redis_config.VALUE)[redis_config.VALUE]) for n in cluster.nodes] == [1024] * 3
+        assert sum("raised hash-max-listpack-value" in r.getMessage() for r in caplog.records) == 1
+        ids = np.arange(2000, dtype=np.int64)
+        rows = np.ones((2000, 256), np.float32)
+        store.push("wide", ids, rows)
+        assert all(n.client().dbsize() > 300 for n in cluster.nodes)  # rows on every master
+        t0 = time.monotonic()
+        assert sum(len(i) for i, _ in store.export("wide", 500)) == 2000
+        assert store.drop_table("wide") == 2000  # SCAN on every master finds every bucket
+        assert time.monotonic() - t0 < 30  # not 2M commands each
+        assert sum(n.client().dbsize() for n in cluster.nodes) == 0  # no key left, metadata neither
+        store.close()
+    finally:
+        cluster.close()
