@@ -44,6 +44,11 @@ MAX_LISTPACK_VALUE = 16 << 10
 LISTPACK_X = 1.12
 HASHTABLE_X = 1.35
 MODES = ("auto", "off")
+# Rows a bucket is sized for when a table declares its expected rows (the store's default;
+# PS flag --redis-rows-per-bucket): ~15-30 rows a bucket kept as listpacks cost 1.11-1.13x the
+# rows' bytes for ~1.2-1.6x hashtable's Redis CPU per row (bench/RESULTS.md, redis_memory);
+# fewer rows a bucket cost more per-key memory.
+ROWS_PER_BUCKET = 16
 
 
 def wanted(row_bytes: int, rows_per_bucket: int) -> dict[str, int]:

@@ -89,7 +89,7 @@ from redis.retry import Retry
 from dynemb.common.errors import shown
 from dynemb.ps_server.backends.base import Store, check_same_schema, check_time, rows_out
 from dynemb.ps_server.backends.redis_config import MODES as LISTPACK_MODES
-from dynemb.ps_server.backends.redis_config import ListpackLimits
+from dynemb.ps_server.backends.redis_config import ROWS_PER_BUCKET, ListpackLimits
 from dynemb.ps_server.backends.redis_tls import check_tls_files, untrusted_hint
 from dynemb.ps_server.codec import rows_for_table
 from dynemb.ps_server.errors import (
@@ -107,10 +107,6 @@ META_FORMAT = 1  # metadata without "expected_rows" (older versions) reads as 0:
 # A table's most buckets: a 10^10-row table at 16 rows a bucket would want 6.25e8; at 2^28 it
 # has ~37 rows a bucket, still a listpack (hash-max-listpack-entries 128).
 MAX_BUCKETS = 1 << 28
-# Rows a bucket is sized for when a table declares its expected rows: ~15-30 rows a bucket kept
-# as listpacks cost 1.11-1.13x the rows' bytes for ~1.2-1.4x hashtable's Redis CPU per row
-# (bench/RESULTS.md, redis_memory); fewer rows a bucket cost more per-key memory.
-ROWS_PER_BUCKET = 16
 # Tables of more buckets than this, in a database of fewer keys, have their bucket keys found by
 # SCAN instead of visited one by one (a mostly empty table of 2^28 buckets: see the module doc).
 SCAN_BUCKETS_ABOVE = 1 << 20
