@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/redis_memory.py                       # 1M rows: the default layout and hashtables
     .venv/bin/python bench/redis_memory.py --rows 200000         # quicker
+    .venv/bin/python bench/redis_memory.py --rows 200000 --layout default:declared --values 16 --values 1024
+                                                                 # the default layout, rows of 64 B and 4 KiB
 
 Each layout gets its own redis-server (started here, no persistence): a table of rows of
 dim 64 + 64 optimizer-state floats (fp32, 512 B) is written through RedisStore, 16,384 ids
@@ -18,7 +20,8 @@ Layouts (num_buckets, then redis.conf lines):
 - hashtable: 4096 buckets, a table that declares nothing, Redis's config left alone (a
   512-byte row is over hash-max-listpack-value's 64, so each bucket is a hashtable: a dict
   entry, an sds for the field and one for the row, rounded up to jemalloc's size classes).
---layout NAME:BUCKETS[:CONF;...] measures others (the config left as given); fewer rows a
+--layout NAME:BUCKETS[:CONF;...] measures others (the config left as given; BUCKETS "declared":
+the default layout, on a server of that config); fewer rows a
 bucket cost Redis less CPU (a listpack finds a field by walking it), up to where the per-key
 overhead of more buckets outweighs it (bench/RESULTS.md).
 """
@@ -48,11 +51,12 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(rows: int, num_buckets: int | None, config: list[str], seed: int = 0) -> dict:
+def measure(rows: int, num_buckets: int | None, config: list[str], seed: int = 0, values: int = 128) -> dict:
     """One layout: num_buckets None is the default (the table declares its rows, the store
-    raises the listpack limits); a number, that many buckets and Redis's config as given."""
+    raises the listpack limits); a number, that many buckets and Redis's config as given.
+    Rows of `values` fp32 (half embedding, half optimizer state)."""
     declared = num_buckets is None
-    schema = TableSchema("mem", 64, 64, "fp32", expected_rows=rows if declared else 0)
+    schema = TableSchema("mem", values - values // 2, values // 2, "fp32", expected_rows=rows if declared else 0)
     rng = np.random.default_rng(seed)
     ids = rng.choice(1 << 62, size=rows, replace=False).astype(np.int64)
     with RedisProcess(config) as proc:
@@ -105,6 +109,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows stored [default %(default)s]")
     parser.add_argument(
+        "--values",
+        type=int,
+        action="append",
+        help="fp32 values a row (repeatable: each measured) [default 128: 512 B, dim 64 + 64 of state]",
+    )
+    parser.add_argument(
         "--layout",
         action="append",
         metavar="NAME:BUCKETS[:CONF;CONF...]",
@@ -117,18 +127,21 @@ def main(argv=None) -> int:
         layouts = []
         for spec in args.layout:
             name, buckets, *conf = spec.split(":", 2)
-            layouts.append((name, int(buckets), [c.strip() for c in conf[0].split(";")] if conf else []))
-    print(f"redis_memory: {args.rows:,} rows of 512 B + an 8-byte id, {os.cpu_count()} CPUs")
-    print(f"{'layout':<9} {'buckets':>7} {'encoding':<9} {'B/row':>7} {'x raw':>6} {'pull rows/s':>12} "
+            count = None if buckets == "declared" else int(buckets)  # "declared": the default layout
+            layouts.append((name, count, [c.strip() for c in conf[0].split(";")] if conf else []))
+    print(f"redis_memory: {args.rows:,} rows + an 8-byte id each, {os.cpu_count()} CPUs")
+    print(f"{'layout':<9} {'row B':>6} {'buckets':>7} {'encoding':<9} {'B/row':>8} {'x raw':>6} {'pull rows/s':>12} "
           f"{'us/row':>7} {'push rows/s':>12} {'us/row':>7}   (us/row: Redis CPU)")  # fmt: skip
     for name, buckets, config in layouts:
-        r = measure(args.rows, buckets, config)
-        print(
-            f"{name:<9} {r['buckets']:>7} {r['encoding']:<9} {r['bytes_per_row']:>7.1f} {r['vs_raw']:>6.3f} "
-            f"{r['pull_rows_per_s']:>12,.0f} {r['pull_redis_us_per_row']:>7.2f} "
-            f"{r['push_rows_per_s']:>12,.0f} {r['push_redis_us_per_row']:>7.2f}"
-        )
-        print(f"          Redis's limits then: {r['limits']}")
+        for values in args.values or [128]:
+            r = measure(args.rows, buckets, config, values=values)
+            print(
+                f"{name:<9} {r['raw'] - 8:>6} {r['buckets']:>7} {r['encoding']:<9} {r['bytes_per_row']:>8.1f} "
+                f"{r['vs_raw']:>6.3f} "
+                f"{r['pull_rows_per_s']:>12,.0f} {r['pull_redis_us_per_row']:>7.2f} "
+                f"{r['push_rows_per_s']:>12,.0f} {r['push_redis_us_per_row']:>7.2f}"
+            )
+            print(f"          Redis's limits then: {r['limits']}")
     return 0
 
 
