@@ -113,7 +113,23 @@ def test_limits_are_raised_never_lowered(redis_process):
     store = RedisStore.from_url(proc.url, namespace="up", rows_per_bucket=32)
     store.create_table(TableSchema("emb", dim=64, state_width=64, expected_rows=1000))
     assert limits(proc) == {redis_config.VALUE: 4096, redis_config.ENTRIES: 8 * 32}
+    # a Redis that lost them (restarted: CONFIG SET is not persisted) gets them again
+    with proc.client() as r:
+        r.config_set(redis_config.ENTRIES, 128)
+    store.create_table(TableSchema("other", dim=8, expected_rows=1000))
+    assert limits(proc)[redis_config.ENTRIES] == 8 * 32
     store.close()
+
+
+def test_the_ps_flags_are_checked():
+    from dynemb.ps_server.server import ServeConfig
+
+    with pytest.raises(ValueError, match="--redis-listpack must be auto or off"):
+        ServeConfig(redis_listpack="on")
+    with pytest.raises(ValueError, match=r"--redis-rows-per-bucket must be in \[1, 65536\]"):
+        ServeConfig(redis_rows_per_bucket=0)
+    with pytest.raises(InvalidArgument, match=r"rows_per_bucket must be an integer in \[1, 65536\]"):
+        RedisStore.from_url("redis://127.0.0.1:1/0", rows_per_bucket=1 << 17)
 
 
 @pytest.mark.parametrize("refusal", ["renamed", "acl"])

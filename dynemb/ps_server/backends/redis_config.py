@@ -72,12 +72,12 @@ class ListpackLimits:
         self.client = client
         self.address = address
         self.rows_per_bucket = rows_per_bucket
-        self._lock = threading.Lock()
-        self._done = 0  # the longest rows the limits are known to fit already
+        self._lock = threading.Lock()  # one check at a time: one INFO line per change
         self._warned = False
 
     def ensure(self, row_bytes: int, tables: str) -> None:
-        """Raise the limits where below what rows of row_bytes need (once per size and store).
+        """Raise the limits where below what rows of row_bytes need. Checked each time (two
+        CONFIG GETs a master): a Redis restarted since lost what CONFIG SET raised.
 
         Args:
             row_bytes: the longest rows of the tables.
@@ -87,17 +87,14 @@ class ListpackLimits:
             redis.RedisError: Redis did not answer (refusals of CONFIG are logged, not raised).
         """
         want = wanted(row_bytes, self.rows_per_bucket)
-        if not want or row_bytes <= self._done:
+        if not want:
             return
         with self._lock:
-            if row_bytes <= self._done:
-                return
             try:
                 changed = self._raise(want)
             except redis.ResponseError as exc:  # NOPERM, unknown (renamed) command, a managed Redis's refusal
                 self._refused(want, tables, exc)
                 return
-            self._done = max(self._done, row_bytes)
         if changed:
             log.info(
                 "Redis at %s: raised %s so that the buckets of %s (rows of %d B, ~%d a bucket) stay listpacks: "
