@@ -18,7 +18,8 @@ created and once at the PS's start for the tables there are, to what the tables 
   value limit changes.
 
 A setting is only ever raised, on every master of a Cluster. CONFIG SET is not persisted (a
-restarted Redis is back to its redis.conf): deploy/k8s/redis*/redis.conf set both too. Where
+restarted Redis is back to its redis.conf) and does not reach replicas (a replica promoted by a
+failover has its own): deploy/k8s/redis*/redis.conf set both too, and each create checks again. Where
 CONFIG is refused (an ACL user without +config, a renamed command, a managed Redis) the store
 logs one warning naming the settings to put in redis.conf, and goes on: the rows are the same
 either way, only their memory differs.
