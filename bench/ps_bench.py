@@ -211,7 +211,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, default=Path(__file__).parent / "out" / "ps_bench.json")
     args = parser.parse_args(argv)
 
-    schema = TableSchema(TABLE, args.dim, args.state_width, "fp32")
+    # the table declares its rows, as a user's would: the PS sizes its Redis layout by them
+    schema = TableSchema(TABLE, args.dim, args.state_width, "fp32", expected_rows=args.rows)
     rng = np.random.default_rng(0)
     ids = rng.choice(1 << 62, size=args.rows, replace=False).astype(np.int64)
     batches = [ids[rng.integers(0, len(ids), args.batch)] for _ in range(args.rounds)]

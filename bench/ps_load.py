@@ -370,7 +370,8 @@ def ms(x) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    schema = TableSchema(args.table, args.dim, args.state_width, "fp32")
+    # the table declares the rows it will hold, as a user's does: the PS sizes its Redis layout by them
+    schema = TableSchema(args.table, args.dim, args.state_width, "fp32", expected_rows=args.id_space)
     rng = np.random.default_rng(args.seed)
     ids = rng.choice(1 << 62, size=args.id_space, replace=False).astype(np.int64)
     patterns = rng.random((PATTERNS, schema.width), dtype=np.float32)

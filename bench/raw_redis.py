@@ -23,7 +23,7 @@ class RawRedisRows:
         self.r = redis.Redis.from_url(url)
         meta = json.loads(self.r.hget(meta_key(namespace), schema.name))
         self.num_buckets = int(meta["num_buckets"])
-        self.keys = bucket_keys(namespace, schema.name, self.num_buckets)
+        self.keys = bucket_keys(namespace, schema.name, 0, self.num_buckets)
         self.schema = schema
 
     def _grouped(self, ids: np.ndarray):

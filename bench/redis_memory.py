@@ -1,7 +1,9 @@
 """Redis memory per stored row, and Redis's CPU per row, for bucket layouts side by side.
 
-    .venv/bin/python bench/redis_memory.py                       # 1M rows: the default layout and the tuned one
+    .venv/bin/python bench/redis_memory.py                       # 1M rows: the default layout and hashtables
     .venv/bin/python bench/redis_memory.py --rows 200000         # quicker
+    .venv/bin/python bench/redis_memory.py --rows 200000 --layout default:declared --values 16 --values 1024
+                                                                 # the default layout, rows of 64 B and 4 KiB
 
 Each layout gets its own redis-server (started here, no persistence): a table of rows of
 dim 64 + 64 optimizer-state floats (fp32, 512 B) is written through RedisStore, 16,384 ids
@@ -11,13 +13,17 @@ Then 8 pulls and 8 pushes of 16,384 ids drawn uniformly from the stored ones giv
 Redis CPU-seconds per row (from /proc) and the rows/s, the store in this process.
 
 Layouts (num_buckets, then redis.conf lines):
-- default: 4096 buckets, Redis's own hash-max-listpack-* (a 512-byte row is over
-  hash-max-listpack-value's 64, so each bucket is a hashtable: a dict entry, an sds for the
-  field and one for the row, rounded up to jemalloc's size classes).
-- tuned: --tuned-buckets buckets, hash-max-listpack-value 1024 and -entries 32: buckets of
-  ~15 rows at 1M kept as listpacks (each row in place with a few bytes of framing); fewer
-  rows a bucket cost Redis less CPU (a listpack finds a field by walking it), up to where
-  the per-key overhead of more buckets outweighs it (bench/RESULTS.md).
+- default: what a user gets: the table declares its rows (expected_rows), so it has rows / 16
+  buckets (--redis-rows-per-bucket), and the store raises Redis's hash-max-listpack-value to
+  the row's bytes (--redis-listpack auto) on a redis-server of Redis's own config: each bucket
+  a listpack (each row in place with a few bytes of framing).
+- hashtable: 4096 buckets, a table that declares nothing, Redis's config left alone (a
+  512-byte row is over hash-max-listpack-value's 64, so each bucket is a hashtable: a dict
+  entry, an sds for the field and one for the row, rounded up to jemalloc's size classes).
+--layout NAME:BUCKETS[:CONF;...] measures others (the config left as given; BUCKETS "declared":
+the default layout, on a server of that config); fewer rows a
+bucket cost Redis less CPU (a listpack finds a field by walking it), up to where the per-key
+overhead of more buckets outweighs it (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -37,7 +43,6 @@ from dynemb.ps_server.schema import TableSchema  # noqa: E402
 from dynemb.testing.local_redis import RedisProcess  # noqa: E402
 
 BATCH = 16384
-TUNED = ["hash-max-listpack-value 1024", "hash-max-listpack-entries 32"]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -46,21 +51,29 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(rows: int, num_buckets: int, config: list[str], seed: int = 0) -> dict:
-    schema = TableSchema("mem", 64, 64, "fp32")
+def measure(rows: int, num_buckets: int | None, config: list[str], seed: int = 0, values: int = 128) -> dict:
+    """One layout: num_buckets None is the default (the table declares its rows, the store
+    raises the listpack limits); a number, that many buckets and Redis's config as given.
+    Rows of `values` fp32 (half embedding, half optimizer state)."""
+    declared = num_buckets is None
+    schema = TableSchema("mem", values - values // 2, values // 2, "fp32", expected_rows=rows if declared else 0)
     rng = np.random.default_rng(seed)
     ids = rng.choice(1 << 62, size=rows, replace=False).astype(np.int64)
     with RedisProcess(config) as proc:
         assert proc.proc is not None
         client = proc.client()
         before = client.info("memory")["used_memory"]
-        store = RedisStore.from_url(proc.url, namespace="mem", num_buckets=num_buckets)
+        store = RedisStore.from_url(
+            proc.url, namespace="mem", num_buckets=num_buckets or 4096, listpack="auto" if declared else "off"
+        )
         store.create_table(schema)
+        buckets = store.num_buckets_of("mem")
         for lo in range(0, rows, BATCH):
             part = ids[lo : lo + BATCH]
             store.push("mem", part, rng.random((len(part), schema.width), dtype=np.float32))
         used = client.info("memory")["used_memory"] - before
         encoding = client.object("encoding", store._meta("mem").key(0))
+        limits = client.config_get("hash-max-listpack-*")
         batches = [ids[rng.integers(0, rows, BATCH)] for _ in range(8)]
         out = np.empty((BATCH, schema.width), np.float32)
         result = {}
@@ -82,15 +95,24 @@ def measure(rows: int, num_buckets: int, config: list[str], seed: int = 0) -> di
         "vs_raw": used / rows / raw,
         "raw": raw,
         "encoding": encoding.decode() if isinstance(encoding, bytes) else str(encoding),
+        "buckets": buckets,
+        "limits": "; ".join(f"{_text(k)} {_text(v)}" for k, v in sorted(limits.items())),
         **result,
     }
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows stored [default %(default)s]")
     parser.add_argument(
-        "--tuned-buckets", type=int, default=65536, help="buckets of the tuned layout [default %(default)s]"
+        "--values",
+        type=int,
+        action="append",
+        help="fp32 values a row (repeatable: each measured) [default 128: 512 B, dim 64 + 64 of state]",
     )
     parser.add_argument(
         "--layout",
@@ -100,24 +122,26 @@ def main(argv=None) -> int:
         "hash-max-listpack-entries 256'",
     )
     args = parser.parse_args(argv)
-    layouts = [("default", 4096, []), ("tuned", args.tuned_buckets, TUNED)]
+    layouts: list[tuple[str, int | None, list[str]]] = [("default", None, []), ("hashtable", 4096, [])]
     if args.layout:
         layouts = []
         for spec in args.layout:
             name, buckets, *conf = spec.split(":", 2)
-            layouts.append((name, int(buckets), [c.strip() for c in conf[0].split(";")] if conf else []))
-    print(f"redis_memory: {args.rows:,} rows of 512 B + an 8-byte id, {os.cpu_count()} CPUs")
-    print(f"{'layout':<8} {'buckets':>7} {'encoding':<9} {'B/row':>7} {'x raw':>6} {'pull rows/s':>12} "
+            count = None if buckets == "declared" else int(buckets)  # "declared": the default layout
+            layouts.append((name, count, [c.strip() for c in conf[0].split(";")] if conf else []))
+    print(f"redis_memory: {args.rows:,} rows + an 8-byte id each, {os.cpu_count()} CPUs")
+    print(f"{'layout':<9} {'row B':>6} {'buckets':>7} {'encoding':<9} {'B/row':>8} {'x raw':>6} {'pull rows/s':>12} "
           f"{'us/row':>7} {'push rows/s':>12} {'us/row':>7}   (us/row: Redis CPU)")  # fmt: skip
     for name, buckets, config in layouts:
-        r = measure(args.rows, buckets, config)
-        print(
-            f"{name:<8} {buckets:>7} {r['encoding']:<9} {r['bytes_per_row']:>7.1f} {r['vs_raw']:>6.3f} "
-            f"{r['pull_rows_per_s']:>12,.0f} {r['pull_redis_us_per_row']:>7.2f} "
-            f"{r['push_rows_per_s']:>12,.0f} {r['push_redis_us_per_row']:>7.2f}"
-        )
-        if config:
-            print(f"         redis.conf: {'; '.join(config)}")
+        for values in args.values or [128]:
+            r = measure(args.rows, buckets, config, values=values)
+            print(
+                f"{name:<9} {r['raw'] - 8:>6} {r['buckets']:>7} {r['encoding']:<9} {r['bytes_per_row']:>8.1f} "
+                f"{r['vs_raw']:>6.3f} "
+                f"{r['pull_rows_per_s']:>12,.0f} {r['pull_redis_us_per_row']:>7.2f} "
+                f"{r['push_rows_per_s']:>12,.0f} {r['push_redis_us_per_row']:>7.2f}"
+            )
+            print(f"          Redis's limits then: {r['limits']}")
     return 0
 
 

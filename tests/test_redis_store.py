@@ -398,7 +398,8 @@ def test_listpack_buckets_read_the_same_and_outgrow_into_hashtables(redis_namesp
     hash-max-listpack-value) hold the same keys and rows, and a bucket that outgrows
     hash-max-listpack-entries turns into a hashtable with every row still read back."""
     with RedisProcess(["hash-max-listpack-value 1024", "hash-max-listpack-entries 8"]) as proc:
-        store = RedisStore.from_url(proc.url, namespace=redis_namespace, num_buckets=16)
+        # listpack="off": the limits above stay (auto would raise entries to 8 x 16 rows a bucket)
+        store = RedisStore.from_url(proc.url, namespace=redis_namespace, num_buckets=16, listpack="off")
         schema = TableSchema("lp", dim=64, state_width=64)  # 512-byte rows: hashtables under Redis's defaults
         store.create_table(schema)
         rng = np.random.default_rng(13)

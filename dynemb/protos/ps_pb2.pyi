@@ -45,18 +45,20 @@ class Initializer(_message.Message):
     def __init__(self, kind: _Optional[_Union[Initializer.Kind, str]] = ..., a: _Optional[float] = ..., b: _Optional[float] = ..., seed: _Optional[int] = ..., state_init: _Optional[float] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "dim", "state_width", "dtype", "initializer")
+    __slots__ = ("name", "dim", "state_width", "dtype", "initializer", "expected_rows")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     STATE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     INITIALIZER_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_ROWS_FIELD_NUMBER: _ClassVar[int]
     name: str
     dim: int
     state_width: int
     dtype: DType
     initializer: Initializer
-    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., state_width: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., initializer: _Optional[_Union[Initializer, _Mapping]] = ...) -> None: ...
+    expected_rows: int
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., state_width: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., initializer: _Optional[_Union[Initializer, _Mapping]] = ..., expected_rows: _Optional[int] = ...) -> None: ...
 
 class TableInfo(_message.Message):
     __slots__ = ("spec", "num_rows")

@@ -217,9 +217,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--redis-buckets",
         "DYNEMB_PS_REDIS_BUCKETS",
         4096,
-        "Redis hashes per new table (fixed once a table exists); rows per hash over Redis's "
-        "hash-max-listpack-entries cost ~1.35x their bytes in Redis memory (README: Redis memory)",
+        "Redis hashes of a new table that declares no expected rows (fixed once a table exists); rows per "
+        "hash over Redis's hash-max-listpack-entries cost ~1.35x their bytes in Redis memory (README: Redis memory)",
         int,
+    )
+    option(
+        "--redis-rows-per-bucket",
+        "DYNEMB_PS_REDIS_ROWS_PER_BUCKET",
+        16,
+        "rows a Redis hash is sized for in a new table that declares its expected rows: it gets "
+        "expected_rows / this many hashes (up to 2^28), kept as compact listpacks",
+        int,
+    )
+    option(
+        "--redis-listpack",
+        "DYNEMB_PS_REDIS_LISTPACK",
+        "auto",
+        "auto: raise Redis's hash-max-listpack-value/-entries (CONFIG SET, never lowered) to what the tables' "
+        "rows need, so their hashes take ~1.12x the rows' bytes, not ~1.35x; off: leave Redis's config alone",
     )
     option(
         "--backend-check-seconds",
@@ -261,6 +276,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dim", type=int, required=True, help="embedding values per row")
     p.add_argument("--state-width", type=int, default=0, help="optimizer-state values per row [default 0]")
     p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32")
+    p.add_argument(
+        "--expected-rows",
+        type=int,
+        default=0,
+        help="rows the table is expected to hold (over all PSes); the store sizes its layout by it "
+        "(Redis: compact hashes of ~16 rows) [default 0: the store's default]",
+    )
     add_init_flags(p, "how rows never pushed are filled when pulled [default zeros]", "initial optimizer-state value")
     p.set_defaults(func=cmd_create_table)
     p = client_parser("describe")
@@ -410,6 +432,8 @@ def cmd_serve(args) -> int:
             drain_seconds=args.drain_seconds,
             not_serving_seconds=args.not_serving_seconds,
             redis_buckets=args.redis_buckets,
+            redis_rows_per_bucket=args.redis_rows_per_bucket,
+            redis_listpack=args.redis_listpack,
             backend_check_seconds=args.backend_check_seconds,
             shm_max_bytes=int(args.shm_max_mb * (1 << 20)),
             shm_idle_seconds=args.shm_idle_seconds,
@@ -528,7 +552,14 @@ def cmd_tables(args) -> int:
 def cmd_create_table(args) -> int:
     """`dynemb ps create-table`: create the table on every PS and print it."""
     with client_from_args(args) as ps:
-        info = ps.create_table(args.table, args.dim, args.state_width, args.dtype, initializer_from_args(args))
+        info = ps.create_table(
+            args.table,
+            args.dim,
+            args.state_width,
+            args.dtype,
+            initializer_from_args(args),
+            expected_rows=args.expected_rows,
+        )
     print(_table_line(info))
     return 0
 
@@ -536,12 +567,9 @@ def cmd_create_table(args) -> int:
 def cmd_describe(args) -> int:
     """`dynemb ps describe`: print one table's schema and row count as JSON."""
     with client_from_args(args) as ps:
-        print(
-            json.dumps(
-                {**ps.describe_table(args.table).schema.to_dict(), "num_rows": ps.describe_table(args.table).num_rows},
-                indent=2,
-            )
-        )
+        info = ps.describe_table(args.table)
+        doc = {**info.schema.to_dict(), "expected_rows": info.schema.expected_rows, "num_rows": info.num_rows}
+        print(json.dumps(doc, indent=2))
     return 0
 
 

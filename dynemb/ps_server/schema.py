@@ -34,6 +34,9 @@ _INIT_FROM_PROTO[ps_pb2.Initializer.KIND_UNSPECIFIED] = "zeros"
 
 NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}")  # the whole name (fullmatch: `$` lets "t\n" through)
 MAX_ROW_WIDTH = 1 << 16
+# The most rows a table may declare it expects (TableSchema.expected_rows): far above any one
+# store's reach (2^48 rows of 8 bytes are 2 PiB), low enough that a typo's 2^63 is caught.
+MAX_EXPECTED_ROWS = 1 << 48
 
 
 def check_name(name: str, what: str = "table name") -> str:
@@ -100,13 +103,19 @@ _INITIALIZER_FIELDS = {f.name for f in fields(Initializer)}
 
 @dataclass(frozen=True)
 class TableSchema:
-    """A table: `dim` embedding values and `state_width` optimizer-state values per row."""
+    """A table: `dim` embedding values and `state_width` optimizer-state values per row.
+
+    expected_rows (how many rows the table is expected to hold; 0: unknown) is a sizing hint for
+    the store, not part of the schema's identity: two schemas that differ only in it are equal,
+    and it is left out of to_dict() (the form checkpoints and table files compare).
+    """
 
     name: str
     dim: int
     state_width: int = 0
     dtype: str = "fp32"
     initializer: Initializer = field(default_factory=Initializer)
+    expected_rows: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
         check_name(self.name)
@@ -122,6 +131,11 @@ class TableSchema:
             )
         if self.dtype not in DTYPES:
             raise InvalidArgument(f"table {self.name!r}: dtype {shown(self.dtype)} is not one of {tuple(DTYPES)}")
+        if not isinstance(self.expected_rows, int) or not 0 <= self.expected_rows <= MAX_EXPECTED_ROWS:
+            raise InvalidArgument(
+                f"table {self.name!r}: expected_rows must be an integer in [0, 2^48 = {MAX_EXPECTED_ROWS}], "
+                f"got {shown(self.expected_rows)}"
+            )
 
     @property
     def width(self) -> int:
@@ -146,6 +160,7 @@ class TableSchema:
             state_width=self.state_width,
             dtype=_PROTO_DTYPE[self.dtype],
             initializer=self.initializer.to_proto(),
+            expected_rows=self.expected_rows,
         )
 
     @classmethod
@@ -162,6 +177,7 @@ class TableSchema:
             state_width=msg.state_width,
             dtype=dtype,
             initializer=Initializer.from_proto(msg.initializer),
+            expected_rows=msg.expected_rows,
         )
 
     def to_dict(self) -> dict:

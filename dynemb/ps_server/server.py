@@ -68,7 +68,9 @@ class ServeConfig:
     # After SIGTERM, how long health says NOT_SERVING while requests are still taken,
     # so load balancers and probes see it before the port closes.
     not_serving_seconds: float = 1.0
-    redis_buckets: int = 4096  # hashes per new table (fixed per table once created)
+    redis_buckets: int = 4096  # hashes per new table that declares no expected rows (fixed once created)
+    redis_rows_per_bucket: int = 16  # rows a hash is sized for, in a table that declares its expected rows
+    redis_listpack: str = "auto"  # auto: raise Redis's listpack limits as tables need them; off: leave them
     backend_check_seconds: float = 1.0  # how often health re-checks that the store answers
     # Same-host row transfer (shm.py): how much client memory may be attached at once (0: none
     # taken; clients then send rows as bytes) and how long an unused segment stays attached.
@@ -98,6 +100,10 @@ class ServeConfig:
             raise ValueError("--shm-max-mb must be >= 0 and --shm-idle-seconds > 0")
         if self.max_table_labels < 0:
             raise ValueError(f"--max-table-labels must be >= 0, got {self.max_table_labels}")
+        if self.redis_listpack not in ("auto", "off"):
+            raise ValueError(f"--redis-listpack must be auto or off, got {self.redis_listpack!r}")
+        if not 1 <= self.redis_rows_per_bucket <= 1 << 16:
+            raise ValueError(f"--redis-rows-per-bucket must be in [1, 65536], got {self.redis_rows_per_bucket}")
         if self.backend_check_seconds <= 0:
             raise ValueError(f"backend check interval must be > 0 seconds, got {self.backend_check_seconds}")
 
@@ -117,6 +123,8 @@ class PSServer:
             options = dict(config.backend_options)
             if config.backend and not config.backend.startswith(("embedded", "memory")):
                 options.setdefault("num_buckets", config.redis_buckets)
+                options.setdefault("rows_per_bucket", config.redis_rows_per_bucket)
+                options.setdefault("listpack", config.redis_listpack)
             store = open_store(config.backend, namespace=config.namespace, **options)
         self.store = store
         self.health = health.HealthServicer()
@@ -199,6 +207,8 @@ class PSServer:
         # Start even when the store is away: NOT_SERVING (and UNAVAILABLE per request) until it is back.
         self.backend_watch.check()
         self.backend_watch.start()
+        # the store's settings for the tables already there, off the start path (it may be away)
+        threading.Thread(target=self._check_store_config, name="ps-store-config", daemon=True).start()
         log.info(
             "PS serving %s on port %d (%s backend, %s, auth %s)%s",
             SERVICE_NAME,
@@ -209,6 +219,12 @@ class PSServer:
             f", metrics on :{self.metrics_port}/metrics" if self.metrics_port else "",
         )
         return self
+
+    def _check_store_config(self) -> None:
+        try:
+            self.store.check_config()
+        except Exception as exc:  # noqa: BLE001 - the store away or refusing: logged, serving goes on
+            log.warning("could not check the store's settings for its tables: %s", exc)
 
     def drain(self, grace: float | None = None) -> int:
         """NOT_SERVING at once (load balancers stop sending), calls still served for

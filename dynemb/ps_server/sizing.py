@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from dynemb.ps_server.backends.redis_config import MAX_LISTPACK_VALUE, ROWS_PER_BUCKET
 from dynemb.ps_server.errors import InvalidArgument
 from dynemb.ps_server.schema import MAX_ROW_WIDTH
 from dynemb.trainer.config import OPTIMIZERS as TRAINER_OPTIMIZERS
@@ -19,27 +20,36 @@ from dynemb.trainer.config import optimizer_state_width
 
 # -- measured constants ---------------------------------------------------------------------
 
-# Redis memory per row beyond the row's own allocation: the hash entry, the 8-byte id field and
-# the hash table's share. Measured with redis-server 7.0.15 (jemalloc): 200,000 rows pushed by
-# RedisStore into one table of 4,096 bucket hashes, used_memory after less before, per row:
-# 383 / 703 / 959 / 1,855 B for rows of 256 / 512 / 768 / 1,536 B, each exactly
-# redis_row_allocation(row) + 63. bench/RESULTS.md, ps_load (issue 7) agrees: 169.1 MiB for
-# 250,000 rows of 512 B = 709 B a row.
+# Redis memory of a bucket beyond its listpack: its key's name, the keyspace's dict entry and
+# the object header. Measured with redis-server 7.0.15 (jemalloc), 2026-11-26: 200,000 rows
+# pushed by RedisStore into a table declaring them (12,500 listpack buckets, the PS's default
+# layout), used_memory after less before, per row: 91.7 / 303.2 / 587.1 / 862.8 / 1,697.0 /
+# 4,648.1 / 18,571.9 B for rows of 64 / 256 / 512 / 768 / 1,536 / 4,096 / 16,384 B;
+# listpack_bytes_per_row() with 100 B a bucket is within 1 B of each up to 4 KiB rows, 3 B
+# at 16 KiB. bench/RESULTS.md, redis_memory, agrees at 1M rows of 512 B: 586.4 B a row.
+BUCKET_KEY_BYTES = 100
+# Redis memory per row of a hashtable bucket (rows over MAX_LISTPACK_VALUE, which the PS leaves
+# to hashtables) beyond the row's own allocation: the hash entry, the 8-byte id field and the
+# hash table's share. Measured with redis-server 7.0.15: 200,000 rows in 4,096 hashtable
+# buckets: 383 / 703 / 959 / 1,855 B for rows of 256 / 512 / 768 / 1,536 B, each exactly
+# redis_row_allocation(row) + 63.
 REDIS_ENTRY_OVERHEAD_BYTES = 63
-# Redis CPU per row pulled or pushed: bench/RESULTS.md, ps_load (issue 24, the compiled row
-# path), 2026-11-26, 64 clients, 60 s, commit 9698079: Redis used 52.6 CPU s while the PS moved
-# 200,329 rows/s (4.35 us a row; the hashtable-encoded buckets of Redis's default config).
-REDIS_CPU_SECONDS_PER_ROW = 4.35e-6
-# Rows/s one PS process moves (pulls and pushes together): the same run, 200,329 rows/s, 64
-# clients of 1,024-id batches, one PS over Redis, 2-core machine shared with its Redis and the
-# clients (ps_bench's single client with 16,384-id batches reaches 0.81-0.89x of a client that
-# does no work of its own, bench/RESULTS.md ps_bench 2026-11-26: not the figure to plan on).
-PS_ROWS_PER_SECOND = 200_329
-# PS CPU per row: the same run, the PS used 21.4 CPU s (1.77 us a row): a PS process is no longer
-# the bottleneck, Redis is (0.41 PS CPU per Redis CPU).
-PS_CPU_SECONDS_PER_ROW = 1.77e-6
-# Resident memory of one PS process (it holds no rows over Redis): the same ps_load run, peak RSS.
-PS_RSS_BYTES = int(205.1 * 2**20)
+# Redis CPU per row pulled or pushed: bench/RESULTS.md, ps_load (issue 24, part 2), 2026-11-26,
+# commit b08960b, 64 clients of 1,024-id batches, 30 s, the table declaring its 250,000 rows
+# (15,625 listpack buckets, the default layout): Redis used 20.45 CPU s while the PS moved
+# 167,941 rows/s for 30.44 s (4.00 us a row; the hashtable-bucket runs before gave 3.67-4.53).
+REDIS_CPU_SECONDS_PER_ROW = 4.00e-6
+# Rows/s one PS process moves (pulls and pushes together): the same run, 167,941 rows/s, one PS
+# over Redis, 2-core machine shared with its Redis, the clients and other work (load average
+# 1.3-3.8; 200,329 in a 60 s run on a quieter box before). ps_bench's single client with
+# 16,384-id batches reaches 0.81-0.89x of a client that does no work of its own
+# (bench/RESULTS.md ps_bench 2026-11-26): not the figure to plan on.
+PS_ROWS_PER_SECOND = 167_941
+# PS CPU per row: the same run, the PS used 8.28 CPU s (1.62 us a row): a PS process is not the
+# bottleneck, Redis is (0.40 PS CPU per Redis CPU).
+PS_CPU_SECONDS_PER_ROW = 1.62e-6
+# Resident memory of one PS process (it holds no rows over Redis): the same run, peak RSS.
+PS_RSS_BYTES = int(146.4 * 2**20)
 
 # -- fixed by the design, not measured ------------------------------------------------------
 
@@ -61,6 +71,35 @@ def _jemalloc_size_class(n: int) -> int:
         return -(-n // 16) * 16
     step = 1 << (n - 1).bit_length() - 3  # a quarter of the power of two below n
     return -(-n // step) * step
+
+
+def listpack_bytes(rows: int, row_bytes: int) -> int:
+    """Bytes of a listpack hash of `rows` fields of 8 bytes, each with a row of row_bytes: the
+    listpack's header and end byte, and per field and value an entry of an encoding byte (or
+    two, or five: by length), the bytes, and the entry's length backwards (1-3 bytes)."""
+    encoding = 1 if row_bytes <= 63 else 2 if row_bytes <= 4095 else 5
+    entry = encoding + row_bytes
+    backlen = 1 if entry < 128 else 2 if entry < 16384 else 3
+    return 7 + rows * ((1 + 8 + 1) + entry + backlen)
+
+
+def redis_bytes_per_row(row_bytes: int, rows_per_bucket: int = ROWS_PER_BUCKET) -> float:
+    """Redis memory per stored row of a table at its declared rows (the PS's default layout).
+
+    Rows up to MAX_LISTPACK_VALUE: ids hash evenly over the buckets, so a bucket holds a
+    Poisson number of rows around rows_per_bucket; each bucket is one listpack allocation
+    (rounded up to jemalloc's size class) and BUCKET_KEY_BYTES for its key. Longer rows are
+    left to hashtables: each row's own allocation and REDIS_ENTRY_OVERHEAD_BYTES.
+    """
+    if row_bytes > MAX_LISTPACK_VALUE:
+        return redis_row_allocation(row_bytes) + REDIS_ENTRY_OVERHEAD_BYTES
+    lam = rows_per_bucket
+    chance = math.exp(-lam)  # of an empty bucket (no key: costs nothing)
+    per_bucket = 0.0
+    for n in range(1, 8 * lam + 32):  # far into the tail
+        chance *= lam / n
+        per_bucket += chance * (_jemalloc_size_class(listpack_bytes(n, row_bytes)) + BUCKET_KEY_BYTES)
+    return per_bucket / lam
 
 
 def redis_row_allocation(row_bytes: int) -> int:
@@ -85,7 +124,7 @@ class Plan:
     replicas: int
     state_width: int
     row_bytes: int
-    redis_bytes_per_row: int
+    redis_bytes_per_row: float
     redis_bytes: int  # used_memory of the rows over all masters, replicas not counted
     pulls_per_s: float
     pushes_per_s: float
@@ -176,8 +215,8 @@ def plan(
     )
 
     row_bytes = (dim + state_width) * VALUE_BYTES
-    per_row = redis_row_allocation(row_bytes) + REDIS_ENTRY_OVERHEAD_BYTES
-    redis_bytes = rows * per_row
+    per_row = redis_bytes_per_row(row_bytes)
+    redis_bytes = math.ceil(rows * per_row)
     # rounded, so 1e6 * 40 * (1 - 0.9) is 4e6, not a hair below (and ceil() gives no surprises)
     misses = round(samples_per_s * ids_per_sample * (1 - hit_rate), 6)
     rows_per_s = 2 * misses  # each missed row pulled, and about as many evicted rows pushed
@@ -243,7 +282,8 @@ def format_plan(p: Plan) -> str:
         f"training:       {_count(p.samples_per_s)} samples/s x {_count(p.ids_per_sample)} IDs, "
         f"hit rate {p.hit_rate:g}",
         "",
-        f"row:            {p.row_bytes:,} B (fp32), {p.redis_bytes_per_row:,} B on Redis",
+        f"row:            {p.row_bytes:,} B (fp32), {p.redis_bytes_per_row:,.0f} B on Redis "
+        f"({p.redis_bytes_per_row / (p.row_bytes + ID_BYTES):.2f}x the row and its id)",
         f"Redis memory:   {_bytes(p.redis_bytes)} on the masters"
         + (", as much again on each replica" if p.replicas else ""),
         f"PS rows/s:      {_count(p.pulls_per_s)} pulled + {_count(p.pushes_per_s)} pushed = {_count(p.rows_per_s)}",

@@ -18,6 +18,7 @@ config): a consistent, checksummed copy of PS tables, which `restore` puts back 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -214,6 +215,7 @@ def restore_tables(
     for _, schema, per_link in plan:
         deltas = per_link[1:]
         total = sum(r.num_rows for link in per_link for r in link)
+        schema = dataclasses.replace(schema, expected_rows=total)  # the PS sizes the table by it
         with tqdm(total=total, unit="row", unit_scale=True, desc=f"restore {schema.name}", disable=not progress) as bar:
             n = client.import_rows(schema, (c for r in per_link[0] for c in _rows(r, bar)), replace=True)
             for link in deltas:

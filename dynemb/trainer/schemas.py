@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from dynemb.ps_server.schema import Initializer, TableSchema
+from dynemb.ps_server.schema import MAX_EXPECTED_ROWS, Initializer, TableSchema
 from dynemb.trainer.config import TrainConfig, optimizer_state_width, table_name
 
 
@@ -21,7 +21,9 @@ def table_rows_total(cfg: TrainConfig, world_size: int, name: str) -> int:
 
 
 def ps_schema(cfg: TrainConfig, feature: int) -> TableSchema:
-    """The PS schema of table t_<feature>: fp32, uniform in ±init_scale (default 1/sqrt(dim))."""
+    """The PS schema of table t_<feature>: fp32, uniform in ±init_scale (default 1/sqrt(dim)),
+    expected to hold the feature's ID universe (every ID ever seen has a row on the PS; 0 when
+    not known: the store's default layout)."""
     scale = cfg.table_config(table_name(feature)).init_scale or 1.0 / math.sqrt(cfg.table.dim)
     return TableSchema(
         name=cfg.ps_table_prefix + table_name(feature),
@@ -29,4 +31,5 @@ def ps_schema(cfg: TrainConfig, feature: int) -> TableSchema:
         state_width=optimizer_state_width(cfg.optimizer, cfg.table.dim),
         dtype="fp32",
         initializer=Initializer("uniform", -scale, scale, seed=cfg.seed * 1000 + feature),
+        expected_rows=min(cfg.data.universe, MAX_EXPECTED_ROWS),
     )

@@ -91,6 +91,13 @@ def add_table_commands(sub: argparse._SubParsersAction, old_name_of: str = "") -
         action="store_true",
         help="delete the table's rows on the PS before writing (otherwise rows are added/overwritten)",
     )
+    p.add_argument(
+        "--expected-rows",
+        type=int,
+        default=0,
+        help="rows a table the import creates is expected to hold (the PS sizes its layout by it, e.g. for a "
+        "table that will grow) [default: the folder's rows]",
+    )
     quiet_flag(p)
     p.set_defaults(func=_warned(cmd_import, old_name_of, "import"))
 
@@ -175,7 +182,13 @@ def cmd_import(args) -> int:
         for name, reader in readers.items():
             target = args.rename or name
             n = import_table(
-                ps, reader.folder, table=target, replace=args.replace, progress=not args.quiet, verify=False
+                ps,
+                reader.folder,
+                table=target,
+                replace=args.replace,
+                progress=not args.quiet,
+                verify=False,
+                expected_rows=args.expected_rows,
             )
             print(f"imported {reader.folder} -> table {target}: {n} rows")
     return 0

@@ -467,16 +467,21 @@ def import_table(
     progress: bool = True,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     verify: bool = True,
+    expected_rows: int = 0,
 ) -> int:
     """Write a table folder into a PS (PSClient.import_rows), as `table` or under its own name.
 
     Every shard is checked (verify=False: the caller just did) and the PS's schema compared
     before the first row is sent, so a bad folder writes nothing. replace=True first deletes
-    the table's rows on the PS. Returns the rows written."""
+    the table's rows on the PS. A table the import creates is sized for expected_rows (0: the
+    folder's rows; TableSchema.expected_rows). Returns the rows written."""
     from tqdm import tqdm
 
     reader = TableReader(folder)
-    schema = reader.schema if table is None else dataclasses.replace(reader.schema, name=table)
+    # the rows it holds sized for (the PS's layout; no part of the schema's identity)
+    schema = dataclasses.replace(
+        reader.schema, name=table or reader.schema.name, expected_rows=expected_rows or reader.num_rows
+    )
     if verify:
         reader.verify(progress=progress)
     check_no_conflict(client, schema, str(reader.folder / MANIFEST))

@@ -57,7 +57,9 @@ class Store(abc.ABC):
     def create_table(self, schema: TableSchema) -> bool:
         """Create the table; False if it exists with this very schema.
 
-        Raises TableExists if it exists with another schema.
+        schema.expected_rows (not part of the schema's identity) may size the table's layout;
+        a table that exists keeps what it was created with. Raises TableExists if it exists
+        with another schema.
         """
 
     @abc.abstractmethod
@@ -133,6 +135,10 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def clear(self, table: str) -> int:
         """Delete every row but keep the table; returns rows deleted."""
+
+    def check_config(self) -> None:  # noqa: B027 - not abstract: most stores have no settings to check
+        """Check (and where it may, adjust) the backend's settings for the tables there are; the
+        PS calls it once at start. Problems are logged, not raised."""
 
     def ping(self) -> None:  # noqa: B027 - not abstract: a store with nothing to check keeps this no-op
         """Raise BackendUnavailable if the store cannot serve requests now."""

@@ -317,7 +317,8 @@ class EmbeddedStore(Store):
             raise TableNotFound(f"table {name!r} does not exist on this PS (embedded store)") from None
 
     def create_table(self, schema: TableSchema) -> bool:
-        """See Store.create_table."""
+        """See Store.create_table. expected_rows sizes nothing here (a table's arrays grow by
+        doubling); it is kept with the schema while the store runs, not in its saved files."""
         with self._lock:
             have = self._tables.get(schema.name)
             if have is None:

@@ -2,7 +2,8 @@
 
 Layout (namespace <ns>, table <t>, bucket number <b>; the braces are literal):
 
-    dn:<ns>:tables             HASH  table name -> JSON {"format", "num_buckets", "schema", "created"[, "dropping"]}
+    dn:<ns>:tables             HASH  table name -> JSON {"format", "num_buckets", "schema", "created"
+                                                        [, "expected_rows"][, "dropping"]}
     {dn:<ns>:tables}:rows      HASH  table name -> rows stored (kept by every write)
     dn:<ns>:<t>:r:{<t>.<b>}    HASH  id as 8 little-endian bytes -> the row's raw bytes
 
@@ -13,7 +14,13 @@ Hashes instead of one key per id: a few thousand keys per table whatever its siz
 per-key memory in Redis, and one HMGET/HSET per touched bucket per request. The `{<t>.<b>}`
 hash tag keeps each bucket on one Cluster node while a table's buckets spread over every node.
 `num_buckets` is fixed when a table is created and read back from its metadata, so a PS
-started with another default still finds every row.
+started with another default still finds every row. A table that declares the rows it expects
+(TableSchema.expected_rows) gets ceil(expected_rows / rows_per_bucket) buckets (at most
+MAX_BUCKETS), so that each bucket stays a small listpack in Redis (~1.12x the rows' bytes, not
+a hashtable's ~1.35x; redis_config.py raises Redis's listpack limits to match); a table that
+declares nothing gets the store's num_buckets. Nothing lists a table's bucket keys all at once:
+they are visited in runs of PIPELINE_MAX_IDS, or, for a table of more than SCAN_BUCKETS_ABOVE
+buckets in a database of fewer keys than that, found by SCAN (empty buckets are no keys).
 
 The row counts live in a hash whose hash tag is the table hash's whole name, so both sit in
 one Cluster slot: a create or drop changes both atomically (a Lua script), and ListTables reads
@@ -72,6 +79,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import functools
 import itertools
 import json
@@ -99,6 +107,8 @@ from redis.retry import Retry
 
 from dynemb.common.errors import shown
 from dynemb.ps_server.backends.base import Store, check_same_schema, check_time, rows_out
+from dynemb.ps_server.backends.redis_config import MODES as LISTPACK_MODES
+from dynemb.ps_server.backends.redis_config import ROWS_PER_BUCKET, ListpackLimits
 from dynemb.ps_server.backends.redis_tls import check_tls_files, untrusted_hint
 from dynemb.ps_server.codec import rows_for_table
 from dynemb.ps_server.errors import (
@@ -112,8 +122,14 @@ from dynemb.ps_server.hashing import bucket_of  # re-exported: bench/raw_redis.p
 from dynemb.ps_server.native import redis_rows
 from dynemb.ps_server.schema import TableSchema, check_name
 
-META_FORMAT = 1
-MAX_BUCKETS = 1 << 20
+META_FORMAT = 1  # metadata without "expected_rows" (older versions) reads as 0: nothing declared
+# A table's most buckets: a 10^10-row table at 16 rows a bucket would want 6.25e8; at 2^28 it
+# has ~37 rows a bucket, still a listpack (hash-max-listpack-entries 128).
+MAX_BUCKETS = 1 << 28
+# Tables of more buckets than this, in a database of fewer keys, have their bucket keys found by
+# SCAN instead of visited one by one (a mostly empty table of 2^28 buckets: see the module doc).
+SCAN_BUCKETS_ABOVE = 1 << 20
+SCAN_COUNT = 10000
 # One pipeline carries at most this many ids or bytes of rows; bigger batches go as several
 # pipelines in a row, so neither side buffers an unbounded reply.
 PIPELINE_MAX_IDS = 65536
@@ -212,10 +228,19 @@ def bucket_prefix(namespace: str, table: str) -> bytes:
     return f"dn:{namespace}:{table}:r:{{{table}.".encode()
 
 
-def bucket_keys(namespace: str, table: str, num_buckets: int) -> list[bytes]:
-    """Every bucket's key name, index = bucket number (exactly one `{...}` hash tag each)."""
+def bucket_keys(namespace: str, table: str, start: int, stop: int) -> list[bytes]:
+    """The key names of buckets start..stop-1, in order (exactly one `{...}` hash tag each).
+    A table may have up to MAX_BUCKETS buckets: ask for a run of them at a time."""
     prefix = bucket_prefix(namespace, table)
-    return [b"%s%d}" % (prefix, b) for b in range(num_buckets)]
+    return [b"%s%d}" % (prefix, b) for b in range(start, stop)]
+
+
+def buckets_for(expected_rows: int, rows_per_bucket: int, default: int) -> int:
+    """The bucket count of a new table: ceil(expected_rows / rows_per_bucket) in [1, MAX_BUCKETS],
+    or default when the table declares no expected rows (0)."""
+    if expected_rows <= 0:
+        return default
+    return max(1, min(MAX_BUCKETS, -(-expected_rows // rows_per_bucket)))
 
 
 def id_fields(ids: np.ndarray) -> list[bytes]:
@@ -343,16 +368,25 @@ class RedisStore(Store):
         address: str = "",
         password: str | None = None,
         native_rows: bool = True,
+        rows_per_bucket: int = ROWS_PER_BUCKET,
+        listpack: str = "auto",
     ) -> None:
         check_name(namespace, "namespace")
         if not isinstance(num_buckets, int) or not 1 <= num_buckets <= MAX_BUCKETS:
             raise InvalidArgument(f"num_buckets must be an integer in [1, {MAX_BUCKETS}], got {num_buckets!r}")
+        if not isinstance(rows_per_bucket, int) or not 1 <= rows_per_bucket <= 1 << 16:
+            raise InvalidArgument(f"rows_per_bucket must be an integer in [1, 65536], got {shown(rows_per_bucket)}")
+        if listpack not in LISTPACK_MODES:
+            raise InvalidArgument(f"listpack must be one of {LISTPACK_MODES}, got {shown(listpack)}")
         self.client = client
         self.cluster = isinstance(client, redis.cluster.RedisCluster)
         self.kind = "redis-cluster" if self.cluster else "redis"
         self.namespace = namespace
-        self.num_buckets = num_buckets  # for tables created from now on
+        self.num_buckets = num_buckets  # for tables created from now on that declare no expected rows
+        self.rows_per_bucket = rows_per_bucket  # for those that do
         self.address = address or "redis"
+        # Redis's listpack limits raised as tables need them (redis_config.py); None: left alone
+        self._listpack = ListpackLimits(client, self.address, rows_per_bucket) if listpack == "auto" else None
         self._password = password
         self._meta_key = meta_key(namespace)
         self._rows_key = rows_key(namespace)
@@ -380,6 +414,8 @@ class RedisStore(Store):
         num_buckets: int = 4096,
         socket_timeout: float = 10.0,
         native_rows: bool = True,
+        rows_per_bucket: int = ROWS_PER_BUCKET,
+        listpack: str = "auto",
         **kw,
     ) -> RedisStore:
         """redis://, rediss://, unix://, redis+cluster://, rediss+cluster:// (see the module doc).
@@ -387,7 +423,10 @@ class RedisStore(Store):
         Extra keywords go to redis-py (ssl_ca_certs=, ssl_cert_reqs=, max_connections=...);
         `retries` sets how often a request is retried on a dropped connection (default 2).
         native_rows=False reads and writes rows through redis-py's commands instead of the
-        compiled row path (the same commands; for comparison and tests).
+        compiled row path (the same commands; for comparison and tests). num_buckets: the
+        buckets of a new table that declares no expected rows; rows_per_bucket: what a table
+        that does is sized for; listpack: "auto" raises Redis's listpack limits as the tables
+        need them (redis_config.py), "off" leaves Redis's config alone.
         """
         scheme = url.split("://", 1)[0].lower()
         retries = int(kw.pop("retries", 2))
@@ -434,6 +473,8 @@ class RedisStore(Store):
             address=address,
             password=options.get("password"),
             native_rows=native_rows,
+            rows_per_bucket=rows_per_bucket,
+            listpack=listpack,
         )
 
     # -- plumbing ----------------------------------------------------------------------
@@ -555,6 +596,8 @@ class RedisStore(Store):
             d = json.loads(raw)
             schema = TableSchema.from_dict(d["schema"])
             nb = int(d["num_buckets"])
+            if d.get("expected_rows"):  # absent in older metadata
+                schema = dataclasses.replace(schema, expected_rows=int(d["expected_rows"]))
         except (ValueError, KeyError, TypeError) as exc:
             raise PSError(
                 f"metadata of table {table!r} in Redis namespace {self.namespace!r} is unreadable: {exc}"
@@ -570,10 +613,18 @@ class RedisStore(Store):
     # -- tables ------------------------------------------------------------------------
 
     def create_table(self, schema: TableSchema) -> bool:
-        """See Store.create_table; the table gets this store's num_buckets."""
+        """See Store.create_table; the table gets ceil(schema.expected_rows / rows_per_bucket)
+        buckets, or this store's num_buckets if it declares none (module doc). Redis's listpack
+        limits are raised first where the rows need it (listpack="auto")."""
+        if self._listpack is not None:
+            with self._redis():
+                self._listpack.ensure(schema.row_bytes, f"table {schema.name!r}")
+        nb = buckets_for(schema.expected_rows, self.rows_per_bucket, self.num_buckets)
         # "created": a token of this creation, so that a table dropped and created again, even with
         # the same schema, has other metadata (a write checks it: see _WRITE_LUA)
-        meta = {"format": META_FORMAT, "num_buckets": self.num_buckets, "schema": schema.to_dict()}
+        meta = {"format": META_FORMAT, "num_buckets": nb, "schema": schema.to_dict()}
+        if schema.expected_rows:
+            meta["expected_rows"] = schema.expected_rows
         raw = json.dumps({**meta, "created": secrets.token_hex(8)}, sort_keys=True).encode()
         for _ in range(CREATE_TRIES):
             # HSETNX in the script: of several PS processes creating one table, exactly one wins
@@ -596,8 +647,23 @@ class RedisStore(Store):
         )
 
     def schema(self, table: str) -> TableSchema:
-        """See Store.schema."""
+        """See Store.schema (with the expected_rows it was created with)."""
         return self._meta(table).schema
+
+    def num_buckets_of(self, table: str) -> int:
+        """The table's bucket count (fixed when it was created)."""
+        return self._meta(table).num_buckets
+
+    def check_config(self) -> None:
+        """See Store.check_config: Redis's listpack limits raised for the tables there are
+        (listpack="auto"; a refusal is logged once)."""
+        if self._listpack is None:
+            return
+        metas = self._all_metas()[0]
+        if metas:
+            widest = max(metas, key=lambda m: m.schema.row_bytes)
+            with self._redis():
+                self._listpack.ensure(widest.schema.row_bytes, f"{len(metas)} table(s), e.g. {widest.schema.name!r}")
 
     def _all_metas(self) -> tuple[list[_TableMeta], dict[bytes, bytes]]:
         """(every table's metadata sorted by name, the row counts by table name), in one pipeline."""
@@ -649,21 +715,55 @@ class RedisStore(Store):
                 out.append((meta.schema, self._recount(meta, wrong=stored is not None)))
         return out
 
-    def _each_bucket(self, meta: _TableMeta, command: Callable[[Any, bytes], None]) -> list:
-        """command(pipe, key) for every bucket of the table, in pipelines; the replies."""
-        replies: list = []
+    def _bucket_key_runs(self, meta: _TableMeta) -> Iterator[list[bytes]]:
+        """The table's bucket keys, in runs of at most PIPELINE_MAX_IDS: every bucket's in order,
+        or, for a table of more than SCAN_BUCKETS_ABOVE buckets in a database of fewer keys
+        than it has buckets, those that exist (SCAN: an empty bucket is no key), so a table of
+        2^28 mostly empty buckets costs what its rows do. SCAN returns every key there from
+        start to end; one created meanwhile may be missed, as a bucket already visited may be
+        written again while the buckets are visited in order."""
+        if meta.num_buckets > SCAN_BUCKETS_ABOVE:
+            with self._redis():
+                keys_there = int(self.client.dbsize())
+            if keys_there < meta.num_buckets:
+                yield from self._scanned_bucket_keys(meta)
+                return
         for lo in range(0, meta.num_buckets, PIPELINE_MAX_IDS):
-            buckets = range(lo, min(lo + PIPELINE_MAX_IDS, meta.num_buckets))
+            yield [meta.key(b) for b in range(lo, min(lo + PIPELINE_MAX_IDS, meta.num_buckets))]
 
-            def fill(pipe, buckets=buckets) -> None:
-                for b in buckets:
-                    command(pipe, meta.key(b))
+    def _scanned_bucket_keys(self, meta: _TableMeta) -> Iterator[list[bytes]]:
+        """The table's bucket keys that exist, by SCAN over every master (see _bucket_key_runs)."""
+        prefix = meta.prefix
+        # the prefix holds no glob characters (names are [A-Za-z0-9_.-]); keys of other tables
+        # that happen to match (none can: the prefix ends in "{<table>.") are filtered anyway
+        run: set[bytes] = set()  # SCAN may return a key twice
+        with self._redis():
+            for key in self.client.scan_iter(match=prefix + b"*", count=SCAN_COUNT):
+                key = _raw(key)
+                number = key[len(prefix) : -1]
+                if key.endswith(b"}") and number.isdigit() and int(number) < meta.num_buckets:
+                    run.add(key)
+                if len(run) >= PIPELINE_MAX_IDS:
+                    yield sorted(run)
+                    run = set()
+        if run:
+            yield sorted(run)
 
-            replies += self._run_scripted(fill)
-        return replies
+    def _each_bucket(self, meta: _TableMeta, command: Callable[[Any, bytes], None]) -> Iterator[tuple[list, list]]:
+        """command(pipe, key) for every bucket of the table (_bucket_key_runs), a pipeline per
+        run of keys; (the keys, their replies) of each run, as it is done."""
+        for keys in self._bucket_key_runs(meta):
 
-    def _bucket_lens(self, meta: _TableMeta) -> np.ndarray:
-        return np.array(self._each_bucket(meta, lambda pipe, key: pipe.execute_command("HLEN", key)), dtype=np.int64)
+            def fill(pipe, keys=keys) -> None:
+                for key in keys:
+                    command(pipe, key)
+
+            yield keys, self._run_scripted(fill)
+
+    def _bucket_lens(self, meta: _TableMeta) -> Iterator[tuple[list[bytes], list[int]]]:
+        """(keys, HLEN of each) per run of the table's bucket keys."""
+        for keys, lens in self._each_bucket(meta, lambda pipe, key: pipe.execute_command("HLEN", key)):
+            yield keys, [int(n) for n in lens]
 
     def _recount(self, meta: _TableMeta, wrong: bool = False) -> int:
         """Count a table without a row count (created by an older version) and keep the count;
@@ -672,7 +772,7 @@ class RedisStore(Store):
         which pulls of it do read).
 
         Writes while it counts are not in the count: it is exact only if none come then."""
-        n = int(self._bucket_lens(meta).sum())
+        n = sum(sum(lens) for _, lens in self._bucket_lens(meta))
         with self._redis():
             if self.client.hget(self._meta_key, meta.schema.name) != meta.raw:
                 raise self._not_found(meta.schema.name)  # dropped (or re-created) meanwhile
@@ -744,8 +844,7 @@ class RedisStore(Store):
         """
         name = meta.schema.name
         removed = 0
-        for lo in range(0, meta.num_buckets, PIPELINE_MAX_IDS):
-            keys = [meta.key(b) for b in range(lo, min(lo + PIPELINE_MAX_IDS, meta.num_buckets))]
+        for keys in self._bucket_key_runs(meta):
             if self.cluster:  # the scripts cannot see the table hash (another slot)
                 with self._redis():
                     raw = self.client.hget(self._meta_key, name)
@@ -1331,25 +1430,25 @@ class RedisStore(Store):
 
     def _export(self, table: str, meta: _TableMeta, rows_per_chunk: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         schema = meta.schema
-        lens = self._bucket_lens(meta)
-        nonempty = np.flatnonzero(lens).tolist()
         # Whole buckets are read (HGETALL: one consistent snapshot of each), as many per
         # pipeline as hold about one chunk (at least EXPORT_READ_ROWS rows, so small chunks
-        # still cost few round trips), then cut into chunks.
+        # still cost few round trips), then cut into chunks. The buckets are counted a run of
+        # keys at a time (_bucket_lens), so a table of many buckets is never listed whole.
         target = max(rows_per_chunk, EXPORT_READ_ROWS)
+        nonempty = ((key, n) for keys, lens in self._bucket_lens(meta) for key, n in zip(keys, lens) if n)
         ids_left = np.zeros(0, dtype=np.int64)
         rows_left = np.zeros((0, schema.width), dtype=schema.np_dtype)
-        i = 0
-        while i < len(nonempty):
-            group: list[int] = []
+        following = next(nonempty, None)
+        while following is not None:
+            group: list[bytes] = []
             size = 0
-            while i < len(nonempty) and (not group or size + lens[nonempty[i]] <= target):
-                group.append(nonempty[i])
-                size += int(lens[nonempty[i]])
-                i += 1
+            while following is not None and (not group or size + following[1] <= target):
+                group.append(following[0])
+                size += following[1]
+                following = next(nonempty, None)
             pipe = self._pipeline()
-            for b in group:
-                pipe.execute_command("HGETALL", meta.key(b))
+            for key in group:
+                pipe.execute_command("HGETALL", key)
             ids_parts, rows_parts = [ids_left], [rows_left]
             for bucket in self._run(pipe):
                 if not bucket:  # emptied since it was counted
@@ -1363,7 +1462,7 @@ class RedisStore(Store):
                 ids_parts.append(np.frombuffer(fields, dtype="<i8").astype(np.int64))
                 rows_parts.append(np.frombuffer(values, dtype=schema.np_dtype).reshape(len(bucket), schema.width))
             all_ids, all_rows = np.concatenate(ids_parts), np.concatenate(rows_parts)
-            last = i == len(nonempty)
+            last = following is None
             start = 0
             while len(all_ids) - start >= rows_per_chunk or (last and start < len(all_ids)):
                 yield all_ids[start : start + rows_per_chunk], all_rows[start : start + rows_per_chunk]

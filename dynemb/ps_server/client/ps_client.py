@@ -14,6 +14,7 @@ streams (streaming.py).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -31,7 +32,7 @@ from dynemb.ps_server.client.sharding import Sharding
 from dynemb.ps_server.client.shared_memory import segment_pools
 from dynemb.ps_server.client.transport import Transport
 from dynemb.ps_server.errors import InvalidArgument, PSError, Unauthenticated
-from dynemb.ps_server.schema import Initializer, TableSchema
+from dynemb.ps_server.schema import MAX_EXPECTED_ROWS, Initializer, TableSchema
 
 DEFAULT_RETRY = RetryPolicy()
 
@@ -128,6 +129,7 @@ class PSClient:
         dtype: str = "fp32",
         initializer: Initializer | None = None,
         timeout: float | None = None,
+        expected_rows: int = 0,
     ) -> TableInfo:
         """Create the table on every PS; succeeds if it already exists with this schema.
 
@@ -138,6 +140,10 @@ class PSClient:
             dtype: "fp32", "fp16" or "bf16".
             initializer: how rows never pushed are filled [default: zeros].
             timeout: seconds for the whole call, retries included [default: the client's].
+            expected_rows: rows the table is expected to hold, over all PSes (each is asked for
+                its share); the stores size their layout by it (Redis: compact hashes). Not part
+                of the schema: a table that exists keeps what it was created with [default 0:
+                the stores' default].
 
         Returns:
             The schema and the rows the table holds (summed over the PSes).
@@ -146,23 +152,31 @@ class PSClient:
             InvalidArgument: a bad name, width, dtype or initializer, named.
             TableExists: the table exists with another schema.
         """
-        schema = TableSchema(name, dim, state_width, dtype, initializer or Initializer())
+        schema = TableSchema(name, dim, state_width, dtype, initializer or Initializer(), expected_rows)
         return self.create_table_from_schema(schema, timeout)
 
     def create_table_from_schema(self, schema: TableSchema, timeout: float | None = None) -> TableInfo:
-        """create_table, from a TableSchema."""
-        req = ps_pb2.CreateTableRequest(spec=schema.to_proto())
-        replies = self._transport.to_every_shard("CreateTable", req, self._deadline(timeout))
+        """create_table, from a TableSchema (its expected_rows over all PSes: each is asked for its share)."""
+        # ids spread evenly over the PSes: each is asked for its share, the shares summing to the whole
+        shards = len(self._transport.addresses)
+        each, extra = divmod(schema.expected_rows, shards)
+        requests = []
+        for shard in range(shards):
+            spec = schema.to_proto()
+            spec.expected_rows = each + (shard < extra)
+            requests.append((shard, ps_pb2.CreateTableRequest(spec=spec)))
+        replies = self._transport.fanout("CreateTable", requests, self._deadline(timeout))
         self._remember(schema)
         return TableInfo(schema, sum(r.table.num_rows for r in replies))
 
     def describe_table(self, name: str, timeout: float | None = None) -> TableInfo:
-        """The table's schema and rows, summed over the PSes."""
+        """The table's schema (expected_rows summed over the PSes) and rows, summed over the PSes."""
         req = ps_pb2.DescribeTableRequest(table=name)
         replies = self._transport.to_every_shard("DescribeTable", req, self._deadline(timeout))
         info = TableInfo.from_proto(replies[0])
         self._remember(info.schema)
-        return TableInfo(info.schema, sum(r.num_rows for r in replies))
+        expected = min(MAX_EXPECTED_ROWS, sum(r.spec.expected_rows for r in replies))
+        return TableInfo(dataclasses.replace(info.schema, expected_rows=expected), sum(r.num_rows for r in replies))
 
     def list_tables(self, timeout: float | None = None) -> list[TableInfo]:
         """Every table, by name, its rows summed over the PSes."""
@@ -172,7 +186,11 @@ class PSClient:
             for t in reply.tables:
                 info = TableInfo.from_proto(t)
                 prev = merged.get(info.schema.name)
-                merged[info.schema.name] = TableInfo(info.schema, info.num_rows + (prev.num_rows if prev else 0))
+                if prev is not None:
+                    expected = min(MAX_EXPECTED_ROWS, info.schema.expected_rows + prev.schema.expected_rows)
+                    schema = dataclasses.replace(info.schema, expected_rows=expected)
+                    info = TableInfo(schema, info.num_rows + prev.num_rows)
+                merged[info.schema.name] = info
         return [merged[k] for k in sorted(merged)]
 
     def drop_table(self, name: str, missing_ok: bool = False, timeout: float | None = None) -> int:

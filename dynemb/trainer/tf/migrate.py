@@ -278,7 +278,9 @@ def plan(
         if len(values.shape) != 2 or values.shape[1] < 1:
             raise TFMigrationError(f"{what}: shape {list(values.shape)}; an embedding table is (rows, dim)")
         n, dim = values.shape
-        schema = TableSchema(spec.table, dim, optimizer_state_width(optimizer, dim), dtype, initializer)
+        schema = TableSchema(
+            spec.table, dim, optimizer_state_width(optimizer, dim), dtype, initializer, expected_rows=int(n)
+        )
         slots = dict(table.slots)
         for key, tensor in spec.slots.items():
             slots[key] = source.rows(tensor)
