@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -156,14 +157,26 @@ def table_rows(folder: Path, name: str) -> tuple[np.ndarray, np.ndarray]:
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_node_joins_and_the_job_goes_on_at_the_larger_size(tmp_path):
+@pytest.mark.parametrize("ps", ["", "process"], ids=["in-process-rows", "ps-process"])
+def test_a_node_joins_and_the_job_goes_on_at_the_larger_size(tmp_path, ps):
     """Agent A trains alone (world size 1), checkpoints at steps 5 and 10, and is cut off in the
     middle of its step-15 checkpoint (manifest written, folder not yet renamed) when agent B
     arrives: A's agent sees a node waiting and restarts its rank, and the job goes on at world
     size 2 from step 10, the newest complete checkpoint, to step 30. Its final checkpoint is
-    row for row what a 2-rank job resumed from that step-10 checkpoint computes."""
+    row for row what a 2-rank job resumed from that step-10 checkpoint computes. The rows: in
+    each rank's process, or on a PS the ranks share (there the restarted ranks find the rows
+    that A's rank left, and the checkpoint's replace them)."""
+    from dynemb.testing.local_ps import LocalPS
+
+    with contextlib.ExitStack() as stack:
+        job_ps = ["--ps", stack.enter_context(LocalPS()).address] if ps else []
+        reference_ps = ["--ps", stack.enter_context(LocalPS()).address] if ps else []
+        grow(tmp_path, job_ps, reference_ps)
+
+
+def grow(tmp_path: Path, ps_flags: list[str], ref_ps_flags: list[str]) -> None:
     ck = tmp_path / "ck"
-    flags = [*GROW_FLAGS, "--checkpoint-dir", str(ck)]
+    flags = [*GROW_FLAGS, *ps_flags, "--checkpoint-dir", str(ck)]
     port = free_port()
     a = elastic_agent(port, 1, tmp_path, "a", flags, DYNEMB_TEST_ALONE_CUT_AT="15")
     agents = [a]
@@ -206,6 +219,7 @@ def test_a_node_joins_and_the_job_goes_on_at_the_larger_size(tmp_path):
         2,
         WORKER,
         *GROW_FLAGS[:-2],
+        *ref_ps_flags,
         "--checkpoint-dir",
         str(ref),
         "--resume",
