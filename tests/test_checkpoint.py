@@ -5,6 +5,7 @@ the job that was not stopped; bad checkpoints are refused with the problem named
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -167,6 +168,20 @@ def test_a_checkpoint_of_another_job_is_refused(copy_of):
     doc["world_size"] = 4
     (copy_of / "step-00000020" / MANIFEST).write_text(json.dumps(doc))
     assert "written by 4 ranks, but it lists no rank-00001.pt" in resume_error(copy_of, latest)
+
+
+def test_a_save_cut_off_before_its_rename_is_not_resumed_and_goes(copy_of):
+    # every file and the manifest written, the rename to step-00000025 not made (the job's
+    # workers stopped there by their elastic agent, say): not a complete checkpoint
+    cut = copy_of / "step-00000025.partial"
+    shutil.copytree(copy_of / "step-00000020", cut)
+    doc = json.loads((cut / MANIFEST).read_text())
+    (cut / MANIFEST).write_text(json.dumps(dict(doc, step=25)))
+    assert [c.name for c in checkpoints(copy_of)] == ["step-00000010", "step-00000020"]
+    cfg = dataclasses.replace(checkpointed_config(copy_of), steps=30, resume="auto")
+    assert train(cfg).first_step == 20
+    assert [c.name for c in checkpoints(copy_of)] == ["step-00000010", "step-00000020", "step-00000030"]
+    assert not list(copy_of.glob("*.partial"))  # removed by the next save
 
 
 def test_resume_latest_with_no_checkpoint_says_so(tmp_path):

@@ -48,6 +48,7 @@ from dynemb.idtransformer.transformer import FREE, IDTransformer
 from dynemb.ps_server.schema import TableSchema
 from dynemb.trainer.checkpoint_format import (
     FORMAT,
+    MANIFEST,
     VERSION,
     CheckpointError,
     chain,
@@ -56,6 +57,7 @@ from dynemb.trainer.checkpoint_format import (
     read_manifest,
     step_folder,
     table_parts,
+    unfinished,
     verify,
     write_manifest,
 )
@@ -298,13 +300,18 @@ class Checkpointer:
         _save_torch({"parameters": params, "optimizer": self.built.dense_optimizer.state_dict()}, path)
 
     def _retain(self) -> None:
-        """Keep the newest checkpoint_keep checkpoints and every one their chains build on."""
+        """Keep the newest checkpoint_keep checkpoints and every one their chains build on;
+        remove what saves cut off left (no save of this job's is in progress: its ranks are
+        all here, past this one)."""
+        for stale in unfinished(self._directory()):
+            shutil.rmtree(stale, ignore_errors=True)
         have = checkpoints(self._directory())
         keep: set[Path] = set()
         for c in have[-self.cfg.checkpoint_keep :]:
             keep.update(chain(c))
         for c in have:
-            if c not in keep:
+            if c not in keep:  # the manifest first: a removal cut off leaves no complete-looking folder
+                (c / MANIFEST).unlink(missing_ok=True)
                 shutil.rmtree(c, ignore_errors=True)
 
     # -- restore ------------------------------------------------------------------

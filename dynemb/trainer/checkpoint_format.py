@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -36,6 +37,7 @@ from dynemb.trainer.table_files import TableReader, TableWriter, check_no_confli
 FORMAT = "dynemb.checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
+_STEP_FOLDER = re.compile(r"step-[0-9]{8,}")  # step_folder()'s names
 
 
 class CheckpointError(UserError, ValueError):
@@ -108,11 +110,20 @@ def verify(folder: str | os.PathLike, progress: bool = False) -> dict:
 
 
 def checkpoints(root: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints under root, oldest first."""
+    """Complete checkpoints under root, oldest first: step-N folders with a manifest. Not a
+    step-N.partial folder, even with its manifest written: a save stopped before its rename
+    (its job's workers restarted by their elastic agent, say) is not complete."""
     root = Path(root)
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.name.startswith("step-") and (p / MANIFEST).is_file())
+    found = [p for p in root.iterdir() if _STEP_FOLDER.fullmatch(p.name) and (p / MANIFEST).is_file()]
+    return sorted(found, key=lambda p: int(p.name[len("step-") :]))
+
+
+def unfinished(root: str | os.PathLike) -> list[Path]:
+    """The step-N.partial folders under root: saves that were cut off (or one in progress)."""
+    root = Path(root)
+    return sorted(p for p in root.glob("step-*.partial") if p.is_dir()) if root.is_dir() else []
 
 
 def chain(folder: str | os.PathLike) -> list[Path]:
