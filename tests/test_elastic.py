@@ -52,8 +52,10 @@ def table_ids(folder: Path, name: str) -> np.ndarray:
 def test_a_node_goes_away_and_the_job_resumes_at_the_smaller_size(tmp_path):
     ck = tmp_path / "ck"
     # the host agent (it keeps the rendezvous store) survives; a dead node's heartbeat is
-    # missed after 2 s; the rendezvous waits 15 s for more nodes once it has the minimum
-    conf = "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=15"
+    # missed after 3 s (a beat goes out once the last is 1 s old, so live beats can come ~2 s
+    # apart: 2 attempts could take a live node for dead); the rendezvous waits 15 s for more
+    # nodes once it has the minimum
+    conf = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=15"
     port = free_port()
 
     def agent(is_host: int, restarts: int, **env: str) -> subprocess.Popen:
