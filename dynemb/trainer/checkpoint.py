@@ -19,6 +19,18 @@ where every resident row was flushed before the save. Their admission sketches a
 optimizer step counts are the same on every rank. The data resumes at the same global sample
 where the ranks' streams allow it (see data_start()).
 
+The restore work is split so that no rank's grows with the number of ranks: each file is
+read by one rank. The sha256 check takes every M-th file per rank. A dynamic table's shard
+files (each link of the chain) are shared out by rows (spread(): largest first, to the rank
+with the fewest so far; every rank computes the same): the tables are cleared once, then
+each rank pushes its files' rows to the PS, or, with per-rank stores, sends them to their
+owners (all_to_all over the gloo control group), a barrier between links so a newer link's
+rows land after its base's. On another world size rank r reads old rank files r, r + M, ...
+and sends each resident entry to its new owner (all_to_all); the sketches are summed and the
+step counts maxed by all_reduce. A full table's rank reads only the old per-rank folders
+whose row-wise blocks (derived from the old world size, TorchRec's layout) overlap its own.
+Checkpointer.work says what a rank read and wrote.
+
 A full checkpoint holds every row; an incremental one (--checkpoint-full-every k > 1) only
 the rows of IDs the training touched since the previous checkpoint (its `parent`); restore
 applies the chain from the last full one on. The dense part is small and saved whole each
