@@ -14,7 +14,8 @@ import torch
 from helpers import torchrun
 
 from dynemb.idtransformer.hashing import owner_of
-from dynemb.trainer.checkpoint_format import checkpoints, read_manifest
+from dynemb.trainer.checkpoint_format import chain, checkpoints, read_manifest
+from dynemb.trainer.table_files import TableReader
 
 WORKER = Path(__file__).parent / "dist" / "reshard_worker.py"
 BATCH = 48  # helpers.config's batch size per rank
@@ -70,6 +71,21 @@ def test_two_ranks_resume_on_fewer_and_on_more(tmp_path, optimizer, tables, ps, 
                 assert len(losses) == 10 and np.isfinite(losses).all() and losses.max() < 5
                 if tables == "dynamic":
                     check_transformers(tmp_path, got_r, want, r, world)
+            check_work_spread(tmp_path, tables, world)
+        if tables == "full":
+            check_a_corrupt_file_stops_every_rank(tmp_path, optimizer, tables)
+
+
+def check_a_corrupt_file_stops_every_rank(out: Path, optimizer: str, tables: str) -> None:
+    """The sha256 check is shared out (rank r of M checks every M-th file from the r-th): a
+    file only rank 1 checks is corrupt, and every rank stops with its name, none left waiting."""
+    at20 = out / "ck" / "step-00000020"
+    victim = at20 / sorted(read_manifest(at20)["files"])[1]  # rank 1's of 3
+    victim.write_bytes(victim.read_bytes()[:-1] + b"?")
+    done = torchrun(3, WORKER, str(out), "resume", optimizer, tables, "", timeout=600)
+    assert done.returncode != 0
+    said = f"{victim}: sha256 differs from manifest.json"
+    assert sum(said in line for line in done.stderr.splitlines() if "CheckpointError" in line) == 3, done.stderr[-6000:]
 
 
 def check_transformers(out: Path, got, want: dict[str, np.ndarray], rank: int, world: int) -> None:
@@ -87,6 +103,44 @@ def check_transformers(out: Path, got, want: dict[str, np.ndarray], rank: int, w
         mine = was[owner_of(torch.from_numpy(was), world).numpy() == rank]
         assert len(ids) == min(len(mine), int(got[f"capacity_{name}"])), name
         np.testing.assert_array_equal(got[f"resident_rows_{name}"], rows[ids], err_msg=f"table {name}")
+
+
+def check_work_spread(out: Path, tables: str, world: int) -> None:
+    """Each piece of the checkpoint was read by one new rank: every old rank's file by exactly
+    one; a dynamic table's every shard file (of each link of the chain) by exactly one, so on
+    3 ranks no rank read (and pushed) all rows; a full table's old per-rank folder only by the
+    new ranks whose block overlaps the old rank's."""
+    work = [np.load(out / f"resume-{world}-rank{r}.npz") for r in range(world)]
+    read = sorted(int(i) for w in work for i in w["work_rank_files"])
+    assert read == [0, 1], f"old rank files read by the {world} new ranks: {read}"
+    links = chain(out / "ck" / "step-00000020")
+    rows = [int(w["work_rows_read"]) for w in work]
+    if tables == "dynamic":
+        shards = {
+            f"{c.name}/{t.name}/{s.file}": s.rows
+            for c in links
+            for t in sorted((c / "tables").iterdir())
+            for s in TableReader(t).manifest.shards
+        }
+        files = [str(f) for w in work for f in w["work_table_files"]]
+        assert sorted(files) == sorted(shards), "each shard file read by exactly one rank"
+        assert sum(rows) == sum(shards.values())
+        stored = [int(w["work_rows_stored"]) for w in work]
+        assert sum(stored) == sum(shards.values())  # each row written once (by its reader or owner)
+        if world > 1:
+            assert max(rows) < sum(shards.values()) and min(rows) > 0, rows
+            assert max(stored) < sum(stored) and min(stored) > 0, stored
+        return
+    first = [np.load(out / f"first-2-rank{r}.npz") for r in range(2)]
+    for name in {k[len("restored_start_") :] for k in work[0].files if k.startswith("restored_start_")}:
+        starts = [int(f[f"first_start_{name}"]) for f in first]
+        old = [(a, a + len(f[f"first_table_{name}"])) for a, f in zip(starts, first)]
+        for w in work:
+            lo = int(w[f"restored_start_{name}"])
+            hi = lo + len(w[f"restored_table_{name}"])
+            got = sorted(str(f).split("/")[-1] for f in w["work_table_files"] if str(f).split("/")[1] == name)
+            overlap = [f"rank-{i:05d}" for i, (a, b) in enumerate(old) if a < hi and lo < b]
+            assert got == sorted(overlap * len(links)), f"table {name}, block {lo}..{hi}: read {got}"
 
 
 def test_a_rebuilt_transformer_keeps_what_its_policy_keeps_first_and_sums_the_sketches():
@@ -130,3 +184,28 @@ def test_the_data_resumes_at_the_global_sample_rounded_down_to_a_step():
     assert data_start(old, 48, 1) == 40
     resharded = dict(doc, step=30, samples=13 * 48 * 3 + 10 * 48 * 3)  # a 3-rank job's, 10 steps after
     assert data_start(resharded, 48, 3) == 23 and data_start(resharded, 48, 1) == 69
+
+
+def test_the_restore_work_is_shared_out_by_rows_the_same_on_every_rank():
+    from dynemb.trainer.checkpoint import spread
+
+    sizes = [1 << 20] * 7 + [500, 3, 1 << 19]
+    takes = spread(sizes, 4)
+    assert takes == spread(sizes, 4)  # the same everywhere: no message needed
+    load = [sum(s for s, r in zip(sizes, takes) if r == rank) for rank in range(4)]
+    assert max(load) - min(load) <= 1 << 20 and min(load) > 0
+    assert spread([5, 5], 3) == [0, 1] and spread([], 3) == [] and spread([2, 9, 4], 1) == [0, 0, 0]
+
+
+@pytest.mark.parametrize("rows,world", [(6000, 2), (6000, 3), (10, 4), (5, 4), (7, 1), (1001, 7)])
+def test_the_old_blocks_are_those_of_torchrec_row_wise_sharding(rows, world):
+    """A full table's old per-rank folders are chosen by arithmetic on the old world size:
+    it has to be the layout TorchRec gives."""
+    from torchrec.distributed.sharding_plan import _calculate_rw_shard_sizes_and_offsets
+
+    from dynemb.trainer.checkpoint import _row_block
+
+    sizes, offsets = _calculate_rw_shard_sizes_and_offsets(rows, world, 8)
+    for rank in range(world):
+        first, end = _row_block(rows, world, rank)
+        assert (first, end - first) == (offsets[rank][0], sizes[rank][0]), rank

@@ -19,6 +19,18 @@ where every resident row was flushed before the save. Their admission sketches a
 optimizer step counts are the same on every rank. The data resumes at the same global sample
 where the ranks' streams allow it (see data_start()).
 
+The restore work is split so that no rank's grows with the number of ranks: each file is
+read by one rank. The sha256 check takes every M-th file per rank. A dynamic table's shard
+files (each link of the chain) are shared out by rows (spread(): largest first, to the rank
+with the fewest so far; every rank computes the same): the tables are cleared once, then
+each rank pushes its files' rows to the PS, or, with per-rank stores, sends them to their
+owners (all_to_all over the gloo control group), a barrier between links so a newer link's
+rows land after its base's. On another world size rank r reads old rank files r, r + M, ...
+and sends each resident entry to its new owner (all_to_all); the sketches are summed and the
+step counts maxed by all_reduce. A full table's rank reads only the old per-rank folders
+whose row-wise blocks (derived from the old world size, TorchRec's layout) overlap its own.
+Checkpointer.work says what a rank read and wrote.
+
 A full checkpoint holds every row; an incremental one (--checkpoint-full-every k > 1) only
 the rows of IDs the training touched since the previous checkpoint (its `parent`); restore
 applies the chain from the last full one on. The dense part is small and saved whole each
@@ -32,6 +44,7 @@ filesystem when ranks are on several machines).
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import io
 import shutil
 from collections.abc import Iterator
@@ -62,9 +75,12 @@ from dynemb.trainer.checkpoint_format import (
     write_manifest,
 )
 from dynemb.trainer.config import TrainConfig
+from dynemb.trainer.device import control_group
 from dynemb.trainer.model import Built, dense_parameters
 from dynemb.trainer.row_store import RowStore
-from dynemb.trainer.table_files import TableReader, TableWriter
+from dynemb.trainer.schemas import table_rows_total
+from dynemb.trainer.table_files import DEFAULT_CHUNK_ROWS, TableReader, TableWriter
+from dynemb.trainer.table_files import MANIFEST as TABLE_MANIFEST
 from dynemb.trainer.table_rows import find_tables
 
 
@@ -82,6 +98,9 @@ class Checkpointer:
         # the data position: at step base_step the job's ranks had taken base_samples samples
         self.base_step, self.base_samples = 0, 0
         self.data_start = 0  # each rank's batch index in its stream at the restored step
+        # what this rank read and wrote in the last restore: old rank files (their numbers),
+        # table files, rows read from them and rows written into the tables or the PS
+        self.work: dict[str, Any] = {"rank_files": [], "table_files": [], "rows_read": 0, "rows_stored": 0}
 
     def _bar(self, names: list[str], what: str) -> tqdm:
         """Rank 0's bar over the tables; it goes when done, so the training bar stays on its line."""
@@ -330,23 +349,28 @@ class Checkpointer:
         """Collective: load the checkpoint (a folder or "latest") into the model, the PS and
         the ID transformers; returns its step, where training goes on."""
         folder = self.resolve(which)
-        problem: list[str | None] = [None]
-        if self.rank == 0:  # check everything before anything changes; all ranks stop alike
-            try:
-                links = chain(folder)
-                docs = [verify(c, progress=self.cfg.progress) for c in links]
+        self.work = {"rank_files": [], "table_files": [], "rows_read": 0, "rows_stored": 0}
+        # check everything before anything changes, each file on one rank; all ranks stop alike
+        mine: str | None = None
+        try:
+            links = chain(folder)
+            share = (self.rank, self.world)
+            docs = [verify(c, progress=self.cfg.progress and self.rank == 0, share=share) for c in links]
+            if self.rank == 0:
                 self._check_fits(folder, docs[-1])
-            except (CheckpointError, OSError) as exc:
-                problem = [str(exc)]
-        dist.broadcast_object_list(problem, src=0)
-        if problem[0] is not None:
-            raise CheckpointError(problem[0])
-        links = chain(folder)
-        doc = read_manifest(folder)
+        except (CheckpointError, OSError) as exc:
+            mine = str(exc)
+        problems: list[Any] = [None] * self.world
+        dist.all_gather_object(problems, mine, group=control_group())
+        problem = next((p for p in problems if p is not None), None)
+        if problem is not None:
+            raise CheckpointError(problem)
+        doc = docs[-1]
         self._restore_tables(links)
         written_by = int(doc["world_size"])
         if written_by == self.world:  # each rank's own state, as it was
             rank_state = torch.load(folder / f"rank-{self.rank:05d}.pt", map_location="cpu", weights_only=False)
+            self.work["rank_files"].append(self.rank)
             if self.dynamic is not None:
                 for name, t in self.dynamic.transformers.items():
                     t.local.load_state_dict(rank_state["transformers"][name])
@@ -375,74 +399,216 @@ class Checkpointer:
         """The per-rank state of a checkpoint of `written_by` ranks, for this rank of another
         world size: the ID transformers rebuilt from every old rank's (the IDs this rank owns
         now), and the row-sparse Adam step count (the same on every rank; the largest taken).
+        Collective: rank r reads the old ranks' files r, r + world, ... and sends each entry to
+        its new owner; the sketches are summed and the step counts maxed over all ranks.
         Returns that Adam state (None if the checkpoint has none)."""
-        found: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
-        sketches: dict[str, torch.Tensor] = {}
-        step, adam_iter = 0, None
-        for r in range(written_by):  # one file at a time: a rank's transformers may be large
-            state = torch.load(folder / f"rank-{r:05d}.pt", map_location="cpu", weights_only=False)
-            if state.get("sparse_adam") is not None:
-                adam_iter = max(adam_iter or 0, int(state["sparse_adam"]["iter"]))
-            if self.dynamic is None:
-                continue
-            for name, old in state["transformers"].items():
-                step = max(step, int(old["step"]))
-                slots, ids = old["slots"].long(), old["ids"]
-                mine = torch.from_numpy(self._owned(ids.numpy()))
-                found.setdefault(name, []).append(
-                    (ids[mine], old["last_access"][slots[mine]], old["freq"][slots[mine]])
-                )
-                if "sketch" in old:
-                    counts = old["sketch"]["counts"].to(torch.int64)
-                    sketches[name] = sketches[name] + counts if name in sketches else counts
+        names = list(self.dynamic.transformers) if self.dynamic is not None else []
+        table_of = {n: t for t, n in enumerate(names)}
+        found: dict[int, list[tuple[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]] = {
+            t: [] for t in range(len(names))
+        }
+        sketches: dict[int, torch.Tensor] = {}
+        step, adam_iter = 0, -1
+        for first in range(0, written_by, self.world):  # one file per rank at a time: they may be large
+            send: list[list[np.ndarray]] = [[] for _ in range(self.world)]
+            old_rank = first + self.rank
+            if old_rank < written_by:
+                state = torch.load(folder / f"rank-{old_rank:05d}.pt", map_location="cpu", weights_only=False)
+                self.work["rank_files"].append(old_rank)
+                if state.get("sparse_adam") is not None:
+                    adam_iter = max(adam_iter, int(state["sparse_adam"]["iter"]))
+                for name, old in state["transformers"].items() if names else []:
+                    if name not in table_of:
+                        continue
+                    t = table_of[name]
+                    step = max(step, int(old["step"]))
+                    slots, ids = old["slots"].long(), old["ids"].numpy().astype(np.int64)
+                    entries = [ids, old["last_access"][slots].numpy(), old["freq"][slots].numpy()]
+                    for dest, rows in self._by_owner(ids):
+                        picked = [e[rows].astype(np.int64) for e in entries]
+                        send[dest].append(np.concatenate([[old_rank, t, len(rows)], *picked]))
+                    if "sketch" in old:
+                        counts = old["sketch"]["counts"].to(torch.int64)
+                        sketches[t] = sketches[t] + counts if t in sketches else counts
+            for got in self._all_to_all(send):
+                at = 0
+                while at < len(got):
+                    old_rank, t, n = (int(x) for x in got[at : at + 3])
+                    ids, last, freq = (torch.from_numpy(got[at + 3 + k * n : at + 3 + (k + 1) * n]) for k in range(3))
+                    found[t].append((old_rank, (ids, last.to(torch.int32), freq.to(torch.uint8))))
+                    at += 3 + 3 * n
+        # one all_reduce each: the largest step counts, whether a table's sketches exist and
+        # their shape, then their sum (a rank that read no file adds zeros)
+        shapes = [tuple(sketches[t].shape) if t in sketches else (0, 0) for t in range(len(names))]
+        flat = [step, adam_iter] + [x for shape in shapes for x in (1 if shape != (0, 0) else 0, *shape)]
+        agreed = torch.tensor(flat, dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=control_group())
+        step, adam_iter = int(agreed[0]), int(agreed[1])
+        shape_of = {t: tuple(agreed[3 + 3 * t : 5 + 3 * t].tolist()) for t in range(len(names)) if agreed[2 + 3 * t]}
+        if shape_of:
+            counts = [sketches.get(t, torch.zeros(shape_of[t], dtype=torch.int64)) for t in shape_of]
+            summed = torch.cat([c.reshape(-1) for c in counts])
+            dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=control_group())
+            parts = torch.split(summed, [c.numel() for c in counts])
+            sketches = {t: part.reshape(shape_of[t]) for t, part in zip(shape_of, parts)}
         if self.dynamic is not None:
-            for name, t in self.dynamic.transformers.items():
-                sketch = sketches.get(name)
-                rebuild_transformer(t.local, found.get(name, []), step, sketch)
-        return None if adam_iter is None else {"iter": adam_iter}
+            for t, transformer in enumerate(self.dynamic.transformers.values()):
+                by_old_rank = [entries for _, entries in sorted(found[t], key=lambda f: f[0])]
+                rebuild_transformer(transformer.local, by_old_rank, step, sketches.get(t))
+        return None if adam_iter < 0 else {"iter": adam_iter}
+
+    def _by_owner(self, ids: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+        """(rank, positions in ids) of each rank that owns some of ids under this world size
+        (the sharded ID transformer's owner_of), the positions in the order of ids."""
+        owner = owner_of(torch.from_numpy(np.ascontiguousarray(ids, np.int64)), self.world).numpy()
+        order = np.argsort(owner, kind="stable")
+        ends = np.cumsum(np.bincount(owner, minlength=self.world))
+        for dest in range(self.world):
+            lo = ends[dest - 1] if dest else 0
+            if ends[dest] > lo:
+                yield dest, order[lo : ends[dest]]
+
+    def _all_to_all(self, send: list[list[np.ndarray]]) -> list[np.ndarray]:
+        """Collective, over the gloo control group: send[d] (int64 arrays, joined) to rank d;
+        returns what each rank sent this one, by source rank."""
+        group = control_group()
+        parts = [np.concatenate(p).astype(np.int64) if p else np.zeros(0, np.int64) for p in send]
+        counts = torch.tensor([len(p) for p in parts], dtype=torch.int64)
+        got = torch.empty_like(counts)
+        dist.all_to_all_single(got, counts, group=group)
+        out = torch.empty(int(got.sum()), dtype=torch.int64)
+        dist.all_to_all_single(
+            out,
+            torch.from_numpy(np.concatenate(parts)),
+            output_split_sizes=got.tolist(),
+            input_split_sizes=counts.tolist(),
+            group=group,
+        )
+        return [x.numpy() for x in torch.split(out, got.tolist())]
 
     def _check_fits(self, folder: Path, doc: dict) -> None:
         check_fits(folder, doc, self.cfg, self.built.schemas, self.world)
 
     def _restore_tables(self, links: list[Path]) -> None:
-        names = self.built.table_names
         if self.dynamic is not None:
-            # into the PS all ranks share (rank 0 does it), or into each rank's own store the
-            # rows of the IDs that rank owns (every rank reads the files)
-            per_rank = self.store.per_rank
-            if self.rank == 0 or per_rank:
-                for name in self._bar(names, "restore"):
-                    schema = self.built.schemas[name]
-                    base, *deltas = [TableReader(c / "tables" / name) for c in links]
-
-                    def rows(reader: TableReader) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-                        for ids, e, s in reader.chunks(verify=False):
-                            if per_rank:
-                                mine = self._owned(ids)
-                                ids, e, s = ids[mine], e[mine], s[mine]
-                            if len(ids):
-                                yield ids, np.concatenate([e, s], axis=1)
-
-                    self.store.replace(schema, rows(base))
-                    for delta in deltas:
-                        for ids, delta_rows in rows(delta):
-                            self.store.push(schema.name, ids, delta_rows)
+            self._restore_dynamic(links)
             dist.barrier()  # the PS holds the checkpoint's rows before any rank pulls
             return
-        # full tables: global row numbers in per-rank folders; each rank takes its block's, from
-        # its own folder when the link was written by as many ranks, else from every rank's
+        self._restore_full(links)
+
+    def _restore_dynamic(self, links: list[Path]) -> None:
+        """Collective: the chain's rows of the dynamic tables into the PS all ranks share, or
+        into each rank's own store the rows of the IDs it owns. Each shard file is read by one
+        rank (spread() shares them out by rows); with per-rank stores its rows go to their
+        owners by all_to_all. The tables are cleared first, and each link is in before the
+        next link's rows (newer) go on top."""
+        names = self.built.table_names
+        schemas = [self.built.schemas[n] for n in names]
+        per_rank = self.store.per_rank
+        if per_rank or self.rank == 0:  # the old rows go, once, before any rank writes
+            for schema in schemas:
+                self.store.replace(schema, [])
+        dist.barrier()
+        for link in links:
+            readers = [TableReader(link / "tables" / name) for name in names]
+            pieces = [(t, shard) for t, r in enumerate(readers) for shard in r.manifest.shards]
+            takes = spread([shard.rows for _, shard in pieces], self.world)
+            mine = [p for p, rank in zip(pieces, takes) if rank == self.rank]
+            self.work["table_files"] += [f"{link.name}/{names[t]}/{shard.file}" for t, shard in mine]
+            quiet = not self.cfg.progress or self.rank != 0
+            bar = tqdm(
+                total=sum(shard.rows for _, shard in mine),
+                desc=f"restore {link.name}",
+                unit="row",
+                leave=False,
+                disable=quiet,
+            )
+
+            if per_rank:
+                chunks_of = [-(-shard.rows // DEFAULT_CHUNK_ROWS) for _, shard in pieces]
+                rounds = max(sum(c for c, rank in zip(chunks_of, takes) if rank == r) for r in range(self.world))
+                ours = ((t, ids, block) for t, shard in mine for ids, block in self._shard_rows(readers[t], shard, bar))
+                self._route_rows(ours, rounds, schemas)
+            else:
+                for t, shard in mine:
+                    self.work["rows_stored"] += self.store.load(schemas[t], self._shard_rows(readers[t], shard, bar))
+            bar.close()
+            dist.barrier()  # this link's rows are in before the next one's go on top
+
+    def _shard_rows(self, reader: TableReader, shard, bar: tqdm) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(ids, rows) chunks of one shard file of a table folder (rows: embedding, then state)."""
+        for ids, e, s in reader.chunks(verify=False, shards=[shard]):
+            self.work["rows_read"] += len(ids)
+            bar.update(len(ids))
+            yield ids, np.concatenate([e, s], axis=1)
+
+    def _route_rows(self, ours: Iterator[tuple[int, np.ndarray, np.ndarray]], rounds: int, schemas) -> None:
+        """Collective: in `rounds` rounds, each rank's next chunk of (table, ids, rows) goes to
+        the ranks that own its IDs, and each rank writes what it gets into its own store."""
+        for _ in range(rounds):
+            send: list[list[np.ndarray]] = [[] for _ in range(self.world)]
+            chunk = next(ours, None)
+            if chunk is not None:
+                t, ids, block = chunk
+                block = np.ascontiguousarray(block, dtype=np.float32)  # what push stores
+                width = block.shape[1]
+                for dest, picked in self._by_owner(ids):
+                    words = np.zeros(-(-len(picked) * width // 2), np.int64)  # two float32 per int64
+                    words.view(np.float32)[: len(picked) * width] = block[picked].reshape(-1)
+                    send[dest].append(np.concatenate([[t, len(picked), width], ids[picked], words]))
+            for got in self._all_to_all(send):
+                at = 0
+                while at < len(got):
+                    t, n, width = (int(x) for x in got[at : at + 3])
+                    nwords = -(-n * width // 2)
+                    ids = got[at + 3 : at + 3 + n]
+                    block = got[at + 3 + n : at + 3 + n + nwords].view(np.float32)[: n * width].reshape(n, width)
+                    self.store.push(schemas[t].name, ids, block)
+                    self.work["rows_stored"] += n
+                    at += 3 + n + nwords
+
+    def _restore_full(self, links: list[Path]) -> None:
+        """Full tables: global row numbers in per-rank folders; each rank takes its block's
+        rows, from its own folder when the link was written by as many ranks, else from the
+        folders of the old ranks whose blocks overlap its own. The old blocks are derived from
+        the old world size (_row_block, TorchRec's row-wise layout), once this rank's own
+        block is seen to follow it; every row read is checked to lie in its block."""
         for name, r in find_tables(self.built.model).items():
             first, end = r.row_offset, r.row_offset + r.local_rows
+            derived = _row_block(table_rows_total(self.cfg, self.world, name), self.world, self.rank) == (first, end)
             for c in links:
-                own = c / "tables" / name / f"rank-{self.rank:05d}"
-                same = read_manifest(c)["world_size"] == self.world
-                for part in [own] if same else table_parts(c, name):
+                written_by = int(read_manifest(c)["world_size"])
+                total = table_rows_total(self.cfg, written_by, name)
+                blocks = {}  # old rank -> its rows [lo, hi)
+                if written_by == self.world:
+                    blocks[self.rank] = (first, end)
+                elif not derived:  # every part, their rows filtered
+                    blocks = {int(p.name.split("-")[1]): (0, total) for p in table_parts(c, name)}
+                elif end > first:  # arithmetic only: no other part's file is looked at
+                    for old_rank in range(first // -(-total // written_by), written_by):
+                        lo, hi = _row_block(total, written_by, old_rank)
+                        if lo >= end:
+                            break
+                        if hi > first:
+                            blocks[old_rank] = (lo, hi)
+                for old_rank, (lo, hi) in blocks.items():
+                    part = c / "tables" / name / f"rank-{old_rank:05d}"
+                    if not (part / TABLE_MANIFEST).is_file():
+                        continue  # an old rank with no rows of the table wrote none
+                    self.work["table_files"].append(f"{c.name}/{name}/{part.name}")
                     for ids, e, s in TableReader(part).chunks(verify=False):
+                        self.work["rows_read"] += len(ids)
+                        if len(ids) and (ids.min() < lo or ids.max() >= hi):
+                            raise CheckpointError(
+                                f"{part}: holds rows {ids.min()}..{ids.max()}, outside rows {lo}..{hi - 1}, "
+                                f"the block of rank {old_rank} of {written_by} under row-wise sharding"
+                            )
                         keep = (ids >= first) & (ids < end)
                         if keep.any():
                             local = torch.from_numpy(ids[keep] - first)
-                            block = np.concatenate([e[keep], s[keep]], axis=1)
-                            r.write(local, torch.from_numpy(block).float())
+                            rows = np.concatenate([e[keep], s[keep]], axis=1)
+                            r.write(local, torch.from_numpy(rows).float())
+                            self.work["rows_stored"] += int(keep.sum())
 
     def _pull_resident(self) -> None:
         """The rows of the IDs the restored transformers hold, from the PS into their slots."""
@@ -490,6 +656,26 @@ def rebuild_transformer(
         state["sketch"] = {"width": have["width"], "depth": have["depth"], "counts": counts}
     local.load_state_dict(state)
     return n
+
+
+def spread(sizes: list[int], world: int) -> list[int]:
+    """The rank that takes each piece of work of `sizes` (e.g. a shard file's rows): the
+    largest first, each to the rank with the least so far (the lowest of equals). Every rank
+    computes the same, with no message."""
+    heap = [(0, r) for r in range(world)]
+    takes = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):  # stable: equal sizes by index
+        load, rank = heapq.heappop(heap)
+        takes[i] = rank
+        heapq.heappush(heap, (load + sizes[i], rank))
+    return takes
+
+
+def _row_block(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """[first, end) of rank's block of a table of `rows` rows sharded row-wise over `world`
+    ranks as TorchRec does: ceil(rows / world) each, the last ones shorter or empty."""
+    size = -(-rows // world)
+    return min(rank * size, rows), min((rank + 1) * size, rows)
 
 
 def data_start(doc: dict, batch_size: int, world: int) -> int:

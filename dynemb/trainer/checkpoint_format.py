@@ -93,13 +93,19 @@ def read_manifest(folder: str | os.PathLike) -> dict:
     return doc
 
 
-def verify(folder: str | os.PathLike, progress: bool = False) -> dict:
+def verify(folder: str | os.PathLike, progress: bool = False, share: tuple[int, int] = (0, 1)) -> dict:
     """The manifest, after checking every file it lists against its sha256 (and that no
-    table file is there that it does not list)."""
+    table file is there that it does not list).
+
+    Args:
+        share: (k, n): check only every n-th file (by name) from the k-th on, so that n
+            processes check a checkpoint together, each file once.
+    """
     folder = Path(folder)
     doc = read_manifest(folder)
+    k, n = share
     for rel, digest in tqdm(
-        sorted(doc["files"].items()), desc=f"verify {folder.name}", unit="file", disable=not progress
+        sorted(doc["files"].items())[k::n], desc=f"verify {folder.name}", unit="file", disable=not progress
     ):
         path = folder / rel
         if not path.is_file():

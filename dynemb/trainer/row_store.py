@@ -72,6 +72,16 @@ class RowStore:
         """The table (created where absent) holds exactly the rows of `chunks` afterwards."""
         raise NotImplementedError
 
+    def load(self, schema: TableSchema, chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> int:
+        """Write every row of `chunks` into the table (created where absent), its other rows
+        kept: what several ranks do to fill one table together. Returns the rows written."""
+        self.create_table(schema)
+        n = 0
+        for ids, rows in chunks:
+            self.push(schema.name, ids, rows)
+            n += len(ids)
+        return n
+
     def push_many_async(self, rows_by_table: dict[str, tuple[np.ndarray, np.ndarray]]) -> Future:
         """Several tables' pushes at once (the remote store: one call per PS)."""
 
@@ -215,6 +225,10 @@ class RemoteRowStore(RowStore):
     def replace(self, schema: TableSchema, chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
         """See RowStore.replace: one import with replace=True."""
         self.client.import_rows(schema, chunks, replace=True)
+
+    def load(self, schema: TableSchema, chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> int:
+        """See RowStore.load: one streaming import, nothing cleared."""
+        return self.client.import_rows(schema, chunks, replace=False)
 
     def push_many_async(self, rows_by_table: dict[str, tuple[np.ndarray, np.ndarray]]) -> Future:
         """See RowStore.push_many_async: one call per PS; the future's result is the rows written."""

@@ -374,13 +374,14 @@ class TableReader:
             raise TableFileError(f"{path}: not a readable safetensors file: {exc}") from None
 
     def chunks(
-        self, chunk_rows: int = DEFAULT_CHUNK_ROWS, verify: bool = True
+        self, chunk_rows: int = DEFAULT_CHUNK_ROWS, verify: bool = True, shards: list[Shard] | None = None
     ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """(ids, embeddings, state) in the table's dtype, at most chunk_rows at a time; each
-        shard is checked (verify=True) before any of its rows is yielded."""
+        shard is checked (verify=True) before any of its rows is yielded. `shards`: only
+        these of the manifest's (default: all), e.g. a process's share of the table."""
         from safetensors import safe_open
 
-        for shard in self.manifest.shards:
+        for shard in self.manifest.shards if shards is None else shards:
             if verify:
                 self._check_shard(shard)
             with safe_open(str(self.folder / shard.file), framework="numpy") as f:

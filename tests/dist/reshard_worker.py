@@ -5,7 +5,8 @@
   its rows (with optimizer state) after the last step, this rank's block of every table.
 - resume: the step-20 checkpoint restored onto this world size with nothing left to train
   (the same blocks, read back, and each rank's rebuilt ID transformers: resident IDs and the
-  rows in their slots), then a job that trains on from it to step 30 and checkpoints there.
+  rows in their slots, and the files and rows the restore read and wrote on this rank), then
+  a job that trains on from it to step 30 and checkpoints there.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def main() -> None:
 
         def spy(self, which):  # the ID transformers as restore left them, before any step
             step = restore(self, which)
+            for key, value in self.work.items():  # what this rank read and wrote
+                arrays[f"work_{key}"] = np.array(value)
             for name, t in (self.dynamic.transformers.items() if self.dynamic is not None else []):
                 state = t.local.state_dict()
                 arrays[f"resident_ids_{name}"] = state["ids"].numpy()
