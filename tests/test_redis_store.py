@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -112,7 +113,10 @@ def test_layout_in_redis(store, redis_url, redis_namespace):
     meta = f"dn:{ns}:tables".encode()
     assert meta in keys and r.type(meta) == b"hash"
     bucket_keys = [k for k in keys if k != meta]
-    pattern = re.compile(rb"^dn:" + ns.encode() + rb":lay\.out-1:r:\{lay\.out-1\.(\d+)\}$")
+    # the table's creation token is in every key (a table created again under the name has others)
+    token = json.loads(r.hget(meta, "lay.out-1"))["created"]
+    assert re.fullmatch(rb"[0-9a-f]{16}", token.encode())
+    pattern = re.compile(rb"^dn:" + ns.encode() + rb":lay\.out-1:" + token.encode() + rb":r:\{lay\.out-1\.(\d+)\}$")
     stored = {}
     for key in bucket_keys:
         m = pattern.match(key)
@@ -429,7 +433,7 @@ def test_foreign_data_is_an_error_not_garbage(store, redis_url, redis_namespace)
     store.push("bad", ids, np.ones((200, 2), np.float32))
     r = redis.Redis.from_url(redis_url)
     victim = int(bucket_of(ids[:1], store.num_buckets)[0])
-    key = f"dn:{redis_namespace}:bad:r:{{bad.{victim}}}".encode()
+    key = store._meta("bad").key(victim)
     r.hset(key, ids[:1].tobytes(), b"\0" * 12)  # a 12-byte row in an 8-byte-row table
     for call in (lambda: store.pull("bad", ids), lambda: list(store.export("bad", 50))):
         with pytest.raises(PSError, match="wrong size"):
@@ -766,7 +770,7 @@ def test_cluster_round_trip_spread_over_masters(redis_cluster, redis_namespace):
     per_node = {}
     for node in redis_cluster.nodes:
         c = node.client()
-        per_node[node.address] = len(list(c.scan_iter(match=f"dn:{redis_namespace}:clu:r:*".encode(), count=1000)))
+        per_node[node.address] = len(list(c.scan_iter(match=f"dn:{redis_namespace}:clu:*".encode(), count=1000)))
         c.close()
     assert all(n > 0 for n in per_node.values()), per_node
     # one key per touched bucket, each on exactly one node
@@ -811,7 +815,7 @@ def calls(r: redis.Redis, command: str) -> int:
 
 
 def true_rows(r, namespace: str, table: str) -> int:
-    return sum(r.hlen(k) for k in r.scan_iter(match=f"dn:{namespace}:{table}:r:*".encode(), count=1000))
+    return sum(r.hlen(k) for k in r.scan_iter(match=f"dn:{namespace}:{table}:*".encode(), count=1000))
 
 
 def check_counts_follow_every_write(s: RedisStore, true_count) -> None:
