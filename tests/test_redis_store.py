@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import threading
+from contextlib import nullcontext
 
 import numpy as np
 import pytest
@@ -174,38 +175,76 @@ def test_batches_split_over_several_pipelines(store, monkeypatch):
     assert sum(len(i) for i, _ in store.export("split", 64)) == 1300
 
 
+BACKENDS = ["standalone", pytest.param("cluster", marks=pytest.mark.cluster)]
+
+
+def url_of(request, backend: str) -> str:
+    """The URL of the session's standalone Redis, or of its Redis Cluster."""
+    if backend == "standalone":
+        return request.getfixturevalue("redis_url")
+    return request.getfixturevalue("redis_cluster").url
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("native_rows", [True, False])
-def test_write_planned_before_a_drop_lands_nowhere(redis_url, redis_namespace, native_rows):
+def test_write_planned_before_a_drop_lands_nowhere(request, redis_namespace, native_rows, backend, monkeypatch):
     """A push or delete that read the table's metadata before the table was dropped and created
-    again under its name (another schema, or the same) writes nothing into it: TableNotFound."""
-    store = RedisStore.from_url(redis_url, namespace=redis_namespace, num_buckets=16, native_rows=native_rows)
-    other = RedisStore.from_url(redis_url, namespace=redis_namespace, num_buckets=16)
+    again under its name (another schema, or the same) writes nothing into it: on standalone
+    Redis it writes nothing at all (TableNotFound); on Cluster (no script can see the metadata)
+    it writes into the dropped table's own bucket keys (its creation token's), which a later
+    create or drop unlinks once the drop is SWEEP_DROPPED_AFTER_S old, not before."""
+    url = url_of(request, backend)
+    store = RedisStore.from_url(url, namespace=redis_namespace, num_buckets=16, native_rows=native_rows)
+    other = RedisStore.from_url(url, namespace=redis_namespace, num_buckets=16)
     assert (store._native is not None) == native_rows
     old, new = TableSchema("race", dim=4), TableSchema("race", dim=6)
     rng = np.random.default_rng(5)
     ids = unique_ids(rng, 500)
     kept = random_rows(rng, 300, new)
     read_meta = store._meta
+    planned: list = []
 
     def meta_then_recreate(table: str):
         meta = read_meta(table)
-        other.drop_table(table)  # between the write's metadata read and its script
+        planned.append(meta)
+        other.drop_table(table)  # between the write's metadata read and its commands
         other.create_table(new)
         other.push(table, ids[:300], kept)
         return meta
 
+    def orphans() -> int:  # rows in the bucket keys of the tables of that name dropped before
+        return sum(int(store.client.hlen(k)) for m in planned for k in store.client.scan_iter(match=m.prefix + b"*"))
+
+    late = pytest.raises(TableNotFound, match="re-created meanwhile") if backend == "standalone" else nullcontext()
     store.create_table(old)
     store.push("race", ids, random_rows(rng, 500, old))
     store._meta = meta_then_recreate
-    with pytest.raises(TableNotFound, match="re-created meanwhile"):
+    with late:
         store.push("race", ids, random_rows(rng, 500, old))
     got, found = other.pull("race", ids)
     np.testing.assert_array_equal(found, np.arange(500) < 300)  # no ghost rows of the old dim
     np.testing.assert_array_equal(got[:300], kept)
-    assert other.num_rows("race") == 300
-    with pytest.raises(TableNotFound, match="re-created meanwhile"):  # re-created with the same schema
+    assert other.num_rows("race") == 300  # and no count change of the late write
+    assert orphans() == (500 if backend == "cluster" else 0)
+    with late:  # re-created with the same schema
         store.delete("race", ids)
     assert other.pull("race", ids)[1].sum() == 300 and other.num_rows("race") == 300
+    del store._meta
+    store.push("race", ids[300:310], random_rows(rng, 10, new))  # a write planned now reaches the new table
+    assert other.num_rows("race") == 310
+    # the orphan keys go once their drop is old enough, not before
+    assert other.create_table(TableSchema("next", dim=2)) and orphans() == (500 if backend == "cluster" else 0)
+    r = store.client
+    dropped = redis_store.dropped_key(redis_namespace)
+    records = r.zrange(dropped, 0, -1, withscores=True)
+    assert [json.loads(m)["created"] for m, _ in records] == [json.loads(m.raw)["created"] for m in planned]
+    r.zadd(dropped, {m: t - redis_store.SWEEP_DROPPED_AFTER_S - 1 for m, t in records[:1]})  # the first drop, older
+    assert other.drop_table("next") == 0 and orphans() == 0
+    left = r.zrange(dropped, 0, -1)
+    assert records[0][0] not in left and records[1][0] in left  # the later drop's record waits its turn
+    assert other.pull("race", ids)[1].sum() == 310 and other.num_rows("race") == 310  # the live table untouched
+    monkeypatch.setattr(redis_store, "SWEEP_DROPPED_AFTER_S", 0.0)
+    assert other.drop_table("race") == 310 and r.exists(dropped) == 0  # every record swept and forgotten
     store.close()
     other.close()
 
@@ -272,17 +311,14 @@ def test_drop_cut_short_is_finished(store, redis_namespace):
         assert store.drop_table("cut") is None
 
 
-@pytest.mark.parametrize("backend", ["standalone", pytest.param("cluster", marks=pytest.mark.cluster)])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_drop_finished_by_another_spares_the_table_created_since(request, redis_namespace, monkeypatch, backend):
     """Drop A marks the table and clears its first pipeline of buckets; drop B (another PS on
     the namespace) finishes the drop, and the table is created again and written to; A's
     remaining clears then leave the new table's rows, and A's end leaves its metadata (also
     when A had cleared every bucket already). A clear overtaken the same way stops with
     TableNotFound, the new table's rows and count intact."""
-    if backend == "standalone":
-        url = request.getfixturevalue("redis_url")
-    else:
-        url = request.getfixturevalue("redis_cluster").url
+    url = url_of(request, backend)
     a = RedisStore.from_url(url, namespace=redis_namespace, num_buckets=16)
     b = RedisStore.from_url(url, namespace=redis_namespace, num_buckets=16)
     old, new = TableSchema("again", dim=2), TableSchema("again", dim=3)
@@ -320,6 +356,52 @@ def test_a_drop_finished_by_another_spares_the_table_created_since(request, redi
         got, found = b.pull("again", new_ids)
         assert found.all()
         np.testing.assert_array_equal(got, new_rows)
+        assert b.num_rows("again") == 400
+        assert b.drop_table("again") == 400
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_drop_overtaken_before_its_first_clear_spares_the_table_created_since(request, redis_namespace, backend):
+    """Drop A marks the table and checks its metadata before its first pipeline of clears; before
+    that pipeline arrives, drop B (another PS) finishes the drop and the table is created again
+    and written to. A's clears (on Cluster: scripts that cannot see the metadata) then touch
+    only the dropped table's keys: the new table keeps every row and its count; A stops."""
+    url = url_of(request, backend)
+    a = RedisStore.from_url(url, namespace=redis_namespace, num_buckets=16)
+    b = RedisStore.from_url(url, namespace=redis_namespace, num_buckets=16)
+    old, new = TableSchema("again", dim=2), TableSchema("again", dim=2)  # the same schema, even
+    rng = np.random.default_rng(13)
+    ids = unique_ids(rng, 600)
+    new_ids, new_rows = ids[:400], random_rows(rng, 400, new)
+    run_scripted = a._run_scripted
+    clear_sha = a._sha(redis_store._CLEAR_BUCKET_LUA)
+    overtaken: list = []
+
+    def overtake(fill):
+        queued = redis_store._Queued()
+        fill(queued)
+        if queued.commands[0][1] == clear_sha and not overtaken:  # before A's first pipeline of clears
+            overtaken.append(b.drop_table("again"))
+            b.create_table(new)
+            b.push("again", new_ids, new_rows)
+        return run_scripted(fill)
+
+    a._run_scripted = overtake
+    for step in ("drop", "clear"):
+        overtaken.clear()
+        b.create_table(old)
+        b.push("again", ids, random_rows(rng, 600, old))
+        if step == "drop":
+            assert a.drop_table("again") == 0  # B had removed every row
+        else:
+            with pytest.raises(TableNotFound, match="dropped meanwhile, after 0 of its rows"):
+                a.clear("again")
+        assert overtaken == [600]
+        got, found = b.pull("again", ids)
+        np.testing.assert_array_equal(found, np.arange(600) < 400)
+        np.testing.assert_array_equal(got[:400], new_rows)
         assert b.num_rows("again") == 400
         assert b.drop_table("again") == 400
     a.close()

@@ -896,19 +896,24 @@ class RedisStore(Store):
 
         A clear or drop that outlives its table (finished by another PS's drop, perhaps created
         again under the name since) stops rather than remove the new table's rows. On standalone
-        Redis each bucket's script checks the metadata, so that holds exactly; on Cluster it is
-        read before each pipeline (see the module doc for what that leaves).
+        Redis each bucket's script checks the metadata; on Cluster it is read before each
+        pipeline and after the last (a pipeline sent meanwhile clears only keys of the dropped
+        table's creation token: see the module doc).
 
         Returns:
             (rows removed, whether every bucket was cleared: False if it stopped).
         """
         name = meta.schema.name
         removed = 0
+
+        def unchanged() -> bool:
+            with self._redis():
+                raw = self.client.hget(self._meta_key, name)
+            return raw is not None and _raw(raw) == meta.raw
+
         for keys in self._bucket_key_runs(meta):
             if self.cluster:  # the scripts cannot see the table hash (another slot)
-                with self._redis():
-                    raw = self.client.hget(self._meta_key, name)
-                if raw is None or _raw(raw) != meta.raw:
+                if not unchanged():
                     return removed, False
 
                 def fill(pipe, keys=keys) -> None:
@@ -932,7 +937,9 @@ class RedisStore(Store):
                 self._run_scripted(count)
             if any(c < 0 for c in counts):  # the metadata changed: every later bucket said so too
                 return removed, False
-        return removed, True
+        # on Cluster, a drop finished by another while the last pipeline went is told too (its
+        # clears reached only the dropped table's keys, whatever came since)
+        return removed, not self.cluster or unchanged()
 
     def clear(self, table: str) -> int:
         """See Store.clear; TableNotFound if the table is dropped while it clears."""
