@@ -940,16 +940,15 @@ def test_row_counts_follow_every_write_without_scanning_buckets(store, redis_url
 
 
 def test_a_row_count_below_zero_is_recounted(store, redis_url, redis_namespace, caplog):
-    """A push still in flight when its table was dropped writes its rows into the buckets of the
-    table created next under that name with no count (the count went with the drop): deleting
-    them then took the new table's count below 0, and ListTables failed with INTERNAL (a row
-    count is unsigned on the wire). A count below 0 is recounted from the buckets and kept."""
+    """Rows written uncounted (on Cluster, by a PS killed between a write and its count change)
+    and deleted since take the count below 0, which ListTables cannot answer (a row count is
+    unsigned on the wire): a count below 0 is recounted from the buckets and kept."""
     r = redis.Redis.from_url(redis_url)
     rows = redis_store.rows_key(redis_namespace)
     store.create_table(TableSchema("late", dim=2))
-    r.hdel(rows, "late")  # the drop took the count; the late push changes none
+    r.hdel(rows, "late")  # no count: the push is not counted
     store.push("late", np.arange(5), np.ones((5, 2), np.float32))
-    r.hset(rows, "late", 0)  # the table of that name created anew
+    r.hset(rows, "late", 0)  # counting from 0 again
     store.delete("late", np.arange(3))  # its count goes to -3 while 2 rows remain
     assert int(r.hget(rows, "late")) == -3
     assert (
@@ -964,6 +963,75 @@ def test_a_row_count_below_zero_is_recounted(store, redis_url, redis_namespace, 
     r.hset(rows, "late", -1)
     assert store.num_rows("late") == 2
     r.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_table_of_metadata_format_1_keeps_its_keys(request, redis_namespace, monkeypatch, backend):
+    """A table created by a version whose bucket keys had no creation token (metadata format 1)
+    reads, writes, counts, exports, clears and drops in those keys, through the compiled row
+    path and redis-py's alike; created again, it gets format 2 and keys with its token.
+    Metadata of a newer format, or with a token unfit for key names, is refused by name."""
+    url = url_of(request, backend)
+    fast = RedisStore.from_url(url, namespace=redis_namespace)
+    slow = RedisStore.from_url(url, namespace=redis_namespace, native_rows=False)
+    r = fast.client
+    schema = TableSchema("old", dim=3)
+    old_meta = {"format": 1, "num_buckets": 32, "schema": schema.to_dict(), "created": "0123456789abcdef"}
+    r.hset(redis_store.meta_key(redis_namespace), "old", json.dumps(old_meta, sort_keys=True))
+    r.hset(redis_store.rows_key(redis_namespace), "old", 0)
+    prefix = f"dn:{redis_namespace}:old:r:{{old.".encode()
+    assert fast._meta("old").prefix == prefix and fast._meta("old").key(7) == prefix + b"7}"
+
+    def stored() -> dict[int, bytes]:  # what the format-1 keys hold, read with no help from the store
+        out = {}
+        for key in r.scan_iter(match=f"dn:{redis_namespace}:old:*".encode()):
+            assert key.startswith(prefix), key  # no key of another layout
+            bucket = int(key[len(prefix) : -1])
+            for field, value in r.hgetall(key).items():
+                i = int.from_bytes(field, "little", signed=True)
+                assert expected_bucket(i, 32) == bucket
+                out[i] = value
+        return out
+
+    rng = np.random.default_rng(21)
+    ids = unique_ids(rng, 700)
+    rows = random_rows(rng, 700, schema)
+    fast.push("old", ids[:400], rows[:400])
+    slow.push("old", ids[400:], rows[400:])
+    assert stored() == {i: row.tobytes() for i, row in zip(ids.tolist(), rows)}
+    for s in (fast, slow):
+        got, found = s.pull("old", ids)
+        assert found.all()
+        np.testing.assert_array_equal(got, rows)
+    assert fast.delete("old", ids[:50]) == 50 and slow.delete("old", ids[50:100]) == 50
+    assert fast.num_rows("old") == 600 == len(stored())
+    exported = {int(i): row.tobytes() for c_ids, c_rows in fast.export("old", 128) for i, row in zip(c_ids, c_rows)}
+    assert exported == stored() and len(exported) == 600
+    assert fast.clear("old") == 600 and stored() == {} and fast.num_rows("old") == 0
+    fast.push("old", ids, rows)
+    monkeypatch.setattr(redis_store, "SWEEP_DROPPED_AFTER_S", 0.0)  # and its keys swept at once
+    assert fast.drop_table("old") == 700 and stored() == {}
+    assert r.exists(redis_store.dropped_key(redis_namespace)) == 0
+    # created again: the new layout
+    assert fast.create_table(schema)
+    again = json.loads(r.hget(redis_store.meta_key(redis_namespace), "old"))
+    assert again["format"] == redis_store.META_FORMAT == 2
+    assert fast._meta("old").prefix == f"dn:{redis_namespace}:old:{again['created']}:r:{{old.".encode()
+    fast.push("old", ids[:10], rows[:10])
+    assert len(list(r.scan_iter(match=fast._meta("old").prefix + b"*"))) > 0
+    assert not [k for k in r.scan_iter(match=f"dn:{redis_namespace}:old:*".encode()) if k.startswith(prefix)]
+    assert slow.pull("old", ids[:10])[1].all() and fast.num_rows("old") == 10
+    # metadata this version cannot read names what is wrong
+    for name, meta, says in (
+        ("newer", {**old_meta, "format": 3}, "metadata format 3 is newer than this version's 2: upgrade dynemb"),
+        ("badtok", {**old_meta, "format": 2, "created": "0123{x}"}, '"created" must be a hex token'),
+        ("notok", {k: v for k, v in old_meta.items() if k != "created"} | {"format": 2}, "created"),
+    ):
+        r.hset(redis_store.meta_key(redis_namespace), name, json.dumps(meta))
+        with pytest.raises(PSError, match=re.escape(f"metadata of table {name!r}") + ".*" + re.escape(says)):
+            fast.pull(name, ids[:1])
+    fast.close()
+    slow.close()
 
 
 @pytest.mark.cluster
