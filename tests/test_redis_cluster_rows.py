@@ -76,7 +76,7 @@ def test_slot_nodes_match_redis_py_key_slot(num_buckets):
     ids = np.concatenate([AWKWARD_IDS, unique_ids(rng, 3000)])
     slot_node = rng.integers(-1, 7, 16384, dtype=np.int32)  # any map: each slot's own value comes back
     out = np.empty(len(ids), dtype=np.int32)
-    for token in ("", "9f3c07a1d2e4b856"):  # keys of a table of metadata format 1, and 2 on
+    for token in ("", "9f3c07a1d2e4"):  # keys of a table of metadata format 1, and 2 on
         prefix = redis_store.bucket_prefix("ns", "a_table.v-2", token)
         mod.slot_nodes(ids, num_buckets, prefix.rpartition(b"{")[2], slot_node, out)
         keys = [prefix + b"%d}" % b for b in bucket_of(ids, num_buckets).tolist()]
