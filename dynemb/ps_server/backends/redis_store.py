@@ -4,7 +4,8 @@ Layout (namespace <ns>, table <t>, bucket number <b>; the braces are literal):
 
     dn:<ns>:tables                HASH  table name -> JSON {"format", "num_buckets", "schema",
                                             "created"[, "expected_rows"][, "dropping"]}
-    {dn:<ns>:tables}:rows         HASH  table name -> rows stored (kept by every write)
+    {dn:<ns>:tables}:rows         HASH  table name -> rows stored (kept by every write),
+                                        <t>:c -> the table's "created" token (format 2 on)
     {dn:<ns>:tables}:dropped      ZSET  dropped tables' metadata -> when dropped (Redis TIME, seconds)
     dn:<ns>:<t>:<c>:r:{<t>.<b>}   HASH  id as 8 little-endian bytes -> the row's raw bytes
 
@@ -43,7 +44,7 @@ again under that name) writes nothing and fails with TableNotFound. On Cluster t
 plain per-bucket commands (the buckets span slots, so no script sees the metadata): such a
 write lands in the dropped table's own bucket keys, which nothing reads any more (a table
 created since under the name has another token), and its row count change, made only while
-the metadata is still what the write read (the counts share its slot), is left out.
+the creation token kept beside the count is still the write's, is left out.
 A drop first marks the metadata ("dropping": the table is then gone to every call but a drop,
 and writes planned before find other metadata), then clears the buckets, then removes the
 metadata; a drop cut short is finished by the next drop or create of that name. Several PS
@@ -183,7 +184,7 @@ _ADD_COUNT_LUA = (
 # On standalone Redis (KEYS[2] the table hash, KEYS[3] the row-count hash) only while table
 # ARGV[1]'s metadata is still ARGV[2] (else nothing, and -1: the table was dropped, perhaps
 # created again, since), and its count goes down in the same script. On Cluster (KEYS[1] alone)
-# the table hash is in another slot: the caller checks it, and changes the count (_ADD_ROWS_LUA).
+# the table hash is in another slot: the caller checks it, and changes the count (_CLEARED_ROWS_LUA).
 _CLEAR_BUCKET_LUA = (
     "if #KEYS == 3 and redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return -1 end "
     "local n = redis.call('HLEN', KEYS[1]) if n > 0 then redis.call('UNLINK', KEYS[1]) end "
@@ -208,18 +209,28 @@ _WRITE_SCRIPTS = {
     "HSET": _WRITE_LUA.replace("CMD", "HSET").replace("SIGN", ""),
     "HDEL": _WRITE_LUA.replace("CMD", "HDEL").replace("SIGN", "-"),
 }
-# Cluster, after a pipeline of writes or of bucket clears: KEYS[1] the table hash, KEYS[2] the
-# row-count hash (one slot); table ARGV[1]'s count changes by ARGV[3] if its metadata is still
-# ARGV[2] (a write or clear planned before a drop changes no count of the table created since).
-_ADD_ROWS_LUA = (
+# Cluster, after a pipeline of writes: KEYS[1] the row-count hash; table ARGV[1]'s count changes
+# by ARGV[3] if its creation token there (field "<table>:c", "" for a table of metadata format 1)
+# is still ARGV[2]: a write planned before a drop changes no count of a table created since. The
+# token is beside the count, not read from the metadata, so that while the slot of both moves
+# between nodes (its keys one by one) writes are counted without waiting for the move's end.
+_WRITTEN_ROWS_LUA = (
+    "if (redis.call('HGET', KEYS[1], ARGV[1] .. ':c') or '') == ARGV[2] then local n = tonumber(ARGV[3]) "
+    + _ADD_COUNT_LUA.replace("ROWS", "1")
+    + " end"
+)
+# Cluster, after a pipeline of bucket clears: KEYS[1] the table hash, KEYS[2] the row-count hash
+# (one slot); table ARGV[1]'s count changes by ARGV[3] if its metadata is still ARGV[2].
+_CLEARED_ROWS_LUA = (
     "if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then local n = tonumber(ARGV[3]) "
     + _ADD_COUNT_LUA.replace("ROWS", "2")
     + " end"
 )
-# KEYS[1] the table hash, KEYS[2] the row-count hash: a table and its count of 0, or nothing.
+# KEYS[1] the table hash, KEYS[2] the row-count hash: table ARGV[1] of metadata ARGV[2], its count
+# of 0 and its creation token ARGV[3] (_WRITTEN_ROWS_LUA), or nothing.
 _CREATE_LUA = (
     "if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then "
-    "redis.call('HSET', KEYS[2], ARGV[1], 0) return 1 end return 0"
+    "redis.call('HSET', KEYS[2], ARGV[1], 0, ARGV[1] .. ':c', ARGV[3]) return 1 end return 0"
 )
 # KEYS[1] the table hash: table ARGV[1]'s metadata set to ARGV[3] if it is still ARGV[2] (1), else 0.
 _MARK_LUA = (
@@ -233,7 +244,7 @@ _MARK_LUA = (
 _DROP_LUA = (
     "if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end "
     "local t = redis.call('TIME') redis.call('ZADD', KEYS[3], t[1] + t[2] / 1000000, ARGV[2]) "
-    "redis.call('HDEL', KEYS[2], ARGV[1]) return redis.call('HDEL', KEYS[1], ARGV[1])"
+    "redis.call('HDEL', KEYS[2], ARGV[1], ARGV[1] .. ':c') return redis.call('HDEL', KEYS[1], ARGV[1])"
 )
 # KEYS[1] the dropped set: at most ARGV[2] of its entries older than ARGV[1] seconds (Redis's time).
 _DUE_LUA = (
@@ -308,6 +319,7 @@ class _TableMeta:
     schema: TableSchema
     num_buckets: int
     prefix: bytes  # of its bucket keys
+    token: str  # the creation token in its bucket keys; "" for a table of metadata format 1
     dropping: bool = False  # a drop has begun: no longer a table to anything but a drop
 
     def key(self, bucket: int) -> bytes:
@@ -666,7 +678,8 @@ class RedisStore(Store):
             raise PSError(
                 f"metadata of table {table!r} in Redis namespace {self.namespace!r} is unreadable: {exc}"
             ) from None
-        return _TableMeta(raw, schema, nb, prefix, bool(d.get("dropping")))
+        token = d["created"] if int(d.get("format", 1)) >= 2 else ""
+        return _TableMeta(raw, schema, nb, prefix, token, bool(d.get("dropping")))
 
     # -- tables ------------------------------------------------------------------------
 
@@ -687,11 +700,14 @@ class RedisStore(Store):
         meta = {"format": META_FORMAT, "num_buckets": nb, "schema": schema.to_dict()}
         if schema.expected_rows:
             meta["expected_rows"] = schema.expected_rows
-        raw = json.dumps({**meta, "created": secrets.token_hex(6)}, sort_keys=True).encode()
+        token = secrets.token_hex(6)
+        raw = json.dumps({**meta, "created": token}, sort_keys=True).encode()
         for _ in range(CREATE_TRIES):
             # HSETNX in the script: of several PS processes creating one table, exactly one wins
             created = self._run_scripted(
-                lambda pipe: self._script(pipe, _CREATE_LUA, [self._meta_key, self._rows_key], [schema.name, raw])
+                lambda pipe: self._script(
+                    pipe, _CREATE_LUA, [self._meta_key, self._rows_key], [schema.name, raw, token]
+                )
             )[0]
             if created:
                 return True
@@ -868,10 +884,10 @@ class RedisStore(Store):
 
     def _add_rows(self, meta: _TableMeta, change: int) -> None:
         """On Cluster, change the count after the writes (on standalone their scripts did), if
-        the table's metadata is still meta's: not the count of a table created since."""
+        the table is still meta's creation: not the count of a table created since."""
         if self.cluster and change:
-            keys, args = [self._meta_key, self._rows_key], [meta.schema.name, meta.raw, change]
-            self._run_scripted(lambda pipe: self._script(pipe, _ADD_ROWS_LUA, keys, args))
+            args = [meta.schema.name, meta.token, change]
+            self._run_scripted(lambda pipe: self._script(pipe, _WRITTEN_ROWS_LUA, [self._rows_key], args))
 
     def _write(self, meta: _TableMeta, command: str, part: list, values: list, per_id: int) -> int:
         """HSET or HDEL of each (bucket, start, end) of part with the ids' values[per_id * start :
@@ -934,7 +950,7 @@ class RedisStore(Store):
             if self.cluster and n:
 
                 def count(pipe, n=n) -> None:
-                    self._script(pipe, _ADD_ROWS_LUA, [self._meta_key, self._rows_key], [name, meta.raw, -n])
+                    self._script(pipe, _CLEARED_ROWS_LUA, [self._meta_key, self._rows_key], [name, meta.raw, -n])
 
                 self._run_scripted(count)
             if any(c < 0 for c in counts):  # the metadata changed: every later bucket said so too
