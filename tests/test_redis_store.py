@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -187,7 +188,7 @@ def url_of(request, backend: str) -> str:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("native_rows", [True, False])
-def test_write_planned_before_a_drop_lands_nowhere(request, redis_namespace, native_rows, backend, monkeypatch):
+def test_write_planned_before_a_drop_lands_nowhere(request, redis_namespace, native_rows, backend, monkeypatch, caplog):
     """A push or delete that read the table's metadata before the table was dropped and created
     again under its name (another schema, or the same) writes nothing into it: on standalone
     Redis it writes nothing at all (TableNotFound); on Cluster (no script can see the metadata)
@@ -239,7 +240,10 @@ def test_write_planned_before_a_drop_lands_nowhere(request, redis_namespace, nat
     records = r.zrange(dropped, 0, -1, withscores=True)
     assert [json.loads(m)["created"] for m, _ in records] == [json.loads(m.raw)["created"] for m in planned]
     r.zadd(dropped, {m: t - redis_store.SWEEP_DROPPED_AFTER_S - 1 for m, t in records[:1]})  # the first drop, older
-    assert other.drop_table("next") == 0 and orphans() == 0
+    with caplog.at_level(logging.INFO, logger="dynemb.ps"):
+        assert other.drop_table("next") == 0 and orphans() == 0
+    swept = [rec.getMessage() for rec in caplog.records if "writes in flight left" in rec.getMessage()]
+    assert len(swept) == (backend == "cluster") and all("after table 'race' was dropped" in m for m in swept)
     left = r.zrange(dropped, 0, -1)
     assert records[0][0] not in left and records[1][0] in left  # the later drop's record waits its turn
     assert other.pull("race", ids)[1].sum() == 310 and other.num_rows("race") == 310  # the live table untouched

@@ -61,11 +61,11 @@ Bucket keys a write left after its table's drop (Cluster only) are swept: the dr
 the metadata records it, with Redis's time, in `{dn:<ns>:tables}:dropped`, and each later create
 or drop in the namespace unlinks every bucket key of the tables dropped more than
 SWEEP_DROPPED_AFTER_S before (at most SWEEP_TABLES_PER_CALL a call, each costing about what its
-drop did: the same keys, visited the same way) and forgets them. A write sends its commands
-within its socket timeouts (seconds) of reading the metadata, so a key survives the sweep only
-if a PS stalled for minutes between planning a write and sending it (stopped, swapping): at
-most that batch's rows, and a namespace in which no table is created or dropped again keeps
-what its last drops left.
+drop did: the same keys, visited the same way) and forgets them. A write sends its pipelines
+within seconds of reading the metadata (each waits at most the socket timeout), so a key
+survives the sweep only if a PS stalled for minutes between planning a write and sending it
+(stopped, swapping): at most that batch's rows. A namespace in which no table is created or
+dropped again keeps what its last drops left until then.
 
 Every call reads the table's metadata first (one HGET), so PS processes sharing a namespace
 see each other's creates and drops; parsed metadata is cached by its raw bytes (a bounded
@@ -686,11 +686,11 @@ class RedisStore(Store):
     def create_table(self, schema: TableSchema) -> bool:
         """See Store.create_table; the table gets ceil(schema.expected_rows / rows_per_bucket)
         buckets, or this store's num_buckets if it declares none (module doc). Redis's listpack
-        limits are raised first where the rows need it (listpack="auto")."""
+        limits are raised first where the rows need it (listpack="auto"). A create, like a drop,
+        then sweeps the keys of tables dropped long enough ago (module doc)."""
         if self._listpack is not None:
             with self._redis():
                 self._listpack.ensure(schema.row_bytes, f"table {schema.name!r}")
-        self._sweep_dropped()
         nb = buckets_for(schema.expected_rows, self.rows_per_bucket, self.num_buckets)
         # "created": a token of this creation, so that a table dropped and created again, even with
         # the same schema, has other metadata (a write checks it: see _WRITE_LUA) and other bucket
@@ -710,6 +710,7 @@ class RedisStore(Store):
                 )
             )[0]
             if created:
+                self._sweep_dropped()
                 return True
             try:
                 have = self._meta(schema.name, dropping=True)
