@@ -13,6 +13,8 @@ e.g. `dn:ctr:users:9f3c07a1d2e4:r:{users.17}`. <c> is the table's "created" toke
 at each create, so a table dropped and created again under its name never shares a bucket key
 with the table before it. Tables created by an older version (metadata "format" 1) have keys
 without it, `dn:<ns>:<t>:r:{<t>.<b>}`, and keep them; metadata of a newer format is refused.
+(An older version knows no format: it would read a format-2 table at format-1 keys, so PS
+processes of older versions must not serve a namespace in which this one creates tables.)
 A row lives in bucket hashing.bucket_of(id, num_buckets): the high bits of xxh64(id,
 ROW_HASH_SEED) scaled to num_buckets, monotonic in that hash, so the client's hash-ordered
 chunks of a batch each touch their own run of buckets.
