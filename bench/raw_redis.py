@@ -14,7 +14,7 @@ import socket
 import numpy as np
 import redis
 
-from dynemb.ps_server.backends.redis_store import bucket_keys, bucket_of, meta_key
+from dynemb.ps_server.backends.redis_store import bucket_keys, bucket_of, meta_key, prefix_of
 from dynemb.ps_server.schema import TableSchema
 
 
@@ -23,7 +23,7 @@ class RawRedisRows:
         self.r = redis.Redis.from_url(url)
         meta = json.loads(self.r.hget(meta_key(namespace), schema.name))
         self.num_buckets = int(meta["num_buckets"])
-        self.keys = bucket_keys(namespace, schema.name, 0, self.num_buckets)
+        self.keys = bucket_keys(prefix_of(namespace, schema.name, meta), 0, self.num_buckets)
         self.schema = schema
 
     def _grouped(self, ids: np.ndarray):

@@ -74,12 +74,13 @@ def test_slot_nodes_match_redis_py_key_slot(num_buckets):
     mod = redis_rows()
     rng = np.random.default_rng(num_buckets % 1000)
     ids = np.concatenate([AWKWARD_IDS, unique_ids(rng, 3000)])
-    prefix = redis_store.bucket_prefix("ns", "a_table.v-2")
     slot_node = rng.integers(-1, 7, 16384, dtype=np.int32)  # any map: each slot's own value comes back
     out = np.empty(len(ids), dtype=np.int32)
-    mod.slot_nodes(ids, num_buckets, prefix.rpartition(b"{")[2], slot_node, out)
-    keys = [prefix + b"%d}" % b for b in bucket_of(ids, num_buckets).tolist()]
-    np.testing.assert_array_equal(out, slot_node[[key_slot(k) for k in keys]])
+    for token in ("", "9f3c07a1d2e4"):  # keys of a table of metadata format 1, and 2 on
+        prefix = redis_store.bucket_prefix("ns", "a_table.v-2", token)
+        mod.slot_nodes(ids, num_buckets, prefix.rpartition(b"{")[2], slot_node, out)
+        keys = [prefix + b"%d}" % b for b in bucket_of(ids, num_buckets).tolist()]
+        np.testing.assert_array_equal(out, slot_node[[key_slot(k) for k in keys]])
     with pytest.raises(ValueError, match="16384"):
         mod.slot_nodes(ids, num_buckets, b"t.", slot_node[:100], out)
     with pytest.raises(ValueError, match="num_buckets"):
@@ -203,7 +204,7 @@ def test_cluster_dropped_connections_and_error_replies(redis_cluster, redis_name
     # an error reply that is no redirect (a bucket key holding a string) raises, naming it
     used = set(bucket_of(np.concatenate([ids, fresh]), 4096).tolist())
     odd = next(i for i in unique_ids(rng, 1000) if int(bucket_of(np.array([i]), 4096)[0]) not in used)
-    key = redis_store.bucket_prefix(redis_namespace, "drop") + b"%d}" % int(bucket_of(np.array([odd]), 4096)[0])
+    key = s._meta("drop").key(int(bucket_of(np.array([odd]), 4096)[0]))
     s.client.set(key, b"not a hash")
     with pytest.raises(PSError, match="WRONGTYPE"):
         s.pull("drop", np.append(ids, odd))
@@ -276,7 +277,7 @@ def test_cluster_rows_follow_moved_and_ask_redirects(redis_binaries, redis_names
         ids = unique_ids(rng, 4000)
         rows = random_rows(rng, 4000, schema)
         s.push("mv", ids, rows)
-        prefix = redis_store.bucket_prefix(redis_namespace, "mv")
+        prefix = s._meta("mv").prefix
         slot = np.array([slot_of_key(prefix + b"%d}" % b) for b in bucket_of(ids, 256).tolist()])
         by_slot = sorted(set(slot.tolist()))
         redirects: list[str] = []
@@ -337,7 +338,7 @@ def test_cluster_rows_follow_moved_and_ask_redirects(redis_binaries, redis_names
         np.testing.assert_array_equal(got[len(ids) :], fresh_rows)
         assert s.num_rows("mv") == 4400 - int(gone.sum())
         true_rows = sum(
-            c.hlen(k) for c in mover.clients for k in c.scan_iter(match=f"dn:{redis_namespace}:mv:r:*".encode())
+            c.hlen(k) for c in mover.clients for k in c.scan_iter(match=f"dn:{redis_namespace}:mv:*".encode())
         )
         assert true_rows == 4400 - int(gone.sum())
         s.close()

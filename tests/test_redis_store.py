@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
 import signal
 import threading
+from contextlib import nullcontext
 
 import numpy as np
 import pytest
@@ -112,7 +115,10 @@ def test_layout_in_redis(store, redis_url, redis_namespace):
     meta = f"dn:{ns}:tables".encode()
     assert meta in keys and r.type(meta) == b"hash"
     bucket_keys = [k for k in keys if k != meta]
-    pattern = re.compile(rb"^dn:" + ns.encode() + rb":lay\.out-1:r:\{lay\.out-1\.(\d+)\}$")
+    # the table's creation token is in every key (a table created again under the name has others)
+    token = json.loads(r.hget(meta, "lay.out-1"))["created"]
+    assert re.fullmatch(rb"[0-9a-f]{12}", token.encode())
+    pattern = re.compile(rb"^dn:" + ns.encode() + rb":lay\.out-1:" + token.encode() + rb":r:\{lay\.out-1\.(\d+)\}$")
     stored = {}
     for key in bucket_keys:
         m = pattern.match(key)
@@ -170,38 +176,79 @@ def test_batches_split_over_several_pipelines(store, monkeypatch):
     assert sum(len(i) for i, _ in store.export("split", 64)) == 1300
 
 
+BACKENDS = ["standalone", pytest.param("cluster", marks=pytest.mark.cluster)]
+
+
+def url_of(request, backend: str) -> str:
+    """The URL of the session's standalone Redis, or of its Redis Cluster."""
+    if backend == "standalone":
+        return request.getfixturevalue("redis_url")
+    return request.getfixturevalue("redis_cluster").url
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("native_rows", [True, False])
-def test_write_planned_before_a_drop_lands_nowhere(redis_url, redis_namespace, native_rows):
+def test_write_planned_before_a_drop_lands_nowhere(request, redis_namespace, native_rows, backend, monkeypatch, caplog):
     """A push or delete that read the table's metadata before the table was dropped and created
-    again under its name (another schema, or the same) writes nothing into it: TableNotFound."""
-    store = RedisStore.from_url(redis_url, namespace=redis_namespace, num_buckets=16, native_rows=native_rows)
-    other = RedisStore.from_url(redis_url, namespace=redis_namespace, num_buckets=16)
+    again under its name (another schema, or the same) writes nothing into it: on standalone
+    Redis it writes nothing at all (TableNotFound); on Cluster (no script can see the metadata)
+    it writes into the dropped table's own bucket keys (its creation token's), which a later
+    create or drop unlinks once the drop is SWEEP_DROPPED_AFTER_S old, not before."""
+    url = url_of(request, backend)
+    store = RedisStore.from_url(url, namespace=redis_namespace, num_buckets=16, native_rows=native_rows)
+    other = RedisStore.from_url(url, namespace=redis_namespace, num_buckets=16)
     assert (store._native is not None) == native_rows
     old, new = TableSchema("race", dim=4), TableSchema("race", dim=6)
     rng = np.random.default_rng(5)
     ids = unique_ids(rng, 500)
     kept = random_rows(rng, 300, new)
     read_meta = store._meta
+    planned: list = []
 
     def meta_then_recreate(table: str):
         meta = read_meta(table)
-        other.drop_table(table)  # between the write's metadata read and its script
+        planned.append(meta)
+        other.drop_table(table)  # between the write's metadata read and its commands
         other.create_table(new)
         other.push(table, ids[:300], kept)
         return meta
 
+    def orphans() -> int:  # rows in the bucket keys of the tables of that name dropped before
+        return sum(int(store.client.hlen(k)) for m in planned for k in store.client.scan_iter(match=m.prefix + b"*"))
+
+    late = pytest.raises(TableNotFound, match="re-created meanwhile") if backend == "standalone" else nullcontext()
     store.create_table(old)
     store.push("race", ids, random_rows(rng, 500, old))
     store._meta = meta_then_recreate
-    with pytest.raises(TableNotFound, match="re-created meanwhile"):
+    with late:
         store.push("race", ids, random_rows(rng, 500, old))
     got, found = other.pull("race", ids)
     np.testing.assert_array_equal(found, np.arange(500) < 300)  # no ghost rows of the old dim
     np.testing.assert_array_equal(got[:300], kept)
-    assert other.num_rows("race") == 300
-    with pytest.raises(TableNotFound, match="re-created meanwhile"):  # re-created with the same schema
+    assert other.num_rows("race") == 300  # and no count change of the late write
+    assert orphans() == (500 if backend == "cluster" else 0)
+    with late:  # re-created with the same schema
         store.delete("race", ids)
     assert other.pull("race", ids)[1].sum() == 300 and other.num_rows("race") == 300
+    del store._meta
+    store.push("race", ids[300:310], random_rows(rng, 10, new))  # a write planned now reaches the new table
+    assert other.num_rows("race") == 310
+    # the orphan keys go once their drop is old enough, not before
+    assert other.create_table(TableSchema("next", dim=2)) and orphans() == (500 if backend == "cluster" else 0)
+    r = store.client
+    dropped = redis_store.dropped_key(redis_namespace)
+    records = r.zrange(dropped, 0, -1, withscores=True)
+    assert [json.loads(m)["created"] for m, _ in records] == [json.loads(m.raw)["created"] for m in planned]
+    r.zadd(dropped, {m: t - redis_store.SWEEP_DROPPED_AFTER_S - 1 for m, t in records[:1]})  # the first drop, older
+    with caplog.at_level(logging.INFO, logger="dynemb.ps"):
+        assert other.drop_table("next") == 0 and orphans() == 0
+    swept = [rec.getMessage() for rec in caplog.records if "writes in flight left" in rec.getMessage()]
+    assert len(swept) == (backend == "cluster") and all("after table 'race' was dropped" in m for m in swept)
+    left = r.zrange(dropped, 0, -1)
+    assert records[0][0] not in left and records[1][0] in left  # the later drop's record waits its turn
+    assert other.pull("race", ids)[1].sum() == 310 and other.num_rows("race") == 310  # the live table untouched
+    monkeypatch.setattr(redis_store, "SWEEP_DROPPED_AFTER_S", 0.0)
+    assert other.drop_table("race") == 310 and r.exists(dropped) == 0  # every record swept and forgotten
     store.close()
     other.close()
 
@@ -268,17 +315,14 @@ def test_drop_cut_short_is_finished(store, redis_namespace):
         assert store.drop_table("cut") is None
 
 
-@pytest.mark.parametrize("backend", ["standalone", pytest.param("cluster", marks=pytest.mark.cluster)])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_drop_finished_by_another_spares_the_table_created_since(request, redis_namespace, monkeypatch, backend):
     """Drop A marks the table and clears its first pipeline of buckets; drop B (another PS on
     the namespace) finishes the drop, and the table is created again and written to; A's
     remaining clears then leave the new table's rows, and A's end leaves its metadata (also
     when A had cleared every bucket already). A clear overtaken the same way stops with
     TableNotFound, the new table's rows and count intact."""
-    if backend == "standalone":
-        url = request.getfixturevalue("redis_url")
-    else:
-        url = request.getfixturevalue("redis_cluster").url
+    url = url_of(request, backend)
     a = RedisStore.from_url(url, namespace=redis_namespace, num_buckets=16)
     b = RedisStore.from_url(url, namespace=redis_namespace, num_buckets=16)
     old, new = TableSchema("again", dim=2), TableSchema("again", dim=3)
@@ -316,6 +360,52 @@ def test_a_drop_finished_by_another_spares_the_table_created_since(request, redi
         got, found = b.pull("again", new_ids)
         assert found.all()
         np.testing.assert_array_equal(got, new_rows)
+        assert b.num_rows("again") == 400
+        assert b.drop_table("again") == 400
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_drop_overtaken_before_its_first_clear_spares_the_table_created_since(request, redis_namespace, backend):
+    """Drop A marks the table and checks its metadata before its first pipeline of clears; before
+    that pipeline arrives, drop B (another PS) finishes the drop and the table is created again
+    and written to. A's clears (on Cluster: scripts that cannot see the metadata) then touch
+    only the dropped table's keys: the new table keeps every row and its count; A stops."""
+    url = url_of(request, backend)
+    a = RedisStore.from_url(url, namespace=redis_namespace, num_buckets=16)
+    b = RedisStore.from_url(url, namespace=redis_namespace, num_buckets=16)
+    old, new = TableSchema("again", dim=2), TableSchema("again", dim=2)  # the same schema, even
+    rng = np.random.default_rng(13)
+    ids = unique_ids(rng, 600)
+    new_ids, new_rows = ids[:400], random_rows(rng, 400, new)
+    run_scripted = a._run_scripted
+    clear_sha = a._sha(redis_store._CLEAR_BUCKET_LUA)
+    overtaken: list = []
+
+    def overtake(fill):
+        queued = redis_store._Queued()
+        fill(queued)
+        if queued.commands[0][1] == clear_sha and not overtaken:  # before A's first pipeline of clears
+            overtaken.append(b.drop_table("again"))
+            b.create_table(new)
+            b.push("again", new_ids, new_rows)
+        return run_scripted(fill)
+
+    a._run_scripted = overtake
+    for step in ("drop", "clear"):
+        overtaken.clear()
+        b.create_table(old)
+        b.push("again", ids, random_rows(rng, 600, old))
+        if step == "drop":
+            assert a.drop_table("again") == 0  # B had removed every row
+        else:
+            with pytest.raises(TableNotFound, match="dropped meanwhile, after 0 of its rows"):
+                a.clear("again")
+        assert overtaken == [600]
+        got, found = b.pull("again", ids)
+        np.testing.assert_array_equal(found, np.arange(600) < 400)
+        np.testing.assert_array_equal(got[:400], new_rows)
         assert b.num_rows("again") == 400
         assert b.drop_table("again") == 400
     a.close()
@@ -429,7 +519,7 @@ def test_foreign_data_is_an_error_not_garbage(store, redis_url, redis_namespace)
     store.push("bad", ids, np.ones((200, 2), np.float32))
     r = redis.Redis.from_url(redis_url)
     victim = int(bucket_of(ids[:1], store.num_buckets)[0])
-    key = f"dn:{redis_namespace}:bad:r:{{bad.{victim}}}".encode()
+    key = store._meta("bad").key(victim)
     r.hset(key, ids[:1].tobytes(), b"\0" * 12)  # a 12-byte row in an 8-byte-row table
     for call in (lambda: store.pull("bad", ids), lambda: list(store.export("bad", 50))):
         with pytest.raises(PSError, match="wrong size"):
@@ -766,7 +856,7 @@ def test_cluster_round_trip_spread_over_masters(redis_cluster, redis_namespace):
     per_node = {}
     for node in redis_cluster.nodes:
         c = node.client()
-        per_node[node.address] = len(list(c.scan_iter(match=f"dn:{redis_namespace}:clu:r:*".encode(), count=1000)))
+        per_node[node.address] = len(list(c.scan_iter(match=f"dn:{redis_namespace}:clu:*".encode(), count=1000)))
         c.close()
     assert all(n > 0 for n in per_node.values()), per_node
     # one key per touched bucket, each on exactly one node
@@ -811,7 +901,7 @@ def calls(r: redis.Redis, command: str) -> int:
 
 
 def true_rows(r, namespace: str, table: str) -> int:
-    return sum(r.hlen(k) for k in r.scan_iter(match=f"dn:{namespace}:{table}:r:*".encode(), count=1000))
+    return sum(r.hlen(k) for k in r.scan_iter(match=f"dn:{namespace}:{table}:*".encode(), count=1000))
 
 
 def check_counts_follow_every_write(s: RedisStore, true_count) -> None:
@@ -854,16 +944,15 @@ def test_row_counts_follow_every_write_without_scanning_buckets(store, redis_url
 
 
 def test_a_row_count_below_zero_is_recounted(store, redis_url, redis_namespace, caplog):
-    """A push still in flight when its table was dropped writes its rows into the buckets of the
-    table created next under that name with no count (the count went with the drop): deleting
-    them then took the new table's count below 0, and ListTables failed with INTERNAL (a row
-    count is unsigned on the wire). A count below 0 is recounted from the buckets and kept."""
+    """Rows written uncounted (on Cluster, by a PS killed between a write and its count change)
+    and deleted since take the count below 0, which ListTables cannot answer (a row count is
+    unsigned on the wire): a count below 0 is recounted from the buckets and kept."""
     r = redis.Redis.from_url(redis_url)
     rows = redis_store.rows_key(redis_namespace)
     store.create_table(TableSchema("late", dim=2))
-    r.hdel(rows, "late")  # the drop took the count; the late push changes none
+    r.hdel(rows, "late")  # no count: the push is not counted
     store.push("late", np.arange(5), np.ones((5, 2), np.float32))
-    r.hset(rows, "late", 0)  # the table of that name created anew
+    r.hset(rows, "late", 0)  # counting from 0 again
     store.delete("late", np.arange(3))  # its count goes to -3 while 2 rows remain
     assert int(r.hget(rows, "late")) == -3
     assert (
@@ -878,6 +967,75 @@ def test_a_row_count_below_zero_is_recounted(store, redis_url, redis_namespace, 
     r.hset(rows, "late", -1)
     assert store.num_rows("late") == 2
     r.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_table_of_metadata_format_1_keeps_its_keys(request, redis_namespace, monkeypatch, backend):
+    """A table created by a version whose bucket keys had no creation token (metadata format 1)
+    reads, writes, counts, exports, clears and drops in those keys, through the compiled row
+    path and redis-py's alike; created again, it gets format 2 and keys with its token.
+    Metadata of a newer format, or with a token unfit for key names, is refused by name."""
+    url = url_of(request, backend)
+    fast = RedisStore.from_url(url, namespace=redis_namespace)
+    slow = RedisStore.from_url(url, namespace=redis_namespace, native_rows=False)
+    r = fast.client
+    schema = TableSchema("old", dim=3)
+    old_meta = {"format": 1, "num_buckets": 32, "schema": schema.to_dict(), "created": "0123456789abcdef"}
+    r.hset(redis_store.meta_key(redis_namespace), "old", json.dumps(old_meta, sort_keys=True))
+    r.hset(redis_store.rows_key(redis_namespace), "old", 0)
+    prefix = f"dn:{redis_namespace}:old:r:{{old.".encode()
+    assert fast._meta("old").prefix == prefix and fast._meta("old").key(7) == prefix + b"7}"
+
+    def stored() -> dict[int, bytes]:  # what the format-1 keys hold, read with no help from the store
+        out = {}
+        for key in r.scan_iter(match=f"dn:{redis_namespace}:old:*".encode()):
+            assert key.startswith(prefix), key  # no key of another layout
+            bucket = int(key[len(prefix) : -1])
+            for field, value in r.hgetall(key).items():
+                i = int.from_bytes(field, "little", signed=True)
+                assert expected_bucket(i, 32) == bucket
+                out[i] = value
+        return out
+
+    rng = np.random.default_rng(21)
+    ids = unique_ids(rng, 700)
+    rows = random_rows(rng, 700, schema)
+    fast.push("old", ids[:400], rows[:400])
+    slow.push("old", ids[400:], rows[400:])
+    assert stored() == {i: row.tobytes() for i, row in zip(ids.tolist(), rows)}
+    for s in (fast, slow):
+        got, found = s.pull("old", ids)
+        assert found.all()
+        np.testing.assert_array_equal(got, rows)
+    assert fast.delete("old", ids[:50]) == 50 and slow.delete("old", ids[50:100]) == 50
+    assert fast.num_rows("old") == 600 == len(stored())
+    exported = {int(i): row.tobytes() for c_ids, c_rows in fast.export("old", 128) for i, row in zip(c_ids, c_rows)}
+    assert exported == stored() and len(exported) == 600
+    assert fast.clear("old") == 600 and stored() == {} and fast.num_rows("old") == 0
+    fast.push("old", ids, rows)
+    monkeypatch.setattr(redis_store, "SWEEP_DROPPED_AFTER_S", 0.0)  # and its keys swept at once
+    assert fast.drop_table("old") == 700 and stored() == {}
+    assert r.exists(redis_store.dropped_key(redis_namespace)) == 0
+    # created again: the new layout
+    assert fast.create_table(schema)
+    again = json.loads(r.hget(redis_store.meta_key(redis_namespace), "old"))
+    assert again["format"] == redis_store.META_FORMAT == 2
+    assert fast._meta("old").prefix == f"dn:{redis_namespace}:old:{again['created']}:r:{{old.".encode()
+    fast.push("old", ids[:10], rows[:10])
+    assert len(list(r.scan_iter(match=fast._meta("old").prefix + b"*"))) > 0
+    assert not [k for k in r.scan_iter(match=f"dn:{redis_namespace}:old:*".encode()) if k.startswith(prefix)]
+    assert slow.pull("old", ids[:10])[1].all() and fast.num_rows("old") == 10
+    # metadata this version cannot read names what is wrong
+    for name, meta, says in (
+        ("newer", {**old_meta, "format": 3}, "metadata format 3 is newer than this version's 2: upgrade dynemb"),
+        ("badtok", {**old_meta, "format": 2, "created": "0123{x}"}, '"created" must be a hex token'),
+        ("notok", {k: v for k, v in old_meta.items() if k != "created"} | {"format": 2}, "created"),
+    ):
+        r.hset(redis_store.meta_key(redis_namespace), name, json.dumps(meta))
+        with pytest.raises(PSError, match=re.escape(f"metadata of table {name!r}") + ".*" + re.escape(says)):
+            fast.pull(name, ids[:1])
+    fast.close()
+    slow.close()
 
 
 @pytest.mark.cluster

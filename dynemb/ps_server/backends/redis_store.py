@@ -2,14 +2,22 @@
 
 Layout (namespace <ns>, table <t>, bucket number <b>; the braces are literal):
 
-    dn:<ns>:tables             HASH  table name -> JSON {"format", "num_buckets", "schema", "created"
-                                                        [, "expected_rows"][, "dropping"]}
-    {dn:<ns>:tables}:rows      HASH  table name -> rows stored (kept by every write)
-    dn:<ns>:<t>:r:{<t>.<b>}    HASH  id as 8 little-endian bytes -> the row's raw bytes
+    dn:<ns>:tables                HASH  table name -> JSON {"format", "num_buckets", "schema",
+                                            "created"[, "expected_rows"][, "dropping"]}
+    {dn:<ns>:tables}:rows         HASH  table name -> rows stored (kept by every write),
+                                        <t>:c -> the table's "created" token (format 2 on)
+    {dn:<ns>:tables}:dropped      ZSET  dropped tables' metadata -> when dropped (Redis TIME, seconds)
+    dn:<ns>:<t>:<c>:r:{<t>.<b>}   HASH  id as 8 little-endian bytes -> the row's raw bytes
 
-e.g. `dn:ctr:users:r:{users.17}`. A row lives in bucket hashing.bucket_of(id, num_buckets): the
-high bits of xxh64(id, ROW_HASH_SEED) scaled to num_buckets, monotonic in that hash, so the
-client's hash-ordered chunks of a batch each touch their own run of buckets.
+e.g. `dn:ctr:users:9f3c07a1d2e4:r:{users.17}`. <c> is the table's "created" token, random
+at each create, so a table dropped and created again under its name never shares a bucket key
+with the table before it. Tables created by an older version (metadata "format" 1) have keys
+without it, `dn:<ns>:<t>:r:{<t>.<b>}`, and keep them; metadata of a newer format is refused.
+(An older version knows no format: it would read a format-2 table at format-1 keys, so PS
+processes of older versions must not serve a namespace in which this one creates tables.)
+A row lives in bucket hashing.bucket_of(id, num_buckets): the high bits of xxh64(id,
+ROW_HASH_SEED) scaled to num_buckets, monotonic in that hash, so the client's hash-ordered
+chunks of a batch each touch their own run of buckets.
 Hashes instead of one key per id: a few thousand keys per table whatever its size, far less
 per-key memory in Redis, and one HMGET/HSET per touched bucket per request. The `{<t>.<b>}`
 hash tag keeps each bucket on one Cluster node while a table's buckets spread over every node.
@@ -34,21 +42,32 @@ bucket) when first asked for.
 
 A write on standalone Redis checks, in its script, that the table's metadata is still the raw
 bytes the write read: a write still in flight when its table was dropped (and perhaps created
-again under that name) writes nothing and fails with TableNotFound, rather than leaving rows
-that the next table of that name would read as its own. On Cluster the writes are plain
-per-bucket commands (the buckets span slots, so no script sees the metadata), without that check.
+again under that name) writes nothing and fails with TableNotFound. On Cluster the writes are
+plain per-bucket commands (the buckets span slots, so no script sees the metadata): such a
+write lands in the dropped table's own bucket keys, which nothing reads any more (a table
+created since under the name has another token), and its row count change, made only while
+the creation token kept beside the count is still the write's, is left out.
 A drop first marks the metadata ("dropping": the table is then gone to every call but a drop,
 and writes planned before find other metadata), then clears the buckets, then removes the
 metadata; a drop cut short is finished by the next drop or create of that name. Several PS
 processes may drop one table at once: a bucket clear, and the metadata's removal, happen only
 while the metadata is still the mark, so a drop that another finished first stops (reporting
-the rows it removed) instead of clearing the buckets of a table created since under that name;
-a `clear` likewise stops, with TableNotFound, once its table is dropped. On standalone Redis
-each bucket's clear script checks the metadata, so this is exact. On Cluster the clear scripts
-cannot see the metadata (another slot): it is read before each pipeline of clears (65536
-buckets), so a drop finished and the table created again and written to, all between that read
-and the pipeline's arrival (about a round trip), still loses those writes to the old drop; the
-row count is changed only while the metadata is unchanged (same slot: exact).
+the rows it removed); a `clear` likewise stops, with TableNotFound, once its table is dropped.
+On standalone Redis each bucket's clear script checks the metadata. On Cluster the clear
+scripts cannot see it (another slot): it is read before each pipeline of clears, and a pipeline
+that arrives after another drop finished and the table was created again and written to clears
+only the old table's keys (its token), so the new table keeps every row; the row count is
+changed only while the metadata is unchanged (same slot: exact).
+
+Bucket keys a write left after its table's drop (Cluster only) are swept: the drop that removes
+the metadata records it, with Redis's time, in `{dn:<ns>:tables}:dropped`, and each later create
+or drop in the namespace unlinks every bucket key of the tables dropped more than
+SWEEP_DROPPED_AFTER_S before (at most SWEEP_TABLES_PER_CALL a call, each costing about what its
+drop did: the same keys, visited the same way) and forgets them. A write sends its pipelines
+within seconds of reading the metadata (each waits at most the socket timeout), so a key
+survives the sweep only if a PS stalled for minutes between planning a write and sending it
+(stopped, swapping): at most that batch's rows. A namespace in which no table is created or
+dropped again keeps what its last drops left until then.
 
 Every call reads the table's metadata first (one HGET), so PS processes sharing a namespace
 see each other's creates and drops; parsed metadata is cached by its raw bytes (a bounded
@@ -87,6 +106,7 @@ import logging
 import operator
 import secrets
 import socket
+import string
 import threading
 import time
 import weakref
@@ -122,7 +142,13 @@ from dynemb.ps_server.hashing import bucket_of  # re-exported: bench/raw_redis.p
 from dynemb.ps_server.native import redis_rows
 from dynemb.ps_server.schema import TableSchema, check_name
 
-META_FORMAT = 1  # metadata without "expected_rows" (older versions) reads as 0: nothing declared
+# 2: bucket keys carry the table's "created" token; 1 (older versions): they do not. Metadata
+# without "expected_rows" (older versions) reads as 0: nothing declared.
+META_FORMAT = 2
+# Bucket keys of a table dropped this long ago (seconds) are unlinked by a later create or drop,
+# at most this many tables' a call (module doc).
+SWEEP_DROPPED_AFTER_S = 300.0
+SWEEP_TABLES_PER_CALL = 4
 # A table's most buckets: a 10^10-row table at 16 rows a bucket would want 6.25e8; at 2^28 it
 # has ~37 rows a bucket, still a listpack (hash-max-listpack-entries 128).
 MAX_BUCKETS = 1 << 28
@@ -168,7 +194,7 @@ _CLEAR_BUCKET_LUA = (
 )
 # Standalone Redis: one pipeline's writes and the count change, atomically, if the table's
 # metadata is still what the write was planned with (else nothing, and -1: the table was
-# dropped, or re-created, since; its buckets may belong to a new table of that name now).
+# dropped, or re-created, since: no orphan bucket keys on standalone Redis).
 # KEYS[1] the row-count hash, KEYS[2] the table hash, KEYS[3...] buckets; ARGV[1] the table,
 # ARGV[2] its raw metadata, ARGV[3...] how many values each bucket has, then the values (fields,
 # or field-row pairs), bucket after bucket. A command takes at most 4000 values (Lua's unpack()
@@ -185,8 +211,16 @@ _WRITE_SCRIPTS = {
     "HSET": _WRITE_LUA.replace("CMD", "HSET").replace("SIGN", ""),
     "HDEL": _WRITE_LUA.replace("CMD", "HDEL").replace("SIGN", "-"),
 }
-# Cluster, after a pipeline's writes: KEYS[1] the row-count hash, ARGV[1] the table, ARGV[2] the change.
-_ADD_ROWS_LUA = "local n = tonumber(ARGV[2]) " + _ADD_COUNT_LUA.replace("ROWS", "1")
+# Cluster, after a pipeline of writes: KEYS[1] the row-count hash; table ARGV[1]'s count changes
+# by ARGV[3] if its creation token there (field "<table>:c", "" for a table of metadata format 1)
+# is still ARGV[2]: a write planned before a drop changes no count of a table created since. The
+# token is beside the count, not read from the metadata, so that while the slot of both moves
+# between nodes (its keys one by one) writes are counted without waiting for the move's end.
+_WRITTEN_ROWS_LUA = (
+    "if (redis.call('HGET', KEYS[1], ARGV[1] .. ':c') or '') == ARGV[2] then local n = tonumber(ARGV[3]) "
+    + _ADD_COUNT_LUA.replace("ROWS", "1")
+    + " end"
+)
 # Cluster, after a pipeline of bucket clears: KEYS[1] the table hash, KEYS[2] the row-count hash
 # (one slot); table ARGV[1]'s count changes by ARGV[3] if its metadata is still ARGV[2].
 _CLEARED_ROWS_LUA = (
@@ -194,22 +228,30 @@ _CLEARED_ROWS_LUA = (
     + _ADD_COUNT_LUA.replace("ROWS", "2")
     + " end"
 )
-# KEYS[1] the table hash, KEYS[2] the row-count hash: a table and its count of 0, or nothing.
+# KEYS[1] the table hash, KEYS[2] the row-count hash: table ARGV[1] of metadata ARGV[2], its count
+# of 0 and its creation token ARGV[3] (_WRITTEN_ROWS_LUA), or nothing.
 _CREATE_LUA = (
     "if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then "
-    "redis.call('HSET', KEYS[2], ARGV[1], 0) return 1 end return 0"
+    "redis.call('HSET', KEYS[2], ARGV[1], 0, ARGV[1] .. ':c', ARGV[3]) return 1 end return 0"
 )
 # KEYS[1] the table hash: table ARGV[1]'s metadata set to ARGV[3] if it is still ARGV[2] (1), else 0.
 _MARK_LUA = (
     "if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then "
     "redis.call('HSET', KEYS[1], ARGV[1], ARGV[3]) return 1 end return 0"
 )
-# KEYS[1] the table hash, KEYS[2] the row-count hash: table ARGV[1] and its count removed if its
-# metadata is still ARGV[2] (the mark of this drop: another drop may have finished it and a
-# create made a new table of that name since), else nothing.
+# KEYS[1] the table hash, KEYS[2] the row-count hash, KEYS[3] the dropped set: table ARGV[1] and
+# its count removed if its metadata is still ARGV[2] (the mark of this drop: another drop may
+# have finished it and a create made a new table of that name since), and the mark recorded
+# with Redis's time for the sweep; else nothing.
 _DROP_LUA = (
     "if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end "
-    "redis.call('HDEL', KEYS[2], ARGV[1]) return redis.call('HDEL', KEYS[1], ARGV[1])"
+    "local t = redis.call('TIME') redis.call('ZADD', KEYS[3], t[1] + t[2] / 1000000, ARGV[2]) "
+    "redis.call('HDEL', KEYS[2], ARGV[1], ARGV[1] .. ':c') return redis.call('HDEL', KEYS[1], ARGV[1])"
+)
+# KEYS[1] the dropped set: at most ARGV[2] of its entries older than ARGV[1] seconds (Redis's time).
+_DUE_LUA = (
+    "local t = redis.call('TIME') "
+    "return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', t[1] + t[2] / 1000000 - ARGV[1], 'LIMIT', 0, ARGV[2])"
 )
 
 
@@ -223,15 +265,38 @@ def rows_key(namespace: str) -> bytes:
     return b"{" + meta_key(namespace) + b"}:rows"
 
 
-def bucket_prefix(namespace: str, table: str) -> bytes:
-    """What every bucket key of the table starts with; bucket b's key is this + b"<b>}"."""
-    return f"dn:{namespace}:{table}:r:{{{table}.".encode()
+def dropped_key(namespace: str) -> bytes:
+    """The key of the namespace's set of dropped tables to sweep (in the table hash's Cluster slot)."""
+    return b"{" + meta_key(namespace) + b"}:dropped"
 
 
-def bucket_keys(namespace: str, table: str, start: int, stop: int) -> list[bytes]:
-    """The key names of buckets start..stop-1, in order (exactly one `{...}` hash tag each).
-    A table may have up to MAX_BUCKETS buckets: ask for a run of them at a time."""
-    prefix = bucket_prefix(namespace, table)
+def bucket_prefix(namespace: str, table: str, token: str = "") -> bytes:
+    """What every bucket key of the table starts with; bucket b's key is this + b"<b>}".
+
+    Args:
+        token: the table's "created" token (metadata format 2 on); "" for a table of format 1.
+    """
+    return f"dn:{namespace}:{table}:{token + ':' if token else ''}r:{{{table}.".encode()
+
+
+def prefix_of(namespace: str, table: str, meta: dict) -> bytes:
+    """The bucket key prefix of a table of metadata `meta` (its parsed JSON); ValueError if
+    the metadata is of a newer format or its token is not hex (it goes into key names)."""
+    fmt = int(meta.get("format", 1))
+    if fmt > META_FORMAT:
+        raise ValueError(f"metadata format {fmt} is newer than this version's {META_FORMAT}: upgrade dynemb")
+    if fmt < 2:
+        return bucket_prefix(namespace, table)
+    token = meta["created"]
+    if not isinstance(token, str) or not token or any(c not in string.hexdigits for c in token):
+        raise ValueError(f'"created" must be a hex token, got {shown(token)}')
+    return bucket_prefix(namespace, table, token)
+
+
+def bucket_keys(prefix: bytes, start: int, stop: int) -> list[bytes]:
+    """The key names of buckets start..stop-1 of a table of bucket key prefix `prefix`
+    (prefix_of), in order (exactly one `{...}` hash tag each). A table may have up to
+    MAX_BUCKETS buckets: ask for a run of them at a time."""
     return [b"%s%d}" % (prefix, b) for b in range(start, stop)]
 
 
@@ -256,6 +321,7 @@ class _TableMeta:
     schema: TableSchema
     num_buckets: int
     prefix: bytes  # of its bucket keys
+    token: str  # the creation token in its bucket keys; "" for a table of metadata format 1
     dropping: bool = False  # a drop has begun: no longer a table to anything but a drop
 
     def key(self, bucket: int) -> bytes:
@@ -390,6 +456,7 @@ class RedisStore(Store):
         self._password = password
         self._meta_key = meta_key(namespace)
         self._rows_key = rows_key(namespace)
+        self._dropped_key = dropped_key(namespace)
         self._cache: OrderedDict[str, _TableMeta] = OrderedDict()  # least recently used first
         self._cache_lock = threading.Lock()
         self._scripts: dict[str, str] = {}  # Lua source -> its SHA1, loaded on first use
@@ -592,17 +659,7 @@ class RedisStore(Store):
             if have is not None and have.raw == raw:
                 self._cache.move_to_end(table)
                 return have
-        try:
-            d = json.loads(raw)
-            schema = TableSchema.from_dict(d["schema"])
-            nb = int(d["num_buckets"])
-            if d.get("expected_rows"):  # absent in older metadata
-                schema = dataclasses.replace(schema, expected_rows=int(d["expected_rows"]))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise PSError(
-                f"metadata of table {table!r} in Redis namespace {self.namespace!r} is unreadable: {exc}"
-            ) from None
-        meta = _TableMeta(raw, schema, nb, bucket_prefix(self.namespace, table), bool(d.get("dropping")))
+        meta = self._decode_meta(table, raw)
         with self._cache_lock:
             self._cache[table] = meta
             self._cache.move_to_end(table)
@@ -610,28 +667,52 @@ class RedisStore(Store):
                 self._cache.popitem(last=False)
         return meta
 
+    def _decode_meta(self, table: str, raw: bytes) -> _TableMeta:
+        """Table `table`'s metadata `raw` parsed (not cached); PSError if it is unreadable."""
+        try:
+            d = json.loads(raw)
+            schema = TableSchema.from_dict(d["schema"])
+            nb = int(d["num_buckets"])
+            if d.get("expected_rows"):  # absent in older metadata
+                schema = dataclasses.replace(schema, expected_rows=int(d["expected_rows"]))
+            prefix = prefix_of(self.namespace, table, d)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise PSError(
+                f"metadata of table {table!r} in Redis namespace {self.namespace!r} is unreadable: {exc}"
+            ) from None
+        token = d["created"] if int(d.get("format", 1)) >= 2 else ""
+        return _TableMeta(raw, schema, nb, prefix, token, bool(d.get("dropping")))
+
     # -- tables ------------------------------------------------------------------------
 
     def create_table(self, schema: TableSchema) -> bool:
         """See Store.create_table; the table gets ceil(schema.expected_rows / rows_per_bucket)
         buckets, or this store's num_buckets if it declares none (module doc). Redis's listpack
-        limits are raised first where the rows need it (listpack="auto")."""
+        limits are raised first where the rows need it (listpack="auto"). A create, like a drop,
+        then sweeps the keys of tables dropped long enough ago (module doc)."""
         if self._listpack is not None:
             with self._redis():
                 self._listpack.ensure(schema.row_bytes, f"table {schema.name!r}")
         nb = buckets_for(schema.expected_rows, self.rows_per_bucket, self.num_buckets)
         # "created": a token of this creation, so that a table dropped and created again, even with
-        # the same schema, has other metadata (a write checks it: see _WRITE_LUA)
+        # the same schema, has other metadata (a write checks it: see _WRITE_LUA) and other bucket
+        # keys (its prefix holds the token: see the module doc). 48 bits: a table created again
+        # gets its predecessor's token with odds of 2^-48, and each bucket key is only 13 bytes
+        # longer (a 16-byte token took Redis ~1-2 B more a row of 64 B: jemalloc's next class)
         meta = {"format": META_FORMAT, "num_buckets": nb, "schema": schema.to_dict()}
         if schema.expected_rows:
             meta["expected_rows"] = schema.expected_rows
-        raw = json.dumps({**meta, "created": secrets.token_hex(8)}, sort_keys=True).encode()
+        token = secrets.token_hex(6)
+        raw = json.dumps({**meta, "created": token}, sort_keys=True).encode()
         for _ in range(CREATE_TRIES):
             # HSETNX in the script: of several PS processes creating one table, exactly one wins
             created = self._run_scripted(
-                lambda pipe: self._script(pipe, _CREATE_LUA, [self._meta_key, self._rows_key], [schema.name, raw])
+                lambda pipe: self._script(
+                    pipe, _CREATE_LUA, [self._meta_key, self._rows_key], [schema.name, raw, token]
+                )
             )[0]
             if created:
+                self._sweep_dropped()
                 return True
             try:
                 have = self._meta(schema.name, dropping=True)
@@ -767,9 +848,8 @@ class RedisStore(Store):
 
     def _recount(self, meta: _TableMeta, wrong: bool = False) -> int:
         """Count a table without a row count (created by an older version) and keep the count;
-        with wrong, replace a kept count that cannot be right (below 0: rows that a write still
-        in flight when its table was dropped left in the buckets of the table now of that name,
-        which pulls of it do read).
+        with wrong, replace a kept count that cannot be right (below 0: e.g. on Cluster, rows a
+        PS wrote and was killed before counting, deleted since).
 
         Writes while it counts are not in the count: it is exact only if none come then."""
         n = sum(sum(lens) for _, lens in self._bucket_lens(meta))
@@ -784,8 +864,7 @@ class RedisStore(Store):
                     meta.schema.name,
                     self.namespace,
                     n,
-                    " (on Cluster, unless a PS was killed between a write and its count change, or a write was "
-                    "in flight when the table was dropped)"
+                    " (on Cluster, unless a PS was killed between a write and its count change)"
                     if self.cluster
                     else "",
                 )
@@ -806,10 +885,12 @@ class RedisStore(Store):
         meta = self._parse_meta(table, _raw(raw))
         return int(n) if n is not None and int(n) >= 0 else self._recount(meta, wrong=n is not None)
 
-    def _add_rows(self, table: str, change: int) -> None:
-        """On Cluster, change the count after the writes (on standalone their scripts did)."""
+    def _add_rows(self, meta: _TableMeta, change: int) -> None:
+        """On Cluster, change the count after the writes (on standalone their scripts did), if
+        the table is still meta's creation: not the count of a table created since."""
         if self.cluster and change:
-            self._run_scripted(lambda pipe: self._script(pipe, _ADD_ROWS_LUA, [self._rows_key], [table, change]))
+            args = [meta.schema.name, meta.token, change]
+            self._run_scripted(lambda pipe: self._script(pipe, _WRITTEN_ROWS_LUA, [self._rows_key], args))
 
     def _write(self, meta: _TableMeta, command: str, part: list, values: list, per_id: int) -> int:
         """HSET or HDEL of each (bucket, start, end) of part with the ids' values[per_id * start :
@@ -836,19 +917,24 @@ class RedisStore(Store):
 
         A clear or drop that outlives its table (finished by another PS's drop, perhaps created
         again under the name since) stops rather than remove the new table's rows. On standalone
-        Redis each bucket's script checks the metadata, so that holds exactly; on Cluster it is
-        read before each pipeline (see the module doc for what that leaves).
+        Redis each bucket's script checks the metadata; on Cluster it is read before each
+        pipeline and after the last (a pipeline sent meanwhile clears only keys of the dropped
+        table's creation token: see the module doc).
 
         Returns:
             (rows removed, whether every bucket was cleared: False if it stopped).
         """
         name = meta.schema.name
         removed = 0
+
+        def unchanged() -> bool:
+            with self._redis():
+                raw = self.client.hget(self._meta_key, name)
+            return raw is not None and _raw(raw) == meta.raw
+
         for keys in self._bucket_key_runs(meta):
             if self.cluster:  # the scripts cannot see the table hash (another slot)
-                with self._redis():
-                    raw = self.client.hget(self._meta_key, name)
-                if raw is None or _raw(raw) != meta.raw:
+                if not unchanged():
                     return removed, False
 
                 def fill(pipe, keys=keys) -> None:
@@ -872,7 +958,9 @@ class RedisStore(Store):
                 self._run_scripted(count)
             if any(c < 0 for c in counts):  # the metadata changed: every later bucket said so too
                 return removed, False
-        return removed, True
+        # on Cluster, a drop finished by another while the last pipeline went is told too (its
+        # clears reached only the dropped table's keys, whatever came since)
+        return removed, not self.cluster or unchanged()
 
     def clear(self, table: str) -> int:
         """See Store.clear; TableNotFound if the table is dropped while it clears."""
@@ -911,12 +999,54 @@ class RedisStore(Store):
             )
         n, whole = self._delete_buckets(meta)
         if whole:
-            self._run_scripted(
-                lambda pipe: self._script(pipe, _DROP_LUA, [self._meta_key, self._rows_key], [table, meta.raw])
-            )
+            keys = [self._meta_key, self._rows_key, self._dropped_key]
+            self._run_scripted(lambda pipe: self._script(pipe, _DROP_LUA, keys, [table, meta.raw]))
         with self._cache_lock:
             self._cache.pop(table, None)
+        self._sweep_dropped()
         return n
+
+    def _sweep_dropped(self) -> int:
+        """Unlink every bucket key of the tables dropped more than SWEEP_DROPPED_AFTER_S ago (at
+        most SWEEP_TABLES_PER_CALL of them), keys that writes in flight at their drop left on
+        Cluster (module doc), and forget those tables. A failure is logged, not raised: the
+        create or drop that sweeps has done its own work. Returns the keys unlinked."""
+        unlinked = 0
+        try:
+            args = [SWEEP_DROPPED_AFTER_S, SWEEP_TABLES_PER_CALL]
+            due = self._run_scripted(lambda pipe: self._script(pipe, _DUE_LUA, [self._dropped_key], args))[0]
+            for entry in map(_raw, due):
+                try:
+                    name = json.loads(entry)["schema"]["name"]
+                    meta: _TableMeta | None = self._decode_meta(name, entry)
+                except (ValueError, KeyError, TypeError, PSError) as exc:
+                    log.warning("Redis namespace %r: forgetting an unreadable dropped table (%s)", self.namespace, exc)
+                    meta = None
+                if meta is not None:
+                    left = 0
+                    for keys in self._bucket_key_runs(meta):
+
+                        def fill(pipe, keys=keys) -> None:
+                            for key in keys:
+                                pipe.execute_command("UNLINK", key)
+
+                        left += sum(int(n) for n in self._run_scripted(fill))
+                    if left:
+                        log.info(
+                            "Redis namespace %r: unlinked %d bucket key(s) that writes in flight left after "
+                            "table %r was dropped",
+                            self.namespace,
+                            left,
+                            name,
+                        )
+                    unlinked += left
+                with self._redis():
+                    self.client.zrem(self._dropped_key, entry)
+        except PSError as exc:
+            log.warning(
+                "Redis namespace %r: sweeping dropped tables' keys failed (tried again later): %s", self.namespace, exc
+            )
+        return unlinked
 
     # -- the compiled row path (standalone Redis) -----------------------------------------
 
@@ -1308,9 +1438,9 @@ class RedisStore(Store):
                     raise self._error_reply(error)
         except BaseException:
             with contextlib.suppress(PSError):  # what was written is counted
-                self._add_rows(schema.name, total if rows is not None else -total)
+                self._add_rows(meta, total if rows is not None else -total)
             raise
-        self._add_rows(schema.name, total if rows is not None else -total)
+        self._add_rows(meta, total if rows is not None else -total)
         return total
 
     # -- rows --------------------------------------------------------------------------
@@ -1390,7 +1520,7 @@ class RedisStore(Store):
         if self._native is not None:
             self._native_write(meta, ids, rows)
             return len(ids)
-        self._add_rows(table, self._py_write(meta, "HSET", ids, rows))
+        self._add_rows(meta, self._py_write(meta, "HSET", ids, rows))
         return len(ids)
 
     def delete(self, table: str, ids: np.ndarray) -> int:
@@ -1402,7 +1532,7 @@ class RedisStore(Store):
         if self._native is not None:
             return self._native_write(meta, ids, None)
         deleted = self._py_write(meta, "HDEL", ids, None)
-        self._add_rows(table, -deleted)
+        self._add_rows(meta, -deleted)
         return deleted
 
     def _py_write(self, meta: _TableMeta, command: str, ids: np.ndarray, rows: np.ndarray | None) -> int:
