@@ -14,7 +14,7 @@ import socket
 import numpy as np
 import redis
 
-from dynemb.ps_server.backends.redis_store import bucket_keys, bucket_of, meta_key, prefix_of
+from dynemb.ps_server.backends.redis_store import bucket_count_of, bucket_keys, bucket_of, meta_key, prefix_of
 from dynemb.ps_server.schema import TableSchema
 
 
@@ -22,7 +22,7 @@ class RawRedisRows:
     def __init__(self, url: str, namespace: str, schema: TableSchema) -> None:
         self.r = redis.Redis.from_url(url)
         meta = json.loads(self.r.hget(meta_key(namespace), schema.name))
-        self.num_buckets = int(meta["num_buckets"])
+        self.num_buckets = bucket_count_of(meta)
         self.keys = bucket_keys(prefix_of(namespace, schema.name, meta), 0, self.num_buckets)
         self.schema = schema
 

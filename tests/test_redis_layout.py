@@ -282,6 +282,7 @@ def test_every_cluster_master_gets_the_limits_and_huge_tables_scan_them_all(redi
         assert [k for n in cluster.nodes for k in n.client().keys()] == [dropped_key("cl")]
         monkeypatch.setattr(redis_store, "SWEEP_DROPPED_AFTER_S", 0.0)
         store.create_table(TableSchema("next", dim=2))  # sweeps it: by SCAN too, not 2M commands
+        store._sweeper.join(timeout=60)  # the sweep runs on a thread of its own
         assert time.monotonic() - t0 < 30
         assert dropped_key("cl") not in [k for n in cluster.nodes for k in n.client().keys()]
         store.close()

@@ -179,6 +179,13 @@ def test_batches_split_over_several_pipelines(store, monkeypatch):
 BACKENDS = ["standalone", pytest.param("cluster", marks=pytest.mark.cluster)]
 
 
+def swept(store: RedisStore) -> None:
+    """Wait for the sweep of dropped tables' keys that a create or drop started, if any."""
+    if store._sweeper is not None:
+        store._sweeper.join(timeout=60)
+        assert not store._sweeper.is_alive()
+
+
 def url_of(request, backend: str) -> str:
     """The URL of the session's standalone Redis, or of its Redis Cluster."""
     if backend == "standalone":
@@ -234,21 +241,27 @@ def test_write_planned_before_a_drop_lands_nowhere(request, redis_namespace, nat
     store.push("race", ids[300:310], random_rows(rng, 10, new))  # a write planned now reaches the new table
     assert other.num_rows("race") == 310
     # the orphan keys go once their drop is old enough, not before
-    assert other.create_table(TableSchema("next", dim=2)) and orphans() == (500 if backend == "cluster" else 0)
+    assert other.create_table(TableSchema("next", dim=2))
+    swept(other)
+    assert orphans() == (500 if backend == "cluster" else 0)
     r = store.client
     dropped = redis_store.dropped_key(redis_namespace)
     records = r.zrange(dropped, 0, -1, withscores=True)
     assert [json.loads(m)["created"] for m, _ in records] == [json.loads(m.raw)["created"] for m in planned]
     r.zadd(dropped, {m: t - redis_store.SWEEP_DROPPED_AFTER_S - 1 for m, t in records[:1]})  # the first drop, older
     with caplog.at_level(logging.INFO, logger="dynemb.ps"):
-        assert other.drop_table("next") == 0 and orphans() == 0
-    swept = [rec.getMessage() for rec in caplog.records if "writes in flight left" in rec.getMessage()]
-    assert len(swept) == (backend == "cluster") and all("after table 'race' was dropped" in m for m in swept)
+        assert other.drop_table("next") == 0
+        swept(other)
+        assert orphans() == 0
+    said = [rec.getMessage() for rec in caplog.records if "writes in flight left" in rec.getMessage()]
+    assert len(said) == (backend == "cluster") and all("after table 'race' was dropped" in m for m in said)
     left = r.zrange(dropped, 0, -1)
     assert records[0][0] not in left and records[1][0] in left  # the later drop's record waits its turn
     assert other.pull("race", ids)[1].sum() == 310 and other.num_rows("race") == 310  # the live table untouched
     monkeypatch.setattr(redis_store, "SWEEP_DROPPED_AFTER_S", 0.0)
-    assert other.drop_table("race") == 310 and r.exists(dropped) == 0  # every record swept and forgotten
+    assert other.drop_table("race") == 310
+    swept(other)
+    assert r.exists(dropped) == 0  # every record swept and forgotten
     store.close()
     other.close()
 
@@ -1013,13 +1026,15 @@ def test_a_table_of_metadata_format_1_keeps_its_keys(request, redis_namespace, m
     assert exported == stored() and len(exported) == 600
     assert fast.clear("old") == 600 and stored() == {} and fast.num_rows("old") == 0
     fast.push("old", ids, rows)
-    monkeypatch.setattr(redis_store, "SWEEP_DROPPED_AFTER_S", 0.0)  # and its keys swept at once
+    monkeypatch.setattr(redis_store, "SWEEP_DROPPED_AFTER_S", 0.0)  # and its record forgotten at once
     assert fast.drop_table("old") == 700 and stored() == {}
+    swept(fast)
     assert r.exists(redis_store.dropped_key(redis_namespace)) == 0
     # created again: the new layout
     assert fast.create_table(schema)
     again = json.loads(r.hget(redis_store.meta_key(redis_namespace), "old"))
     assert again["format"] == redis_store.META_FORMAT == 2
+    assert "num_buckets" not in again and again["buckets"] == 4096  # older versions read num_buckets: they refuse it
     assert fast._meta("old").prefix == f"dn:{redis_namespace}:old:{again['created']}:r:{{old.".encode()
     fast.push("old", ids[:10], rows[:10])
     assert len(list(r.scan_iter(match=fast._meta("old").prefix + b"*"))) > 0
@@ -1028,12 +1043,19 @@ def test_a_table_of_metadata_format_1_keeps_its_keys(request, redis_namespace, m
     # metadata this version cannot read names what is wrong
     for name, meta, says in (
         ("newer", {**old_meta, "format": 3}, "metadata format 3 is newer than this version's 2: upgrade dynemb"),
-        ("badtok", {**old_meta, "format": 2, "created": "0123{x}"}, '"created" must be a hex token'),
-        ("notok", {k: v for k, v in old_meta.items() if k != "created"} | {"format": 2}, "created"),
+        ("badtok", {**old_meta, "format": 2, "buckets": 32, "created": "0123{x}"}, '"created" must be a hex token'),
+        ("notok", {k: v for k, v in old_meta.items() if k != "created"} | {"format": 2, "buckets": 32}, "created"),
     ):
         r.hset(redis_store.meta_key(redis_namespace), name, json.dumps(meta))
         with pytest.raises(PSError, match=re.escape(f"metadata of table {name!r}") + ".*" + re.escape(says)):
             fast.pull(name, ids[:1])
+    # a dropped format-1 table is forgotten by the sweep, its keys left: they carry no token, so
+    # they may be those of a table an older PS created since under the name
+    dropped = redis_store.dropped_key(redis_namespace)
+    r.zadd(dropped, {json.dumps(old_meta, sort_keys=True): 0})
+    r.hset(prefix + b"3}", b"\x01" * 8, b"\x00" * 12)
+    fast._sweep_dropped()
+    assert r.exists(dropped) == 0 and r.hlen(prefix + b"3}") == 1
     fast.close()
     slow.close()
 
@@ -1119,3 +1141,23 @@ def test_per_table_state_is_small_and_leaves_with_the_table(store, redis_url, re
         store.num_rows(f"n{i}")
     assert list(store._cache) == [f"n{i}" for i in range(10, 30)]  # the least recently used went
     other.close()
+
+
+def test_a_sweep_runs_beside_creates_and_drops_not_in_them(store, monkeypatch):
+    """The sweep of dropped tables' keys (which may visit every bucket of a big table) runs on a
+    thread of its own: a create or drop returns while it is still going, one sweep at a time."""
+    going, release, calls = threading.Event(), threading.Event(), []
+
+    def slow_sweep() -> int:
+        calls.append(threading.current_thread().name)
+        going.set()
+        release.wait(30)
+        return 0
+
+    monkeypatch.setattr(store, "_sweep_dropped", slow_sweep)
+    assert store.create_table(TableSchema("a", dim=2))  # returns with its sweep still going
+    assert going.wait(10) and store._sweeper is not None and store._sweeper.is_alive()
+    assert store.create_table(TableSchema("b", dim=2)) and store.drop_table("a") == 0
+    assert calls == ["dynemb-redis-sweep"]  # none started beside the running one
+    release.set()
+    swept(store)

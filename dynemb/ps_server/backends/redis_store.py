@@ -2,7 +2,7 @@
 
 Layout (namespace <ns>, table <t>, bucket number <b>; the braces are literal):
 
-    dn:<ns>:tables                HASH  table name -> JSON {"format", "num_buckets", "schema",
+    dn:<ns>:tables                HASH  table name -> JSON {"format", "buckets", "schema",
                                             "created"[, "expected_rows"][, "dropping"]}
     {dn:<ns>:tables}:rows         HASH  table name -> rows stored (kept by every write),
                                         <t>:c -> the table's "created" token (format 2 on)
@@ -13,8 +13,11 @@ e.g. `dn:ctr:users:9f3c07a1d2e4:r:{users.17}`. <c> is the table's "created" toke
 at each create, so a table dropped and created again under its name never shares a bucket key
 with the table before it. Tables created by an older version (metadata "format" 1) have keys
 without it, `dn:<ns>:<t>:r:{<t>.<b>}`, and keep them; metadata of a newer format is refused.
-(An older version knows no format: it would read a format-2 table at format-1 keys, so PS
-processes of older versions must not serve a namespace in which this one creates tables.)
+(An older version knows no format. So that it cannot read a format-2 table at format-1 keys,
+format 2 names the bucket count "buckets", where format 1 had "num_buckets": an older PS finds
+a format-2 table's metadata unreadable and fails its calls on it, loudly, rather than read or
+write other keys. PS processes of older versions should still not serve a namespace in which
+this one creates tables.)
 A row lives in bucket hashing.bucket_of(id, num_buckets): the high bits of xxh64(id,
 ROW_HASH_SEED) scaled to num_buckets, monotonic in that hash, so the client's hash-ordered
 chunks of a batch each touch their own run of buckets.
@@ -61,12 +64,14 @@ changed only while the metadata is unchanged (same slot: exact).
 
 Bucket keys a write left after its table's drop (Cluster only) are swept: the drop that removes
 the metadata records it, with Redis's time, in `{dn:<ns>:tables}:dropped`, and each later create
-or drop in the namespace unlinks every bucket key of the tables dropped more than
-SWEEP_DROPPED_AFTER_S before (at most SWEEP_TABLES_PER_CALL a call, each costing about what its
-drop did: the same keys, visited the same way) and forgets them. A write sends its pipelines
-within seconds of reading the metadata (each waits at most the socket timeout), so a key
-survives the sweep only if a PS stalled for minutes between planning a write and sending it
-(stopped, swapping): at most that batch's rows. A namespace in which no table is created or
+or drop in the namespace starts a sweep on a thread of its own (it may visit every bucket of a
+big table, so it stays off the call), which unlinks every bucket key of the tables dropped more
+than SWEEP_DROPPED_AFTER_S before (at most SWEEP_TABLES_PER_CALL a sweep, each costing about what
+its drop did: the same keys, visited the same way) and forgets them. Format-1 tables are only
+forgotten, not swept: their keys carry no token, so they may belong to a table created since.
+A write sends its pipelines within seconds of reading the metadata (each waits at most the
+socket timeout), so a key survives the sweep only if a PS stalled for minutes between planning
+a write and sending it (stopped, swapping): at most that batch's rows. A namespace in which no table is created or
 dropped again keeps what its last drops left until then.
 
 Every call reads the table's metadata first (one HGET), so PS processes sharing a namespace
@@ -293,6 +298,12 @@ def prefix_of(namespace: str, table: str, meta: dict) -> bytes:
     return bucket_prefix(namespace, table, token)
 
 
+def bucket_count_of(meta: dict) -> int:
+    """The bucket count of a table of metadata `meta` (its parsed JSON): "buckets" from format 2
+    on, "num_buckets" before (renamed so that older versions cannot read format-2 tables)."""
+    return int(meta["buckets"] if int(meta.get("format", 1)) >= 2 else meta["num_buckets"])
+
+
 def bucket_keys(prefix: bytes, start: int, stop: int) -> list[bytes]:
     """The key names of buckets start..stop-1 of a table of bucket key prefix `prefix`
     (prefix_of), in order (exactly one `{...}` hash tag each). A table may have up to
@@ -468,6 +479,10 @@ class RedisStore(Store):
         self._slot_versions = itertools.count(1)
         self._slot_version = 0
         self._slot_lock = threading.Lock()
+        # the sweep of dropped tables' keys (module doc): one thread at a time, stopped by close()
+        self._sweeper: threading.Thread | None = None
+        self._sweep_lock = threading.Lock()
+        self._closing = threading.Event()
         if self.cluster and self._native is not None:
             self._watch_slot_map()
 
@@ -671,11 +686,11 @@ class RedisStore(Store):
         """Table `table`'s metadata `raw` parsed (not cached); PSError if it is unreadable."""
         try:
             d = json.loads(raw)
+            prefix = prefix_of(self.namespace, table, d)  # first: it refuses a newer format by name
             schema = TableSchema.from_dict(d["schema"])
-            nb = int(d["num_buckets"])
+            nb = bucket_count_of(d)
             if d.get("expected_rows"):  # absent in older metadata
                 schema = dataclasses.replace(schema, expected_rows=int(d["expected_rows"]))
-            prefix = prefix_of(self.namespace, table, d)
         except (ValueError, KeyError, TypeError) as exc:
             raise PSError(
                 f"metadata of table {table!r} in Redis namespace {self.namespace!r} is unreadable: {exc}"
@@ -699,7 +714,7 @@ class RedisStore(Store):
         # keys (its prefix holds the token: see the module doc). 48 bits: a table created again
         # gets its predecessor's token with odds of 2^-48, and each bucket key is only 13 bytes
         # longer (a 16-byte token took Redis ~1-2 B more a row of 64 B: jemalloc's next class)
-        meta = {"format": META_FORMAT, "num_buckets": nb, "schema": schema.to_dict()}
+        meta = {"format": META_FORMAT, "buckets": nb, "schema": schema.to_dict()}
         if schema.expected_rows:
             meta["expected_rows"] = schema.expected_rows
         token = secrets.token_hex(6)
@@ -712,7 +727,7 @@ class RedisStore(Store):
                 )
             )[0]
             if created:
-                self._sweep_dropped()
+                self._sweep_soon()
                 return True
             try:
                 have = self._meta(schema.name, dropping=True)
@@ -1003,8 +1018,18 @@ class RedisStore(Store):
             self._run_scripted(lambda pipe: self._script(pipe, _DROP_LUA, keys, [table, meta.raw]))
         with self._cache_lock:
             self._cache.pop(table, None)
-        self._sweep_dropped()
+        self._sweep_soon()
         return n
+
+    def _sweep_soon(self) -> None:
+        """Start _sweep_dropped on a thread of its own, unless one is sweeping already: it may
+        visit every bucket of a big table, which the create or drop that calls it should not
+        wait for (a later create or drop sweeps what this one leaves)."""
+        with self._sweep_lock:
+            if self._closing.is_set() or (self._sweeper is not None and self._sweeper.is_alive()):
+                return
+            self._sweeper = threading.Thread(target=self._sweep_dropped, name="dynemb-redis-sweep", daemon=True)
+            self._sweeper.start()
 
     def _sweep_dropped(self) -> int:
         """Unlink every bucket key of the tables dropped more than SWEEP_DROPPED_AFTER_S ago (at
@@ -1022,9 +1047,11 @@ class RedisStore(Store):
                 except (ValueError, KeyError, TypeError, PSError) as exc:
                     log.warning("Redis namespace %r: forgetting an unreadable dropped table (%s)", self.namespace, exc)
                     meta = None
-                if meta is not None:
+                if meta is not None and meta.token:  # format 1: keys without a token, maybe a new table's
                     left = 0
                     for keys in self._bucket_key_runs(meta):
+                        if self._closing.is_set():
+                            return unlinked
 
                         def fill(pipe, keys=keys) -> None:
                             for key in keys:
@@ -1607,7 +1634,13 @@ class RedisStore(Store):
             self.client.ping()
 
     def close(self) -> None:
-        """See Store.close; errors while closing are ignored."""
+        """See Store.close; errors while closing are ignored. A sweep still running stops at its
+        next run of keys (a later create or drop sweeps the rest)."""
+        self._closing.set()
+        with self._sweep_lock:
+            sweeper = self._sweeper
+        if sweeper is not None:
+            sweeper.join(timeout=10.0)
         with contextlib.suppress(*_REDIS_ERRORS):
             self.client.close()
             if not isinstance(self.client, redis.cluster.RedisCluster):  # i.e. not self.cluster
