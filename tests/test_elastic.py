@@ -197,7 +197,12 @@ def grow(tmp_path: Path, ps_flags: list[str], ref_ps_flags: list[str]) -> None:
     assert [p.returncode for p in agents] == [0, 0], out[-3000:] + err[-8000:]
     # A's agent stopped its rank for B (torchrun logs the "Detected 1 new nodes" at INFO only)
     assert "closing signal SIGTERM" in (tmp_path / "a.err").read_text()
-    assert "failed (exitcode" not in err and "error" not in err  # not a failure's restart
+    # not a failure's restart. At the end the host agent (A, holding the rendezvous store) may
+    # exit before B's agent closes the rendezvous: B then logs that it could not (a warning, with
+    # the store's connection trace) and still exits 0, as torchrun does at any job's end
+    closing = "has failed to shutdown the rendezvous"
+    assert "failed (exitcode" not in err, err[-8000:]
+    assert not [line for line in err.splitlines() if "error" in line and closing not in line], err[-8000:]
     assert "--resume auto: no checkpoint in" in err  # A's first start
     assert f"resuming from {ck / 'step-00000010'} (step 10, 1 rank) on 2 ranks" in err, err[-8000:]
     assert "steps 20 (resumed at step 10)" in out
