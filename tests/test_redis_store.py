@@ -1161,3 +1161,31 @@ def test_a_sweep_runs_beside_creates_and_drops_not_in_them(store, monkeypatch):
     assert calls == ["dynemb-redis-sweep"]  # none started beside the running one
     release.set()
     swept(store)
+
+
+def test_a_schema_lookup_and_the_row_call_after_it_share_one_metadata_read(store, redis_url, monkeypatch):
+    """The service looks a table's schema up to check a request, then pulls or pushes: one
+    HGET of the metadata for both. A create or drop through the store since, or more than
+    FRESH_METADATA_S, and the row call reads it again (so a table dropped and created again
+    here is written, not refused as re-created)."""
+    r = redis.Redis.from_url(redis_url)
+    schema = TableSchema("fresh", dim=4)
+    store.create_table(schema)
+    ids = np.arange(100, dtype=np.int64)
+    store.push("fresh", ids, np.ones((100, 4), np.float32))
+
+    def hgets(call) -> int:
+        before = calls(r, "hget")
+        call()
+        return calls(r, "hget") - before
+
+    assert hgets(lambda: (store.schema("fresh"), store.pull("fresh", ids))) == 1
+    assert hgets(lambda: (store.schemas(["fresh"]), store.pull("fresh", ids), store.pull("fresh", ids))) == 0
+    assert hgets(lambda: store.pull("fresh", ids)) == 0  # still within FRESH_METADATA_S of the lookup
+    store.schema("fresh")
+    assert store.drop_table("fresh") == 100 and store.create_table(TableSchema("fresh", dim=4))
+    store.push("fresh", ids[:10], np.ones((10, 4), np.float32))  # the new table's metadata, read again
+    assert store.num_rows("fresh") == 10
+    monkeypatch.setattr(redis_store, "FRESH_METADATA_S", 0.0)
+    assert hgets(lambda: (store.schema("fresh"), store.pull("fresh", ids))) == 2
+    r.close()

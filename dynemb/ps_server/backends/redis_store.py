@@ -75,7 +75,9 @@ a write and sending it (stopped, swapping): at most that batch's rows. A namespa
 dropped again keeps what its last drops left until then.
 
 Every call reads the table's metadata first (one HGET), so PS processes sharing a namespace
-see each other's creates and drops; parsed metadata is cached by its raw bytes (a bounded
+see each other's creates and drops (a schema lookup's read serves the same thread's row calls on
+the table for FRESH_METADATA_S, unless this store created or dropped a table since: the
+service's schema check and its pull or push share one read); parsed metadata is cached by its raw bytes (a bounded
 cache: a table dropped through another PS leaves it at its next use here, at the next listing,
 or as the least recently used). Requests go as one non-transactional pipeline (a few for very
 large batches) from the client's connection pool, so the store is safe to call from many threads.
@@ -170,6 +172,9 @@ PIPELINE_MAX_BYTES = 64 << 20
 REPLY_BUFFER_KEEP_BYTES = 16 << 20
 # Export reads at least this many rows per pipeline.
 EXPORT_READ_ROWS = 16384
+# Metadata read for a schema lookup serves the same thread's row calls on that table within
+# this many seconds: the service's schema check and its pull or push share one read.
+FRESH_METADATA_S = 0.5
 # Parsed metadata of at most this many tables is kept (each about 1 KB).
 META_CACHE_TABLES = 2048
 # Tries of a create or drop that others' creates and drops of the same name keep undoing.
@@ -470,6 +475,8 @@ class RedisStore(Store):
         self._dropped_key = dropped_key(namespace)
         self._cache: OrderedDict[str, _TableMeta] = OrderedDict()  # least recently used first
         self._cache_lock = threading.Lock()
+        self._fresh = threading.local()  # metadata a thread just read, for its next row call
+        self._tables_changed = 0  # creates and drops through this store (they void what threads keep)
         self._scripts: dict[str, str] = {}  # Lua source -> its SHA1, loaded on first use
         # the compiled row path (module doc)
         self._native = redis_rows() if native_rows else None
@@ -655,6 +662,10 @@ class RedisStore(Store):
         return TableNotFound(f"{err} (dropped or re-created meanwhile: nothing written)")
 
     def _meta(self, table: str, dropping: bool = False) -> _TableMeta:
+        if not dropping:
+            fresh = self._take_fresh(table)
+            if fresh is not None:
+                return fresh
         with self._redis():
             raw = self.client.hget(self._meta_key, table)
         if raw is None:
@@ -701,6 +712,14 @@ class RedisStore(Store):
     # -- tables ------------------------------------------------------------------------
 
     def create_table(self, schema: TableSchema) -> bool:
+        """See Store.create_table and _create_table."""
+        self._tables_changed += 1  # before and after: a thread's metadata kept meanwhile is void too
+        try:
+            return self._create_table(schema)
+        finally:
+            self._tables_changed += 1
+
+    def _create_table(self, schema: TableSchema) -> bool:
         """See Store.create_table; the table gets ceil(schema.expected_rows / rows_per_bucket)
         buckets, or this store's num_buckets if it declares none (module doc). Redis's listpack
         limits are raised first where the rows need it (listpack="auto"). A create, like a drop,
@@ -743,8 +762,30 @@ class RedisStore(Store):
         )
 
     def schema(self, table: str) -> TableSchema:
-        """See Store.schema (with the expected_rows it was created with)."""
-        return self._meta(table).schema
+        """See Store.schema (with the expected_rows it was created with). The metadata read is
+        kept for this thread's next row call on the table (_take_fresh)."""
+        meta = self._meta(table)
+        self._keep_fresh({table: meta})
+        return meta.schema
+
+    def _keep_fresh(self, metas: dict[str, _TableMeta]) -> None:
+        """Keep metadata just read for the calling thread's next row call on each table: the
+        service reads a table's schema to check a request, then pulls or pushes, and one
+        metadata read per call is what the module doc promises (the second HGET was ~1 round
+        trip and a share of the PS's CPU per call)."""
+        self._fresh.metas = metas
+        self._fresh.at = time.monotonic()
+        self._fresh.tables_changed = self._tables_changed
+
+    def _take_fresh(self, table: str) -> _TableMeta | None:
+        """The metadata this thread's last schema lookup read for `table`, if it was within
+        FRESH_METADATA_S, else None."""
+        metas = getattr(self._fresh, "metas", None)
+        if not metas or time.monotonic() - self._fresh.at > FRESH_METADATA_S:
+            return None
+        if self._fresh.tables_changed != self._tables_changed:  # a create or drop through this store since
+            return None
+        return metas.get(table)
 
     def num_buckets_of(self, table: str) -> int:
         """The table's bucket count (fixed when it was created)."""
@@ -776,21 +817,23 @@ class RedisStore(Store):
         return sorted(metas, key=lambda m: m.schema.name), counts
 
     def schemas(self, tables: list[str]) -> dict[str, TableSchema]:
-        """See Store.schemas: one pipeline of HMGETs."""
+        """See Store.schemas: one pipeline of HMGETs, kept for this thread's next row calls on
+        those tables (_take_fresh)."""
         if not tables:
             return {}
         pipe = self._pipeline()
         for lo in range(0, len(tables), SCHEMAS_PER_HMGET):
             pipe.hmget(self._meta_key, tables[lo : lo + SCHEMAS_PER_HMGET])
         raws = [raw for reply in self._run(pipe) for raw in reply]
-        found = {}
+        metas = {}
         for table, raw in zip(tables, raws):
             if raw is None:
                 with self._cache_lock:
                     self._cache.pop(table, None)
             elif not (meta := self._parse_any_meta(table, _raw(raw))).dropping:
-                found[table] = meta.schema
-        return found
+                metas[table] = meta
+        self._keep_fresh(metas)
+        return {table: meta.schema for table, meta in metas.items()}
 
     def list_tables(self) -> list[TableSchema]:
         """See Store.list_tables."""
@@ -989,6 +1032,14 @@ class RedisStore(Store):
         self._script(pipe, _MARK_LUA, [self._meta_key], args)
 
     def drop_table(self, table: str) -> int | None:
+        """See Store.drop_table and _drop_table."""
+        self._tables_changed += 1  # before and after: a thread's metadata kept meanwhile is void too
+        try:
+            return self._drop_table(table)
+        finally:
+            self._tables_changed += 1
+
+    def _drop_table(self, table: str) -> int | None:
         """See Store.drop_table: the metadata marked first, then the rows, then the metadata
         removed, so a retried drop (or a create of that name) finishes the job. A drop that
         another PS's drop finishes first stops there (a new table of the name may exist by
