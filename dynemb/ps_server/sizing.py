@@ -34,22 +34,22 @@ BUCKET_KEY_BYTES = 100
 # buckets: 383 / 703 / 959 / 1,855 B for rows of 256 / 512 / 768 / 1,536 B, each exactly
 # redis_row_allocation(row) + 63.
 REDIS_ENTRY_OVERHEAD_BYTES = 63
-# Redis CPU per row pulled or pushed: bench/RESULTS.md, ps_load (issue 24, part 2), 2026-11-26,
-# commit b08960b, 64 clients of 1,024-id batches, 30 s, the table declaring its 250,000 rows
-# (15,625 listpack buckets, the default layout): Redis used 20.45 CPU s while the PS moved
-# 167,941 rows/s for 30.44 s (4.00 us a row; the hashtable-bucket runs before gave 3.67-4.53).
-REDIS_CPU_SECONDS_PER_ROW = 4.00e-6
-# Rows/s one PS process moves (pulls and pushes together): the same run, 167,941 rows/s, one PS
-# over Redis, 2-core machine shared with its Redis, the clients and other work (load average
-# 1.3-3.8; 200,329 in a 60 s run on a quieter box before). ps_bench's single client with
-# 16,384-id batches reaches 0.81-0.89x of a client that does no work of its own
-# (bench/RESULTS.md ps_bench 2026-11-26): not the figure to plan on.
-PS_ROWS_PER_SECOND = 167_941
-# PS CPU per row: the same run, the PS used 8.28 CPU s (1.62 us a row): a PS process is not the
-# bottleneck, Redis is (0.40 PS CPU per Redis CPU).
-PS_CPU_SECONDS_PER_ROW = 1.62e-6
+# Redis CPU per row pulled or pushed: bench/RESULTS.md, ps_load (issue 24, final defaults),
+# 2026-11-26, commit ce70d84, 64 clients of 1,024-id batches, 30 s, the table declaring its
+# 250,000 rows (15,625 listpack buckets, the default layout), a quiet 2-core box: Redis used
+# 28.27 CPU s while the PS moved 235,382 rows/s for 30.25 s (3.97 us a row; 4.00 us in a
+# loaded run of commit b08960b, 3.67-4.53 with hashtable buckets before).
+REDIS_CPU_SECONDS_PER_ROW = 3.97e-6
+# Rows/s one PS process moves (pulls and pushes together): the same run, 235,382 rows/s, one PS
+# over Redis on a 2-core machine shared with its Redis and the clients (167,941 in the loaded
+# run). ps_bench's single client with 16,384-id batches reaches 0.83-0.88x of a client that
+# does no work of its own (bench/RESULTS.md ps_bench 2026-11-26): not the figure to plan on.
+PS_ROWS_PER_SECOND = 235_382
+# PS CPU per row: the same run, the PS used 8.32 CPU s (1.17 us a row): a PS process is not the
+# bottleneck, Redis is (0.29 PS CPU per Redis CPU).
+PS_CPU_SECONDS_PER_ROW = 1.17e-6
 # Resident memory of one PS process (it holds no rows over Redis): the same run, peak RSS.
-PS_RSS_BYTES = int(146.4 * 2**20)
+PS_RSS_BYTES = int(151.4 * 2**20)
 
 # -- fixed by the design, not measured ------------------------------------------------------
 
