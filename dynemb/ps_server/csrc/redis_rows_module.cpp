@@ -198,6 +198,35 @@ PyObject* py_pull_request(PyObject*, PyObject* args) {
   return r ? Py_BuildValue("(Nn)", r, Py_ssize_t(g.buckets.size())) : nullptr;
 }
 
+// A write's ids and rows (or None), checked and grouped by bucket: what write_request and
+// plain_write_request share.
+struct WriteInput {
+  Buf ids_b, rows_b;
+  int64_t n = 0;
+  const int64_t* ids = nullptr;
+  const char* rows = nullptr;  // nullptr: a delete (HDEL), fields only
+  int64_t per_id = 1;          // values a bucket command takes per id: field-row pairs or fields
+  Groups g;
+};
+
+bool write_input(const char* what, PyObject* ids_o, PyObject* rows_o, Py_ssize_t row_bytes,
+                 unsigned long long num_buckets, WriteInput& in) {
+  if (!ids_of(ids_o, in.ids_b, in.n)) return false;
+  const bool with_rows = rows_o != Py_None;
+  if (with_rows && !in.rows_b.get(rows_o, false)) return false;
+  if (num_buckets < 1 || row_bytes < 0 || (with_rows && in.rows_b.len() != in.n * row_bytes)) {
+    PyErr_Format(PyExc_ValueError, "%s: rows must be row_bytes per id, num_buckets >= 1", what);
+    return false;
+  }
+  in.per_id = with_rows ? 2 : 1;
+  in.ids = reinterpret_cast<const int64_t*>(in.ids_b.data());
+  in.rows = with_rows ? in.rows_b.data() : nullptr;
+  Py_BEGIN_ALLOW_THREADS
+  group(in.ids, in.n, num_buckets, in.g);
+  Py_END_ALLOW_THREADS
+  return true;
+}
+
 // write_request(ids, rows or None, row_bytes, num_buckets, prefix, sha, rows_key, meta_key, table, meta)
 // -> request: the store's write script (sha: its HSET version with rows, its HDEL version
 // without) as one EVALSHA over every touched bucket: field-row pairs or fields; KEYS = rows_key,
@@ -213,24 +242,14 @@ PyObject* py_write_request(PyObject*, PyObject* args) {
                         &sha_p, &sha_n, &rows_key_p, &rows_key_n, &meta_key_p, &meta_key_n, &table_p, &table_n,
                         &meta_p, &meta_n))
     return nullptr;
-  Buf ids_b, rows_b;
-  int64_t n;
-  if (!ids_of(ids_o, ids_b, n)) return nullptr;
-  const bool with_rows = rows_o != Py_None;
-  if (with_rows && !rows_b.get(rows_o, false)) return nullptr;
-  if (num_buckets < 1 || row_bytes < 0 || (with_rows && rows_b.len() != n * row_bytes)) {
-    PyErr_SetString(PyExc_ValueError, "write_request: rows must be row_bytes per id, num_buckets >= 1");
-    return nullptr;
-  }
+  WriteInput in;
+  if (!write_input("write_request", ids_o, rows_o, row_bytes, num_buckets, in)) return nullptr;
   const std::string prefix(prefix_p, size_t(prefix_n));
-  const int64_t per_id = with_rows ? 2 : 1;
-  Groups g;
-  const int64_t* ids = reinterpret_cast<const int64_t*>(ids_b.data());
-  Py_BEGIN_ALLOW_THREADS
-  group(ids, n, num_buckets, g);
-  Py_END_ALLOW_THREADS
+  const Groups& g = in.g;
+  const int64_t n = in.n, per_id = in.per_id;
+  const int64_t* ids = in.ids;
+  const char* rows = in.rows;
   const int64_t ng = int64_t(g.buckets.size());
-  const char* rows = with_rows ? rows_b.data() : nullptr;
   return build([&](Out& req) {
     put_count(req, '*', 3 + (2 + ng) + 2 + ng + per_id * n);
     req += "$7\r\nEVALSHA\r\n";
@@ -325,23 +344,13 @@ PyObject* py_plain_write_request(PyObject*, PyObject* args) {
   Py_ssize_t prefix_n;
   if (!PyArg_ParseTuple(args, "OOnKy#", &ids_o, &rows_o, &row_bytes, &num_buckets, &prefix_p, &prefix_n))
     return nullptr;
-  Buf ids_b, rows_b;
-  int64_t n;
-  if (!ids_of(ids_o, ids_b, n)) return nullptr;
-  const bool with_rows = rows_o != Py_None;
-  if (with_rows && !rows_b.get(rows_o, false)) return nullptr;
-  if (num_buckets < 1 || row_bytes < 0 || (with_rows && rows_b.len() != n * row_bytes)) {
-    PyErr_SetString(PyExc_ValueError, "plain_write_request: rows must be row_bytes per id, num_buckets >= 1");
-    return nullptr;
-  }
+  WriteInput in;
+  if (!write_input("plain_write_request", ids_o, rows_o, row_bytes, num_buckets, in)) return nullptr;
   const std::string prefix(prefix_p, size_t(prefix_n));
-  const int64_t per_id = with_rows ? 2 : 1;
-  Groups g;
-  const int64_t* ids = reinterpret_cast<const int64_t*>(ids_b.data());
-  Py_BEGIN_ALLOW_THREADS
-  group(ids, n, num_buckets, g);
-  Py_END_ALLOW_THREADS
-  const char* rows = with_rows ? rows_b.data() : nullptr;
+  const Groups& g = in.g;
+  const int64_t per_id = in.per_id;
+  const int64_t* ids = in.ids;
+  const char* rows = in.rows;
   PyObject* r = build([&](Out& req) {
     for (size_t k = 0; k + 1 < g.starts.size(); ++k) {
       put_count(req, '*', 2 + per_id * (g.starts[k + 1] - g.starts[k]));
