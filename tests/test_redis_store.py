@@ -1182,6 +1182,9 @@ def test_a_schema_lookup_and_the_row_call_after_it_share_one_metadata_read(store
     assert hgets(lambda: (store.schema("fresh"), store.pull("fresh", ids))) == 1
     assert hgets(lambda: (store.schemas(["fresh"]), store.pull("fresh", ids), store.pull("fresh", ids))) == 0
     assert hgets(lambda: store.pull("fresh", ids)) == 0  # still within FRESH_METADATA_S of the lookup
+    # a lookup itself always reads: it is where a call meets a table dropped meanwhile, or a
+    # paused Redis before anything is written (the service checks the deadline after it)
+    assert hgets(lambda: (store.schema("fresh"), store.schema("fresh"))) == 2
     store.schema("fresh")
     assert store.drop_table("fresh") == 100 and store.create_table(TableSchema("fresh", dim=4))
     store.push("fresh", ids[:10], np.ones((10, 4), np.float32))  # the new table's metadata, read again

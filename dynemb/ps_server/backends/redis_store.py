@@ -661,11 +661,13 @@ class RedisStore(Store):
         err = self._not_found(table)
         return TableNotFound(f"{err} (dropped or re-created meanwhile: nothing written)")
 
+    def _row_meta(self, table: str) -> _TableMeta:
+        """The metadata a row call (pull, push, delete) works with: what this thread's schema
+        lookup just read (_take_fresh), else read now."""
+        fresh = self._take_fresh(table)
+        return fresh if fresh is not None else self._meta(table)
+
     def _meta(self, table: str, dropping: bool = False) -> _TableMeta:
-        if not dropping:
-            fresh = self._take_fresh(table)
-            if fresh is not None:
-                return fresh
         with self._redis():
             raw = self.client.hget(self._meta_key, table)
         if raw is None:
@@ -1527,7 +1529,7 @@ class RedisStore(Store):
         """See Store.pull; rows of ids not found are zeros."""
         if self._native is not None:
             ids = _as_ids(ids)
-            meta = self._meta(table)
+            meta = self._row_meta(table)
             rows = rows_out(out, len(ids), meta.schema)
             absent = self._native_pull(meta, ids, rows)
             rows[absent] = 0
@@ -1541,11 +1543,11 @@ class RedisStore(Store):
         if self._native is None:
             return super().pull_into(table, ids, out)
         ids = _as_ids(ids)
-        meta = self._meta(table)
+        meta = self._row_meta(table)
         return self._native_pull(meta, ids, rows_out(out, len(ids), meta.schema))
 
     def _pull(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        meta = self._meta(table)
+        meta = self._row_meta(table)
         ids = _as_ids(ids)
         rows = rows_out(out, len(ids), meta.schema)
         return rows, self._py_pull(meta, ids, rows)
@@ -1592,7 +1594,7 @@ class RedisStore(Store):
         if len(ids) == 0:  # nothing to write: no command at all
             rows_for_table(rows, self.schema(table), 0)
             return 0
-        meta = self._meta(table)
+        meta = self._row_meta(table)
         schema = meta.schema
         rows = rows_for_table(rows, schema, len(ids))
         if self._native is not None:
@@ -1603,7 +1605,7 @@ class RedisStore(Store):
 
     def delete(self, table: str, ids: np.ndarray) -> int:
         """See Store.delete."""
-        meta = self._meta(table)
+        meta = self._row_meta(table)
         ids = _as_ids(ids)
         if len(ids) == 0:
             return 0
