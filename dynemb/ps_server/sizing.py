@@ -35,10 +35,10 @@ BUCKET_KEY_BYTES = 100
 # redis_row_allocation(row) + 63.
 REDIS_ENTRY_OVERHEAD_BYTES = 63
 # Redis CPU per row pulled or pushed: bench/RESULTS.md, ps_load (issue 24, final defaults),
-# 2026-11-26, commit ce70d84, 64 clients of 1,024-id batches, 30 s, the table declaring its
+# 2026-11-26, commit 8461573, 64 clients of 1,024-id batches, 30 s, the table declaring its
 # 250,000 rows (15,625 listpack buckets, the default layout), a quiet 2-core box: Redis used
 # 28.27 CPU s while the PS moved 235,382 rows/s for 30.25 s (3.97 us a row; 4.00 us in a
-# loaded run of commit b08960b, 3.67-4.53 with hashtable buckets before).
+# loaded run of commit 52c27af, 3.67-4.53 with hashtable buckets before).
 REDIS_CPU_SECONDS_PER_ROW = 3.97e-6
 # Rows/s one PS process moves (pulls and pushes together): the same run, 235,382 rows/s, one PS
 # over Redis on a 2-core machine shared with its Redis and the clients (167,941 in the loaded
