@@ -71,15 +71,15 @@ its drop did: the same keys, visited the same way) and forgets them. Format-1 ta
 forgotten, not swept: their keys carry no token, so they may belong to a table created since.
 A write sends its pipelines within seconds of reading the metadata (each waits at most the
 socket timeout), so a key survives the sweep only if a PS stalled for minutes between planning
-a write and sending it (stopped, swapping): at most that batch's rows. A namespace in which no table is created or
-dropped again keeps what its last drops left until then.
+a write and sending it (stopped, swapping): at most that batch's rows. A namespace in which no
+table is created or dropped again keeps what its last drops left until then.
 
 Every call reads the table's metadata first (one HGET), so PS processes sharing a namespace
-see each other's creates and drops (a schema lookup's read serves the same thread's row calls on
-the table for FRESH_METADATA_S, unless this store created or dropped a table since: the
-service's schema check and its pull or push share one read); parsed metadata is cached by its raw bytes (a bounded
-cache: a table dropped through another PS leaves it at its next use here, at the next listing,
-or as the least recently used). Requests go as one non-transactional pipeline (a few for very
+see each other's creates and drops (a schema lookup's read serves the same thread's row calls
+on the table for FRESH_METADATA_S, unless this store created or dropped a table since: the
+service's schema check and its pull or push share one read); parsed metadata is cached by its
+raw bytes (a bounded cache: a table dropped through another PS leaves it at its next use here,
+at the next listing, or as the least recently used). Requests go as one non-transactional pipeline (a few for very
 large batches) from the client's connection pool, so the store is safe to call from many threads.
 While Cluster slots move (a master added, a reshard), commands follow ASK and MOVED (redis-py,
 helped to reach a master that owns no slot yet), and scripts that meet TRYAGAIN or NOSCRIPT are
@@ -1232,26 +1232,14 @@ class RedisStore(Store):
             part = ids[lo : lo + step]
             k = len(part)
             request, commands = mod.pull_request(part, meta.num_buckets, meta.prefix, order[:k])
-            rows = out[lo : lo + k]
             state: list = [0, 0, None]  # fields read, ids absent, the first error reply
-
-            def take(buf, start, stop, count, rows=rows, k=k, state=state) -> None:
-                if start == 0:  # the first run, or the first again after a retry
-                    state[:] = [0, 0, None]
-                try:
-                    got = mod.pull_replies(
-                        buf, start, stop, count, order[:k], state[0], rows, schema.row_bytes, missing, state[1]
-                    )
-                except OverflowError:
-                    raise self._wrong_size(meta.schema.name) from None
-                except ValueError as exc:
-                    raise PSError(f"Redis at {self.address}: {exc}") from None
-                if isinstance(got, str):
-                    state[2] = state[2] or got  # raised once every reply is read: the connection stays in step
-                else:
-                    state[1], state[0] = got
-
-            self._exchange(request, commands, k * (schema.row_bytes + 16) + commands * 16, take)
+            take = _hmget_reader(mod, order[:k], out[lo : lo + k], schema.row_bytes, missing, state)
+            try:
+                self._exchange(request, commands, k * (schema.row_bytes + 16) + commands * 16, take)
+            except OverflowError:
+                raise self._wrong_size(schema.name) from None
+            except ValueError as exc:
+                raise PSError(f"Redis at {self.address}: {exc}") from None
             if state[2] is not None:
                 raise self._error_reply(state[2])
             if state[0] != k:
@@ -1425,19 +1413,10 @@ class RedisStore(Store):
                 k = len(pos)
                 order = np.empty(k, dtype=np.int64)
                 request, commands = mod.pull_request(chunk[pos], meta.num_buckets, meta.prefix, order)
-                at = pos[order]  # each field's row in rows, in the replies' order
                 missing = np.empty(k, dtype=np.int64)
                 state: list = [0, 0, None]  # fields read, ids absent, the first error reply
-
-                def take(buf, start, stop, count, at=at, missing=missing, state=state, rows=rows) -> None:
-                    got = mod.pull_replies(
-                        buf, start, stop, count, at, state[0], rows, schema.row_bytes, missing, state[1]
-                    )
-                    if isinstance(got, str):
-                        state[2] = state[2] or got  # the rest is read: the connection stays in step
-                    else:
-                        state[1], state[0] = got
-
+                # the i-th field asked for is the row of chunk[pos[order[i]]]: rows[pos[order[i]]]
+                take = _hmget_reader(mod, pos[order], rows, schema.row_bytes, missing, state)
                 sends.append((node, request, commands, k * (schema.row_bytes + 16) + commands * 16, take))
                 states.append((pos, missing, state))
             try:
@@ -1698,6 +1677,27 @@ class RedisStore(Store):
             self.client.close()
             if not isinstance(self.client, redis.cluster.RedisCluster):  # i.e. not self.cluster
                 self.client.connection_pool.disconnect()
+
+
+def _hmget_reader(
+    mod, at: np.ndarray, rows: np.ndarray, row_bytes: int, missing: np.ndarray, state: list
+) -> Callable[[bytearray, int, int, int], None]:
+    """take() for _recv: each run of HMGET replies, as it arrives, copied by the compiled module
+    into rows (the i-th field asked for into rows[at[i]]). state holds [fields read, ids absent
+    (their positions in missing), the first error reply]: an error reply is kept, not raised, so
+    every reply is read and the connection stays in step; replies read again from the first (a
+    retried exchange) start it afresh."""
+
+    def take(buf: bytearray, start: int, stop: int, count: int) -> None:
+        if start == 0:
+            state[:] = [0, 0, None]
+        got = mod.pull_replies(buf, start, stop, count, at, state[0], rows, row_bytes, missing, state[1])
+        if isinstance(got, str):
+            state[2] = state[2] or got
+        else:
+            state[1], state[0] = got
+
+    return take
 
 
 def _follow_ask_to_new_masters(client: redis.cluster.RedisCluster) -> None:
