@@ -87,7 +87,7 @@ def transform(t: IDTransformer, flat: torch.Tensor, pin: bool) -> TransformResul
             idle = step - last[touch].to(torch.int64)
             f = (f.to(torch.int64) - idle // p.decay_steps).clamp(min=0).to(torch.uint8)
         freq[touch] = p.bump(f, counts.clamp(max=_MAX_HITS), coin(uniq, step))
-    last[touch] = step
+    last.index_fill_(0, touch, step)  # a scalar set by index_put_ copies it from the host: a sync
     hits = (counts * hit).sum()
     n_seen = hit.sum()
     seen = compact(slots, hit, n)
@@ -136,8 +136,8 @@ def transform(t: IDTransformer, flat: torch.Tensor, pin: bool) -> TransformResul
     admitted_ids = compact(new_ids, admit, n)[:width]
     into = torch.where(torch.arange(width, device=dev) < n_admit, free_slots, cap)
     slot_id[into] = admitted_ids
-    last[into] = step
-    freq[into] = p.initial_freq
+    last.index_fill_(0, into, step)
+    freq.index_fill_(0, into, p.initial_freq)
     reused = torch.zeros(1, dtype=torch.int64, device=dev)
     m.insert_upto(free_slots, n_admit, reused)
     rank = (torch.cumsum(admit, 0) - 1).clamp(0, width - 1)

@@ -38,8 +38,13 @@ _BLOCK = 128
 
 @triton.jit
 def _lsr(x, k: tl.constexpr):
-    """Logical right shift of int64 (>> is arithmetic)."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
+    """x >> k with zeros shifted in (int64's >> shifts the sign in), for 0 <= k <= 64. Shifted as
+    uint64, with k == 64 apart (a shift by the whole width is undefined on the GPU); an if/else,
+    not an early return: Triton 3.6 compiles the code after a constexpr-true `return` too."""
+    if k >= 64:
+        return x * 0
+    else:
+        return (x.to(tl.uint64, bitcast=True) >> k).to(tl.int64, bitcast=True)
 
 
 @triton.jit

@@ -20,9 +20,13 @@ _BINS = 256
 
 @triton.jit
 def _lsr(x, k: tl.constexpr):
-    if k == 0:
-        return x
-    return (x >> k) & ((1 << (64 - k)) - 1)
+    """x >> k with zeros shifted in (int64's >> shifts the sign in), for 0 <= k <= 64. Shifted as
+    uint64, with k == 64 apart (a shift by the whole width is undefined on the GPU); an if/else,
+    not an early return: Triton 3.6 compiles the code after a constexpr-true `return` too."""
+    if k >= 64:
+        return x * 0
+    else:
+        return (x.to(tl.uint64, bitcast=True) >> k).to(tl.int64, bitcast=True)
 
 
 @triton.jit
