@@ -22,10 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dynemb {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     from dynemb import demo
+    from dynemb.checkpoint import cli as checkpoint_cli
+    from dynemb.checkpoint import table_cli
     from dynemb.ps_server import cli as ps_cli
-    from dynemb.trainer import checkpoint_cli, table_cli
+    from dynemb.tf import cli as tf_cli
     from dynemb.trainer import cli as train_cli
-    from dynemb.trainer.tf import cli as tf_cli
 
     ps_cli.add_parser(sub)
     train_cli.add_parser(sub)

@@ -32,7 +32,7 @@ def exported_samples() -> dict[str, str]:
     """{sample name as Prometheus stores it: metric family type}, from the PS's and a trainer
     rank's own registries (counters as *_total, histograms as *_bucket/_sum/_count)."""
     from dynemb.ps_server.metrics import PSMetrics
-    from dynemb.trainer.metrics import TrainerMetrics
+    from dynemb.tables.metrics import TrainerMetrics
 
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
     out = {}
@@ -48,7 +48,7 @@ def exported_samples() -> dict[str, str]:
 def metric_labels() -> dict[str, list[str]]:
     """{family name as documented (counters with _total): its label names}."""
     from dynemb.ps_server.metrics import PSMetrics
-    from dynemb.trainer.metrics import TrainerMetrics
+    from dynemb.tables.metrics import TrainerMetrics
 
     out = {}
     for holder in (PSMetrics(), TrainerMetrics(0)):

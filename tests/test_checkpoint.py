@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from helpers import checkpointed_config, config, torchrun
 
-from dynemb.trainer.checkpoint_format import MANIFEST, CheckpointError, checkpoints, read_manifest
+from dynemb.checkpoint.format import MANIFEST, CheckpointError, checkpoints, read_manifest
 from dynemb.trainer.train import train
 
 STEPS = 40
@@ -162,7 +162,8 @@ def test_a_missing_file_a_missing_parent_and_a_cut_manifest_are_named(copy_of):
 
 def test_a_checkpoint_of_another_job_is_refused(copy_of):
     latest = str(copy_of / "step-00000020")
-    assert "optimizer adagrad, this job's is sgd" in resume_error(copy_of, latest, optimizer="sgd")
+    msg = resume_error(copy_of, latest, optimizer="sgd")
+    assert "optimizer adagrad, this job's is sgd (resume with --optimizer adagrad," in msg  # the trainer's flag
     assert "dynamic tables, this job's are full" in resume_error(copy_of, latest, dynamic=False)
     doc = json.loads((copy_of / "step-00000020" / MANIFEST).read_text())
     doc["world_size"] = 4
@@ -256,8 +257,8 @@ def test_a_full_disk_fails_the_save_clearly_and_keeps_the_last_checkpoint(tmp_pa
     import subprocess
     import sys
 
+    from dynemb.checkpoint.format import verify
     from dynemb.testing.local_ps import REPO
-    from dynemb.trainer.checkpoint_format import verify
 
     flags = [
         *(
@@ -304,3 +305,149 @@ def test_a_full_disk_fails_the_save_clearly_and_keeps_the_last_checkpoint(tmp_pa
     assert done.returncode == 0, done.stderr[-3000:]
     want = json.loads((tmp_path / "probe.json").read_text())["losses"][10:]
     assert json.loads((tmp_path / "resumed.json").read_text())["losses"] == want
+
+
+def test_the_checkpoint_package_imports_no_trainer():
+    """dynemb.checkpoint sits below the DLRM job (dynemb.trainer): it may not import it."""
+    import subprocess
+    import sys
+
+    from dynemb.testing.local_ps import REPO
+
+    code = (
+        "import sys, dynemb.checkpoint.checkpoint, dynemb.checkpoint.cli\n"
+        "print(sorted(m for m in sys.modules if m.startswith('dynemb.trainer')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]"
+
+
+def test_settings_are_checked_and_a_mismatch_names_the_hint(tmp_path):
+    from dynemb.checkpoint.checkpoint import CheckpointSettings, CheckpointTable, check_fits
+    from dynemb.ps_server.schema import TableSchema
+
+    with pytest.raises(ValueError, match="batch_size, keep and full_every must be >= 1"):
+        CheckpointSettings(batch_size=8, full_every=0)
+    with pytest.raises(ValueError, match="features must be a tuple"):
+        CheckpointTable("t", TableSchema("t", 4), "f_0")
+    assert CheckpointSettings(batch_size=8).manifest_config() == {"batch_size": 8}
+    schema = TableSchema("t", 4)
+    doc = {"config": {}, "world_size": 1, "files": {"rank-00000.pt": ""}, "dynamic": False, "optimizer": "sgd"}
+    doc["tables"] = {"t": schema.to_dict()}
+    check_fits(tmp_path, doc, {"t": schema}, 2, optimizer="sgd", dynamic=False)
+    with pytest.raises(CheckpointError, match=r"optimizer sgd, this job's is adam \(restore it with optimizer sgd"):
+        check_fits(tmp_path, doc, {"t": schema}, 1, optimizer="adam", dynamic=False)
+    with pytest.raises(CheckpointError, match=r"\(use sgd\)$"):
+        check_fits(tmp_path, doc, {"t": schema}, 1, optimizer="adam", dynamic=False, optimizer_hint="use {optimizer}")
+
+
+def test_any_torchrec_model_with_a_plain_torch_optimizer_restores_exactly(tmp_path, one_process_group):
+    """Not the DLRM job: a model of its own (a table two features share, one of one feature,
+    a linear head), its dense layers under torch.optim.Adam (not a KeyedOptimizer), full
+    tables. An incremental chain (full at step 2, the rows touched since at 4) restored after
+    two more steps gives back step 4's tables, dense parameters and optimizer state."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.distributed.types import ShardingType
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    from dynemb.checkpoint.checkpoint import Checkpointer, CheckpointSettings, CheckpointTable
+    from dynemb.ps_server.schema import TableSchema, optimizer_state_width
+    from dynemb.tables.dense import dense_parameters
+    from dynemb.tables.table_rows import find_tables
+
+    dim = 4
+    configs = [
+        EmbeddingBagConfig(name="users", embedding_dim=dim, num_embeddings=60, feature_names=["user", "friend"]),
+        EmbeddingBagConfig(name="products", embedding_dim=dim, num_embeddings=30, feature_names=["item"]),
+    ]
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+            self.head = nn.Linear(3 * dim, 1)
+
+        def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+            return self.head(self.ebc(kjt).values()).squeeze(1)
+
+    torch.manual_seed(0)
+    model = Model()
+    apply_optimizer_in_backward(torch.optim.Adagrad, model.ebc.parameters(), {"lr": 0.1, "eps": 1e-8})
+    constraints = {
+        c.name: ParameterConstraints(
+            sharding_types=[ShardingType.TABLE_WISE.value], compute_kernels=[EmbeddingComputeKernel.FUSED.value]
+        )
+        for c in configs
+    }
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"), constraints=constraints)
+    sharders = [EmbeddingBagCollectionSharder()]
+    plan = planner.plan(model, sharders)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    dense = torch.optim.Adam(dense_parameters(dmp).values(), lr=0.01)
+    rng = np.random.default_rng(0)
+
+    def step(batch) -> None:
+        dmp(batch.sparse_features).square().mean().backward()  # the tables step in backward
+        dense.step()
+        dense.zero_grad()
+
+    def batches(n: int):
+        for _ in range(n):  # 8 samples, one ID each; friends' IDs (40..59) no user has
+            ids = [rng.integers(0, 40, 8), rng.integers(40, 60, 8), rng.integers(0, 30, 8)]
+            kjt = KeyedJaggedTensor.from_lengths_sync(
+                ["user", "friend", "item"], torch.from_numpy(np.concatenate(ids)), torch.ones(24, dtype=torch.int64)
+            )
+            yield SimpleNamespace(sparse_features=kjt)
+
+    def state() -> tuple[dict, dict, dict]:
+        rows = {n: r.read(torch.arange(r.local_rows)).clone() for n, r in find_tables(dmp).items()}
+        params = {k: p.detach().clone() for k, p in dense_parameters(dmp).items()}
+        moments = {k: v["exp_avg"].clone() for k, v in dense.state_dict()["state"].items()}
+        return rows, params, moments
+
+    width = optimizer_state_width("adagrad", dim)
+    tables = [
+        CheckpointTable("users", TableSchema("my_users", dim, width), ("user", "friend")),
+        CheckpointTable("products", TableSchema("my_products", dim, width), ("item",)),
+    ]
+    settings = CheckpointSettings(batch_size=8, directory=tmp_path / "ck", full_every=2, progress=False)
+    ckpt = Checkpointer(settings, dmp, tables, dense, optimizer="adagrad")  # full tables: no row store
+    for k, batch in enumerate(ckpt.tap(batches(4)), start=1):
+        step(batch)
+        if k % 2 == 0:
+            ckpt.save(k)
+    at4 = state()
+    doc = read_manifest(tmp_path / "ck" / "step-00000004")
+    assert (doc["kind"], doc["parent"], doc["config"], doc["samples"]) == (
+        "incremental",
+        "step-00000002",
+        {"batch_size": 8},
+        32,
+    )
+    assert doc["optimizer"] == "adagrad" and not doc["dynamic"] and sorted(doc["tables"]) == ["products", "users"]
+    for batch in batches(2):  # on past it: every part changes
+        step(batch)
+    now = state()
+    assert sorted(now[0]) == ["products", "users"] and len(now[1]) == 2 and len(now[2]) == 2
+    for part, want_part in zip(now, at4):
+        assert all(not torch.equal(part[k], want_part[k]) for k in part), "every part changes"
+    assert not torch.equal(now[0]["users"][40:], at4[0]["users"][40:])  # rows only friends' IDs touch
+
+    again = Checkpointer(settings, dmp, tables, dense, optimizer="adagrad")
+    assert again.restore("latest") == 4 and again.data_start == 4
+    got = state()
+    for want_part, got_part in zip(at4, got):
+        assert want_part.keys() == got_part.keys()
+        for key in want_part:
+            torch.testing.assert_close(got_part[key], want_part[key], rtol=0, atol=0, msg=str(key))
+    with pytest.raises(CheckpointError, match=r"optimizer adagrad, this job's is sgd"):
+        Checkpointer(settings, dmp, tables, dense, optimizer="sgd").restore("latest")

@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 from helpers import torchrun
 
+from dynemb.checkpoint.format import checkpoints, read_manifest
+from dynemb.checkpoint.table_files import TableReader
 from dynemb.testing.local_ps import REPO
-from dynemb.trainer.checkpoint_format import checkpoints, read_manifest
-from dynemb.trainer.table_files import TableReader
 
 WORKER = Path(__file__).parent / "dist" / "elastic_worker.py"
 FLAGS = (

@@ -13,10 +13,10 @@ from helpers import config
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb.ps_server.initializer import initial_rows
+from dynemb.tables.metrics import TrainerMetrics
+from dynemb.tables.row_store import LocalRowStore
 from dynemb.trainer.data import SyntheticCriteo
-from dynemb.trainer.metrics import TrainerMetrics
 from dynemb.trainer.model import build
-from dynemb.trainer.row_store import LocalRowStore
 from dynemb.trainer.train import make_dynamic
 
 
@@ -29,7 +29,7 @@ def test_look_up_reads_rows_where_they_lie_and_changes_nothing():
     cfg = config("adagrad", dynamic=True)
     built = build(cfg)
     store = LocalRowStore()
-    dynamic = make_dynamic(cfg, built, store, TrainerMetrics(0))
+    dynamic = make_dynamic(cfg, built, store, TrainerMetrics(0)).tables  # the engine under the public API
     for _ in dynamic.wrap(SyntheticCriteo(cfg.data, cfg.batch_size).train_batches(), ahead=0):
         dynamic.release_oldest()
         if dynamic.transformers["t_0"].local.step == 3:

@@ -277,7 +277,7 @@ def rank_pid(launcher: int, local_rank: int) -> int | None:
 
 
 def final_tables(folder) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    from dynemb.trainer.table_files import TableReader
+    from dynemb.checkpoint.table_files import TableReader
 
     out = {}
     for table in sorted((folder / "tables").iterdir()):
@@ -289,7 +289,7 @@ def final_tables(folder) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 @pytest.mark.dist
 def test_a_killed_rank_stops_the_job_and_a_restart_from_the_checkpoint_ends_the_same(tmp_path):
-    from dynemb.trainer.checkpoint_format import checkpoints, read_manifest
+    from dynemb.checkpoint.format import checkpoints, read_manifest
 
     (tmp_path / "clean").mkdir()
     (tmp_path / "faulted").mkdir()

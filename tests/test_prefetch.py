@@ -1,4 +1,4 @@
-"""Batches transformed ahead by a thread of their own (dynemb/trainer/prefetch.py): the same training
+"""Batches transformed ahead by a thread of their own (dynemb/tables/prefetch.py): the same training
 whatever the threads' timing, errors raised in the loop, a clean stop."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from helpers import config
 
 from dynemb.idtransformer.sharded import BatchRefused
 from dynemb.idtransformer.transformer import TooManyIDs
-from dynemb.trainer.dynamic import DynamicTables
+from dynemb.tables.dynamic import DynamicTables
 from dynemb.trainer.model import build
 from dynemb.trainer.train import batches, init_distributed, make_dynamic, open_row_store, train
 
@@ -96,7 +96,7 @@ def test_closing_the_batches_stops_the_thread_and_leaves_batches_releasable():
     store = open_row_store(cfg)
     try:
         built = build(cfg)
-        tables = make_dynamic(cfg, built, store, None)
+        tables = make_dynamic(cfg, built, store, None).tables  # the engine under the public API
         wrapped = tables.wrap(batches(cfg, split=0), window=3)  # an endless stream
         for _ in range(2):
             next(wrapped)
@@ -116,7 +116,7 @@ def test_closing_the_batches_stops_the_thread_and_leaves_batches_releasable():
 
 
 def test_a_window_below_one_is_refused():
-    from dynemb.trainer.prefetch import TransformAhead
+    from dynemb.tables.prefetch import TransformAhead
 
     with pytest.raises(ValueError, match="window must be >= 1"):
         TransformAhead(object(), iter(()), window=0)
@@ -127,8 +127,8 @@ class _GatedTables:
     batches through."""
 
     def __init__(self) -> None:
-        from dynemb.trainer.row_group import RowGroup
-        from dynemb.trainer.row_moves import RowMoves
+        from dynemb.tables.row_group import RowGroup
+        from dynemb.tables.row_moves import RowMoves
 
         self.gate = threading.Event()
         self.entered = threading.Event()  # the thread is in the stream (its priority set before)
@@ -150,7 +150,7 @@ class _GatedTables:
 def test_the_transform_thread_runs_at_the_priority_asked_for(priority):
     import os
 
-    from dynemb.trainer.prefetch import TransformAhead
+    from dynemb.tables.prefetch import TransformAhead
 
     tables = _GatedTables()
     ahead = TransformAhead(tables, iter([1, 2, 3]), window=1, priority=priority)
@@ -166,8 +166,8 @@ def test_the_transform_thread_runs_at_the_priority_asked_for(priority):
 
 
 def test_an_unknown_priority_is_refused():
+    from dynemb.tables.prefetch import TransformAhead
     from dynemb.trainer.config import TrainConfig
-    from dynemb.trainer.prefetch import TransformAhead
 
     with pytest.raises(ValueError, match="one of .*'idle'.*got 'high'"):
         TransformAhead(_GatedTables(), iter(()), window=1, priority="high")
@@ -180,7 +180,7 @@ def test_a_job_transforms_at_normal_priority_unless_asked(monkeypatch):
     starve the transform thread (300 steps took over 150 s instead of 16 s beside two busy loops)."""
     import argparse
 
-    from dynemb.trainer import prefetch
+    from dynemb.tables import prefetch
     from dynemb.trainer.config import add_arguments, from_args
 
     asked: list[str] = []

@@ -8,13 +8,13 @@ import json
 
 import pytest
 
+from dynemb.checkpoint.format import MANIFEST as CHECKPOINT_MANIFEST
+from dynemb.checkpoint.format import CheckpointError, read_manifest
+from dynemb.checkpoint.table_files import MANIFEST, Manifest, TableFileError
 from dynemb.common.errors import shown
 from dynemb.ps_server.errors import InvalidArgument
 from dynemb.ps_server.schema import TableSchema
-from dynemb.trainer.checkpoint_format import MANIFEST as CHECKPOINT_MANIFEST
-from dynemb.trainer.checkpoint_format import CheckpointError, read_manifest
 from dynemb.trainer.data import BadLine, parse_criteo_line
-from dynemb.trainer.table_files import MANIFEST, Manifest, TableFileError
 
 HUGE = "h" * 100_000
 

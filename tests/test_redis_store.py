@@ -497,7 +497,7 @@ def test_compiled_row_path_reply_bigger_than_foreseen_and_dropped_connections(st
 
 
 def test_listpack_buckets_read_the_same_and_outgrow_into_hashtables(redis_namespace):
-    """The memory layout of README "Redis memory": buckets kept as listpacks (rows under
+    """The memory layout of docs/ps.md "Redis memory": buckets kept as listpacks (rows under
     hash-max-listpack-value) hold the same keys and rows, and a bucket that outgrows
     hash-max-listpack-entries turns into a hashtable with every row still read back."""
     with RedisProcess(["hash-max-listpack-value 1024", "hash-max-listpack-entries 8"]) as proc:

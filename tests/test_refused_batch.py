@@ -79,7 +79,7 @@ def test_the_error_carries_the_shares_that_went_through(one_process_group, refus
 def test_dynamic_tables_finish_a_refused_batch_on_one_process(one_process_group, shared, ahead):
     from refused_batch_worker import Scenario
 
-    from dynemb.trainer.row_store import LocalRowStore
+    from dynemb.tables.row_store import LocalRowStore
 
     Scenario(LocalRowStore(), shared, ahead).run()
 

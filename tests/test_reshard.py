@@ -13,9 +13,9 @@ import pytest
 import torch
 from helpers import torchrun
 
+from dynemb.checkpoint.format import chain, checkpoints, read_manifest
+from dynemb.checkpoint.table_files import TableReader
 from dynemb.idtransformer.hashing import owner_of
-from dynemb.trainer.checkpoint_format import chain, checkpoints, read_manifest
-from dynemb.trainer.table_files import TableReader
 
 WORKER = Path(__file__).parent / "dist" / "reshard_worker.py"
 BATCH = 48  # helpers.config's batch size per rank
@@ -147,10 +147,10 @@ def test_a_rebuilt_transformer_keeps_what_its_policy_keeps_first_and_sums_the_sk
     """More resident IDs than slots: the most recently used stay (LRU), in slots 0..n-1, the
     rest left out; the admission sketches' counters are summed, so an ID seen on two old ranks
     once each is admitted at its next sighting under admit_threshold 3."""
+    from dynemb.checkpoint.checkpoint import rebuild_transformer
     from dynemb.idtransformer.admission import CountMinSketch
     from dynemb.idtransformer.policy import EvictionPolicy
     from dynemb.idtransformer.transformer import IDTransformer
-    from dynemb.trainer.checkpoint import rebuild_transformer
 
     local = IDTransformer(4, EvictionPolicy("lru"), admit_threshold=3, sketch_width=64, sketch_depth=2)
     found = [  # (ids, last access, freq) of two old ranks
@@ -172,7 +172,7 @@ def test_a_rebuilt_transformer_keeps_what_its_policy_keeps_first_and_sums_the_sk
 
 
 def test_the_data_resumes_at_the_global_sample_rounded_down_to_a_step():
-    from dynemb.trainer.checkpoint import data_start
+    from dynemb.checkpoint.checkpoint import data_start
 
     doc = {"step": 20, "samples": 20 * 48 * 2, "world_size": 2, "config": {"batch_size": 48}}
     assert data_start(doc, 48, 2) == 20  # same world: the step
@@ -187,7 +187,7 @@ def test_the_data_resumes_at_the_global_sample_rounded_down_to_a_step():
 
 
 def test_the_restore_work_is_shared_out_by_rows_the_same_on_every_rank():
-    from dynemb.trainer.checkpoint import spread
+    from dynemb.checkpoint.checkpoint import spread
 
     sizes = [1 << 20] * 7 + [500, 3, 1 << 19]
     takes = spread(sizes, 4)
@@ -203,7 +203,7 @@ def test_the_old_blocks_are_those_of_torchrec_row_wise_sharding(rows, world):
     it has to be the layout TorchRec gives."""
     from torchrec.distributed.sharding_plan import _calculate_rw_shard_sizes_and_offsets
 
-    from dynemb.trainer.checkpoint import _row_block
+    from dynemb.checkpoint.checkpoint import _row_block
 
     sizes, offsets = _calculate_rw_shard_sizes_and_offsets(rows, world, 8)
     for rank in range(world):

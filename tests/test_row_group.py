@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dynemb.trainer.row_group import RowGroup
-from dynemb.trainer.table_rows import TableRows
+from dynemb.tables.row_group import RowGroup
+from dynemb.tables.table_rows import TableRows
 
 DIM = 4
 SIZES, OFFSETS = [5, 7, 3], [10, 0, 3]  # local rows and where each table's block starts

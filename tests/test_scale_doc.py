@@ -21,7 +21,7 @@ import pytest
 
 from dynemb.cli import main
 from dynemb.ps_server import sizing
-from dynemb.trainer.config import OPTIMIZERS
+from dynemb.ps_server.schema import OPTIMIZERS
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "scale.md"
 # a fenced example: the command on its `$ ` line, then what it prints

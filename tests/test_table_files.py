@@ -1,4 +1,4 @@
-"""Portable table files (dynemb/trainer/table_files.py) and `dynemb table export|import`, against
+"""Portable table files (dynemb/checkpoint/table_files.py) and `dynemb table export|import`, against
 real PS processes: embedded → files → Redis-backed, bit for bit; corrupt, truncated and missing
 shards, bad manifests and schema clashes refused before anything is written."""
 
@@ -14,11 +14,7 @@ import numpy as np
 import pytest
 from helpers import fill, same_bits, unique
 
-from dynemb.ps_server.client import PSClient
-from dynemb.ps_server.errors import TableNotFound
-from dynemb.ps_server.schema import TableSchema
-from dynemb.testing.local_ps import REPO, LocalPS
-from dynemb.trainer.table_files import (
+from dynemb.checkpoint.table_files import (
     MANIFEST,
     Manifest,
     TableFileError,
@@ -27,6 +23,10 @@ from dynemb.trainer.table_files import (
     export_table,
     import_table,
 )
+from dynemb.ps_server.client import PSClient
+from dynemb.ps_server.errors import TableNotFound
+from dynemb.ps_server.schema import TableSchema
+from dynemb.testing.local_ps import REPO, LocalPS
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +159,7 @@ def test_truncated_and_missing_shards(redis_client, copy_of):
 def test_a_shard_with_the_right_checksum_but_wrong_tensors(copy_of):
     from safetensors.numpy import save_file
 
-    from dynemb.trainer.table_files import sha256_of
+    from dynemb.checkpoint.table_files import sha256_of
 
     path = copy_of / "part-00000.safetensors"
     save_file(

@@ -18,16 +18,16 @@ import pytest
 import xxhash
 from tf_fixture_values import FIXTURES, Known
 
+from dynemb.checkpoint.table_files import TableReader
 from dynemb.ps_server.client import PSClient
 from dynemb.ps_server.errors import TableNotFound
 from dynemb.ps_server.initializer import float_to_bf16_bits
 from dynemb.ps_server.schema import Initializer
 from dynemb.testing.local_ps import REPO
-from dynemb.trainer.table_files import TableReader
-from dynemb.trainer.tf import migrate
-from dynemb.trainer.tf.bundle import Bundle
-from dynemb.trainer.tf.errors import TFMigrationError
-from dynemb.trainer.tf.source import open_source
+from dynemb.tf import migrate
+from dynemb.tf.bundle import Bundle
+from dynemb.tf.errors import TFMigrationError
+from dynemb.tf.source import open_source
 
 FIX = Path(__file__).parent / "fixtures" / "tf"
 
@@ -398,11 +398,11 @@ def test_bad_table_specs(spec, message):
 
 
 def test_the_tf_error_is_not_the_training_checkpoint_error():
-    """dynemb/trainer/tf's error once shared its name with checkpoint_format.CheckpointError, an
+    """dynemb/tf's error once shared its name with checkpoint_format.CheckpointError, an
     unrelated class: `except CheckpointError` caught one and not the other, by name alone."""
+    from dynemb.checkpoint import format as checkpoint_format
     from dynemb.common.errors import UserError
-    from dynemb.trainer import checkpoint_format
-    from dynemb.trainer.tf import errors
+    from dynemb.tf import errors
 
     assert not hasattr(errors, "CheckpointError")
     assert issubclass(TFMigrationError, UserError)  # the CLI prints it in one line
@@ -604,7 +604,7 @@ def test_every_flag_a_message_names_is_a_real_flag():
     import ast
     import re
 
-    from dynemb.trainer.tf import cli
+    from dynemb.tf import cli
 
     parser = argparse.ArgumentParser()
     cli.add_parser(parser.add_subparsers())

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import config
 
-from dynemb.trainer.device import DeviceUnavailable, resolve_device
+from dynemb.tables.device import DeviceUnavailable, resolve_device
 
 needs_gpu = pytest.mark.cuda  # skipped without a GPU (conftest); `pytest -m cuda` selects it
 FLAGS = (
@@ -60,8 +60,8 @@ def test_more_local_ranks_than_gpus_is_refused(monkeypatch):
 
 def _tables(device: str = "cpu"):
     """Two tables of one width with Adagrad-like state, rows numbered by value."""
-    from dynemb.trainer.row_group import RowGroup
-    from dynemb.trainer.table_rows import TableRows
+    from dynemb.tables.row_group import RowGroup
+    from dynemb.tables.table_rows import TableRows
 
     tables = []
     for t in range(2):
@@ -73,7 +73,7 @@ def _tables(device: str = "cpu"):
 
 def _check_moves(device: str, no_syncs=contextlib.nullcontext) -> None:
     """Read 3 rows out of 2 tables and write others in; `no_syncs`: what the moves run under."""
-    from dynemb.trainer.row_moves import RowMoves
+    from dynemb.tables.row_moves import RowMoves
 
     tables, group = _tables(device)
     moves = RowMoves(group, device)
@@ -95,7 +95,7 @@ def _check_moves(device: str, no_syncs=contextlib.nullcontext) -> None:
 
 
 def test_row_moves_on_the_cpu_are_the_row_groups_reads_and_writes():
-    from dynemb.trainer.row_moves import RowMoves
+    from dynemb.tables.row_moves import RowMoves
 
     _check_moves("cpu")
     _, group = _tables()
@@ -107,7 +107,7 @@ def test_row_moves_on_the_cpu_are_the_row_groups_reads_and_writes():
 
 @needs_gpu
 def test_row_moves_on_a_gpu_use_events_not_device_syncs():
-    from dynemb.trainer.row_moves import RowMoves
+    from dynemb.tables.row_moves import RowMoves
 
     @contextlib.contextmanager
     def no_syncs():
@@ -193,8 +193,8 @@ def test_nccl_collectives_with_one_rank():
     """The trainer's collectives on an NCCL group of one: device tensors in and out."""
     import torch.distributed as dist
 
-    from dynemb.trainer.collectives import all_gather_ragged
-    from dynemb.trainer.device import collective_device, control_group, init_distributed
+    from dynemb.tables.collectives import all_gather_ragged
+    from dynemb.tables.device import collective_device, control_group, init_distributed
 
     device = resolve_device("cuda")
     assert init_distributed(device)

@@ -1,4 +1,4 @@
-"""dynemb/trainer/metrics.py's TableStats (per-table metrics kept in arrays, exposed when scraped)
+"""dynemb/tables/metrics.py's TableStats (per-table metrics kept in arrays, exposed when scraped)
 against prometheus_client's own Counter and Histogram fed the same values."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.parser import text_string_to_metric_families
 
 from dynemb.ps_server.metrics import LATENCY_BUCKETS
-from dynemb.trainer.metrics import TABLE_COUNTERS, TrainerMetrics
+from dynemb.tables.metrics import TABLE_COUNTERS, TrainerMetrics
 
 
 def samples(registry: CollectorRegistry, family: str) -> dict:

@@ -194,7 +194,7 @@ def test_training_serves_metrics_per_rank():
 
 
 def test_row_sparse_adam_is_lazy_adam_on_fbgemm_cpu_tables():
-    """dynemb/trainer/sparse_adam.py on a real FBGEMM CPU TBE (two tables, one looked up by two
+    """dynemb/tables/sparse_adam.py on a real FBGEMM CPU TBE (two tables, one looked up by two
     features, repeated rows) against Adam written out with autograd: the rows a batch used
     move as Adam moves them, the others stay, moments included."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -204,7 +204,7 @@ def test_row_sparse_adam_is_lazy_adam_on_fbgemm_cpu_tables():
         SplitTableBatchedEmbeddingBagsCodegen,
     )
 
-    from dynemb.trainer.sparse_adam import RowSparseAdam
+    from dynemb.tables.sparse_adam import RowSparseAdam
 
     rows, dim, batch, lr = (12, 7), 4, 5, 0.05
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
@@ -337,10 +337,10 @@ def test_train_cli_names_bad_settings():
 def test_per_table_settings_from_a_file(tmp_path):
     import torch.distributed as dist
 
-    from dynemb.trainer.metrics import TrainerMetrics
+    from dynemb.tables.metrics import TrainerMetrics
+    from dynemb.tables.row_store import LocalRowStore
+    from dynemb.tables.table_rows import find_tables
     from dynemb.trainer.model import build
-    from dynemb.trainer.row_store import LocalRowStore
-    from dynemb.trainer.table_rows import find_tables
     from dynemb.trainer.train import init_distributed, make_dynamic
 
     f = tmp_path / "run.yaml"
@@ -358,9 +358,10 @@ def test_per_table_settings_from_a_file(tmp_path):
         assert rows == {"t_0": 100, "t_1": 40, "t_2": 100}
         assert built.schemas["t_2"].initializer.b == 0.5
         assert built.schemas["t_0"].initializer.b == pytest.approx(8**-0.5)
-        dyn = make_dynamic(cfg, built, LocalRowStore(), TrainerMetrics(0))
-        assert dyn.specs["t_1"].policy.kind == "lru" and dyn.specs["t_1"].admit_threshold == 2
-        assert dyn.specs["t_0"].policy.kind == "hybrid" and dyn.specs["t_0"].admit_threshold == 1
+        with make_dynamic(cfg, built, LocalRowStore(), TrainerMetrics(0)) as dyn:
+            configs = {c.name: c for c in dyn.configs}
+        assert configs["t_1"].policy == "lru" and configs["t_1"].admit_threshold == 2
+        assert configs["t_0"].policy == "hybrid" and configs["t_0"].admit_threshold == 1
     finally:
         if created:
             dist.destroy_process_group()

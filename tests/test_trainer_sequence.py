@@ -19,9 +19,9 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from dynemb.idtransformer.policy import EvictionPolicy
 from dynemb.ps_server.initializer import initial_rows
 from dynemb.ps_server.schema import Initializer, TableSchema
-from dynemb.trainer.dynamic import DynamicTables, DynamicTableSpec
-from dynemb.trainer.row_store import LocalRowStore
-from dynemb.trainer.table_rows import find_tables
+from dynemb.tables.dynamic import DynamicTables, DynamicTableSpec
+from dynemb.tables.row_store import LocalRowStore
+from dynemb.tables.table_rows import find_tables
 from dynemb.trainer.train import init_distributed
 
 UNIVERSE, DIM, FEATURES = 500, 4, ["clicks", "views"]

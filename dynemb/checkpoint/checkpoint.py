@@ -1,6 +1,6 @@
 """Checkpoints of a training job, consistent across all ranks and the PS, taken at a step
 boundary (no batch in flight), and restore that continues training exactly. The folder
-layout, manifest and chains are dynemb/trainer/checkpoint_format.py's.
+layout, manifest and chains are dynemb/checkpoint/format.py's.
 
 What goes in: dynamic tables' rows from the PS (flushed first; rank 0 writes them, gathered
 from every rank where each keeps the rows of its own IDs in-process), full
@@ -31,7 +31,7 @@ step counts maxed by all_reduce. A full table's rank reads only the old per-rank
 whose row-wise blocks (derived from the old world size, TorchRec's layout) overlap its own.
 Checkpointer.work says what a rank read and wrote.
 
-A full checkpoint holds every row; an incremental one (--checkpoint-full-every k > 1) only
+A full checkpoint holds every row; an incremental one (CheckpointSettings.full_every k > 1) only
 the rows of IDs the training touched since the previous checkpoint (its `parent`); restore
 applies the chain from the last full one on. The dense part is small and saved whole each
 time. torch.save rather than torch.distributed.checkpoint for it: DCP loads into tensors that
@@ -39,27 +39,33 @@ already exist, and a fresh job's optimizer creates its state only at its first s
 
 All ranks call save() and restore() together; the folder must be one all ranks see (a shared
 filesystem when ranks are on several machines).
+
+Nothing here knows the job that trains: any TorchRec model under DistributedModelParallel, its
+tables' optimizer applied in backward, can be checkpointed. The caller says how
+(CheckpointSettings: folder, retention, how often full, samples per step, what the manifest
+records of the job) and what (Checkpointer's arguments: the model, its dense optimizer, an
+optional RowSparseAdam, the DynamicEmbeddings or None, the row store, each table's PS schema
+and features, the optimizer's name). The reference DLRM job builds them in dynemb/trainer/startup.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import io
+import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 from tqdm import tqdm
 
-from dynemb.idtransformer.hashing import owner_of
-from dynemb.idtransformer.transformer import FREE, IDTransformer
-from dynemb.ps_server.schema import TableSchema
-from dynemb.trainer.checkpoint_format import (
+from dynemb.checkpoint.format import (
     FORMAT,
     MANIFEST,
     VERSION,
@@ -74,27 +80,120 @@ from dynemb.trainer.checkpoint_format import (
     verify,
     write_manifest,
 )
-from dynemb.trainer.config import TrainConfig
-from dynemb.trainer.device import control_group
-from dynemb.trainer.model import Built, dense_parameters
-from dynemb.trainer.row_store import RowStore
-from dynemb.trainer.schemas import table_rows_total
-from dynemb.trainer.table_files import DEFAULT_CHUNK_ROWS, TableReader, TableWriter
-from dynemb.trainer.table_files import MANIFEST as TABLE_MANIFEST
-from dynemb.trainer.table_rows import find_tables
+from dynemb.checkpoint.table_files import DEFAULT_CHUNK_ROWS, TableReader, TableWriter
+from dynemb.checkpoint.table_files import MANIFEST as TABLE_MANIFEST
+from dynemb.idtransformer.hashing import owner_of
+from dynemb.idtransformer.transformer import FREE, IDTransformer
+from dynemb.ps_server.schema import TableSchema
+from dynemb.tables.dense import dense_parameters
+from dynemb.tables.device import control_group
+from dynemb.tables.row_store import RowStore
+from dynemb.tables.sparse_adam import RowSparseAdam
+from dynemb.tables.table_rows import find_tables
+
+if TYPE_CHECKING:  # types only: a job of full tables never loads the dynamic tables' machinery
+    from dynemb.tables.dynamic import DynamicTables
+    from dynemb.tables.embeddings import DynamicEmbeddings
+
+# what check_fits tells a job of another optimizer than the checkpoint's ({optimizer}: the
+# checkpoint's); a caller with flags names its flag instead (CheckpointSettings.optimizer_hint)
+OPTIMIZER_HINT = "restore it with optimizer {optimizer}, or start anew without restoring"
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """How a job checkpoints: where, how many are kept, how often a full one, and what the
+    manifest records of the job. What is checkpointed is given to Checkpointer itself.
+
+    Raises:
+        ValueError: batch_size, keep or full_every below 1.
+    """
+
+    # samples each rank takes per step: with the step, the data position (manifest `samples`,
+    # data_start()); a job resumed on another world size or batch size resumes at that sample
+    batch_size: int
+    directory: str | os.PathLike = ""  # where step-NNNNNNNN/ folders go; "": none (restore a named folder only)
+    keep: int = 3  # the newest checkpoints kept (and every one their chains build on)
+    full_every: int = 1  # every k-th checkpoint is full, the others incremental (rows touched since)
+    progress: bool = True  # rank 0's progress bars while saving, verifying and restoring
+    # the job's settings (JSON-able), the manifest's `config`; None records {"batch_size": ...}.
+    # A manifest with none is one of PS tables alone (`dynemb checkpoint save`), not a job's.
+    config: Mapping[str, Any] | None = None
+    optimizer_hint: str = OPTIMIZER_HINT  # what a job of another optimizer is told to do
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.keep < 1 or self.full_every < 1:
+            raise ValueError(
+                f"batch_size, keep and full_every must be >= 1, got {self.batch_size}, {self.keep}, {self.full_every}"
+            )
+
+    def manifest_config(self) -> dict[str, Any]:
+        """The manifest's `config`: the job's settings as given, else its batch size alone."""
+        return dict(self.config) if self.config is not None else {"batch_size": self.batch_size}
+
+
+@dataclass(frozen=True)
+class CheckpointTable:
+    """One embedding table of the model, as a checkpoint holds it."""
+
+    name: str  # the TorchRec table name (its folder tables/<name>/, the manifest's key)
+    schema: TableSchema  # its rows on the PS: the PS table's name, dim, optimizer state, initializer
+    features: tuple[str, ...]  # the KeyedJaggedTensor keys whose IDs index it (for incremental checkpoints)
+
+    def __post_init__(self) -> None:
+        # a table no feature looks up would never count as touched: its increments would miss rows
+        if isinstance(self.features, str) or not self.features:
+            raise ValueError(
+                f"table {self.name}: features must be a tuple of one or more KJT keys, got {self.features!r}"
+            )
 
 
 class Checkpointer:
     """Saves a job's checkpoints and restores one; tracks the IDs touched between checkpoints
-    (for incremental ones)."""
+    (for incremental ones). Needs torch.distributed initialised; every rank makes one alike.
 
-    def __init__(self, cfg: TrainConfig, built: Built, dynamic, store: RowStore) -> None:
-        self.cfg, self.built, self.dynamic, self.store = cfg, built, dynamic, store
-        self.root = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+    Args:
+        settings: where and how (CheckpointSettings).
+        model: the sharded model (DistributedModelParallel): its full tables' rows (find_tables)
+            and its dense parameters (dense_parameters: those not updated in backward).
+        tables: every embedding table of the model, in the same order on every rank.
+        dense_optimizer: the optimizer of the dense parameters: a torchrec KeyedOptimizer
+            (KeyedOptimizerWrapper, CombinedOptimizer), or a plain torch optimizer.
+        optimizer: the tables' optimizer by name (the PS's: sgd, adagrad, ...), recorded in the
+            manifest; a job of another one is refused at restore.
+        dynamic: the DynamicEmbeddings in front of the model (their ID transformers and device
+            rows are saved, their rows flushed to the store first), or None where the tables
+            are full (every row in the model).
+        store: the dynamic tables' rows (the PS, or each rank's own store); None: the
+            DynamicEmbeddings' own. Full tables need none.
+        sparse_adam: RowSparseAdam where the tables run Adam on CPU: its step count is saved.
+    """
+
+    def __init__(
+        self,
+        settings: CheckpointSettings,
+        model: nn.Module,
+        tables: Sequence[CheckpointTable],
+        dense_optimizer: torch.optim.Optimizer,
+        *,
+        optimizer: str,
+        dynamic: DynamicEmbeddings | None = None,
+        store: RowStore | None = None,
+        sparse_adam: RowSparseAdam | None = None,
+    ) -> None:
+        self.settings, self.model = settings, model
+        self.dense_optimizer, self.sparse_adam, self.optimizer = dense_optimizer, sparse_adam, optimizer
+        # the tables' own machinery (transformers, device rows, flush): what a checkpoint holds of them
+        self.dynamic: DynamicTables | None = dynamic.tables if dynamic is not None else None
+        self._store = store if store is not None or dynamic is None else dynamic.store
+        self.tables = list(tables)
+        self.names = [t.name for t in self.tables]
+        self.schemas = {t.name: t.schema for t in self.tables}  # by TorchRec table name
+        self.root = Path(settings.directory) if settings.directory else None
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.saved = 0  # checkpoints this job wrote (full every checkpoint_full_every)
+        self.saved = 0  # checkpoints this job wrote (full every settings.full_every)
         self.last: str | None = None  # the newest checkpoint's folder name, the next one's parent
-        self.touched: dict[str, list[np.ndarray]] = {name: [] for name in built.table_names}
+        self.touched: dict[str, list[np.ndarray]] = {name: [] for name in self.names}
         # the data position: at step base_step the job's ranks had taken base_samples samples
         self.base_step, self.base_samples = 0, 0
         self.data_start = 0  # each rank's batch index in its stream at the restored step
@@ -102,15 +201,22 @@ class Checkpointer:
         # table files, rows read from them and rows written into the tables or the PS
         self.work: dict[str, Any] = {"rank_files": [], "table_files": [], "rows_read": 0, "rows_stored": 0}
 
+    @property
+    def store(self) -> RowStore:
+        """Where the dynamic tables' rows are (only they use one)."""
+        if self._store is None:
+            raise CheckpointError("dynamic tables need a row store: none was given")
+        return self._store
+
     def _bar(self, names: list[str], what: str) -> tqdm:
         """Rank 0's bar over the tables; it goes when done, so the training bar stays on its line."""
-        quiet = not self.cfg.progress or self.rank != 0
+        quiet = not self.settings.progress or self.rank != 0
         return tqdm(names, desc=f"{what}: tables", unit="table", leave=False, disable=quiet)
 
     def _directory(self) -> Path:
-        """The folder checkpoints go in (TrainConfig refuses to save or resume 'latest' without it)."""
+        """The folder checkpoints go in (settings.directory)."""
         if self.root is None:
-            raise CheckpointError("no checkpoint folder: set checkpoint_dir (--checkpoint-dir)")
+            raise CheckpointError("no checkpoint folder: the checkpoint settings give no directory")
         return self.root
 
     # -- between checkpoints ------------------------------------------------------
@@ -119,10 +225,11 @@ class Checkpointer:
         """The training batches, unchanged; with incremental checkpoints their IDs (global,
         before any transform) are noted on the way."""
         for batch in batches:
-            if self.cfg.checkpoint_full_every > 1:
+            if self.settings.full_every > 1:
                 kjt = batch.sparse_features
-                for key, name in zip(self.built.features, self.built.table_names):
-                    self.touched[name].append(np.unique(kjt[key].values().numpy()))
+                for table in self.tables:
+                    ids = np.concatenate([kjt[key].values().numpy() for key in table.features])
+                    self.touched[table.name].append(np.unique(ids))
             yield batch
 
     def _touched_everywhere(self) -> dict[str, np.ndarray]:
@@ -136,7 +243,7 @@ class Checkpointer:
 
     def save(self, step: int) -> Path:
         """Collective, at a step boundary: every rank calls it after the same step."""
-        full = self.last is None or self.saved % self.cfg.checkpoint_full_every == 0
+        full = self.last is None or self.saved % self.settings.full_every == 0
         touched = None if full else self._touched_everywhere()
         root = self._directory()
         final = root / step_folder(step)
@@ -171,9 +278,9 @@ class Checkpointer:
                     "kind": "full" if full else "incremental",
                     "parent": None if full else self.last,
                     "dynamic": self.dynamic is not None,
-                    "optimizer": self.cfg.optimizer,
-                    "tables": {n: self.built.schemas[n].to_dict() for n in self.built.table_names},
-                    "config": dataclasses.asdict(self.cfg),
+                    "optimizer": self.optimizer,
+                    "tables": {n: self.schemas[n].to_dict() for n in self.names},
+                    "config": self.settings.manifest_config(),
                     "files": files_digest(work),
                 }
                 write_manifest(work, manifest, final)
@@ -188,7 +295,7 @@ class Checkpointer:
     def samples_at(self, step: int) -> int:
         """The training samples all ranks had taken by `step` (step counts this job's steps
         and those before it; a resharded job's ranks take batch_size each per step)."""
-        return self.base_samples + (step - self.base_step) * self.cfg.batch_size * self.world
+        return self.base_samples + (step - self.base_step) * self.settings.batch_size * self.world
 
     def _agree(self, step: int, work: Path, part) -> None:
         """Run this rank's part of a save; if it failed to write on any rank (disk full, no
@@ -214,7 +321,7 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint at step {step} could not be written ({'; '.join(problems)}); {kept}")
 
     def _save_tables(self, work: Path, touched: dict[str, np.ndarray] | None) -> None:
-        names = self.built.table_names
+        names = self.names
         if self.dynamic is not None:
             # rank 0 writes each table: read from the PS all ranks share, or gathered from every
             # rank's own store (per-rank stores hold the rows of the IDs their rank owns)
@@ -222,7 +329,7 @@ class Checkpointer:
                 return
             failure: Exception | None = None
             for name in self._bar(names, "checkpoint"):
-                schema = self.built.schemas[name]
+                schema = self.schemas[name]
                 chunks = self._table_rows(schema, None if touched is None else touched[name])
                 # a failure is raised once every table's rounds are over: the other ranks are
                 # still sending (or rank 0 still taking) this table's rows and the next ones'
@@ -244,8 +351,8 @@ class Checkpointer:
             if failure is not None:
                 raise failure
             return
-        for name, r in find_tables(self.built.model).items():
-            schema = self.built.schemas[name]
+        for name, r in find_tables(self.model).items():
+            schema = self.schemas[name]
             local = torch.arange(r.local_rows)
             if touched is not None:  # this rank's rows among the touched IDs
                 touched_ids = torch.from_numpy(touched[name])
@@ -309,24 +416,23 @@ class Checkpointer:
         state: dict = {"rank": self.rank}
         if self.dynamic is not None:
             state["transformers"] = {n: t.local.state_dict() for n, t in self.dynamic.transformers.items()}
-        adam = self.built.optimizer.sparse_adam
-        if adam is not None:
-            state["sparse_adam"] = adam.state_dict()
+        if self.sparse_adam is not None:
+            state["sparse_adam"] = self.sparse_adam.state_dict()
         _save_torch(state, path)
 
     def _save_dense(self, path: Path) -> None:
-        params = {k: v.detach().clone() for k, v in dense_parameters(self.built.model).items()}
-        _save_torch({"parameters": params, "optimizer": self.built.dense_optimizer.state_dict()}, path)
+        params = {k: v.detach().clone() for k, v in dense_parameters(self.model).items()}
+        _save_torch({"parameters": params, "optimizer": self.dense_optimizer.state_dict()}, path)
 
     def _retain(self) -> None:
-        """Keep the newest checkpoint_keep checkpoints and every one their chains build on;
+        """Keep the newest settings.keep checkpoints and every one their chains build on;
         remove what saves cut off left (no save of this job's is in progress: its ranks are
         all here, past this one)."""
         for stale in unfinished(self._directory()):
             shutil.rmtree(stale, ignore_errors=True)
         have = checkpoints(self._directory())
         keep: set[Path] = set()
-        for c in have[-self.cfg.checkpoint_keep :]:
+        for c in have[-self.settings.keep :]:
             keep.update(chain(c))
         for c in have:
             if c not in keep:  # the manifest first: a removal cut off leaves no complete-looking folder
@@ -336,14 +442,14 @@ class Checkpointer:
     # -- restore ------------------------------------------------------------------
 
     def resolve(self, which: str) -> Path:
-        """The folder of checkpoint `which` (a folder, or "latest" in checkpoint_dir).
+        """The folder of checkpoint `which` (a folder, or "latest" in settings.directory).
 
         Raises:
-            CheckpointError: no such checkpoint, or "latest" without a checkpoint_dir.
+            CheckpointError: no such checkpoint, or "latest" without a directory.
         """
         if which == "latest":
             self._directory()  # raises without one
-        return resolve(self.cfg, which)
+        return resolve(which, self.root)
 
     def restore(self, which: str) -> int:
         """Collective: load the checkpoint (a folder or "latest") into the model, the PS and
@@ -355,7 +461,7 @@ class Checkpointer:
         try:
             links = chain(folder)
             share = (self.rank, self.world)
-            docs = [verify(c, progress=self.cfg.progress and self.rank == 0, share=share) for c in links]
+            docs = [verify(c, progress=self.settings.progress and self.rank == 0, share=share) for c in links]
             if self.rank == 0:
                 self._check_fits(folder, docs[-1])
         except (CheckpointError, OSError) as exc:
@@ -373,25 +479,24 @@ class Checkpointer:
             self.work["rank_files"].append(self.rank)
             if self.dynamic is not None:
                 for name, t in self.dynamic.transformers.items():
-                    t.local.load_state_dict(rank_state["transformers"][name])
+                    t.local.load_state_dict(_unpinned(rank_state["transformers"][name]))
             adam_state = rank_state.get("sparse_adam")
         else:
             adam_state = self._reshard_rank_states(folder, written_by)
         if self.dynamic is not None:
-            self._pull_resident()
-        if self.built.optimizer.sparse_adam is not None:
-            self.built.optimizer.sparse_adam.load_state_dict(adam_state)
+            self._pull_resident(self.dynamic)
+        if self.sparse_adam is not None:
+            self.sparse_adam.load_state_dict(adam_state)
         dense = torch.load(folder / "dense.pt", map_location="cpu", weights_only=False)
         with torch.no_grad():
-            for k, p in dense_parameters(self.built.model).items():
+            for k, p in dense_parameters(self.model).items():
                 p.copy_(dense["parameters"][k])
-        self.built.dense_optimizer.init_state()  # its state is made lazily: make it, then overwrite
-        self.built.dense_optimizer.load_state_dict(dense["optimizer"])
+        _load_optimizer(self.dense_optimizer, dense["optimizer"])
         self.last = folder.name
         step = int(doc["step"])
         self.base_step = step
-        self.data_start = data_start(doc, self.cfg.batch_size, self.world)
-        self.base_samples = self.data_start * self.cfg.batch_size * self.world
+        self.data_start = data_start(doc, self.settings.batch_size, self.world)
+        self.base_samples = self.data_start * self.settings.batch_size * self.world
         dist.barrier()
         return step
 
@@ -487,7 +592,15 @@ class Checkpointer:
         return [x.numpy() for x in torch.split(out, got.tolist())]
 
     def _check_fits(self, folder: Path, doc: dict) -> None:
-        check_fits(folder, doc, self.cfg, self.built.schemas, self.world)
+        check_fits(
+            folder,
+            doc,
+            self.schemas,
+            self.world,
+            optimizer=self.optimizer,
+            dynamic=self.dynamic is not None,
+            optimizer_hint=self.settings.optimizer_hint,
+        )
 
     def _restore_tables(self, links: list[Path]) -> None:
         if self.dynamic is not None:
@@ -502,8 +615,8 @@ class Checkpointer:
         rank (spread() shares them out by rows); with per-rank stores its rows go to their
         owners by all_to_all. The tables are cleared first, and each link is in before the
         next link's rows (newer) go on top."""
-        names = self.built.table_names
-        schemas = [self.built.schemas[n] for n in names]
+        names = self.names
+        schemas = [self.schemas[n] for n in names]
         per_rank = self.store.per_rank
         if per_rank or self.rank == 0:  # the old rows go, once, before any rank writes
             for schema in schemas:
@@ -515,7 +628,7 @@ class Checkpointer:
             takes = spread([shard.rows for _, shard in pieces], self.world)
             mine = [p for p, rank in zip(pieces, takes) if rank == self.rank]
             self.work["table_files"] += [f"{link.name}/{names[t]}/{shard.file}" for t, shard in mine]
-            quiet = not self.cfg.progress or self.rank != 0
+            quiet = not self.settings.progress or self.rank != 0
             bar = tqdm(
                 total=sum(shard.rows for _, shard in mine),
                 desc=f"restore {link.name}",
@@ -572,13 +685,15 @@ class Checkpointer:
         rows, from its own folder when the link was written by as many ranks, else from the
         folders of the old ranks whose blocks overlap its own. The old blocks are derived from
         the old world size (_row_block, TorchRec's row-wise layout), once this rank's own
-        block is seen to follow it; every row read is checked to lie in its block."""
-        for name, r in find_tables(self.built.model).items():
+        block is seen to follow it; every row read is checked to lie in its block. A full
+        table has the same rows under any world size (TorchRec's num_embeddings)."""
+        totals = table_sizes(self.model)
+        for name, r in find_tables(self.model).items():
             first, end = r.row_offset, r.row_offset + r.local_rows
-            derived = _row_block(table_rows_total(self.cfg, self.world, name), self.world, self.rank) == (first, end)
+            total = totals[name]
+            derived = _row_block(total, self.world, self.rank) == (first, end)
             for c in links:
                 written_by = int(read_manifest(c)["world_size"])
-                total = table_rows_total(self.cfg, written_by, name)
                 blocks = {}  # old rank -> its rows [lo, hi)
                 if written_by == self.world:
                     blocks[self.rank] = (first, end)
@@ -610,15 +725,15 @@ class Checkpointer:
                             r.write(local, torch.from_numpy(rows).float())
                             self.work["rows_stored"] += int(keep.sum())
 
-    def _pull_resident(self) -> None:
+    def _pull_resident(self, dynamic: DynamicTables) -> None:
         """The rows of the IDs the restored transformers hold, from the PS into their slots."""
-        for name, t in self.dynamic.transformers.items():
+        for name, t in dynamic.transformers.items():
             local = t.local
             slots = torch.nonzero(local.last_access != -1).squeeze(1)
             if len(slots):
                 ids = local.slot_id[slots].cpu().numpy()
-                rows = self.store.pull(self.built.schemas[name].name, ids)
-                self.dynamic.rows[name].write(slots, torch.from_numpy(np.asarray(rows, dtype=np.float32)))
+                rows = self.store.pull(self.schemas[name].name, ids)
+                dynamic.rows[name].write(slots, torch.from_numpy(np.asarray(rows, dtype=np.float32)))
 
 
 def rebuild_transformer(
@@ -658,6 +773,15 @@ def rebuild_transformer(
     return n
 
 
+def _unpinned(state: dict) -> dict:
+    """An ID transformer's saved state with no slot pinned. A checkpoint is taken at a step
+    boundary: a batch whose slots were still pinned then (a loop that had not yet asked for the
+    next batch) is through its step, and the job that saved goes on to release it; a restored
+    job has no batch in flight to release, so its pins would hold those slots for good (as
+    rebuild_transformer does for another world size)."""
+    return {**state, "pins": torch.zeros_like(state["pins"])}
+
+
 def spread(sizes: list[int], world: int) -> list[int]:
     """The rank that takes each piece of work of `sizes` (e.g. a shard file's rows): the
     largest first, each to the rank with the least so far (the lowest of equals). Every rank
@@ -690,28 +814,83 @@ def data_start(doc: dict, batch_size: int, world: int) -> int:
     return int(samples) // (batch_size * world)
 
 
-def resolve(cfg: TrainConfig, which: str) -> Path:
-    """The checkpoint folder `which` names: a folder, or "latest" in cfg.checkpoint_dir."""
+def resolve(which: str, directory: str | os.PathLike | None) -> Path:
+    """The checkpoint folder `which` names.
+
+    Args:
+        which: a checkpoint folder, or "latest": the newest complete one in `directory`.
+        directory: the folder of a job's checkpoints (CheckpointSettings.directory; "" or
+            None: none).
+
+    Raises:
+        CheckpointError: "latest" with no directory, or none complete in it.
+    """
     if which == "latest":
-        have = checkpoints(cfg.checkpoint_dir)
+        if not directory:
+            raise CheckpointError("resume latest: no checkpoint folder to look in (the settings give no directory)")
+        have = checkpoints(directory)
         if not have:
-            raise CheckpointError(f"resume latest: no checkpoint in {cfg.checkpoint_dir}")
+            raise CheckpointError(f"resume latest: no checkpoint in {directory}")
         return have[-1]
     return Path(which)
 
 
-def check_settings(cfg: TrainConfig, schemas: dict[str, TableSchema], world: int) -> None:
-    """Whether the checkpoint cfg.resume names is one this job can continue from (ranks,
-    table kind, optimizer, table schemas), from its manifest alone: cheap, and made before the
-    job touches its PS tables, so that a job with other settings hears that rather than what
-    the PS says of its tables. Raises CheckpointError; restore() checks the files as well."""
-    folder = resolve(cfg, cfg.resume)
-    check_fits(folder, read_manifest(folder), cfg, schemas, world)
+def check_settings(
+    settings: CheckpointSettings,
+    which: str,
+    schemas: Mapping[str, TableSchema],
+    world: int,
+    *,
+    optimizer: str,
+    dynamic: bool,
+) -> None:
+    """Whether the checkpoint `which` names (resolve(): a folder or "latest" in
+    settings.directory) is one a job of these settings can continue from (ranks, table kind,
+    optimizer, table schemas), from its manifest alone: cheap, and made before the job
+    touches its PS tables, so that a job with other settings hears that rather than what the
+    PS says of its tables. Arguments as check_fits'.
+
+    Raises:
+        CheckpointError: the checkpoint is missing or of another job; restore() checks the
+            files as well.
+    """
+    folder = resolve(which, settings.directory)
+    check_fits(
+        folder,
+        read_manifest(folder),
+        schemas,
+        world,
+        optimizer=optimizer,
+        dynamic=dynamic,
+        optimizer_hint=settings.optimizer_hint,
+    )
 
 
-def check_fits(folder: Path, doc: dict, cfg: TrainConfig, schemas: dict[str, TableSchema], world: int) -> None:
-    """Raises CheckpointError, naming the difference, unless the checkpoint of `folder` (its
-    manifest `doc`) is of a job with these settings and PS tables (`schemas`, by table name)."""
+def check_fits(
+    folder: Path,
+    doc: dict,
+    schemas: Mapping[str, TableSchema],
+    world: int,
+    *,
+    optimizer: str,
+    dynamic: bool,
+    optimizer_hint: str = OPTIMIZER_HINT,
+) -> None:
+    """Whether the checkpoint of `folder` (its manifest `doc`) is of a job like this one.
+
+    Args:
+        folder: the checkpoint's folder (named in the messages).
+        doc: its manifest (read_manifest).
+        schemas: this job's PS table schemas, by TorchRec table name.
+        world: this job's ranks (any: a checkpoint restores onto another world size).
+        optimizer: this job's tables' optimizer, by name.
+        dynamic: whether this job's tables are dynamic (rows on the PS) rather than full.
+        optimizer_hint: what a job of another optimizer is told to do; {optimizer} stands
+            for the checkpoint's.
+
+    Raises:
+        CheckpointError: naming the difference.
+    """
     if doc.get("config") is None:
         raise CheckpointError(
             f"{folder}: holds PS tables only (made by `dynemb checkpoint save`), not a "
@@ -722,20 +901,45 @@ def check_fits(folder: Path, doc: dict, cfg: TrainConfig, schemas: dict[str, Tab
     missing = [f"rank-{r:05d}.pt" for r in range(doc["world_size"]) if f"rank-{r:05d}.pt" not in doc["files"]]
     if missing:
         raise CheckpointError(f"{folder}: written by {doc['world_size']} ranks, but it lists no {missing[0]}")
-    if doc["dynamic"] != cfg.table.dynamic:
+    if doc["dynamic"] != dynamic:
         raise CheckpointError(
             f"{folder}: {'dynamic' if doc['dynamic'] else 'full'} tables, this job's are "
-            f"{'dynamic' if cfg.table.dynamic else 'full'}"
+            f"{'dynamic' if dynamic else 'full'}"
         )
-    if doc["optimizer"] != cfg.optimizer:
-        raise CheckpointError(
-            f"{folder}: optimizer {doc['optimizer']}, this job's is {cfg.optimizer} "
-            f"(resume with --optimizer {doc['optimizer']}, or start a new run without --resume)"
-        )
+    if doc["optimizer"] != optimizer:
+        hint = optimizer_hint.format(optimizer=doc["optimizer"])
+        raise CheckpointError(f"{folder}: optimizer {doc['optimizer']}, this job's is {optimizer} ({hint})")
     want = {n: s.to_dict() for n, s in schemas.items()}
     if doc["tables"] != want:
         differ = sorted(set(want) ^ set(doc["tables"])) or [n for n in want if want[n] != doc["tables"][n]]
         raise CheckpointError(f"{folder}: its tables differ from this job's ({', '.join(differ[:5])})")
+
+
+def table_sizes(model: nn.Module) -> dict[str, int]:
+    """Rows of each table of the sharded embedding modules inside `model` across all ranks
+    (TorchRec's num_embeddings), by name: what the row-wise blocks of any world size are cut
+    from (_row_block)."""
+    from torchrec.distributed.embedding import ShardedEmbeddingCollection
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+
+    sizes: dict[str, int] = {}
+    for module in model.modules():
+        # the configs the modules were made from (TorchRec keeps them, not public)
+        if isinstance(module, ShardedEmbeddingBagCollection):
+            sizes.update((c.name, int(c.num_embeddings)) for c in module._embedding_bag_configs)
+        elif isinstance(module, ShardedEmbeddingCollection):
+            sizes.update((c.name, int(c.num_embeddings)) for c in module._embedding_configs)
+    return sizes
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load a saved state_dict into `optimizer`. A torchrec KeyedOptimizer makes its state
+    lazily (at its first step) and loads only into state that exists: init_state() makes it,
+    then the checkpoint's overwrites it. A plain torch optimizer takes the state as saved."""
+    init_state = getattr(optimizer, "init_state", None)
+    if callable(init_state):
+        init_state()
+    optimizer.load_state_dict(state)
 
 
 def _save_torch(obj, path: Path) -> None:

@@ -1,4 +1,4 @@
-"""`dynemb checkpoint ...`: checkpoints (dynemb/trainer/checkpoint_format.py) from and onto a PS.
+"""`dynemb checkpoint ...`: checkpoints (dynemb/checkpoint/format.py) from and onto a PS.
 
 Each subcommand is one cmd_* function registered in add_parser: it takes the parsed flags
 and returns the exit status (0 unless its docstring says otherwise). A training job checkpoints itself
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 
+from dynemb.checkpoint import table_cli
 from dynemb.common.cli_args import add_command, add_command_group, quiet_flag, table_flag
 from dynemb.ps_server.cli import add_client_flags
-from dynemb.trainer import table_cli
 
 # subcommand: (its line in the list of commands, the start of its own --help)
 HELP = {
@@ -85,7 +85,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_inspect(args) -> int:
     """`dynemb checkpoint inspect`; 2 where --verify is given a folder of checkpoints."""
-    from dynemb.trainer.checkpoint_format import MANIFEST, chain, describe, verify
+    from dynemb.checkpoint.format import MANIFEST, chain, describe, verify
 
     print(describe(args.folder))
     if args.verify:
@@ -103,9 +103,9 @@ def cmd_inspect(args) -> int:
 
 def cmd_save(args) -> int:
     """`dynemb checkpoint save`: the chosen PS tables into a new checkpoint folder."""
+    from dynemb.checkpoint.format import save_tables
+    from dynemb.checkpoint.table_cli import chosen_tables
     from dynemb.ps_server.cli import client_from_args
-    from dynemb.trainer.checkpoint_format import save_tables
-    from dynemb.trainer.table_cli import chosen_tables
 
     with client_from_args(args) as ps:
         names = chosen_tables(ps, args, "saved")
@@ -118,8 +118,8 @@ def cmd_save(args) -> int:
 
 def cmd_restore(args) -> int:
     """`dynemb checkpoint restore`: a checkpoint's tables onto a PS, each check passed first."""
+    from dynemb.checkpoint.format import restore_tables
     from dynemb.ps_server.cli import client_from_args
-    from dynemb.trainer.checkpoint_format import restore_tables
 
     with client_from_args(args) as ps:
         written = restore_tables(ps, args.folder, args.table or None, progress=not args.quiet)

@@ -9,7 +9,7 @@ operations that need no training job (`dynemb checkpoint save|restore|inspect`).
                            sha256 of every other file in the folder
         dense.pt           dense parameters + dense optimizer (training checkpoints)
         rank-00000.pt ...  per rank: ID transformers' state, row-sparse Adam's step
-        tables/<table>/    a table folder (dynemb/trainer/table_files.py), or one per rank
+        tables/<table>/    a table folder (dynemb/checkpoint/table_files.py), or one per rank
                            (tables/<table>/rank-00000/ ...) for tables not behind the PS
 
 `dynemb checkpoint save` writes the same layout with only tables/ (kind "full", no step, no
@@ -29,10 +29,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from dynemb.checkpoint.table_files import MANIFEST as TABLE_MANIFEST
+from dynemb.checkpoint.table_files import TableReader, TableWriter, check_no_conflict, sha256_of
 from dynemb.common.errors import UserError, shown
 from dynemb.ps_server.schema import TableSchema
-from dynemb.trainer.table_files import MANIFEST as TABLE_MANIFEST
-from dynemb.trainer.table_files import TableReader, TableWriter, check_no_conflict, sha256_of
 
 FORMAT = "dynemb.checkpoint"
 VERSION = 1

@@ -1,4 +1,4 @@
-"""`dynemb table ...`: portable table folders (dynemb/trainer/table_files.py) from and onto a PS.
+"""`dynemb table ...`: portable table folders (dynemb/checkpoint/table_files.py) from and onto a PS.
 
 A table folder holds one table's rows with their optimizer state, on any backend; unlike a
 checkpoint (`dynemb checkpoint`) it has no manifest, chain or model state.
@@ -35,7 +35,7 @@ HELP = {
 EPILOG = """\
 A table folder holds table.json (schema, row count, shard list with sha256) and
 part-NNNNN.safetensors shards with tensors ids (int64), embeddings and state
-(the optimizer state); dynemb/trainer/table_files.py documents the format.
+(the optimizer state); dynemb/checkpoint/table_files.py documents the format.
 
 examples:
   # every table of a PS into out/<table>/
@@ -134,8 +134,8 @@ def cmd_export(args) -> int:
     """`dynemb table export`: the chosen PS tables into OUT/<table>/ folders."""
     from pathlib import Path
 
+    from dynemb.checkpoint.table_files import export_table
     from dynemb.ps_server.cli import client_from_args
-    from dynemb.trainer.table_files import export_table
 
     with client_from_args(args) as ps:
         names = chosen_tables(ps, args, "exported")
@@ -158,8 +158,14 @@ def cmd_import(args) -> int:
     """`dynemb table import`: table folders into a PS, every shard and schema checked first."""
     import dataclasses
 
+    from dynemb.checkpoint.table_files import (
+        TableFileError,
+        TableReader,
+        check_no_conflict,
+        import_table,
+        table_folders,
+    )
     from dynemb.ps_server.cli import client_from_args
-    from dynemb.trainer.table_files import TableFileError, TableReader, check_no_conflict, import_table, table_folders
 
     folders = table_folders(args.folder)
     readers = {r.schema.name: r for r in map(TableReader, folders)}

@@ -29,7 +29,7 @@ Each shard holds three tensors of n rows (safetensors, little-endian, any reader
     ids          int64 (n,)               distinct ids
     embeddings   (n, dim)                 the table's dtype
     state        (n, state_width)         the table's dtype: the optimizer state, laid out as
-                                          dynemb/trainer/config.py optimizer_state_width says (sgd:
+                                          dynemb/ps_server/schema.py optimizer_state_width says (sgd:
                                           none; adagrad: dim values; rowwise_adagrad: 1; adam:
                                           m then v, dim each)
 

@@ -11,6 +11,7 @@ the caller to answer the missing IDs' rows (the owner's store holds them).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -33,13 +34,25 @@ class Found(NamedTuple):
     asked_counts: torch.Tensor  # (world, tables): IDs each source rank asked, per table
 
 
-def find_blocks(tables: list[ShardedIDTransformer], ids: torch.Tensor, sizes: list[int]) -> Found:
+# The owner's answer for the IDs it holds no row of: given each table's IDs asked of this rank
+# and their slots (-1: none), each table's slots with the -1s replaced where it chooses.
+AnswerMissing = Callable[[list[torch.Tensor], list[torch.Tensor]], list[torch.Tensor]]
+
+
+def find_blocks(
+    tables: list[ShardedIDTransformer],
+    ids: torch.Tensor,
+    sizes: list[int],
+    answer_missing: AnswerMissing | None = None,
+) -> Found:
     """Collective: the slots of one batch's IDs, for many tables in one exchange.
 
     Args:
         tables: every rank's same tables, in the same order (one group).
         ids: the batch's IDs of table 0, then those of table 1, ... (int64).
         sizes: how many IDs each table has in `ids`.
+        answer_missing: on each owner, before the answers go back: the slots to answer for
+            the IDs it holds no row of (see AnswerMissing); None answers -1.
 
     Returns:
         The slots, and both sides of the exchange (Found). Nothing of any table changes.
@@ -51,7 +64,10 @@ def find_blocks(tables: list[ShardedIDTransformer], ids: torch.Tensor, sizes: li
     sent = send_to_owners(every, sizes, world, kernel, group)
     table_major = transpose_blocks(sent.asked, sent.asked_counts, kernel)
     per_table = torch.split(table_major, sent.asked_counts.sum(0).tolist())
-    found = torch.cat([_find(t, x) for t, x in zip(tables, per_table)]) if tables else sent.asked[:0]
+    answered = [_find(t, x) for t, x in zip(tables, per_table)]
+    if answer_missing is not None:
+        answered = answer_missing(list(per_table), answered)
+    found = torch.cat(answered) if tables else sent.asked[:0]
     asked_slots = transpose_blocks(found, sent.asked_counts.t(), kernel)
     answers = asked_slots if world == 1 else _exchange(asked_slots, sent.asked_per_rank, sent.sent_per_rank, group)
     slots = answers.index_select(0, sent.position)

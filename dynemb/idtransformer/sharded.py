@@ -57,7 +57,7 @@ class BatchRefused(RuntimeError):
     `results` holds them, one ShardedTransformResult per table as the call would have returned,
     this rank's share of a table it refused being empty (nothing admitted, evicted or pinned);
     its `slots` are -2 where an owner refused. The caller finishes these shares as any batch's
-    (push the evicted rows, pull the admitted ones, release the pins: dynemb/trainer/dynamic.py does),
+    (push the evicted rows, pull the admitted ones, release the pins: dynemb/tables/dynamic.py does),
     or their evicted rows are lost and their pins held for good.
     errors: per table, this rank's own refusal or None; refused_by: per table, the ranks that
     refused their share of it (the same on every rank)."""

@@ -1,6 +1,6 @@
 """Regenerate the Python code of the protos: ps_pb2.py, ps_pb2_grpc.py and ps_pb2.pyi from
 dynemb/protos/ps.proto (the PS wire format), tf_bundle_pb2.py and .pyi from dynemb/protos/tf_bundle.proto
-(TensorFlow's checkpoint records, read by dynemb/trainer/tf/bundle.py).
+(TensorFlow's checkpoint records, read by dynemb/tf/bundle.py).
 
     python -m dynemb.protos.generate            # write them beside the .proto files
     python -m dynemb.protos.generate --out DIR  # write them under DIR/dynemb/protos/ (the test compares)

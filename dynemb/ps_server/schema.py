@@ -34,6 +34,19 @@ _INIT_FROM_PROTO[ps_pb2.Initializer.KIND_UNSPECIFIED] = "zeros"
 
 NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}")  # the whole name (fullmatch: `$` lets "t\n" through)
 MAX_ROW_WIDTH = 1 << 16
+# The optimizers whose state a PS row carries after the embedding, and how many floats of it:
+# a row is dim + optimizer_state_width(optimizer, dim) floats wide.
+OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+
+
+def optimizer_state_width(optimizer: str, dim: int) -> int:
+    """Floats of optimizer state per row, stored after the embedding in a PS row."""
+    widths = {"sgd": 0, "adagrad": dim, "rowwise_adagrad": 1, "adam": 2 * dim}
+    if optimizer not in widths:
+        raise ValueError(f"optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+    return widths[optimizer]
+
+
 # The most rows a table may declare it expects (TableSchema.expected_rows): far above any one
 # store's reach (2^48 rows of 8 bytes are 2 PiB), low enough that a typo's 2^63 is caught.
 MAX_EXPECTED_ROWS = 1 << 48

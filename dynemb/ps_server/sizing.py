@@ -14,9 +14,7 @@ from dataclasses import asdict, dataclass
 
 from dynemb.ps_server.backends.redis_config import MAX_LISTPACK_VALUE, ROWS_PER_BUCKET
 from dynemb.ps_server.errors import InvalidArgument
-from dynemb.ps_server.schema import MAX_ROW_WIDTH
-from dynemb.trainer.config import OPTIMIZERS as TRAINER_OPTIMIZERS
-from dynemb.trainer.config import optimizer_state_width
+from dynemb.ps_server.schema import MAX_ROW_WIDTH, OPTIMIZERS, optimizer_state_width
 
 # -- measured constants ---------------------------------------------------------------------
 
@@ -53,8 +51,7 @@ PS_RSS_BYTES = int(151.4 * 2**20)
 
 # -- fixed by the design, not measured ------------------------------------------------------
 
-# Optimizer state per row: the trainer's own rule (dynemb/trainer/config.py), so they cannot differ.
-OPTIMIZERS = TRAINER_OPTIMIZERS
+# Optimizer state per row: the PS schema's rule (schema.optimizer_state_width), the trainer's too.
 # The trainer's PS tables are fp32 (dynemb/trainer/model.py ps_schema).
 VALUE_BYTES = 4
 ID_BYTES = 8

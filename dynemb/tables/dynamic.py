@@ -3,14 +3,14 @@
 For every table, a ShardedIDTransformer maps the batch's IDs to rows of the table (each
 rank owning the IDs that hash to it and a block of rows, matching TorchRec's row-wise
 sharding). On the owner, in batched tensor ops (one gather and one scatter per step for all
-tables, where their rows share one storage: dynemb/trainer/row_group.py): the rows of evicted IDs,
+tables, where their rows share one storage: dynemb/tables/row_group.py): the rows of evicted IDs,
 with their optimizer state, are read from the TBE and pushed to the PS first (their rows are
 about to be reused), then the rows of admitted IDs are pulled (a never-seen ID comes back
 initialised by the table's initializer) and written in.
 The batch's slots are pinned until `release_oldest()` says the batch is through backward and
 the optimizer step, so a batch in flight never has a row pushed or reused under it.
 On a GPU the rows go to and from the host through pinned buffers on a side stream, and the
-training stream waits on events, not on the device (dynemb/trainer/row_moves.py); the batches
+training stream waits on events, not on the device (dynemb/tables/row_moves.py); the batches
 themselves stay on the CPU until the loop (or the pipeline) copies them over.
 A batch that some owner refuses (too many distinct IDs for a table, no room) raises
 BatchRefused on every rank, after the shares of it that went through have had their rows moved
@@ -30,7 +30,7 @@ it runs batch j's forward, as TorchRec's TrainPipelineSparseDist does (it fetche
 the PS round trip then overlaps a step of compute instead of stalling the main thread. The
 slots involved are not in any batch in flight (pins), so nothing reads or writes them
 meanwhile. With `wrap(batches, window=w)` a thread of their own transforms the batches ahead
-of the caller instead, and hands each over with its rows in place (dynemb/trainer/prefetch.py),
+of the caller instead, and hands each over with its rows in place (dynemb/tables/prefetch.py),
 through `transform_stream`: the same transforms with one exchange between the ranks per
 batch instead of three.
 """
@@ -45,7 +45,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -63,14 +63,15 @@ from dynemb.idtransformer.sharded import (
 )
 from dynemb.idtransformer.stream import TransformStream
 from dynemb.ps_server.schema import TableSchema
-from dynemb.trainer.device import collective_device
-from dynemb.trainer.jagged import Batch, KeyedJaggedTensor
-from dynemb.trainer.metrics import TABLE_COUNTERS, TrainerMetrics
-from dynemb.trainer.prefetch import TransformAhead
-from dynemb.trainer.row_group import RowGroup
-from dynemb.trainer.row_moves import RowMoves
-from dynemb.trainer.row_store import RowStore
-from dynemb.trainer.table_rows import TableRows
+from dynemb.tables.batches import find_kjt, get_kjt, with_kjt
+from dynemb.tables.device import collective_device
+from dynemb.tables.jagged import Batch, KeyedJaggedTensor
+from dynemb.tables.metrics import TABLE_COUNTERS, TrainerMetrics
+from dynemb.tables.prefetch import TransformAhead
+from dynemb.tables.row_group import RowGroup
+from dynemb.tables.row_moves import RowMoves
+from dynemb.tables.row_store import RowStore
+from dynemb.tables.table_rows import TableRows
 
 log = logging.getLogger("dynemb.trainer")
 _ROWS_PULLED = [name for name, _ in TABLE_COUNTERS].index("rows_pulled")
@@ -245,6 +246,8 @@ class DynamicTables:
         # None: none does, release_oldest releases at once
         self._deferred: int | None = None
         self._releases = threading.Condition()
+        # slots lent to a looked-up batch: (its table's rows, the slots, their own rows kept)
+        self._lent: list[tuple[TableRows, torch.Tensor, torch.Tensor]] = []
 
     # -- one batch ------------------------------------------------------------------
 
@@ -274,20 +277,22 @@ class DynamicTables:
         self._took(results, keep=self.ahead)
         return self._over_slots(kjt, layout, slots)
 
-    def transform_stream(self, batches: Iterator[Batch], before_each: Callable[[], bool]) -> Iterator[Batch]:
+    def transform_stream(self, batches: Iterator[Any], before_each: Callable[[], bool]) -> Iterator[Any]:
         """Collective: the batches over device rows, as transform gives them one by one, but with
         one exchange between the ranks per batch instead of three (dynemb/idtransformer/stream.py):
-        batch k is yielded, its rows in place, once batch k + 1's IDs have gone out.
-        before_each() is called before each transform of this rank's share (prefetch.py makes
-        room there); False stops the stream."""
+        batch k is yielded, its rows in place, once batch k + 1's IDs have gone out. A batch is
+        a KJT or holds one (dynemb/tables/batches.py), and comes back as it came with its KJT
+        over slots. before_each() is called before each transform of this rank's share
+        (prefetch.py makes room there); False stops the stream."""
         stream = TransformStream([self.transformers[n] for n in self.names], pin=True)
 
-        def upcoming() -> tuple[torch.Tensor | None, list[int] | None, tuple[Batch, _Layout] | None]:
+        def upcoming() -> tuple[torch.Tensor | None, list[int] | None, tuple[Any, Any, _Layout] | None]:
             batch = next(batches, None) if stream.taking else None
             if batch is None:
                 return None, None, None
-            layout = self._layout(batch.sparse_features)
-            return layout.ids, layout.sizes, (batch, layout)  # the tag: what the answers apply to
+            where = find_kjt(batch)
+            layout = self._layout(get_kjt(batch, where))
+            return layout.ids, layout.sizes, (batch, where, layout)  # the tag: what the answers apply to
 
         stream.exchange(*upcoming())
         while stream.open:
@@ -299,13 +304,10 @@ class DynamicTables:
                 raise
             if answered is not None:
                 tag = answered.tag  # upcoming()'s (batch, layout): the stream hands its tags back as given
-                assert isinstance(tag, tuple), f"a batch tagged {type(tag).__name__}, not (batch, layout)"
-                answered_batch, layout = tag
-                yield Batch(
-                    answered_batch.dense_features,
-                    self._over_slots(answered_batch.sparse_features, layout, answered.slots),
-                    answered_batch.labels,
-                )
+                assert isinstance(tag, tuple), f"a batch tagged {type(tag).__name__}, not (batch, where, layout)"
+                answered_batch, where, layout = tag
+                kjt = self._over_slots(get_kjt(answered_batch, where), layout, answered.slots)
+                yield with_kjt(answered_batch, where, kjt)
             if stream.received is not None:
                 if not before_each():
                     return
@@ -388,7 +390,9 @@ class DynamicTables:
 
     def settle(self, keep: int = 0) -> None:
         """Finish the row moves started by earlier batches, all but the `keep` latest: a failed
-        push raises here; pulled rows are written into their slots."""
+        push raises here; pulled rows are written into their slots. Rows lent to a looked-up
+        batch (look_up_in_place) are given back first."""
+        self.give_back_lent()
         while len(self._moving) > keep:
             self._finish_moves(self._moving.popleft())
         self.moves.wait()  # on a GPU: this thread's stream, after the rows written in
@@ -481,7 +485,7 @@ class DynamicTables:
 
     def release_oldest(self) -> None:
         """The oldest batch in flight is through backward and the optimizer step. While a
-        transform thread owns the tables (dynemb/trainer/prefetch.py), it applies the release."""
+        transform thread owns the tables (dynemb/tables/prefetch.py), it applies the release."""
         self.moves.released()  # on a GPU: rows read out from here on wait for that step
         with self._releases:
             if self._deferred is not None:
@@ -527,13 +531,11 @@ class DynamicTables:
                 self._release_now()
             self._deferred = None
 
-    def wrap(
-        self, batches: Iterator[Batch], ahead: int = 0, window: int = 0, priority: str = "normal"
-    ) -> Iterator[Batch]:
+    def wrap(self, batches: Iterator[Any], ahead: int = 0, window: int = 0, priority: str = "normal") -> Iterator[Any]:
         """The batches over device rows. ahead=1: a batch's rows may still be moving when it is
         yielded, until the next one is fetched (or settle()); see the module's docstring.
         window > 0: a thread of their own transforms them ahead of the caller, with their rows
-        in place when yielded, scheduled at `priority` (dynemb/trainer/prefetch.py, where `window` and
+        in place when yielded, scheduled at `priority` (dynemb/tables/prefetch.py, where `window` and
         `priority` are explained)."""
         if ahead not in (0, 1):
             raise ValueError(f"ahead must be 0 or 1, got {ahead}")
@@ -549,7 +551,8 @@ class DynamicTables:
         self.ahead = ahead
         try:
             for batch in batches:
-                yield Batch(batch.dense_features, self.transform(batch.sparse_features), batch.labels)
+                where = find_kjt(batch)
+                yield with_kjt(batch, where, self.transform(get_kjt(batch, where)))
         finally:
             self.ahead = 0
             self.settle()
@@ -643,6 +646,75 @@ class DynamicTables:
         rows = torch.zeros(len(found.answers), width, device=device)
         rows[sent_missing] = got
         return rows.index_select(0, found.position.to(device))
+
+    def look_up_in_place(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """Collective: a batch over slots for a forward without backward, the model unchanged.
+
+        A resident ID reads its own row. An ID without one has its row (from the store, or its
+        initial value if it was never trained) lent a slot of its owner for the forward: the
+        slot's own row is kept aside and written back by give_back_lent(), which every
+        transform, look-up, settle and flush calls first. So the model's own forward pools
+        every row, bags and sequences alike, and nothing is admitted, evicted, pinned, counted
+        or pushed. Run the forward before the tables are used again.
+
+        Args:
+            kjt: the batch's sparse features, over global IDs.
+
+        Returns:
+            The KJT over slots.
+
+        IDs without a row beyond the slots a table can lend on their owner (its rows less the
+        batch's resident IDs and pinned slots) are left out of their bags, with a warning.
+        """
+        self.settle()  # rows of transformed batches in place (and rows lent before given back)
+        layout = self._layout(kjt)
+        tables = [self.transformers[n] for n in self.names]
+        found = find_blocks(tables, layout.ids, layout.sizes, answer_missing=self._lend_slots)
+        return self._over_slots(kjt, layout, found.slots)
+
+    def _lend_slots(self, asked: list[torch.Tensor], slots: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The owner's side of look_up_in_place: for each table, the IDs asked of this rank that
+        have no row here get a slot none of the batch's resident IDs and no pinned batch uses,
+        their rows pulled (one call for every table) and written in, the slot's row kept."""
+        missing = [s < 0 for s in slots]
+        unique = [torch.unique(a[m], return_inverse=True) for a, m in zip(asked, missing)]
+        wanted = {self.ps_names[k]: ids.cpu().numpy() for k, (ids, _) in enumerate(unique) if len(ids)}
+        pulled = self.store.pull_many_async(wanted).result() if wanted else {}
+        out = []
+        for k, name in enumerate(self.names):
+            ids, inverse = unique[k]
+            if not len(ids):
+                out.append(slots[k])
+                continue
+            t, rows = self.transformers[name], self.rows[name]
+            free = t.local.pins == 0
+            used = slots[k][~missing[k]] - t.offset
+            free[used.to(free.device)] = False
+            lent = torch.nonzero(free).squeeze(1)[: len(ids)]
+            if len(lent) < len(ids):  # answered -1 (left out of their bags): raising here would hang the exchange
+                log.warning(
+                    "table %s: %d IDs of a looked-up batch have no row on rank %d and only %d slots are free to lend: "
+                    "%d left out of their bags; look up smaller batches",
+                    name,
+                    len(ids),
+                    self.rank,
+                    len(lent),
+                    len(ids) - len(lent),
+                )
+            self._lent.append((rows, lent, rows.read(lent)))
+            rows.write(lent, torch.from_numpy(pulled[self.ps_names[k]][: len(lent)]))
+            given = torch.full((len(ids),), -1, dtype=torch.int64, device=lent.device)
+            given[: len(lent)] = lent + t.offset
+            answer = slots[k].clone()
+            answer[missing[k]] = given.to(answer.device)[inverse.to(answer.device)]
+            out.append(answer)
+        return out
+
+    def give_back_lent(self) -> None:
+        """The rows of slots lent to a looked-up batch written back (look_up_in_place)."""
+        while self._lent:
+            rows, lent, kept = self._lent.pop()
+            rows.write(lent, kept)
 
     def look_up_batches(self, batches: Iterator[Batch]) -> Iterator[tuple[Batch, dict[str, torch.Tensor]]]:
         """Collective: each batch over device rows and its missing rows pooled (look_up)."""

@@ -3,7 +3,7 @@ else a small stand-in of each with the part of their interface dynemb uses, so t
 model (plain.py) trains where fbgemm-gpu, and with it TorchRec, cannot load (TorchRec
 imports fbgemm-gpu's kernels on import).
 
-    from dynemb.trainer.jagged import Batch, KeyedJaggedTensor, TORCHREC_ERROR
+    from dynemb.tables.jagged import Batch, KeyedJaggedTensor, TORCHREC_ERROR
 """
 
 from __future__ import annotations

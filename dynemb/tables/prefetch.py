@@ -29,7 +29,7 @@ What keeps it exact and reproducible:
   so the loop's forward, backward and fused optimizer touch other rows of the same tables.
 - On a GPU the thread has a CUDA stream of its own (RowMoves.thread_stream), and hands each
   batch over with the event after its rows' copy in: the loop's stream waits on that event
-  (not the host, not the device) before it computes on the batch (dynemb/trainer/row_moves.py).
+  (not the host, not the device) before it computes on the batch (dynemb/tables/row_moves.py).
 
 priority: how the operating system schedules the thread against the training threads.
 "normal" (the trainer's default): as any other thread. "idle" (Linux's SCHED_IDLE): it runs on cores the training
@@ -59,7 +59,7 @@ import queue
 import threading
 from collections.abc import Iterable, Iterator
 
-from dynemb.trainer.jagged import Batch
+from dynemb.tables.jagged import Batch
 
 log = logging.getLogger("dynemb.trainer")
 

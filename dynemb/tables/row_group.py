@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dynemb.trainer.table_rows import TableRows
+from dynemb.tables.table_rows import TableRows
 
 
 @dataclass

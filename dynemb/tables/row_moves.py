@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from dynemb.trainer.row_group import RowGroup
+from dynemb.tables.row_group import RowGroup
 
 Event = torch.cuda.Event
 

@@ -49,7 +49,7 @@ class TableRows:
 
     def write(self, local: torch.Tensor, rows: torch.Tensor) -> None:
         """Written through .data, which autograd does not version: a transform thread
-        (dynemb/trainer/prefetch.py) writes rows while a batch's forward and backward are under way,
+        (dynemb/tables/prefetch.py) writes rows while a batch's forward and backward are under way,
         and the TBE's backward would refuse a weights tensor changed since its forward. The
         rows written are never the batch's own (those slots are pinned), so its gradient is
         the same."""
@@ -79,7 +79,7 @@ def find_tables(model: nn.Module) -> dict[str, TableRows]:
                 if tbe is None or not hasattr(tbe, "split_optimizer_states"):
                     raise TypeError(f"table group {emb.config.embedding_names} does not use the FUSED compute kernel")
                 weights = tbe.split_embedding_weights()
-                adam = getattr(tbe, "dynemb_adam", None)  # Adam on CPU: dynemb/trainer/sparse_adam.py
+                adam = getattr(tbe, "dynemb_adam", None)  # Adam on CPU: dynemb/tables/sparse_adam.py
                 states = adam.states if adam is not None else tbe.split_optimizer_states()
                 for k, table in enumerate(emb.config.embedding_tables):
                     offset = table.local_metadata.shard_offsets[0] if table.local_metadata is not None else 0

@@ -29,8 +29,8 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from dynemb.protos import tf_bundle_pb2 as pb
-from dynemb.trainer.tf.errors import TFMigrationError
-from dynemb.trainer.tf.sstable import read_table, read_varint, unmask_crc
+from dynemb.tf.errors import TFMigrationError
+from dynemb.tf.sstable import read_table, read_varint, unmask_crc
 
 # The dtypes a tensor can be read as, by TensorFlow's Python names (tf.float32, ...), which numpy
 # shares but for bfloat16, kept as its 16 bits (uint16). Stored little-endian.

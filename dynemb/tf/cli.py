@@ -123,7 +123,7 @@ def _columns(rows: list[tuple[str, ...]]) -> list[str]:
 
 def cmd_ls(args) -> int:
     """`dynemb tf ls`: print a checkpoint's tensors, then its tables and other 2-D variables."""
-    from dynemb.trainer.tf.source import open_source
+    from dynemb.tf.source import open_source
 
     src = open_source(args.checkpoint)
     tensors = src.tensors()
@@ -194,9 +194,9 @@ def _table_section(title: str, src, tables: dict, why: str = "") -> str:
 def cmd_migrate(args) -> int:
     """`dynemb tf migrate`: plan and check every table, then write them to the PS or folders."""
     from dynemb.ps_server.cli import initializer_from_args
-    from dynemb.trainer.tf import migrate
-    from dynemb.trainer.tf.errors import TFMigrationError
-    from dynemb.trainer.tf.source import open_source
+    from dynemb.tf import migrate
+    from dynemb.tf.errors import TFMigrationError
+    from dynemb.tf.source import open_source
 
     if args.rows_per_shard < 1:
         raise TFMigrationError(f"--rows-per-shard must be >= 1, got {args.rows_per_shard}")

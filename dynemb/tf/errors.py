@@ -1,7 +1,7 @@
-"""The one error of dynemb/trainer/tf (`dynemb tf ls|migrate`): a TensorFlow checkpoint, or a
+"""The one error of dynemb/tf (`dynemb tf ls|migrate`): a TensorFlow checkpoint, or a
 request to migrate tables out of one, that cannot be used, named.
 
-Not dynemb.trainer.checkpoint_format.CheckpointError, which is about dynemb's own training
+Not dynemb.checkpoint.format.CheckpointError, which is about dynemb's own training
 checkpoints; this one has its own name so that neither is caught or raised for the other.
 """
 

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dynemb.trainer.tf.bundle import TensorInfo
-from dynemb.trainer.tf.errors import TFMigrationError
-from dynemb.trainer.tf.source import FLOAT_DTYPES, Rows, Source, Table
+from dynemb.tf.bundle import TensorInfo
+from dynemb.tf.errors import TFMigrationError
+from dynemb.tf.source import FLOAT_DTYPES, Rows, Source, Table
 
 if TYPE_CHECKING:
     import h5py

@@ -21,7 +21,7 @@ A TFRA table carries its ids (its keys): integer keys are the ids, string keys a
 like vocabulary tokens.
 
 The optimizer state written is what the target optimizer keeps per row (dynemb/trainer/config.py
-optimizer_state_width, the layout dynemb/trainer/table_rows.py reads back):
+optimizer_state_width, the layout dynemb/tables/table_rows.py reads back):
 
     sgd               none
     adagrad           dim values: the Adagrad accumulator, element for element
@@ -52,12 +52,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dynemb.ps_server.initializer import bf16_bits_to_float, float_to_bf16_bits
-from dynemb.ps_server.schema import Initializer, TableSchema
-from dynemb.trainer.config import optimizer_state_width
-from dynemb.trainer.tf.errors import TFMigrationError
-from dynemb.trainer.tf.source import FLOAT_DTYPES, Rows, Source, Table
+from dynemb.ps_server.schema import OPTIMIZERS, Initializer, TableSchema, optimizer_state_width
+from dynemb.tf.errors import TFMigrationError
+from dynemb.tf.source import FLOAT_DTYPES, Rows, Source, Table
 
-OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 # the slots each target optimizer's state is made of, in its order (dynemb/trainer/config.py)
 SLOTS_USED = {"sgd": (), "adagrad": ("accumulator",), "rowwise_adagrad": ("accumulator",), "adam": ("m", "v")}
 SLOT_KEYS = ("accumulator", "m", "v")
@@ -442,14 +440,14 @@ def to_files(
     progress: bool = True,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
 ) -> dict[str, str]:
-    """Write each plan to OUT/<table>/ (dynemb/trainer/table_files.py).
+    """Write each plan to OUT/<table>/ (dynemb/checkpoint/table_files.py).
 
     Returns:
         {table: its folder}.
     Raises:
         TFMigrationError: a folder already holds table files and overwrite is False.
     """
-    from dynemb.trainer.table_files import TableWriter, existing_files
+    from dynemb.checkpoint.table_files import TableWriter, existing_files
 
     folders = {p.schema.name: os.path.join(out, p.schema.name) for p in plans}
     for folder in folders.values():  # all checked before the first is written

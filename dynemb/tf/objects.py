@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from google.protobuf.message import DecodeError
 
 from dynemb.protos import tf_bundle_pb2 as pb
-from dynemb.trainer.tf.errors import TFMigrationError
+from dynemb.tf.errors import TFMigrationError
 
 # slot names → dynemb's canonical ones (accumulator, m, v); others keep their own name
 SLOT_NAMES = {"accumulator": "accumulator", "m": "m", "v": "v", "momentum": "momentum"}

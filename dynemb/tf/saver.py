@@ -8,7 +8,7 @@ name too). Keras 2 optimizers in graph mode name them '<variable>/accumulator', 
 
 from __future__ import annotations
 
-from dynemb.trainer.tf.bundle import TensorInfo
+from dynemb.tf.bundle import TensorInfo
 
 SUFFIXES = {
     "Adagrad": "accumulator",

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dynemb.trainer.tf.bundle import Bundle, TensorInfo
-from dynemb.trainer.tf.errors import TFMigrationError
+from dynemb.tf.bundle import Bundle, TensorInfo
+from dynemb.tf.errors import TFMigrationError
 
 FLOAT_DTYPES = ("float32", "float64", "float16", "bfloat16")
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
@@ -252,7 +252,7 @@ class BundleSource(Source):
         return bundle_rows(self.bundle, name)
 
     def _find(self) -> dict[str, Table]:
-        from dynemb.trainer.tf import objects, saver, tfra
+        from dynemb.tf import objects, saver, tfra
 
         infos = {t.name: t for t in self.tensors()}
         found = tfra.find(self.bundle, infos)
@@ -334,7 +334,7 @@ def open_source(path: str) -> Source:
     path = str(path)
     lower = path.lower()
     if lower.endswith((".h5", ".hdf5", ".keras")):
-        from dynemb.trainer.tf.keras_h5 import open_keras
+        from dynemb.tf.keras_h5 import open_keras
 
         return open_keras(path)
     if os.path.isdir(path):

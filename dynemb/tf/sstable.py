@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import google_crc32c
 
-from dynemb.trainer.tf.errors import TFMigrationError
+from dynemb.tf.errors import TFMigrationError
 
 MAGIC = 0xDB4775248B80FB57
 FOOTER_BYTES = 48

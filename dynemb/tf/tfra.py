@@ -19,9 +19,9 @@ import re
 
 import numpy as np
 
-from dynemb.trainer.tf.bundle import Bundle, TensorInfo
-from dynemb.trainer.tf.errors import TFMigrationError
-from dynemb.trainer.tf.source import Rows, Table, bundle_rows, concat_rows
+from dynemb.tf.bundle import Bundle, TensorInfo
+from dynemb.tf.errors import TFMigrationError
+from dynemb.tf.source import Rows, Table, bundle_rows, concat_rows
 
 TF1 = re.compile(r"^(?:.*/)?(?P<table>[^/]+)_mht_(?P<i>\d+)of(?P<n>\d+)-(?P<part>keys|values)$")
 TF2 = re.compile(r"^(?:.*/)?tables_of_(?P<table>[^/]+)/(?P<i>\d+)/\.ATTRIBUTES/table-(?P<part>keys|values)$")

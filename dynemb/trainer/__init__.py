@@ -1,2 +1,2 @@
-"""TorchRec training behind dynamic tables: the DLRM job (`dynemb train`, `torchrun -m dynemb.trainer`),
-checkpoints, portable table files and TensorFlow migration (`tf/`)."""
+"""The reference training job: a DLRM behind dynamic tables (`dynemb train`,
+`torchrun -m dynemb.trainer`), built on the library's public API (dynemb.tables)."""

@@ -13,8 +13,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dynemb.ps_server.schema import OPTIMIZERS
+
 SYNTHETIC_UNIVERSE = 100_000  # synthetic data's distinct IDs per feature, unless --universe
-OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 JOB_NAME = re.compile(r"([A-Za-z0-9][A-Za-z0-9._:-]{0,127})?")  # a label value that reads well in a query
 DEVICES = ("auto", "cpu", "cuda")
 MODELS = ("dlrm", "plain")
@@ -24,11 +25,6 @@ def table_name(feature: int) -> str:
     """The name of the trainer's table of sparse feature number `feature` (data.feature_names):
     t_<feature>. On the PS it carries --ps-table-prefix in front (schemas.ps_schema)."""
     return f"t_{feature}"
-
-
-def optimizer_state_width(optimizer: str, dim: int) -> int:
-    """Floats of optimizer state per row, stored after the embedding in a PS row."""
-    return {"sgd": 0, "adagrad": dim, "rowwise_adagrad": 1, "adam": 2 * dim}[optimizer]
 
 
 @dataclass
@@ -89,7 +85,7 @@ class TrainConfig:
     device: str = "auto"  # auto (cuda when a GPU is visible), cpu or cuda: one rank per GPU on cuda
     model: str = "dlrm"  # dlrm (TorchRec, FBGEMM tables) or plain (torch EmbeddingBags, no fbgemm-gpu; 1 rank)
     pipeline: bool = True  # TrainPipelineSparseDist: next batch's transform/pull overlaps
-    prefetch: int = 1  # batches a thread transforms ahead of the loop (dynemb/trainer/prefetch.py); 0: inline
+    prefetch: int = 1  # batches a thread transforms ahead of the loop (dynemb/tables/prefetch.py); 0: inline
     transform_priority: str = "normal"  # that thread's scheduling: normal, low (nice 19), idle (SCHED_IDLE)
     ps: str = ""  # PS address(es), comma-separated; "" = embedded store in each rank's process
     ps_table_prefix: str = "dynemb_"
@@ -210,7 +206,7 @@ HELP = {
     "dynamic": "dynamic tables over the PS (--no-dynamic: plain full TorchRec tables of --capacity, else "
     "--universe rows each; an ID v takes row v mod rows, the hashing trick, as TorchRec's Criteo examples do)",
     "optimizer": "sgd, adagrad, rowwise_adagrad, adam "
-    "(fused into backward; Adam on CPU through dynemb/trainer/sparse_adam.py)",
+    "(fused into backward; Adam on CPU through dynemb/tables/sparse_adam.py)",
     "lr": "learning rate of the embedding tables",
     "dense_lr": "learning rate of the dense layers",
     "batch_size": "samples per step and rank",

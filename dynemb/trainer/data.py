@@ -23,8 +23,8 @@ import xxhash
 from tqdm import tqdm
 
 from dynemb.common.errors import shown
+from dynemb.tables.jagged import Batch, KeyedJaggedTensor
 from dynemb.trainer.config import DataConfig
-from dynemb.trainer.jagged import Batch, KeyedJaggedTensor
 from dynemb.trainer.zipf import BoundedZipf
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)

@@ -25,10 +25,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dynemb.tables.device import collective_device
+from dynemb.tables.jagged import Batch, KeyedJaggedTensor
 from dynemb.trainer.config import TrainConfig, table_name
 from dynemb.trainer.data import feature_names
-from dynemb.trainer.device import collective_device
-from dynemb.trainer.jagged import Batch, KeyedJaggedTensor
 from dynemb.trainer.schemas import table_rows_total
 
 log = logging.getLogger("dynemb.trainer")

@@ -21,7 +21,6 @@ import torch.distributed as dist
 # ran on into interpreter shutdown, where one finishing a collective's work takes the GIL and
 # aborts the process ("terminate called without an active exception").
 import torch.distributed.optim  # noqa: F401
-from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
@@ -31,16 +30,16 @@ from torchrec.distributed.types import ShardingType
 from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from dynemb.ps_server.initializer import initial_rows
 from dynemb.ps_server.schema import TableSchema
+from dynemb.tables.dense import dense_parameters
+from dynemb.tables.sparse_adam import RowSparseAdam, TrainedOptimizer, fused_tbes
+from dynemb.tables.table_rows import find_tables
 from dynemb.trainer.config import TrainConfig, table_name
 from dynemb.trainer.data import feature_names
 from dynemb.trainer.schemas import ps_schema, table_rows_total
-from dynemb.trainer.sparse_adam import RowSparseAdam, TrainedOptimizer, fused_tbes
-from dynemb.trainer.table_rows import find_tables
 
 
 class RowWiseSharder(EmbeddingBagCollectionSharder):
@@ -64,7 +63,7 @@ def _sparse_optimizer(cfg: TrainConfig, device: torch.device):
     if device.type == "cuda":
         return torch.optim.Adam, {"lr": cfg.lr, "eps": 1e-8}
     # FBGEMM's CPU TBE has no Adam: the tables run exact SGD at learning rate 1 and
-    # RowSparseAdam turns that into Adam (see dynemb/trainer/sparse_adam.py)
+    # RowSparseAdam turns that into Adam (see dynemb/tables/sparse_adam.py)
     return torch.optim.SGD, {"lr": 1.0}
 
 
@@ -110,15 +109,20 @@ def build(cfg: TrainConfig, device: torch.device = _CPU) -> Built:
         )
         for i, f in enumerate(features)
     ]
-    torch.manual_seed(cfg.seed)  # the dense layers start alike in every run of this config
+    # the dense layers start alike in every run of this config, on any device: made on the CPU
+    # from the seed (on a GPU they would draw from its own generator), then moved
+    torch.manual_seed(cfg.seed)
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
     dlrm = DLRM(
         embedding_bag_collection=ebc,
         dense_in_features=cfg.data.num_dense,
         dense_arch_layer_sizes=cfg.dense_arch,
         over_arch_layer_sizes=cfg.over_arch,
-        dense_device=device,
+        dense_device=_CPU,
     )
+    for name, part in dlrm.named_children():
+        if name != "sparse_arch":  # the tables stay on "meta" until DMP shards them
+            part.to(device)
     train_model = DLRMTrain(dlrm)
     opt_class, opt_args = _sparse_optimizer(cfg, device)
     apply_optimizer_in_backward(opt_class, train_model.model.sparse_arch.parameters(), opt_args)
@@ -135,7 +139,7 @@ def build(cfg: TrainConfig, device: torch.device = _CPU) -> Built:
     )
     plan = planner.collective_plan(train_model, sharders, dist.GroupMember.WORLD)
     model = DistributedModelParallel(train_model, device=device, plan=plan, sharders=sharders)
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())), _dense_optimizer(cfg))
+    dense = KeyedOptimizerWrapper(dense_parameters(model), _dense_optimizer(cfg))
     sparse_adam = None
     if cfg.optimizer == "adam" and device.type == "cpu":
         sparse_adam = RowSparseAdam(fused_tbes(model), lr=cfg.lr, eps=1e-8)
@@ -147,8 +151,3 @@ def build(cfg: TrainConfig, device: torch.device = _CPU) -> Built:
             ids = torch.arange(r.row_offset, r.row_offset + r.local_rows)
             r.write(torch.arange(r.local_rows), torch.from_numpy(initial_rows(schemas[name], ids.numpy())))
     return Built(model, optimizer, [t.name for t in tables], features, schemas, cfg.data.universe, dense)
-
-
-def dense_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's parameters not updated in backward (the dense layers'), by name."""
-    return dict(in_backward_optimizer_filter(model.named_parameters()))

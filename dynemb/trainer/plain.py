@@ -26,17 +26,17 @@ from torch import nn
 from dynemb.common.errors import UserError
 from dynemb.idtransformer.policy import EvictionPolicy
 from dynemb.ps_server.initializer import initial_rows
+from dynemb.tables.device import init_distributed, resolve_device
+from dynemb.tables.dynamic import DynamicTables, DynamicTableSpec
+from dynemb.tables.jagged import Batch, KeyedJaggedTensor
+from dynemb.tables.metrics import TrainerMetrics
+from dynemb.tables.row_store import LocalRowStore
+from dynemb.tables.table_rows import TableRows
 from dynemb.trainer.config import TrainConfig, table_name
 from dynemb.trainer.data import SyntheticCriteo, feature_names, file_batches
-from dynemb.trainer.device import init_distributed, resolve_device
-from dynemb.trainer.dynamic import DynamicTables, DynamicTableSpec
 from dynemb.trainer.full_tables import job_batches
-from dynemb.trainer.jagged import Batch, KeyedJaggedTensor
-from dynemb.trainer.metrics import TrainerMetrics
 from dynemb.trainer.result import TrainResult
-from dynemb.trainer.row_store import LocalRowStore
 from dynemb.trainer.schemas import ps_schema, table_rows_total
-from dynemb.trainer.table_rows import TableRows
 
 SPARSE_OPTIMIZERS = ("sgd", "adagrad")  # torch's with sparse gradients and per-row state
 

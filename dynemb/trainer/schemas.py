@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 
-from dynemb.ps_server.schema import MAX_EXPECTED_ROWS, Initializer, TableSchema
-from dynemb.trainer.config import TrainConfig, optimizer_state_width, table_name
+from dynemb.ps_server.schema import MAX_EXPECTED_ROWS, Initializer, TableSchema, optimizer_state_width
+from dynemb.trainer.config import TrainConfig, table_name
 
 
 def table_rows_total(cfg: TrainConfig, world_size: int, name: str) -> int:

@@ -16,6 +16,9 @@ world size the new rendezvous has), else a start from step 0.
 One PS call for all of it (ListTables: each table's schema and rows), made by rank 0 where the
 ranks share a PS, by each rank where each keeps its own rows (the embedded store, empty at a
 job's start). Every rank raises the same error, so none is left waiting in a collective.
+
+The checkpoint module knows no TrainConfig: checkpoint_settings and checkpointer say what this
+job's flags make of it (and which flag a job of another optimizer is told to give).
 """
 
 from __future__ import annotations
@@ -23,20 +26,33 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from dynemb.checkpoint.checkpoint import (
+    Checkpointer,
+    CheckpointSettings,
+    CheckpointTable,
+    check_settings,
+    data_start,
+)
+from dynemb.checkpoint.format import CheckpointError, checkpoints, read_manifest
 from dynemb.common.errors import UserError
 from dynemb.ps_server.errors import PSError
 from dynemb.ps_server.schema import TableSchema
-from dynemb.trainer.checkpoint import check_settings, data_start
-from dynemb.trainer.checkpoint_format import CheckpointError, checkpoints, read_manifest
+from dynemb.tables.row_store import RowStore
 from dynemb.trainer.config import TrainConfig, table_name
-from dynemb.trainer.row_store import RowStore
 from dynemb.trainer.schemas import ps_schema
 
+if TYPE_CHECKING:  # types only: model.py loads TorchRec's sharding and models
+    from dynemb.tables.embeddings import DynamicEmbeddings
+    from dynemb.trainer.model import Built
+
 log = logging.getLogger("dynemb.trainer")
+
+# what a job resumed with another --optimizer than its checkpoint's is told ({optimizer}: the checkpoint's)
+RESUME_OPTIMIZER_HINT = "resume with --optimizer {optimizer}, or start a new run without --resume"
 
 # the flag that sets each field of a PS table's schema
 _FLAG = {"dim": "--dim", "state_width": "--optimizer", "initializer": "--seed, --init-scale"}
@@ -67,6 +83,39 @@ def choose_resume(cfg: TrainConfig) -> TrainConfig:
     if world > 1:
         dist.broadcast_object_list(chosen, src=0)
     return dataclasses.replace(cfg, resume=chosen[0]) if chosen[0] != cfg.resume else cfg
+
+
+def checkpoint_settings(cfg: TrainConfig) -> CheckpointSettings:
+    """How the job of cfg checkpoints: its --checkpoint-* flags, and the whole cfg recorded in
+    each manifest (`config`)."""
+    return CheckpointSettings(
+        batch_size=cfg.batch_size,
+        directory=cfg.checkpoint_dir,
+        keep=cfg.checkpoint_keep,
+        full_every=cfg.checkpoint_full_every,
+        progress=cfg.progress,
+        config=dataclasses.asdict(cfg),
+        optimizer_hint=RESUME_OPTIMIZER_HINT,
+    )
+
+
+def checkpointer(cfg: TrainConfig, built: Built, dynamic: DynamicEmbeddings | None, store: RowStore) -> Checkpointer:
+    """The Checkpointer of the DLRM job of cfg: its model as build() made it (one feature per
+    table), its dense optimizer and row-sparse Adam, its dynamic tables (None: full ones)."""
+    tables = [
+        CheckpointTable(name, built.schemas[name], (feature,))
+        for name, feature in zip(built.table_names, built.features)
+    ]
+    return Checkpointer(
+        checkpoint_settings(cfg),
+        built.model,
+        tables,
+        built.dense_optimizer,
+        optimizer=cfg.optimizer,
+        dynamic=dynamic,
+        store=store,
+        sparse_adam=built.optimizer.sparse_adam,
+    )
 
 
 def _say_resuming(folder: str, cfg: TrainConfig, world: int) -> None:
@@ -100,7 +149,14 @@ def check_before_training(cfg: TrainConfig, store: RowStore) -> None:
     if rank == 0 or store.per_rank:
         try:
             if rank == 0 and cfg.resume:
-                check_settings(cfg, schemas, dist.get_world_size())
+                check_settings(
+                    checkpoint_settings(cfg),
+                    cfg.resume,
+                    schemas,
+                    dist.get_world_size(),
+                    optimizer=cfg.optimizer,
+                    dynamic=cfg.table.dynamic,
+                )
             if cfg.table.dynamic:
                 _check_tables(cfg, list(schemas.values()), store, rank)
         except Exception as exc:  # noqa: BLE001 - raised below, on every rank

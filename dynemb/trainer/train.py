@@ -31,42 +31,48 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torchrec.models.dlrm import SparseArch
 from tqdm import tqdm
 
+from dynemb import tables as dt
+from dynemb.checkpoint.checkpoint import Checkpointer
 from dynemb.idtransformer.hashing import owner_of
-from dynemb.idtransformer.policy import EvictionPolicy
-from dynemb.trainer.checkpoint import Checkpointer
-from dynemb.trainer.collectives import all_gather_ragged
+from dynemb.tables.collectives import all_gather_ragged
+from dynemb.tables.device import init_distributed, resolve_device
+from dynemb.tables.metrics import TrainerMetrics
+from dynemb.tables.row_store import RowStore, open_row_store
+from dynemb.tables.table_rows import find_tables
 from dynemb.trainer.config import TrainConfig, table_name
 from dynemb.trainer.data import SyntheticCriteo, batches_per_epoch, count_distinct_ids, file_batches
-from dynemb.trainer.device import init_distributed, resolve_device
-from dynemb.trainer.dynamic import DynamicTables, DynamicTableSpec
-from dynemb.trainer.metrics import TrainerMetrics
 from dynemb.trainer.model import Built, build
 from dynemb.trainer.result import TrainResult
-from dynemb.trainer.row_store import RowStore, open_row_store
-from dynemb.trainer.startup import check_before_training, choose_resume
-from dynemb.trainer.table_rows import find_tables
+from dynemb.trainer.startup import check_before_training, checkpointer, choose_resume
 
 log = logging.getLogger("dynemb.trainer")
 _CPU = torch.device("cpu")
 
 
-def make_dynamic(
-    cfg: TrainConfig, built: Built, store: RowStore, metrics: TrainerMetrics, device: torch.device = _CPU
-) -> DynamicTables:
-    """The dynamic tables in front of the built model, one per table of it, as cfg sets them,
-    their ID transformers and row moves on `device` (the model's)."""
-    specs = []
-    for name, feature in zip(built.table_names, built.features):
-        t = cfg.table_config(name)
-        policy = EvictionPolicy(t.policy, evict_fraction=t.evict_fraction, ttl_steps=t.ttl_steps or None)
-        specs.append(DynamicTableSpec(name, [feature], built.schemas[name], policy, t.admit_threshold))
-    # a process group of their own: their collectives (the IDs' exchange) may run on a
-    # transform thread (cfg.prefetch) beside the training loop's on the default group
-    group = dist.new_group(backend=dist.get_backend())
-    return DynamicTables(find_tables(built.model), specs, store, metrics, group=group, device=device)
+def make_dynamic(cfg: TrainConfig, built: Built, store: RowStore, metrics: TrainerMetrics) -> dt.DynamicEmbeddings:
+    """The dynamic tables in front of the built model, one per table of it, as cfg sets them
+    (their ID transformers and row moves on the model's device), over the job's PS tables."""
+    configs = []
+    for name in built.table_names:
+        t, schema = cfg.table_config(name), built.schemas[name]
+        configs.append(
+            dt.TableConfig(
+                name,
+                policy=t.policy,
+                evict_fraction=t.evict_fraction,
+                ttl_steps=t.ttl_steps or None,
+                admit_threshold=t.admit_threshold,
+                initializer=schema.initializer,
+                expected_rows=schema.expected_rows,
+            )
+        )
+    # "warm": check_before_training has refused (or with --fresh dropped) rows left on the PS
+    # already, with the flags' words, before the model was built
+    return dt.DynamicEmbeddings(
+        built.model, configs, store=store, start="warm", table_prefix=cfg.ps_table_prefix, metrics=metrics
+    )
 
 
 def batches(cfg: TrainConfig, split: int, start: int = 0):
@@ -140,14 +146,15 @@ def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
 
         print(describe(cfg), file=sys.stderr, flush=True)
     store = open_row_store(cfg)
+    dynamic: dt.DynamicEmbeddings | None = None
     metrics = TrainerMetrics(rank, job=cfg.metrics_job())
     if cfg.metrics_port:  # + local rank: every machine's (or pod's) ranks serve on the same ports
         metrics.serve(cfg.metrics_port + int(os.environ.get("LOCAL_RANK", "0")), cfg.metrics_address)
     try:
         check_before_training(cfg, store)  # the checkpoint's settings, then rows left on the PS (startup.py)
         built = build(cfg, device)
-        dynamic = make_dynamic(cfg, built, store, metrics, device) if cfg.table.dynamic else None
-        ckpt = Checkpointer(cfg, built, dynamic, store) if cfg.checkpoint_dir or cfg.resume else None
+        dynamic = make_dynamic(cfg, built, store, metrics) if cfg.table.dynamic else None
+        ckpt = checkpointer(cfg, built, dynamic, store) if cfg.checkpoint_dir or cfg.resume else None
         first_step = ckpt.restore(cfg.resume) if ckpt is not None and cfg.resume else 0
         data_start = ckpt.data_start if ckpt is not None and cfg.resume else 0
         result = _loop(cfg, built, dynamic, metrics, ckpt, first_step, device, data_start)
@@ -157,7 +164,7 @@ def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
             ckpt.save(first_step + len(result.losses))
         result.auc, result.logloss = evaluate(cfg, built, dynamic, device)
         if dynamic is not None:
-            dynamic.flush()  # the PS holds every row the job has trained
+            dynamic.close()  # the PS holds every row the job has trained
             if world > 1:  # ... from every rank, before any rank reads rows back
                 dist.barrier()
         if collect_tables:
@@ -166,6 +173,11 @@ def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
             time.sleep(cfg.metrics_linger_seconds)  # the final counts stay up for Prometheus' next scrape
         return result
     finally:
+        if dynamic is not None and not dynamic.closed:  # a failed run: its rows reach the PS all the same
+            try:
+                dynamic.close()
+            except Exception as exc:  # noqa: BLE001 - the run's own error is the one raised
+                log.error("could not push the resident rows to %s: %s", store.where, exc)
         store.close()
         if created:
             dist.destroy_process_group()
@@ -174,7 +186,7 @@ def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
 def _loop(
     cfg: TrainConfig,
     built: Built,
-    dynamic: DynamicTables | None,
+    dynamic: dt.DynamicEmbeddings | None,
     metrics: TrainerMetrics,
     ckpt: Checkpointer | None = None,
     first_step: int = 0,
@@ -191,13 +203,10 @@ def _loop(
     data = iter(batches(cfg, split=0, start=data_start))
     if ckpt is not None:
         data = ckpt.tap(data)  # the global IDs each batch touches (incremental checkpoints)
-    # With cfg.prefetch, a thread transforms batches ahead (dynemb/trainer/prefetch.py): its window is
-    # what the loop does inline (3 for the pipeline, 1 for a plain loop; see there) plus one
-    # per batch ahead. Without, the pipeline's fetch of batch i + 2 before batch i's forward
-    # lets a batch's rows move while the step before it computes (ahead=1: settled when the
-    # next one is fetched).
-    transform_window = (3 if cfg.pipeline else 1) + cfg.prefetch if cfg.prefetch else 0
-    ahead = 1 if cfg.pipeline and not transform_window else 0
+    # The batches the loop holds at once: TorchRec's pipeline fetches batch i + 2 before batch
+    # i's forward (3), a plain loop one at a time. With cfg.prefetch, a thread transforms
+    # batches ahead of that.
+    in_flight = 3 if cfg.pipeline else 1
     model, optimizer = built.model, built.optimizer
     model.train()
     every = cfg.checkpoint_every if ckpt is not None else 0
@@ -215,7 +224,7 @@ def _loop(
             ready = (
                 part
                 if dynamic is None
-                else dynamic.wrap(part, ahead=ahead, window=transform_window, priority=cfg.transform_priority)
+                else dynamic.wrap(part, in_flight=in_flight, prefetch=cfg.prefetch, priority=cfg.transform_priority)
             )
             # on a GPU, from pinned memory: the copies to the device do not hold the host up
             yield from ready if device.type == "cpu" else (b.pin_memory() for b in ready)
@@ -271,8 +280,6 @@ def _loop(
             except StopIteration:
                 result.data_ran_out = True
                 break
-            if dynamic is not None:
-                dynamic.release_oldest()
             pending.append(loss.detach())
             metrics.steps.inc()
             metrics.samples.inc(cfg.batch_size)
@@ -318,10 +325,8 @@ def _loop(
     elapsed = time.perf_counter() - start
     result.samples_per_second = len(result.losses) * cfg.batch_size * dist.get_world_size() / max(elapsed, 1e-9)
     if dynamic is not None:
-        result.hit_rate, result.table_hit_rates = dynamic.run_hit_rates()
-        result.hit_rates = list(dynamic.hit_rates[: len(result.losses)])  # not the ones fetched ahead
-        while dynamic.in_flight:  # batches the pipeline fetched but the step limit cut off
-            dynamic.release_oldest()
+        result.hit_rate, result.table_hit_rates = dynamic.hit_rate()
+        result.hit_rates = dynamic.hit_rates[: len(result.losses)]  # not the ones fetched ahead
     return result
 
 
@@ -338,7 +343,7 @@ def planned_steps(cfg: TrainConfig) -> int:
     return cfg.data.epochs * batches_per_epoch(cfg.data, cfg.batch_size, dist.get_world_size())
 
 
-def _collect_tables(built: Built, dynamic: DynamicTables | None, store: RowStore) -> dict:
+def _collect_tables(built: Built, dynamic: dt.DynamicEmbeddings | None, store: RowStore) -> dict:
     out = {}
     for name, r in find_tables(built.model).items():
         if dynamic is None:
@@ -375,7 +380,7 @@ def _pull_from_owners(store: RowStore, table: str, ids: np.ndarray, universe: in
 
 @torch.no_grad()
 def evaluate(
-    cfg: TrainConfig, built: Built, dynamic: DynamicTables | None, device: torch.device = _CPU
+    cfg: TrainConfig, built: Built, dynamic: dt.DynamicEmbeddings | None, device: torch.device = _CPU
 ) -> tuple[float, float]:
     """AUC and log-loss over every rank's held-out batches, computed on `device` (the model's)."""
     from torchmetrics.functional.classification import binary_auroc
@@ -385,27 +390,13 @@ def evaluate(
     logits, labels = [], []
     data = batches(cfg, split=1)
     # dynamic tables: looked up, not transformed: held-out IDs are neither admitted nor pushed,
-    # and an ID without a device row reads its PS row (or initial value), added to the pooled
-    # embeddings the model computes from the rows it has
-    looked = dynamic.look_up_batches(data) if dynamic is not None else ((b, None) for b in data)
-    sparse_arch = next(m for m in model.modules() if isinstance(m, SparseArch))
-    pending: list[dict[str, torch.Tensor]] = []  # the batch's missing rows, for the hook
-
-    def add_missing(module: SparseArch, _inputs, pooled: torch.Tensor) -> torch.Tensor:
-        missing = pending.pop()
-        if not missing:
-            return pooled
-        return pooled + torch.stack([missing[f] for f in module.sparse_feature_names], dim=1).to(pooled.device)
-
-    hook = sparse_arch.register_forward_hook(add_missing)
-    try:
-        for batch, missing in looked:
-            pending.append(missing or {})
-            _, (_, logit, label) = model(on_device(batch, device))
-            logits.append(logit.reshape(-1))
-            labels.append(label.reshape(-1))
-    finally:
-        hook.remove()
+    # and an ID without a device row reads its PS row (or initial value) through a slot lent
+    # for the forward
+    looked = dynamic.wrap(data, train=False) if dynamic is not None else data
+    for batch in looked:
+        _, (_, logit, label) = model(on_device(batch, device))
+        logits.append(logit.reshape(-1))
+        labels.append(label.reshape(-1))
     model.train()
     local = torch.stack([torch.cat(logits), torch.cat(labels)]) if logits else torch.zeros(2, 0, device=device)
     every = torch.cat(all_gather_ragged(local), dim=1)  # on the group's device (NCCL: the GPU)

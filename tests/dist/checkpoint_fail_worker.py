@@ -19,9 +19,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from helpers import config, leave_process_groups  # noqa: E402
 
-from dynemb.trainer.checkpoint_format import CheckpointError  # noqa: E402
-from dynemb.trainer.row_store import LocalRowStore  # noqa: E402
-from dynemb.trainer.table_files import TableWriter  # noqa: E402
+from dynemb.checkpoint.format import CheckpointError  # noqa: E402
+from dynemb.checkpoint.table_files import TableWriter  # noqa: E402
+from dynemb.tables.row_store import LocalRowStore  # noqa: E402
 from dynemb.trainer.train import train  # noqa: E402
 
 

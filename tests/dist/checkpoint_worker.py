@@ -26,12 +26,26 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     ck = os.path.join(out, "ck")
-    first = train(config(optimizer, dynamic=dynamic, steps=40, checkpoint_dir=ck, checkpoint_every=10, ps=ps,
-                         checkpoint_full_every=2), collect_tables=True)
+    first = train(
+        config(
+            optimizer, dynamic=dynamic, steps=40, checkpoint_dir=ck, checkpoint_every=10, ps=ps, checkpoint_full_every=2
+        ),
+        collect_tables=True,
+    )
     # the same checkpoint flags (another folder): its pipeline drains at step 30 as the first
     # job's did, so the ID transformers see the same pins there
-    resumed = train(config(optimizer, dynamic=dynamic, steps=40, checkpoint_dir=os.path.join(out, "ck2"), ps=ps,
-                           checkpoint_every=10, resume=os.path.join(ck, "step-00000020")), collect_tables=True)
+    resumed = train(
+        config(
+            optimizer,
+            dynamic=dynamic,
+            steps=40,
+            checkpoint_dir=os.path.join(out, "ck2"),
+            ps=ps,
+            checkpoint_every=10,
+            resume=os.path.join(ck, "step-00000020"),
+        ),
+        collect_tables=True,
+    )
     arrays = {}
     for tag, result in (("first", first), ("resumed", resumed)):
         arrays[f"{tag}_losses"] = np.array(result.losses)

@@ -20,9 +20,9 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-import dynemb.trainer.checkpoint as checkpoint  # noqa: E402
-from dynemb.trainer.checkpoint import Checkpointer  # noqa: E402
-from dynemb.trainer.checkpoint_format import MANIFEST  # noqa: E402
+import dynemb.checkpoint.checkpoint as checkpoint  # noqa: E402
+from dynemb.checkpoint.checkpoint import Checkpointer  # noqa: E402
+from dynemb.checkpoint.format import MANIFEST  # noqa: E402
 from dynemb.trainer.cli import main  # noqa: E402
 
 DIES_AFTER = int(os.environ.get("DYNEMB_TEST_NODE_DIES_AFTER", "0"))

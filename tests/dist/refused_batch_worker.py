@@ -32,8 +32,8 @@ from dynemb.idtransformer.sharded import BatchRefused  # noqa: E402
 from dynemb.idtransformer.transformer import TooManyIDs  # noqa: E402
 from dynemb.ps_server.initializer import initial_rows  # noqa: E402
 from dynemb.ps_server.schema import Initializer, TableSchema  # noqa: E402
-from dynemb.trainer.dynamic import DynamicTables, DynamicTableSpec  # noqa: E402
-from dynemb.trainer.table_rows import TableRows  # noqa: E402
+from dynemb.tables.dynamic import DynamicTables, DynamicTableSpec  # noqa: E402
+from dynemb.tables.table_rows import TableRows  # noqa: E402
 
 TABLES = {"a": 16, "b": 16, "c": 12}  # rows per rank
 DIM, UNIVERSE = 4, 300
@@ -185,7 +185,7 @@ class Scenario:
 def main() -> None:
     import faulthandler
 
-    from dynemb.trainer.row_store import RemoteRowStore
+    from dynemb.tables.row_store import RemoteRowStore
 
     faulthandler.dump_traceback_later(200, exit=True)  # a hung collective prints its stacks
     dist.init_process_group("gloo")

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from helpers import config, leave_process_groups  # noqa: E402
 
-from dynemb.trainer.checkpoint import Checkpointer  # noqa: E402
+from dynemb.checkpoint.checkpoint import Checkpointer  # noqa: E402
 from dynemb.trainer.train import train  # noqa: E402
 
 
@@ -31,7 +31,8 @@ def main() -> None:
     out, phase, optimizer, tables = sys.argv[1:5]
     ps = sys.argv[5] if len(sys.argv) > 5 else ""
     dynamic = tables == "dynamic"
-    faulthandler.dump_traceback_later(int(os.environ.get("HANG_S", "500")), exit=True)  # a hung collective prints its stacks
+    # a hung collective prints its stacks
+    faulthandler.dump_traceback_later(int(os.environ.get("HANG_S", "500")), exit=True)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     ck = os.path.join(out, "ck")
@@ -45,8 +46,16 @@ def main() -> None:
             arrays[f"{tag}_table_{name}"], arrays[f"{tag}_start_{name}"] = rows, np.array(start)
 
     if phase == "first":
-        cfg = config(optimizer, dynamic=dynamic, steps=20, checkpoint_dir=ck, checkpoint_every=10,
-                     checkpoint_full_every=2, checkpoint_at_end=True, ps=ps)
+        cfg = config(
+            optimizer,
+            dynamic=dynamic,
+            steps=20,
+            checkpoint_dir=ck,
+            checkpoint_every=10,
+            checkpoint_full_every=2,
+            checkpoint_at_end=True,
+            ps=ps,
+        )
         keep("first", train(cfg, collect_tables=True))
     else:
         restore = Checkpointer.restore
@@ -55,7 +64,7 @@ def main() -> None:
             step = restore(self, which)
             for key, value in self.work.items():  # what this rank read and wrote
                 arrays[f"work_{key}"] = np.array(value)
-            for name, t in (self.dynamic.transformers.items() if self.dynamic is not None else []):
+            for name, t in self.dynamic.transformers.items() if self.dynamic is not None else []:
                 state = t.local.state_dict()
                 arrays[f"resident_ids_{name}"] = state["ids"].numpy()
                 arrays[f"resident_rows_{name}"] = self.dynamic.rows[name].read(state["slots"]).numpy()
@@ -66,8 +75,15 @@ def main() -> None:
         at20 = os.path.join(ck, "step-00000020")
         keep("restored", train(config(optimizer, dynamic=dynamic, steps=20, resume=at20, ps=ps), collect_tables=True))
         Checkpointer.restore = restore
-        cfg = config(optimizer, dynamic=dynamic, steps=30, resume=at20, ps=ps,
-                     checkpoint_dir=os.path.join(out, f"ck{world}"), checkpoint_at_end=True)
+        cfg = config(
+            optimizer,
+            dynamic=dynamic,
+            steps=30,
+            resume=at20,
+            ps=ps,
+            checkpoint_dir=os.path.join(out, f"ck{world}"),
+            checkpoint_at_end=True,
+        )
         keep("trained", train(cfg))
     np.savez(os.path.join(out, f"{phase}-{world}-rank{rank}.npz"), **arrays)
     leave_process_groups()  # no gloo thread left to abort the exit

@@ -1,0 +1,135 @@
+"""A sequence model with dynamic tables: a user's recent items (unpooled, through an
+EmbeddingCollection) score a candidate item from the same table.
+
+Trains on synthetic sessions (a user's history comes mostly from one taste group; a candidate
+of that group is clicked), in one process or under torchrun, with the embedded store (default)
+or a PS, then prints the final loss and AUC. Item IDs are spread over 2^40.
+
+    python examples/sequence.py                          # one process, embedded store
+    torchrun --nproc_per_node 2 examples/sequence.py     # 2 ranks (gloo on CPU)
+    python examples/sequence.py --store localhost:50051  # rows on a running PS
+
+The lines that make the table dynamic are marked "# dynemb".
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchmetrics.functional.classification import binary_auroc
+from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from dynemb import tables as dt
+
+DIM, GROUPS, ITEMS, HISTORY = 16, 8, 3_000, 8
+
+
+class SequenceScorer(nn.Module):
+    """Each history position's item embedding, weighted by recency and summed, against the
+    candidate's embedding (the same table: one table, two features)."""
+
+    def __init__(self, item_rows: int) -> None:
+        super().__init__()
+        self.ec = EmbeddingCollection(
+            tables=[
+                EmbeddingConfig(
+                    name="item", embedding_dim=DIM, num_embeddings=item_rows, feature_names=["history", "candidate"]
+                )
+            ],
+            device=torch.device("meta"),
+        )
+        self.recency = nn.Parameter(torch.zeros(HISTORY))
+        self.project = nn.Linear(DIM, DIM)
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        seqs = self.ec(kjt)  # {feature: JaggedTensor of per-position embeddings}
+        history, candidate = seqs["history"], seqs["candidate"]
+        lengths = history.lengths().long()
+        batch = len(lengths)
+        sample = torch.repeat_interleave(torch.arange(batch), lengths)
+        position = torch.arange(len(sample)) - torch.repeat_interleave(history.offsets()[:-1].long(), lengths)
+        weight = torch.softmax(self.recency, 0)[position.clamp(max=HISTORY - 1)].unsqueeze(1)
+        user = torch.zeros(batch, DIM).index_add(0, sample, weight * history.values())
+        return (self.project(user) * candidate.values()).sum(1)  # one candidate per sample
+
+
+def batches(seed: int, batch_size: int, rank: int, world: int):
+    """Endless (KJT of history and candidate, clicks)."""
+    gen = torch.Generator().manual_seed(seed * 1000 + rank * 7 + world)
+    item_ids = torch.randint(0, 1 << 40, (ITEMS,), generator=torch.Generator().manual_seed(54321))
+    while True:
+        group = torch.randint(0, GROUPS, (batch_size,), generator=gen)
+        lengths = torch.randint(1, HISTORY + 1, (batch_size,), generator=gen)
+        drawn = (torch.rand(int(lengths.sum()), generator=gen) ** 2 * ITEMS).long()
+        own = torch.rand(len(drawn), generator=gen) < 0.8  # 4 in 5 history items of the user's group
+        drawn = torch.where(own, drawn - drawn % GROUPS + group.repeat_interleave(lengths), drawn)
+        candidate = (torch.rand(batch_size, generator=gen) ** 2 * ITEMS).long()
+        liked = torch.rand(batch_size, generator=gen) < 0.5
+        candidate = torch.where(liked, candidate - candidate % GROUPS + group, candidate)
+        clicks = (candidate % GROUPS == group).float()
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=["history", "candidate"],
+            values=torch.cat([item_ids[drawn], item_ids[candidate]]),
+            lengths=torch.cat([lengths, torch.ones(batch_size, dtype=lengths.dtype)]).int(),
+        )
+        yield kjt, clicks
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--capacity", type=int, default=2048, help="item rows on the devices, all ranks together")
+    p.add_argument("--store", default=None, help="PS addresses host:port[,host:port]; default: the embedded store")
+    p.add_argument("--start", default="new", choices=["new", "warm", "fresh"], help="rows an earlier run left")
+    p.add_argument("--table-prefix", default="sequence_")
+    p.add_argument("--eval-batches", type=int, default=20)
+    args = p.parse_args(argv)
+
+    created = dt.init_distributed()  # dynemb: torchrun's group, or a group of one process
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = SequenceScorer(-(-args.capacity // world) * world)  # an equal block of rows on each rank
+    apply_optimizer_in_backward(torch.optim.Adagrad, model.ec.parameters(), {"lr": 0.1})
+    configs = [dt.TableConfig("item", policy="hybrid")]  # dynemb
+    model = dt.shard_model(model, configs, torch.device("cpu"))  # dynemb: DMP, the table row-wise
+    dense = torch.optim.Adam(dict(in_backward_optimizer_filter(model.named_parameters())).values(), lr=0.01)
+    loss_fn = nn.BCEWithLogitsLoss()
+    losses = []
+    with dt.DynamicEmbeddings(  # dynemb
+        model, configs, store=args.store, start=args.start, table_prefix=args.table_prefix
+    ) as dyn:
+        train = (b for _, b in zip(range(args.steps), batches(1, args.batch_size, rank, world)))
+        for kjt, clicks in dyn.wrap(train):  # dynemb: KJT of IDs in, KJT of slots out
+            loss = loss_fn(model(kjt), clicks)
+            dense.zero_grad()
+            loss.backward()
+            dense.step()
+            losses.append(loss.item())
+        logits, labels = [], []
+        held_out = (b for _, b in zip(range(args.eval_batches), batches(2, args.batch_size, rank, world)))
+        with torch.no_grad():
+            for kjt, clicks in dyn.wrap(held_out, train=False):  # dynemb: nothing admitted or pushed
+                logits.append(model(kjt))
+                labels.append(clicks)
+        hit_rate, _ = dyn.hit_rate()
+    local = torch.stack([torch.cat(logits), torch.cat(labels)])
+    every = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(every, local)
+    logit, label = torch.cat(every, 1)
+    auc = float(binary_auroc(torch.sigmoid(logit), label.long()))
+    final = sum(losses[-20:]) / len(losses[-20:])
+    if rank == 0:
+        print(f"steps {len(losses)}  final loss {final:.4f}  eval AUC {auc:.4f}  hit rate {hit_rate:.3f}")
+    if created:
+        dist.destroy_process_group()
+    return {"losses": losses, "auc": auc, "hit_rate": hit_rate}
+
+
+if __name__ == "__main__":
+    main()
