@@ -6,6 +6,9 @@ torchrun, with the embedded store (default) or a PS, then prints the final loss 
     python examples/two_tower.py                         # one process, embedded store
     torchrun --nproc_per_node 2 examples/two_tower.py    # 2 ranks (gloo on CPU)
     python examples/two_tower.py --store localhost:50051 # rows on a running PS (dynemb ps serve)
+    python examples/two_tower.py --checkpoint-dir ckpt --steps 150       # then:
+    python examples/two_tower.py --checkpoint-dir ckpt --resume          # on from step 150
+    python examples/two_tower.py --export tables                         # table folders for serving
 
 The lines that make the tables dynamic are marked "# dynemb".
 """
@@ -13,6 +16,8 @@ The lines that make the tables dynamic are marked "# dynemb".
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 
 import torch
 import torch.distributed as dist
@@ -24,6 +29,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from dynemb import tables as dt
+from dynemb.checkpoint import Checkpointer, CheckpointSettings, export_tables
 
 DIM, GROUPS = 16, 8
 USERS, ITEMS = 4_000, 1_000  # distinct IDs seen; their values spread over 2^40
@@ -82,7 +88,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--start", default="new", choices=["new", "warm", "fresh"], help="rows an earlier run left")
     p.add_argument("--table-prefix", default="two_tower_")
     p.add_argument("--eval-batches", type=int, default=20)
+    p.add_argument(
+        "--checkpoint-dir", default="", help="save a checkpoint here at the end (and every --checkpoint-every)"
+    )
+    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end only)")
+    p.add_argument("--resume", action="store_true", help="go on from the newest checkpoint in --checkpoint-dir")
+    p.add_argument("--export", default="", help="write every table's rows here as table folders at the end")
+    p.add_argument("--result-json", default="", help="write the losses, AUC and hit rate here (rank 0)")
     args = p.parse_args(argv)
+    if args.resume and not args.checkpoint_dir:
+        p.error("--resume needs --checkpoint-dir")
 
     created = dt.init_distributed()  # dynemb: torchrun's group, or a group of one process
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -95,16 +110,30 @@ def main(argv: list[str] | None = None) -> dict:
     dense = torch.optim.Adam(dict(in_backward_optimizer_filter(model.named_parameters())).values(), lr=0.01)
     loss_fn = nn.BCEWithLogitsLoss()
     losses = []
+    start = "resume" if args.resume else args.start  # a checkpoint's restore replaces the rows
     with dt.DynamicEmbeddings(  # dynemb
-        model, configs, store=args.store, start=args.start, table_prefix=args.table_prefix
+        model, configs, store=args.store, start=start, table_prefix=args.table_prefix
     ) as dyn:
-        train = (b for _, b in zip(range(args.steps), batches(1, args.batch_size, rank, world)))
-        for kjt, clicks in dyn.wrap(train):  # dynemb: KJT of IDs in, KJT of slots out
+        ckpt = None
+        if args.checkpoint_dir:  # dynemb: the model, its dense optimizer, every row and ID transformer
+            settings = CheckpointSettings(batch_size=args.batch_size, directory=args.checkpoint_dir)
+            ckpt = Checkpointer.of(dyn, dense, settings)
+        first = ckpt.restore("latest") if ckpt is not None and args.resume else 0  # dynemb
+        train = itertools.islice(batches(1, args.batch_size, rank, world), first, args.steps)
+        for step, (kjt, clicks) in enumerate(dyn.wrap(train), start=first + 1):  # dynemb: IDs in, slots out
             loss = loss_fn(model(kjt), clicks)
             dense.zero_grad()
             loss.backward()  # the tables' optimizer runs inside the backward
             dense.step()
-            losses.append(float(loss))
+            losses.append(loss.item())
+            if ckpt is not None and args.checkpoint_every and step % args.checkpoint_every == 0:
+                ckpt.save(step)  # dynemb: collective, at a step boundary
+        if (
+            ckpt is not None
+            and args.steps > first
+            and (not args.checkpoint_every or args.steps % args.checkpoint_every)
+        ):
+            ckpt.save(args.steps)
         logits, labels = [], []
         held_out = (b for _, b in zip(range(args.eval_batches), batches(2, args.batch_size, rank, world)))
         with torch.no_grad():
@@ -112,14 +141,21 @@ def main(argv: list[str] | None = None) -> dict:
                 logits.append(model(kjt))
                 labels.append(clicks)
         hit_rate, _ = dyn.hit_rate()
+        if args.export:  # dynemb: every row, from the PS or every rank's embedded store
+            exported = export_tables(dyn, args.export, overwrite=True, progress=False)
+            if rank == 0:
+                print(f"exported {', '.join(f'{n} {m.num_rows:,} rows' for n, m in exported.items())} to {args.export}")
     local = torch.stack([torch.cat(logits), torch.cat(labels)])
     every = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(every, local)
     logit, label = torch.cat(every, 1)
     auc = float(binary_auroc(torch.sigmoid(logit), label.long()))
-    final = sum(losses[-20:]) / len(losses[-20:])
+    final = sum(losses[-20:]) / max(len(losses[-20:]), 1)
     if rank == 0:
-        print(f"steps {len(losses)}  final loss {final:.4f}  eval AUC {auc:.4f}  hit rate {hit_rate:.3f}")
+        print(f"steps {first + len(losses)}  final loss {final:.4f}  eval AUC {auc:.4f}  hit rate {hit_rate:.3f}")
+        if args.result_json:
+            with open(args.result_json, "w") as f:
+                json.dump({"first": first, "losses": losses, "auc": auc, "hit_rate": hit_rate}, f)
     if created:
         dist.destroy_process_group()
     return {"losses": losses, "auc": auc, "hit_rate": hit_rate}

@@ -193,8 +193,8 @@ def test_nccl_collectives_with_one_rank():
     """The trainer's collectives on an NCCL group of one: device tensors in and out."""
     import torch.distributed as dist
 
-    from dynemb.tables.collectives import all_gather_ragged
     from dynemb.tables.device import collective_device, control_group, init_distributed
+    from dynemb.trainer.collectives import all_gather_ragged
 
     device = resolve_device("cuda")
     assert init_distributed(device)

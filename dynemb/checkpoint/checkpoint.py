@@ -201,6 +201,49 @@ class Checkpointer:
         # table files, rows read from them and rows written into the tables or the PS
         self.work: dict[str, Any] = {"rank_files": [], "table_files": [], "rows_read": 0, "rows_stored": 0}
 
+    @classmethod
+    def of(
+        cls,
+        dynamic: DynamicEmbeddings,
+        dense_optimizer: torch.optim.Optimizer,
+        settings: CheckpointSettings,
+        *,
+        sparse_adam: RowSparseAdam | None = None,
+    ) -> Checkpointer:
+        """The Checkpointer of the model behind `dynamic`, all read off it: its dynamic tables
+        (their PS schemas and features), the optimizer fused into them, its dense parameters
+        with `dense_optimizer`.
+
+        Args:
+            dynamic: the DynamicEmbeddings in front of the model.
+            dense_optimizer: the optimizer of the model's other parameters.
+            settings: where and how (CheckpointSettings).
+            sparse_adam: RowSparseAdam where the tables run Adam on CPU.
+
+        Raises:
+            CheckpointError: the model has fused tables that are not dynamic (a checkpoint holds
+                dynamic or full tables, not both yet).
+        """
+        from dynemb.tables.table_rows import fused_optimizer
+
+        engine = dynamic.tables
+        others = sorted(set(find_tables(dynamic.model)) - set(engine.names))
+        if others:
+            raise CheckpointError(
+                f"the model's tables {', '.join(others)} are not dynamic: a checkpoint holds dynamic tables or "
+                f"full ones, not both yet; give them a TableConfig too"
+            )
+        tables = [CheckpointTable(n, engine.specs[n].ps_schema, tuple(engine.specs[n].features)) for n in engine.names]
+        return cls(
+            settings,
+            dynamic.model,
+            tables,
+            dense_optimizer,
+            optimizer=fused_optimizer(dynamic.model),
+            dynamic=dynamic,
+            sparse_adam=sparse_adam,
+        )
+
     @property
     def store(self) -> RowStore:
         """Where the dynamic tables' rows are (only they use one)."""

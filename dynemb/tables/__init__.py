@@ -27,38 +27,95 @@ import torch.distributed.optim  # noqa: F401
 # name -> module; imported on first use, so that `import dynemb.tables.jagged` (the plain model,
 # where TorchRec cannot load) does not load TorchRec through this package
 _PUBLIC = {
+    # an own TorchRec model (docs/library.md)
     "TableConfig": "dynemb.tables.config",
     "DynamicEmbeddings": "dynemb.tables.embeddings",
     "SetupError": "dynemb.tables.embeddings",
     "init_distributed": "dynemb.tables.embeddings",
     "StartRefused": "dynemb.tables.startup",
+    "StartWords": "dynemb.tables.startup",
+    "check_tables": "dynemb.tables.startup",
+    "agree": "dynemb.tables.startup",
     "shard_model": "dynemb.tables.sharding",
     "constraints": "dynemb.tables.sharding",
     "sharders": "dynemb.tables.sharding",
     "Initializer": "dynemb.ps_server.schema",
+    "TableSchema": "dynemb.ps_server.schema",
+    "TrainerMetrics": "dynemb.tables.metrics",
+    "resolve_device": "dynemb.tables.device",
+    "DeviceUnavailable": "dynemb.tables.device",
+    "collective_device": "dynemb.tables.device",
+    "control_group": "dynemb.tables.device",
+    "dense_parameters": "dynemb.tables.dense",
+    # where the rows live
     "RowStore": "dynemb.tables.row_store",
+    "LocalRowStore": "dynemb.tables.row_store",
+    "RemoteRowStore": "dynemb.tables.row_store",
+    # underneath: the tables' rows, any model's dynamic tables, Adam on FBGEMM's CPU tables
+    "TableRows": "dynemb.tables.table_rows",
+    "find_tables": "dynemb.tables.table_rows",
+    "fused_optimizer": "dynemb.tables.table_rows",
+    "DynamicTables": "dynemb.tables.dynamic",
+    "DynamicTableSpec": "dynemb.tables.dynamic",
+    "RowSparseAdam": "dynemb.tables.sparse_adam",
+    "TrainedOptimizer": "dynemb.tables.sparse_adam",
+    "fused_tbes": "dynemb.tables.sparse_adam",
+    # TorchRec's batch types where TorchRec loads, else stand-ins (TORCHREC_ERROR says why)
+    "Batch": "dynemb.tables.jagged",
+    "KeyedJaggedTensor": "dynemb.tables.jagged",
+    "TORCHREC_ERROR": "dynemb.tables.jagged",
 }
 
-__all__ = [  # _PUBLIC's names (a test holds the two equal)
+__all__ = [  # _PUBLIC's names (tests/tables/test_public_api.py holds the two equal)
+    "Batch",
+    "DeviceUnavailable",
     "DynamicEmbeddings",
+    "DynamicTableSpec",
+    "DynamicTables",
     "Initializer",
+    "KeyedJaggedTensor",
+    "LocalRowStore",
+    "RemoteRowStore",
+    "RowSparseAdam",
     "RowStore",
     "SetupError",
     "StartRefused",
+    "StartWords",
+    "TORCHREC_ERROR",
     "TableConfig",
+    "TableRows",
+    "TableSchema",
+    "TrainedOptimizer",
+    "TrainerMetrics",
+    "agree",
+    "check_tables",
+    "collective_device",
     "constraints",
+    "control_group",
+    "dense_parameters",
+    "find_tables",
+    "fused_optimizer",
+    "fused_tbes",
     "init_distributed",
+    "resolve_device",
     "shard_model",
     "sharders",
 ]
 
 if TYPE_CHECKING:
-    from dynemb.ps_server.schema import Initializer
+    from dynemb.ps_server.schema import Initializer, TableSchema
     from dynemb.tables.config import TableConfig
+    from dynemb.tables.dense import dense_parameters
+    from dynemb.tables.device import DeviceUnavailable, collective_device, control_group, resolve_device
+    from dynemb.tables.dynamic import DynamicTables, DynamicTableSpec
     from dynemb.tables.embeddings import DynamicEmbeddings, SetupError, init_distributed
-    from dynemb.tables.row_store import RowStore
+    from dynemb.tables.jagged import TORCHREC_ERROR, Batch, KeyedJaggedTensor
+    from dynemb.tables.metrics import TrainerMetrics
+    from dynemb.tables.row_store import LocalRowStore, RemoteRowStore, RowStore
     from dynemb.tables.sharding import constraints, shard_model, sharders
-    from dynemb.tables.startup import StartRefused
+    from dynemb.tables.sparse_adam import RowSparseAdam, TrainedOptimizer, fused_tbes
+    from dynemb.tables.startup import StartRefused, StartWords, agree, check_tables
+    from dynemb.tables.table_rows import TableRows, find_tables, fused_optimizer
 
 
 def __getattr__(name: str) -> Any:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from torchrec import KeyedJaggedTensor
+from dynemb.tables.jagged import KeyedJaggedTensor
 
 
 class BatchLayoutError(TypeError):

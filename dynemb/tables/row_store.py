@@ -14,16 +14,14 @@ order with every other call on those tables); the local one runs them at once.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 
 import numpy as np
-import torch.distributed as dist
 
 from dynemb.ps_server.backends.base import rows_out
 from dynemb.ps_server.backends.embedded import EmbeddedStore
-from dynemb.ps_server.client import PSClient, RetryPolicy
+from dynemb.ps_server.client import PSClient
 from dynemb.ps_server.initializer import fill_initial_rows
 from dynemb.ps_server.schema import TableSchema
 
@@ -243,23 +241,3 @@ class RemoteRowStore(RowStore):
     def close(self) -> None:
         """Close the PS client."""
         self.client.close()
-
-
-def open_row_store(cfg) -> RowStore:
-    """Where the job's rows live (cfg: its TrainConfig): a client of the PS at cfg.ps (retrying
-    per the job's timeouts), or the embedded store in this process (per rank under torchrun:
-    each keeps its own IDs' rows)."""
-    if cfg.ps:
-        # every PS call is idempotent, so a PS that is down or hangs is simply tried again, for
-        # up to ps_timeout_seconds, each try given ps_attempt_seconds
-        retry = RetryPolicy(attempts=None, max_backoff=5.0, attempt_timeout=cfg.ps_attempt_seconds)
-        return RemoteRowStore(
-            cfg.ps,
-            timeout=cfg.ps_timeout_seconds,
-            retry=retry,
-            auth_token=os.environ.get("DYNEMB_PS_AUTH_TOKEN") or None,
-            tls_ca=cfg.ps_tls_ca or None,
-            tls_cert=cfg.ps_tls_cert or None,
-            tls_key=cfg.ps_tls_key or None,
-        )
-    return LocalRowStore(per_rank=dist.get_world_size() > 1)

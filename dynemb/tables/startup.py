@@ -40,6 +40,7 @@ class StartWords:
     fresh: str = 'start="fresh" drops them first'
     resume: str = 'start="resume" with restore() continues from a checkpoint'
     prefix: str = "table_prefix= gives this job tables of its own"
+    dropped: str = "start=fresh"  # what the line on a fresh start's drop begins with
     schema_fields: tuple[tuple[str, str], ...] = (
         ("dim", "the table's embedding_dim"),
         ("state_width", "the fused optimizer"),
@@ -74,7 +75,8 @@ def check_tables(
         for name in left:
             store.drop_table(name)
         if rank == 0:
-            log.warning("fresh start: dropped %d tables (%s, %s rows) on %s", len(left), _names(left), rows, where)
+            what = f"{len(left)} tables ({_names(left)}, {rows:,} rows)"
+            log.warning("%s: dropped %s on %s", words.dropped, what, where)
         return
     for name, (schema, _) in left.items():
         if schema != mine[name]:

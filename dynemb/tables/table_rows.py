@@ -86,3 +86,40 @@ def find_tables(model: nn.Module) -> dict[str, TableRows]:
                     st = [s if s.dim() == 2 else s.view(-1, 1) for s in (states[k] if k < len(states) else [])]
                     found[table.name] = TableRows(table.name, weights[k], st, int(offset))
     return found
+
+
+# FBGEMM's optimizer of a fused table, by the PS's name of it (what a row's optimizer state is)
+_OPTIMIZERS = {
+    "exact_sgd": "sgd",
+    "sgd": "sgd",
+    "exact_adagrad": "adagrad",
+    "exact_row_wise_adagrad": "rowwise_adagrad",
+    "row_wise_adagrad": "rowwise_adagrad",
+    "adam": "adam",
+}
+
+
+def fused_optimizer(model: nn.Module) -> str:
+    """The optimizer fused into the tables of the sharded embedding modules in `model`, by the
+    name the PS and checkpoints give it (sgd, adagrad, rowwise_adagrad, adam; another of
+    FBGEMM's by its own name). Adam on FBGEMM's CPU tables (RowSparseAdam) is adam.
+
+    Raises:
+        ValueError: the tables run different optimizers, or there is no fused table.
+    """
+    from torchrec.distributed.embedding import ShardedEmbeddingCollection
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+
+    names = set()
+    for module in model.modules():
+        if isinstance(module, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)):
+            for lookup in module._lookups:
+                for emb in getattr(lookup, "module", lookup)._emb_modules:
+                    tbe = getattr(emb, "emb_module", None)
+                    if tbe is None or not hasattr(tbe, "optimizer"):
+                        continue
+                    kind = str(getattr(tbe.optimizer, "value", tbe.optimizer))
+                    names.add("adam" if getattr(tbe, "dynemb_adam", None) is not None else _OPTIMIZERS.get(kind, kind))
+    if len(names) != 1:
+        raise ValueError(f"the model's fused tables run {sorted(names) or 'no optimizer'}: expected one")
+    return names.pop()

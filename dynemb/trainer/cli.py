@@ -81,8 +81,7 @@ def run(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace, cfg, rank: int) -> int:
     import torch.distributed as dist
 
-    from dynemb.tables.device import DeviceUnavailable, init_distributed, resolve_device
-    from dynemb.tables.jagged import TORCHREC_ERROR
+    from dynemb.tables import TORCHREC_ERROR, DeviceUnavailable, init_distributed, resolve_device
 
     if cfg.model == "dlrm" and TORCHREC_ERROR:  # fbgemm-gpu (and with it TorchRec) does not load here
         if rank == 0:
@@ -201,7 +200,7 @@ def _report(message: str, reporter: int | None) -> int:
 
     import torch.distributed as dist
 
-    from dynemb.tables.device import control_group
+    from dynemb.tables import control_group
 
     rank, world = dist.get_rank(), dist.get_world_size()
 

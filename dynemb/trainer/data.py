@@ -23,7 +23,7 @@ import xxhash
 from tqdm import tqdm
 
 from dynemb.common.errors import shown
-from dynemb.tables.jagged import Batch, KeyedJaggedTensor
+from dynemb.tables import Batch, KeyedJaggedTensor
 from dynemb.trainer.config import DataConfig
 from dynemb.trainer.zipf import BoundedZipf
 

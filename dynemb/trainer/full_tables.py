@@ -25,8 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dynemb.tables.device import collective_device
-from dynemb.tables.jagged import Batch, KeyedJaggedTensor
+from dynemb.tables import Batch, KeyedJaggedTensor, collective_device
 from dynemb.trainer.config import TrainConfig, table_name
 from dynemb.trainer.data import feature_names
 from dynemb.trainer.schemas import table_rows_total

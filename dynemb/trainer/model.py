@@ -23,34 +23,18 @@ import torch.distributed as dist
 import torch.distributed.optim  # noqa: F401
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed import DistributedModelParallel
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-from torchrec.distributed.types import ShardingType
 from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
+from dynemb import tables as dt
 from dynemb.ps_server.initializer import initial_rows
 from dynemb.ps_server.schema import TableSchema
-from dynemb.tables.dense import dense_parameters
-from dynemb.tables.sparse_adam import RowSparseAdam, TrainedOptimizer, fused_tbes
-from dynemb.tables.table_rows import find_tables
+from dynemb.tables import RowSparseAdam, TrainedOptimizer, dense_parameters, find_tables, fused_tbes
 from dynemb.trainer.config import TrainConfig, table_name
 from dynemb.trainer.data import feature_names
 from dynemb.trainer.schemas import ps_schema, table_rows_total
-
-
-class RowWiseSharder(EmbeddingBagCollectionSharder):
-    """TorchRec leaves row-wise out of the sharding types it offers on CPU; it works there
-    (see docs/design.md), and the dynamic tables need it: a rank's rows are one contiguous block.
-    On CUDA TorchRec offers it already, and this adds nothing."""
-
-    def sharding_types(self, compute_device_type: str) -> list[str]:
-        """TorchRec's sharding types for the device, row-wise added."""
-        types = super().sharding_types(compute_device_type)
-        return types if ShardingType.ROW_WISE.value in types else [*types, ShardingType.ROW_WISE.value]
 
 
 def _sparse_optimizer(cfg: TrainConfig, device: torch.device):
@@ -127,18 +111,8 @@ def build(cfg: TrainConfig, device: torch.device = _CPU) -> Built:
     opt_class, opt_args = _sparse_optimizer(cfg, device)
     apply_optimizer_in_backward(opt_class, train_model.model.sparse_arch.parameters(), opt_args)
 
-    constraints = {
-        t.name: ParameterConstraints(
-            sharding_types=[ShardingType.ROW_WISE.value], compute_kernels=[EmbeddingComputeKernel.FUSED.value]
-        )
-        for t in tables
-    }
-    sharders = [RowWiseSharder()]
-    planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=world, compute_device=device.type), constraints=constraints
-    )
-    plan = planner.collective_plan(train_model, sharders, dist.GroupMember.WORLD)
-    model = DistributedModelParallel(train_model, device=device, plan=plan, sharders=sharders)
+    # row-wise, the FUSED kernel: what dynamic tables need, and full ones train the same way
+    model = dt.shard_model(train_model, [t.name for t in tables], device)
     dense = KeyedOptimizerWrapper(dense_parameters(model), _dense_optimizer(cfg))
     sparse_adam = None
     if cfg.optimizer == "adam" and device.type == "cpu":

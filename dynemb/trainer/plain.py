@@ -26,12 +26,17 @@ from torch import nn
 from dynemb.common.errors import UserError
 from dynemb.idtransformer.policy import EvictionPolicy
 from dynemb.ps_server.initializer import initial_rows
-from dynemb.tables.device import init_distributed, resolve_device
-from dynemb.tables.dynamic import DynamicTables, DynamicTableSpec
-from dynemb.tables.jagged import Batch, KeyedJaggedTensor
-from dynemb.tables.metrics import TrainerMetrics
-from dynemb.tables.row_store import LocalRowStore
-from dynemb.tables.table_rows import TableRows
+from dynemb.tables import (
+    Batch,
+    DynamicTables,
+    DynamicTableSpec,
+    KeyedJaggedTensor,
+    LocalRowStore,
+    TableRows,
+    TrainerMetrics,
+    init_distributed,
+    resolve_device,
+)
 from dynemb.trainer.config import TrainConfig, table_name
 from dynemb.trainer.data import SyntheticCriteo, feature_names, file_batches
 from dynemb.trainer.full_tables import job_batches

@@ -30,23 +30,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from dynemb.checkpoint.checkpoint import (
+from dynemb import tables as dt
+from dynemb.checkpoint import (
     Checkpointer,
+    CheckpointError,
     CheckpointSettings,
     CheckpointTable,
     check_settings,
+    checkpoints,
     data_start,
+    read_manifest,
 )
-from dynemb.checkpoint.format import CheckpointError, checkpoints, read_manifest
-from dynemb.common.errors import UserError
-from dynemb.ps_server.errors import PSError
-from dynemb.ps_server.schema import TableSchema
-from dynemb.tables.row_store import RowStore
 from dynemb.trainer.config import TrainConfig, table_name
 from dynemb.trainer.schemas import ps_schema
 
 if TYPE_CHECKING:  # types only: model.py loads TorchRec's sharding and models
-    from dynemb.tables.embeddings import DynamicEmbeddings
     from dynemb.trainer.model import Built
 
 log = logging.getLogger("dynemb.trainer")
@@ -54,12 +52,15 @@ log = logging.getLogger("dynemb.trainer")
 # what a job resumed with another --optimizer than its checkpoint's is told ({optimizer}: the checkpoint's)
 RESUME_OPTIMIZER_HINT = "resume with --optimizer {optimizer}, or start a new run without --resume"
 
-# the flag that sets each field of a PS table's schema
-_FLAG = {"dim": "--dim", "state_width": "--optimizer", "initializer": "--seed, --init-scale"}
-
-
-class JobRefused(UserError):
-    """A job that will not start as asked: what it found, and the flags that say what to do."""
+# what the job's refusals name: its flags (dynemb.tables' own messages name the API's arguments)
+_WORDS = dt.StartWords(
+    warm="--warm-start trains on from them",
+    fresh="--fresh drops them first",
+    resume="--resume continues from a checkpoint",
+    prefix="--ps-table-prefix gives this job tables of its own",
+    dropped="--fresh",
+    schema_fields=(("dim", "--dim"), ("state_width", "--optimizer"), ("initializer", "--seed, --init-scale")),
+)
 
 
 def choose_resume(cfg: TrainConfig) -> TrainConfig:
@@ -99,7 +100,9 @@ def checkpoint_settings(cfg: TrainConfig) -> CheckpointSettings:
     )
 
 
-def checkpointer(cfg: TrainConfig, built: Built, dynamic: DynamicEmbeddings | None, store: RowStore) -> Checkpointer:
+def checkpointer(
+    cfg: TrainConfig, built: Built, dynamic: dt.DynamicEmbeddings | None, store: dt.RowStore
+) -> Checkpointer:
     """The Checkpointer of the DLRM job of cfg: its model as build() made it (one feature per
     table), its dense optimizer and row-sparse Adam, its dynamic tables (None: full ones)."""
     tables = [
@@ -140,79 +143,24 @@ def _say_resuming(folder: str, cfg: TrainConfig, world: int) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def check_before_training(cfg: TrainConfig, store: RowStore) -> None:
+def check_before_training(cfg: TrainConfig, store: dt.RowStore) -> None:
     """Collective: the checks above (and --fresh's drop); raises the same error on every rank.
     Made before the model is built: a job refused is told at once."""
     rank = dist.get_rank()
     schemas = {table_name(i): ps_schema(cfg, i) for i in range(cfg.data.num_sparse)}  # as build() names them
-    mine: Exception | None = None
-    if rank == 0 or store.per_rank:
-        try:
-            if rank == 0 and cfg.resume:
-                check_settings(
-                    checkpoint_settings(cfg),
-                    cfg.resume,
-                    schemas,
-                    dist.get_world_size(),
-                    optimizer=cfg.optimizer,
-                    dynamic=cfg.table.dynamic,
-                )
-            if cfg.table.dynamic:
-                _check_tables(cfg, list(schemas.values()), store, rank)
-        except Exception as exc:  # noqa: BLE001 - raised below, on every rank
-            mine = exc
-    # what the others raise: the error itself where it is a user's (it pickles), else its text
-    told = mine
-    if mine is not None and not isinstance(mine, (UserError, PSError, OSError)):
-        told = RuntimeError(f"rank {rank}: {type(mine).__name__}: {mine}")
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, told)
-    if mine is not None:
-        raise mine
-    first = next((e for e in every if e is not None), None)
-    if first is not None:
-        raise first
+    start = "fresh" if cfg.fresh else "resume" if cfg.resume else "warm" if cfg.warm_start else "new"
 
-
-def _check_tables(cfg: TrainConfig, wanted: list[TableSchema], store: RowStore, rank: int) -> None:
-    found, where = store.tables(), store.where
-    mine = {s.name: s for s in wanted}
-    left = {name: found[name] for name in mine if name in found}  # name: (schema, rows), in the job's order
-    if not left:
-        return
-    if cfg.fresh:
-        rows = sum(n for _, n in left.values())
-        for name in left:
-            store.drop_table(name)
-        if rank == 0:
-            log.warning("--fresh: dropped %d tables (%s, %s rows) on %s", len(left), _names(left), f"{rows:,}", where)
-        return
-    for name, (schema, _) in left.items():
-        if schema != mine[name]:
-            raise JobRefused(
-                f"{where} holds a table {name} with another schema than this job's ({_differences(schema, mine[name])})"
-                f", left by another job or a run with other settings: give this job tables of its own with "
-                f"--ps-table-prefix, run with that run's settings, or drop the tables with --fresh"
+    def check() -> None:
+        if rank == 0 and cfg.resume:
+            check_settings(
+                checkpoint_settings(cfg),
+                cfg.resume,
+                schemas,
+                dist.get_world_size(),
+                optimizer=cfg.optimizer,
+                dynamic=cfg.table.dynamic,
             )
-    rows = sum(n for _, n in left.values())
-    if rows and not cfg.warm_start and not cfg.resume:
-        holding = {name: v for name, v in left.items() if v[1]}
-        raise JobRefused(
-            f"{where} already holds {rows:,} rows in {len(holding)} of this job's tables ({_names(holding)}), "
-            f"left by an earlier run: --warm-start trains on from them, --fresh drops them first, "
-            f"--resume continues from a checkpoint, --ps-table-prefix gives this job tables of its own"
-        )
+        if cfg.table.dynamic:
+            dt.check_tables(list(schemas.values()), store, start, rank, _WORDS)
 
-
-def _names(tables: dict) -> str:
-    names = list(tables)
-    return ", ".join(names) if len(names) <= 3 else f"{names[0]} ... {names[-1]}"
-
-
-def _differences(there: TableSchema, here: TableSchema) -> str:
-    a, b = there.to_dict(), here.to_dict()
-    return "; ".join(
-        f"{key} {a[key]} there, {b[key]} for this job ({_FLAG.get(key, key)})"
-        for key in a
-        if key != "name" and a[key] != b[key]
-    )
+    dt.agree(check, store)

@@ -34,18 +34,16 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from dynemb import tables as dt
-from dynemb.checkpoint.checkpoint import Checkpointer
+from dynemb.checkpoint import Checkpointer
 from dynemb.idtransformer.hashing import owner_of
-from dynemb.tables.collectives import all_gather_ragged
-from dynemb.tables.device import init_distributed, resolve_device
-from dynemb.tables.metrics import TrainerMetrics
-from dynemb.tables.row_store import RowStore, open_row_store
-from dynemb.tables.table_rows import find_tables
+from dynemb.tables import RowStore, TrainerMetrics, find_tables, init_distributed, resolve_device
+from dynemb.trainer.collectives import all_gather_ragged
 from dynemb.trainer.config import TrainConfig, table_name
 from dynemb.trainer.data import SyntheticCriteo, batches_per_epoch, count_distinct_ids, file_batches
 from dynemb.trainer.model import Built, build
 from dynemb.trainer.result import TrainResult
 from dynemb.trainer.startup import check_before_training, checkpointer, choose_resume
+from dynemb.trainer.store import open_row_store
 
 log = logging.getLogger("dynemb.trainer")
 _CPU = torch.device("cpu")

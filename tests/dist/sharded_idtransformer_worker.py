@@ -18,7 +18,7 @@ from dynemb.idtransformer.hashing import owner_of  # noqa: E402
 from dynemb.idtransformer.policy import EvictionPolicy  # noqa: E402
 from dynemb.idtransformer.sharded import BatchRefused, ShardedIDTransformer, transform_tables  # noqa: E402
 from dynemb.idtransformer.transformer import IDTransformer  # noqa: E402
-from dynemb.tables.collectives import all_gather_ragged  # noqa: E402
+from dynemb.trainer.collectives import all_gather_ragged  # noqa: E402
 
 CAPACITY = 48
 

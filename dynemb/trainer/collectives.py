@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dynemb.tables.device import collective_device
+from dynemb.tables import collective_device
 
 
 def all_gather_ragged(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:

@@ -1,0 +1,75 @@
+"""The examples, run as a user runs them: each trains, resumes from a checkpoint exactly (the
+losses after the resume equal the uninterrupted run's) and exports its tables, on one process
+with the embedded store and on 2 torchrun ranks over a PS on Redis."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import torchrun
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+STEPS, HALF = 40, 20
+
+
+def _one_process(script: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True, timeout=300, env=env
+    )
+
+
+def _run(script: str, ranks: int, *args: str) -> subprocess.CompletedProcess:
+    done = torchrun(ranks, EXAMPLES / script, *args, timeout=300) if ranks > 1 else _one_process(script, *args)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+def _resumes_exactly(script: str, ranks: int, tmp_path: Path, *store: str) -> None:
+    """An uninterrupted run of STEPS, then HALF steps and a resume to STEPS: the same losses
+    after the checkpoint, the same AUC; and the export holds every row the store has."""
+    ck, full, resumed = tmp_path / "ck", tmp_path / "full.json", tmp_path / "resumed.json"
+    _run(script, ranks, "--steps", str(STEPS), "--result-json", str(full), "--table-prefix", "a_", *store)
+    _run(script, ranks, "--steps", str(HALF), "--checkpoint-dir", str(ck), "--table-prefix", "b_", *store)
+    done = _run(
+        script, ranks, "--steps", str(STEPS), "--checkpoint-dir", str(ck), "--resume", "--table-prefix", "b_",
+        "--result-json", str(resumed), "--export", str(tmp_path / "tables"), *store,
+    )  # fmt: skip
+    a, b = json.loads(full.read_text()), json.loads(resumed.read_text())
+    assert b["first"] == HALF and len(b["losses"]) == STEPS - HALF
+    np.testing.assert_array_equal(b["losses"], a["losses"][HALF:])
+    assert b["auc"] == a["auc"]
+    assert f"steps {STEPS}  final loss" in done.stdout
+    assert "exported " in done.stdout
+    from dynemb.checkpoint import TableReader
+
+    for table in (tmp_path / "tables").iterdir():
+        ids = np.concatenate([i for i, _, _ in TableReader(table).chunks()])
+        assert len(ids) > 0 and len(np.unique(ids)) == len(ids), table.name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["two_tower.py", "sequence.py"])
+def test_an_example_on_one_process_resumes_exactly_and_exports(script, tmp_path):
+    _resumes_exactly(script, 1, tmp_path)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("script", ["two_tower.py", "sequence.py"])
+def test_an_example_on_two_ranks_over_redis_resumes_exactly_and_exports(
+    script, tmp_path, make_ps, redis_url, redis_namespace
+):
+    ps = make_ps("--backend", redis_url, "--namespace", redis_namespace)
+    _resumes_exactly(script, 2, tmp_path, "--store", ps.address)
+
+
+@pytest.mark.dist
+def test_an_example_on_two_ranks_with_the_embedded_store(tmp_path):
+    done = _run("two_tower.py", 2, "--steps", "30", "--export", str(tmp_path / "tables"))
+    assert "steps 30  final loss" in done.stdout and "exported user" in done.stdout
