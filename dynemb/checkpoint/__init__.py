@@ -13,8 +13,9 @@ The names below are the public API; the modules are private.
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from dynemb.common.lazy import lazy_names
 
 _PUBLIC = {
     "Checkpointer": "dynemb.checkpoint.checkpoint",
@@ -57,9 +58,4 @@ if TYPE_CHECKING:
     from dynemb.checkpoint.table_files import TableReader, TableWriter
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _PUBLIC:
-        raise AttributeError(f"module 'dynemb.checkpoint' has no attribute {name!r}")
-    value = getattr(import_module(_PUBLIC[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names("dynemb.checkpoint", _PUBLIC, globals())

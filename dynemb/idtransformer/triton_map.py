@@ -37,7 +37,7 @@ _BLOCK = 128
 
 
 @triton.jit
-def _lsr(x, k: tl.constexpr):
+def lsr(x, k: tl.constexpr):
     """x >> k with zeros shifted in (int64's >> shifts the sign in), for 0 <= k <= 64. Shifted as
     uint64, with k == 64 apart (a shift by the whole width is undefined on the GPU); an if/else,
     not an early return: Triton 3.6 compiles the code after a constexpr-true `return` too."""
@@ -50,18 +50,18 @@ def _lsr(x, k: tl.constexpr):
 @triton.jit
 def fmix64(x):
     """MurmurHash3's 64-bit finalizer on int64 lanes (wrapping products, as slot_map.fmix64)."""
-    x = x ^ _lsr(x, 33)
+    x = x ^ lsr(x, 33)
     # (the multipliers 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53 as signed int64: Triton refuses
     # constants >= 2^63; the products wrap alike)
     x = x * -49064778989728563
-    x = x ^ _lsr(x, 33)
+    x = x ^ lsr(x, 33)
     x = x * -4265267296055464877
-    return x ^ _lsr(x, 33)
+    return x ^ lsr(x, 33)
 
 
 @triton.jit
 def _tag_home(ids, seed, size):
-    tag = _lsr(fmix64(ids ^ seed), 32)
+    tag = lsr(fmix64(ids ^ seed), 32)
     return tag, (tag * size) >> 32
 
 
@@ -83,7 +83,7 @@ def _find_kernel(entries, record_ids, ids_ptr, out_ptr, count_ptr, n, size, seed
         e = tl.load(entries + pos, mask=todo, other=-1)
         slot = e & 0xFFFFFFFF
         real = (e != -1) & (e != -2)
-        maybe = todo & real & (_lsr(e, 32) == tag)
+        maybe = todo & real & (lsr(e, 32) == tag)
         held = tl.load(record_ids + 2 * slot, mask=maybe, other=0)
         hit = maybe & (held == key)
         found = tl.where(hit, slot, found)

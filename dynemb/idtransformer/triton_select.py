@@ -13,20 +13,11 @@ import torch
 import triton
 import triton.language as tl
 
+from dynemb.idtransformer.triton_map import lsr  # a logical shift right of int64
+
 _SIGN = -(1 << 63)
 _BLOCK = 1024
 _BINS = 256
-
-
-@triton.jit
-def _lsr(x, k: tl.constexpr):
-    """x >> k with zeros shifted in (int64's >> shifts the sign in), for 0 <= k <= 64. Shifted as
-    uint64, with k == 64 apart (a shift by the whole width is undefined on the GPU); an if/else,
-    not an early return: Triton 3.6 compiles the code after a constexpr-true `return` too."""
-    if k >= 64:
-        return x * 0
-    else:
-        return (x.to(tl.uint64, bitcast=True) >> k).to(tl.int64, bitcast=True)
 
 
 @triton.jit
@@ -36,10 +27,10 @@ def _histogram_kernel(scores_ptr, state_ptr, hist_ptr, n, SHIFT: tl.constexpr, B
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = offs < n
     key = tl.load(scores_ptr + offs, mask=live, other=0) ^ (-9223372036854775807 - 1)  # sign flipped
-    digit = _lsr(key, SHIFT) & 255
+    digit = lsr(key, SHIFT) & 255
     if SHIFT + 8 < 64:
         prefix = tl.load(state_ptr + 1)
-        live = live & (_lsr(key, SHIFT + 8) == _lsr(prefix, SHIFT + 8))
+        live = live & (lsr(key, SHIFT + 8) == lsr(prefix, SHIFT + 8))
     counts = tl.histogram(tl.where(live, digit, 256).to(tl.int32), 512)
     bins = tl.arange(0, 512)
     tl.atomic_add(hist_ptr + bins, counts.to(tl.int64), mask=bins < 256)

@@ -14,8 +14,7 @@ Everything else under dynemb.tables is private: its modules may change without n
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 # Before any process group exists: TorchRec's apply_optimizer_in_backward imports
 # torch.distributed.optim on its first call, and a default argument there
@@ -23,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 # default group for good: destroy_process_group() could no longer free it, and its gloo threads
 # ran on into interpreter shutdown, where one finishing a collective's work aborts the process.
 import torch.distributed.optim  # noqa: F401
+
+from dynemb.common.lazy import lazy_names
 
 # name -> module; imported on first use, so that `import dynemb.tables.jagged` (the plain model,
 # where TorchRec cannot load) does not load TorchRec through this package
@@ -118,9 +119,4 @@ if TYPE_CHECKING:
     from dynemb.tables.table_rows import TableRows, find_tables, fused_optimizer
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _PUBLIC:
-        raise AttributeError(f"module 'dynemb.tables' has no attribute {name!r}")
-    value = getattr(import_module(_PUBLIC[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names("dynemb.tables", _PUBLIC, globals())

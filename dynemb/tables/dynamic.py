@@ -680,6 +680,11 @@ class DynamicTables:
         unique = [torch.unique(a[m], return_inverse=True) for a, m in zip(asked, missing)]
         wanted = {self.ps_names[k]: ids.cpu().numpy() for k, (ids, _) in enumerate(unique) if len(ids)}
         pulled = self.store.pull_many_async(wanted).result() if wanted else {}
+        if self.metrics is not None and wanted:  # rows pulled from the PS, as the PS counts them
+            assert self._stat_rows is not None
+            counts = np.zeros((len(self.names), len(TABLE_COUNTERS)), dtype=np.int64)
+            counts[:, _ROWS_PULLED] = [len(ids) for ids, _ in unique]
+            self.metrics.tables.count(self._stat_rows, counts, self._occupancy())
         out = []
         for k, name in enumerate(self.names):
             ids, inverse = unique[k]

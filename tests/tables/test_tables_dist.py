@@ -29,3 +29,17 @@ def test_two_ranks_train_exactly_like_full_tables_in_every_loop(store, tmp_path,
         for mode in MODES:
             diff = np.abs(got[mode] - got["full"])
             assert diff.max() <= 1e-6, f"rank {rank}, {mode}: losses part at step {int(diff.argmax())}"
+
+
+@pytest.mark.dist
+def test_set_up_mistakes_on_two_ranks_are_one_line_on_each():
+    done = torchrun(2, Path(__file__).parent / "tables_mistakes_worker.py")
+    assert done.returncode == 0, done.stderr[-4000:]
+    for rank in range(2):
+        assert (
+            f"rank {rank} uneven: table user has 81 rows, not a multiple of the 2 ranks: dynamic tables keep an "
+            f"equal block on each rank; make its num_embeddings a multiple of 2 (e.g. 82)"
+        ) in done.stdout, done.stdout
+        assert f"rank {rank} planned: table user is sharded " in done.stdout
+        assert "dynamic tables need row_wise and fused: shard with dynemb.tables.shard_model" in done.stdout
+    assert "KeyError" not in done.stderr
