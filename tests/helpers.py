@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+TESTS = Path(__file__).resolve().parent  # the suite's folder: dist/ workers, fixtures/
+REPO = TESTS.parent
+
 
 def wait_until(
     condition: Callable[[], T], timeout: float = 10.0, what: str = "the condition", interval: float = 0.02

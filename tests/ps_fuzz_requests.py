@@ -1,4 +1,4 @@
-"""Hostile requests for the PS fuzz test (tests/test_ps_fuzz.py), as hypothesis strategies.
+"""Hostile requests for the PS fuzz test (tests/ps_server/test_ps_fuzz.py), as hypothesis strategies.
 
 A `Probe` is one RPC: a message, raw bytes, or a client stream, with what the PS may answer.
 Probes that name a victim table are invalid by construction (they must fail, and leave its

@@ -1,5 +1,5 @@
 """The known values in tests/fixtures/tf/: scripts/make_tf_fixtures.py writes them with real
-TensorFlow, tests/test_tf_migrate.py recomputes them here and compares exactly. numpy only.
+TensorFlow, tests/tf/test_tf_migrate.py recomputes them here and compares exactly. numpy only.
 
 Every value is a small multiple of a power of two, so float32 (and, for `small`, bfloat16)
 holds it exactly and no rounding differs between TensorFlow and numpy.

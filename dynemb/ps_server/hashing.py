@@ -4,7 +4,7 @@ The client shards ids across PS addresses and the Redis backend spreads them ove
 buckets by XXH64 of the id's 8 little-endian bytes. The `xxhash` package hashes one
 buffer per call (about 0.3 us each, 5 ms for a 16k batch), so this is the same
 function written out for the fixed 8-byte input and applied to a whole array at
-once. tests/test_hashing.py checks it against `xxhash.xxh64_intdigest`.
+once. tests/ps_server/test_hashing.py checks it against `xxhash.xxh64_intdigest`.
 """
 
 from __future__ import annotations

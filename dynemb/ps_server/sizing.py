@@ -4,7 +4,7 @@ Every figure comes from the model (rows, dim, optimizer), the training rate (sam
 sample, hit rate of the trainers' device tables) and the measured constants below. The
 constants are the only numbers here that come from a machine: each names the measurement it
 came from, so a new benchmark run changes them in this one place (then regenerate the
-examples in docs/scale.md: `python tests/test_scale_doc.py`).
+examples in docs/scale.md: `python tests/ps_server/test_scale_doc.py`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ the same way: the parse_* functions return memoryviews into the received bytes, 
 the generated classes would copy each bytes field twice (into the message, then into a
 new bytes object on access); protobuf's Python API has no zero-copy access to a bytes
 field, hence this small hand-written reader. Fields the reader does not know are
-skipped, as protobuf does. tests/test_ps_wire.py checks both directions against the
+skipped, as protobuf does. tests/ps_server/test_ps_wire.py checks both directions against the
 generated code, and that a damaged message raises MalformedMessage, never anything else.
 """
 

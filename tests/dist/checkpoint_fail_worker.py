@@ -1,4 +1,4 @@
-"""Run by torchrun from tests/test_checkpoint.py: a 2-rank job with dynamic tables in each
+"""Run by torchrun from tests/checkpoint/test_checkpoint.py: a 2-rank job with dynamic tables in each
 rank's own store checkpoints at step 10, and
 - write: on rank 0 writing a table's first rows fails (ENOSPC, as on a full disk) while rank
   1 is still sending it that table's rows;

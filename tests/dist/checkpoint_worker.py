@@ -1,4 +1,4 @@
-"""Run by torchrun from tests/test_checkpoint.py: on every rank, a job that checkpoints every
+"""Run by torchrun from tests/checkpoint/test_checkpoint.py: on every rank, a job that checkpoints every
 10 steps, then a job resumed from step 20 (an incremental checkpoint); each rank saves both
 jobs' losses, hit rates and table blocks to OUT/rank{r}.npz."""
 

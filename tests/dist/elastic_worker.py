@@ -1,4 +1,4 @@
-"""Run by torchrun agents from tests/test_elastic.py: `python -m dynemb.trainer` with the given
+"""Run by torchrun agents from tests/checkpoint/test_elastic.py: `python -m dynemb.trainer` with the given
 flags, and what the environment asks of a test node:
 
 DYNEMB_TEST_NODE_DIES_AFTER=k: the node goes away. On its first attempt its rank, once the

@@ -1,4 +1,4 @@
-"""Dynamic tables through a refused batch: run by torchrun from tests/test_refused_batch.py
+"""Dynamic tables through a refused batch: run by torchrun from tests/tables/test_refused_batch.py
 (2 ranks, a PS process started by rank 0) and called in-process by it (1 rank, the embedded
 store).
 

@@ -1,4 +1,4 @@
-"""Run by torchrun from tests/test_reshard.py, on 2 ranks (`first`) and then on another number
+"""Run by torchrun from tests/checkpoint/test_reshard.py, on 2 ranks (`first`) and then on another number
 (`resume`), each rank saving what it saw to OUT/<phase>-<world>-rank<r>.npz:
 
 - first: a 2-rank job of 20 steps, checkpointed at 10 (full) and 20 (incremental, the end);

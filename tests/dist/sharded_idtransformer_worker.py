@@ -1,4 +1,4 @@
-"""Run by torchrun from tests/test_sharded_idtransformer.py: every rank checks the sharded
+"""Run by torchrun from tests/idtransformer/test_sharded_idtransformer.py: every rank checks the sharded
 ID transformer against a single-process model of what its owner share must do."""
 
 from __future__ import annotations

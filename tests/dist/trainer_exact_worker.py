@@ -1,4 +1,4 @@
-"""Run by torchrun from tests/test_trainer_exact.py: the full and the dynamic model on every
+"""Run by torchrun from tests/trainer/test_trainer_exact.py: the full and the dynamic model on every
 rank, one after the other; each rank saves its losses and table blocks to OUT/rank{r}.npz."""
 
 from __future__ import annotations

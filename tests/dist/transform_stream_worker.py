@@ -1,4 +1,4 @@
-"""Run by torchrun from tests/test_transform_stream.py: every rank puts a stream of batches
+"""Run by torchrun from tests/idtransformer/test_transform_stream.py: every rank puts a stream of batches
 through a TransformStream (one exchange each) and the same batches through transform_tables
 (three exchanges each) on twin tables, and checks they agree call by call; then the endings
 (a rank with fewer batches, a refused batch). Prints OK rank r of w."""

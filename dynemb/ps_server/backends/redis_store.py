@@ -83,7 +83,7 @@ at the next listing, or as the least recently used). Requests go as one non-tran
 large batches) from the client's connection pool, so the store is safe to call from many threads.
 While Cluster slots move (a master added, a reshard), commands follow ASK and MOVED (redis-py,
 helped to reach a master that owns no slot yet), and scripts that meet TRYAGAIN or NOSCRIPT are
-sent again (_run_scripted); tests/test_cluster_reshard.py moves slots under load.
+sent again (_run_scripted); tests/ps_server/test_cluster_reshard.py moves slots under load.
 
 Pull, push and delete take the compiled row path (csrc/redis_rows_module.cpp): one call groups
 the ids by bucket and writes the whole pipeline (HMGETs, or the write script's EVALSHA) as Redis

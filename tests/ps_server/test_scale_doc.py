@@ -2,7 +2,7 @@
 worked examples, which must equal what the command prints.
 
 After changing a constant or the output, regenerate the examples:
-    PYTHONPATH=. .venv/bin/python tests/test_scale_doc.py
+    PYTHONPATH=. .venv/bin/python tests/ps_server/test_scale_doc.py
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dynemb.cli import main
 from dynemb.ps_server import sizing
 from dynemb.ps_server.schema import OPTIMIZERS
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "scale.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "scale.md"  # also run as a script: no helpers
 # a fenced example: the command on its `$ ` line, then what it prints
 EXAMPLE = re.compile(r"```console\n\$ (dynemb ps plan [^\n]*)\n(.*?)```", re.S)
 BASE = ["ps", "plan", "--rows", "1e9", "--dim", "64", "--optimizer", "adam"]

@@ -17,12 +17,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import REPO
 
 from bench.load_observe import growth
 
 pytestmark = pytest.mark.slow
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def run_bench(*args: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, dict]:

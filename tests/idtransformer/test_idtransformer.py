@@ -14,7 +14,7 @@ from dynemb.idtransformer.policy import EvictionPolicy
 from dynemb.idtransformer.transformer import IDTransformer
 
 # the compiled CPU kernel and the torch-ops map must both pass everything; where a GPU is
-# present (not in CI: run them on one with `pytest tests/test_idtransformer.py`), the torch
+# present (not in CI: run them on one with `pytest tests/idtransformer/test_idtransformer.py`), the torch
 # ops on CUDA too
 SIDES = ["kernel", "torch"] + (["cuda"] if torch.cuda.is_available() else [])
 BACKENDS = pytest.mark.parametrize("backend", SIDES)

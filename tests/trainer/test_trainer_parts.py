@@ -9,6 +9,7 @@ import urllib.request
 import numpy as np
 import pytest
 import torch
+from helpers import TESTS
 
 from dynemb.trainer.config import DataConfig, TableConfig, TrainConfig, add_arguments, from_args
 from dynemb.trainer.data import SyntheticCriteo, criteo_tsv_batches, parse_criteo_line
@@ -304,7 +305,6 @@ def test_a_finished_training_leaves_no_gloo_thread_behind():
     and both groups waited in the job's cyclic garbage."""
     import subprocess
     import sys
-    from pathlib import Path
 
     flags = [
         *(
@@ -317,9 +317,7 @@ def test_a_finished_training_leaves_no_gloo_thread_behind():
         "from dynemb.trainer.cli import main; "
         f"code = main({flags!r}); print('exit', code, 'gloo threads left:', gloo_threads())"
     )
-    run = subprocess.run(
-        [sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True, timeout=300
-    )
+    run = subprocess.run([sys.executable, "-c", code, str(TESTS)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.splitlines()[-1] == "exit 0 gloo threads left: []", run.stdout[-2000:]
 

@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from helpers import REPO, TESTS
 
 from dynemb.idtransformer import device_transform
 from dynemb.idtransformer.many import release_many, transform_many
@@ -343,11 +344,10 @@ def test_sharded_triton_tables_match_the_kernels(one_process_group):
     """transform_tables and a TransformStream (its exchange on the tables' device) on triton
     tables give what they give on kernel tables."""
     import sys
-    from pathlib import Path
 
     from dynemb.idtransformer.sharded import ShardedIDTransformer, release_tables, transform_tables
 
-    sys.path.insert(0, str(Path(__file__).parent / "dist"))
+    sys.path.insert(0, str(TESTS / "dist"))
     import transform_stream_worker as worker
 
     def tables(backend):  # room for the stream's three batches pinned in flight
@@ -378,9 +378,8 @@ def test_sharded_triton_tables_match_the_kernels(one_process_group):
 @pytest.mark.slow
 def test_the_bench_runs_the_triton_backend_end_to_end(capsys):
     import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    sys.path.insert(0, str(REPO / "bench"))
     import idtransformer_bench
 
     args = ["--device", DEVICE, "--backends", "triton,torch", "--capacity", "64", "--batch", "40"]

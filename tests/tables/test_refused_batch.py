@@ -8,19 +8,18 @@ process."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import torchrun
+from helpers import TESTS, torchrun
 
 from dynemb.idtransformer.policy import EvictionPolicy
 from dynemb.idtransformer.sharded import BatchRefused, ShardedIDTransformer, release_tables, transform_tables
 from dynemb.idtransformer.transformer import NoRoom, TooManyIDs
 
-sys.path.insert(0, str(Path(__file__).parent / "dist"))
+sys.path.insert(0, str(TESTS / "dist"))
 
-WORKER = Path(__file__).parent / "dist" / "refused_batch_worker.py"
+WORKER = TESTS / "dist" / "refused_batch_worker.py"
 
 
 def _resident(t: ShardedIDTransformer) -> dict[int, int]:

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import REPO
+
 LOAD = """
 from torch.utils import cpp_extension
 from dynemb.idtransformer import kernel
@@ -13,7 +15,7 @@ print(cpp_extension._get_build_directory(kernel.build_name(), verbose=False))
 
 
 def test_a_stale_build_lock_is_removed_not_waited_on():
-    root = Path(__file__).resolve().parents[1]
+    root = REPO
     build = Path(
         subprocess.run(
             [sys.executable, "-c", LOAD], cwd=root, check=True, capture_output=True, text=True
@@ -39,7 +41,7 @@ def test_a_second_checkout_of_the_same_source_reuses_the_build(tmp_path):
     not depend on which path the source was read from, or each load rebuilds the other's."""
     import shutil
 
-    root = Path(__file__).resolve().parents[1]
+    root = REPO
     build = Path(
         subprocess.run(
             [sys.executable, "-c", LOAD], cwd=root, check=True, capture_output=True, text=True

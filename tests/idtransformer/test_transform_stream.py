@@ -5,14 +5,13 @@ that runs out first ends the stream for all; a refused batch is raised on every 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import torchrun
+from helpers import TESTS, torchrun
 
-WORKER = Path(__file__).parent / "dist" / "transform_stream_worker.py"
+WORKER = TESTS / "dist" / "transform_stream_worker.py"
 sys.path.insert(0, str(WORKER.parent))
 
 import transform_stream_worker as worker  # noqa: E402

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import checkpointed_config, config, torchrun
+from helpers import TESTS, checkpointed_config, config, torchrun
 
 from dynemb.checkpoint.format import MANIFEST, CheckpointError, checkpoints, read_manifest
 from dynemb.trainer.train import train
@@ -203,7 +203,7 @@ def test_two_torchrun_ranks_resume_exactly(tmp_path, optimizer, tables, ps):
     job left there at step 40)."""
     from dynemb.testing.local_ps import LocalPS
 
-    worker = Path(__file__).parent / "dist" / "checkpoint_worker.py"
+    worker = TESTS / "dist" / "checkpoint_worker.py"
     with contextlib.ExitStack() as stack:
         address = stack.enter_context(LocalPS()).address if ps else ""
         done = torchrun(2, worker, str(tmp_path), optimizer, tables, address, timeout=600)
@@ -235,7 +235,7 @@ def test_a_rank_that_cannot_save_its_share_fails_every_rank_alike(tmp_path, faul
     go through every round together (no rank is left waiting, their collectives stay paired),
     both raise the same CheckpointError naming the rank and the cause, and no half-written
     folder stays."""
-    worker = Path(__file__).parent / "dist" / "checkpoint_fail_worker.py"
+    worker = TESTS / "dist" / "checkpoint_fail_worker.py"
     done = torchrun(2, worker, str(tmp_path), fault, timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     said = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from helpers import torchrun
+from helpers import TESTS, torchrun
 
-WORKER = Path(__file__).parent / "dist" / "sharded_idtransformer_worker.py"
+WORKER = TESTS / "dist" / "sharded_idtransformer_worker.py"
 
 
 @pytest.mark.parametrize("world,policy", [(2, "hybrid"), (4, "lru")])

@@ -67,7 +67,7 @@ def test_what_is_pinned_at_each_transform_does_not_depend_on_timing(pipeline, mo
 
 @pytest.mark.parametrize("optimizer,prefetch", [("rowwise_adagrad", 0), ("adam", 0), ("sgd", 2)])
 def test_training_is_exact_with_or_without_the_thread(optimizer, prefetch):
-    """The acceptance test (tests/test_trainer_exact.py runs it with the default, prefetch=1)
+    """The acceptance test (tests/trainer/test_trainer_exact.py runs it with the default, prefetch=1)
     with the transform on the training thread, and two batches ahead."""
     full = train(config(optimizer, dynamic=False, steps=60), collect_tables=True)
     dyn = train(config(optimizer, dynamic=True, steps=60, prefetch=prefetch), collect_tables=True)

@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import torchrun
+from helpers import TESTS, torchrun
 
 from dynemb.checkpoint.format import chain, checkpoints, read_manifest
 from dynemb.checkpoint.table_files import TableReader
 from dynemb.idtransformer.hashing import owner_of
 
-WORKER = Path(__file__).parent / "dist" / "reshard_worker.py"
+WORKER = TESTS / "dist" / "reshard_worker.py"
 BATCH = 48  # helpers.config's batch size per rank
 
 

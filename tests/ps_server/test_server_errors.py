@@ -550,7 +550,7 @@ def test_a_table_whose_rows_cannot_travel_is_refused(make_ps):
 def test_a_bad_name_in_a_many_table_call_is_named_wherever_it_stands(stored):
     """Entries were checked in order: an earlier entry's own refusal (its ids, a missing table)
     hid a bad name after it, so what a call was refused for depended on the order of its entries
-    (tests/test_ps_fuzz.py failed under one random seed for it)."""
+    (tests/ps_server/test_ps_fuzz.py failed under one random seed for it)."""
     _, stub, table, ids, rows = stored
     bad = "no such\nname"
     for entries in (

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import torchrun
+from helpers import TESTS, torchrun
 
 from dynemb.checkpoint.format import checkpoints, read_manifest
 from dynemb.checkpoint.table_files import TableReader
 from dynemb.testing.local_ps import REPO
 
-WORKER = Path(__file__).parent / "dist" / "elastic_worker.py"
+WORKER = TESTS / "dist" / "elastic_worker.py"
 FLAGS = (
     "--steps 40 --num-sparse 6 --universe 6000 --ids-per-feature 2 --dim 8 --capacity-fraction 0.1 "
     "--evict-fraction 0.1 --batch-size 48 --dense-arch 16,8 --over-arch 16,1 --eval-batches 2 "

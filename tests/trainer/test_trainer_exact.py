@@ -4,11 +4,10 @@ the PS, trains exactly like the same model with full tables."""
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import config, torchrun
+from helpers import TESTS, config, torchrun
 
 from dynemb.trainer.train import train
 
@@ -56,7 +55,7 @@ def test_two_torchrun_ranks_train_exactly_like_full_tables(optimizer, ps, tmp_pa
     model's."""
     from dynemb.testing.local_ps import LocalPS
 
-    worker = Path(__file__).parent / "dist" / "trainer_exact_worker.py"
+    worker = TESTS / "dist" / "trainer_exact_worker.py"
     with contextlib.ExitStack() as stack:
         process = stack.enter_context(LocalPS()) if ps else None
         run = torchrun(2, worker, str(tmp_path), optimizer, process.address if process else "", timeout=600)

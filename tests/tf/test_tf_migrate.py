@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xxhash
+from helpers import TESTS
 from tf_fixture_values import FIXTURES, Known
 
 from dynemb.checkpoint.table_files import TableReader
@@ -29,7 +30,7 @@ from dynemb.tf.bundle import Bundle
 from dynemb.tf.errors import TFMigrationError
 from dynemb.tf.source import open_source
 
-FIX = Path(__file__).parent / "fixtures" / "tf"
+FIX = TESTS / "fixtures" / "tf"
 
 # (fixture path, tensor as given to --table, its Known, target optimizer)
 CASES = [
