@@ -73,3 +73,22 @@ def test_an_example_on_two_ranks_over_redis_resumes_exactly_and_exports(
 def test_an_example_on_two_ranks_with_the_embedded_store(tmp_path):
     done = _run("two_tower.py", 2, "--steps", "30", "--export", str(tmp_path / "tables"))
     assert "steps 30  final loss" in done.stdout and "exported user" in done.stdout
+
+
+@pytest.mark.dist
+def test_a_checkpoint_of_two_ranks_resumes_on_one_and_verifies(tmp_path):
+    """An own model's checkpoint restores on another number of ranks (rows and ID transformers
+    resharded to their new owners), and `dynemb checkpoint inspect --verify` accepts it."""
+    ck = tmp_path / "ck"
+    _run("two_tower.py", 2, "--steps", "20", "--checkpoint-dir", str(ck))
+    (saved,) = sorted(ck.iterdir())
+    verified = subprocess.run(
+        [sys.executable, "-m", "dynemb.cli", "checkpoint", "inspect", "--verify", str(saved)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert verified.returncode == 0 and "sha256 match" in verified.stdout + verified.stderr, verified.stderr[-2000:]
+    assert "ranks        2" in verified.stdout
+    done = _run("two_tower.py", 1, "--steps", "30", "--checkpoint-dir", str(ck), "--resume")
+    assert "steps 30  final loss" in done.stdout
