@@ -285,7 +285,18 @@ class Checkpointer:
     # -- save ---------------------------------------------------------------------
 
     def save(self, step: int) -> Path:
-        """Collective, at a step boundary: every rank calls it after the same step."""
+        """Collective, at a step boundary: every rank calls it after the same step.
+
+        Raises:
+            CheckpointError: a transform thread is working on the tables (a wrap with prefetch
+                still running): it moves rows while they would be saved.
+        """
+        if self.dynamic is not None and self.dynamic.transforming_ahead:
+            raise CheckpointError(
+                f"step {step}: a thread is transforming batches ahead (wrap(prefetch=...)) and moves rows while they "
+                f"would be saved: save between wraps (e.g. wrap(itertools.islice(batches, n)) up to the checkpoint "
+                f"step), or wrap with prefetch=0"
+            )
         full = self.last is None or self.saved % self.settings.full_every == 0
         touched = None if full else self._touched_everywhere()
         root = self._directory()

@@ -497,6 +497,11 @@ class DynamicTables:
     def _release_now(self) -> None:
         release_tables([self.transformers[n] for n in self.names], self.in_flight.popleft())
 
+    @property
+    def transforming_ahead(self) -> bool:
+        """Whether a transform thread owns the tables now (wrap with a window, prefetch.py)."""
+        return self._deferred is not None
+
     def defer_releases(self) -> None:
         """From now on a transform thread applies release_oldest's releases (make_room)."""
         with self._releases:

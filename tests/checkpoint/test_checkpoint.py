@@ -451,3 +451,24 @@ def test_any_torchrec_model_with_a_plain_torch_optimizer_restores_exactly(tmp_pa
             torch.testing.assert_close(got_part[key], want_part[key], rtol=0, atol=0, msg=str(key))
     with pytest.raises(CheckpointError, match=r"optimizer adagrad, this job's is sgd"):
         Checkpointer(settings, dmp, tables, dense, optimizer="sgd").restore("latest")
+
+
+def test_a_save_while_a_thread_transforms_ahead_is_refused_in_one_line(tmp_path, one_process_group):
+    """A transform thread moves rows while they would be saved: the save says how to avoid it."""
+    import sys
+
+    sys.path.insert(0, str(TESTS / "tables"))
+    from tables_models import CONFIGS, batches, build, train_step
+
+    from dynemb import tables as dt
+    from dynemb.checkpoint import Checkpointer, CheckpointError, CheckpointSettings
+
+    model, dense = build(60)
+    with dt.DynamicEmbeddings(model, CONFIGS) as dyn:
+        ckpt = Checkpointer.of(dyn, dense, CheckpointSettings(batch_size=16, directory=str(tmp_path)))
+        for step, (kjt, y) in enumerate(dyn.wrap(batches(6), prefetch=1), start=1):
+            train_step(model, dense, kjt, y)
+            if step == 3:
+                with pytest.raises(CheckpointError, match=r"step 3: a thread is transforming .* prefetch=0"):
+                    ckpt.save(step)
+        assert ckpt.save(6).name == "step-00000006"  # between wraps: saved
