@@ -8,6 +8,7 @@ or a PS, then prints the final loss and AUC. Item IDs are spread over 2^40.
     python examples/sequence.py                          # one process, embedded store
     torchrun --nproc_per_node 2 examples/sequence.py     # 2 ranks (gloo on CPU)
     python examples/sequence.py --store localhost:50051  # rows on a running PS
+    torchrun --nproc_per_node <GPUs> examples/sequence.py --device cuda    # one rank per GPU
     python examples/sequence.py --checkpoint-dir ckpt --steps 150    # then:
     python examples/sequence.py --checkpoint-dir ckpt --resume       # on from step 150
     python examples/sequence.py --export tables                      # table folders for serving
@@ -57,10 +58,13 @@ class SequenceScorer(nn.Module):
         history, candidate = seqs["history"], seqs["candidate"]
         lengths = history.lengths().long()
         batch = len(lengths)
-        sample = torch.repeat_interleave(torch.arange(batch), lengths)
-        position = torch.arange(len(sample)) - torch.repeat_interleave(history.offsets()[:-1].long(), lengths)
+        device = history.values().device
+        sample = torch.repeat_interleave(torch.arange(batch, device=device), lengths)
+        position = torch.arange(len(sample), device=device) - torch.repeat_interleave(
+            history.offsets()[:-1].long(), lengths
+        )
         weight = torch.softmax(self.recency, 0)[position.clamp(max=HISTORY - 1)].unsqueeze(1)
-        user = torch.zeros(batch, DIM).index_add(0, sample, weight * history.values())
+        user = torch.zeros(batch, DIM, device=device).index_add(0, sample, weight * history.values())
         return (self.project(user) * candidate.values()).sum(1)  # one candidate per sample
 
 
@@ -88,6 +92,7 @@ def batches(seed: int, batch_size: int, rank: int, world: int):
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"], help="cuda: one rank per GPU (NCCL)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--capacity", type=int, default=2048, help="item rows on the devices, all ranks together")
@@ -106,13 +111,14 @@ def main(argv: list[str] | None = None) -> dict:
     if args.resume and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir")
 
-    created = dt.init_distributed()  # dynemb: torchrun's group, or a group of one process
+    device = dt.resolve_device(args.device)  # cuda: this rank's GPU (LOCAL_RANK)
+    created = dt.init_distributed(device)  # dynemb: torchrun's group, or a group of one process
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = SequenceScorer(-(-args.capacity // world) * world)  # an equal block of rows on each rank
     apply_optimizer_in_backward(torch.optim.Adagrad, model.ec.parameters(), {"lr": 0.1})
     configs = [dt.TableConfig("item", policy="hybrid")]  # dynemb
-    model = dt.shard_model(model, configs, torch.device("cpu"))  # dynemb: DMP, the table row-wise
+    model = dt.shard_model(model, configs, device)  # dynemb: DMP, the table row-wise
     dense = torch.optim.Adam(dict(in_backward_optimizer_filter(model.named_parameters())).values(), lr=0.01)
     loss_fn = nn.BCEWithLogitsLoss()
     losses = []
@@ -127,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
         first = ckpt.restore("latest") if ckpt is not None and args.resume else 0  # dynemb
         train = itertools.islice(batches(1, args.batch_size, rank, world), first, args.steps)
         for step, (kjt, clicks) in enumerate(dyn.wrap(train), start=first + 1):  # dynemb: IDs in, slots out
-            loss = loss_fn(model(kjt), clicks)
+            loss = loss_fn(model(kjt.to(device)), clicks.to(device))
             dense.zero_grad()
             loss.backward()
             dense.step()
@@ -144,8 +150,8 @@ def main(argv: list[str] | None = None) -> dict:
         held_out = (b for _, b in zip(range(args.eval_batches), batches(2, args.batch_size, rank, world)))
         with torch.no_grad():
             for kjt, clicks in dyn.wrap(held_out, train=False):  # dynemb: nothing admitted or pushed
-                logits.append(model(kjt))
-                labels.append(clicks)
+                logits.append(model(kjt.to(device)))
+                labels.append(clicks.to(device))
         hit_rate, _ = dyn.hit_rate()
         if args.export:  # dynemb: every row, from the PS or every rank's embedded store
             exported = export_tables(dyn, args.export, overwrite=True, progress=False)

@@ -6,6 +6,7 @@ torchrun, with the embedded store (default) or a PS, then prints the final loss 
     python examples/two_tower.py                         # one process, embedded store
     torchrun --nproc_per_node 2 examples/two_tower.py    # 2 ranks (gloo on CPU)
     python examples/two_tower.py --store localhost:50051 # rows on a running PS (dynemb ps serve)
+    torchrun --nproc_per_node <GPUs> examples/two_tower.py --device cuda   # one rank per GPU
     python examples/two_tower.py --checkpoint-dir ckpt --steps 150       # then:
     python examples/two_tower.py --checkpoint-dir ckpt --resume          # on from step 150
     python examples/two_tower.py --export tables                         # table folders for serving
@@ -81,6 +82,7 @@ def batches(seed: int, batch_size: int, rank: int, world: int):
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"], help="cuda: one rank per GPU (NCCL)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--capacity", type=int, default=1024, help="rows per table on the devices, all ranks together")
@@ -99,14 +101,15 @@ def main(argv: list[str] | None = None) -> dict:
     if args.resume and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir")
 
-    created = dt.init_distributed()  # dynemb: torchrun's group, or a group of one process
+    device = dt.resolve_device(args.device)  # cuda: this rank's GPU (LOCAL_RANK)
+    created = dt.init_distributed(device)  # dynemb: torchrun's group, or a group of one process
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     capacity = -(-args.capacity // world) * world  # an equal block of rows on each rank
     model = TwoTower(capacity, capacity)
     apply_optimizer_in_backward(RowWiseAdagrad, model.ebc.parameters(), {"lr": 0.1})
     configs = [dt.TableConfig("user", policy="lru"), dt.TableConfig("item", policy="hybrid")]  # dynemb
-    model = dt.shard_model(model, configs, torch.device("cpu"))  # dynemb: DMP, the tables row-wise
+    model = dt.shard_model(model, configs, device)  # dynemb: DMP, the tables row-wise
     dense = torch.optim.Adam(dict(in_backward_optimizer_filter(model.named_parameters())).values(), lr=0.01)
     loss_fn = nn.BCEWithLogitsLoss()
     losses = []
@@ -121,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
         first = ckpt.restore("latest") if ckpt is not None and args.resume else 0  # dynemb
         train = itertools.islice(batches(1, args.batch_size, rank, world), first, args.steps)
         for step, (kjt, clicks) in enumerate(dyn.wrap(train), start=first + 1):  # dynemb: IDs in, slots out
-            loss = loss_fn(model(kjt), clicks)
+            loss = loss_fn(model(kjt.to(device)), clicks.to(device))
             dense.zero_grad()
             loss.backward()  # the tables' optimizer runs inside the backward
             dense.step()
@@ -138,8 +141,8 @@ def main(argv: list[str] | None = None) -> dict:
         held_out = (b for _, b in zip(range(args.eval_batches), batches(2, args.batch_size, rank, world)))
         with torch.no_grad():
             for kjt, clicks in dyn.wrap(held_out, train=False):  # dynemb: nothing admitted or pushed
-                logits.append(model(kjt))
-                labels.append(clicks)
+                logits.append(model(kjt.to(device)))
+                labels.append(clicks.to(device))
         hit_rate, _ = dyn.hit_rate()
         if args.export:  # dynemb: every row, from the PS or every rank's embedded store
             exported = export_tables(dyn, args.export, overwrite=True, progress=False)

@@ -92,3 +92,10 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_and_verifies(tmp_path):
     assert "ranks        2" in verified.stdout
     done = _run("two_tower.py", 1, "--steps", "30", "--checkpoint-dir", str(ck), "--resume")
     assert "steps 30  final loss" in done.stdout
+
+
+@pytest.mark.parametrize("device", ["cuda"])  # the CPU runs above; skipped without a GPU (conftest)
+@pytest.mark.parametrize("script", ["two_tower.py", "sequence.py"])
+def test_an_example_trains_on_a_gpu(script, device, tmp_path):
+    done = _run(script, 1, "--device", device, "--steps", "20", "--export", str(tmp_path / "tables"))
+    assert "steps 20  final loss" in done.stdout and "exported " in done.stdout
