@@ -129,6 +129,13 @@ class DynamicEmbeddings:
             raise SetupError(f"a table is given twice: {', '.join(names)}")
         self.model, self.start = model, start
         rows = _table_rows(model, names)
+        for c in tables:
+            have = rows[c.name].local_rows * dist.get_world_size()
+            if c.capacity is not None and c.capacity != have:
+                raise SetupError(
+                    f"table {c.name}: TableConfig.capacity is {c.capacity:,} but the model's table has {have:,} rows "
+                    f"(its num_embeddings): make them agree"
+                )
         self.device = next(iter(rows.values())).weights.device
         self.schemas = {c.name: c.schema(rows[c.name].dim, rows[c.name].state_width, table_prefix) for c in tables}
         self._owns_store = not isinstance(store, RowStore)

@@ -143,6 +143,10 @@ def test_set_up_mistakes_name_the_fix():
     model, _ = build(CAPACITY)
     with pytest.raises(dt.SetupError, match=r"no table 'users'; its tables: user, item"):
         dt.DynamicEmbeddings(model, [dt.TableConfig("users")])
+    with pytest.raises(
+        dt.SetupError, match=r"table user: TableConfig.capacity is 1,000 but the model's table has 60 rows"
+    ):
+        dt.DynamicEmbeddings(model, [dt.TableConfig("user", capacity=1000)])
     with pytest.raises(dt.SetupError, match="given twice"):
         dt.DynamicEmbeddings(model, [CONFIGS[0], CONFIGS[0]])
     with pytest.raises(ValueError, match="policy 'fifo' is not one of lru, lfu, hybrid"):
