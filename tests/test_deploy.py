@@ -501,8 +501,8 @@ def test_k8s_trainer_job_agrees_with_torchrun_and_dynemb_train(overlay, k8s_dir,
         e for e in container(find(docs, "Deployment", "dynemb-ps"), "ps")["env"] if e["name"] == "DYNEMB_PS_AUTH_TOKEN"
     )
     assert token["valueFrom"] == ps_token["valueFrom"]
-    # the trainer opens the PS in store.py
-    assert "DYNEMB_PS_AUTH_TOKEN" in (REPO / "dynemb" / "trainer" / "store.py").read_text()
+    # the trainer opens the PS through dynemb.tables.open_store
+    assert "DYNEMB_PS_AUTH_TOKEN" in (REPO / "dynemb" / "tables" / "row_store.py").read_text()
     assert bool(cfg.ps_tls_ca) == overlay.endswith("tls")
 
 

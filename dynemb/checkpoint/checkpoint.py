@@ -89,7 +89,7 @@ from dynemb.tables.dense import dense_parameters
 from dynemb.tables.device import control_group
 from dynemb.tables.row_store import RowStore
 from dynemb.tables.sparse_adam import RowSparseAdam
-from dynemb.tables.table_rows import find_tables
+from dynemb.tables.table_rows import find_tables, table_configs
 
 if TYPE_CHECKING:  # types only: a job of full tables never loads the dynamic tables' machinery
     from dynemb.tables.dynamic import DynamicTables
@@ -973,17 +973,7 @@ def table_sizes(model: nn.Module) -> dict[str, int]:
     """Rows of each table of the sharded embedding modules inside `model` across all ranks
     (TorchRec's num_embeddings), by name: what the row-wise blocks of any world size are cut
     from (_row_block)."""
-    from torchrec.distributed.embedding import ShardedEmbeddingCollection
-    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
-
-    sizes: dict[str, int] = {}
-    for module in model.modules():
-        # the configs the modules were made from (TorchRec keeps them, not public)
-        if isinstance(module, ShardedEmbeddingBagCollection):
-            sizes.update((c.name, int(c.num_embeddings)) for c in module._embedding_bag_configs)
-        elif isinstance(module, ShardedEmbeddingCollection):
-            sizes.update((c.name, int(c.num_embeddings)) for c in module._embedding_configs)
-    return sizes
+    return {name: int(c.num_embeddings) for name, c in table_configs(model).items()}
 
 
 def _load_optimizer(optimizer: torch.optim.Optimizer, state: dict) -> None:

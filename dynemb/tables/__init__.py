@@ -52,6 +52,7 @@ _PUBLIC = {
     "RowStore": "dynemb.tables.row_store",
     "LocalRowStore": "dynemb.tables.row_store",
     "RemoteRowStore": "dynemb.tables.row_store",
+    "open_store": "dynemb.tables.row_store",
     # underneath: the tables' rows, any model's dynamic tables, Adam on FBGEMM's CPU tables
     "TableRows": "dynemb.tables.table_rows",
     "find_tables": "dynemb.tables.table_rows",
@@ -98,6 +99,7 @@ __all__ = [  # _PUBLIC's names (tests/tables/test_public_api.py holds the two eq
     "fused_optimizer",
     "fused_tbes",
     "init_distributed",
+    "open_store",
     "resolve_device",
     "shard_model",
     "sharders",
@@ -112,7 +114,7 @@ if TYPE_CHECKING:
     from dynemb.tables.embeddings import DynamicEmbeddings, SetupError, init_distributed
     from dynemb.tables.jagged import TORCHREC_ERROR, Batch, KeyedJaggedTensor
     from dynemb.tables.metrics import TrainerMetrics
-    from dynemb.tables.row_store import LocalRowStore, RemoteRowStore, RowStore
+    from dynemb.tables.row_store import LocalRowStore, RemoteRowStore, RowStore, open_store
     from dynemb.tables.sharding import constraints, shard_model, sharders
     from dynemb.tables.sparse_adam import RowSparseAdam, TrainedOptimizer, fused_tbes
     from dynemb.tables.startup import StartRefused, StartWords, agree, check_tables

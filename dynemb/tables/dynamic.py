@@ -479,6 +479,15 @@ class DynamicTables:
             )
         return int(looked.sum()), int(hits.sum())
 
+    def _count_pulled(self, per_table) -> None:
+        """Rows a look-up pulled from the store, per table in the order of names, into the
+        metrics' rows_pulled (the PS counts them too)."""
+        if self.metrics is not None:
+            assert self._stat_rows is not None  # added to the metrics with them (__init__)
+            counts = np.zeros((len(self.names), len(TABLE_COUNTERS)), dtype=np.int64)
+            counts[:, _ROWS_PULLED] = per_table
+            self.metrics.tables.count(self._stat_rows, counts, self._occupancy())
+
     def _occupancy(self) -> np.ndarray:
         """Each table's resident IDs as a share of its rows on this rank, in the order of names."""
         return np.array([self.transformers[n].local.resident for n in self.names]) / self._capacity
@@ -624,11 +633,7 @@ class DynamicTables:
         missing_ids = found.asked[asked_missing].cpu().numpy()
         wanted = {self.ps_names[t]: missing_ids[missing_table == t] for t in range(n_tables)}
         pulled = self.store.pull_many_async({name: ids for name, ids in wanted.items() if len(ids)}).result()
-        if self.metrics is not None:  # rows pulled from the PS, as the PS counts them
-            assert self._stat_rows is not None
-            counts = np.zeros((n_tables, len(TABLE_COUNTERS)), dtype=np.int64)
-            counts[:, _ROWS_PULLED] = np.bincount(missing_table, minlength=n_tables)
-            self.metrics.tables.count(self._stat_rows, counts, self._occupancy())
+        self._count_pulled(np.bincount(missing_table, minlength=n_tables))
         answer_host = np.zeros((len(missing_ids), width), dtype=np.float32)
         for t, name in enumerate(self.names):
             if self.ps_names[t] in pulled:
@@ -685,11 +690,7 @@ class DynamicTables:
         unique = [torch.unique(a[m], return_inverse=True) for a, m in zip(asked, missing)]
         wanted = {self.ps_names[k]: ids.cpu().numpy() for k, (ids, _) in enumerate(unique) if len(ids)}
         pulled = self.store.pull_many_async(wanted).result() if wanted else {}
-        if self.metrics is not None and wanted:  # rows pulled from the PS, as the PS counts them
-            assert self._stat_rows is not None
-            counts = np.zeros((len(self.names), len(TABLE_COUNTERS)), dtype=np.int64)
-            counts[:, _ROWS_PULLED] = [len(ids) for ids, _ in unique]
-            self.metrics.tables.count(self._stat_rows, counts, self._occupancy())
+        self._count_pulled([len(ids) for ids, _ in unique])
         out = []
         for k, name in enumerate(self.names):
             ids, inverse = unique[k]

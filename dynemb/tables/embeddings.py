@@ -38,14 +38,13 @@ import torch.distributed as dist
 from torch import nn
 
 from dynemb.common.errors import UserError
-from dynemb.ps_server.client import RetryPolicy
 from dynemb.tables.config import STARTS, TableConfig
 from dynemb.tables.dynamic import DynamicTables, DynamicTableSpec
 from dynemb.tables.metrics import TrainerMetrics
 from dynemb.tables.prefetch import PRIORITIES, TransformAhead
-from dynemb.tables.row_store import LocalRowStore, RemoteRowStore, RowStore
+from dynemb.tables.row_store import RowStore, open_store
 from dynemb.tables.startup import agree, check_tables
-from dynemb.tables.table_rows import TableRows, find_tables
+from dynemb.tables.table_rows import TableRows, find_tables, table_configs
 
 log = logging.getLogger("dynemb.tables")
 B = TypeVar("B")
@@ -336,17 +335,12 @@ def init_distributed(device: torch.device | str = "cpu") -> bool:
 def _open_store(store: str | RowStore | None, timeout: float) -> RowStore:
     if isinstance(store, RowStore):
         return store
-    if store is None or store == "embedded":
-        return LocalRowStore(per_rank=dist.get_world_size() > 1)
-    if not isinstance(store, str) or not store.strip():
+    if store is not None and (not isinstance(store, str) or not store.strip()):
         raise SetupError(
             f"store must be None (the embedded store), PS addresses 'host:port[,host:port]' or a RowStore, "
             f"not {store!r}"
         )
-    # every PS call is idempotent, so a PS that is down or hangs is tried again within the timeout
-    retry = RetryPolicy(attempts=None, max_backoff=5.0, attempt_timeout=min(30.0, timeout))
-    token = os.environ.get("DYNEMB_PS_AUTH_TOKEN") or None
-    return RemoteRowStore(store, timeout=timeout, retry=retry, auth_token=token)
+    return open_store(store, timeout=timeout, attempt_timeout=min(30.0, timeout))
 
 
 def _sharding(model: nn.Module) -> dict[str, Any]:
@@ -394,12 +388,10 @@ def _table_rows(model: nn.Module, names: list[str]) -> dict[str, TableRows]:
 
 def _features(model: nn.Module, table: str) -> list[str]:
     """The KJT keys a table serves, from the model's embedding configs."""
-    for module in model.modules():
-        configs = getattr(module, "_embedding_configs", None) or getattr(module, "_embedding_bag_configs", None)
-        for c in configs or []:
-            if getattr(c, "name", None) == table:
-                return list(c.feature_names)
-    raise SetupError(f"found no feature names of table {table} in the model's embedding modules")
+    config = table_configs(model).get(table)
+    if config is None:
+        raise SetupError(f"found no feature names of table {table} in the model's embedding modules")
+    return list(config.feature_names)
 
 
 __all__ = ["DynamicEmbeddings", "SetupError", "init_distributed"]

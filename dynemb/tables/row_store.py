@@ -14,14 +14,16 @@ order with every other call on those tables); the local one runs them at once.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 
 import numpy as np
+import torch.distributed as dist
 
 from dynemb.ps_server.backends.base import rows_out
 from dynemb.ps_server.backends.embedded import EmbeddedStore
-from dynemb.ps_server.client import PSClient
+from dynemb.ps_server.client import PSClient, RetryPolicy
 from dynemb.ps_server.initializer import fill_initial_rows
 from dynemb.ps_server.schema import TableSchema
 
@@ -241,3 +243,37 @@ class RemoteRowStore(RowStore):
     def close(self) -> None:
         """Close the PS client."""
         self.client.close()
+
+
+def open_store(
+    where: str | None,
+    *,
+    timeout: float = 600.0,
+    attempt_timeout: float = 30.0,
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+) -> RowStore:
+    """Where a job's rows live.
+
+    Args:
+        where: None or "embedded": the embedded store in this process (under torchrun one per
+            rank, holding the rows of the IDs that rank owns); else the PS addresses,
+            "host:port" comma-separated.
+        timeout: how long one PS call keeps retrying a PS that is down or hangs (every call is
+            idempotent, so it is simply tried again).
+        attempt_timeout: how long one try may take before it is abandoned and retried.
+        tls_ca, tls_cert, tls_key: PEM files for a TLS PS (the auth token comes from
+            DYNEMB_PS_AUTH_TOKEN).
+    """
+    if where is None or where == "embedded":
+        return LocalRowStore(per_rank=dist.get_world_size() > 1)
+    return RemoteRowStore(
+        where,
+        timeout=timeout,
+        retry=RetryPolicy(attempts=None, max_backoff=5.0, attempt_timeout=attempt_timeout),
+        auth_token=os.environ.get("DYNEMB_PS_AUTH_TOKEN") or None,
+        tls_ca=tls_ca,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+    )

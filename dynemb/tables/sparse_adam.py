@@ -46,16 +46,9 @@ class _TBEAdam:
 
 def fused_tbes(model: nn.Module) -> list[FusedTBE]:
     """The FBGEMM TBEs of the sharded embedding modules inside a DMP model."""
-    from torchrec.distributed.embedding import ShardedEmbeddingCollection
-    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+    from dynemb.tables.table_rows import embedding_kernels
 
-    out: list[FusedTBE] = []
-    for module in model.modules():
-        if isinstance(module, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)):
-            for lookup in module._lookups:
-                lookup = getattr(lookup, "module", lookup)
-                out.extend(emb.emb_module for emb in lookup._emb_modules)
-    return out
+    return [emb.emb_module for emb in embedding_kernels(model)]
 
 
 class RowSparseAdam:

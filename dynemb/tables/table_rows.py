@@ -11,7 +11,9 @@ row-wise Adagrad: one; Adam: m then v, dim each; SGD: none).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -62,29 +64,48 @@ class TableRows:
                 at += s.shape[1]
 
 
-def find_tables(model: nn.Module) -> dict[str, TableRows]:
-    """Every fused-kernel table of the sharded embedding modules (EmbeddingBagCollection and
-    EmbeddingCollection) inside `model`, by name."""
+def sharded_modules(model: nn.Module) -> Iterator[nn.Module]:
+    """The sharded EmbeddingBagCollection and EmbeddingCollection modules inside `model`."""
     from torchrec.distributed.embedding import ShardedEmbeddingCollection
     from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 
+    return (m for m in model.modules() if isinstance(m, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)))
+
+
+def embedding_kernels(model: nn.Module) -> Iterator[Any]:
+    """Each group of tables of those modules that one kernel serves (its `config` names the
+    tables; a FUSED one holds its FBGEMM TBE as `emb_module`)."""
+    for module in sharded_modules(model):
+        lookups: Any = module._lookups  # TorchRec's internals (untyped)
+        for lookup in lookups:
+            yield from getattr(lookup, "module", lookup)._emb_modules  # a DDP-wrapped lookup (data-parallel tables)
+
+
+def table_configs(model: nn.Module) -> dict[str, Any]:
+    """The EmbeddingBagConfig / EmbeddingConfig each table of those modules was made from, by
+    table name (TorchRec keeps them on the sharded module, not publicly)."""
+    configs: dict[str, Any] = {}
+    for module in sharded_modules(model):
+        kept = getattr(module, "_embedding_bag_configs", None) or getattr(module, "_embedding_configs", None) or []
+        configs.update((c.name, c) for c in kept)
+    return configs
+
+
+def find_tables(model: nn.Module) -> dict[str, TableRows]:
+    """Every fused-kernel table of the sharded embedding modules (EmbeddingBagCollection and
+    EmbeddingCollection) inside `model`, by name."""
     found: dict[str, TableRows] = {}
-    for module in model.modules():
-        if not isinstance(module, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)):
-            continue
-        for lookup in module._lookups:
-            lookup = getattr(lookup, "module", lookup)  # a DDP-wrapped lookup (data-parallel tables)
-            for emb in lookup._emb_modules:
-                tbe = getattr(emb, "emb_module", None)
-                if tbe is None or not hasattr(tbe, "split_optimizer_states"):
-                    raise TypeError(f"table group {emb.config.embedding_names} does not use the FUSED compute kernel")
-                weights = tbe.split_embedding_weights()
-                adam = getattr(tbe, "dynemb_adam", None)  # Adam on CPU: dynemb/tables/sparse_adam.py
-                states = adam.states if adam is not None else tbe.split_optimizer_states()
-                for k, table in enumerate(emb.config.embedding_tables):
-                    offset = table.local_metadata.shard_offsets[0] if table.local_metadata is not None else 0
-                    st = [s if s.dim() == 2 else s.view(-1, 1) for s in (states[k] if k < len(states) else [])]
-                    found[table.name] = TableRows(table.name, weights[k], st, int(offset))
+    for emb in embedding_kernels(model):
+        tbe = getattr(emb, "emb_module", None)
+        if tbe is None or not hasattr(tbe, "split_optimizer_states"):
+            raise TypeError(f"table group {emb.config.embedding_names} does not use the FUSED compute kernel")
+        weights = tbe.split_embedding_weights()
+        adam = getattr(tbe, "dynemb_adam", None)  # Adam on CPU: dynemb/tables/sparse_adam.py
+        states = adam.states if adam is not None else tbe.split_optimizer_states()
+        for k, table in enumerate(emb.config.embedding_tables):
+            offset = table.local_metadata.shard_offsets[0] if table.local_metadata is not None else 0
+            st = [s if s.dim() == 2 else s.view(-1, 1) for s in (states[k] if k < len(states) else [])]
+            found[table.name] = TableRows(table.name, weights[k], st, int(offset))
     return found
 
 
@@ -107,19 +128,13 @@ def fused_optimizer(model: nn.Module) -> str:
     Raises:
         ValueError: the tables run different optimizers, or there is no fused table.
     """
-    from torchrec.distributed.embedding import ShardedEmbeddingCollection
-    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
-
     names = set()
-    for module in model.modules():
-        if isinstance(module, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)):
-            for lookup in module._lookups:
-                for emb in getattr(lookup, "module", lookup)._emb_modules:
-                    tbe = getattr(emb, "emb_module", None)
-                    if tbe is None or not hasattr(tbe, "optimizer"):
-                        continue
-                    kind = str(getattr(tbe.optimizer, "value", tbe.optimizer))
-                    names.add("adam" if getattr(tbe, "dynemb_adam", None) is not None else _OPTIMIZERS.get(kind, kind))
+    for emb in embedding_kernels(model):
+        tbe = getattr(emb, "emb_module", None)
+        if tbe is None or not hasattr(tbe, "optimizer"):
+            continue
+        kind = str(getattr(tbe.optimizer, "value", tbe.optimizer))
+        names.add("adam" if getattr(tbe, "dynemb_adam", None) is not None else _OPTIMIZERS.get(kind, kind))
     if len(names) != 1:
         raise ValueError(f"the model's fused tables run {sorted(names) or 'no optimizer'}: expected one")
     return names.pop()
