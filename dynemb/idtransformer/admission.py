@@ -26,11 +26,16 @@ _MULTIPLIERS = (
     0x85EBCA77C2B2AE63,
     0x27D4EB2F165667C5,
 )
-_MAX_COUNT = (1 << 31) - 1
+MAX_COUNT = (1 << 31) - 1  # counters saturate here
 
 
 def _signed(u: int) -> int:
     return u - (1 << 64) if u >= 1 << 63 else u
+
+
+def multipliers(depth: int, device: torch.device | str) -> torch.Tensor:
+    """The hash multipliers of a sketch's first `depth` rows (int64, as torch stores them)."""
+    return torch.tensor([_signed(a) for a in _MULTIPLIERS[:depth]], dtype=torch.int64, device=device)
 
 
 class CountMinSketch:
@@ -51,7 +56,7 @@ class CountMinSketch:
         self.device = torch.device(device)
         self.counts = torch.zeros(depth, width, dtype=torch.int32, device=self.device)
         self._shift = 64 - (width.bit_length() - 1)
-        self._mult = torch.tensor([_signed(a) for a in _MULTIPLIERS[:depth]], dtype=torch.int64, device=self.device)
+        self._mult = multipliers(depth, self.device)
         # flat index offset of each row, so one index_add_ serves every row
         self._row_base = torch.arange(depth, dtype=torch.int64, device=self.device) * width
 
@@ -69,7 +74,7 @@ class CountMinSketch:
             counts = torch.ones(ids.shape[0], dtype=torch.int32, device=self.device)
         flat = self.counts.view(-1)
         flat.index_add_(0, cells.reshape(-1), counts.to(self.device, torch.int32).repeat(self.depth))
-        flat.clamp_(max=_MAX_COUNT)
+        flat.clamp_(max=MAX_COUNT)
         return flat[cells].amin(dim=0)
 
     def estimate(self, ids: torch.Tensor) -> torch.Tensor:

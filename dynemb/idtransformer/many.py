@@ -15,8 +15,9 @@ changes.
 
 Tables on the compiled kernel without an admission sketch take one kernel call for them all
 (csrc/slot_map.cpp transform_many: lookup and admit, table after table, no Python between);
-the rest (the triton and torch backends, an admission threshold) go one by one through
-transform (on triton: one host copy per table).
+triton tables take one pass for them all (device_transform.py: a fixed number of launches and
+one host copy, whatever their number); the rest (the torch backend, kernel tables with an
+admission threshold) go one by one through transform.
 
     errors = release_many(tables, [out.distinct_slots for out in out.results])   # when done
 """
@@ -34,8 +35,9 @@ class ManyResult:
     transform raised, or None. Per table, results[t]: its TransformResult, or None where it
     failed. From the kernel the tables' admitted and evicted IDs and slots and distinct slots
     come as one tensor each, table after table (`flat`, with `counts`: per table, how many of
-    each), and the per-table results are cut from them only when first asked for: a caller that
-    handles all tables at once (the trainer's row moves, release_many) takes them whole."""
+    each; the triton pass adds "rejected_ids"), and the per-table results are cut from them only
+    when first asked for: a caller that handles all tables at once (the trainer's row moves,
+    release_many) takes them whole."""
 
     FIELDS = ("admitted_ids", "admitted_slots", "evicted_ids", "evicted_slots", "distinct_slots")
 
@@ -68,12 +70,16 @@ class ManyResult:
         if self._results is None:  # made with the kernel's flat tensors instead
             flat, counts, sizes, hits = self.flat_parts()
             parts = {f: torch.split(flat[f], counts[f]) for f in self.FIELDS}
+            rejected = torch.split(flat["rejected_ids"], counts["rejected_ids"]) if "rejected_ids" in flat else None
             no_ids = self.slots[:0]
             self._results = [
                 None
                 if e is not None
                 else TransformResult(
-                    slots=slots, rejected_ids=no_ids, hits=hits[k], **{f: parts[f][k] for f in self.FIELDS}
+                    slots=slots,
+                    rejected_ids=no_ids if rejected is None else rejected[k],
+                    hits=hits[k],
+                    **{f: parts[f][k] for f in self.FIELDS},
                 )
                 for k, (slots, e) in enumerate(zip(torch.split(self.slots, sizes), self.errors))
             ]
@@ -104,20 +110,30 @@ def transform_many(
     fast = [_on_kernel(t) for t in tables]
     if all(fast):
         return _kernel_many(tables, ids.to(tables[0].device) if tables else ids, sizes, pin, bases)
-    # some one by one: the kernel's tables still in one call, the results put back in order
+    device = [t.backend == "triton" for t in tables]
+    if all(device) and len({t.device for t in tables}) == 1:
+        return _device_many(tables, ids, sizes, pin, bases)
+    # mixed: the kernel's tables still in one call, the triton ones in one pass, the rest one by
+    # one; the results put back in order
     blocks = torch.split(ids, sizes)
-    pick = [i for i, f in enumerate(fast) if f]
-    many = _kernel_many(
-        [tables[i] for i in pick],
-        torch.cat([blocks[i] for i in pick]) if pick else ids[:0],
-        [sizes[i] for i in pick],
-        pin,
-        [bases[i] for i in pick],
-    )
-    from_kernel = dict(zip(pick, zip(torch.split(many.slots, [sizes[i] for i in pick]), many.results, many.errors)))
+    together: dict[int, tuple] = {}
+    for pick, run in (
+        ([i for i, f in enumerate(fast) if f], _kernel_many),
+        ([i for i, d in enumerate(device) if d], _device_many),
+    ):
+        if not pick:
+            continue
+        many = run(
+            [tables[i] for i in pick],
+            torch.cat([blocks[i] for i in pick]),
+            [sizes[i] for i in pick],
+            pin,
+            [bases[i] for i in pick],
+        )
+        together.update(zip(pick, zip(torch.split(many.slots, [sizes[i] for i in pick]), many.results, many.errors)))
     parts, results, errors = [], [], []
     for i, (t, block, base) in enumerate(zip(tables, blocks, bases)):
-        slots, out, error = from_kernel[i] if fast[i] else _one(t, block, pin, base)
+        slots, out, error = together[i] if i in together else _one(t, block, pin, base)
         parts.append(slots)
         results.append(out)
         errors.append(error)
@@ -126,6 +142,14 @@ def transform_many(
 
 def _on_kernel(t: IDTransformer) -> bool:
     return t.backend == "kernel" and t.sketch is None
+
+
+def _device_many(
+    tables: list[IDTransformer], ids: torch.Tensor, sizes: list[int], pin: bool, bases: list[int]
+) -> ManyResult:
+    from dynemb.idtransformer import device_transform
+
+    return device_transform.transform_many(tables, ids.to(tables[0].device), sizes, pin, bases)
 
 
 def _one(t: IDTransformer, block: torch.Tensor, pin: bool, base: int):
@@ -190,8 +214,12 @@ def release_many_flat(
     tables: list[IDTransformer], distinct_slots: torch.Tensor, counts: list[int]
 ) -> list[Exception | None]:
     """release_many with every table's distinct slots in one tensor, table after table
-    (counts[t] of table t's, as ManyResult.flat has them): one kernel call, nothing to cut or
-    join. Every table must be on the kernel."""
+    (counts[t] of table t's, as ManyResult.flat has them): one kernel call (or one triton
+    pass), nothing to cut or join. Every table must be on the kernel, or every one on triton."""
+    if tables and all(t.backend == "triton" for t in tables):
+        from dynemb.idtransformer import device_transform
+
+        return device_transform.release_many(tables, distinct_slots, counts)
     status = tables[0].kernel_map.ops.release_many([t.records for t in tables], distinct_slots, counts).tolist()
     return [t.release_error(s) for t, s in zip(tables, status)]
 
@@ -201,14 +229,15 @@ def release_many(tables: list[IDTransformer], distinct_slots: list[torch.Tensor]
     in one call; each table all or none. Returns each table's error (not pinned: released
     twice?), the other tables released all the same."""
     errors: list[Exception | None] = [None] * len(tables)
-    fast = [k for k, t in enumerate(tables) if t.backend == "kernel"]
-    if fast:
-        held = [distinct_slots[k] for k in fast]
-        errors_fast = release_many_flat([tables[k] for k in fast], torch.cat(held), [h.shape[0] for h in held])
-        for k, error in zip(fast, errors_fast):
-            errors[k] = error
+    for backend in ("kernel", "triton"):
+        fast = [k for k, t in enumerate(tables) if t.backend == backend]
+        if fast:
+            held = [distinct_slots[k].to(tables[k].device) for k in fast]
+            errors_fast = release_many_flat([tables[k] for k in fast], torch.cat(held), [h.shape[0] for h in held])
+            for k, error in zip(fast, errors_fast):
+                errors[k] = error
     for k, t in enumerate(tables):
-        if t.backend != "kernel":
+        if t.backend not in ("kernel", "triton"):
             try:
                 t.release(distinct_slots[k], distinct=True)
             except (ValueError, IndexError) as e:

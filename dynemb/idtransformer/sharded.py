@@ -173,13 +173,14 @@ class ShareResults(Sequence[ShardedTransformResult]):
 
     def release_whole(self, tables: list[ShardedIDTransformer]) -> bool:
         """release_tables' one-call path: False where it does not apply (then per table)."""
-        if not (self.pin and self.whole and all(t.local.backend == "kernel" for t in tables)):
+        backends = {t.local.backend for t in tables}
+        if not (self.pin and self.whole and backends in ({"kernel"}, {"triton"})):
             return False
         if self._items is not None and any(item.pinned is None for item in self._items):
             return False  # some released per table: that path says which
         if self.released:
             raise ValueError("this batch was not transformed with pin=True (or was released already)")
-        flat, counts, _, _ = self.many.flat_parts()  # whole: the kernel's, every table's at once
+        flat, counts, _, _ = self.many.flat_parts()  # whole: every table's at once (the kernel's, or triton's)
         errors = release_many_flat([t.local for t in tables], flat["distinct_slots"], counts["distinct_slots"])
         self.released = True
         for k, item in enumerate(self._items or []):

@@ -14,12 +14,7 @@ evictions): the tests hold the backends to identical ones.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-
-if TYPE_CHECKING:
-    from dynemb.idtransformer.triton_map import TritonSlotMap
 
 EMPTY = -1
 MAP_SEED = 0x51_07
@@ -149,21 +144,18 @@ class SortedSlotMap:
         self.keys, self.vals = keys[:n], vals[:n]
 
 
-def coin(ids: torch.Tensor, step: int) -> torch.Tensor:
-    """Uniform [0, 1) per id from a hash of (id, step, seed): reproducible, no generator state."""
+def coin(ids: torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
+    """Uniform [0, 1) per id from a hash of (id, step, seed): reproducible, no generator state
+    (step: one for all, or each id's)."""
     r = fmix64(ids * (0x9E3779B97F4A7C15 - (1 << 64)) ^ ((step << 32) ^ COIN_SEED))
     return _lsr(r, 11).to(torch.float64) * 2.0**-53
 
 
-def make_slot_map(capacity: int, records: torch.Tensor, backend: str) -> KernelSlotMap | SortedSlotMap | TritonSlotMap:
-    """The slot map of a backend: 'kernel' (KernelSlotMap), 'torch' (SortedSlotMap) or
-    'triton' (triton_map.TritonSlotMap)."""
+def make_slot_map(capacity: int, records: torch.Tensor, backend: str) -> KernelSlotMap | SortedSlotMap:
+    """The slot map of a backend: 'kernel' (KernelSlotMap) or 'torch' (SortedSlotMap); a
+    triton table's map lives in its DeviceTables (device_tables.py)."""
     if backend == "kernel":
         return KernelSlotMap(capacity, records)
     if backend == "torch":
         return SortedSlotMap(capacity, records.device)
-    if backend == "triton":
-        from dynemb.idtransformer.triton_map import TritonSlotMap
-
-        return TritonSlotMap(capacity, records)
-    raise ValueError(f"slot map backend {backend!r} is not one of 'kernel', 'torch', 'triton'")
+    raise ValueError(f"slot map backend {backend!r} is not one of 'kernel', 'torch' (triton: DeviceTables)")

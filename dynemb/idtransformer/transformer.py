@@ -40,9 +40,10 @@ from dynemb.idtransformer.admission import CountMinSketch
 from dynemb.idtransformer.backend import BACKENDS, check_triton_device, triton_available
 from dynemb.idtransformer.ids import as_int64_ids
 from dynemb.idtransformer.policy import DEFAULT_POLICY, EvictionPolicy
-from dynemb.idtransformer.slot_map import COIN_SEED, MAP_SEED, KernelSlotMap, coin, make_slot_map
+from dynemb.idtransformer.slot_map import COIN_SEED, MAP_SEED, KernelSlotMap, SortedSlotMap, coin, make_slot_map
 
 if TYPE_CHECKING:
+    from dynemb.idtransformer.device_tables import DeviceTables
     from dynemb.idtransformer.triton_map import TritonSlotMap
 
 FREE = -1
@@ -171,33 +172,40 @@ class IDTransformer:
         if backend == "triton":
             check_triton_device(dev)
         self.backend = backend
-        # one 16-byte record per slot: (id, meta); the rest are views of it (little-endian
-        # meta: bytes 0-3 last access, 4 freq, 5 pins)
-        if backend == "kernel":  # read at random: on 2 MiB pages (see the kernel's huge_empty)
-            from dynemb.idtransformer.kernel import ops
-
-            self.records = ops().huge_empty([capacity, 2], torch.int64).zero_()
-        else:  # (triton: a spare last row, where the batched pass sends its masked-off writes)
-            spare = 1 if backend == "triton" else 0
-            self._ext = torch.zeros(capacity + spare, 2, dtype=torch.int64, device=dev)
-            self._ext[:, 1] = 0xFFFFFFFF  # (the spare row too: last access -1, free)
-            self.records = self._ext[:capacity]
-        self.slot_id = self.records[:, 0]
-        self.meta = self.records[:, 1]
-        self.meta.fill_(0xFFFFFFFF)  # last access -1: free
-        self.last_access = self.records.view(torch.int32)[:, 2]
-        self.freq = self.records.view(torch.uint8)[:, 12]
-        self.pins = self.records.view(torch.uint8)[:, 13]
-        self.map = make_slot_map(capacity, self.records, backend)
         self.sketch = CountMinSketch(sketch_width, sketch_depth, dev) if admit_threshold > 1 else None
         self.step = 0
         self.resident = 0
         self._policy_settings: tuple | None = None  # (policy, the kernel's settings for it, where step and resident go)
+        # one 16-byte record per slot: (id, meta); the rest are views of it (little-endian
+        # meta: bytes 0-3 last access, 4 freq, 5 pins)
+        self.space: DeviceTables | None = None  # triton: the allocation its state lives in
+        if backend == "triton":  # in a DeviceTables of its own until it joins others'
+            from dynemb.idtransformer.device_tables import DeviceTables
 
-    def ext_views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(last_access, freq, pins, slot_id) with the triton backend's spare row at `capacity`."""
-        ext = self._ext
-        return ext.view(torch.int32)[:, 2], ext.view(torch.uint8)[:, 12], ext.view(torch.uint8)[:, 13], ext[:, 0]
+            DeviceTables([self])
+            return
+        if backend == "kernel":  # read at random: on 2 MiB pages (see the kernel's huge_empty)
+            from dynemb.idtransformer.kernel import ops
+
+            records = ops().huge_empty([capacity, 2], torch.int64).zero_()
+        else:
+            records = torch.zeros(capacity, 2, dtype=torch.int64, device=dev)
+        records[:, 1] = 0xFFFFFFFF  # last access -1: free
+        self.bind(None, records, make_slot_map(capacity, records, backend))
+
+    def bind(
+        self, space: DeviceTables | None, records: torch.Tensor, slot_map: KernelSlotMap | SortedSlotMap | TritonSlotMap
+    ) -> None:
+        """Make records (capacity, 2) int64 and slot_map this table's state (DeviceTables moves a
+        triton table's state into its allocation this way)."""
+        self.space = space
+        self.records = records
+        self.slot_id = records[:, 0]
+        self.meta = records[:, 1]
+        self.last_access = records.view(torch.int32)[:, 2]
+        self.freq = records.view(torch.uint8)[:, 12]
+        self.pins = records.view(torch.uint8)[:, 13]
+        self.map = slot_map
 
     def __len__(self) -> int:
         return self.resident
@@ -237,7 +245,7 @@ class IDTransformer:
         if self.backend == "triton":  # every check on the device, one copy to the host
             from dynemb.idtransformer import device_transform
 
-            out = device_transform.transform(self, flat.contiguous(), pin)
+            out = device_transform.transform_one(self, flat.contiguous(), pin)
             out.slots = out.slots.reshape(ids.shape)
             return out
         if flat.numel() > self.capacity:  # only then can it hold too many distinct IDs
@@ -500,7 +508,11 @@ class IDTransformer:
         self.freq.copy_(state["freq"].to(dev))
         self.pins.copy_(state["pins"].to(dev))
         self.resident = len(slots)
-        self.map = make_slot_map(self.capacity, self.records, self.backend)
+        if self.space is not None:  # the map stays where it is, in its DeviceTables
+            self.triton_map.clear()
+            self.space.recount_free()
+        else:
+            self.map = make_slot_map(self.capacity, self.records, self.backend)
         self.map.insert(ids, slots)
         if self.sketch is not None:
             self.sketch.load_state_dict(state["sketch"])
