@@ -4,6 +4,7 @@
     python3 bench/idtransformer_bench.py --device cuda                # on a GPU machine
     TRITON_INTERPRET=1 .venv/bin/python bench/idtransformer_bench.py --backends triton --capacity 64 \
         --batch 40 --universe 500 --warmup 2 --batches 2 --skip-mch  # smoke run of the triton pass on CPU
+    python3 bench/idtransformer_bench.py --device cuda --tables 26 --batch 65536   # a DLRM step's 26 tables
 
 --backends picks which of our backends run, one after the other on the same batches: by
 default the kernel on CPU; on CUDA the triton backend (where triton imports) and the torch
@@ -16,6 +17,11 @@ universe (% 10^8), where ~40% of the draws exceed 10^8 and land spread evenly ov
 stream that is 40% IDs never seen again). Both sides first see --warmup batches (the table fills and
 eviction starts), then the same --batches timed batches. MCH: DistanceLFU eviction,
 eviction_interval 10 (its eviction cost is inside its timing, as ours is).
+
+--tables N: N tables of --capacity each, every batch --batch IDs for each (table t's are the
+stream's IDs scrambled by a bijection of its own: the same hit statistics, other IDs), all
+tables of a batch in one call (transform_many: on triton one pass for all); IDs/s counts every
+table's. MCH is timed on table 0's stream alone (its tables run one after the other anyway).
 
 Printed: IDs/s of each and the ratio (goal >= 10x MCH; the first backend's), hit rate of each
 (share of the batch's IDs already resident before the batch; goal >= MCH's), resident bytes
@@ -35,6 +41,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from dynemb.idtransformer.many import transform_many  # noqa: E402
 from dynemb.idtransformer.policy import EvictionPolicy  # noqa: E402
 from dynemb.idtransformer.transformer import IDTransformer  # noqa: E402
 from dynemb.trainer.zipf import BoundedZipf  # noqa: E402
@@ -57,14 +64,36 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def table_batch(b: torch.Tensor, tables: int, device: torch.device) -> torch.Tensor:
+    """The batch of every table, end to end: table t's IDs are b's, scrambled by t (a bijection)."""
+    x = b.to(device)
+    if tables == 1:
+        return x
+    salts = torch.arange(tables, dtype=torch.int64, device=device) * 0x5851F42D4C957F2D
+    return (x.unsqueeze(0) ^ salts.unsqueeze(1)).reshape(-1)
+
+
 def run_ours(args, batches, device, backend: str) -> dict:
-    t = IDTransformer(
-        args.capacity,
-        EvictionPolicy("hybrid", evict_fraction=args.evict_fraction),
-        device=device,
-        backend=backend,
-        admit_threshold=args.admit_threshold,
-    )
+    tables = [
+        IDTransformer(
+            args.capacity,
+            EvictionPolicy("hybrid", evict_fraction=args.evict_fraction),
+            device=device,
+            backend=backend,
+            admit_threshold=args.admit_threshold,
+        )
+        for _ in range(args.tables)
+    ]
+    t = tables[0]
+    sizes = [args.batch] * args.tables
+    bases = [k * args.capacity for k in range(args.tables)]
+
+    def transform(x: torch.Tensor) -> list:
+        if args.tables == 1:
+            return [t.transform(x).hits]
+        many = transform_many(tables, x, sizes, bases=bases)
+        return [many.hits] if many.flat is not None else [r.hits for r in many.results if r is not None]
+
     hits = total = timed = 0
     elapsed = 0.0
     copies = [0]
@@ -80,16 +109,16 @@ def run_ours(args, batches, device, backend: str) -> dict:
         device_transform.to_host = counted
     try:
         for k, b in enumerate(tqdm(batches, desc=f"idtransformer ({t.backend})", unit="batch", leave=False)):
-            x = b.to(device)
+            x = table_batch(b, args.tables, device)
             sync(device)
             if k == args.warmup:
                 copies[0] = 0
             start = time.perf_counter()
-            out = t.transform(x)
+            out = transform(x)
             sync(device)
             if k >= args.warmup:
                 elapsed += time.perf_counter() - start
-                hits += int(out.hits)
+                hits += sum(sum(h) if isinstance(h, list) else int(h) for h in out)
                 total += x.numel()
                 timed += 1
     finally:
@@ -99,14 +128,14 @@ def run_ours(args, batches, device, backend: str) -> dict:
         "backend": t.backend,
         "ids_per_s": total / elapsed,
         "hit_rate": hits / total,
-        "bytes_per_id": t.nbytes / max(len(t), 1),
-        "resident": len(t),
+        "bytes_per_id": sum(x.nbytes for x in tables) / max(sum(len(x) for x in tables), 1),
+        "resident": sum(len(x) for x in tables),
     }
     if t.backend == "triton":
         result["copies"] = copies[0] / max(timed, 1)
     if device.type == "cuda":
-        last = batches[-1].to(device)  # (the copy to the device is not the transform's)
-        result["syncs"] = count_syncs(lambda: t.transform(last))
+        last = table_batch(batches[-1], args.tables, device)  # (the copy to the device is not the transform's)
+        result["syncs"] = count_syncs(lambda: transform(last))
     return result
 
 
@@ -176,6 +205,9 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, default=20, help="timed batches [default %(default)s]")
     p.add_argument("--evict-fraction", type=float, default=0.05)
     p.add_argument(
+        "--tables", type=int, default=1, help="tables transformed together, --batch IDs each [default %(default)s]"
+    )
+    p.add_argument(
         "--backends",
         default="auto",
         help="ours to run, comma-separated, of kernel (CPU), torch, triton (CUDA; CPU under TRITON_INTERPRET=1); "
@@ -198,10 +230,12 @@ def main(argv=None) -> int:
     batches = zipf_batches(args.warmup + args.batches, args.batch, args.universe, seed=0, folded=args.folded)
     print(
         f"idtransformer_bench: Zipf(1.05) over {args.universe:,} IDs{' (folded)' if args.folded else ''}, "
-        f"batches of {args.batch:,}, capacity "
+        f"batches of {args.batch:,}{f' for each of {args.tables} tables' if args.tables > 1 else ''}, capacity "
         f"{args.capacity:,}, {args.warmup} warm-up + {args.batches} timed batches, device {device}, "
         f"{torch.get_num_threads()} CPU threads"
     )
+    if args.tables < 1:
+        p.error(f"--tables must be >= 1, got {args.tables}")
     names = backends_for(device, args.backends)
     unknown = sorted(set(names) - {"kernel", "torch", "triton"})
     if unknown:

@@ -8,6 +8,7 @@ pass also runs under torch's sync debug mode ("error")."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -387,3 +388,11 @@ def test_the_bench_runs_the_triton_backend_end_to_end(capsys):
     assert idtransformer_bench.main(args) == 0
     out = capsys.readouterr().out
     assert "triton" in out and "host copies per batch 1.00" in out
+    # a DLRM step's tables together: one copy a batch for all, the hit rate the kernel's
+    args = ["--device", DEVICE, "--backends", "triton,torch", "--capacity", "64", "--batch", "40", "--tables", "3"]
+    args += ["--universe", "500", "--warmup", "2", "--batches", "2", "--skip-mch"]
+    assert idtransformer_bench.main(args) == 0
+    out = capsys.readouterr().out
+    assert "for each of 3 tables" in out and "host copies per batch 1.00" in out
+    rates = re.findall(r"hit rate (\S+)", out)
+    assert len(rates) == 2 and rates[0] == rates[1], out
