@@ -63,14 +63,15 @@ def _score_kernel(
     meta32, meta8, block_table, in_call, params, scores_ptr, movable_ptr, NP: tl.constexpr, BLOCK: tl.constexpr
 ):
     """Each row's eviction score (policy.EvictionPolicy.scores), the top one where the row is not
-    movable (free, used at this step, pinned, padding, or its table needs no room); adds each
-    table's movable rows to movable_ptr[table]."""
+    movable (free, used at this step, pinned, padding); written only for the tables that may need
+    room (the others' are never read); adds each table's movable rows to movable_ptr[table]."""
     c, row0, cap = _block_of(block_table, in_call, params, NP)
     p = params + NP * tl.maximum(c, 0)
     step, need, kind = tl.load(p + 4), tl.load(p + 5), tl.load(p + 6)
     decay, ttl = tl.load(p + 7), tl.load(p + 8)
     row = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    real = (row - row0 < cap) & _spread((c >= 0) & (need > 0), row)
+    on = _spread((c >= 0) & (need > 0), row)  # only such blocks' scores are read (the select skips the rest)
+    real = (row - row0 < cap) & on
     last = tl.load(meta32 + 4 * row + 2, mask=real, other=-1).to(tl.int64)
     freq = tl.load(meta8 + 16 * row + 12, mask=real, other=0).to(tl.int64)
     pins = tl.load(meta8 + 16 * row + 13, mask=real, other=1)
@@ -80,7 +81,7 @@ def _score_kernel(
     f = tl.where(kind == 2, decayed, freq)
     score = tl.where(kind == 0, last, (f << 40) + last)
     score = tl.where((ttl >= 1) & (idle > ttl), last - 4611686018427387904, score)  # (2^62)
-    tl.store(scores_ptr + row, tl.where(movable, score, 9223372036854775807))
+    tl.store(scores_ptr + row, tl.where(movable, score, 9223372036854775807), mask=on)
     tl.atomic_add(movable_ptr + tl.maximum(c, 0), tl.sum(movable.to(tl.int64), 0), mask=c >= 0)
 
 
