@@ -86,7 +86,7 @@ from dynemb.idtransformer.hashing import owner_of
 from dynemb.idtransformer.transformer import FREE, IDTransformer
 from dynemb.ps_server.schema import TableSchema
 from dynemb.tables.dense import dense_parameters
-from dynemb.tables.device import control_group
+from dynemb.tables.device import ensure_control_group
 from dynemb.tables.row_store import RowStore
 from dynemb.tables.sparse_adam import RowSparseAdam
 from dynemb.tables.table_rows import find_tables, table_configs
@@ -191,6 +191,10 @@ class Checkpointer:
         self.schemas = {t.name: t.schema for t in self.tables}  # by TorchRec table name
         self.root = Path(settings.directory) if settings.directory else None
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # every collective of a save, restore and the like goes over the gloo control group
+        # (the default group where that is gloo): the training thread's, beside NCCL's default
+        # group on a GPU, which the training loop drives (docs/design.md, "Communicators and threads")
+        self.group = ensure_control_group()
         self.saved = 0  # checkpoints this job wrote (full every settings.full_every)
         self.last: str | None = None  # the newest checkpoint's folder name, the next one's parent
         self.touched: dict[str, list[np.ndarray]] = {name: [] for name in self.names}
@@ -279,7 +283,7 @@ class Checkpointer:
         """Per table, every ID any rank touched since the last checkpoint."""
         mine = {n: np.unique(np.concatenate(v)) if v else np.zeros(0, np.int64) for n, v in self.touched.items()}
         every: list[Any] = [None] * self.world
-        dist.all_gather_object(every, mine)
+        dist.all_gather_object(every, mine, group=self.group)
         return {n: np.unique(np.concatenate([e[n] for e in every])).astype(np.int64) for n in mine}
 
     # -- save ---------------------------------------------------------------------
@@ -311,7 +315,7 @@ class Checkpointer:
         self._agree(step, work, prepare)
         if self.dynamic is not None:
             self.dynamic.flush()
-            dist.barrier()  # every rank's rows are on the PS
+            dist.barrier(group=self.group)  # every rank's rows are on the PS
 
         def write_parts() -> None:
             self._save_tables(work, touched)
@@ -365,7 +369,7 @@ class Checkpointer:
         except Exception as exc:  # noqa: BLE001 - whatever it is, every rank must hear of it
             mine = f"rank {self.rank}: {type(exc).__name__}: {exc}"
         every: list[Any] = [None] * self.world
-        dist.all_gather_object(every, mine)
+        dist.all_gather_object(every, mine, group=self.group)
         problems = [p for p in every if p is not None]
         if problems:
             if self.rank == 0:
@@ -449,9 +453,9 @@ class Checkpointer:
             except Exception as exc:  # noqa: BLE001 - raised after the rounds
                 own_error, chunk = exc, f"rank {self.rank}: {type(exc).__name__}: {exc}"
             got: list[Any] | None = [None] * self.world if self.rank == 0 else None  # rank 0's alone
-            dist.gather_object(chunk, got, dst=0)
+            dist.gather_object(chunk, got, dst=0, group=self.group)
             more = [got is None or any(c is not None for c in got)]
-            dist.broadcast_object_list(more, src=0)
+            dist.broadcast_object_list(more, src=0, group=self.group)
             if not more[0]:
                 break
             if got is not None:
@@ -507,7 +511,17 @@ class Checkpointer:
 
     def restore(self, which: str) -> int:
         """Collective: load the checkpoint (a folder or "latest") into the model, the PS and
-        the ID transformers; returns its step, where training goes on."""
+        the ID transformers; returns its step, where training goes on.
+
+        Raises:
+            CheckpointError: the checkpoint is missing, damaged or of another job, or a
+                transform thread is working on the tables (a wrap with prefetch still running).
+        """
+        if self.dynamic is not None and self.dynamic.transforming_ahead:
+            raise CheckpointError(
+                f"restore {which}: a thread is transforming batches ahead (wrap(prefetch=...)) and moves rows while "
+                f"they would be replaced: restore before the first wrap or between wraps"
+            )
         folder = self.resolve(which)
         self.work = {"rank_files": [], "table_files": [], "rows_read": 0, "rows_stored": 0}
         # check everything before anything changes, each file on one rank; all ranks stop alike
@@ -521,7 +535,7 @@ class Checkpointer:
         except (CheckpointError, OSError) as exc:
             mine = str(exc)
         problems: list[Any] = [None] * self.world
-        dist.all_gather_object(problems, mine, group=control_group())
+        dist.all_gather_object(problems, mine, group=self.group)
         problem = next((p for p in problems if p is not None), None)
         if problem is not None:
             raise CheckpointError(problem)
@@ -551,7 +565,7 @@ class Checkpointer:
         self.base_step = step
         self.data_start = data_start(doc, self.settings.batch_size, self.world)
         self.base_samples = self.data_start * self.settings.batch_size * self.world
-        dist.barrier()
+        dist.barrier(group=self.group)
         return step
 
     def _reshard_rank_states(self, folder: Path, written_by: int) -> dict | None:
@@ -601,13 +615,13 @@ class Checkpointer:
         shapes = [tuple(sketches[t].shape) if t in sketches else (0, 0) for t in range(len(names))]
         flat = [step, adam_iter] + [x for shape in shapes for x in (1 if shape != (0, 0) else 0, *shape)]
         agreed = torch.tensor(flat, dtype=torch.int64)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=control_group())
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
         step, adam_iter = int(agreed[0]), int(agreed[1])
         shape_of = {t: tuple(agreed[3 + 3 * t : 5 + 3 * t].tolist()) for t in range(len(names)) if agreed[2 + 3 * t]}
         if shape_of:
             counts = [sketches.get(t, torch.zeros(shape_of[t], dtype=torch.int64)) for t in shape_of]
             summed = torch.cat([c.reshape(-1) for c in counts])
-            dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=control_group())
+            dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self.group)
             parts = torch.split(summed, [c.numel() for c in counts])
             sketches = {t: part.reshape(shape_of[t]) for t, part in zip(shape_of, parts)}
         if self.dynamic is not None:
@@ -630,7 +644,7 @@ class Checkpointer:
     def _all_to_all(self, send: list[list[np.ndarray]]) -> list[np.ndarray]:
         """Collective, over the gloo control group: send[d] (int64 arrays, joined) to rank d;
         returns what each rank sent this one, by source rank."""
-        group = control_group()
+        group = self.group
         parts = [np.concatenate(p).astype(np.int64) if p else np.zeros(0, np.int64) for p in send]
         counts = torch.tensor([len(p) for p in parts], dtype=torch.int64)
         got = torch.empty_like(counts)
@@ -659,7 +673,7 @@ class Checkpointer:
     def _restore_tables(self, links: list[Path]) -> None:
         if self.dynamic is not None:
             self._restore_dynamic(links)
-            dist.barrier()  # the PS holds the checkpoint's rows before any rank pulls
+            dist.barrier(group=self.group)  # the PS holds the checkpoint's rows before any rank pulls
             return
         self._restore_full(links)
 
@@ -675,7 +689,7 @@ class Checkpointer:
         if per_rank or self.rank == 0:  # the old rows go, once, before any rank writes
             for schema in schemas:
                 self.store.replace(schema, [])
-        dist.barrier()
+        dist.barrier(group=self.group)
         for link in links:
             readers = [TableReader(link / "tables" / name) for name in names]
             pieces = [(t, shard) for t, r in enumerate(readers) for shard in r.manifest.shards]
@@ -700,7 +714,7 @@ class Checkpointer:
                 for t, shard in mine:
                     self.work["rows_stored"] += self.store.load(schemas[t], self._shard_rows(readers[t], shard, bar))
             bar.close()
-            dist.barrier()  # this link's rows are in before the next one's go on top
+            dist.barrier(group=self.group)  # this link's rows are in before the next one's go on top
 
     def _shard_rows(self, reader: TableReader, shard, bar: tqdm) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """(ids, rows) chunks of one shard file of a table folder (rows: embedding, then state)."""

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from dynemb.checkpoint.table_files import DEFAULT_ROWS_PER_SHARD, Manifest, TableWriter
-from dynemb.tables.device import control_group
+from dynemb.tables.device import ensure_control_group
 
 if TYPE_CHECKING:
     from dynemb.tables.embeddings import DynamicEmbeddings
@@ -46,7 +46,7 @@ def export_tables(
         On rank 0 each table's manifest, by TorchRec table name; {} on the other ranks.
     """
     dynamic.flush()
-    group = control_group()  # gloo beside NCCL: the rows travel as Python objects
+    group = ensure_control_group()  # gloo beside NCCL: the rows travel as Python objects
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     per_rank = dynamic.store.per_rank and world > 1
     if not per_rank:

@@ -2,8 +2,10 @@
 
 --device cpu: every rank on the CPU, gloo. --device cuda: one rank per GPU, rank with
 LOCAL_RANK l on cuda:l, NCCL; a gloo group of the same ranks beside it (control_group) for
-what NCCL lacks (monitored_barrier, used to agree on who reports a failure). --device auto:
-cuda when torch sees a GPU, else cpu.
+the training thread's control collectives: what NCCL lacks (monitored_barrier, used to agree
+on who reports a failure), checkpoints, restores and table exports (Python objects and CPU
+tensors, no GPU memory or NCCL stream involved). --device auto: cuda when torch sees a GPU,
+else cpu. Which thread drives which group: docs/design.md, "Communicators and threads".
 
     device = resolve_device("auto")
     init_distributed(device)               # nccl on cuda, gloo on cpu
@@ -19,7 +21,9 @@ import torch.distributed as dist
 
 from dynemb.common.errors import UserError
 
-_control: dist.ProcessGroup | None = None  # the gloo group beside an NCCL default group
+# (the default group, the gloo group made beside it): control_group()'s while that default
+# group is the current one
+_control: tuple[dist.ProcessGroup | None, dist.ProcessGroup] | None = None
 
 
 class DeviceUnavailable(UserError):
@@ -66,7 +70,6 @@ def init_distributed(device: torch.device | None = None) -> bool:
     """Join torchrun's group (RANK, WORLD_SIZE in the environment), or make a one-process one,
     with the device's backend; on NCCL also the gloo control group. True if this call
     created the group."""
-    global _control
     if dist.is_initialized():
         return False
     backend = backend_for(device or torch.device("cpu"))
@@ -75,15 +78,38 @@ def init_distributed(device: torch.device | None = None) -> bool:
     else:
         # an in-process store: a group of one needs no rendezvous (and no port)
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    _control = dist.new_group(backend="gloo") if backend == "nccl" else None
+    if backend == "nccl":
+        add_control_group()
     return True
 
 
+def add_control_group() -> dist.ProcessGroup:
+    """Collective (every rank, in the same order as its other new groups): a gloo group of
+    every rank beside the default group, control_group()'s from now on, as long as that
+    default group is the current one. init_distributed makes it on NCCL; on gloo, a job (or a
+    test) may make one to run its control collectives as a NCCL job does, on a group of
+    their own."""
+    global _control
+    group = dist.new_group(backend="gloo")
+    _control = (dist.group.WORLD, group)
+    return group
+
+
+def ensure_control_group() -> dist.ProcessGroup | None:
+    """control_group(), made first beside a NCCL default group that has none (a job that made
+    its NCCL group itself, not through init_distributed). Collective where it makes one: every
+    rank calls it at the same point (the constructors and collectives that call it are)."""
+    if dist.get_backend() == "nccl" and control_group() is None:
+        add_control_group()
+    return control_group()
+
+
 def control_group() -> dist.ProcessGroup | None:
-    """A gloo group of every rank for monitored_barrier: the default group on gloo, the one
-    made beside NCCL's otherwise (None: the default group)."""
-    if _control is not None and dist.is_initialized() and dist.get_backend() == "nccl":
-        return _control
+    """The gloo group of every rank for the training thread's control collectives
+    (monitored_barrier, checkpoints, restores, table exports): the one made beside the default
+    group (on NCCL: by init_distributed), else the default group itself (None), a gloo one."""
+    if _control is not None and dist.is_initialized() and _control[0] is dist.group.WORLD:
+        return _control[1]
     return None
 
 

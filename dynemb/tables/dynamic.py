@@ -179,7 +179,13 @@ class DynamicTables:
         store: where rows go when evicted and come from when admitted (a PS client or the
             rank's embedded store).
         metrics: per-table counters, occupancy and PS latency, if given.
-        group: the process group of the ID owners [default: the world].
+        group: the process group of the ID owners [default: the world], for the exchanges
+            the caller's thread makes (transform, look_up, run_hit_rates).
+        thread_group: the process group of the exchanges a transform thread makes
+            (transform_stream; wrap with a window) [default: group]. A group of its own keeps
+            the thread from ever sharing one with the caller's collectives; gloo on a NCCL job,
+            so that the thread drives no NCCL communicator beside the training loop's
+            (docs/design.md, "Communicators and threads"). DynamicEmbeddings gives one.
         device: where the tables' rows and the ID transformers live (the rank's device); on
             a GPU rows move through pinned buffers on a side stream (row_moves.py).
 
@@ -196,10 +202,12 @@ class DynamicTables:
         metrics: TrainerMetrics | None = None,
         group: dist.ProcessGroup | None = None,
         device: torch.device | str = "cpu",
+        thread_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.specs = {s.name: s for s in specs}
         self.store, self.metrics, self.process_group = store, metrics, group
+        self.thread_group = thread_group if thread_group is not None else group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.rows: dict[str, TableRows] = {}
@@ -283,8 +291,10 @@ class DynamicTables:
         batch k is yielded, its rows in place, once batch k + 1's IDs have gone out. A batch is
         a KJT or holds one (dynemb/tables/batches.py), and comes back as it came with its KJT
         over slots. before_each() is called before each transform of this rank's share
-        (prefetch.py makes room there); False stops the stream."""
+        (prefetch.py makes room there); False stops the stream. The transform thread's: its
+        exchanges go over thread_group."""
         stream = TransformStream([self.transformers[n] for n in self.names], pin=True)
+        stream.group = self.thread_group  # the same ranks in the same order as the transformers' group
 
         def upcoming() -> tuple[torch.Tensor | None, list[int] | None, tuple[Any, Any, _Layout] | None]:
             batch = next(batches, None) if stream.taking else None
@@ -573,7 +583,10 @@ class DynamicTables:
 
     def run_hit_rates(self) -> tuple[float, dict[str, float]]:
         """Collective: the share of the run's lookups that found their ID resident, over every
-        rank's: of all lookups (each ID counts once per lookup), and of each table's."""
+        rank's: of all lookups (each ID counts once per lookup), and of each table's. Over the
+        caller's group, never the transform thread's: it may be called while a thread
+        transforms ahead, and then counts the batches transformed so far, ahead of the loop
+        included."""
         both = torch.from_numpy(np.stack([self.looked_up, self.found])).to(collective_device(self.process_group))
         dist.all_reduce(both, group=self.process_group)
         looked, found = both.cpu().numpy()

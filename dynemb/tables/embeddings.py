@@ -39,6 +39,7 @@ from torch import nn
 
 from dynemb.common.errors import UserError
 from dynemb.tables.config import STARTS, TableConfig
+from dynemb.tables.device import ensure_control_group
 from dynemb.tables.dynamic import DynamicTables, DynamicTableSpec
 from dynemb.tables.metrics import TrainerMetrics
 from dynemb.tables.prefetch import PRIORITIES, TransformAhead
@@ -141,21 +142,30 @@ class DynamicEmbeddings:
         self.store = _open_store(store, ps_timeout_seconds)
         self.closed = False
         try:
+            control = ensure_control_group()  # gloo beside NCCL, made here if the job made its NCCL group itself
             if start != "resume":
-                agree(lambda: check_tables(list(self.schemas.values()), self.store, start, dist.get_rank()), self.store)
+                schemas = list(self.schemas.values())
+                agree(lambda: check_tables(schemas, self.store, start, dist.get_rank()), self.store, control)
             self.metrics = metrics or TrainerMetrics(dist.get_rank(), job=job)
             if metrics_port:
                 self.metrics.serve(metrics_port + int(os.environ.get("LOCAL_RANK", "0")))
-            # a process group of their own: the IDs' exchange may run on a transform thread
-            # (wrap's prefetch) beside the training loop's collectives on the default group
+            # The IDs' exchanges over groups of their own: the training thread's (inline
+            # transforms, look-ups, hit rates) over one of the job's backend, a transform
+            # thread's (wrap's prefetch) over a gloo one. So two threads never share a group,
+            # and the transform thread drives no NCCL communicator while the training loop
+            # drives its own, which NCCL does not allow (docs/design.md, "Communicators and
+            # threads").
             group = dist.new_group(backend=dist.get_backend())
+            thread_group = dist.new_group(backend="gloo")
             specs = [
                 DynamicTableSpec(
                     c.name, _features(model, c.name), self.schemas[c.name], c.eviction(), c.admit_threshold
                 )
                 for c in tables
             ]
-            self.tables = DynamicTables(rows, specs, self.store, self.metrics, group=group, device=self.device)
+            self.tables = DynamicTables(
+                rows, specs, self.store, self.metrics, group=group, device=self.device, thread_group=thread_group
+            )
         except BaseException:
             if self._owns_store:
                 self.store.close()
@@ -190,7 +200,8 @@ class DynamicEmbeddings:
             in_flight: batches the loop holds at once: 1 for a plain loop (fetch, forward,
                 backward, step), 3 for TorchRec's TrainPipelineSparseDist.
             prefetch: batches a thread transforms ahead of the loop (0: none); each costs a
-                batch's IDs more pinned slots.
+                batch's IDs more pinned slots. That thread reads `batches`: their iterator must
+                call no collective (docs/design.md, "Communicators and threads").
             priority: that thread's scheduling: "normal", "low" or "idle".
 
         Returns:
@@ -260,6 +271,10 @@ class DynamicEmbeddings:
     def _release_all(self) -> None:
         """Every batch still pinned released (no wrapped iterator runs: wrap and close stop it
         first), every row move finished."""
+        if self.tables.transforming_ahead:  # a transform thread that did not stop (prefetch.py's close)
+            raise SetupError(
+                "a transform thread that did not stop still holds these tables (see the error its wrap raised)"
+            )
         while self.tables.in_flight:
             self.tables.release_oldest()
         self.tables.settle()
@@ -268,7 +283,17 @@ class DynamicEmbeddings:
 
     def flush(self) -> int:
         """Push every resident row, with its optimizer state, to the store; rows stay resident.
-        Not collective. Returns the rows pushed."""
+        Not collective. Returns the rows pushed.
+
+        Raises:
+            SetupError: a thread is transforming batches ahead (a wrap with prefetch still
+                running): it moves rows while they would be read.
+        """
+        if self.tables.transforming_ahead:
+            raise SetupError(
+                "flush() while a thread transforms batches ahead (wrap(prefetch=...)) and moves rows: flush between "
+                "wraps (once the wrapped batches have ended, or after closing them), or wrap with prefetch=0"
+            )
         return self.tables.flush()
 
     def resident_rows(self) -> int:
@@ -306,10 +331,11 @@ class DynamicEmbeddings:
             _open.discard(self)
             if self._owns_store:
                 self.store.close()
-            # their own group's gloo threads end with it, not with the process (their last
+            # their own groups' gloo threads end with them, not with the process (their last
             # collective's work finishing in interpreter shutdown would abort the process)
             if dist.is_initialized():
                 dist.destroy_process_group(self.tables.process_group)
+                dist.destroy_process_group(self.tables.thread_group)
 
     def __enter__(self) -> DynamicEmbeddings:
         return self

@@ -23,8 +23,16 @@ What keeps it exact and reproducible:
   batches in flight (pinned), waiting for the loop to ask for them if need be. So what is
   pinned at each transform, and with it the eviction order, depends on the batches alone,
   not on the threads' timing.
-- The thread's collectives use DynamicTables' own process group, so they never interleave
-  with the loop's (TorchRec's input and output dists, DDP's all-reduce) on one group.
+- The thread's collectives use a process group of their own (DynamicTables.thread_group, a
+  gloo one from DynamicEmbeddings), which the loop never uses, so they never interleave with
+  the loop's (TorchRec's input and output dists, DDP's all-reduce, look-ups, checkpoints) on
+  one group, and the thread drives no NCCL communicator beside the loop's (docs/design.md,
+  "Communicators and threads").
+- The thread stops, when the loop closes it, at the same exchange on every rank: only where it
+  must wait for a release that has not come (make_room). Every rank's loop has then taken the
+  same batches and released the same ones, so every rank's thread stops after the same
+  exchange, whichever saw the stop first; a thread that stopped as soon as it saw the stop
+  could leave the other ranks' threads inside an exchange it never joins.
 - Rows moved by the thread are never rows a batch in flight uses (those slots are pinned),
   so the loop's forward, backward and fused optimizer touch other rows of the same tables.
 - On a GPU the thread has a CUDA stream of its own (RowMoves.thread_stream), and hands each
@@ -119,10 +127,10 @@ class TransformAhead(Iterator[Batch]):
             with tables.moves.thread_stream():
                 # tables.ahead is 0: each batch's rows are in place when it is handed over (on a GPU:
                 # once its rows_in event has passed)
+                # no return here when the loop has closed the batches: the thread stops in make_room
+                # alone (see the module's docstring: at the same exchange on every rank)
                 for batch in tables.transform_stream(batches, lambda: tables.make_room(self.window - 1, self._stop)):
                     self._ready.put((batch, tables.moves.rows_in))
-                    if self._stop.is_set():
-                        return
         except BaseException as exc:  # noqa: BLE001 - handed to the loop, raised there in order
             self._ready.put(exc)
         finally:
@@ -149,14 +157,22 @@ class TransformAhead(Iterator[Batch]):
 
     def close(self) -> None:
         """Stop transforming: batches transformed but not taken stay in flight (release them
-        with release_oldest as usual). Waits for the transform under way, if any."""
+        with release_oldest as usual). Waits for the transform under way, if any: the thread
+        may first finish the exchange it is in, and any the window leaves room for.
+
+        Raises:
+            RuntimeError: the thread did not stop within join_seconds (inside an exchange that
+                another rank has not joined: its loop took other batches, or it failed). Its
+                group and the tables are the thread's still: nothing can use them safely.
+        """
         if self._done:
             return
         self._done = True
         self._stop.set()
         self._thread.join(self.join_seconds)
-        if self._thread.is_alive():  # in a collective that another rank never joined: a job that is failing
-            log.warning(
-                "the transform thread did not stop within %.0f s (waiting on another rank?); left behind",
-                self.join_seconds,
+        if self._thread.is_alive():
+            raise RuntimeError(
+                f"the transform thread did not stop within {self.join_seconds:.0f} s: it is inside an exchange with "
+                f"the other ranks that one of them has not joined (its loop took other batches than this rank's, or "
+                f"it failed); these dynamic tables cannot be used any more"
             )
