@@ -1,20 +1,33 @@
 #!/usr/bin/env bash
 # The GPU checks in one command, for the lent GPU host (offline; docs/gpu.md says how a session
-# gets the tree and the wheels there): install the carried wheels, print the versions, build,
-# run every CUDA test, then the GPU benchmarks; each step under a time budget. Logs and
-# results.json go to $OUT (the device tool brings them back); ONE table is printed at the end.
+# gets the tree and the wheels there). What needs no fbgemm-gpu comes first, so that a run cut
+# short, or one whose fbgemm-gpu pieces did not all arrive, still brings back figures:
+#   setup           pip-install the carried small wheels, unpack redis-server
+#   setup-fbgemm    rejoin the carried pieces of fbgemm-gpu and unpack them (seconds; may fail alone)
+#   versions        python, torch, CUDA, the GPU, triton, fbgemm_gpu, torchrec
+#   build           the CPU kernels the CUDA tests compare with
+#   tests-plain     the CUDA tests that need neither TorchRec nor fbgemm-gpu (-m "cuda and not torchrec")
+#   bench-idtransformer   bench/idtransformer_bench.py --device cuda (MCH beside it where torchrec imports)
+#   tests-torchrec  the CUDA tests that need them (-m "cuda and torchrec")
+#   bench-train     bench/train_bench.py --device cuda
+# Each step runs under its own time cap and the whole run under GPU_CHECK_BUDGET; a step that
+# would start with less time left than it needs is skipped with a row saying so. After every
+# step $OUT holds results.json and table.txt as they stand (a run killed from outside leaves the
+# steps done, and names the one it was in); gpu_check.log holds every step's output. The table
+# is printed at the end (also on SIGTERM/SIGINT).
 #
 #   scripts/gpu_check.sh                  # every step
 #   scripts/gpu_check.sh --only tests     # setup, versions and build, then the CUDA tests
 #   scripts/gpu_check.sh --only bench     # setup, versions and build, then the GPU benchmarks
-#   scripts/gpu_check.sh --dry-run        # what it would do, doing nothing
+#   scripts/gpu_check.sh --dry-run        # the steps, their caps and commands, doing nothing
 #
 # Without a GPU (e.g. here) it runs as far as it can and reports the GPU steps "no GPU: skipped".
 # Environment: PYTHON (default python3: on the host the one with torch), OUT (default
 # bench/out/gpu_check), GPU_CHECK_BUDGET (seconds for the whole run, default 480: a device call
-# runs at most 600, and a session's 15 device minutes hold the machine's start and the carry calls), GPU_WHEELS (default .whl), GPU_SITE (default /tmp/site), GPU_CHECK_IDT_ARGS and
+# runs at most 600, and a session's 15 device minutes hold the machine's start and the carry
+# calls), GPU_WHEELS (default .whl), GPU_SITE (default /tmp/site), GPU_CHECK_IDT_ARGS and
 # GPU_CHECK_TRAIN_ARGS (more arguments for the two benchmarks).
-# Exit status: 1 if a step failed (the other steps still run), else 0.
+# Exit status: 1 if a step failed (the other steps still run), 2 for bad arguments, else 0.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -28,19 +41,25 @@ LOG=$RESULTS/gpu_check.log
 DRY=
 ONLY=
 
-# The steps in order, with the most seconds each may take (the whole run's budget caps them too).
-STEPS=(setup versions build tests bench-idtransformer bench-train)
-declare -A MAX_S=([setup]=150 [versions]=60 [build]=180 [tests]=240 [bench-idtransformer]=150 [bench-train]=180)
-declare -A PART=([tests]=tests [bench-idtransformer]=bench [bench-train]=bench)
+# The steps in order; the most seconds each may take (the budget left caps it too), and the
+# fewest it must have left to start (about what it took on an H200, docs/gpu.md).
+STEPS=(setup setup-fbgemm versions build tests-plain bench-idtransformer tests-torchrec bench-train)
+declare -A MAX_S=([setup]=90 [setup-fbgemm]=120 [versions]=60 [build]=180 [tests-plain]=180
+  [bench-idtransformer]=150 [tests-torchrec]=240 [bench-train]=180)
+declare -A MIN_S=([setup]=10 [setup-fbgemm]=20 [versions]=20 [build]=20 [tests-plain]=30
+  [bench-idtransformer]=20 [tests-torchrec]=60 [bench-train]=80)
+declare -A PART=([tests-plain]=tests [tests-torchrec]=tests [bench-idtransformer]=bench [bench-train]=bench)
 
-# What the steps found out, for the later ones.
+# What the steps found out, for the later ones (the versions step sets them).
 HAVE_GPU=
-HAVE_TORCHREC=
 HAVE_FBGEMM=
+HAVE_TORCHREC=
+NO_FBGEMM="not installed"   # why fbgemm_gpu is not there: "not installed" or "does not import (...)"
+NO_TORCHREC="not installed"
 
-# One row per step for the table and results.json.
+# One row per step for the table and results.json; the step under way.
 ROW_NAME=() ROW_STATUS=() ROW_FIGURE=() ROW_SECS=()
-STEP_SKIP= STEP_FIGURE= STEP_BUDGET=0 FAILED=0
+STEP_SKIP= STEP_FIGURE= STEP_BUDGET=0 FAILED=0 RUNNING= RUNNING_SINCE=0 CHILD= STARTED=0 FINISHED=
 
 die() { echo "gpu_check: $*" >&2; exit 2; }
 
@@ -53,7 +72,7 @@ parse_args() {
         case $ONLY in tests | bench) ;; *) die "--only takes 'tests' or 'bench', not '${ONLY}'" ;; esac
         shift
         ;;
-      -h | --help) sed -n '2,19p' "$0"; exit 0 ;;
+      -h | --help) sed -n '2,30p' "$0"; exit 0 ;;
       *) die "unknown argument '$1' (see --help)" ;;
     esac
     shift
@@ -61,15 +80,22 @@ parse_args() {
   [[ $BUDGET =~ ^[0-9]+$ ]] || die "GPU_CHECK_BUDGET must be whole seconds, not '$BUDGET'"
 }
 
-# Run a command under the step's time budget (timeout kills its whole process group: torchrun's
-# ranks too); under --dry-run only print it.
+# Run a command under the step's time cap (timeout kills its whole process group: torchrun's
+# ranks too); under --dry-run only print it. Waited for in the background, so that a signal to
+# this script is handled at once (on_signal), not when the command ends; without fd 3 (the
+# script's stdout), so that a command left running by a kill does not hold the caller's pipe.
 sh_() {
   if [ -n "$DRY" ]; then
     echo "    would run: $(quoted "$@")"
     return 0
   fi
   echo "+ $(quoted "$@")"
-  timeout -k 10 "$STEP_BUDGET" "$@"
+  timeout -k 10 "$STEP_BUDGET" "$@" <&0 3>&- &
+  CHILD=$!
+  local rc=0
+  wait "$CHILD" || rc=$?
+  CHILD=
+  return "$rc"
 }
 
 skip() { STEP_SKIP=$1; }
@@ -91,56 +117,81 @@ quoted() {
 
 # --- the steps: each sets STEP_FIGURE (or calls skip) and returns non-zero on failure ---------
 
-# Join the pieces of each large wheel, check them against the sha256 taken when they were cut,
-# unpack them, and pip-install the small wheels, all into $SITE; unpack redis-server's .debs.
+# The small wheels into $SITE/small (pip, offline), redis-server's .debs unpacked beside them:
+# all that the steps before fbgemm-gpu need, from the first device call.
 step_setup() {
-  local sums=$WHL/small/pieces.sha256 stamp=$SITE/.gpu_check.stamp want notes=() line sum name parts
+  local dir=$SITE/small stamp want wheels
   if [ -n "$DRY" ]; then
-    echo "    join $WHL/pieces/*.part-NN, check each against $sums, unpack into $SITE"
-    sh_ "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHL/small/*.whl"
-    echo "    dpkg-deb -x $WHL/small/*.deb (redis-server for the tests' fixtures); PYTHONPATH=$ROOT:$SITE"
+    sh_ "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$dir" "$WHL/small/*.whl"
+    echo "    dpkg-deb -x $WHL/small/*.deb (redis-server for the tests' fixtures); PYTHONPATH=$ROOT:$SITE/small:$SITE/pieces"
     return 0
   fi
   if [ ! -d "$WHL/small" ]; then
-    skip "no $WHL/small: fbgemm_gpu and torchrec absent (scripts/gpu_wheels.sh, then carry it)"
+    skip "no $WHL/small: nothing to install (scripts/gpu_wheels.sh, then carry it)"
     return 0
   fi
-  export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
-  # what is wanted: the re-packed wheels by their recorded sha256 and the pieces there (an install
-  # made before the pieces came is redone), the small files by their own sha256
-  want=$( (cat "$sums" 2>/dev/null; ls -l "$WHL/pieces" 2>/dev/null; sha256sum "$WHL/small/"*) | sha256sum | cut -c1-16)
+  stamp=$dir/.gpu_check.stamp
+  want=$(sha256sum "$WHL/small/"* | sha256sum | cut -c1-16)
+  wheels=("$WHL/small/"*.whl)
+  [ -e "${wheels[0]}" ] || wheels=()
   if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
-    STEP_FIGURE="already installed in $SITE"
-    setup_redis
+    STEP_FIGURE="already installed in $dir"
+  else
+    rm -rf "$dir" && mkdir -p "$dir" || return 1
+    [ ${#wheels[@]} = 0 ] || PIP_ROOT_USER_ACTION=ignore sh_ "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$dir" "${wheels[@]}" || return 1
+    echo "$want" >"$stamp"
+    STEP_FIGURE="${#wheels[@]} small wheels"
+  fi
+  setup_redis "$dir/.redis"
+}
+
+# Each large wheel (fbgemm-gpu) from its pieces: join them, check the sha256 taken when they were
+# cut, unpack into $SITE/pieces. No pieces here: a skip row, and the steps that need fbgemm-gpu
+# say so; pieces that do not rejoin: a failure naming them. Either way the run goes on.
+step_setup_fbgemm() {
+  local sums=$WHL/small/pieces.sha256 dir=$SITE/pieces stamp want sum name parts joined=0 absent=()
+  if [ -n "$DRY" ]; then
+    echo "    join $WHL/pieces/<wheel>.tar.xz.part-NN, check each against $sums, unpack into $dir"
     return 0
   fi
-  rm -rf "$SITE" && mkdir -p "$SITE" || return 1
-  local joined=0
+  if [ ! -e "$sums" ]; then
+    skip "nothing to unpack: no $sums (scripts/gpu_wheels.sh, then carry $WHL/small)"
+    return 0
+  fi
+  stamp=$dir/.gpu_check.stamp
+  # an install made before all the pieces came is redone
+  want=$( (cat "$sums"; ls -l "$WHL/pieces" 2>/dev/null) | sha256sum | cut -c1-16)
+  if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+    STEP_FIGURE="already installed in $dir"
+    return 0
+  fi
+  rm -rf "$dir" && mkdir -p "$dir" || return 1
   while read -r sum name; do
     [ -n "$sum" ] && [ "${sum:0:1}" != "#" ] || continue
     parts=("$WHL/pieces/$name.part-"*)
     if [ ! -e "${parts[0]}" ]; then
       echo "$name: no pieces here, so ${name%%-*} is absent (carry the calls of $WHL/plan.txt in order)"
-      notes+=("${name%%-*} absent: no pieces")
+      absent+=("${name%%-*}")
       continue
     fi
     echo "$name: joining ${#parts[@]} pieces"
-    cat "${parts[@]}" >"$SITE/$name"
-    if [ "$(sha256sum "$SITE/$name" | cut -d' ' -f1)" != "$sum" ]; then
+    cat "${parts[@]}" >"$dir/$name"
+    if [ "$(sha256sum "$dir/$name" | cut -d' ' -f1)" != "$sum" ]; then
       echo "$name: the ${#parts[@]} pieces here (${parts[*]##*/}) do not give sha256 $sum: one is missing or damaged"
+      rm -f "$dir/$name"
       STEP_FIGURE="$name: pieces missing or damaged"
       return 1
     fi
-    unpack_tar_xz "$SITE/$name" "$SITE" || return 1
-    rm -f "$SITE/$name"
+    unpack_tar_xz "$dir/$name" "$dir" || return 1
+    rm -f "$dir/$name"
     joined=$((joined + 1))
   done <"$sums"
-  local wheels=("$WHL/small/"*.whl)
-  [ -e "${wheels[0]}" ] || wheels=()
-  [ ${#wheels[@]} = 0 ] || PIP_ROOT_USER_ACTION=ignore sh_ "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}" || return 1
-  echo "$want" >"$stamp"
-  setup_redis
-  STEP_FIGURE="${#wheels[@]} small wheels, $joined re-joined from pieces${notes:+; ${notes[*]}}"
+  [ ${#absent[@]} -gt 0 ] || echo "$want" >"$stamp"  # with pieces absent, a second run looks again
+  if [ "$joined" = 0 ] && [ ${#absent[@]} -gt 0 ]; then
+    skip "no pieces here for ${absent[*]} (carry the calls of $WHL/plan.txt)"
+    return 0
+  fi
+  STEP_FIGURE="$joined re-joined from pieces${absent[*]:+; absent, no pieces: ${absent[*]}}"
 }
 
 # xz's own threads where the host has xz, else Python's tarfile (standard library).
@@ -155,7 +206,7 @@ unpack_tar_xz() {
 # Debian's redis-server (redis-check-rdb under another name: it picks its role from argv[0]),
 # as scripts/setup_env.sh lays it out, for tests whose fixtures start one.
 setup_redis() {
-  local dir=$SITE/.redis tool
+  local dir=$1 tool
   [ -e "$WHL/small/redis-tools.deb" ] || { echo "no redis-tools.deb carried: tests that start Redis fail"; return 0; }
   if [ ! -x "$dir/bin/redis-server" ]; then
     for deb in "$WHL/small/"*.deb; do dpkg-deb -x "$deb" "$dir"; done
@@ -181,8 +232,12 @@ import importlib, importlib.metadata as md, platform, shlex, sys
 def version(module, dist=None):
     try:
         importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name == module.split(".")[0]:
+            return None, "not installed"
+        return None, f"does not import ({type(exc).__name__}: {str(exc)[:100]})"
     except Exception as exc:  # an import that crashes is as absent as a missing one
-        return None, f"{type(exc).__name__}: {str(exc)[:120]}"
+        return None, f"does not import ({type(exc).__name__}: {str(exc)[:100]})"
     try:
         return md.version(dist or module), None
     except md.PackageNotFoundError:
@@ -215,16 +270,19 @@ needed = {"numpy": None, "grpc": "grpcio", "grpc_health": "grpcio-health-checkin
           "ninja": None, "pytest": None, "hypothesis": None}
 optional = {"triton": None, "fbgemm_gpu": "fbgemm-gpu", "torchrec": None, "tensordict": None,
             "torchmetrics": None, "cupy": "cupy-cuda13x"}
+found = {}
 for group, mods in (("needed", needed), ("optional", optional)):
     for module, dist in mods.items():
-        v, err = version(module, dist)
-        print(f"  {group:8} {module:18} {v or 'ABSENT: ' + err}")
+        v, why = found[module] = version(module, dist)
+        print(f"  {group:8} {module:18} {v or 'ABSENT: ' + why}")
         if v is None and group == "needed":
             missing.append(module)
         if module in ("triton", "fbgemm_gpu", "torchrec"):
             figure.append(f"{module} {v or 'absent'}")
-facts["HAVE_FBGEMM"] = "1" if version("fbgemm_gpu", "fbgemm-gpu")[0] else ""
-facts["HAVE_TORCHREC"] = "1" if version("torchrec")[0] else ""
+for module, key in (("fbgemm_gpu", "FBGEMM"), ("torchrec", "TORCHREC")):
+    v, why = found[module]
+    facts[f"HAVE_{key}"] = "1" if v else ""
+    facts[f"NO_{key}"] = why or ""
 if missing:
     figure.insert(0, f"MISSING {' '.join(missing)}")
 facts["STEP_FIGURE"] = ", ".join(figure)
@@ -244,13 +302,37 @@ step_build() {
   STEP_FIGURE="ID transformer kernel, PS id index"
 }
 
-step_tests() {
+# Why a step that needs fbgemm-gpu and torchrec cannot run ("" when it can).
+no_torchrec() {
+  if [ -z "$HAVE_FBGEMM" ]; then
+    echo "fbgemm-gpu $NO_FBGEMM: skipped"
+  elif [ -z "$HAVE_TORCHREC" ]; then
+    echo "torchrec $NO_TORCHREC: skipped"
+  fi
+}
+
+step_tests_plain() {
   if [ -z "$DRY" ] && [ -z "$HAVE_GPU" ]; then skip "no GPU: skipped"; return 0; fi
-  local junit=$RESULTS/junit.xml rc=0
+  cuda_tests plain "cuda and not torchrec"
+}
+
+step_tests_torchrec() {
+  if [ -z "$DRY" ]; then
+    local why
+    why=$(no_torchrec)
+    if [ -n "$why" ]; then skip "$why"; return 0; fi
+    if [ -z "$HAVE_GPU" ]; then skip "no GPU: skipped"; return 0; fi
+  fi
+  cuda_tests torchrec "cuda and torchrec"
+}
+
+# pytest -m EXPR over the suite, its counts as the figure. The `torchrec` marker: tests/conftest.py.
+cuda_tests() {
+  local junit=$RESULTS/junit-$1.xml rc=0
   # A module that cannot be imported here must not hide the others' CUDA tests; it still fails the step.
-  sh_ "$PY" -m pytest -m cuda -q --continue-on-collection-errors --junitxml "$junit" tests || rc=$?
+  sh_ "$PY" -m pytest -m "$2" -q --continue-on-collection-errors --junitxml "$junit" tests || rc=$?
   [ -z "$DRY" ] || return 0
-  if [ "$rc" = 5 ]; then skip "no test is marked cuda"; return 0; fi
+  if [ "$rc" = 5 ]; then skip "no test is marked $2"; return 0; fi
   STEP_FIGURE=$("$PY" -c '
 import sys, xml.etree.ElementTree as ET
 t = f = e = s = 0
@@ -264,11 +346,14 @@ print(f"{t - f - e - s} passed, {f} failed, {e} errors, {s} skipped")
 
 step_bench_idtransformer() {
   if [ -z "$DRY" ] && [ -z "$HAVE_GPU" ]; then skip "no GPU: skipped"; return 0; fi
-  local args=(--device cuda) note= out=$WORK/bench-idtransformer.out rc=0
-  if [ -z "$DRY" ] && [ -z "$HAVE_TORCHREC" ]; then
-    args+=(--skip-mch)
-    note="; MCH skipped: no torchrec"
-    echo "torchrec absent: timing ours alone (--skip-mch), no ratio"
+  local args=(--device cuda) note= out=$WORK/bench-idtransformer.out rc=0 why
+  if [ -z "$DRY" ]; then
+    why=$(no_torchrec)
+    if [ -n "$why" ]; then
+      args+=(--skip-mch)
+      note="; MCH not run: ${why%: skipped}"
+      echo "${why%: skipped}: timing ours alone (--skip-mch), no ratio"
+    fi
   fi
   # shellcheck disable=SC2086  # extra arguments are meant to split
   sh_ "$PY" bench/idtransformer_bench.py "${args[@]}" ${GPU_CHECK_IDT_ARGS:-} >"$out" 2>&1 || rc=$?
@@ -280,12 +365,10 @@ step_bench_idtransformer() {
 
 step_bench_train() {
   if [ -z "$DRY" ]; then
+    local why
+    why=$(no_torchrec)
+    if [ -n "$why" ]; then skip "$why"; return 0; fi
     if [ -z "$HAVE_GPU" ]; then skip "no GPU: skipped"; return 0; fi
-    if [ -z "$HAVE_TORCHREC" ] || [ -z "$HAVE_FBGEMM" ]; then skip "needs torchrec and fbgemm_gpu: skipped"; return 0; fi
-    if ! "$PY" bench/train_bench.py --help 2>/dev/null | grep -q -- '--device'; then
-      skip "bench/train_bench.py has no --device yet: skipped"
-      return 0
-    fi
   fi
   local out=$WORK/bench-train.out rc=0
   # shellcheck disable=SC2086
@@ -319,21 +402,25 @@ run_step() {
     return 0
   fi
   if [ -n "$DRY" ]; then
-    echo "step $name (at most ${MAX_S[$name]} s):"
+    echo "step $name (at most ${MAX_S[$name]} s; starts only with ${MIN_S[$name]} s of the budget left):"
     "$fn"
     add_row "$name" skipped "dry run" 0
     return 0
   fi
-  if [ "$STEP_BUDGET" -lt 10 ]; then
-    add_row "$name" skipped "out of time (GPU_CHECK_BUDGET=$BUDGET s)" 0
+  if [ "$remaining" -lt "${MIN_S[$name]}" ]; then
+    add_row "$name" skipped "out of time: $((remaining > 0 ? remaining : 0)) s left of GPU_CHECK_BUDGET=$BUDGET, needs ${MIN_S[$name]}" 0
+    echo "[gpu_check] $name: skipped, out of time"
     return 0
   fi
-  echo "[gpu_check] $name: start (budget $STEP_BUDGET s)"
+  echo "[gpu_check] $name: start (at most $STEP_BUDGET s)"
+  RUNNING=$name RUNNING_SINCE=$start
+  write_results
   offset=$(stat -c %s "$LOG")
-  printf '\n===== %s (budget %s s) %s =====\n' "$name" "$STEP_BUDGET" "$(date -u +%FT%TZ)" >>"$LOG"
+  printf '\n===== %s (at most %s s) %s =====\n' "$name" "$STEP_BUDGET" "$(date -u +%FT%TZ)" >>"$LOG"
   # In this shell, not a pipeline or subshell: a step sets variables for the later ones. Called
   # after ||, the step runs without set -e, so each step checks its own commands.
   "$fn" >>"$LOG" 2>&1 </dev/null || rc=$?
+  RUNNING=
   if [ -n "$STEP_SKIP" ]; then
     status=skipped STEP_FIGURE=$STEP_SKIP
   elif [ "$rc" = 0 ]; then
@@ -345,6 +432,7 @@ run_step() {
     tail -c +"$((offset + 1))" "$LOG" | tail -n 15 | sed 's/^/    /'
   fi
   add_row "$name" "$status" "${STEP_FIGURE:-}" $(($(date +%s) - start))
+  echo "[gpu_check] $name: $status, $(($(date +%s) - start)) s: ${STEP_FIGURE:-}"
 }
 
 add_row() {
@@ -352,9 +440,13 @@ add_row() {
   [ -n "$DRY" ] || write_results
 }
 
-# results.json after every step, so that a call cut short still brings back the steps done.
+# results.json and table.txt as they stand: after every step and when one starts, so that a call
+# cut short still brings back the steps done and names the one it was in.
 write_results() {
   local i
+  # each written aside, then renamed: a run killed while writing leaves the last whole one
+  print_table >"$RESULTS/table.txt.new" && mv -f "$RESULTS/table.txt.new" "$RESULTS/table.txt" \
+    || echo "[gpu_check] could not write table.txt" >&2
   for i in "${!ROW_NAME[@]}"; do
     printf '%s\t%s\t%s\t%s\n' "${ROW_NAME[i]}" "${ROW_STATUS[i]}" "${ROW_FIGURE[i]}" "${ROW_SECS[i]}"
   done | "$PY" -c '
@@ -363,9 +455,13 @@ steps = [dict(zip(("step", "status", "figure", "seconds"), line.rstrip("\n").spl
          for line in sys.stdin if line.strip()]
 for s in steps:
     s["seconds"] = int(s["seconds"])
-json.dump({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "steps": steps,
-           "failed": any(s["status"] == "fail" for s in steps)}, open(sys.argv[1], "w"), indent=1)
-' "$RESULTS/results.json" || echo "[gpu_check] could not write results.json" >&2
+out, running, since, budget, started, finished = sys.argv[1:7]
+json.dump({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "budget_s": int(budget),
+           "elapsed_s": int(time.time()) - int(started), "finished": finished == "1",
+           "running": {"step": running, "seconds": int(time.time()) - int(since)} if running else None,
+           "steps": steps, "failed": any(s["status"] == "fail" for s in steps)}, open(out, "w"), indent=1)
+' "$RESULTS/results.json.new" "$RUNNING" "$RUNNING_SINCE" "$BUDGET" "$STARTED" "${FINISHED:-}" \
+    && mv -f "$RESULTS/results.json.new" "$RESULTS/results.json" || echo "[gpu_check] could not write results.json" >&2
 }
 
 print_table() {
@@ -376,25 +472,59 @@ print_table() {
   for i in "${!ROW_NAME[@]}"; do
     printf '%-20s %-8s %7s  %s\n' "${ROW_NAME[i]}" "${ROW_STATUS[i]}" "${ROW_SECS[i]}" "${ROW_FIGURE[i]}"
   done
+  if [ -n "$RUNNING" ]; then
+    printf '%-20s %-8s %7s  %s\n' "$RUNNING" running $(($(date +%s) - RUNNING_SINCE)) "(at most $STEP_BUDGET s)"
+  fi
   if [ -z "$DRY" ]; then echo "(logs: $LOG; $RESULTS/results.json)"; fi
+}
+
+# Killed from outside (the device tool's timeout, ^C): the step under way gets a failed row, and
+# the table is written and printed as at the end.
+on_signal() {
+  trap - TERM INT HUP
+  if [ -n "$CHILD" ]; then  # timeout passes it on to the command's process group
+    kill -TERM "$CHILD" 2>/dev/null || true
+    for _ in 1 2 3 4 5 6 7 8 9 10; do kill -0 "$CHILD" 2>/dev/null && sleep 0.5 || break; done
+    kill -KILL "$CHILD" 2>/dev/null || true
+  fi
+  if [ -n "$RUNNING" ]; then
+    local name=$RUNNING
+    RUNNING=
+    FAILED=1
+    add_row "$name" fail "killed (SIG$1) after $(($(date +%s) - RUNNING_SINCE)) s" $(($(date +%s) - RUNNING_SINCE))
+  fi
+  finish >&3  # the script's own stdout: the step's output may go to the log here
+  exit $((128 + $(kill -l "$1")))
+}
+
+finish() {
+  FINISHED=1
+  [ -n "$DRY" ] || write_results
+  print_table
 }
 
 main() {
   parse_args "$@"
-  DEADLINE=$(($(date +%s) + BUDGET))
-  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+  STARTED=$(date +%s)
+  DEADLINE=$((STARTED + BUDGET))
+  export PYTHONPATH="$ROOT:$SITE/small:$SITE/pieces${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
   WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
   trap 'rm -rf "$WORK"' EXIT
+  exec 3>&1
   if [ -n "$DRY" ]; then
     echo "gpu_check --dry-run: python $PY, wheels from $WHL into $SITE, results into $RESULTS, budget $BUDGET s"
   else
     mkdir -p "$RESULTS"
+    rm -f "$RESULTS/results.json" "$RESULTS/table.txt" "$RESULTS/"junit-*.xml
     : >"$LOG"
     echo "[gpu_check] $(date -u +%FT%TZ) python $PY, results into $RESULTS, budget $BUDGET s"
+    local sig
+    # shellcheck disable=SC2064  # the signal's name is meant to be fixed now
+    for sig in TERM INT HUP; do trap "on_signal $sig" "$sig"; done
   fi
   local name
   for name in "${STEPS[@]}"; do run_step "$name"; done
-  print_table
+  finish
   return "$FAILED"
 }
 
