@@ -54,6 +54,7 @@ _MAX_HITS = 0xFFFF
 # what the one copy holds per table, in order
 _FIELDS = (
     "status", "distinct", "seen", "new", "wanted", "admitted", "evicted", "rejected", "movable", "reused", "hits",
+    "dropped",
 )  # fmt: skip
 _OK, _TOO_MANY, _PINS_FULL, _NO_ROOM = range(4)
 
@@ -274,12 +275,13 @@ def transform_many(
     # the caller's slots: every table's plus its base
     base = lanes.at(ts.BASE, in_ids)
     out_slots = torch.where(placed >= 0, placed + base, placed)
+    dropped_t = _per_table(in_ids, placed < 0, T)  # IDs of the batch given no slot (not admitted)
 
     # 7. the one copy, then per table the refusals and the outputs' sizes
     status = torch.where(too_many_t, _TOO_MANY, torch.where(full_t, _PINS_FULL, torch.where(no_room_t, _NO_ROOM, _OK)))
     summary = torch.stack(
         [status, distinct_t, seen_ok_t, new_t, wanted_t, admit_t, evict_t, rejected_t, movable_t, reused_t,
-         torch.where(ok_t, hits_t, 0)],
+         torch.where(ok_t, hits_t, 0), dropped_t],
         dim=1,
     )  # fmt: skip
     info = [dict(zip(_FIELDS, r)) for r in to_host(summary)]
@@ -363,7 +365,8 @@ def _finish(
         "rejected_ids": [c["rejected"] for c in info],
     }
     hits = [c["hits"] for c in info]
-    return ManyResult(slots, None, errors, flat, counts, list(sizes), hits)
+    dropped = [c["dropped"] for c in info]
+    return ManyResult(slots, None, errors, flat, counts, list(sizes), hits, dropped)
 
 
 def transform_one(t: IDTransformer, flat: torch.Tensor, pin: bool) -> TransformResult:

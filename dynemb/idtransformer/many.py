@@ -50,11 +50,15 @@ class ManyResult:
         counts: dict[str, list[int]] | None = None,
         sizes: list[int] | None = None,
         hits: list[int] | None = None,
+        dropped: list[int] | None = None,
     ) -> None:
         self.slots, self.errors = slots, errors
         self._results = results
         self.flat, self.counts = flat, counts
         self.sizes, self.hits = sizes, hits  # with flat: per table, IDs looked up and hits (0 if failed)
+        # per table, how many of its IDs got no slot (-1: not admitted), where the host knows it
+        # without reading the slots (the triton pass counts them into its one copy); else None
+        self.dropped = dropped
 
     def flat_parts(self) -> tuple[dict[str, torch.Tensor], dict[str, list[int]], list[int], list[int]]:
         """(flat, counts, sizes, hits): every table's share as the kernel gave it, whole.

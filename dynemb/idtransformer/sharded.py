@@ -137,8 +137,13 @@ class ShareResults(Sequence[ShardedTransformResult]):
     together (the trainer): cutting 26 tables' tensors into per-table results and joining them
     again cost more than the rows' moves themselves."""
 
-    def __init__(self, flat_slots: torch.Tensor, sizes: list[int], many: ManyResult, pin: bool) -> None:
+    def __init__(
+        self, flat_slots: torch.Tensor, sizes: list[int], many: ManyResult, pin: bool, dropped: int | None = None
+    ) -> None:
         self.flat_slots, self.sizes, self.many, self.pin = flat_slots, sizes, many, pin
+        # how many of flat_slots are -1 (IDs not admitted), where the host knows it without
+        # reading them (one rank, triton tables: the pass counted them); else None
+        self.dropped = dropped
         self.released = False  # released whole (release_tables), before or after the items were made
         self._items: list[ShardedTransformResult] | None = None
 
@@ -290,7 +295,7 @@ def transform_blocks(
     every = as_int64_ids(ids).reshape(-1).to(device)
     if world == 1:  # nothing to exchange
         many = transform_many([t.local for t in tables], every, sizes, pin, [t.offset for t in tables])
-        results = ShareResults(many.slots, sizes, many, pin)
+        results = ShareResults(many.slots, sizes, many, pin, dropped=local_dropped(many))
         if many.error is not None:
             for out, error in zip(results, many.errors):
                 if error is not None:
@@ -309,6 +314,11 @@ def transform_blocks(
         refused_by = [torch.nonzero(column).squeeze(1).tolist() for column in refusals.t().cpu()]
         raise _refused(results, many.errors, refused_by, first.rank) from many.error
     return flat_slots, results
+
+
+def local_dropped(many: ManyResult) -> int | None:
+    """How many IDs of a one-rank batch got no slot, where the pass counted them (else None)."""
+    return None if many.dropped is None else sum(many.dropped)
 
 
 def transform_share(

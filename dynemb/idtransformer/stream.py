@@ -40,7 +40,13 @@ import torch.distributed as dist
 
 from dynemb.idtransformer.ids import as_int64_ids
 from dynemb.idtransformer.route import Routed, route
-from dynemb.idtransformer.sharded import ShardedIDTransformer, ShareResults, _refused, transform_share
+from dynemb.idtransformer.sharded import (
+    ShardedIDTransformer,
+    ShareResults,
+    _refused,
+    local_dropped,
+    transform_share,
+)
 
 
 class Answered(NamedTuple):
@@ -224,6 +230,7 @@ class TransformStream:
         self._answers = _Answers(answers, flags, recv_matrix.sum(1).tolist())
         self._errors = many.errors
         # no slots yet: they come with the exchange that answers the batch
-        results = ShareResults(many.slots[:0], [0] * self.n_tables, many, self.pin)
+        dropped = local_dropped(many) if self.world == 1 else None  # one rank: its answers are its own
+        results = ShareResults(many.slots[:0], [0] * self.n_tables, many, self.pin, dropped=dropped)
         self._awaiting[-1].results = results  # their slots come with the next exchange
         return results

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dynemb.idtransformer.device_select import compact
 from dynemb.idtransformer.find import Found, find_blocks
 from dynemb.idtransformer.policy import EvictionPolicy
 from dynemb.idtransformer.sharded import (
@@ -150,7 +151,7 @@ class _Share:
                 c["evicted_ids"],
                 sizes,
                 hits,
-                [0] * len(sizes),
+                c.get("rejected_ids", [0] * len(sizes)),  # (the kernel's whole path has no admission sketch)
             )
         owned = [out.owned for out in results]
 
@@ -274,6 +275,7 @@ class DynamicTables:
                 that went through have had their rows moved and pins released.
         """
         self.settle()  # first: the rows of earlier batches in place before any slot is looked at
+        kjt = self._on_device(kjt)
         layout = self._layout(kjt)
         tables = [self.transformers[n] for n in self.names]
         try:
@@ -283,7 +285,7 @@ class DynamicTables:
             self._finish_refused(refused)
             raise
         self._took(results, keep=self.ahead)
-        return self._over_slots(kjt, layout, slots)
+        return self._over_slots(kjt, layout, slots, getattr(results, "dropped", None))
 
     def transform_stream(self, batches: Iterator[Any], before_each: Callable[[], bool]) -> Iterator[Any]:
         """Collective: the batches over device rows, as transform gives them one by one, but with
@@ -296,13 +298,14 @@ class DynamicTables:
         stream = TransformStream([self.transformers[n] for n in self.names], pin=True)
         stream.group = self.thread_group  # the same ranks in the same order as the transformers' group
 
-        def upcoming() -> tuple[torch.Tensor | None, list[int] | None, tuple[Any, Any, _Layout] | None]:
+        def upcoming() -> tuple[torch.Tensor | None, list[int] | None, tuple[Any, Any, Any, _Layout] | None]:
             batch = next(batches, None) if stream.taking else None
             if batch is None:
                 return None, None, None
             where = find_kjt(batch)
-            layout = self._layout(get_kjt(batch, where))
-            return layout.ids, layout.sizes, (batch, where, layout)  # the tag: what the answers apply to
+            kjt = self._on_device(get_kjt(batch, where))
+            layout = self._layout(kjt)
+            return layout.ids, layout.sizes, (batch, where, kjt, layout)  # the tag: what the answers apply to
 
         stream.exchange(*upcoming())
         while stream.open:
@@ -314,9 +317,9 @@ class DynamicTables:
                 raise
             if answered is not None:
                 tag = answered.tag  # upcoming()'s (batch, layout): the stream hands its tags back as given
-                assert isinstance(tag, tuple), f"a batch tagged {type(tag).__name__}, not (batch, where, layout)"
-                answered_batch, where, layout = tag
-                kjt = self._over_slots(get_kjt(answered_batch, where), layout, answered.slots)
+                assert isinstance(tag, tuple), f"a batch tagged {type(tag).__name__}, not (batch, where, kjt, layout)"
+                answered_batch, where, kjt, layout = tag
+                kjt = self._over_slots(kjt, layout, answered.slots, answered.results.dropped)
                 yield with_kjt(answered_batch, where, kjt)
             if stream.received is not None:
                 if not before_each():
@@ -325,19 +328,37 @@ class DynamicTables:
         if stream.dropped:
             log.warning("rank %d had %d more batches than another rank: not trained on", self.rank, len(stream.dropped))
 
+    def _on_device(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """The batch's KJT on the tables' device, moved there once: its per-key lengths counted
+        on the host first (TorchRec's KJT keeps them through the move, so nothing reads them
+        back from the device), then copied from pinned memory without waiting. Its IDs are
+        transformed there and its slots stay there."""
+        if kjt.values().device == self.device:
+            return kjt
+        kjt.length_per_key()
+        kjt.offset_per_key()
+        if self.device.type != "cuda":
+            return kjt.to(self.device)
+        if not kjt.values().is_pinned():
+            kjt = kjt.pin_memory()
+        return kjt.to(self.device, non_blocking=True)
+
     def _layout(self, kjt: KeyedJaggedTensor) -> _Layout:
         """The KJT's values grouped by table (its features' segments, in key order): one
         stable sort by each value's table; values of no dynamic table sort last and stay as
         they are. Keys that already come table after table (the usual case) need no sort: the
-        values of dynamic tables are then the first ones."""
+        values of dynamic tables are then the first ones. Worked out on the host from the KJT's
+        per-key lengths (no read from the device); the IDs stay where the KJT is."""
         key_table, grouped = self._key_tables(kjt.keys())
         per_key = torch.tensor(kjt.length_per_key())
         sizes = torch.zeros(len(self.names) + 1, dtype=torch.int64).index_add_(0, key_table, per_key).tolist()
         n_dynamic = sum(sizes) - sizes[-1]
+        values = kjt.values()
         if grouped:
-            return _Layout(slice(0, n_dynamic), kjt.values()[:n_dynamic], sizes[:-1])
+            return _Layout(slice(0, n_dynamic), values[:n_dynamic], sizes[:-1])
         order = torch.argsort(key_table.repeat_interleave(per_key), stable=True)[:n_dynamic]
-        return _Layout(order, kjt.values()[order], sizes[:-1])
+        order = order.to(values.device, non_blocking=True)  # (from pageable memory: staged, not waited for)
+        return _Layout(order, values[order], sizes[:-1])
 
     def _took(self, results: Sequence[ShardedTransformResult], keep: int) -> None:
         """This rank's share of a batch transformed: pinned until released, its rows moving
@@ -351,25 +372,42 @@ class DynamicTables:
         self.hit_rates.append(self.last_hit_rate)
 
     @staticmethod
-    def _over_slots(kjt: KeyedJaggedTensor, layout: _Layout, slots: torch.Tensor) -> KeyedJaggedTensor:
-        """The KJT with its dynamic tables' IDs replaced by their slots."""
-        values, lengths = kjt.values(), kjt.lengths()
+    def _over_slots(
+        kjt: KeyedJaggedTensor, layout: _Layout, slots: torch.Tensor, dropped: int | None = None
+    ) -> KeyedJaggedTensor:
+        """The KJT with its dynamic tables' IDs replaced by their slots, where the KJT is.
+
+        dropped: how many slots are -1 (IDs not admitted yet, left out of their bags), if the
+        host knows it (the triton pass counts them into its one copy); else they are counted
+        here (a read of the device on a GPU). With none, the KJT keeps its per-key lengths on
+        the host; with some, the lengths per key are the device's, read by whoever asks."""
+        values, lengths, weights = kjt.values(), kjt.lengths(), kjt.weights_or_none()
         new_values = values.clone()
-        slots = slots.to(values.device)  # the batch stays where it is (the pipeline moves it to the device)
+        slots = slots.to(values.device)
         new_values[layout.order] = slots
+        if dropped is None:
+            dropped = int((slots < 0).sum())
+        if dropped == 0:
+            return KeyedJaggedTensor(
+                keys=kjt.keys(),
+                values=new_values,
+                lengths=lengths,
+                weights=weights,
+                stride=kjt.stride(),
+                length_per_key=kjt.length_per_key(),
+                offset_per_key=kjt.offset_per_key(),
+            )
+        # IDs not admitted yet (below the admission threshold) are left out of their bags
         keep = torch.ones_like(values, dtype=torch.bool)  # features of no dynamic table keep their IDs
         keep[layout.order] = slots >= 0
-        if bool(keep.all()):
-            return KeyedJaggedTensor(keys=kjt.keys(), values=new_values, lengths=lengths, weights=kjt.weights_or_none())
-        # IDs not admitted yet (below the admission threshold) are left out of their bags
-        segment = torch.repeat_interleave(torch.arange(len(lengths)), lengths.long())
-        dropped = torch.zeros(len(lengths), dtype=torch.int64).index_add_(0, segment, (~keep).long())
-        weights = kjt.weights_or_none()
+        n, kept = values.numel(), values.numel() - dropped
+        bag = torch.repeat_interleave(torch.arange(len(lengths), device=values.device), lengths.long(), output_size=n)
+        lost = torch.zeros(len(lengths), dtype=torch.int64, device=values.device).index_add_(0, bag, (~keep).long())
         return KeyedJaggedTensor(
             keys=kjt.keys(),
-            values=new_values[keep],
-            lengths=(lengths.long() - dropped).to(lengths.dtype),
-            weights=None if weights is None else weights[keep],
+            values=compact(new_values, keep, kept),
+            lengths=(lengths.long() - lost).to(lengths.dtype),
+            weights=None if weights is None else compact(weights, keep, kept),
         )
 
     def _finish_refused(self, refused: BatchRefused) -> None:

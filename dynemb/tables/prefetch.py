@@ -67,6 +67,7 @@ import queue
 import threading
 from collections.abc import Iterable, Iterator
 
+from dynemb.tables.batches import find_kjt, get_kjt
 from dynemb.tables.jagged import Batch
 
 log = logging.getLogger("dynemb.trainer")
@@ -126,11 +127,11 @@ class TransformAhead(Iterator[Batch]):
         try:
             with tables.moves.thread_stream():
                 # tables.ahead is 0: each batch's rows are in place when it is handed over (on a GPU:
-                # once its rows_in event has passed)
+                # once the event handed with it has passed: its rows are in, its KJT over slots made)
                 # no return here when the loop has closed the batches: the thread stops in make_room
                 # alone (see the module's docstring: at the same exchange on every rank)
                 for batch in tables.transform_stream(batches, lambda: tables.make_room(self.window - 1, self._stop)):
-                    self._ready.put((batch, tables.moves.rows_in))
+                    self._ready.put((batch, tables.moves.handed_over()))
         except BaseException as exc:  # noqa: BLE001 - handed to the loop, raised there in order
             self._ready.put(exc)
         finally:
@@ -147,8 +148,11 @@ class TransformAhead(Iterator[Batch]):
         if isinstance(item, BaseException):
             self._finish()
             raise item
-        batch, rows_in = item
-        self.tables.moves.wait(rows_in)  # the loop's stream, after the batch's rows are in
+        batch, ready = item
+        if ready is not None:  # on a GPU: the loop's stream waits for the batch's rows and KJT
+            self.tables.moves.wait(ready)
+            kjt = get_kjt(batch, find_kjt(batch))  # made on the thread's stream, used on the loop's
+            self.tables.moves.adopt([kjt.values(), kjt.lengths(), kjt.weights_or_none()])
         return batch
 
     def _finish(self) -> None:

@@ -24,7 +24,7 @@ the training stream's reads and updates touch different rows of the same tables.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -91,6 +91,26 @@ class RowMoves:
         event = event or self.rows_in
         if self.cuda and event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
+
+    def handed_over(self) -> Event | None:
+        """An event past everything the calling thread's stream and the side stream have queued
+        (a batch's KJT over slots, its rows): what the loop's stream waits for before it uses a
+        batch that another thread made (None on CPU)."""
+        if not self.cuda:
+            return None
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        event = torch.cuda.Event()
+        event.record(self._side)
+        return event
+
+    def adopt(self, tensors: Iterable[torch.Tensor | None]) -> None:
+        """Tensors made on another thread's stream, now used on the calling thread's: their
+        memory is not reused before this stream's work on them is done (record_stream)."""
+        if self.cuda:
+            current = torch.cuda.current_stream(self.device)
+            for t in tensors:
+                if t is not None and t.is_cuda:
+                    t.record_stream(current)
 
     @contextlib.contextmanager
     def thread_stream(self) -> Iterator[None]:

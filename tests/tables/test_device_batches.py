@@ -1,0 +1,99 @@
+"""The batch path of a GPU job, through the same code on CPU tensors: the DLRM job with its ID
+transformers on the triton backend (under Triton's interpreter) trains as it does on the
+kernel's, and the batch's way through the tables (its layout, its KJT over slots) reads
+nothing back from where the batch is: the pass counts the IDs it did not admit into its one
+copy, so no read of the slots decides how the KJT is cut."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+import pytest
+import torch
+from helpers import config
+
+from dynemb.idtransformer import sharded
+from dynemb.tables import dynamic
+from dynemb.tables.dynamic import DynamicTables
+from dynemb.trainer.train import train
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="triton tables on CPU tensors (the interpreter)")
+
+
+def _on(backend: str, monkeypatch) -> None:
+    """The job's ID transformers on `backend` (DynamicTables asks for "auto": the kernel on CPU)."""
+
+    class Sharded(sharded.ShardedIDTransformer):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **(kwargs | {"backend": backend}))
+
+    monkeypatch.setattr(dynamic, "ShardedIDTransformer", Sharded)
+
+
+class _Reads:
+    """Scalar reads of tensors (what a sync is on a GPU) inside DynamicTables' batch path."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.inside = 0
+        self.reads: list[str] = []
+        for name in ("item", "__bool__", "__int__", "__index__", "tolist"):
+            original = getattr(torch.Tensor, name)
+
+            def guard(tensor, *a, _original=original, _name=name, **kw):
+                if self.inside > 0 and tensor.numel() == 1:
+                    self.reads.append(_name)
+                return _original(tensor, *a, **kw)
+
+            monkeypatch.setattr(torch.Tensor, name, guard)
+        for method in ("_layout", "_over_slots", "_on_device"):
+            original = getattr(DynamicTables, method)  # (_over_slots: a staticmethod's function)
+
+            @functools.wraps(original)
+            def watched(*a, _original=original, **kw):
+                self.inside += 1
+                try:
+                    return _original(*a, **kw)
+                finally:
+                    self.inside -= 1
+
+            monkeypatch.setattr(DynamicTables, method, staticmethod(watched) if method == "_over_slots" else watched)
+        for method in ("look_up", "look_up_in_place"):  # evaluation: not the training batch's path
+            original = getattr(DynamicTables, method)
+
+            @functools.wraps(original)
+            def unwatched(*a, _original=original, **kw):
+                was, self.inside = self.inside, -(1 << 20)
+                try:
+                    return _original(*a, **kw)
+                finally:
+                    self.inside = was
+
+            monkeypatch.setattr(DynamicTables, method, unwatched)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("threshold", [1, 2], ids=["admit-at-once", "admit-at-2"])
+def test_triton_tables_train_as_the_kernels_and_read_nothing_back(threshold, monkeypatch):
+    """Twenty steps of the DLRM job (6 dynamic tables of 600 rows, evicting; with a threshold,
+    IDs left out of their bags every batch): the same losses, hit rates and rows as on the
+    kernel's tables, and on triton no scalar read in the batch's path."""
+    cfg = config("rowwise_adagrad", dynamic=True, steps=20)
+    cfg = dataclasses.replace(cfg, table=dataclasses.replace(cfg.table, admit_threshold=threshold))
+    runs = {}
+    reads = {}
+    for backend in ("kernel", "triton"):
+        with monkeypatch.context() as m:
+            _on(backend, m)
+            watch = _Reads(m)
+            runs[backend] = train(cfg, collect_tables=True)
+            reads[backend] = watch.reads
+    kernel, triton = runs["kernel"], runs["triton"]
+    assert triton.losses == kernel.losses and len(triton.losses) == 20
+    assert triton.hit_rates == kernel.hit_rates and triton.hit_rate < 1.0
+    for name, (_, rows) in kernel.tables.items():
+        np.testing.assert_array_equal(triton.tables[name][1], rows, err_msg=f"table {name}")
+    assert reads["triton"] == [], f"scalar reads in the batch path on triton tables: {reads['triton'][:5]}"
+    # the kernel's path counts the IDs left out by reading its slots (free on the CPU): the guard sees it
+    assert "__int__" in reads["kernel"]
