@@ -14,7 +14,8 @@ import socket
 import numpy as np
 import redis
 
-from dynemb.ps_server.backends.redis_store import bucket_count_of, bucket_keys, bucket_of, meta_key, prefix_of
+from dynemb.ps_server.backends.redis_keys import bucket_count_of, bucket_keys, meta_key, prefix_of
+from dynemb.ps_server.hashing import bucket_of
 from dynemb.ps_server.schema import TableSchema
 
 
@@ -85,7 +86,7 @@ class RedisLimit:
         return self.mod.pull_request(ids, self.meta.num_buckets, self.meta.prefix, order)
 
     def push_request(self, ids: np.ndarray, rows: np.ndarray) -> tuple[bytes, int]:
-        from dynemb.ps_server.backends.redis_store import _WRITE_SCRIPTS
+        from dynemb.ps_server.backends.redis_rows import _WRITE_SCRIPTS
 
         sha = self.store._sha(_WRITE_SCRIPTS["HSET"]).encode()
         s, m = self.schema, self.meta

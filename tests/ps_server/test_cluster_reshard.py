@@ -9,7 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from dynemb.ps_server.backends.redis_store import RedisStore, meta_key, rows_key
+from dynemb.ps_server.backends.redis_keys import meta_key, rows_key
+from dynemb.ps_server.backends.redis_store import RedisStore
 from dynemb.ps_server.client import PSClient
 from dynemb.ps_server.client.retry import RetryPolicy
 from dynemb.ps_server.schema import TableSchema

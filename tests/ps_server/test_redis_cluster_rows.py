@@ -11,9 +11,10 @@ import pytest
 import redis
 from redis.crc import key_slot
 
-from dynemb.ps_server.backends import redis_store
-from dynemb.ps_server.backends.redis_store import RedisStore, bucket_of
+from dynemb.ps_server.backends import redis_keys
+from dynemb.ps_server.backends.redis_store import RedisStore
 from dynemb.ps_server.errors import PSError
+from dynemb.ps_server.hashing import bucket_of
 from dynemb.ps_server.native import redis_rows
 from dynemb.ps_server.schema import TableSchema
 from dynemb.testing.local_redis import RedisClusterProcesses
@@ -77,7 +78,7 @@ def test_slot_nodes_match_redis_py_key_slot(num_buckets):
     slot_node = rng.integers(-1, 7, 16384, dtype=np.int32)  # any map: each slot's own value comes back
     out = np.empty(len(ids), dtype=np.int32)
     for token in ("", "9f3c07a1d2e4"):  # keys of a table of metadata format 1, and 2 on
-        prefix = redis_store.bucket_prefix("ns", "a_table.v-2", token)
+        prefix = redis_keys.bucket_prefix("ns", "a_table.v-2", token)
         mod.slot_nodes(ids, num_buckets, prefix.rpartition(b"{")[2], slot_node, out)
         keys = [prefix + b"%d}" % b for b in bucket_of(ids, num_buckets).tolist()]
         np.testing.assert_array_equal(out, slot_node[[key_slot(k) for k in keys]])

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from helpers import wait_until
 
-from dynemb.ps_server.backends import redis_config, redis_store
-from dynemb.ps_server.backends.redis_store import MAX_BUCKETS, RedisStore, buckets_for, dropped_key, meta_key
+from dynemb.ps_server.backends import redis_config, redis_keys
+from dynemb.ps_server.backends.redis_keys import MAX_BUCKETS, buckets_for, dropped_key, meta_key
+from dynemb.ps_server.backends.redis_store import RedisStore
 from dynemb.ps_server.client import PSClient
 from dynemb.ps_server.errors import InvalidArgument
 from dynemb.ps_server.schema import MAX_EXPECTED_ROWS, TableSchema
@@ -280,7 +281,7 @@ def test_every_cluster_master_gets_the_limits_and_huge_tables_scan_them_all(redi
         assert time.monotonic() - t0 < 30  # not 2M commands each
         # no key left, metadata neither: only the drop's record, for the sweep of what late writes leave
         assert [k for n in cluster.nodes for k in n.client().keys()] == [dropped_key("cl")]
-        monkeypatch.setattr(redis_store, "SWEEP_DROPPED_AFTER_S", 0.0)
+        monkeypatch.setattr(redis_keys, "SWEEP_DROPPED_AFTER_S", 0.0)
         store.create_table(TableSchema("next", dim=2))  # sweeps it: by SCAN too, not 2M commands
         store._sweeper.join(timeout=60)  # the sweep runs on a thread of its own
         assert time.monotonic() - t0 < 30

@@ -15,8 +15,8 @@ import pytest
 import redis
 import xxhash
 
-from dynemb.ps_server.backends import open_store, redis_store
-from dynemb.ps_server.backends.redis_store import RedisStore, _split_cluster_url, bucket_of
+from dynemb.ps_server.backends import open_store, redis_keys, redis_store, redis_tables
+from dynemb.ps_server.backends.redis_store import RedisStore, _split_cluster_url
 from dynemb.ps_server.errors import (
     BackendUnavailable,
     DeadlineExceeded,
@@ -25,7 +25,7 @@ from dynemb.ps_server.errors import (
     TableExists,
     TableNotFound,
 )
-from dynemb.ps_server.hashing import ROW_HASH_SEED
+from dynemb.ps_server.hashing import ROW_HASH_SEED, bucket_of
 from dynemb.ps_server.schema import DTYPES, Initializer, TableSchema
 from dynemb.testing.local_redis import RedisProcess
 
@@ -157,7 +157,7 @@ def test_duplicates_in_one_push_last_wins(store):
 
 
 def test_batches_split_over_several_pipelines(store, monkeypatch):
-    monkeypatch.setattr(redis_store, "PIPELINE_MAX_IDS", 50)  # ~40 pipelines per 2000 ids
+    monkeypatch.setattr(redis_keys, "PIPELINE_MAX_IDS", 50)  # ~40 pipelines per 2000 ids
     schema = TableSchema("split", dim=3)
     store.num_buckets = 64
     store.create_table(schema)
@@ -245,10 +245,10 @@ def test_write_planned_before_a_drop_lands_nowhere(request, redis_namespace, nat
     swept(other)
     assert orphans() == (500 if backend == "cluster" else 0)
     r = store.client
-    dropped = redis_store.dropped_key(redis_namespace)
+    dropped = redis_keys.dropped_key(redis_namespace)
     records = r.zrange(dropped, 0, -1, withscores=True)
     assert [json.loads(m)["created"] for m, _ in records] == [json.loads(m.raw)["created"] for m in planned]
-    r.zadd(dropped, {m: t - redis_store.SWEEP_DROPPED_AFTER_S - 1 for m, t in records[:1]})  # the first drop, older
+    r.zadd(dropped, {m: t - redis_keys.SWEEP_DROPPED_AFTER_S - 1 for m, t in records[:1]})  # the first drop, older
     with caplog.at_level(logging.INFO, logger="dynemb.ps"):
         assert other.drop_table("next") == 0
         swept(other)
@@ -258,7 +258,7 @@ def test_write_planned_before_a_drop_lands_nowhere(request, redis_namespace, nat
     left = r.zrange(dropped, 0, -1)
     assert records[0][0] not in left and records[1][0] in left  # the later drop's record waits its turn
     assert other.pull("race", ids)[1].sum() == 310 and other.num_rows("race") == 310  # the live table untouched
-    monkeypatch.setattr(redis_store, "SWEEP_DROPPED_AFTER_S", 0.0)
+    monkeypatch.setattr(redis_keys, "SWEEP_DROPPED_AFTER_S", 0.0)
     assert other.drop_table("race") == 310
     swept(other)
     assert r.exists(dropped) == 0  # every record swept and forgotten
@@ -343,7 +343,7 @@ def test_a_drop_finished_by_another_spares_the_table_created_since(request, redi
     ids = unique_ids(rng, 600)
     new_ids, new_rows = ids[:400], random_rows(rng, 400, new)
     run_scripted = a._run_scripted
-    clear_sha = a._sha(redis_store._CLEAR_BUCKET_LUA)
+    clear_sha = a._sha(redis_tables._CLEAR_BUCKET_LUA)
     overtaken: list = []
 
     def overtake(fill):
@@ -358,7 +358,7 @@ def test_a_drop_finished_by_another_spares_the_table_created_since(request, redi
 
     a._run_scripted = overtake
     for step, per_pipeline in (("drop", 4), ("clear", 4), ("drop", 16)):
-        monkeypatch.setattr(redis_store, "PIPELINE_MAX_IDS", per_pipeline)  # buckets per pipeline of clears
+        monkeypatch.setattr(redis_keys, "PIPELINE_MAX_IDS", per_pipeline)  # buckets per pipeline of clears
         in_first = int(sum(expected_bucket(i, 16) < per_pipeline for i in ids.tolist()))
         overtaken.clear()
         b.create_table(old)
@@ -393,7 +393,7 @@ def test_a_drop_overtaken_before_its_first_clear_spares_the_table_created_since(
     ids = unique_ids(rng, 600)
     new_ids, new_rows = ids[:400], random_rows(rng, 400, new)
     run_scripted = a._run_scripted
-    clear_sha = a._sha(redis_store._CLEAR_BUCKET_LUA)
+    clear_sha = a._sha(redis_tables._CLEAR_BUCKET_LUA)
     overtaken: list = []
 
     def overtake(fill):
@@ -491,7 +491,7 @@ def test_compiled_row_path_reply_bigger_than_foreseen_and_dropped_connections(st
     # a thread keeps a reply buffer up to the limit for its next call, not a bigger one
     store.pull("big", ids[:100])
     assert store._buffers.buf is not None
-    monkeypatch.setattr(redis_store, "REPLY_BUFFER_KEEP_BYTES", 1 << 20)
+    monkeypatch.setattr(redis_keys, "REPLY_BUFFER_KEEP_BYTES", 1 << 20)
     got, _ = store.pull("big", ids)  # ~2 MB of replies
     assert np.array_equal(got[10:], rows[10:]) and store._buffers.buf is None
 
@@ -961,7 +961,7 @@ def test_a_row_count_below_zero_is_recounted(store, redis_url, redis_namespace, 
     and deleted since take the count below 0, which ListTables cannot answer (a row count is
     unsigned on the wire): a count below 0 is recounted from the buckets and kept."""
     r = redis.Redis.from_url(redis_url)
-    rows = redis_store.rows_key(redis_namespace)
+    rows = redis_keys.rows_key(redis_namespace)
     store.create_table(TableSchema("late", dim=2))
     r.hdel(rows, "late")  # no count: the push is not counted
     store.push("late", np.arange(5), np.ones((5, 2), np.float32))
@@ -994,8 +994,8 @@ def test_a_table_of_metadata_format_1_keeps_its_keys(request, redis_namespace, m
     r = fast.client
     schema = TableSchema("old", dim=3)
     old_meta = {"format": 1, "num_buckets": 32, "schema": schema.to_dict(), "created": "0123456789abcdef"}
-    r.hset(redis_store.meta_key(redis_namespace), "old", json.dumps(old_meta, sort_keys=True))
-    r.hset(redis_store.rows_key(redis_namespace), "old", 0)
+    r.hset(redis_keys.meta_key(redis_namespace), "old", json.dumps(old_meta, sort_keys=True))
+    r.hset(redis_keys.rows_key(redis_namespace), "old", 0)
     prefix = f"dn:{redis_namespace}:old:r:{{old.".encode()
     assert fast._meta("old").prefix == prefix and fast._meta("old").key(7) == prefix + b"7}"
 
@@ -1026,14 +1026,14 @@ def test_a_table_of_metadata_format_1_keeps_its_keys(request, redis_namespace, m
     assert exported == stored() and len(exported) == 600
     assert fast.clear("old") == 600 and stored() == {} and fast.num_rows("old") == 0
     fast.push("old", ids, rows)
-    monkeypatch.setattr(redis_store, "SWEEP_DROPPED_AFTER_S", 0.0)  # and its record forgotten at once
+    monkeypatch.setattr(redis_keys, "SWEEP_DROPPED_AFTER_S", 0.0)  # and its record forgotten at once
     assert fast.drop_table("old") == 700 and stored() == {}
     swept(fast)
-    assert r.exists(redis_store.dropped_key(redis_namespace)) == 0
+    assert r.exists(redis_keys.dropped_key(redis_namespace)) == 0
     # created again: the new layout
     assert fast.create_table(schema)
-    again = json.loads(r.hget(redis_store.meta_key(redis_namespace), "old"))
-    assert again["format"] == redis_store.META_FORMAT == 2
+    again = json.loads(r.hget(redis_keys.meta_key(redis_namespace), "old"))
+    assert again["format"] == redis_keys.META_FORMAT == 2
     assert "num_buckets" not in again and again["buckets"] == 4096  # older versions read num_buckets: they refuse it
     assert fast._meta("old").prefix == f"dn:{redis_namespace}:old:{again['created']}:r:{{old.".encode()
     fast.push("old", ids[:10], rows[:10])
@@ -1046,12 +1046,12 @@ def test_a_table_of_metadata_format_1_keeps_its_keys(request, redis_namespace, m
         ("badtok", {**old_meta, "format": 2, "buckets": 32, "created": "0123{x}"}, '"created" must be a hex token'),
         ("notok", {k: v for k, v in old_meta.items() if k != "created"} | {"format": 2, "buckets": 32}, "created"),
     ):
-        r.hset(redis_store.meta_key(redis_namespace), name, json.dumps(meta))
+        r.hset(redis_keys.meta_key(redis_namespace), name, json.dumps(meta))
         with pytest.raises(PSError, match=re.escape(f"metadata of table {name!r}") + ".*" + re.escape(says)):
             fast.pull(name, ids[:1])
     # a dropped format-1 table is forgotten by the sweep, its keys left: they carry no token, so
     # they may be those of a table an older PS created since under the name
-    dropped = redis_store.dropped_key(redis_namespace)
+    dropped = redis_keys.dropped_key(redis_namespace)
     r.zadd(dropped, {json.dumps(old_meta, sort_keys=True): 0})
     r.hset(prefix + b"3}", b"\x01" * 8, b"\x00" * 12)
     fast._sweep_dropped()
@@ -1071,8 +1071,8 @@ def test_row_counts_on_cluster(redis_cluster, redis_namespace):
     s.delete("cnt", np.arange(3))
     assert s.num_rows("cnt") == 7 == sum(true_rows(c, redis_namespace, "cnt") for c in nodes)
     # the count hash shares the table hash's slot, so create and drop change both in one script
-    assert s.client.keyslot(redis_store.rows_key(redis_namespace)) == s.client.keyslot(
-        redis_store.meta_key(redis_namespace)
+    assert s.client.keyslot(redis_keys.rows_key(redis_namespace)) == s.client.keyslot(
+        redis_keys.meta_key(redis_namespace)
     )
     for c in nodes:
         c.close()
@@ -1099,13 +1099,13 @@ def test_tables_of_an_older_version_are_counted_once_and_listing_stops_at_the_de
     for name in ("old1", "old2", "old3"):
         store.create_table(TableSchema(name, dim=2))
         store.push(name, np.arange(30), np.zeros((30, 2), np.float32))
-        r.hdel(redis_store.rows_key(store.namespace), name)  # as an older version left it: no count
+        r.hdel(redis_keys.rows_key(store.namespace), name)  # as an older version left it: no count
     times = iter([1.0, 0.0])
     with pytest.raises(DeadlineExceeded, match="listing tables: the call's deadline passed"):
         store.list_tables_with_rows(lambda: next(times))
-    assert r.hget(redis_store.rows_key(store.namespace), "old1") == b"30"  # counted before the deadline
-    assert r.hget(redis_store.rows_key(store.namespace), "old2") is None  # not counted after it
-    assert store.num_rows("old2") == 30 and r.hget(redis_store.rows_key(store.namespace), "old2") == b"30"
+    assert r.hget(redis_keys.rows_key(store.namespace), "old1") == b"30"  # counted before the deadline
+    assert r.hget(redis_keys.rows_key(store.namespace), "old2") is None  # not counted after it
+    assert store.num_rows("old2") == 30 and r.hget(redis_keys.rows_key(store.namespace), "old2") == b"30"
     store.push("old2", np.arange(25, 40), np.zeros((15, 2), np.float32))  # from now on kept by each write
     store.delete("old2", np.arange(5))
     assert [n for _, n in store.list_tables_with_rows(lambda: 1.0)] == [30, 35, 30]
@@ -1135,7 +1135,7 @@ def test_per_table_state_is_small_and_leaves_with_the_table(store, redis_url, re
         store.pull("m0", np.arange(3))
     store.list_tables()
     assert sorted(store._cache) == sorted(names[150:])
-    monkeypatch.setattr(redis_store, "META_CACHE_TABLES", 20)  # and at most this many, dropped or not
+    monkeypatch.setattr(redis_keys, "META_CACHE_TABLES", 20)  # and at most this many, dropped or not
     for i in range(30):
         other.create_table(TableSchema(f"n{i}", dim=2))
         store.num_rows(f"n{i}")
@@ -1189,6 +1189,6 @@ def test_a_schema_lookup_and_the_row_call_after_it_share_one_metadata_read(store
     assert store.drop_table("fresh") == 100 and store.create_table(TableSchema("fresh", dim=4))
     store.push("fresh", ids[:10], np.ones((10, 4), np.float32))  # the new table's metadata, read again
     assert store.num_rows("fresh") == 10
-    monkeypatch.setattr(redis_store, "FRESH_METADATA_S", 0.0)
+    monkeypatch.setattr(redis_keys, "FRESH_METADATA_S", 0.0)
     assert hgets(lambda: (store.schema("fresh"), store.pull("fresh", ids))) == 2
     r.close()
