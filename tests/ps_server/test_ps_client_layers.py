@@ -135,6 +135,21 @@ def test_a_ps_that_stays_away_fails_the_call_by_its_deadline(transports):
     assert time.monotonic() - start < 2.0
 
 
+def test_a_wait_that_overruns_the_deadline_reports_the_last_try(transports, monkeypatch):
+    """On a loaded machine the wait between tries can end past the deadline: the call then
+    fails with the last try's error (the PS unavailable, named), not a bare deadline."""
+    from dynemb.ps_server.client import transport as transport_module
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    transport = transports([address], attempts=None, initial_backoff=0.05, max_backoff=0.1)
+    real_sleep = time.sleep
+    monkeypatch.setattr(transport_module.time, "sleep", lambda seconds: real_sleep(seconds + 0.5))
+    with pytest.raises(Unavailable, match=address):
+        transport.call(0, "ListTables", LIST, time.monotonic() + 0.3)
+
+
 def test_a_hung_try_is_abandoned_and_sent_again(make_ps, transports, caplog):
     proc = make_ps()
     transport = transports([proc.address], attempts=None, attempt_timeout=0.3, max_backoff=0.1)

@@ -182,18 +182,22 @@ class Transport:
         """
         if tries is None:
             tries = self.retry.start(deadline)
+        last: grpc.RpcError | None = None
         while True:
             try:
                 if sent is not None:
                     attempt, sent = sent, None
                     return attempt.result()
                 if tries.expired():
+                    if last is not None:  # a wait between tries overran the deadline: the last try says why
+                        raise self.error(last, shard)
                     raise DeadlineExceeded(
                         f"DEADLINE_EXCEEDED: {method} to PS {self.addresses[shard]} did not succeed in time"
                     )
                 rpc = getattr(self.stubs[shard], method)
                 return rpc(request, timeout=tries.timeout(), metadata=self.metadata)
             except grpc.RpcError as err:
+                last = err
                 delay = tries.next_delay(err.code())
                 if delay is None:
                     raise self.error(err, shard) from None
