@@ -449,27 +449,15 @@ class IDTransformer:
                 raise error
             return
         if self.backend == "triton":  # the kernel's checks, the first bad slot deciding; one copy
-            error = self._release_check(held)
+            from dynemb.idtransformer import device_transform
+
+            error = device_transform.release_many([self], held, [held.numel()])[0]
             if error is not None:
                 raise error
-        elif bool((self.pins[held] == 0).any()):
+            return
+        if bool((self.pins[held] == 0).any()):
             raise ValueError(_NOT_PINNED)
         self.pins[held] -= 1
-
-    def _release_check(self, held: torch.Tensor) -> Exception | None:
-        n, c = held.numel(), self.capacity
-        if n == 0:
-            return None
-        at = torch.arange(n, device=held.device)
-        outside = (held < 0) | (held >= c)
-        unpinned = ~outside & (self.pins[held.clamp(0, c - 1)] == 0)
-        firsts = torch.stack([torch.where(outside, at, n).amin(), torch.where(unpinned, at, n).amin()])
-        first_outside, first_unpinned = firsts.tolist()
-        if first_outside < first_unpinned:
-            return IndexError(f"slot out of range for a table of {c} slots")
-        if first_unpinned < n:
-            return ValueError(_NOT_PINNED)
-        return None
 
     # -- state -------------------------------------------------------------------
 
