@@ -243,7 +243,8 @@ def transform_many(
     admitted_ids = compact(new_ids, admit, n)[:width]
     admitted_tab = compact(new_tab, admit, n)[:width]
     free_rows = scan.free_rows(space.free_count, admit_t, _starts(admit_t), width)
-    into = torch.where(torch.arange(width, device=dev) < n_admit, free_rows, spare)
+    upto_width = torch.arange(width, device=dev)
+    into = torch.where(upto_width < n_admit, free_rows, spare)
     slot_id[into] = admitted_ids
     last[into] = lanes.at(ts.STEP, admitted_tab).to(torch.int32)
     freq[into] = lanes.at(ts.INIT_FREQ, admitted_tab).to(torch.uint8)
@@ -264,13 +265,13 @@ def transform_many(
     # every slot a table's batch uses, once: its resident ones seen, then its admitted
     seen_ok_t = torch.where(ok_t, seen_t, 0)
     into_distinct = _starts(seen_ok_t + admit_t)
-    seen_rank = torch.cumsum(used, 0) - 1 - _starts(seen_ok_t).index_select(0, tab.clamp(max=T - 1))
-    dest = torch.where(used, into_distinct.index_select(0, tab.clamp(max=T - 1)) + seen_rank, n + width)
+    at = tab.clamp(max=T - 1)  # (lanes of no table are masked off below)
+    seen_rank = torch.cumsum(used, 0) - 1 - _starts(seen_ok_t)[at]
+    dest = torch.where(used, into_distinct[at] + seen_rank, n + width)
     distinct = torch.zeros(n + width + 1, dtype=torch.int64, device=dev).scatter_(0, dest, slots)
-    adm_rank = torch.arange(width, device=dev) - _starts(admit_t)[admitted_tab.clamp(max=T - 1)]
-    adm_dest = into_distinct[admitted_tab.clamp(max=T - 1)] + seen_ok_t[admitted_tab.clamp(max=T - 1)] + adm_rank
-    adm_dest = torch.where(torch.arange(width, device=dev) < n_admit, adm_dest, n + width)
-    distinct.scatter_(0, adm_dest, admitted_slots)
+    at = admitted_tab.clamp(max=T - 1)
+    adm_dest = into_distinct[at] + seen_ok_t[at] + (upto_width - _starts(admit_t)[at])
+    distinct.scatter_(0, torch.where(upto_width < n_admit, adm_dest, n + width), admitted_slots)
 
     # the caller's slots: every table's plus its base
     base = lanes.at(ts.BASE, in_ids)
