@@ -50,12 +50,18 @@ examples:
   dynemb ps plan --rows 1e10 --dim 64 --optimizer adam --samples-per-s 1e6 --ids-per-sample 40 --hit-rate 0.9
   dynemb ps plan --rows 2e9 --dim 128 --optimizer rowwise_adagrad --samples-per-s 300000 \\
       --ids-per-sample 26 --hit-rate 0.8 --replicas 0 --json
+  dynemb ps plan --new-ids-per-day 1e9 --ttl 30d --dim 64 --optimizer adam \\
+      --samples-per-s 1e6 --ids-per-sample 40 --hit-rate 0.9          # rows that expire
 
 What it computes (docs/scale.md explains each step and worked examples):
+  rows = --rows, or for rows that expire the steady state: min(--max-rows, --rows +
+  --new-ids-per-day x --ttl in days): a row lives a TTL past its last use, so the table holds
+  the IDs first seen within the last TTL, and --rows, long-lived rows in use, on top.
   misses/s = samples/s x IDs per sample x (1 - hit rate): each is pulled from the PS, and
   about as many evicted rows are pushed back, so the PS moves 2 x misses rows/s.
-  Redis memory = rows x (the row's bytes on Redis); masters = enough for the memory at
-  --redis-gib-per-master each, and for the rows/s at --utilisation of one core each.
+  Redis memory = rows x (the row's bytes on Redis, with its 4-byte last-touched stamp);
+  masters = enough for the memory at --redis-gib-per-master each, and for the rows/s at
+  --utilisation of one core each.
   PS processes = rows/s over --utilisation x the rows/s one PS process was measured to move.
 The measured constants (and the benchmark each comes from) are in dynemb/ps_server/sizing.py.
 Numbers may be written 1e10, 10000000000 or 10_000_000_000.
@@ -331,12 +337,15 @@ def _number(kind: str):
 
 def add_plan_parser(ps_sub: argparse._SubParsersAction) -> None:
     """Adds `ps plan`."""
-    from dynemb.ps_server.sizing import OPTIMIZERS
+    from dynemb.ps_server.sizing import OPTIMIZERS, parse_duration
 
     p = add_command(ps_sub, "plan", HELP, PLAN_EPILOG)
-    model = p.add_argument_group("the model")
+    model = p.add_argument_group("the model (--rows, or --new-ids-per-day with --ttl or --max-rows, or both)")
     model.add_argument(
-        "--rows", type=_number("whole"), required=True, help="rows stored, all tables together (e.g. 1e10)"
+        "--rows",
+        type=_number("whole"),
+        help="rows stored, all tables together (e.g. 1e10); with --new-ids-per-day, the long-lived "
+        "rows (in use, so never idle for a TTL) on top of the expiring ones",
     )
     model.add_argument("--dim", type=_number("whole"), required=True, help="embedding values per row (e.g. 64)")
     model.add_argument(
@@ -346,6 +355,26 @@ def add_plan_parser(ps_sub: argparse._SubParsersAction) -> None:
         help="the trainer's optimizer: it sets the optimizer state stored with each row (sgd none, "
         "rowwise_adagrad 1 value, adagrad dim values, adam 2 x dim)",
     )
+
+    def duration(text: str) -> float:
+        try:
+            return parse_duration(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    expiry = p.add_argument_group("rows that expire (the plan is for their steady state)")
+    expiry.add_argument(
+        "--new-ids-per-day",
+        type=_number("real"),
+        help="IDs seen for the first time a day, all tables together (e.g. 1e9); needs --ttl or --max-rows",
+    )
+    expiry.add_argument(
+        "--ttl",
+        type=duration,
+        help="a row neither read nor written this long is deleted: seconds, or a number with s, m, h or d "
+        "(e.g. 30d, 12h)",
+    )
+    expiry.add_argument("--max-rows", type=_number("whole"), help="the row cap: the most rows stored (e.g. 2e10)")
     rate = p.add_argument_group("the training rate")
     rate.add_argument(
         "--samples-per-s", type=_number("real"), required=True, help="samples trained per second, all trainers"
@@ -394,6 +423,9 @@ def cmd_plan(args) -> int:
         utilisation=args.utilisation,
         redis_gib_per_master=args.redis_gib_per_master,
         replicas=args.replicas,
+        new_ids_per_day=args.new_ids_per_day,
+        ttl=args.ttl,
+        max_rows=args.max_rows,
     )
     print(json.dumps(result.as_dict(), sort_keys=True) if args.json else format_plan(result))
     return 0

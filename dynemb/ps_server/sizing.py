@@ -1,15 +1,17 @@
 """How big a PS fleet over Redis Cluster a model needs (`dynemb ps plan`, docs/scale.md).
 
 Every figure comes from the model (rows, dim, optimizer), the training rate (samples/s, IDs per
-sample, hit rate of the trainers' device tables) and the measured constants below. The
-constants are the only numbers here that come from a machine: each names the measurement it
-came from, so a new benchmark run changes them in this one place (then regenerate the
-examples in docs/scale.md: `python tests/ps_server/test_scale_doc.py`).
+sample, hit rate of the trainers' device tables) and the measured constants below. The rows
+are given, or worked out for tables whose rows expire (new IDs a day, a TTL, a row cap: see
+plan()). The constants are the only numbers here that come from a machine: each names the
+measurement it came from, so a new benchmark run changes them in this one place (then
+regenerate the examples in docs/scale.md: `python tests/ps_server/test_scale_doc.py`).
 """
 
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import asdict, dataclass
 
 from dynemb.ps_server.backends.redis_config import MAX_LISTPACK_VALUE, ROWS_PER_BUCKET
@@ -55,6 +57,10 @@ PS_RSS_BYTES = int(151.4 * 2**20)
 # The trainer's PS tables are fp32 (dynemb/trainer/model.py ps_schema).
 VALUE_BYTES = 4
 ID_BYTES = 8
+# The last-touched stamp each row's value carries on Redis, after the row (the TTL and the row
+# cap pick the rows to delete by it): 4 bytes more of value a row.
+LIFECYCLE_STAMP_BYTES = 4
+SECONDS_PER_DAY = 86_400
 # Redis Cluster needs at least three masters to elect a failover.
 MIN_MASTERS = 3
 
@@ -106,11 +112,51 @@ def redis_row_allocation(row_bytes: int) -> int:
     return _jemalloc_size_class(header + row_bytes + 1)
 
 
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": SECONDS_PER_DAY}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds of a duration written as seconds (3600, 1e5) or a number and a unit: s, m, h or d
+    (90s, 15m, 12h, 30d, 1.5d).
+
+    Raises:
+        InvalidArgument: not such a number, or not > 0 (the message shows the forms it takes).
+    """
+    body = text.strip()
+    scale = DURATION_UNITS.get(body[-1:], 1)
+    if body[-1:] in DURATION_UNITS:
+        body = body[:-1].strip()
+    try:
+        value = float(body) * scale
+    except ValueError:
+        value = math.nan
+    _check(
+        math.isfinite(value) and value > 0,
+        f"a duration must be seconds > 0, or a number > 0 with s, m, h or d (3600, 90m, 12h, 30d); got {text!r}",
+    )
+    return value
+
+
+def format_duration(seconds: float) -> str:
+    """A duration as parse_duration reads it, in the largest unit that divides it: 30d, 36h, 90s."""
+    for unit, size in sorted(DURATION_UNITS.items(), key=lambda kv: -kv[1]):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"
+
+
 @dataclass(frozen=True)
 class Plan:
     """What a model needs, for the inputs given (see plan())."""
 
-    rows: int
+    rows: int  # stored at steady state: plan() says how they follow from the inputs
+    long_lived_rows: int  # --rows: rows in use, that no TTL removes
+    new_ids_per_day: float | None
+    ttl_s: float | None
+    max_rows: int | None
+    rows_alive: int | None  # long-lived rows + the IDs first seen within a TTL, before the cap; None: no TTL
+    days_to_steady: float | None  # from the first new ID until `rows` are stored (a rate given)
+    growth_bytes_per_day: float | None  # Redis memory the new IDs add a day until then (a rate given)
     dim: int
     optimizer: str
     samples_per_s: float
@@ -121,6 +167,7 @@ class Plan:
     replicas: int
     state_width: int
     row_bytes: int
+    value_bytes: int  # on Redis: the row and its LIFECYCLE_STAMP_BYTES
     redis_bytes_per_row: float
     redis_bytes: int  # used_memory of the rows over all masters, replicas not counted
     pulls_per_s: float
@@ -137,8 +184,30 @@ class Plan:
     def rows_per_s(self) -> float:
         return self.pulls_per_s + self.pushes_per_s
 
+    @property
+    def rows_derivation(self) -> str:
+        """How `rows` follow from the inputs, in one line."""
+        if self.new_ids_per_day is None:
+            given = f"{_count(self.long_lived_rows)} given (--rows"
+            if self.ttl_s is not None:
+                given += f": rows in use, which a TTL of {format_duration(self.ttl_s)} never deletes"
+            return given + ")" + self._cap_text(self.long_lived_rows)
+        long_lived = f"{_count(self.long_lived_rows)} long-lived + " if self.long_lived_rows else ""
+        new = f"{long_lived}{_count(self.new_ids_per_day)} new IDs a day"
+        if self.ttl_s is None:
+            return f"{new}, no TTL: held at the --max-rows cap of {_count(self.rows)}"
+        alive = f"{new} x TTL {_count(self.ttl_s / SECONDS_PER_DAY)} days = {_count(self.rows_alive or 0)}"
+        return alive + self._cap_text(self.rows_alive or 0)
+
+    def _cap_text(self, rows: int) -> str:
+        if self.max_rows is None:
+            return ""
+        if rows > self.max_rows:
+            return f", held at the --max-rows cap of {_count(self.max_rows)}"
+        return f", under the --max-rows cap of {_count(self.max_rows)}"
+
     def as_dict(self) -> dict:
-        return {**asdict(self), "rows_per_s": self.rows_per_s}
+        return {**asdict(self), "rows_per_s": self.rows_per_s, "rows_derivation": self.rows_derivation}
 
 
 def _check(ok: bool, message: str) -> None:
@@ -147,7 +216,7 @@ def _check(ok: bool, message: str) -> None:
 
 
 def plan(
-    rows: int,
+    rows: int | None,
     dim: int,
     optimizer: str,
     samples_per_s: float,
@@ -157,11 +226,31 @@ def plan(
     utilisation: float = 0.5,
     redis_gib_per_master: float = 32.0,
     replicas: int = 1,
+    new_ids_per_day: float | None = None,
+    ttl: float | None = None,
+    max_rows: int | None = None,
 ) -> Plan:
     """Size the Redis Cluster and the PS processes for one model.
 
+    The rows stored are `rows`, or, for tables whose rows expire, their steady state:
+
+        rows alive = rows + new_ids_per_day x ttl / 1 day
+        rows       = min(max_rows, rows alive)
+
+    A row is deleted once neither written nor read for `ttl`. An ID seen once lives a TTL, so
+    at steady state the table holds the IDs first seen during the last TTL: the new IDs a day
+    times the TTL in days. Rows re-used all along never reach their TTL: `rows` given with a
+    rate count these long-lived rows, on top. (The formula counts an ID on the day it is first
+    seen: one that comes back after it expired is stored again, so count such returns in
+    new_ids_per_day, or the figure comes out low.) The row cap holds the table at `max_rows`
+    whatever the rest. New IDs with neither a TTL nor a cap would grow the rows without end, so
+    they are refused. The steady state comes `ttl` after the first new ID, or when the cap is
+    reached if that is sooner: Plan.days_to_steady, Plan.growth_bytes_per_day until then.
+
     Args:
-        rows: rows stored over all tables (every ID ever admitted, until evicted from the PS).
+        rows: rows stored over all tables (every ID ever admitted, until evicted from the PS);
+            with new_ids_per_day, the long-lived rows on top of the expiring ones. None: none
+            (new_ids_per_day must then be given).
         dim: embedding values per row.
         optimizer: sgd, adagrad, rowwise_adagrad or adam (sets the optimizer state per row).
         samples_per_s: training samples per second, all trainers together.
@@ -172,6 +261,10 @@ def plan(
             the rest is headroom for peaks, resharding and persistence.
         redis_gib_per_master: row data (used_memory) one master should hold.
         replicas: replicas per master (memory on replicas is reported apart).
+        new_ids_per_day: IDs seen for the first time a day, all tables together (None: the rows
+            are `rows`, no new ones).
+        ttl: seconds a row lives unread and unwritten (None: rows never expire).
+        max_rows: the row cap: the most rows stored (None: no cap).
 
     Returns:
         The Plan.
@@ -179,7 +272,27 @@ def plan(
     Raises:
         InvalidArgument: an input out of its range (the message names it and the range).
     """
-    _check(isinstance(rows, int) and rows >= 1, f"rows (--rows) must be a whole number >= 1, got {rows!r}")
+    _check(
+        rows is not None or new_ids_per_day is not None,
+        "give the rows stored (--rows), or the new IDs a day (--new-ids-per-day) with a TTL (--ttl) or a "
+        "row cap (--max-rows), or both",
+    )
+    _check(
+        rows is None or (isinstance(rows, int) and rows >= 1),
+        f"rows (--rows) must be a whole number >= 1, got {rows!r}",
+    )
+    _check(
+        new_ids_per_day is None or (math.isfinite(new_ids_per_day) and new_ids_per_day > 0),
+        f"new IDs a day (--new-ids-per-day) must be > 0, got {new_ids_per_day!r}",
+    )
+    _check(
+        ttl is None or (math.isfinite(ttl) and ttl > 0),
+        f"TTL (--ttl) must be > 0 seconds, got {ttl!r}",
+    )
+    _check(
+        max_rows is None or (isinstance(max_rows, int) and max_rows >= 1),
+        f"row cap (--max-rows) must be a whole number >= 1, got {max_rows!r}",
+    )
     _check(
         optimizer in OPTIMIZERS, f"optimizer (--optimizer) must be one of {', '.join(OPTIMIZERS)}; got {optimizer!r}"
     )
@@ -212,8 +325,32 @@ def plan(
     )
 
     row_bytes = (dim + state_width) * VALUE_BYTES
-    per_row = redis_bytes_per_row(row_bytes)
-    redis_bytes = math.ceil(rows * per_row)
+    value_bytes = row_bytes + LIFECYCLE_STAMP_BYTES
+    per_row = redis_bytes_per_row(value_bytes)
+    long_lived = rows or 0
+    rows_alive: int | None = None
+    days_to_steady: float | None = None
+    growth: float | None = None
+    if new_ids_per_day is not None:
+        growth = new_ids_per_day * per_row
+        _check(
+            ttl is not None or max_rows is not None,
+            f"new IDs a day (--new-ids-per-day) need a TTL (--ttl) or a row cap (--max-rows): without either "
+            f"the rows grow without end, by {_count(new_ids_per_day)} rows = {_bytes(growth)} a day on the Redis "
+            f"masters ({per_row:,.0f} B a row)",
+        )
+        if ttl is not None:
+            # rounded, so 1e9 x 30 days is 3e10, not a hair above (and ceil() gives no surprises)
+            rows_alive = long_lived + math.ceil(round(new_ids_per_day * ttl / SECONDS_PER_DAY, 6))
+        stored = min(max_rows or math.inf, rows_alive or math.inf)
+        days_to_steady = min(
+            ttl / SECONDS_PER_DAY if ttl is not None else math.inf,
+            max(0, max_rows - long_lived) / new_ids_per_day if max_rows is not None else math.inf,
+        )
+    else:
+        stored = min(long_lived, max_rows or long_lived)
+    steady_rows = int(stored)
+    redis_bytes = math.ceil(steady_rows * per_row)
     # rounded, so 1e6 * 40 * (1 - 0.9) is 4e6, not a hair below (and ceil() gives no surprises)
     misses = round(samples_per_s * ids_per_sample * (1 - hit_rate), 6)
     rows_per_s = 2 * misses  # each missed row pulled, and about as many evicted rows pushed
@@ -222,7 +359,14 @@ def plan(
     # a master runs its commands on one core
     for_rate = math.ceil(redis_cores / utilisation)
     return Plan(
-        rows=rows,
+        rows=steady_rows,
+        long_lived_rows=long_lived,
+        new_ids_per_day=new_ids_per_day,
+        ttl_s=ttl,
+        max_rows=max_rows,
+        rows_alive=rows_alive,
+        days_to_steady=days_to_steady,
+        growth_bytes_per_day=growth,
         dim=dim,
         optimizer=optimizer,
         samples_per_s=samples_per_s,
@@ -233,6 +377,7 @@ def plan(
         replicas=replicas,
         state_width=state_width,
         row_bytes=row_bytes,
+        value_bytes=value_bytes,
         redis_bytes_per_row=per_row,
         redis_bytes=redis_bytes,
         pulls_per_s=misses,
@@ -278,9 +423,20 @@ def format_plan(p: Plan) -> str:
         f"({p.state_width} optimizer-state values a row)",
         f"training:       {_count(p.samples_per_s)} samples/s x {_count(p.ids_per_sample)} IDs, "
         f"hit rate {p.hit_rate:g}",
+    ]
+    if p.new_ids_per_day is not None or p.ttl_s is not None or p.max_rows is not None:
+        how = p.rows_derivation
+        if p.days_to_steady is not None and p.growth_bytes_per_day is not None:
+            how += (
+                f"; steady after {_count(p.days_to_steady)} days of new IDs, the masters growing "
+                f"{_bytes(p.growth_bytes_per_day)} a day until then"
+            )
+        lines += textwrap.wrap(how, 100, initial_indent="rows:           ", subsequent_indent=" " * 16)
+    lines += [
         "",
-        f"row:            {p.row_bytes:,} B (fp32), {p.redis_bytes_per_row:,.0f} B on Redis "
-        f"({p.redis_bytes_per_row / (p.row_bytes + ID_BYTES):.2f}x the row and its id)",
+        f"row:            {p.row_bytes:,} B (fp32) + {LIFECYCLE_STAMP_BYTES} B last-touched stamp, "
+        f"{p.redis_bytes_per_row:,.0f} B on Redis ({p.redis_bytes_per_row / (p.row_bytes + ID_BYTES):.2f}x "
+        "the row and its id)",
         f"Redis memory:   {_bytes(p.redis_bytes)} on the masters"
         + (", as much again on each replica" if p.replicas else ""),
         f"PS rows/s:      {_count(p.pulls_per_s)} pulled + {_count(p.pushes_per_s)} pushed = {_count(p.rows_per_s)}",

@@ -41,9 +41,11 @@ def run(argv: list[str]) -> tuple[int, str, str]:
 
 
 def printed(command: str) -> str:
+    """What `command` prints: its output, or for an example of a refusal (an InvalidArgument, exit
+    status 1) its error."""
     code, out, err = run(shlex.split(command)[1:])
-    assert code == 0, err
-    return out
+    assert code == 0 or (code == 1 and out == "" and err.startswith("dynemb: error: ")), err
+    return out if code == 0 else err
 
 
 def test_the_docs_examples_are_what_the_command_prints():
@@ -51,11 +53,15 @@ def test_the_docs_examples_are_what_the_command_prints():
     assert len(examples) >= 4
     for command, shown in examples:
         assert shown == printed(command), f"docs/scale.md is stale for `{command}`: run {__file__}"
+    # the one refusal shown on purpose: new IDs a day with neither a TTL nor a cap
+    refused = [shlex.split(command) for command, shown in examples if shown.startswith("dynemb: error: ")]
+    assert len(refused) == 1 and "--new-ids-per-day" in refused[0]
+    assert "--ttl" not in refused[0] and "--max-rows" not in refused[0]
 
 
 def test_the_worked_examples_cover_1e9_and_1e10_rows_at_dim_64_and_128():
     commands = [shlex.split(command) for command, _ in EXAMPLE.findall(DOC.read_text())]
-    seen = {(c[c.index("--rows") + 1], c[c.index("--dim") + 1]) for c in commands}
+    seen = {(c[c.index("--rows") + 1], c[c.index("--dim") + 1]) for c in commands if "--rows" in c}
     assert {("1e9", "64"), ("1e9", "128"), ("1e10", "64"), ("1e10", "128")} <= seen
 
 
@@ -114,7 +120,7 @@ def test_redis_bytes_per_row_match_a_real_redis(redis_process, redis_namespace):
         encoding = client.object("encoding", store._meta("t").key(0))
         store.close()
         assert encoding == (b"listpack" if 4 * width <= 16384 else b"hashtable")
-        model = sizing.redis_bytes_per_row(4 * width)
+        model = sizing.redis_bytes_per_row(4 * width + sizing.LIFECYCLE_STAMP_BYTES)  # the row and its stamp
         assert per_row == pytest.approx(model, rel=0.03 if encoding == b"listpack" else 0.06), (width, per_row, model)
 
 
@@ -166,6 +172,169 @@ def test_help_lists_every_flag_and_points_to_the_doc():
     for flag in ("--rows", "--dim", "--optimizer", "--samples-per-s", "--ids-per-sample", "--hit-rate", "--replicas"):
         assert flag in out
     assert "size Redis and the PS processes" in run(["ps", "--help"])[1]
+
+
+# -- rows that expire: the steady state of new IDs a day, a TTL and a row cap ---------------------
+
+DAY = 86_400
+EXPIRING = ["ps", "plan", "--dim", "64", "--optimizer", "adam", *RATE]
+
+
+def expiring(rows=None, **kw) -> sizing.Plan:
+    return sizing.plan(rows, 64, "adam", 1e6, 40, 0.9, **kw)
+
+
+def test_the_steady_state_holds_the_new_ids_of_one_ttl():
+    p = expiring(new_ids_per_day=1e9, ttl=30 * DAY)
+    assert p.rows == p.rows_alive == 30 * 10**9 and p.long_lived_rows == 0
+    assert p.days_to_steady == 30 and p.growth_bytes_per_day == 1e9 * p.redis_bytes_per_row
+    # the memory figures are those of a table of the steady rows
+    fixed = expiring(30 * 10**9)
+    for figure in ("redis_bytes", "masters_for_memory", "masters", "rows_per_s", "ps_processes"):
+        assert getattr(p, figure) == getattr(fixed, figure), figure  # the rows/s: the training rate's alone
+    assert expiring(new_ids_per_day=2.5e6, ttl=DAY / 2).rows == 1_250_000  # 12 h is half a day
+    assert expiring(new_ids_per_day=1e9, ttl=60 * DAY).rows == 2 * p.rows
+
+
+def test_long_lived_rows_add_on_top_and_the_cap_holds_the_table():
+    p = expiring(10**8, new_ids_per_day=1e9, ttl=30 * DAY)
+    assert p.rows == p.rows_alive == 30_100_000_000 and p.long_lived_rows == 10**8
+    capped = expiring(10**8, new_ids_per_day=1e9, ttl=30 * DAY, max_rows=2 * 10**10)
+    assert capped.rows == 2 * 10**10 and capped.rows_alive == 30_100_000_000
+    assert capped.days_to_steady == pytest.approx(19.9)  # (2e10 - 1e8) / 1e9: the cap comes before the TTL
+    assert expiring(10**8, new_ids_per_day=1e9, ttl=30 * DAY, max_rows=10**11).rows == 30_100_000_000
+    # a cap with no TTL: the table fills to it and stays
+    no_ttl = expiring(new_ids_per_day=1e9, max_rows=2 * 10**10)
+    assert no_ttl.rows == 2 * 10**10 and no_ttl.rows_alive is None and no_ttl.days_to_steady == 20
+    # rows given without a rate: the cap still holds them; a TTL alone removes none of the rows in use
+    assert expiring(10**9, max_rows=5 * 10**8).rows == 5 * 10**8
+    assert expiring(10**9, ttl=30 * DAY).rows == 10**9
+
+
+def test_every_row_carries_its_last_touched_stamp_on_redis():
+    p = sizing.plan(10**6, 16, "sgd", 1e5, 10, 0.5)  # 64-byte rows: the stamp's 4 bytes show
+    assert p.row_bytes == 64 and p.value_bytes == 64 + sizing.LIFECYCLE_STAMP_BYTES == 68
+    assert p.redis_bytes_per_row == sizing.redis_bytes_per_row(68) > sizing.redis_bytes_per_row(64)
+    assert p.redis_bytes == math.ceil(10**6 * sizing.redis_bytes_per_row(68))
+
+
+def test_new_ids_with_neither_a_ttl_nor_a_cap_are_refused_with_the_growth_a_day():
+    per_row = expiring(10**9).redis_bytes_per_row
+    with pytest.raises(sizing.InvalidArgument) as caught:
+        expiring(new_ids_per_day=1e9)
+    message = str(caught.value)
+    assert "--ttl" in message and "--max-rows" in message and "without end" in message
+    assert f"1,000,000,000 rows = {sizing._bytes(1e9 * per_row)} a day" in message
+    assert "803.17 GiB a day" in message  # 1e9 x 862 B
+    code, out, err = run([*EXPIRING, "--new-ids-per-day", "1e9"])
+    assert code == 1 and out == "" and "803.17 GiB a day on the Redis masters" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        ([], "give the rows stored (--rows), or the new IDs a day (--new-ids-per-day)"),
+        (["--new-ids-per-day", "0", "--ttl", "30d"], "new IDs a day (--new-ids-per-day) must be > 0, got 0.0"),
+        (["--new-ids-per-day", "-5", "--ttl", "30d"], "new IDs a day (--new-ids-per-day) must be > 0"),
+        (["--new-ids-per-day", "inf", "--ttl", "30d"], "argument --new-ids-per-day: 'inf' is not a finite number"),
+        (["--new-ids-per-day", "1e9", "--ttl", "0"], "argument --ttl: a duration must be seconds > 0"),
+        (
+            ["--new-ids-per-day", "1e9", "--ttl", "30x"],
+            "or a number > 0 with s, m, h or d (3600, 90m, 12h, 30d); got '30x'",
+        ),
+        (["--new-ids-per-day", "1e9", "--max-rows", "0"], "row cap (--max-rows) must be a whole number >= 1, got 0"),
+        (["--new-ids-per-day", "1e9", "--max-rows", "1.5"], "argument --max-rows: '1.5' is not a whole number"),
+    ],
+)
+def test_bad_expiry_values_get_an_error_naming_the_flag_and_the_limit(flags, says):
+    code, out, err = run(EXPIRING + flags)
+    assert code != 0 and out == "" and says in err
+
+
+def test_plan_refuses_bad_expiry_values_named():
+    for kw, says in (
+        ({"new_ids_per_day": 1e9, "ttl": 0}, "TTL (--ttl) must be > 0 seconds"),
+        ({"new_ids_per_day": 1e9, "ttl": math.nan}, "TTL (--ttl) must be > 0 seconds"),
+        ({"new_ids_per_day": math.inf, "ttl": DAY}, "new IDs a day (--new-ids-per-day) must be > 0"),
+        ({"new_ids_per_day": 1e9, "max_rows": 2.5}, "row cap (--max-rows) must be a whole number >= 1"),
+    ):
+        with pytest.raises(sizing.InvalidArgument, match=re.escape(says)):
+            expiring(**kw)
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("3600", 3600),
+        ("1e5", 1e5),
+        ("90s", 90),
+        ("15m", 900),
+        ("12h", 43_200),
+        ("30d", 30 * DAY),
+        ("1.5d", 1.5 * DAY),
+        (" 7 d ", 7 * DAY),
+        ("1_000s", 1000),
+    ],
+)
+def test_durations_read_as_seconds(text, seconds):
+    assert sizing.parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "d", "30x", "30 days", "0", "0d", "-1h", "inf", "nan", "1e400s", "h30", "30M"])
+def test_durations_out_of_form_or_not_above_0_are_refused(text):
+    with pytest.raises(sizing.InvalidArgument, match=re.escape(f"(3600, 90m, 12h, 30d); got {text!r}")):
+        sizing.parse_duration(text)
+
+
+def test_durations_print_in_the_largest_unit_that_divides_them():
+    assert [sizing.format_duration(s) for s in (30 * DAY, 1.5 * DAY, 5400, 90, 1.5)] == [
+        "30d",
+        "36h",
+        "90m",
+        "90s",
+        "1.5s",
+    ]
+    for text in ("30d", "36h", "90m", "90s"):
+        assert sizing.format_duration(sizing.parse_duration(text)) == text
+
+
+def test_the_plan_shows_the_steady_rows_and_how_they_were_derived():
+    code, out, _ = run([*EXPIRING, "--rows", "1e8", "--new-ids-per-day", "1e9", "--ttl", "30d", "--max-rows", "2e10"])
+    text = " ".join(out.split())  # the derivation wraps
+    assert code == 0 and out.startswith("model:          20,000,000,000 rows")
+    assert "100,000,000 long-lived + 1,000,000,000 new IDs a day x TTL 30 days = 30,100,000,000" in text
+    assert "held at the --max-rows cap of 20,000,000,000" in text
+    assert "steady after 19.9 days of new IDs, the masters growing 803.17 GiB a day until then" in text
+    assert "+ 4 B last-touched stamp" in out
+    code, out, _ = run([*EXPIRING, "--new-ids-per-day", "1e9", "--max-rows", "2e10"])
+    assert "new IDs a day, no TTL: held at the --max-rows cap" in " ".join(out.split())
+    assert "803.17 GiB a day" in " ".join(out.split())
+    # no rows line for rows given alone
+    assert "\nrows:" not in run([*EXPIRING, "--rows", "1e9"])[1]
+
+
+def test_the_ttl_flag_is_the_plans_ttl_in_seconds_and_json_says_the_derivation():
+    code, out, _ = run([*EXPIRING, "--new-ids-per-day", "1e9", "--ttl", "30d", "--json"])
+    d = json.loads(out)
+    p = expiring(new_ids_per_day=1e9, ttl=30 * DAY)
+    assert code == 0 and d == json.loads(json.dumps(p.as_dict()))
+    assert d["rows"] == 30 * 10**9 and d["ttl_s"] == 30 * DAY and d["new_ids_per_day"] == 1e9
+    assert d["rows_derivation"] == "1,000,000,000 new IDs a day x TTL 30 days = 30,000,000,000"
+    assert d["growth_bytes_per_day"] == 1e9 * d["redis_bytes_per_row"] and d["value_bytes"] == 772
+
+
+def test_help_names_the_expiry_flags_and_an_example():
+    code, out, _ = run(["ps", "plan", "--help"])
+    assert code == 0
+    text = " ".join(out.split())  # argparse wraps the flags' help
+    for flag, says in (
+        ("--new-ids-per-day NEW_IDS_PER_DAY", "IDs seen for the first time a day"),
+        ("--ttl TTL", "a row neither read nor written this long is deleted: seconds, or a number with s, m, h or d"),
+        ("--max-rows MAX_ROWS", "the row cap"),
+    ):
+        assert f"{flag} {says}" in text
+    assert "dynemb ps plan --new-ids-per-day 1e9 --ttl 30d" in out
+    assert "min(--max-rows, --rows +" in out
 
 
 def _regenerate() -> None:
