@@ -45,28 +45,106 @@ class Initializer(_message.Message):
     def __init__(self, kind: _Optional[_Union[Initializer.Kind, str]] = ..., a: _Optional[float] = ..., b: _Optional[float] = ..., seed: _Optional[int] = ..., state_init: _Optional[float] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "dim", "state_width", "dtype", "initializer", "expected_rows")
+    __slots__ = ("name", "dim", "state_width", "dtype", "initializer", "expected_rows", "lifecycle")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     STATE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     INITIALIZER_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    LIFECYCLE_FIELD_NUMBER: _ClassVar[int]
     name: str
     dim: int
     state_width: int
     dtype: DType
     initializer: Initializer
     expected_rows: int
-    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., state_width: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., initializer: _Optional[_Union[Initializer, _Mapping]] = ..., expected_rows: _Optional[int] = ...) -> None: ...
+    lifecycle: Lifecycle
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., state_width: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., initializer: _Optional[_Union[Initializer, _Mapping]] = ..., expected_rows: _Optional[int] = ..., lifecycle: _Optional[_Union[Lifecycle, _Mapping]] = ...) -> None: ...
+
+class Lifecycle(_message.Message):
+    __slots__ = ("ttl_s", "max_rows", "touch_every_s", "since")
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    TOUCH_EVERY_S_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    ttl_s: int
+    max_rows: int
+    touch_every_s: int
+    since: int
+    def __init__(self, ttl_s: _Optional[int] = ..., max_rows: _Optional[int] = ..., touch_every_s: _Optional[int] = ..., since: _Optional[int] = ...) -> None: ...
+
+class LastSweep(_message.Message):
+    __slots__ = ("finished", "seconds", "scanned", "deleted", "rows_over_cap")
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SCANNED_FIELD_NUMBER: _ClassVar[int]
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_OVER_CAP_FIELD_NUMBER: _ClassVar[int]
+    finished: float
+    seconds: float
+    scanned: int
+    deleted: int
+    rows_over_cap: int
+    def __init__(self, finished: _Optional[float] = ..., seconds: _Optional[float] = ..., scanned: _Optional[int] = ..., deleted: _Optional[int] = ..., rows_over_cap: _Optional[int] = ...) -> None: ...
 
 class TableInfo(_message.Message):
-    __slots__ = ("spec", "num_rows")
+    __slots__ = ("spec", "num_rows", "last_sweep", "expired_reads")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SWEEP_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_READS_FIELD_NUMBER: _ClassVar[int]
     spec: TableSpec
     num_rows: int
-    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., num_rows: _Optional[int] = ...) -> None: ...
+    last_sweep: LastSweep
+    expired_reads: int
+    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., num_rows: _Optional[int] = ..., last_sweep: _Optional[_Union[LastSweep, _Mapping]] = ..., expired_reads: _Optional[int] = ...) -> None: ...
+
+class SetLifecycleRequest(_message.Message):
+    __slots__ = ("table", "lifecycle")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    LIFECYCLE_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    lifecycle: Lifecycle
+    def __init__(self, table: _Optional[str] = ..., lifecycle: _Optional[_Union[Lifecycle, _Mapping]] = ...) -> None: ...
+
+class TouchRequest(_message.Message):
+    __slots__ = ("table", "ids")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: bytes
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
+
+class TouchResponse(_message.Message):
+    __slots__ = ("rows_stored", "touch_every_s")
+    ROWS_STORED_FIELD_NUMBER: _ClassVar[int]
+    TOUCH_EVERY_S_FIELD_NUMBER: _ClassVar[int]
+    rows_stored: int
+    touch_every_s: int
+    def __init__(self, rows_stored: _Optional[int] = ..., touch_every_s: _Optional[int] = ...) -> None: ...
+
+class ReadDeletionsRequest(_message.Message):
+    __slots__ = ("table", "after", "limit")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    after: str
+    limit: int
+    def __init__(self, table: _Optional[str] = ..., after: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class ReadDeletionsResponse(_message.Message):
+    __slots__ = ("ids", "times", "cursor", "gap")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    TIMES_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    GAP_FIELD_NUMBER: _ClassVar[int]
+    ids: bytes
+    times: bytes
+    cursor: str
+    gap: bool
+    def __init__(self, ids: _Optional[bytes] = ..., times: _Optional[bytes] = ..., cursor: _Optional[str] = ..., gap: _Optional[bool] = ...) -> None: ...
 
 class CreateTableRequest(_message.Message):
     __slots__ = ("spec",)

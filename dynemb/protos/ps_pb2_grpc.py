@@ -94,6 +94,21 @@ class ParameterServerStub:
                 request_serializer=dynemb_dot_protos_dot_ps__pb2.StatsRequest.SerializeToString,
                 response_deserializer=dynemb_dot_protos_dot_ps__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.SetLifecycle = channel.unary_unary(
+                '/dynemb.ps.v1.ParameterServer/SetLifecycle',
+                request_serializer=dynemb_dot_protos_dot_ps__pb2.SetLifecycleRequest.SerializeToString,
+                response_deserializer=dynemb_dot_protos_dot_ps__pb2.TableInfo.FromString,
+                _registered_method=True)
+        self.Touch = channel.unary_unary(
+                '/dynemb.ps.v1.ParameterServer/Touch',
+                request_serializer=dynemb_dot_protos_dot_ps__pb2.TouchRequest.SerializeToString,
+                response_deserializer=dynemb_dot_protos_dot_ps__pb2.TouchResponse.FromString,
+                _registered_method=True)
+        self.ReadDeletions = channel.unary_unary(
+                '/dynemb.ps.v1.ParameterServer/ReadDeletions',
+                request_serializer=dynemb_dot_protos_dot_ps__pb2.ReadDeletionsRequest.SerializeToString,
+                response_deserializer=dynemb_dot_protos_dot_ps__pb2.ReadDeletionsResponse.FromString,
+                _registered_method=True)
         self.AttachSegment = channel.unary_unary(
                 '/dynemb.ps.v1.ParameterServer/AttachSegment',
                 request_serializer=dynemb_dot_protos_dot_ps__pb2.AttachSegmentRequest.SerializeToString,
@@ -181,6 +196,24 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetLifecycle(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Touch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadDeletions(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def AttachSegment(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -255,6 +288,21 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=dynemb_dot_protos_dot_ps__pb2.StatsRequest.FromString,
                     response_serializer=dynemb_dot_protos_dot_ps__pb2.StatsResponse.SerializeToString,
+            ),
+            'SetLifecycle': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetLifecycle,
+                    request_deserializer=dynemb_dot_protos_dot_ps__pb2.SetLifecycleRequest.FromString,
+                    response_serializer=dynemb_dot_protos_dot_ps__pb2.TableInfo.SerializeToString,
+            ),
+            'Touch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Touch,
+                    request_deserializer=dynemb_dot_protos_dot_ps__pb2.TouchRequest.FromString,
+                    response_serializer=dynemb_dot_protos_dot_ps__pb2.TouchResponse.SerializeToString,
+            ),
+            'ReadDeletions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadDeletions,
+                    request_deserializer=dynemb_dot_protos_dot_ps__pb2.ReadDeletionsRequest.FromString,
+                    response_serializer=dynemb_dot_protos_dot_ps__pb2.ReadDeletionsResponse.SerializeToString,
             ),
             'AttachSegment': grpc.unary_unary_rpc_method_handler(
                     servicer.AttachSegment,
@@ -591,6 +639,87 @@ class ParameterServer:
             '/dynemb.ps.v1.ParameterServer/Stats',
             dynemb_dot_protos_dot_ps__pb2.StatsRequest.SerializeToString,
             dynemb_dot_protos_dot_ps__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetLifecycle(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dynemb.ps.v1.ParameterServer/SetLifecycle',
+            dynemb_dot_protos_dot_ps__pb2.SetLifecycleRequest.SerializeToString,
+            dynemb_dot_protos_dot_ps__pb2.TableInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Touch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dynemb.ps.v1.ParameterServer/Touch',
+            dynemb_dot_protos_dot_ps__pb2.TouchRequest.SerializeToString,
+            dynemb_dot_protos_dot_ps__pb2.TouchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadDeletions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dynemb.ps.v1.ParameterServer/ReadDeletions',
+            dynemb_dot_protos_dot_ps__pb2.ReadDeletionsRequest.SerializeToString,
+            dynemb_dot_protos_dot_ps__pb2.ReadDeletionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -21,6 +21,7 @@ import threading
 import numpy as np
 
 from dynemb.common.cli_args import add_command
+from dynemb.ps_server.errors import InvalidArgument, PSError
 
 SERVE_EPILOG = """\
 examples:
@@ -86,7 +87,8 @@ HELP = {
         for name, text in {
             "tables": "list the tables with their schemas and row counts",
             "create-table": "create a table on every PS (no error if it exists with the same schema)",
-            "describe": "show one table's schema and row count",
+            "describe": "show one table's schema, row count, lifecycle (TTL, row cap) and last sweep",
+            "lifecycle": "set when a table's rows expire (TTL, row cap) on every PS, on a live table",
             "drop": "drop a table and all its rows on every PS",
             "pull": "print the rows of some ids",
             "stats": "per-PS backend, uptime, tables and request counts",
@@ -250,6 +252,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         float,
     )
     option(
+        "--sweep-every",
+        "DYNEMB_PS_SWEEP_EVERY",
+        60.0,
+        "seconds between sweeps of a table whose rows expire (TTL, row cap), or ttl / 8 if longer, at most "
+        "an hour; of the PSes over one store, one sweeps each table; 0: this PS sweeps nothing",
+        float,
+    )
+    option(
         "--shm-max-mb",
         "DYNEMB_PS_SHM_MAX_MB",
         4096.0,
@@ -290,7 +300,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(Redis: compact hashes of ~16 rows) [default 0: the store's default]",
     )
     add_init_flags(p, "how rows never pushed are filled when pulled [default zeros]", "initial optimizer-state value")
+    add_lifecycle_flags(p)
     p.set_defaults(func=cmd_create_table)
+    p = client_parser("lifecycle")
+    p.add_argument("table")
+    add_lifecycle_flags(p)
+    p.add_argument("--never", action="store_true", help="rows never expire (clears the TTL and the row cap)")
+    p.set_defaults(func=cmd_lifecycle)
     p = client_parser("describe")
     p.add_argument("table")
     p.set_defaults(func=cmd_describe)
@@ -312,6 +328,58 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "drains: a readiness check) or 'liveness' (the process is alive: a liveness check) [default '']",
     )
     p.set_defaults(func=cmd_health)
+
+
+def add_lifecycle_flags(p: argparse.ArgumentParser) -> None:
+    """--ttl, --max-rows, --touch-every: when a table's rows expire (docs/ps.md, "Rows that expire")."""
+    from dynemb.ps_server.sizing import parse_duration
+
+    def duration(text: str) -> int:
+        try:
+            return max(1, round(parse_duration(text)))
+        except PSError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    duration.__name__ = "duration"
+    g = p.add_argument_group("rows that expire")
+    g.add_argument(
+        "--ttl",
+        type=duration,
+        default=0,
+        help="delete rows neither written nor read by a trainer for this long: seconds, or 90m, 12h, 30d "
+        "[default: never]",
+    )
+    g.add_argument(
+        "--max-rows",
+        type=_number("whole"),
+        default=0,
+        help="past this many rows (over all PSes), delete the least recently used first, none in use [default: no cap]",
+    )
+    g.add_argument(
+        "--touch-every",
+        type=duration,
+        default=0,
+        help="how often rows in use are touched (trainers, pulls) [default: ttl / 4, or 10m without a TTL]",
+    )
+
+
+def _lifecycle_from_args(args):
+    from dynemb.ps_server.lifecycle import Lifecycle
+
+    return Lifecycle(ttl_s=args.ttl, max_rows=args.max_rows, touch_every_s=args.touch_every)
+
+
+def _lifecycle_text(info) -> str:
+    """A table's lifecycle and last sweep, in a line (`describe`, `lifecycle`)."""
+    from dynemb.ps_server.sizing import format_duration
+
+    lc = info.lifecycle
+    if not lc.active:
+        return "rows never expire"
+    parts = [f"ttl={format_duration(lc.ttl_s)}" if lc.ttl_s else "ttl=none"]
+    parts.append(f"max_rows={lc.max_rows}" if lc.max_rows else "max_rows=none")
+    parts.append(f"touch_every={format_duration(lc.touch_interval_s)}")
+    return " ".join(parts)
 
 
 def _number(kind: str):
@@ -467,6 +535,7 @@ def cmd_serve(args) -> int:
             redis_rows_per_bucket=args.redis_rows_per_bucket,
             redis_listpack=args.redis_listpack,
             backend_check_seconds=args.backend_check_seconds,
+            sweep_every_seconds=args.sweep_every,
             shm_max_bytes=int(args.shm_max_mb * (1 << 20)),
             shm_idle_seconds=args.shm_idle_seconds,
         )
@@ -591,16 +660,38 @@ def cmd_create_table(args) -> int:
             args.dtype,
             initializer_from_args(args),
             expected_rows=args.expected_rows,
+            lifecycle=_lifecycle_from_args(args),
         )
     print(_table_line(info))
+    if info.lifecycle.active:
+        print(f"{'':<24} {_lifecycle_text(info)}")
+    return 0
+
+
+def cmd_lifecycle(args) -> int:
+    """`dynemb ps lifecycle`: set when a table's rows expire, on every PS."""
+    from dynemb.ps_server.lifecycle import Lifecycle
+
+    lifecycle = Lifecycle() if args.never else _lifecycle_from_args(args)
+    if not args.never and not lifecycle.active:
+        raise InvalidArgument(
+            "dynemb ps lifecycle: give --ttl and/or --max-rows (and --touch-every if wanted), or --never"
+        )
+    with client_from_args(args) as ps:
+        info = ps.set_lifecycle(args.table, lifecycle)
+    print(f"{args.table}: {_lifecycle_text(info)}")
     return 0
 
 
 def cmd_describe(args) -> int:
-    """`dynemb ps describe`: print one table's schema and row count as JSON."""
+    """`dynemb ps describe`: print one table's schema, row count, lifecycle and last sweep as JSON."""
     with client_from_args(args) as ps:
         info = ps.describe_table(args.table)
         doc = {**info.schema.to_dict(), "expected_rows": info.schema.expected_rows, "num_rows": info.num_rows}
+        if info.lifecycle.active:
+            doc["lifecycle"] = {**info.lifecycle.to_dict(), "touch_every_s": info.lifecycle.touch_interval_s}
+            doc["last_sweep"] = info.last_sweep._asdict() if info.last_sweep else None
+            doc["expired_reads"] = info.expired_reads
         print(json.dumps(doc, indent=2))
     return 0
 

@@ -32,6 +32,8 @@ LATENCY_BUCKETS = (
     10.0,
     30.0,
 )
+# A sweep pass over one table: from a small table's milliseconds to a big one's hour.
+SWEEP_BUCKETS = (0.01, 0.1, 1.0, 10.0, 60.0, 300.0, 1800.0, 3600.0)
 # The `table` label of tables past --max-table-labels: not a valid table name, so no table's own.
 OTHER_TABLES = "(other)"
 DEFAULT_MAX_TABLE_LABELS = 1000
@@ -125,7 +127,49 @@ class PSMetrics:
         self.info = Gauge(
             "dynemb_ps_info", "Constant 1, labelled with the backend and version", ["backend", "version"], registry=r
         )
+        # rows that expire (lifecycle.py, sweeper.py); sweeps are this PS's, when it holds the lease
+        self.rows_expired = Counter(
+            "dynemb_ps_rows_expired",
+            "Rows deleted by this PS's sweeps (TTL or row cap), by table",
+            ["table"],
+            registry=r,
+        )
+        self.expired_reads = Counter(
+            "dynemb_ps_expired_reads",
+            "Rows this PS's pulls found expired and not yet swept (served as never pushed), by table; "
+            "counted at each of the PS's sweeps",
+            ["table"],
+            registry=r,
+        )
+        self.sweep_seconds = Histogram(
+            "dynemb_ps_sweep_seconds", "Duration of a sweep pass over one table", buckets=SWEEP_BUCKETS, registry=r
+        )
+        self.oldest_row_age = Gauge(
+            "dynemb_ps_oldest_row_age_seconds",
+            "Age of the least recently used row, at this PS's last sweep of the table",
+            ["table"],
+            registry=r,
+        )
+        self.rows_over_cap = Gauge(
+            "dynemb_ps_rows_over_cap",
+            "Rows over the table's max_rows after this PS's last sweep (all in use)",
+            ["table"],
+            registry=r,
+        )
+        self._expired_reads_seen: dict[str, int] = {}
         self._children: dict = {}
+
+    def swept(self, result, expired_reads: int) -> None:
+        """Record a sweeper pass (sweeper.SweepResult) and the expired rows pulls found so far."""
+        label = self.table_label(result.table)
+        counter = self.child(self.expired_reads, label)
+        counter.inc(max(0, expired_reads - self._expired_reads_seen.get(result.table, 0)))
+        self._expired_reads_seen[result.table] = expired_reads
+        self.child(self.rows_expired, label).inc(result.deleted)
+        self.sweep_seconds.observe(result.seconds)
+        if result.oldest:
+            self.child(self.oldest_row_age, label).set(max(0.0, result.finished - result.oldest))
+        self.child(self.rows_over_cap, label).set(result.rows_over_cap)
 
     def child(self, metric, *labels):
         """metric.labels(*labels), remembered: labels() checks and locks on every call, and a
@@ -154,7 +198,9 @@ class PSMetrics:
             if table not in self._labelled:
                 return
             self._labelled.discard(table)
-            tabled = (self.rows, self.missing_rows)
+            by_table: tuple[Counter | Gauge, ...] = (self.missing_rows, self.rows_expired, self.expired_reads)
+            by_table += (self.oldest_row_age, self.rows_over_cap)
+            tabled = (self.rows, *by_table)
             # list(): a C-level copy, safe while request threads add children
             for key in [k for k in list(self._children) if k[0] in tabled and k[1][-1] == table]:
                 self._children.pop(key, None)
@@ -164,8 +210,10 @@ class PSMetrics:
                         method = s.labels["method"]
                         self.retired_rows[method] = self.retired_rows.get(method, 0.0) + s.value
                         self.rows.remove(method, table)
-            with contextlib.suppress(KeyError):
-                self.missing_rows.remove(table)
+            for labelled in by_table:
+                with contextlib.suppress(KeyError):
+                    labelled.remove(table)
+            self._expired_reads_seen.pop(table, None)
 
     def labelled_tables(self) -> set[str]:
         """The tables with label values of their own now."""

@@ -30,10 +30,12 @@ from dynemb.ps_server import shm
 from dynemb.ps_server.auth import TokenAuthInterceptor
 from dynemb.ps_server.backend_watch import BackendWatch
 from dynemb.ps_server.backends import Store, open_store
+from dynemb.ps_server.errors import PSError
 from dynemb.ps_server.metrics import DEFAULT_MAX_TABLE_LABELS, PSMetrics
 from dynemb.ps_server.schema import MAX_ROW_WIDTH
 from dynemb.ps_server.service import DEFAULT_MAX_ROW_WIDTH, ParameterServerService, add_to_server
 from dynemb.ps_server.shm import SegmentTable
+from dynemb.ps_server.sweeper import Sweeper, SweepResult
 
 log = logging.getLogger("dynemb.ps")
 
@@ -72,6 +74,9 @@ class ServeConfig:
     redis_rows_per_bucket: int = 16  # rows a hash is sized for, in a table that declares its expected rows
     redis_listpack: str = "auto"  # auto: raise Redis's listpack limits as tables need them; off: leave them
     backend_check_seconds: float = 1.0  # how often health re-checks that the store answers
+    # Passes of the sweeper over a table whose rows expire: at most one per this many seconds
+    # (and per ttl / 8, up to an hour apart); 0: this PS sweeps nothing (others over the store may).
+    sweep_every_seconds: float = 60.0
     # Same-host row transfer (shm.py): how much client memory may be attached at once (0: none
     # taken; clients then send rows as bytes) and how long an unused segment stays attached.
     shm_max_bytes: int = 4 << 30
@@ -106,6 +111,8 @@ class ServeConfig:
             raise ValueError(f"--redis-rows-per-bucket must be in [1, 65536], got {self.redis_rows_per_bucket}")
         if self.backend_check_seconds <= 0:
             raise ValueError(f"backend check interval must be > 0 seconds, got {self.backend_check_seconds}")
+        if self.sweep_every_seconds < 0:
+            raise ValueError(f"--sweep-every must be >= 0 seconds (0: no sweeps), got {self.sweep_every_seconds}")
 
 
 class PSServer:
@@ -163,6 +170,9 @@ class PSServer:
             max_request_bytes=config.max_request_bytes,
         )
         add_to_server(self.service, self._grpc)
+        self.sweeper = (
+            Sweeper(store, config.sweep_every_seconds, on_result=self._swept) if config.sweep_every_seconds else None
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
@@ -207,6 +217,8 @@ class PSServer:
         # Start even when the store is away: NOT_SERVING (and UNAVAILABLE per request) until it is back.
         self.backend_watch.check()
         self.backend_watch.start()
+        if self.sweeper is not None:
+            self.sweeper.start()
         # the store's settings for the tables already there, off the start path (it may be away)
         threading.Thread(target=self._check_store_config, name="ps-store-config", daemon=True).start()
         log.info(
@@ -219,6 +231,14 @@ class PSServer:
             f", metrics on :{self.metrics_port}/metrics" if self.metrics_port else "",
         )
         return self
+
+    def _swept(self, result: SweepResult) -> None:
+        """A sweeper pass: into the metrics, and kept for every PS's DescribeTable."""
+        self.metrics.swept(result, self.store.expired_reads(result.table))
+        try:
+            self.store.record_sweep(result.table, result._asdict())
+        except PSError as exc:
+            log.warning("could not record the sweep of table %r: %s", result.table, exc)
 
     def _check_store_config(self) -> None:
         try:
@@ -269,6 +289,8 @@ class PSServer:
         if self._closed:
             return
         self._closed = True
+        if self.sweeper is not None:
+            self.sweeper.stop()
         self.drain(grace)
         if close_port:
             self._grpc.stop(0).wait()  # after the drain, only refusals can be in flight

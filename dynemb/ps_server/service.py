@@ -33,6 +33,7 @@ from dynemb.ps_server.errors import (
     TableNotFound,
 )
 from dynemb.ps_server.initializer import check_initializer_fits, fill_initial_rows
+from dynemb.ps_server.lifecycle import Lifecycle
 from dynemb.ps_server.metrics import PSMetrics
 from dynemb.ps_server.schema import TableSchema, check_name
 from dynemb.ps_server.shm import SegmentTable
@@ -52,6 +53,8 @@ log = logging.getLogger("dynemb.ps")
 # room for a dim of 4096 with two optimizer states per value (Adam), and a 64 MiB message still
 # carries a thousand fp32 rows of it.
 DEFAULT_MAX_ROW_WIDTH = 16384
+# Ids a ReadDeletions reply carries when the request names no limit.
+DELETIONS_PER_READ = 65536
 # Room left in a message for everything but the packed ids and rows.
 DEFAULT_EXPORT_CHUNK_BYTES = 4 << 20
 # A status message travels in metadata, which the client takes up to 16 KiB of: a longer one
@@ -379,9 +382,18 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         return found
 
     def _info(self, schema: TableSchema) -> ps_pb2.TableInfo:
+        """The table's schema, row count, lifecycle and last sweep."""
         with self._backend("num_rows"):
             n = self.store.num_rows(schema.name)
-        return ps_pb2.TableInfo(spec=schema.to_proto(), num_rows=n)
+            lifecycle = self.store.lifecycle(schema.name)
+            swept = self.store.last_sweep(schema.name) if lifecycle.active else None
+        info = ps_pb2.TableInfo(spec=schema.to_proto(), num_rows=n, expired_reads=self.store.expired_reads(schema.name))
+        if lifecycle.active:
+            info.spec.lifecycle.CopyFrom(lifecycle.to_proto())
+        if swept:
+            fields = ("finished", "seconds", "scanned", "deleted", "rows_over_cap")
+            info.last_sweep.CopyFrom(ps_pb2.LastSweep(**{k: swept[k] for k in fields}))
+        return info
 
     def _count(self, method: str, table: str, rows: int, nbytes_in: int, nbytes_out: int) -> None:
         m = self.metrics
@@ -399,11 +411,51 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             if not request.HasField("spec"):
                 raise InvalidArgument("CreateTable needs a spec (name, dim, state_width, dtype)")
             schema = self._fitting(TableSchema.from_proto(request.spec))
+            lifecycle = Lifecycle.from_proto(request.spec.lifecycle).checked(schema.name)
             with self._backend("create_table"):
                 created = self.store.create_table(schema)
+                if created and lifecycle.active:
+                    lifecycle = self.store.set_lifecycle(schema.name, lifecycle)
             if created:
-                log.info("created table %s", schema.to_dict())
+                log.info("created table %s%s", schema.to_dict(), f", {lifecycle.to_dict()}" if lifecycle.active else "")
             return ps_pb2.CreateTableResponse(table=self._info(schema), created=created)
+
+    def SetLifecycle(self, request, context):
+        """Set when a table's rows expire (TTL, row cap); the table's info after."""
+        with self._call("SetLifecycle", context):
+            schema = self._schema(request.table)
+            lifecycle = Lifecycle.from_proto(request.lifecycle)
+            with self._backend("set_lifecycle"):
+                lifecycle = self.store.set_lifecycle(schema.name, lifecycle)
+            log.info("table %s: lifecycle %s", schema.name, lifecycle.to_dict() or "none (rows never expire)")
+            return self._info(schema)
+
+    def Touch(self, request, context):
+        """Mark rows resident on a trainer as used now."""
+        with self._call("Touch", context):
+            schema = self._schema(request.table)
+            ids = codec.decode_ids(request.ids, schema.name)
+            self._still_wanted(context, "touch")
+            with self._backend("touch"):
+                stored = self.store.touch(schema.name, ids)
+                lifecycle = self.store.lifecycle(schema.name)
+            self._count("Touch", schema.name, len(ids), len(request.ids), 0)
+            every = lifecycle.touch_interval_s if lifecycle.active else 0
+            return ps_pb2.TouchResponse(rows_stored=stored, touch_every_s=every)
+
+    def ReadDeletions(self, request, context):
+        """A stretch of a table's deletion log."""
+        with self._call("ReadDeletions", context):
+            schema = self._schema(request.table)
+            limit = min(request.limit or DELETIONS_PER_READ, self.max_message_bytes // 16)
+            with self._backend("deletions"):
+                got = self.store.deletions(schema.name, request.after, max(1, limit))
+            return ps_pb2.ReadDeletionsResponse(
+                ids=got.ids.astype("<i8").tobytes(),
+                times=got.times.astype("<f8").tobytes(),
+                cursor=got.cursor,
+                gap=got.gap,
+            )
 
     def DescribeTable(self, request, context):
         """The table's schema and row count."""
@@ -423,7 +475,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             tables = self.store.list_tables_with_rows(time_left)
         for gone in self.metrics.labelled_tables() - {s.name for s, _ in tables}:
             self.metrics.forget_table(gone)
-        return [ps_pb2.TableInfo(spec=s.to_proto(), num_rows=n) for s, n in tables]
+        return [ps_pb2.TableInfo(spec=s.to_proto(), num_rows=n) for s, n in tables]  # lifecycles: DescribeTable
 
     def DropTable(self, request, context):
         """Drop a table and its rows (TableNotFound unless missing_ok)."""

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 from dynemb.ps_server.backends.redis_config import MAX_LISTPACK_VALUE, ROWS_PER_BUCKET
 from dynemb.ps_server.errors import InvalidArgument
+from dynemb.ps_server.lifecycle import STAMP_BYTES
 from dynemb.ps_server.schema import MAX_ROW_WIDTH, OPTIMIZERS, optimizer_state_width
 
 # -- measured constants ---------------------------------------------------------------------
@@ -59,7 +60,7 @@ VALUE_BYTES = 4
 ID_BYTES = 8
 # The last-touched stamp each row's value carries on Redis, after the row (the TTL and the row
 # cap pick the rows to delete by it): 4 bytes more of value a row.
-LIFECYCLE_STAMP_BYTES = 4
+LIFECYCLE_STAMP_BYTES = STAMP_BYTES
 SECONDS_PER_DAY = 86_400
 # Redis Cluster needs at least three masters to elect a failover.
 MIN_MASTERS = 3

@@ -106,6 +106,9 @@ class Fuzzer:
                 "Import",
                 "AttachSegment",
                 "DetachSegment",
+                "SetLifecycle",
+                "Touch",
+                "ReadDeletions",
             )
         }
         self.raw_export = self.channel.unary_stream(SERVICE + "Export")

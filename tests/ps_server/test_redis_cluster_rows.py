@@ -339,7 +339,7 @@ def test_cluster_rows_follow_moved_and_ask_redirects(redis_binaries, redis_names
         np.testing.assert_array_equal(got[len(ids) :], fresh_rows)
         assert s.num_rows("mv") == 4400 - int(gone.sum())
         true_rows = sum(
-            c.hlen(k) for c in mover.clients for k in c.scan_iter(match=f"dn:{redis_namespace}:mv:*".encode())
+            c.hlen(k) for c in mover.clients for k in c.scan_iter(match=f"dn:{redis_namespace}:mv:*r:{{*".encode())
         )
         assert true_rows == 4400 - int(gone.sum())
         s.close()

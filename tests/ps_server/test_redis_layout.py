@@ -153,7 +153,8 @@ def test_a_redis_that_refuses_config_gets_one_warning_and_works(redis_process, r
         store.check_config()
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1, warnings
-    assert "refused CONFIG" in warnings[0] and "`hash-max-listpack-value 512`" in warnings[0], warnings[0]
+    # 516: the 512-byte row and its 4-byte stamp
+    assert "refused CONFIG" in warnings[0] and "`hash-max-listpack-value 516`" in warnings[0], warnings[0]
     store.close()
 
 
@@ -269,7 +270,8 @@ def test_every_cluster_master_gets_the_limits_and_huge_tables_scan_them_all(redi
         store = RedisStore.from_url(cluster.url, namespace="cl", rows_per_bucket=1)
         with caplog.at_level(logging.INFO, logger="dynemb.ps"):
             store.create_table(TableSchema("wide", dim=256, expected_rows=1 << 21))  # 1 KiB rows, 2^21 buckets
-        assert [int(n.client().config_get(redis_config.VALUE)[redis_config.VALUE]) for n in cluster.nodes] == [1024] * 3
+        values = [int(n.client().config_get(redis_config.VALUE)[redis_config.VALUE]) for n in cluster.nodes]
+        assert values == [1024 + 4] * 3  # the row and its stamp
         assert sum("raised hash-max-listpack-value" in r.getMessage() for r in caplog.records) == 1
         ids = np.arange(2000, dtype=np.int64)
         rows = np.ones((2000, 256), np.float32)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from dynemb.ps_server.errors import DeadlineExceeded, TableExists, TableNotFound
+from dynemb.ps_server.lifecycle import Deletions, Lifecycle, SweepSlice
 from dynemb.ps_server.schema import TableSchema
 
 
@@ -135,6 +136,61 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def clear(self, table: str) -> int:
         """Delete every row but keep the table; returns rows deleted."""
+
+    # -- rows that expire (dynemb/ps_server/lifecycle.py) --------------------------------
+
+    @abc.abstractmethod
+    def lifecycle(self, table: str) -> Lifecycle:
+        """The table's lifecycle (Lifecycle() if its rows never expire); raises TableNotFound."""
+
+    @abc.abstractmethod
+    def set_lifecycle(self, table: str, lifecycle: Lifecycle) -> Lifecycle:
+        """Set when the table's rows expire, on a live table; returns it as stored (`since` set
+        to now). Raises TableNotFound, or InvalidArgument for a lifecycle out of range or a
+        table whose rows carry no stamps (made by an older version)."""
+
+    @abc.abstractmethod
+    def touch(self, table: str, ids: np.ndarray) -> int:
+        """Mark the stored ones of ids as used now (rows resident on a trainer, which the PS does
+        not see read); returns how many of them are stored."""
+
+    @abc.abstractmethod
+    def sweep_slice(self, table: str, cursor: int, before: int, max_rows: int) -> SweepSlice:
+        """Delete the rows stamped before `before` among about max_rows rows from cursor (0: the
+        first slice of a pass), each logged first in the deletion log. A row written, pulled or
+        touched while the slice runs is not deleted."""
+
+    @abc.abstractmethod
+    def stamps_slice(self, table: str, cursor: int, max_rows: int) -> tuple[int, np.ndarray]:
+        """(next cursor, 0 at the end; the stamps of about max_rows rows from cursor, stamps from
+        before the lifecycle was set read as its `since`): for the row cap's cutoff."""
+
+    @abc.abstractmethod
+    def deletions(self, table: str, after: str = "", limit: int = 65536) -> Deletions:
+        """Up to about `limit` ids logged as deleted after cursor `after` ("": from the oldest kept)."""
+
+    def record_sweep(self, table: str, result: dict) -> None:
+        """Keep a sweep's result (sweeper.SweepResult as a dict) for last_sweep(), seen by every
+        PS of the store."""
+        self._sweeps()[table] = result
+
+    def last_sweep(self, table: str) -> dict | None:
+        """The table's last sweep result recorded (record_sweep), None if none."""
+        return self._sweeps().get(table)
+
+    def _sweeps(self) -> dict[str, dict]:
+        if not hasattr(self, "_last_sweeps"):
+            self._last_sweeps: dict[str, dict] = {}
+        return self._last_sweeps
+
+    def expired_reads(self, table: str) -> int:
+        """Rows this store's pulls found expired (and counted as absent) since it started."""
+        return 0
+
+    def take_sweep_lease(self, table: str, owner: str, seconds: float) -> bool:
+        """Whether `owner` holds (now, or renewed) the right to sweep the table for `seconds`: one
+        sweeper per table among every PS of a store. A store of one process always grants it."""
+        return True
 
     def check_config(self) -> None:  # noqa: B027 - not abstract: most stores have no settings to check
         """Check (and where it may, adjust) the backend's settings for the tables there are; the

@@ -41,9 +41,11 @@ import numpy as np
 
 from dynemb.ps_server import native
 from dynemb.ps_server.backends.base import Store, check_same_schema, rows_out
+from dynemb.ps_server.backends.deletion_log import DeletionLog, parse_cursor
 from dynemb.ps_server.backends.id_index import IdIndex
 from dynemb.ps_server.codec import rows_for_table
 from dynemb.ps_server.errors import PSError, TableNotFound
+from dynemb.ps_server.lifecycle import STAMP_DTYPE, Deletions, Lifecycle, SweepSlice, now_stamp
 from dynemb.ps_server.schema import TableSchema
 
 
@@ -55,6 +57,42 @@ class _Table:
         self.rows = np.zeros((16, schema.width), dtype=schema.np_dtype)
         self.used = 0  # row numbers [0, used) were handed out at least once
         self.free: list[np.ndarray] = []  # row numbers freed by deletes
+        self.lifecycle = Lifecycle()
+        # Kept only while the lifecycle is active (before it, every row counts as stamped at its
+        # `since`): each row number's stamp, and its id (-1: free), which a sweep walks.
+        self.stamps: np.ndarray | None = None
+        self.row_ids: np.ndarray | None = None
+        self.log = DeletionLog()
+        self.expired_reads = 0  # rows a pull found expired, not yet swept
+
+    def start_stamps(self) -> None:
+        """Stamps (0: before `since`) and ids by row number, for a table whose rows now expire."""
+        self.stamps = np.zeros(len(self.rows), dtype=STAMP_DTYPE)
+        self.row_ids = np.full(len(self.rows), -1, dtype=np.int64)
+        ids, where = self.index.items()
+        self.row_ids[where] = ids
+
+    def stamp(self, ids: np.ndarray, where: np.ndarray | None = None) -> None:
+        """Stamp the rows of ids (stored; where: their row numbers, if known) as used now."""
+        if self.stamps is None or self.row_ids is None:
+            return
+        if where is None:
+            where = self.index.lookup(ids)
+        present = where >= 0
+        self.stamps[where[present]] = now_stamp()
+        self.row_ids[where[present]] = ids[present]
+
+    def forget(self, ids: np.ndarray) -> np.ndarray:
+        """Remove ids from the table; the ids that were stored, each once, logged as deleted."""
+        where = self.index.lookup(ids)
+        gone = np.unique(ids[where >= 0])
+        self.log.append(gone)  # logged before they go (docs/ps.md, "Rows that expire")
+        freed = self.index.remove(gone)
+        if len(freed):
+            self.free.append(freed)
+            if self.row_ids is not None:
+                self.row_ids[freed] = -1
+        return gone
 
     def allocate(self, n: int) -> np.ndarray:
         if not self.free and self.used + n <= len(self.rows):  # the usual case, without the lists
@@ -83,6 +121,9 @@ class _Table:
             grown = np.zeros((cap, self.schema.width), dtype=self.rows.dtype)
             grown[: self.used] = self.rows[: self.used]
             self.rows = grown
+            if self.stamps is not None and self.row_ids is not None:
+                self.stamps = np.concatenate([self.stamps, np.zeros(cap - len(self.stamps), STAMP_DTYPE)])
+                self.row_ids = np.concatenate([self.row_ids, np.full(cap - len(self.row_ids), -1, np.int64)])
 
 
 log = logging.getLogger("dynemb.ps")
@@ -139,19 +180,26 @@ def _write_json(path: Path, value: dict) -> None:
     _fsync(path.parent)
 
 
-def _read_table_file(path: Path) -> tuple[TableSchema, np.ndarray, np.ndarray]:
-    """(schema, ids, rows) of one saved table; SnapshotError naming the file if it is unreadable."""
+def _read_table_file(path: Path) -> tuple[TableSchema, np.ndarray, np.ndarray, dict, dict[str, np.ndarray]]:
+    """(schema, ids, rows, metadata, the other tensors: stamps, the deletion log) of one saved
+    table; SnapshotError naming the file if it is unreadable."""
     from safetensors import safe_open  # only with a directory
 
     try:
         with safe_open(str(path), framework="numpy") as f:
-            schema = TableSchema.from_dict(json.loads(f.metadata()["schema"]))
+            meta = f.metadata()
+            schema = TableSchema.from_dict(json.loads(meta["schema"]))
             ids, rows = f.get_tensor("ids"), f.get_tensor("rows")
+            extra = {k: f.get_tensor(k) for k in f.keys() if k not in ("ids", "rows")}
     except Exception as exc:  # safetensors raises its own error types for torn headers and data
         raise SnapshotError(f"{path}: unreadable ({type(exc).__name__}: {exc})") from None
     if ids.ndim != 1 or rows.shape != (len(ids), schema.width):
         raise SnapshotError(f"{path}: ids {ids.shape} and rows {rows.shape} do not match table {schema.name!r}")
-    return schema, ids, rows
+    if "stamps" in extra and extra["stamps"].shape != ids.shape:
+        raise SnapshotError(f"{path}: stamps {extra['stamps'].shape} do not match ids {ids.shape}")
+    if extra.get("deleted_ids", np.zeros(0)).shape != extra.get("deleted_times", np.zeros(0)).shape:
+        raise SnapshotError(f"{path}: the deletion log's ids and times do not match")
+    return schema, ids, rows, meta, extra
 
 
 class EmbeddedStore(Store):
@@ -250,10 +298,21 @@ class EmbeddedStore(Store):
                 paths.append(path)
         staging = EmbeddedStore()
         for path in paths:
-            schema, ids, rows = _read_table_file(path)
+            schema, ids, rows, meta, extra = _read_table_file(path)
             staging.create_table(schema)
+            t = staging._tables[schema.name]
+            try:
+                t.lifecycle = Lifecycle.from_dict(json.loads(meta.get("lifecycle", "{}")))
+            except (ValueError, TypeError) as exc:
+                raise SnapshotError(f"{path}: lifecycle unreadable ({exc})") from None
+            if t.lifecycle.active:
+                t.start_stamps()
             if len(ids):
                 staging.push(schema.name, ids, rows)
+                if t.stamps is not None and "stamps" in extra:
+                    t.stamps[t.index.lookup(ids)] = extra["stamps"]
+            if "deleted_ids" in extra:
+                t.log.restore(extra["deleted_ids"], extra["deleted_times"], int(meta.get("deleted_first", "0")))
         return staging._tables
 
     # -- saving ----------------------------------------------------------------------
@@ -279,12 +338,24 @@ class EmbeddedStore(Store):
             with t.lock:
                 ids, where = t.index.items()
                 rows = t.rows[where]
+                stamps = None if t.stamps is None else t.stamps[where]
+                lifecycle = t.lifecycle
+            deleted_ids, deleted_times, deleted_first = t.log.snapshot()
             order = np.argsort(ids)
+            tensors = {"ids": ids[order], "rows": np.ascontiguousarray(rows[order])}
+            if stamps is not None:
+                tensors["stamps"] = stamps[order]
+            if len(deleted_ids):
+                tensors["deleted_ids"], tensors["deleted_times"] = deleted_ids, deleted_times
             path = gen / f"{name}{SNAPSHOT_SUFFIX}"
             save_file(
-                {"ids": ids[order], "rows": np.ascontiguousarray(rows[order])},
+                tensors,
                 str(path),
-                metadata={"schema": json.dumps(t.schema.to_dict())},
+                metadata={
+                    "schema": json.dumps(t.schema.to_dict()),
+                    "lifecycle": json.dumps(lifecycle.to_dict()),
+                    "deleted_first": str(deleted_first),
+                },
             )
             _fsync(path)
             entries.append({"file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path), "rows": len(ids)})
@@ -353,12 +424,26 @@ class EmbeddedStore(Store):
         return rows, found
 
     def pull_into(self, table: str, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """See Store.pull_into: one compiled call per batch."""
+        """See Store.pull_into: one compiled call per batch. In a table whose rows expire,
+        expired rows count as absent and the rest are stamped as used."""
         t = self._table(table)
         with t.lock:
             # one compiled call: lookup, and the present rows copied with the ones further down
             # prefetched (~4x numpy's fancy indexing for a big table's scattered rows)
-            return t.index.pull_rows(ids, t.rows, rows_out(out, len(ids), t.schema))
+            missing = t.index.pull_rows(ids, t.rows, rows_out(out, len(ids), t.schema))
+            if t.stamps is None:
+                return missing
+            ids = np.ascontiguousarray(ids, dtype=np.int64)
+            where = t.index.lookup(ids)
+            at = np.flatnonzero(where >= 0)
+            stamps = np.maximum(t.stamps[where[at]], t.lifecycle.since)
+            old = stamps < t.lifecycle.expired_before()
+            expired = at[old]
+            t.stamps[where[at[~old]]] = now_stamp()  # expired ones stay so, for the sweep
+            if len(expired):
+                t.expired_reads += len(expired)
+                missing = np.sort(np.concatenate([missing, expired]))
+            return missing
 
     def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> int:
         """See Store.push."""
@@ -370,31 +455,97 @@ class EmbeddedStore(Store):
             if not t.free:  # no deleted rows to reuse (a trainer's store never deletes): one C call
                 t.reserve(len(ids))
                 t.used += t.index.push_rows(ids, t.rows, rows, t.used)
+                t.stamp(np.ascontiguousarray(ids, dtype=np.int64))
                 return len(ids)
             where = t.index.lookup_or_insert(ids, t.allocate, t.free.append)
             # written in order, so a repeated id's last row is the one that stays
             native.id_index().scatter(t.rows, t.schema.row_bytes, where, rows, np.arange(len(ids)))
+            t.stamp(np.ascontiguousarray(ids, dtype=np.int64), where)
         return len(ids)
 
     def delete(self, table: str, ids: np.ndarray) -> int:
         """See Store.delete; the freed row numbers are reused by later pushes."""
         t = self._table(table)
         with t.lock:
-            freed = t.index.remove(ids)
-            if len(freed):
-                t.free.append(freed)
-        return len(freed)
+            return len(t.forget(np.ascontiguousarray(ids, dtype=np.int64)))
 
     def clear(self, table: str) -> int:
         """See Store.clear; the table's rows array shrinks back to its initial size."""
         t = self._table(table)
         with t.lock:
+            ids, _ = t.index.items()
+            t.log.append(np.sort(ids))
             n = len(t.index)
             t.index.clear()
             t.rows = np.zeros((16, t.schema.width), dtype=t.schema.np_dtype)
             t.used = 0
             t.free = []
+            if t.stamps is not None:
+                t.start_stamps()
         return n
+
+    # -- rows that expire ------------------------------------------------------------
+
+    def lifecycle(self, table: str) -> Lifecycle:
+        """See Store.lifecycle."""
+        return self._table(table).lifecycle
+
+    def set_lifecycle(self, table: str, lifecycle: Lifecycle) -> Lifecycle:
+        """See Store.set_lifecycle."""
+        t = self._table(table)
+        lifecycle = lifecycle.checked(table)._replace(since=now_stamp())
+        with t.lock:
+            t.lifecycle = lifecycle
+            if not lifecycle.active:
+                t.stamps = t.row_ids = None
+            elif t.stamps is None:
+                t.start_stamps()
+        return lifecycle
+
+    def touch(self, table: str, ids: np.ndarray) -> int:
+        """See Store.touch."""
+        t = self._table(table)
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        with t.lock:
+            where = t.index.lookup(ids)
+            t.stamp(ids, where)
+        return int((where >= 0).sum())
+
+    def sweep_slice(self, table: str, cursor: int, before: int, max_rows: int) -> SweepSlice:
+        """See Store.sweep_slice: the cursor is a row number; one slice under the table's lock."""
+        t = self._table(table)
+        with t.lock:
+            if t.stamps is None or t.row_ids is None:
+                return SweepSlice(0, 0, np.zeros(0, np.int64))
+            stop = min(t.used, cursor + max_rows)
+            row_ids = t.row_ids[cursor:stop]
+            live = row_ids >= 0
+            stamps = np.maximum(t.stamps[cursor:stop], t.lifecycle.since)
+            old = live & (stamps < before)
+            deleted = t.forget(row_ids[old]) if old.any() else np.zeros(0, np.int64)
+            kept = stamps[live & ~old]
+            oldest = int(kept.min()) if len(kept) else 0
+            return SweepSlice(stop if stop < t.used else 0, int(live.sum()), deleted, oldest)
+
+    def stamps_slice(self, table: str, cursor: int, max_rows: int) -> tuple[int, np.ndarray]:
+        """See Store.stamps_slice."""
+        t = self._table(table)
+        with t.lock:
+            if t.stamps is None or t.row_ids is None:
+                return 0, np.zeros(0, STAMP_DTYPE)
+            stop = min(t.used, cursor + max_rows)
+            live = t.row_ids[cursor:stop] >= 0
+            stamps = np.maximum(t.stamps[cursor:stop][live], t.lifecycle.since).astype(STAMP_DTYPE)
+            return (stop if stop < t.used else 0), stamps
+
+    def deletions(self, table: str, after: str = "", limit: int = 65536) -> Deletions:
+        """See Store.deletions: cursors count the ids logged before them."""
+        t = self._table(table)
+        return t.log.read(parse_cursor(after, f"table {table!r}"), max(1, limit))
+
+    def expired_reads(self, table: str) -> int:
+        """Pulls of rows found expired (counted as absent) since the store started."""
+        return self._table(table).expired_reads
 
     def export(self, table: str, rows_per_chunk: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """See Store.export: ids ascending; rows changed during the export are read as they are then."""

@@ -32,6 +32,7 @@ from dynemb.ps_server.errors import (
     PSError,
 )
 from dynemb.ps_server.hashing import bucket_of  # re-exported: bench/raw_redis.py reads the same buckets
+from dynemb.ps_server.lifecycle import stamp_bytes
 
 
 @dataclass(frozen=True)
@@ -59,9 +60,13 @@ class _SlotMapWatch:
 class RedisClusterRows(RedisRows):
     """Rows on Redis Cluster (see the module)."""
 
-    def _native_pull(self, meta: _TableMeta, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+    def _native_pull(
+        self, meta: _TableMeta, ids: np.ndarray, out: np.ndarray, stamps: np.ndarray | None = None
+    ) -> np.ndarray:
         """The compiled row path's pull: Cluster's (_cluster_pull) on a cluster."""
-        return self._cluster_pull(meta, ids, out) if self.cluster else super()._native_pull(meta, ids, out)
+        if self.cluster:
+            return self._cluster_pull(meta, ids, out, stamps)
+        return super()._native_pull(meta, ids, out, stamps)
 
     def _native_write(self, meta: _TableMeta, ids: np.ndarray, rows: np.ndarray | None) -> int:
         """The compiled row path's write: Cluster's (_cluster_write) on a cluster."""
@@ -173,17 +178,20 @@ class RedisClusterRows(RedisRows):
                 smap.pools[sends[i][0]].release(conn)
         return results
 
-    def _cluster_pull(self, meta: _TableMeta, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+    def _cluster_pull(
+        self, meta: _TableMeta, ids: np.ndarray, out: np.ndarray, stamps: np.ndarray | None = None
+    ) -> np.ndarray:
         """_native_pull on Cluster: each node's HMGETs built and read by the compiled module,
         all nodes at once (_cluster_exchange); the positions of the ids not found."""
         schema = meta.schema
         mod = self._native
         assert mod is not None
-        step = max(1, min(layout.PIPELINE_MAX_IDS, layout.PIPELINE_MAX_BYTES // schema.row_bytes))
+        step = max(1, min(layout.PIPELINE_MAX_IDS, layout.PIPELINE_MAX_BYTES // meta.value_bytes))
         absent_parts = []
         for lo in range(0, len(ids), step):
             chunk = ids[lo : lo + step]
             rows = out[lo : lo + len(chunk)]
+            chunk_stamps = None if stamps is None else stamps[lo : lo + len(chunk)]
             smap, parts, again = self._by_node(meta, chunk)
             sends, states = [], []
             for node, pos in parts:
@@ -193,8 +201,8 @@ class RedisClusterRows(RedisRows):
                 missing = np.empty(k, dtype=np.int64)
                 state: list = [0, 0, None]  # fields read, ids absent, the first error reply
                 # the i-th field asked for is the row of chunk[pos[order[i]]]: rows[pos[order[i]]]
-                take = _hmget_reader(mod, pos[order], rows, schema.row_bytes, missing, state)
-                sends.append((node, request, commands, k * (schema.row_bytes + 16) + commands * 16, take))
+                take = _hmget_reader(mod, pos[order], rows, schema.row_bytes, missing, state, chunk_stamps)
+                sends.append((node, request, commands, k * (meta.value_bytes + 16) + commands * 16, take))
                 states.append((pos, missing, state))
             try:
                 replies = self._cluster_exchange(smap, sends)
@@ -217,8 +225,11 @@ class RedisClusterRows(RedisRows):
             if again:
                 pos = np.concatenate(again)
                 redone = np.empty((len(pos), schema.width), dtype=schema.np_dtype)
-                found = self._py_pull(meta, chunk[pos], redone)
+                redone_stamps = None if chunk_stamps is None else np.zeros(len(pos), dtype=chunk_stamps.dtype)
+                found = self._py_pull(meta, chunk[pos], redone, redone_stamps)
                 rows[pos] = redone
+                if chunk_stamps is not None and redone_stamps is not None:
+                    chunk_stamps[pos] = redone_stamps
                 absent_parts.append(pos[~found] + lo)
         if not absent_parts:
             return np.zeros(0, dtype=np.int64)
@@ -233,8 +244,9 @@ class RedisClusterRows(RedisRows):
         mod = self._native
         assert mod is not None
         command = "HSET" if rows is not None else "HDEL"
-        per_id = schema.row_bytes + 8 if rows is not None else 8
+        per_id = meta.value_bytes + 8 if rows is not None else 8
         step = max(1, min(layout.PIPELINE_MAX_IDS, layout.PIPELINE_MAX_BYTES // per_id))
+        suffix = stamp_bytes() if meta.stamped and rows is not None else b""
         total = 0
         try:
             for lo in range(0, len(ids), step):
@@ -245,7 +257,7 @@ class RedisClusterRows(RedisRows):
                 for node, pos in parts:
                     part_rows = None if chunk_rows is None else chunk_rows[pos]
                     request, commands = mod.plain_write_request(
-                        chunk[pos], part_rows, schema.row_bytes, meta.num_buckets, meta.prefix
+                        chunk[pos], part_rows, schema.row_bytes, meta.num_buckets, meta.prefix, suffix
                     )
                     sends.append((node, request, commands, 16 * commands + 64, None))
                 error = None

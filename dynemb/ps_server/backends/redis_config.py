@@ -81,7 +81,7 @@ class ListpackLimits:
         CONFIG GETs a master): a Redis restarted since lost what CONFIG SET raised.
 
         Args:
-            row_bytes: the longest rows of the tables.
+            row_bytes: the longest values of the tables (a row and its stamp).
             tables: the tables, as the log line names them.
 
         Raises:
@@ -98,9 +98,9 @@ class ListpackLimits:
                 return
         if changed:
             log.info(
-                "Redis at %s: raised %s so that the buckets of %s (rows of %d B, ~%d a bucket) stay listpacks: "
-                "~%.2fx the rows' bytes in Redis memory instead of ~%.2fx as hashtables (CONFIG SET is not "
-                "persisted: put the settings in redis.conf too)",
+                "Redis at %s: raised %s so that the buckets of %s (values of %d B: a row and its stamp, ~%d a "
+                "bucket) stay listpacks: ~%.2fx the rows' bytes in Redis memory instead of ~%.2fx as hashtables "
+                "(CONFIG SET is not persisted: put the settings in redis.conf too)",
                 self.address,
                 ", ".join(f"{k} {old} -> {new}" for k, (old, new) in sorted(changed.items())),
                 tables,

@@ -9,7 +9,11 @@ Layout (namespace <ns>, table <t>, bucket number <b>; the braces are literal):
     {dn:<ns>:tables}:rows         HASH  table name -> rows stored (kept by every write),
                                         <t>:c -> the table's "created" token (format 2 on)
     {dn:<ns>:tables}:dropped      ZSET  dropped tables' metadata -> when dropped (Redis TIME, seconds)
-    dn:<ns>:<t>:<c>:r:{<t>.<b>}   HASH  id as 8 little-endian bytes -> the row's raw bytes
+    dn:<ns>:<t>:<c>:r:{<t>.<b>}   HASH  id as 8 little-endian bytes -> the row's raw bytes, then
+                                        its stamp (format 3 on: 4 bytes, lifecycle.py)
+    dn:<ns>:<t>:<c>:deleted       STREAM  the table's deletion log: entries {"ids": 8-byte ids}
+    dn:<ns>:<t>:<c>:sweep         STRING  the PS holding the table's sweep lease (expires)
+    dn:<ns>:<t>:<c>:swept         STRING  JSON: the table's last sweep (sweeper.SweepResult)
 
 e.g. `dn:ctr:users:9f3c07a1d2e4:r:{users.17}`. <c> is the table's "created" token, random
 at each create, so a table dropped and created again under its name never shares a bucket key
@@ -38,11 +42,13 @@ buckets in a database of fewer keys than that, found by SCAN (empty buckets are 
 The row counts live in a hash whose hash tag is the table hash's whole name, so both sit in
 one Cluster slot: a create or drop changes both atomically (a Lua script), and ListTables reads
 every table and its count in two commands, whatever the number of tables. Each write changes
-the count by what it changed (HSET's new fields, HDEL's and a clear's removed ones). On
-standalone Redis the bucket write and the count change are one Lua script, so the count is
-exact. On Cluster a table's buckets span slots, so the count is changed by the PS right after
-the writes; a PS killed between the two leaves it off by that batch (`clear` or a drop resets
-it). A table created by an older version has no count: it is counted once (HLEN of each
+the count by what it changed (HSET's new fields, HDEL's and a clear's removed ones). Writes are
+plain HSETs and HDELs, pipelined (a Lua script that did both copied every row through Lua:
+2.5x a plain HSET's Redis CPU), and the count is changed by the PS right after them, by a script
+that checks the table's creation token kept beside the count (a write planned before a drop
+changes no count of a table created since, and is reported as TableNotFound on standalone
+Redis); a PS killed between the two leaves the count off by that batch (`clear` or a drop
+resets it). A table created by an older version has no count: it is counted once (HLEN of each
 bucket) when first asked for.
 """
 
@@ -72,11 +78,21 @@ from dynemb.ps_server.errors import (
     PSError,
 )
 from dynemb.ps_server.hashing import bucket_of  # re-exported: bench/raw_redis.py reads the same buckets
+from dynemb.ps_server.lifecycle import STAMP_BYTES, Lifecycle
 from dynemb.ps_server.schema import TableSchema
 
-# 2: bucket keys carry the table's "created" token; 1 (older versions): they do not. Metadata
-# without "expected_rows" (older versions) reads as 0: nothing declared.
-META_FORMAT = 2
+# 3: each row's value ends in its 4-byte stamp (lifecycle.py), and the metadata may hold a
+# "lifecycle"; 2: bucket keys carry the table's "created" token; 1 (older versions): they do not.
+# Metadata without "expected_rows" (older versions) reads as 0: nothing declared.
+META_FORMAT = 3
+
+
+# A table's deletion log (a stream) keeps about this many entries, of at most LOG_IDS_PER_ENTRY
+# ids each: 1,024 x 4,096 ids (32 MiB of Redis memory at most).
+LOG_MAX_ENTRIES = 1024
+
+
+LOG_IDS_PER_ENTRY = 4096
 
 
 # Bucket keys of a table dropped this long ago (seconds) are unlinked by a later create or drop,
@@ -153,10 +169,11 @@ _ADD_COUNT_LUA = (
 # is still ARGV[2]: a write planned before a drop changes no count of a table created since. The
 # token is beside the count, not read from the metadata, so that while the slot of both moves
 # between nodes (its keys one by one) writes are counted without waiting for the move's end.
+# Returns 1 if the token matched (the write's table is still there), else 0.
 _WRITTEN_ROWS_LUA = (
     "if (redis.call('HGET', KEYS[1], ARGV[1] .. ':c') or '') == ARGV[2] then local n = tonumber(ARGV[3]) "
     + _ADD_COUNT_LUA.replace("ROWS", "1")
-    + " end"
+    + " return 1 end return 0"
 )
 
 
@@ -241,9 +258,36 @@ class _TableMeta:
     prefix: bytes  # of its bucket keys
     token: str  # the creation token in its bucket keys; "" for a table of metadata format 1
     dropping: bool = False  # a drop has begun: no longer a table to anything but a drop
+    stamped: bool = False  # each value ends in its row's stamp (format 3 on)
+    lifecycle: Lifecycle = Lifecycle()
 
     def key(self, bucket: int) -> bytes:
         return b"%s%d}" % (self.prefix, bucket)
+
+    @property
+    def value_bytes(self) -> int:
+        """Bytes of a stored value: the row, and its stamp if the table has them."""
+        return self.schema.row_bytes + (STAMP_BYTES if self.stamped else 0)
+
+    @property
+    def log_key(self) -> bytes:
+        """The key of the table's deletion log (a stream), beside its buckets."""
+        return self.prefix.rsplit(b"r:{", 1)[0] + b"deleted"
+
+    @property
+    def lease_key(self) -> bytes:
+        """The key of the table's sweep lease (lifecycle.py, sweeper.py)."""
+        return self.prefix.rsplit(b"r:{", 1)[0] + b"sweep"
+
+    @property
+    def swept_key(self) -> bytes:
+        """The key of the table's last sweep's result."""
+        return self.prefix.rsplit(b"r:{", 1)[0] + b"swept"
+
+    @property
+    def side_keys(self) -> list[bytes]:
+        """The table's keys besides its buckets (its deletion log, sweep lease, last sweep)."""
+        return [self.log_key, self.lease_key, self.swept_key]
 
 
 @dataclass(frozen=True)
@@ -325,6 +369,7 @@ class StoreParts:
         _sweeper: threading.Thread | None
         _sweep_lock: threading.Lock
         _closing: threading.Event
+        expired_read_counts: dict[str, int]
 
         def _redis(self) -> contextlib.AbstractContextManager[None]: ...
         def _pipeline(self) -> Any: ...
@@ -333,3 +378,8 @@ class StoreParts:
         def _script(self, pipe: Any, lua: str, keys: list[bytes], args: list) -> None: ...
         def _run_scripted(self, fill: Callable[[Any], None]) -> list: ...
         def _error_reply(self, text: str) -> PSError: ...
+        def _meta(self, table: str, dropping: bool = False) -> _TableMeta: ...
+        def _row_meta(self, table: str) -> _TableMeta: ...
+        def _add_rows(self, meta: _TableMeta, change: int) -> None: ...
+        def _log_deleted(self, meta: _TableMeta, ids: np.ndarray) -> None: ...
+        def _wrong_size(self, table: str) -> PSError: ...

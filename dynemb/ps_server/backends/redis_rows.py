@@ -19,6 +19,7 @@ wrote.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import operator
 import socket
@@ -31,34 +32,36 @@ import redis.cluster
 import redis.event
 
 from dynemb.ps_server.backends import redis_keys as layout
-from dynemb.ps_server.backends.redis_keys import _ADD_COUNT_LUA, _group_by_bucket, _TableMeta, _timed_out, id_fields
+from dynemb.ps_server.backends.redis_keys import _as_ids, _group_by_bucket, _raw, _TableMeta, _timed_out, id_fields
 from dynemb.ps_server.backends.redis_tables import RedisTables
 from dynemb.ps_server.errors import (
     InvalidArgument,
     PSError,
 )
+from dynemb.ps_server.lifecycle import STAMP_DTYPE, SweepSlice, now_stamp, stamp_bytes
 
-# Standalone Redis: one pipeline's writes and the count change, atomically, if the table's
-# metadata is still what the write was planned with (else nothing, and -1: the table was
-# dropped, or re-created, since: no orphan bucket keys on standalone Redis).
-# KEYS[1] the row-count hash, KEYS[2] the table hash, KEYS[3...] buckets; ARGV[1] the table,
-# ARGV[2] its raw metadata, ARGV[3...] how many values each bucket has, then the values (fields,
-# or field-row pairs), bucket after bucket. A command takes at most 4000 values (Lua's unpack()
-# takes under 8000). Returns the fields added (HSET) or removed (HDEL).
-_WRITE_LUA = (
-    "if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return -1 end "
-    "local nb = #KEYS - 2 local at = nb + 3 local total = 0 "
-    "for k = 1, nb do local stop = at + tonumber(ARGV[k + 2]) - 1 "
-    "for i = at, stop, 4000 do "
-    "total = total + redis.call('CMD', KEYS[k + 2], unpack(ARGV, i, math.min(i + 3999, stop))) end "
-    "at = stop + 1 end local n = SIGN total " + _ADD_COUNT_LUA.replace("ROWS", "1") + " return total"
+# KEYS[1] a bucket; ARGV[1] a stamp, ARGV[2] the table's lifecycle `since`, ARGV[3...] fields:
+# the fields whose stamp (at least `since`) is below ARGV[1] deleted; returns them. A row written,
+# pulled or touched since the sweep read it has a newer stamp and stays.
+_EXPIRE_LUA = (
+    "local before = tonumber(ARGV[1]) local since = tonumber(ARGV[2]) local out = {} "
+    "for i = 3, #ARGV do local v = redis.call('HGET', KEYS[1], ARGV[i]) "
+    "if v and #v >= 4 then local s = struct.unpack('<I4', v, #v - 3) if s < since then s = since end "
+    "if s < before then redis.call('HDEL', KEYS[1], ARGV[i]) out[#out + 1] = ARGV[i] end end end "
+    "return out"
 )
 
 
-_WRITE_SCRIPTS = {
-    "HSET": _WRITE_LUA.replace("CMD", "HSET").replace("SIGN", ""),
-    "HDEL": _WRITE_LUA.replace("CMD", "HDEL").replace("SIGN", "-"),
-}
+# KEYS[1] a bucket; ARGV[1] a stamp, ARGV[2] the 4 bytes of now's, ARGV[3...] fields: each stored
+# field stamped below ARGV[1] gets the new stamp (its row unchanged); returns the fields absent.
+_TOUCH_LUA = (
+    "local before = tonumber(ARGV[1]) local absent = {} "
+    "for i = 3, #ARGV do local v = redis.call('HGET', KEYS[1], ARGV[i]) "
+    "if not v then absent[#absent + 1] = ARGV[i] "
+    "elseif #v >= 4 and struct.unpack('<I4', v, #v - 3) < before then "
+    "redis.call('HSET', KEYS[1], ARGV[i], string.sub(v, 1, -5) .. ARGV[2]) end end "
+    "return absent"
+)
 
 
 class RedisRows(RedisTables):
@@ -66,23 +69,14 @@ class RedisRows(RedisTables):
 
     def _write(self, meta: _TableMeta, command: str, part: list, values: list, per_id: int) -> int:
         """HSET or HDEL of each (bucket, start, end) of part with the ids' values[per_id * start :
-        per_id * end] (field-row pairs, or fields), as one pipeline; the fields added or removed.
-        On standalone Redis one script that changes the row count too; on Cluster a command per
-        bucket (a table's buckets span slots), the count changed by the caller afterwards."""
-        if self.cluster:
+        per_id * end] (field-row pairs, or fields), a command per bucket in one pipeline; the
+        fields added or removed (the caller changes the row count by them)."""
 
-            def fill(pipe) -> None:
-                for b, start, end in part:
-                    pipe.execute_command(command, meta.key(b), *values[per_id * start : per_id * end])
+        def fill(pipe) -> None:
+            for b, start, end in part:
+                pipe.execute_command(command, meta.key(b), *values[per_id * start : per_id * end])
 
-            return int(sum(self._run_scripted(fill)))
-        keys = [self._rows_key, self._meta_key, *(meta.key(b) for b, _, _ in part)]
-        args = [meta.schema.name, meta.raw, *(per_id * (end - start) for _, start, end in part)]
-        args += values[per_id * part[0][1] : per_id * part[-1][2]]  # the groups are contiguous
-        n = int(self._run_scripted(lambda pipe: self._script(pipe, _WRITE_SCRIPTS[command], keys, args))[0])
-        if n < 0:
-            raise self._gone(meta.schema.name)
-        return n
+        return int(sum(self._run_scripted(fill)))
 
     def _exchange(
         self,
@@ -169,15 +163,18 @@ class RedisRows(RedisTables):
             setattr(self._buffers, name, None)
         return buf, end
 
-    def _native_pull(self, meta: _TableMeta, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+    def _native_pull(
+        self, meta: _TableMeta, ids: np.ndarray, out: np.ndarray, stamps: np.ndarray | None = None
+    ) -> np.ndarray:
         """On standalone Redis (RedisClusterRows has Cluster's): rows of ids into out (a pipeline
-        of HMGETs per at most PIPELINE_MAX_IDS ids, built and read by the compiled module); the
-        positions of the ids not found."""
+        of HMGETs per at most PIPELINE_MAX_IDS ids, built and read by the compiled module), and
+        their stamps into stamps (a uint32 per id; needed for a table whose values carry them);
+        the positions of the ids not found."""
         schema = meta.schema
         mod = self._native
         assert mod is not None  # only called when there is one
         n = len(ids)
-        step = max(1, min(layout.PIPELINE_MAX_IDS, layout.PIPELINE_MAX_BYTES // schema.row_bytes))
+        step = max(1, min(layout.PIPELINE_MAX_IDS, layout.PIPELINE_MAX_BYTES // meta.value_bytes))
         absent_parts = []
         order = np.empty(min(n, step), dtype=np.int64)
         missing = np.empty(min(n, step), dtype=np.int64)
@@ -186,9 +183,10 @@ class RedisRows(RedisTables):
             k = len(part)
             request, commands = mod.pull_request(part, meta.num_buckets, meta.prefix, order[:k])
             state: list = [0, 0, None]  # fields read, ids absent, the first error reply
-            take = _hmget_reader(mod, order[:k], out[lo : lo + k], schema.row_bytes, missing, state)
+            part_stamps = None if stamps is None else stamps[lo : lo + k]
+            take = _hmget_reader(mod, order[:k], out[lo : lo + k], schema.row_bytes, missing, state, part_stamps)
             try:
-                self._exchange(request, commands, k * (schema.row_bytes + 16) + commands * 16, take)
+                self._exchange(request, commands, k * (meta.value_bytes + 16) + commands * 16, take)
             except OverflowError:
                 raise self._wrong_size(schema.name) from None
             except ValueError as exc:
@@ -204,44 +202,44 @@ class RedisRows(RedisTables):
         return np.sort(np.concatenate(absent_parts))
 
     def _native_write(self, meta: _TableMeta, ids: np.ndarray, rows: np.ndarray | None) -> int:
-        """On standalone Redis (RedisClusterRows has Cluster's): HSET of the ids' rows (rows given) or HDEL
-        of the ids (None) by the write script, one EVALSHA per at most PIPELINE_MAX_IDS ids
-        built by the compiled module; the fields added or removed (the row count changed with
-        them)."""
+        """On standalone Redis (RedisClusterRows has Cluster's): plain HSETs of the ids' rows (rows
+        given, each with its stamp) or HDELs of the ids (None), one per bucket, in pipelines of at
+        most PIPELINE_MAX_IDS ids built by the compiled module; then the row count is changed by
+        the fields added or removed (returned)."""
         schema = meta.schema
         mod = self._native
         assert mod is not None  # only called when there is one
-        lua = _WRITE_SCRIPTS["HSET" if rows is not None else "HDEL"]
-        per_id = schema.row_bytes + 8 if rows is not None else 8
+        per_id = meta.value_bytes + 8 if rows is not None else 8
         step = max(1, min(layout.PIPELINE_MAX_IDS, layout.PIPELINE_MAX_BYTES // per_id))
-        name = schema.name.encode()
+        suffix = stamp_bytes() if meta.stamped and rows is not None else b""
         total = 0
-        for lo in range(0, len(ids), step):
-            part = ids[lo : lo + step]
-            part_rows = None if rows is None else rows[lo : lo + step]
-            for attempt in (0, 1):
-                request = mod.write_request(
-                    part, part_rows, schema.row_bytes, meta.num_buckets, meta.prefix, self._sha(lua).encode(),
-                    self._rows_key, self._meta_key, name, meta.raw,
-                )  # fmt: skip
-                buf, end = self._exchange(request, 1, 64)
+        try:
+            for lo in range(0, len(ids), step):
+                part = ids[lo : lo + step]
+                part_rows = None if rows is None else rows[lo : lo + step]
+                request, commands = mod.plain_write_request(
+                    part, part_rows, schema.row_bytes, meta.num_buckets, meta.prefix, suffix
+                )
+                buf, end = self._exchange(request, commands, 16 * commands + 64)
                 try:
-                    result = mod.integer_reply(buf, end)
+                    changed, failed = mod.integer_replies(buf, end, commands)
                 except ValueError as exc:
                     raise PSError(f"Redis at {self.address}: {exc}") from None
-                if isinstance(result, str) and result.startswith("NOSCRIPT") and not attempt:
-                    self._scripts.pop(lua, None)  # Redis lost it (restart, SCRIPT FLUSH): load it again
-                    continue
-                if isinstance(result, str):
-                    raise self._error_reply(result)
-                if result < 0:
-                    raise self._gone(schema.name)
-                total += result
-                break
+                total += changed
+                if failed:
+                    raise self._error_reply(failed[0][1])
+        except BaseException:
+            with contextlib.suppress(PSError):  # what was written is counted
+                self._add_rows(meta, total if rows is not None else -total)
+            raise
+        self._add_rows(meta, total if rows is not None else -total)
         return total
 
-    def _py_pull(self, meta: _TableMeta, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """Rows of ids into rows through redis-py's commands (absent ones zeros); which were found."""
+    def _py_pull(
+        self, meta: _TableMeta, ids: np.ndarray, rows: np.ndarray, stamps: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Rows of ids into rows through redis-py's commands (absent ones zeros), and their stamps
+        into stamps (if the table has them and it is given); which were found."""
         schema = meta.schema
         table = schema.name
         n = len(ids)
@@ -251,7 +249,7 @@ class RedisRows(RedisTables):
         g = _group_by_bucket(ids, meta.num_buckets)
         fields = id_fields(ids[g.order])
         values: list = []  # values[k]: the row of ids[order[k]], or None
-        for part in g.pipelines(schema.row_bytes):
+        for part in g.pipelines(meta.value_bytes):
             pipe = self._pipeline()
             for b, start, end in part:
                 pipe.execute_command("HMGET", meta.key(b), *fields[start:end])
@@ -260,18 +258,22 @@ class RedisRows(RedisTables):
         present = list(filter(None, values))  # drops None (and b"", caught by the size checks)
         blob = b"".join(present)
         n_hit = len(present)
-        if n_hit == n and len(blob) == n * schema.row_bytes:  # every id found: no mask to build
-            rows[g.order] = np.frombuffer(blob, dtype=schema.np_dtype).reshape(n, schema.width)
+        if n_hit == n and len(blob) == n * meta.value_bytes:  # every id found: no mask to build
+            rows[g.order], got = _split_values(blob, meta, n)
+            if stamps is not None and got is not None:
+                stamps[g.order] = got
             found[:] = True
             return found
         hit = np.fromiter(map(operator.is_not, values, itertools.repeat(None)), dtype=bool, count=n)
-        if int(hit.sum()) != n_hit or len(blob) != n_hit * schema.row_bytes:
+        if int(hit.sum()) != n_hit or len(blob) != n_hit * meta.value_bytes:
             raise PSError(
                 f"table {table!r} in Redis namespace {self.namespace!r} holds rows of the wrong size "
                 f"(expected {schema.row_bytes} bytes each): the data does not match its schema"
             )
         where = g.order[hit]
-        rows[where] = np.frombuffer(blob, dtype=schema.np_dtype).reshape(n_hit, schema.width)
+        rows[where], got = _split_values(blob, meta, n_hit)
+        if stamps is not None and got is not None:
+            stamps[where] = got
         rows[g.order[~hit]] = 0
         found[where] = True
         return found
@@ -286,9 +288,13 @@ class RedisRows(RedisTables):
         if rows is not None:  # field, value, field, value... in bucket order: one HSET per bucket
             values, per_id = [None] * (2 * len(ids)), 2
             values[0::2] = fields
-            values[1::2] = rows[g.order].view(f"V{meta.schema.row_bytes}").ravel().tolist()
+            row_values = rows[g.order].view(f"V{meta.schema.row_bytes}").ravel().tolist()
+            if meta.stamped:
+                stamp = stamp_bytes()
+                row_values = [bytes(v) + stamp for v in row_values]
+            values[1::2] = row_values
         changed = 0
-        for part in g.pipelines(meta.schema.row_bytes + 8 if rows is not None else 8):
+        for part in g.pipelines(meta.value_bytes + 8 if rows is not None else 8):
             changed += self._write(meta, command, list(part), values, per_id)
         return int(changed)
 
@@ -325,13 +331,13 @@ class RedisRows(RedisTables):
                 if not bucket:  # emptied since it was counted
                     continue
                 fields, values = b"".join(bucket.keys()), b"".join(bucket.values())
-                if len(fields) != 8 * len(bucket) or len(values) != schema.row_bytes * len(bucket):
+                if len(fields) != 8 * len(bucket) or len(values) != meta.value_bytes * len(bucket):
                     raise PSError(
                         f"table {table!r} in Redis namespace {self.namespace!r} holds fields or rows of the "
                         f"wrong size (expected 8-byte ids and {schema.row_bytes}-byte rows)"
                     )
                 ids_parts.append(np.frombuffer(fields, dtype="<i8").astype(np.int64))
-                rows_parts.append(np.frombuffer(values, dtype=schema.np_dtype).reshape(len(bucket), schema.width))
+                rows_parts.append(_split_values(values, meta, len(bucket))[0])
             all_ids, all_rows = np.concatenate(ids_parts), np.concatenate(rows_parts)
             last = following is None
             start = 0
@@ -340,9 +346,144 @@ class RedisRows(RedisTables):
                 start += rows_per_chunk
             ids_left, rows_left = all_ids[start:], all_rows[start:]
 
+    # -- rows that expire (lifecycle.py) --------------------------------------------------
+
+    def _expire_read(self, meta: _TableMeta, ids: np.ndarray, found: np.ndarray, stamps: np.ndarray | None) -> None:
+        """After a pull of a table whose rows expire: rows found expired count as absent (found
+        cleared), and the rest whose stamps are old get new ones, atomically per bucket; a row
+        that a sweep deleted between the read and the new stamp counts as absent too."""
+        lifecycle = meta.lifecycle
+        if stamps is None or not lifecycle.active:
+            return
+        expired = found & (np.maximum(stamps, lifecycle.since) < lifecycle.expired_before())
+        stale = found & ~expired & (stamps < lifecycle.refresh_before())
+        if stale.any():
+            gone = self._touch(meta, ids[stale], lifecycle.refresh_before())
+            if len(gone):
+                expired |= found & np.isin(ids, gone)
+        if expired.any():
+            found &= ~expired
+            self._count_expired_reads(meta.schema.name, int(expired.sum()))
+
+    def _count_expired_reads(self, table: str, n: int) -> None:
+        with self._cache_lock:
+            self.expired_read_counts[table] = self.expired_read_counts.get(table, 0) + n
+
+    def _touch(self, meta: _TableMeta, ids: np.ndarray, before: int) -> np.ndarray:
+        """Give the stored ones of ids stamped below `before` a stamp of now (_TOUCH_LUA, a script
+        per bucket); the ids absent."""
+        ids = np.unique(np.ascontiguousarray(ids, dtype=np.int64))
+        g = _group_by_bucket(ids, meta.num_buckets)
+        fields = id_fields(ids[g.order])
+        stamp = stamp_bytes()
+        absent: list[bytes] = []
+        for part in g.pipelines(8):
+
+            def fill(pipe, part=tuple(part)) -> None:
+                for b, start, end in part:
+                    self._script(pipe, _TOUCH_LUA, [meta.key(b)], [before, stamp, *fields[start:end]])
+
+            for reply in self._run_scripted(fill):
+                absent += map(_raw, reply)
+        return np.frombuffer(b"".join(absent), dtype="<i8").astype(np.int64)
+
+    def touch(self, table: str, ids: np.ndarray) -> int:
+        """See Store.touch: stamps older than the table's touch interval are renewed."""
+        meta = self._row_meta(table)
+        ids = np.unique(_as_ids(ids))
+        if not meta.stamped or not len(ids):
+            return 0
+        return len(ids) - len(self._touch(meta, ids, meta.lifecycle.refresh_before() or now_stamp() + 1))
+
+    def _slice_buckets(self, meta: _TableMeta, cursor: int, max_rows: int) -> tuple[int, int]:
+        """(first bucket, bucket after the last) of a slice of about max_rows rows from cursor."""
+        with self._redis():
+            n = self.client.hget(self._rows_key, meta.schema.name)
+        rows = max(1, int(n) if n is not None else meta.num_buckets)
+        per_slice = max(1, min(layout.PIPELINE_MAX_IDS // 4, max_rows * meta.num_buckets // rows))
+        start = min(max(0, cursor), meta.num_buckets)
+        return start, min(meta.num_buckets, start + per_slice)
+
+    def _read_buckets(self, meta: _TableMeta, start: int, stop: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """(bucket, ids, stamps) of each non-empty bucket in [start, stop) (HGETALL of each)."""
+        pipe = self._pipeline()
+        for b in range(start, stop):
+            pipe.execute_command("HGETALL", meta.key(b))
+        out = []
+        for b, bucket in zip(range(start, stop), self._run(pipe)):
+            if not bucket:
+                continue
+            fields, values = b"".join(bucket.keys()), b"".join(bucket.values())
+            if len(fields) != 8 * len(bucket) or len(values) != meta.value_bytes * len(bucket):
+                raise self._wrong_size(meta.schema.name)
+            _, stamps = _split_values(values, meta, len(bucket))
+            assert stamps is not None
+            out.append((b, np.frombuffer(fields, dtype="<i8").astype(np.int64), stamps))
+        return out
+
+    def sweep_slice(self, table: str, cursor: int, before: int, max_rows: int) -> SweepSlice:
+        """See Store.sweep_slice: the cursor is a bucket number. The slice's buckets are read
+        whole (HGETALL); the rows due are logged, then deleted by a script per bucket that checks
+        each one's stamp again (_EXPIRE_LUA)."""
+        meta = self._meta(table)
+        if not meta.stamped:
+            return SweepSlice(0, 0, np.zeros(0, np.int64))
+        start, stop = self._slice_buckets(meta, cursor, max_rows)
+        since = meta.lifecycle.since
+        due, scanned, oldest = [], 0, 0
+        for b, ids, stamps in self._read_buckets(meta, start, stop):
+            scanned += len(ids)
+            stamps = np.maximum(stamps, since)
+            old = stamps < before
+            if old.any():
+                due.append((b, ids[old]))
+            if not old.all():
+                kept = int(stamps[~old].min())
+                oldest = min(oldest, kept) if oldest else kept
+        deleted: list[bytes] = []
+        if due:
+            self._log_deleted(meta, np.concatenate([ids for _, ids in due]))
+
+            def fill(pipe) -> None:
+                for b, ids in due:
+                    self._script(pipe, _EXPIRE_LUA, [meta.key(b)], [before, since, *id_fields(ids)])
+
+            for reply in self._run_scripted(fill):
+                deleted += map(_raw, reply)
+            if deleted:
+                self._add_rows(meta, -len(deleted))
+        gone = np.frombuffer(b"".join(deleted), dtype="<i8").astype(np.int64)
+        return SweepSlice(stop if stop < meta.num_buckets else 0, scanned, gone, oldest)
+
+    def stamps_slice(self, table: str, cursor: int, max_rows: int) -> tuple[int, np.ndarray]:
+        """See Store.stamps_slice (the cursor a bucket number)."""
+        meta = self._meta(table)
+        if not meta.stamped:
+            return 0, np.zeros(0, STAMP_DTYPE)
+        start, stop = self._slice_buckets(meta, cursor, max_rows)
+        parts = [stamps for _, _, stamps in self._read_buckets(meta, start, stop)]
+        stamps = np.concatenate(parts) if parts else np.zeros(0, STAMP_DTYPE)
+        return (stop if stop < meta.num_buckets else 0), np.maximum(stamps, meta.lifecycle.since).astype(STAMP_DTYPE)
+
+
+def _split_values(blob: bytes, meta: _TableMeta, n: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """(rows, stamps or None) of n stored values of the table, back to back in blob."""
+    schema = meta.schema
+    if not meta.stamped:
+        return np.frombuffer(blob, dtype=schema.np_dtype).reshape(n, schema.width), None
+    raw = np.frombuffer(blob, dtype=np.uint8).reshape(n, meta.value_bytes)
+    rows = np.ascontiguousarray(raw[:, : schema.row_bytes]).view(schema.np_dtype).reshape(n, schema.width)
+    return rows, np.ascontiguousarray(raw[:, schema.row_bytes :]).view(STAMP_DTYPE).ravel()
+
 
 def _hmget_reader(
-    mod, at: np.ndarray, rows: np.ndarray, row_bytes: int, missing: np.ndarray, state: list
+    mod,
+    at: np.ndarray,
+    rows: np.ndarray,
+    row_bytes: int,
+    missing: np.ndarray,
+    state: list,
+    stamps: np.ndarray | None = None,
 ) -> Callable[[bytearray, int, int, int], None]:
     """take() for _recv: each run of HMGET replies, as it arrives, copied by the compiled module
     into rows (the i-th field asked for into rows[at[i]]). state holds [fields read, ids absent
@@ -353,7 +494,7 @@ def _hmget_reader(
     def take(buf: bytearray, start: int, stop: int, count: int) -> None:
         if start == 0:
             state[:] = [0, 0, None]
-        got = mod.pull_replies(buf, start, stop, count, at, state[0], rows, row_bytes, missing, state[1])
+        got = mod.pull_replies(buf, start, stop, count, at, state[0], rows, row_bytes, missing, state[1], stamps)
         if isinstance(got, str):
             state[2] = state[2] or got
         else:

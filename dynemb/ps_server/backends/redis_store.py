@@ -47,6 +47,7 @@ from dynemb.ps_server.errors import (
     PSError,
     ResourceExhausted,
 )
+from dynemb.ps_server.lifecycle import STAMP_DTYPE
 from dynemb.ps_server.native import redis_rows
 from dynemb.ps_server.schema import check_name
 
@@ -140,6 +141,7 @@ class RedisStore(RedisClusterRows, Store):
         self._sweeper: threading.Thread | None = None
         self._sweep_lock = threading.Lock()
         self._closing = threading.Event()
+        self.expired_read_counts: dict[str, int] = {}  # rows pulls found expired, by table
         if self.cluster and self._native is not None:
             self._watch_slot_map()
 
@@ -291,34 +293,33 @@ class RedisStore(RedisClusterRows, Store):
         return _translate(BaseParser.parse_error(text), f"Redis at {self.address}", self._password)
 
     def pull(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """See Store.pull; rows of ids not found are zeros."""
+        """See Store.pull; rows of ids not found are zeros. In a table whose rows expire,
+        expired rows count as absent and old stamps are renewed (_expire_read)."""
+        ids = _as_ids(ids)
+        meta = self._row_meta(table)
+        rows = rows_out(out, len(ids), meta.schema)
+        stamps = np.zeros(len(ids), dtype=STAMP_DTYPE) if meta.stamped else None
         if self._native is not None:
-            ids = _as_ids(ids)
-            meta = self._row_meta(table)
-            rows = rows_out(out, len(ids), meta.schema)
-            absent = self._native_pull(meta, ids, rows)
-            rows[absent] = 0
             found = np.ones(len(ids), dtype=bool)
-            found[absent] = False
-            return rows, found
-        return self._pull(table, ids, out)
+            found[self._native_pull(meta, ids, rows, stamps)] = False
+        else:
+            found = self._py_pull(meta, ids, rows, stamps)
+        self._expire_read(meta, ids, found, stamps)
+        rows[~found] = 0
+        return rows, found
 
     def pull_into(self, table: str, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
         """See Store.pull_into."""
-        if self._native is None:
-            return super().pull_into(table, ids, out)
         ids = _as_ids(ids)
         meta = self._row_meta(table)
-        return self._native_pull(meta, ids, rows_out(out, len(ids), meta.schema))
-
-    def _pull(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        meta = self._row_meta(table)
-        ids = _as_ids(ids)
         rows = rows_out(out, len(ids), meta.schema)
-        return rows, self._py_pull(meta, ids, rows)
+        if self._native is None or (meta.stamped and meta.lifecycle.active):
+            return np.flatnonzero(~self.pull(table, ids, rows)[1])
+        stamps = np.zeros(len(ids), dtype=STAMP_DTYPE) if meta.stamped else None
+        return self._native_pull(meta, ids, rows, stamps)
 
     def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> int:
-        """See Store.push."""
+        """See Store.push: each row stamped with now, if the table's rows carry stamps."""
         ids = _as_ids(ids)
         if len(ids) == 0:  # nothing to write: no command at all
             rows_for_table(rows, self.schema(table), 0)
@@ -333,16 +334,23 @@ class RedisStore(RedisClusterRows, Store):
         return len(ids)
 
     def delete(self, table: str, ids: np.ndarray) -> int:
-        """See Store.delete."""
+        """See Store.delete: the ids are logged in the table's deletion log first (as asked: a
+        reader checks which were stored)."""
         meta = self._row_meta(table)
         ids = _as_ids(ids)
         if len(ids) == 0:
             return 0
+        self._log_deleted(meta, np.unique(ids))
         if self._native is not None:
             return self._native_write(meta, ids, None)
         deleted = self._py_write(meta, "HDEL", ids, None)
         self._add_rows(meta, -deleted)
         return deleted
+
+    def expired_reads(self, table: str) -> int:
+        """Rows pulls through this store found expired (counted as absent) since it started."""
+        with self._cache_lock:
+            return self.expired_read_counts.get(table, 0)
 
     def ping(self) -> None:
         """See Store.ping (a Redis PING)."""

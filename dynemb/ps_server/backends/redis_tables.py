@@ -47,6 +47,7 @@ from typing import Any
 
 from dynemb.ps_server.backends import redis_keys as layout
 from dynemb.ps_server.backends.base import check_same_schema, check_time
+from dynemb.ps_server.backends.deletion_log import parse_cursor
 from dynemb.ps_server.backends.redis_keys import (
     _ADD_COUNT_LUA,
     _WRITTEN_ROWS_LUA,
@@ -59,9 +60,11 @@ from dynemb.ps_server.backends.redis_keys import (
     prefix_of,
 )
 from dynemb.ps_server.errors import (
+    InvalidArgument,
     PSError,
     TableNotFound,
 )
+from dynemb.ps_server.lifecycle import STAMP_BYTES, Deletions, Lifecycle, now_stamp
 from dynemb.ps_server.schema import TableSchema
 
 # Counts and deletes bucket KEYS[1] atomically, so clear/drop report exactly what they removed.
@@ -97,6 +100,17 @@ _CREATE_LUA = (
 _MARK_LUA = (
     "if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then "
     "redis.call('HSET', KEYS[1], ARGV[1], ARGV[3]) return 1 end return 0"
+)
+
+
+# A drop's mark: _MARK_LUA, and the creation token beside the count (KEYS[2]) set to "-", so that
+# writes from now on change no count and (on standalone Redis) fail with TableNotFound.
+_DROP_MARK_LUA = (
+    "if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then "
+    "redis.call('HSET', KEYS[1], ARGV[1], ARGV[3]) "
+    "if redis.call('HEXISTS', KEYS[2], ARGV[1] .. ':c') == 1 then "
+    "redis.call('HSET', KEYS[2], ARGV[1] .. ':c', '-') end "
+    "return 1 end return 0"
 )
 
 
@@ -181,12 +195,14 @@ class RedisTables(StoreParts):
             nb = bucket_count_of(d)
             if d.get("expected_rows"):  # absent in older metadata
                 schema = dataclasses.replace(schema, expected_rows=int(d["expected_rows"]))
+            fmt = int(d.get("format", 1))
+            lifecycle = Lifecycle.from_dict(d.get("lifecycle"))
         except (ValueError, KeyError, TypeError) as exc:
             raise PSError(
                 f"metadata of table {table!r} in Redis namespace {self.namespace!r} is unreadable: {exc}"
             ) from None
-        token = d["created"] if int(d.get("format", 1)) >= 2 else ""
-        return _TableMeta(raw, schema, nb, prefix, token, bool(d.get("dropping")))
+        token = d["created"] if fmt >= 2 else ""
+        return _TableMeta(raw, schema, nb, prefix, token, bool(d.get("dropping")), fmt >= 3, lifecycle)
 
     def create_table(self, schema: TableSchema) -> bool:
         """See Store.create_table and _create_table."""
@@ -203,7 +219,7 @@ class RedisTables(StoreParts):
         then sweeps the keys of tables dropped long enough ago (module doc)."""
         if self._listpack is not None:
             with self._redis():
-                self._listpack.ensure(schema.row_bytes, f"table {schema.name!r}")
+                self._listpack.ensure(schema.row_bytes + STAMP_BYTES, f"table {schema.name!r}")
         nb = buckets_for(schema.expected_rows, self.rows_per_bucket, self.num_buckets)
         # "created": a token of this creation, so that a table dropped and created again, even with
         # the same schema, has other metadata (a write checks it: see _WRITE_LUA) and other bucket
@@ -275,9 +291,9 @@ class RedisTables(StoreParts):
             return
         metas = self._all_metas()[0]
         if metas:
-            widest = max(metas, key=lambda m: m.schema.row_bytes)
+            widest = max(metas, key=lambda m: m.value_bytes)
             with self._redis():
-                self._listpack.ensure(widest.schema.row_bytes, f"{len(metas)} table(s), e.g. {widest.schema.name!r}")
+                self._listpack.ensure(widest.value_bytes, f"{len(metas)} table(s), e.g. {widest.schema.name!r}")
 
     def _all_metas(self) -> tuple[list[_TableMeta], dict[bytes, bytes]]:
         """(every table's metadata sorted by name, the row counts by table name), in one pipeline."""
@@ -421,11 +437,15 @@ class RedisTables(StoreParts):
         return int(n) if n is not None and int(n) >= 0 else self._recount(meta, wrong=n is not None)
 
     def _add_rows(self, meta: _TableMeta, change: int) -> None:
-        """On Cluster, change the count after the writes (on standalone their scripts did), if
-        the table is still meta's creation: not the count of a table created since."""
-        if self.cluster and change:
-            args = [meta.schema.name, meta.token, change]
-            self._run_scripted(lambda pipe: self._script(pipe, _WRITTEN_ROWS_LUA, [self._rows_key], args))
+        """Change the count after the writes, if the table is still meta's creation: not the
+        count of a table created since. On standalone Redis a write to a table dropped (or
+        created again) meanwhile raises TableNotFound (its rows went to the dropped table's keys,
+        which the sweep of dropped tables unlinks); on Cluster it stays quiet, as a write there
+        cannot tell whether another PS's write was first."""
+        args = [meta.schema.name, meta.token, change]
+        counted = self._run_scripted(lambda pipe: self._script(pipe, _WRITTEN_ROWS_LUA, [self._rows_key], args))[0]
+        if not int(counted) and not self.cluster:
+            raise self._gone(meta.schema.name)
 
     def _delete_buckets(self, meta: _TableMeta) -> tuple[int, bool]:
         """Clear the table's buckets while its metadata is still meta.raw, pipeline by pipeline.
@@ -488,6 +508,9 @@ class RedisTables(StoreParts):
     def _mark(self, args: list, pipe) -> None:
         self._script(pipe, _MARK_LUA, [self._meta_key], args)
 
+    def _drop_mark(self, args: list, pipe) -> None:
+        self._script(pipe, _DROP_MARK_LUA, [self._meta_key, self._rows_key], args)
+
     def drop_table(self, table: str) -> int | None:
         """See Store.drop_table and _drop_table."""
         self._tables_changed += 1  # before and after: a thread's metadata kept meanwhile is void too
@@ -512,7 +535,8 @@ class RedisTables(StoreParts):
             # metadata it read and writes nothing, and no new one is planned; so the buckets
             # cleared next stay empty, and no new table of this name inherits rows
             mark = json.dumps({**json.loads(meta.raw), "dropping": True}, sort_keys=True).encode()
-            if self._run_scripted(functools.partial(self._mark, [table, meta.raw, mark]))[0]:
+            args = [table, meta.raw, mark]
+            if self._run_scripted(functools.partial(self._drop_mark, args))[0]:
                 meta = self._parse_any_meta(table, mark)
                 break
         else:
@@ -575,6 +599,9 @@ class RedisTables(StoreParts):
                             name,
                         )
                     unlinked += left
+                    with self._redis():  # its deletion log and sweep keys, kept until now for readers
+                        for key in meta.side_keys:
+                            self.client.unlink(key)
                 with self._redis():
                     self.client.zrem(self._dropped_key, entry)
         except PSError as exc:
@@ -582,3 +609,126 @@ class RedisTables(StoreParts):
                 "Redis namespace %r: sweeping dropped tables' keys failed (tried again later): %s", self.namespace, exc
             )
         return unlinked
+
+    # -- rows that expire (lifecycle.py; the rows' side: redis_rows.py) -------------------
+
+    def lifecycle(self, table: str) -> Lifecycle:
+        """See Store.lifecycle."""
+        return self._row_meta(table).lifecycle
+
+    def set_lifecycle(self, table: str, lifecycle: Lifecycle) -> Lifecycle:
+        """See Store.set_lifecycle: kept in the table's metadata, which every PS reads."""
+        lifecycle = lifecycle.checked(table)._replace(since=now_stamp())
+        for _ in range(layout.CREATE_TRIES):
+            meta = self._meta(table)
+            if not meta.stamped:
+                raise InvalidArgument(
+                    f"table {table!r} in Redis namespace {self.namespace!r} was created by an older dynemb "
+                    "(its rows carry no stamps): its rows cannot expire. Export it, drop it, create it again "
+                    "and import it to give it stamps"
+                )
+            d = json.loads(meta.raw)
+            if lifecycle.active:
+                d["lifecycle"] = lifecycle.to_dict()
+            else:
+                d.pop("lifecycle", None)
+            raw = json.dumps(d, sort_keys=True).encode()
+            if self._run_scripted(functools.partial(self._mark, [table, meta.raw, raw]))[0]:
+                self._tables_changed += 1  # threads' kept metadata is void
+                return lifecycle if lifecycle.active else Lifecycle()
+        raise PSError(f"table {table!r} in Redis namespace {self.namespace!r} kept changing; try again")
+
+    def take_sweep_lease(self, table: str, owner: str, seconds: float) -> bool:
+        """See Store.take_sweep_lease: a key that expires, set if absent or this owner's."""
+        meta = self._meta(table)
+        ms = max(1, int(seconds * 1000))
+        got = self._run_scripted(lambda pipe: self._script(pipe, _LEASE_LUA, [meta.lease_key], [owner, ms]))[0]
+        return bool(int(got))
+
+    def record_sweep(self, table: str, result: dict) -> None:
+        """See Store.record_sweep: a key beside the table's, read by every PS."""
+        meta = self._meta(table)
+        with self._redis():
+            self.client.set(meta.swept_key, json.dumps(result, sort_keys=True))
+
+    def last_sweep(self, table: str) -> dict | None:
+        """See Store.last_sweep."""
+        meta = self._meta(table)
+        with self._redis():
+            raw = self.client.get(meta.swept_key)
+        try:
+            return None if raw is None else dict(json.loads(_raw(raw)))
+        except (ValueError, TypeError):
+            return None
+
+    def _log_deleted(self, meta: _TableMeta, ids) -> None:
+        """Append ids to the table's deletion log, before they are deleted (a crash between
+        leaves ids logged that are still stored, which a reader checks; never the reverse)."""
+        import numpy as np
+
+        ids = np.ascontiguousarray(ids, dtype="<i8")
+        if not len(ids):
+            return
+        per = layout.LOG_IDS_PER_ENTRY
+        chunks = [ids[lo : lo + per].tobytes() for lo in range(0, len(ids), per)]
+        for lo in range(0, len(chunks), 64):  # a script of at most 64 entries (256k ids)
+            args = [layout.LOG_MAX_ENTRIES, *chunks[lo : lo + 64]]
+            self._run_scripted(functools.partial(self._append_log, meta.log_key, args))
+
+    def _append_log(self, key: bytes, args: list, pipe) -> None:
+        self._script(pipe, _LOG_LUA, [key], args)
+
+    def deletions(self, table: str, after: str = "", limit: int = 65536) -> Deletions:
+        """See Store.deletions: a cursor is the count of ids logged up to a point (decimal), as
+        on the embedded store; the log's entries are numbered so (_LOG_LUA)."""
+        import numpy as np
+
+        meta = self._meta(table)
+        at = parse_cursor(after, f"table {table!r}")
+        count = max(1, -(-limit // layout.LOG_IDS_PER_ENTRY))
+        pipe = self._pipeline()
+        pipe.execute_command("XRANGE", meta.log_key, "-" if at is None else f"({at}-0", "+", "COUNT", count)
+        pipe.execute_command("XRANGE", meta.log_key, "-", "+", "COUNT", 1)
+        entries, first = self._run(pipe)
+        gap = False
+        if at is not None and first:  # where the oldest entry kept starts: past `at`, entries were trimmed
+            first_end = int(_raw(first[0][0]).split(b"-")[0])
+            gap = first_end - len(_entry_fields(first[0][1])[b"ids"]) // 8 > at
+        ids, times = [], []
+        cursor = after
+        for entry_id, fields in entries:
+            cursor = _raw(entry_id).split(b"-")[0].decode()
+            values = _entry_fields(fields)
+            part = np.frombuffer(_raw(values[b"ids"]), dtype="<i8").astype(np.int64)
+            ids.append(part)
+            times.append(np.full(len(part), float(_raw(values[b"t"]))))
+        return Deletions(
+            np.concatenate(ids) if ids else np.zeros(0, np.int64),
+            np.concatenate(times) if times else np.zeros(0, np.float64),
+            cursor,
+            gap,
+        )
+
+
+def _entry_fields(fields) -> dict:
+    """A stream entry's fields as a dict (redis-py gives a dict or a flat list)."""
+    return fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2]))
+
+
+# KEYS[1] a deletion log (stream): an entry per ARGV[2...] (packed ids), trimmed to about ARGV[1]
+# entries; each entry's id is "<ids logged up to it>-0", so a reader's cursor counts ids as on
+# the embedded store, and a reader finds out whether entries past its cursor were trimmed.
+_LOG_LUA = (
+    "local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1) local n = 0 "
+    "if #last > 0 then n = tonumber(string.match(last[1][1], '^(%d+)')) end "
+    "local t = redis.call('TIME') local now = t[1] .. '.' .. string.format('%06d', tonumber(t[2])) "
+    "for i = 2, #ARGV do n = n + #ARGV[i] / 8 "
+    "redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], n .. '-0', 'ids', ARGV[i], 't', now) end return n"
+)
+
+
+# KEYS[1] the lease: set to ARGV[1] for ARGV[2] ms if absent or ARGV[1]'s already (1), else 0.
+_LEASE_LUA = (
+    "local v = redis.call('GET', KEYS[1]) "
+    "if v == false or v == ARGV[1] then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 1 end return 0"
+)

@@ -32,6 +32,7 @@ from dynemb.ps_server.client.sharding import Sharding
 from dynemb.ps_server.client.shared_memory import segment_pools
 from dynemb.ps_server.client.transport import Transport
 from dynemb.ps_server.errors import InvalidArgument, PSError, Unauthenticated
+from dynemb.ps_server.lifecycle import Deletions, Lifecycle
 from dynemb.ps_server.schema import MAX_EXPECTED_ROWS, Initializer, TableSchema
 
 DEFAULT_RETRY = RetryPolicy()
@@ -130,6 +131,7 @@ class PSClient:
         initializer: Initializer | None = None,
         timeout: float | None = None,
         expected_rows: int = 0,
+        lifecycle: Lifecycle | None = None,
     ) -> TableInfo:
         """Create the table on every PS; succeeds if it already exists with this schema.
 
@@ -144,6 +146,8 @@ class PSClient:
                 its share); the stores size their layout by it (Redis: compact hashes). Not part
                 of the schema: a table that exists keeps what it was created with [default 0:
                 the stores' default].
+            lifecycle: when its rows expire (TTL, row cap over all PSes): set if the table is
+                created now; a table that exists keeps its own (set_lifecycle changes it).
 
         Returns:
             The schema and the rows the table holds (summed over the PSes).
@@ -153,9 +157,11 @@ class PSClient:
             TableExists: the table exists with another schema.
         """
         schema = TableSchema(name, dim, state_width, dtype, initializer or Initializer(), expected_rows)
-        return self.create_table_from_schema(schema, timeout)
+        return self.create_table_from_schema(schema, timeout, lifecycle)
 
-    def create_table_from_schema(self, schema: TableSchema, timeout: float | None = None) -> TableInfo:
+    def create_table_from_schema(
+        self, schema: TableSchema, timeout: float | None = None, lifecycle: Lifecycle | None = None
+    ) -> TableInfo:
         """create_table, from a TableSchema (its expected_rows over all PSes: each is asked for its share)."""
         # ids spread evenly over the PSes: each is asked for its share, the shares summing to the whole
         shards = len(self._transport.addresses)
@@ -164,19 +170,105 @@ class PSClient:
         for shard in range(shards):
             spec = schema.to_proto()
             spec.expected_rows = each + (shard < extra)
+            if lifecycle is not None and lifecycle.active:
+                spec.lifecycle.CopyFrom(self._share(lifecycle, shard).to_proto())
             requests.append((shard, ps_pb2.CreateTableRequest(spec=spec)))
         replies = self._transport.fanout("CreateTable", requests, self._deadline(timeout))
         self._remember(schema)
-        return TableInfo(schema, sum(r.table.num_rows for r in replies))
+        lifecycles = [Lifecycle.from_proto(r.table.spec.lifecycle) for r in replies]
+        lifecycle = lifecycles[0]._replace(max_rows=sum(lc.max_rows for lc in lifecycles))
+        return TableInfo(schema, sum(r.table.num_rows for r in replies), lifecycle)
 
     def describe_table(self, name: str, timeout: float | None = None) -> TableInfo:
-        """The table's schema (expected_rows summed over the PSes) and rows, summed over the PSes."""
+        """The table's schema (expected_rows summed over the PSes), rows and max_rows summed over
+        the PSes, its lifecycle and the latest of its sweeps."""
         req = ps_pb2.DescribeTableRequest(table=name)
         replies = self._transport.to_every_shard("DescribeTable", req, self._deadline(timeout))
-        info = TableInfo.from_proto(replies[0])
+        infos = [TableInfo.from_proto(r) for r in replies]
+        info = infos[0]
         self._remember(info.schema)
-        expected = min(MAX_EXPECTED_ROWS, sum(r.spec.expected_rows for r in replies))
-        return TableInfo(dataclasses.replace(info.schema, expected_rows=expected), sum(r.num_rows for r in replies))
+        expected = min(MAX_EXPECTED_ROWS, sum(i.schema.expected_rows for i in infos))
+        sweeps = [i.last_sweep for i in infos if i.last_sweep is not None]
+        return TableInfo(
+            dataclasses.replace(info.schema, expected_rows=expected),
+            sum(i.num_rows for i in infos),
+            info.lifecycle._replace(max_rows=sum(i.lifecycle.max_rows for i in infos)),
+            max(sweeps, default=None),
+            sum(i.expired_reads for i in infos),
+        )
+
+    def _share(self, lifecycle: Lifecycle, shard: int) -> Lifecycle:
+        """The lifecycle a shard is asked for: its share of max_rows (ids spread evenly)."""
+        each, extra = divmod(lifecycle.max_rows, len(self._transport.addresses))
+        return lifecycle._replace(max_rows=each + (shard < extra) if lifecycle.max_rows else 0)
+
+    def set_lifecycle(self, name: str, lifecycle: Lifecycle, timeout: float | None = None) -> TableInfo:
+        """Set when the table's rows expire, on every PS (each gets its share of max_rows).
+
+        Args:
+            name: the table.
+            lifecycle: ttl_s, max_rows (over all PSes), touch_every_s; Lifecycle(): never expire.
+            timeout: seconds for the whole call [default: the client's].
+
+        Returns:
+            The table's info after (describe_table).
+
+        Raises:
+            TableNotFound; InvalidArgument for a setting out of range (named with its limit) or a
+            table created by an older version on Redis (its rows carry no stamps).
+        """
+        calls = [
+            (shard, ps_pb2.SetLifecycleRequest(table=name, lifecycle=self._share(lifecycle, shard).to_proto()))
+            for shard in range(len(self._transport.addresses))
+        ]
+        self._transport.fanout("SetLifecycle", calls, self._deadline(timeout))
+        return self.describe_table(name, timeout)
+
+    def touch(self, table: str, ids, timeout: float | None = None) -> tuple[int, int]:
+        """Mark rows in use now that the PS does not see used (rows resident on a trainer), so
+        that they do not expire.
+
+        Returns:
+            (how many of the ids are stored, the seconds within which to touch them again: 0 if
+            the table's rows do not expire).
+        """
+        ids = as_ids(ids)
+        pieces = self._sharding.split_ids(ids, 8)
+        calls = [(shard, ps_pb2.TouchRequest(table=table, ids=i.tobytes())) for shard, _, i in pieces]
+        if not calls:  # no ids: each PS still says whether the table's rows expire
+            calls = [(shard, ps_pb2.TouchRequest(table=table)) for shard in range(len(self._transport.addresses))]
+        replies = self._transport.fanout("Touch", calls, self._deadline(timeout))
+        every = min((r.touch_every_s for r in replies), default=0)
+        return sum(r.rows_stored for r in replies), every
+
+    def read_deletions(
+        self, table: str, after: str = "", limit: int = 65536, timeout: float | None = None
+    ) -> Deletions:
+        """Ids that left the table (expired, deleted) after cursor `after`, oldest first.
+
+        Args:
+            table: the table.
+            after: a cursor from an earlier result ("": from the oldest each PS keeps).
+            limit: about the most ids per PS.
+
+        Returns:
+            Deletions: ids, times, the cursor to read on from, and gap (a PS trimmed its log past
+            `after`: some deletions are no longer there). An id stored again since is stored.
+        """
+        shards = len(self._transport.addresses)
+        cursors = after.split(",") if after else [""] * shards
+        if len(cursors) != shards:
+            raise InvalidArgument(f"deletion log cursor {after[:80]!r} is for {len(cursors)} PSes, not {shards}")
+        calls = [
+            (shard, ps_pb2.ReadDeletionsRequest(table=table, after=c, limit=limit)) for shard, c in enumerate(cursors)
+        ]
+        replies = self._transport.fanout("ReadDeletions", calls, self._deadline(timeout))
+        return Deletions(
+            np.concatenate([np.frombuffer(r.ids, "<i8").astype(np.int64) for r in replies]),
+            np.concatenate([np.frombuffer(r.times, "<f8").astype(np.float64) for r in replies]),
+            ",".join(r.cursor for r in replies),
+            any(r.gap for r in replies),
+        )
 
     def list_tables(self, timeout: float | None = None) -> list[TableInfo]:
         """Every table, by name, its rows summed over the PSes."""

@@ -332,21 +332,25 @@ PyObject* py_slot_nodes(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// plain_write_request(ids, rows or None, row_bytes, num_buckets, prefix) -> (request, commands):
-// one plain HSET (rows given: field-row pairs) or HDEL (fields) per touched bucket, buckets in
-// ascending order, each bucket's ids in their order in the batch (a repeated id's last row wins).
-// For Redis Cluster, where a table's buckets span slots; each reply is the fields added or removed.
+// plain_write_request(ids, rows or None, row_bytes, num_buckets, prefix[, suffix]) -> (request, commands):
+// one plain HSET (rows given: field-row pairs, each row followed by suffix, its stamp) or HDEL
+// (fields) per touched bucket, buckets in ascending order, each bucket's ids in their order in
+// the batch (a repeated id's last row wins). Each reply is the fields added or removed.
 PyObject* py_plain_write_request(PyObject*, PyObject* args) {
   PyObject *ids_o, *rows_o;
   Py_ssize_t row_bytes;
   unsigned long long num_buckets;
   const char* prefix_p;
   Py_ssize_t prefix_n;
-  if (!PyArg_ParseTuple(args, "OOnKy#", &ids_o, &rows_o, &row_bytes, &num_buckets, &prefix_p, &prefix_n))
+  const char* suffix_p = "";
+  Py_ssize_t suffix_n = 0;
+  if (!PyArg_ParseTuple(args, "OOnKy#|y#", &ids_o, &rows_o, &row_bytes, &num_buckets, &prefix_p, &prefix_n,
+                        &suffix_p, &suffix_n))
     return nullptr;
   WriteInput in;
   if (!write_input("plain_write_request", ids_o, rows_o, row_bytes, num_buckets, in)) return nullptr;
   const std::string prefix(prefix_p, size_t(prefix_n));
+  const std::string suffix(suffix_p, size_t(suffix_n));  // appended to every row (its stamp)
   const Groups& g = in.g;
   const int64_t per_id = in.per_id;
   const int64_t* ids = in.ids;
@@ -361,7 +365,12 @@ PyObject* py_plain_write_request(PyObject*, PyObject* args) {
         req += "$8\r\n";
         req.append(reinterpret_cast<const char*>(ids + at), 8);
         req += "\r\n";
-        if (rows) put_bulk(req, rows + at * row_bytes, size_t(row_bytes));
+        if (rows) {
+          put_count(req, '$', int64_t(row_bytes) + int64_t(suffix.size()));
+          req.append(rows + at * row_bytes, size_t(row_bytes));
+          req += suffix;
+          req += "\r\n";
+        }
       }
     }
   });
@@ -489,28 +498,34 @@ PyObject* error_text(const char* p, const char* end) {  // an error reply's text
   return PyUnicode_DecodeUTF8(p + 1, (e ? e : end) - (p + 1), "replace");
 }
 
-// pull_replies(buf, start, end, commands, order, j, out, row_bytes, missing, k) -> (k, j) or the
+// pull_replies(buf, start, end, commands, order, j, out, row_bytes, missing, k[, stamps]) -> (k, j) or the
 // text of the first error reply (str). buf[start:end] holds `commands` whole replies (scan said
 // so) to pull_request's HMGETs, from the one that asks for field j on: arrays of bulk strings
 // or nulls. Field j's row goes to out row order[j] (out: at least one row per field; on Cluster
 // the whole batch's rows, order mapped to positions in it); an absent one's position to
 // missing[k]. Returns the new k and j, so the replies can be read a run at a time as they
 // arrive. After an error reply the later fields' positions are not to be trusted: the caller
-// raises, or reads that part again.
+// raises, or reads that part again. With stamps (a writable buffer of a uint32 per out row), each
+// value is the row and then its 4-byte stamp, which goes to stamps[order[j]].
 PyObject* py_pull_replies(PyObject*, PyObject* args) {
-  PyObject *buf_o, *order_o, *out_o, *missing_o;
+  PyObject *buf_o, *order_o, *out_o, *missing_o, *stamps_o = Py_None;
   Py_ssize_t start, stop, commands, j0, row_bytes, k0;
-  if (!PyArg_ParseTuple(args, "OnnnOnOnOn", &buf_o, &start, &stop, &commands, &order_o, &j0, &out_o, &row_bytes,
-                        &missing_o, &k0))
+  if (!PyArg_ParseTuple(args, "OnnnOnOnOn|O", &buf_o, &start, &stop, &commands, &order_o, &j0, &out_o, &row_bytes,
+                        &missing_o, &k0, &stamps_o))
     return nullptr;
-  Buf b, order_b, out_b, missing_b;
+  Buf b, order_b, out_b, missing_b, stamps_b;
   if (!b.get(buf_o, false) || !order_b.get(order_o, false) || !out_b.get(out_o, true) ||
-      !missing_b.get(missing_o, true))
+      !missing_b.get(missing_o, true) || (stamps_o != Py_None && !stamps_b.get(stamps_o, true)))
     return nullptr;
+  // With stamps, each stored value is the row and its 4-byte stamp, which goes to stamps[at].
+  const bool stamped = stamps_o != Py_None;
+  const int64_t value_bytes = row_bytes + (stamped ? 4 : 0);
+  char* stamps = stamped ? stamps_b.data() : nullptr;
   const int64_t n = order_b.len() / 8;
   const int64_t out_rows = row_bytes > 0 ? out_b.len() / row_bytes : 0;
   if (start < 0 || stop < start || stop > b.len() || row_bytes < 1 || out_b.len() != out_rows * row_bytes ||
-      out_rows < n || missing_b.len() < n * 8 || j0 < 0 || j0 > n || k0 < 0 || k0 > j0) {
+      out_rows < n || missing_b.len() < n * 8 || j0 < 0 || j0 > n || k0 < 0 || k0 > j0 ||
+      (stamped && stamps_b.len() < out_rows * 4)) {
     PyErr_SetString(PyExc_ValueError, "pull_replies: buffers of the wrong size");
     return nullptr;
   }
@@ -561,7 +576,7 @@ PyObject* py_pull_replies(PyObject*, PyObject* args) {
         if (len < 0) {
           missing[k++] = at;
           p = body;
-        } else if (len != row_bytes) {
+        } else if (len != value_bytes) {
           problem = "wrong size";
           break;
         } else if (end - body < len + 2) {
@@ -569,6 +584,7 @@ PyObject* py_pull_replies(PyObject*, PyObject* args) {
           break;
         } else {
           std::memcpy(out + at * row_bytes, body, size_t(row_bytes));
+          if (stamped) std::memcpy(stamps + at * 4, body + row_bytes, 4);
           p = body + len + 2;
         }
       } else {
@@ -668,12 +684,12 @@ PyMethodDef kMethods[] = {
      "write_request(ids, rows|None, row_bytes, num_buckets, prefix, sha, rows_key, meta_key, table, meta) -> request"},
     {"scan", py_scan, METH_VARARGS, "scan(buf, start, end, wanted) -> (offset, complete replies)"},
     {"pull_replies", py_pull_replies, METH_VARARGS,
-     "pull_replies(buf, start, end, commands, order, j, out, row_bytes, missing, k) -> (k, j) | error text"},
+     "pull_replies(buf, start, end, commands, order, j, out, row_bytes, missing, k[, stamps]) -> (k, j) | error text"},
     {"integer_reply", py_integer_reply, METH_VARARGS, "integer_reply(buf, end) -> int | error text"},
     {"slot_nodes", py_slot_nodes, METH_VARARGS,
      "slot_nodes(ids, num_buckets, tag_prefix, slot_node, out): out[i] = slot_node[Cluster slot of ids[i]'s bucket]"},
     {"plain_write_request", py_plain_write_request, METH_VARARGS,
-     "plain_write_request(ids, rows|None, row_bytes, num_buckets, prefix) -> (request, commands): HSETs or HDELs"},
+     "plain_write_request(ids, rows|None, row_bytes, num_buckets, prefix[, suffix]) -> (request, commands): HSETs or HDELs"},
     {"integer_replies", py_integer_replies, METH_VARARGS,
      "integer_replies(buf, end, commands) -> (sum, [(command, error text)...])"},
     {nullptr, nullptr, 0, nullptr},

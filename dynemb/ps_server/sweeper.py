@@ -1,0 +1,228 @@
+"""The sweeper: deletes a table's expired rows in bounded slices (dynemb/ps_server/lifecycle.py).
+
+One PS thread sweeps every table whose rows expire, one pass each per `every_s`; of all PS
+processes over one store, only the holder of a table's sweep lease sweeps it (a PS that dies
+loses its lease when it runs out). A pass is slices of about `slice_rows` rows, each its own
+short step on the store, with a pause between them, so that pulls and pushes go on in between.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+
+from dynemb.ps_server.backends.base import Store
+from dynemb.ps_server.errors import PSError, TableNotFound
+from dynemb.ps_server.lifecycle import now_stamp
+
+log = logging.getLogger("dynemb.ps")
+
+SLICE_ROWS = 4096
+MAX_PASS_EVERY_S = 3600.0
+
+
+class SweepResult(NamedTuple):
+    """One pass over one table.
+
+    Attributes:
+        table: the table.
+        finished: when the pass ended (Unix seconds).
+        seconds: how long it took.
+        scanned: rows looked at.
+        deleted: rows deleted (expired by the TTL or over the cap).
+        before: the stamp rows older than were deleted (0: none were due).
+        rows_over_cap: rows still over the cap after the pass (all younger than keep_s).
+        oldest: the oldest stamp among the rows kept (0: none kept, or no pass made).
+    """
+
+    table: str
+    finished: float
+    seconds: float
+    scanned: int
+    deleted: int
+    before: int
+    rows_over_cap: int
+    oldest: int = 0
+
+
+def cap_cutoff(store: Store, table: str, excess: int, slice_rows: int, should_stop: Callable[[], bool]) -> int:
+    """The stamp below which about `excess` rows of the table lie (a pass over its stamps,
+    counted per second, so that memory stays small whatever the table's size)."""
+    counts: Counter[int] = Counter()
+    cursor = 0
+    while True:
+        cursor, stamps = store.stamps_slice(table, cursor, slice_rows)
+        values, n = np.unique(stamps, return_counts=True)
+        counts.update(dict(zip(values.tolist(), n.tolist())))
+        if cursor == 0 or should_stop():
+            break
+    total = 0
+    for stamp in sorted(counts):
+        total += counts[stamp]
+        if total >= excess:
+            return stamp + 1
+    return max(counts, default=-1) + 1
+
+
+def sweep_table(
+    store: Store,
+    table: str,
+    *,
+    now: float | None = None,
+    slice_rows: int = SLICE_ROWS,
+    pause_s: float = 0.0,
+    should_stop: Callable[[], bool] = lambda: False,
+    on_slice: Callable[[], None] = lambda: None,
+) -> SweepResult:
+    """One pass over the table: delete what its TTL expired and what is over its cap.
+
+    Args:
+        store: the store.
+        table: the table.
+        now: the time the pass is for (default: now).
+        slice_rows: rows a slice looks at.
+        pause_s: seconds between slices.
+        should_stop: checked between slices; True ends the pass early.
+        on_slice: called between slices (the sweeper renews its lease there).
+
+    Raises:
+        TableNotFound: the table was dropped.
+    """
+    started = time.time()
+    now = started if now is None else now
+    lifecycle = store.lifecycle(table)
+    before = lifecycle.expired_before(now)
+    if before and lifecycle.since >= before:
+        before = 0  # stamps count from `since`: nothing is older than the TTL yet
+    excess = 0
+    if lifecycle.max_rows:
+        excess = store.num_rows(table) - lifecycle.max_rows
+        if excess > 0:
+            keep_before = now_stamp(now) - lifecycle.keep_s
+            before = max(before, min(keep_before, cap_cutoff(store, table, excess, slice_rows, should_stop)))
+    scanned = deleted = oldest = 0
+    if lifecycle.active:  # a pass with nothing due still finds the oldest row
+        cursor = 0
+        while True:
+            part = store.sweep_slice(table, cursor, before, slice_rows)
+            cursor = part.cursor
+            scanned += part.scanned
+            deleted += len(part.deleted)
+            if part.oldest:
+                oldest = min(oldest, part.oldest) if oldest else part.oldest
+            if cursor == 0 or should_stop():
+                break
+            on_slice()
+            if pause_s:
+                time.sleep(pause_s)
+    over = max(0, store.num_rows(table) - lifecycle.max_rows) if lifecycle.max_rows else 0
+    finished = time.time()
+    return SweepResult(table, finished, finished - started, scanned, deleted, before, over, oldest)
+
+
+class Sweeper:
+    """A PS's thread that sweeps every table whose rows expire (see the module doc).
+
+    Args:
+        store: the store.
+        every_s: seconds between passes over a table.
+        slice_rows: rows per slice.
+        pause_s: seconds between slices.
+        on_result: told each pass's result (metrics, describe).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        every_s: float = 60.0,
+        slice_rows: int = SLICE_ROWS,
+        pause_s: float = 0.001,
+        on_result: Callable[[SweepResult], None] = lambda r: None,
+    ) -> None:
+        self.store = store
+        self.every_s = every_s
+        self.slice_rows = slice_rows
+        self.pause_s = pause_s
+        self.on_result = on_result
+        self.owner = uuid.uuid4().hex
+        self.last: dict[str, SweepResult] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="dynemb-sweeper", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def pass_every(self, ttl_s: int) -> float:
+        """Seconds between passes over a table: every_s, or ttl / 8 if longer (rows then live at
+        most 1/8 past their TTL), but at least hourly."""
+        return max(self.every_s, min(ttl_s / 8, MAX_PASS_EVERY_S))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._next_wait()):
+            self.sweep_due()
+
+    def _next_wait(self) -> float:
+        return min(self.every_s, 1.0) if not self.last else self.every_s / 4
+
+    def sweep_due(self) -> list[SweepResult]:
+        """One pass over each table due for one whose lease this PS holds."""
+        done: list[SweepResult] = []
+        try:
+            schemas = self.store.list_tables()
+        except PSError as exc:
+            log.warning("sweeper: cannot list tables: %s", exc)
+            return done
+        lease_s = max(10.0, 3 * self.every_s)
+        for schema in schemas:
+            table = schema.name
+            if self._stop.is_set():
+                break
+            last = self.last.get(table)
+            try:
+                lifecycle = self.store.lifecycle(table)
+                if not lifecycle.active:
+                    continue
+                if last is not None and time.time() - last.finished < self.pass_every(lifecycle.ttl_s):
+                    continue
+                if not self.store.take_sweep_lease(table, self.owner, lease_s):
+                    continue
+                result = sweep_table(
+                    self.store,
+                    table,
+                    slice_rows=self.slice_rows,
+                    pause_s=self.pause_s,
+                    should_stop=self._stop.is_set,
+                    on_slice=functools.partial(self._renew, table, lease_s),
+                )
+            except TableNotFound:
+                continue
+            except PSError as exc:
+                log.warning("sweeper: table %r: %s", table, exc)
+                continue
+            self.last[table] = result
+            self.on_result(result)
+            done.append(result)
+            if result.deleted:
+                log.info(
+                    "swept table %r: %d rows deleted of %d in %.2f s",
+                    *(table, result.deleted, result.scanned, result.seconds),
+                )
+        return done
+
+    def _renew(self, table: str, lease_s: float) -> None:
+        if not self.store.take_sweep_lease(table, self.owner, lease_s):
+            raise PSError(f"table {table!r}: the sweep lease passed to another PS mid-sweep; stopped")

@@ -1,0 +1,286 @@
+"""Rows that expire (dynemb/ps_server/lifecycle.py, sweeper.py), on every store: the embedded
+one, standalone Redis (compiled and redis-py row paths) and Redis Cluster.
+
+The stores' clock is lifecycle.time, replaced here by one the test moves.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from dynemb.ps_server import lifecycle as lifecycle_mod
+from dynemb.ps_server.backends import redis_keys
+from dynemb.ps_server.backends.embedded import EmbeddedStore
+from dynemb.ps_server.backends.redis_store import RedisStore
+from dynemb.ps_server.errors import InvalidArgument
+from dynemb.ps_server.lifecycle import Lifecycle
+from dynemb.ps_server.schema import TableSchema
+from dynemb.ps_server.sweeper import sweep_table
+
+T0 = 1_800_000_000.0
+DIM = 4
+
+
+class Clock:
+    """Stands in for the time module in lifecycle.py."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    c = Clock(T0)
+    monkeypatch.setattr(lifecycle_mod, "time", c)
+    return c
+
+
+@pytest.fixture(params=["embedded", "redis", "redis-py", "redis-cluster"])
+def store(request, redis_namespace):
+    if request.param == "embedded":
+        s = EmbeddedStore()
+    elif request.param == "redis-cluster":
+        cluster = request.getfixturevalue("redis_cluster")
+        s = RedisStore.from_url(cluster.url, namespace=redis_namespace)
+    else:
+        url = request.getfixturevalue("redis_url")
+        s = RedisStore.from_url(url, namespace=redis_namespace, native_rows=request.param == "redis")
+    yield s
+    s.close()
+
+
+def rows_of(ids: np.ndarray, value: float = 1.0) -> np.ndarray:
+    return np.repeat((ids.astype(np.float32) * value)[:, None], DIM, axis=1)
+
+
+def make_table(store, name: str = "t", expected: int = 1000) -> str:
+    store.create_table(TableSchema(name, DIM, 0, "fp32", expected_rows=expected))
+    return name
+
+
+def test_ttl_deletes_rows_neither_written_nor_read(store, clock):
+    t = make_table(store)
+    store.set_lifecycle(t, Lifecycle(ttl_s=100))
+    ids = np.arange(1, 201, dtype=np.int64)
+    store.push(t, ids, rows_of(ids))
+    clock.now = T0 + 60  # older than the touch interval (25 s): a pull renews the stamps it reads
+    rows, found = store.pull(t, ids[:20])
+    assert found.all() and np.array_equal(rows, rows_of(ids[:20]))
+    store.push(t, ids[20:40], rows_of(ids[20:40], 2.0))
+    clock.now = T0 + 130  # ids[40:] last used at T0: expired; ids[:40] used at T0 + 60
+    result = sweep_table(store, t, now=clock.now, slice_rows=16)
+    assert result.deleted == 160 and result.scanned == 200
+    assert store.num_rows(t) == 40
+    rows, found = store.pull(t, ids)
+    assert found[:40].all() and not found[40:].any()
+    assert np.array_equal(rows[20:40], rows_of(ids[20:40], 2.0))
+    log = store.deletions(t)
+    assert sorted(log.ids.tolist()) == ids[40:].tolist() and not log.gap
+    assert (log.times > 0).all()
+
+
+def test_expired_row_is_absent_before_the_sweep(store, clock):
+    t = make_table(store)
+    store.set_lifecycle(t, Lifecycle(ttl_s=100))
+    ids = np.arange(10, dtype=np.int64)
+    store.push(t, ids, rows_of(ids))
+    clock.now = T0 + 150
+    _, found = store.pull(t, ids)
+    assert not found.any()  # served as never pushed, and counted
+    assert store.expired_reads(t) == 10
+    store.push(t, ids[:3], rows_of(ids[:3], 3.0))  # the trainer's row for it: a new row
+    clock.now = T0 + 160
+    sweep_table(store, t, now=clock.now)
+    rows, found = store.pull(t, ids)
+    assert found.tolist() == [True] * 3 + [False] * 7
+    assert np.array_equal(rows[:3], rows_of(ids[:3], 3.0))
+
+
+def test_touch_keeps_resident_rows(store, clock):
+    t = make_table(store)
+    store.set_lifecycle(t, Lifecycle(ttl_s=100))
+    ids = np.arange(50, dtype=np.int64)
+    store.push(t, ids, rows_of(ids))
+    clock.now = T0 + 80
+    assert store.touch(t, np.concatenate([ids[:10], [10_000]])) == 10  # one not stored
+    clock.now = T0 + 170
+    sweep_table(store, t, now=clock.now)
+    assert store.num_rows(t) == 10
+    assert store.pull(t, ids[:10])[1].all()
+
+
+def test_a_ttl_set_on_a_live_table_counts_from_when_it_was_set(store, clock):
+    t = make_table(store)
+    ids = np.arange(30, dtype=np.int64)
+    store.push(t, ids, rows_of(ids))  # no lifecycle yet
+    clock.now = T0 + 1000
+    set_to = store.set_lifecycle(t, Lifecycle(ttl_s=100))
+    assert set_to.since == T0 + 1000 and store.lifecycle(t) == set_to
+    clock.now = T0 + 1050
+    assert store.pull(t, ids[:5])[1].all()  # not expired: stamps count from `since`
+    assert sweep_table(store, t, now=clock.now).deleted == 0
+    clock.now = T0 + 1120  # the TTL counts from `since` for the rows not used since
+    assert sweep_table(store, t, now=clock.now).deleted == 25  # the 5 read at T0 + 1050 stay
+    assert store.num_rows(t) == 5
+    store.set_lifecycle(t, Lifecycle())  # never expire again
+    assert not store.lifecycle(t).active
+    clock.now = T0 + 9000
+    assert store.pull(t, ids[:5])[1].all()
+
+
+def test_row_cap_deletes_the_least_recently_used(store, clock):
+    t = make_table(store)
+    store.set_lifecycle(t, Lifecycle(max_rows=60, touch_every_s=10))  # keep_s: 30 s
+    for k in range(10):  # 10 rows at each of T0, T0 + 1, ... T0 + 9
+        clock.now = T0 + k
+        ids = np.arange(10 * k, 10 * k + 10, dtype=np.int64)
+        store.push(t, ids, rows_of(ids))
+    clock.now = T0 + 100
+    result = sweep_table(store, t, now=clock.now, slice_rows=32)
+    assert result.deleted == 40 and result.rows_over_cap == 0
+    assert store.num_rows(t) == 60
+    assert store.pull(t, np.arange(40, 100))[1].all()
+    assert not store.pull(t, np.arange(40))[1].any()
+
+
+def test_row_cap_spares_rows_in_use(store, clock):
+    t = make_table(store)
+    store.set_lifecycle(t, Lifecycle(max_rows=10, touch_every_s=10))
+    ids = np.arange(30, dtype=np.int64)
+    store.push(t, ids, rows_of(ids))
+    clock.now = T0 + 20  # every row younger than keep_s (30 s): none may go
+    result = sweep_table(store, t, now=clock.now)
+    assert result.deleted == 0 and result.rows_over_cap == 20
+    assert store.num_rows(t) == 30
+
+
+def test_delete_and_clear_are_logged_and_the_cursor_reads_on(store, clock):
+    t = make_table(store)
+    ids = np.arange(20, dtype=np.int64)
+    store.push(t, ids, rows_of(ids))
+    assert store.delete(t, ids[:5]) == 5
+    first = store.deletions(t)
+    assert set(first.ids.tolist()) == set(range(5))
+    assert store.deletions(t, first.cursor).ids.size == 0
+    store.delete(t, ids[5:8])
+    after = store.deletions(t, first.cursor)
+    assert sorted(after.ids.tolist()) == [5, 6, 7] and not after.gap
+    with pytest.raises(InvalidArgument, match="cursor"):
+        store.deletions(t, "not a cursor")
+
+
+def test_lifecycle_out_of_range_is_refused_with_its_limit(store):
+    t = make_table(store)
+    with pytest.raises(InvalidArgument, match="ttl 1 s is out of range"):
+        store.set_lifecycle(t, Lifecycle(ttl_s=1))
+    with pytest.raises(InvalidArgument, match="at most every ttl / 2 = 50 s"):
+        store.set_lifecycle(t, Lifecycle(ttl_s=100, touch_every_s=60))
+    with pytest.raises(InvalidArgument, match="max_rows"):
+        store.set_lifecycle(t, Lifecycle(max_rows=1 << 60))
+    assert not store.lifecycle(t).active
+
+
+def test_rows_written_or_read_while_a_sweep_runs_stay(store, clock):
+    """A cap sweep over rows all due, in slices, while another thread pushes some of them and
+    pulls others (renewing their stamps): each row pushed is there afterwards, with its last
+    row, and each row a pull returned as found is there too."""
+    t = make_table(store, expected=4000)
+    store.set_lifecycle(t, Lifecycle(max_rows=1, touch_every_s=5))  # keep_s 15 s
+    ids = np.arange(3000, dtype=np.int64)
+    store.push(t, ids, rows_of(ids))
+    clock.now = T0 + 100
+    rng = np.random.default_rng(0)
+    pushed: set[int] = set()
+    pulled: set[int] = set()
+    stop = threading.Event()
+
+    def traffic() -> None:
+        while not stop.is_set():
+            batch = rng.choice(ids, 20, replace=False)
+            store.push(t, batch[:10], rows_of(batch[:10], 5.0))
+            pushed.update(batch[:10].tolist())
+            _, found = store.pull(t, batch[10:])
+            pulled.update(batch[10:][found].tolist())
+
+    worker = threading.Thread(target=traffic)
+    worker.start()
+    try:
+        result = sweep_table(store, t, now=clock.now, slice_rows=64)
+    finally:
+        stop.set()
+        worker.join()
+    assert result.deleted > 0
+    kept = pushed | pulled
+    assert kept, "the traffic thread did nothing while the sweep ran"
+    want = np.array(sorted(kept), dtype=np.int64)
+    rows, found = store.pull(t, want)
+    assert found.all(), f"{int((~found).sum())} rows used during the sweep were deleted"
+    was_pushed = np.isin(want, list(pushed))
+    assert np.array_equal(rows[was_pushed], rows_of(want[was_pushed], 5.0))
+    assert store.num_rows(t) == len(store.pull(t, ids)[1].nonzero()[0])
+
+
+def test_redis_deletion_log_is_bounded_and_says_when_trimmed(redis_url, redis_namespace, monkeypatch):
+    monkeypatch.setattr(redis_keys, "LOG_MAX_ENTRIES", 10)
+    monkeypatch.setattr(redis_keys, "LOG_IDS_PER_ENTRY", 2)
+    store = RedisStore.from_url(redis_url, namespace=redis_namespace)
+    try:
+        t = make_table(store)
+        start = store.deletions(t)
+        assert start.ids.size == 0 and not start.gap
+        store.push(t, np.arange(1, 2, dtype=np.int64), rows_of(np.arange(1, 2)))
+        store.delete(t, np.array([1], dtype=np.int64))
+        first = store.deletions(t)
+        for k in range(300):  # 300 entries: trimmed to about 10, whole stream nodes at a time
+            store.delete(t, np.array([2 * k + 100, 2 * k + 101], dtype=np.int64))
+        late = store.deletions(t, first.cursor, limit=1 << 20)
+        assert late.gap
+        assert 0 < late.ids.size < 600
+        assert not store.deletions(t, late.cursor).gap
+    finally:
+        store.close()
+
+
+def test_embedded_deletion_log_is_bounded_and_saved(tmp_path, clock):
+    store = EmbeddedStore(str(tmp_path))
+    t = make_table(store)
+    store.set_lifecycle(t, Lifecycle(ttl_s=100))
+    store._tables[t].log.max_ids = 50
+    ids = np.arange(200, dtype=np.int64)
+    store.push(t, ids, rows_of(ids))
+    for k in range(10):
+        store.delete(t, ids[10 * k : 10 * k + 10])
+    log = store.deletions(t)
+    assert log.gap is False and log.ids.tolist() == list(range(50, 100))
+    assert store.deletions(t, "10").gap
+    clock.now = T0 + 50
+    store.touch(t, ids[100:110])
+    store.close()
+    again = EmbeddedStore(str(tmp_path))
+    assert again.lifecycle(t) == store.lifecycle(t)
+    assert again.deletions(t).ids.tolist() == list(range(50, 100))
+    clock.now = T0 + 120  # the stamps came back too: the touched rows stay
+    assert sweep_table(again, t, now=clock.now).deleted == 90
+    assert again.num_rows(t) == 10
+    again.close()
+
+
+def test_a_table_of_an_older_version_refuses_a_lifecycle(redis_url, redis_namespace, monkeypatch):
+    monkeypatch.setattr(redis_keys, "META_FORMAT", 2)
+    store = RedisStore.from_url(redis_url, namespace=redis_namespace)
+    try:
+        t = make_table(store)
+        ids = np.arange(5, dtype=np.int64)
+        store.push(t, ids, rows_of(ids))
+        monkeypatch.setattr(redis_keys, "META_FORMAT", 3)
+        assert store.pull(t, ids)[1].all()  # its rows, without stamps, still read
+        with pytest.raises(InvalidArgument, match="older dynemb"):
+            store.set_lifecycle(t, Lifecycle(ttl_s=100))
+    finally:
+        store.close()
