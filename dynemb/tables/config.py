@@ -7,6 +7,7 @@ import zlib
 from dataclasses import dataclass
 
 from dynemb.idtransformer.policy import POLICIES, EvictionPolicy
+from dynemb.ps_server.lifecycle import Lifecycle
 from dynemb.ps_server.schema import Initializer, TableSchema, check_name
 
 STARTS = ("new", "warm", "fresh", "resume")
@@ -34,6 +35,9 @@ class TableConfig:
             seeded by the table's name).
         expected_rows: how many rows the PS table will hold, a sizing hint for Redis (0: unknown).
         capacity: if given, checked against the model's num_embeddings for the table.
+        lifecycle: when its rows leave the PS (TTL, row cap: dynemb.ps_server.lifecycle), set on
+            the PS table at start; None leaves the PS table's as it is. Rows resident on the
+            devices are in use: the job touches them on the PS every touch interval.
 
     Raises:
         ValueError: a setting out of its range, named with the limit.
@@ -48,6 +52,7 @@ class TableConfig:
     initializer: Initializer | None = None
     expected_rows: int = 0
     capacity: int | None = None
+    lifecycle: Lifecycle | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -58,6 +63,8 @@ class TableConfig:
             raise ValueError(f"table {self.name}: capacity must be >= 1 rows, got {self.capacity}")
         if self.ps_table:
             check_name(self.ps_table, "ps_table")
+        if self.lifecycle is not None:
+            self.lifecycle.checked(self.name)
         self.eviction()  # checks evict_fraction and ttl_steps
 
     def eviction(self) -> EvictionPolicy:

@@ -37,6 +37,7 @@ batch instead of three.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -63,6 +64,7 @@ from dynemb.idtransformer.sharded import (
     transform_blocks,
 )
 from dynemb.idtransformer.stream import TransformStream
+from dynemb.ps_server.lifecycle import Lifecycle
 from dynemb.ps_server.schema import TableSchema
 from dynemb.tables.batches import find_kjt, get_kjt, with_kjt
 from dynemb.tables.device import collective_device
@@ -73,6 +75,7 @@ from dynemb.tables.row_group import RowGroup
 from dynemb.tables.row_moves import RowMoves
 from dynemb.tables.row_store import RowStore
 from dynemb.tables.table_rows import TableRows
+from dynemb.tables.touch import ResidentToucher
 
 log = logging.getLogger("dynemb.trainer")
 _ROWS_PULLED = [name for name, _ in TABLE_COUNTERS].index("rows_pulled")
@@ -87,6 +90,7 @@ class DynamicTableSpec:
     ps_schema: TableSchema  # its PS table (name, dim, state width, initializer)
     policy: EvictionPolicy
     admit_threshold: int = 1
+    lifecycle: Lifecycle | None = None  # set on its PS table at start (None: left as it is)
 
 
 class LookedUp(NamedTuple):
@@ -233,6 +237,8 @@ class DynamicTables:
             for f in spec.features:
                 self.feature_table[f] = spec.name
             store.create_table(spec.ps_schema)
+            if spec.lifecycle is not None:
+                _set_lifecycle(store, spec.ps_schema.name, spec.lifecycle)
         self.names = list(self.transformers)  # every rank lists the tables in one order
         self.ps_names = [self.specs[n].ps_schema.name for n in self.names]
         self.row_group = RowGroup([self.rows[n] for n in self.names])  # one gather/scatter for all, where it can
@@ -257,6 +263,10 @@ class DynamicTables:
         self._releases = threading.Condition()
         # slots lent to a looked-up batch: (its table's rows, the slots, their own rows kept)
         self._lent: list[tuple[TableRows, torch.Tensor, torch.Tensor]] = []
+        # the rows resident here are in use: the PS hears so, for tables whose rows expire (touch.py)
+        self.toucher = ResidentToucher(
+            store, {self.specs[n].ps_schema.name: functools.partial(self._resident_ids, n) for n in self.names}
+        )
 
     # -- one batch ------------------------------------------------------------------
 
@@ -275,6 +285,7 @@ class DynamicTables:
                 that went through have had their rows moved and pins released.
         """
         self.settle()  # first: the rows of earlier batches in place before any slot is looked at
+        self.toucher.maybe()
         kjt = self._on_device(kjt)
         layout = self._layout(kjt)
         tables = [self.transformers[n] for n in self.names]
@@ -324,6 +335,7 @@ class DynamicTables:
             if stream.received is not None:
                 if not before_each():
                     return
+                self.toucher.maybe()
                 self._took(stream.transform_received(), keep=0)
         if stream.dropped:
             log.warning("rank %d had %d more batches than another rank: not trained on", self.rank, len(stream.dropped))
@@ -786,6 +798,12 @@ class DynamicTables:
 
     # -- whole tables ------------------------------------------------------------------
 
+    def _resident_ids(self, name: str) -> np.ndarray:
+        """The IDs of table `name` resident on this rank (read on the thread that transforms:
+        one copy from the device, every touch interval)."""
+        local = self.transformers[name].local
+        return local.slot_id[local.last_access != -1].cpu().numpy()
+
     def flush(self) -> int:
         """Push every resident row (with its optimizer state) to the PS; rows stay resident."""
         self.settle()
@@ -799,3 +817,13 @@ class DynamicTables:
                 self.store.push(self.specs[name].ps_schema.name, ids.cpu().numpy(), rows)
                 pushed += len(slots)
         return pushed
+
+
+def _set_lifecycle(store: RowStore, table: str, lifecycle: Lifecycle) -> None:
+    """The PS table's lifecycle set to `lifecycle`, unless it is that already (every rank asks;
+    setting it again would move its `since`)."""
+    have = store.lifecycle(table)
+    want = (lifecycle.ttl_s, lifecycle.max_rows, lifecycle.touch_every_s)
+    if (have.ttl_s, have.max_rows, have.touch_every_s) != want:
+        store.set_lifecycle(table, lifecycle)
+        log.info("PS table %s: rows now expire: %s", table, lifecycle.to_dict() or "never")

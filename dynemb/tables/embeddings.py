@@ -159,7 +159,7 @@ class DynamicEmbeddings:
             thread_group = dist.new_group(backend="gloo")
             specs = [
                 DynamicTableSpec(
-                    c.name, _features(model, c.name), self.schemas[c.name], c.eviction(), c.admit_threshold
+                    c.name, _features(model, c.name), self.schemas[c.name], c.eviction(), c.admit_threshold, c.lifecycle
                 )
                 for c in tables
             ]
@@ -326,6 +326,7 @@ class DynamicEmbeddings:
                 self._wrapping.close()  # type: ignore[attr-defined]
             self._release_all()
             self.tables.flush()
+            self.tables.toucher.close()
         finally:
             self.closed = True
             _open.discard(self)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch.distributed as dist
@@ -25,7 +26,11 @@ from dynemb.ps_server.backends.base import rows_out
 from dynemb.ps_server.backends.embedded import EmbeddedStore
 from dynemb.ps_server.client import PSClient, RetryPolicy
 from dynemb.ps_server.initializer import fill_initial_rows
+from dynemb.ps_server.lifecycle import Lifecycle
 from dynemb.ps_server.schema import TableSchema
+
+if TYPE_CHECKING:
+    from dynemb.ps_server.sweeper import Sweeper
 
 
 class RowStore:
@@ -54,6 +59,19 @@ class RowStore:
     @property
     def where(self) -> str:
         """Where the rows are, as messages name it ("the PS host:port", "the embedded store")."""
+        raise NotImplementedError
+
+    def lifecycle(self, table: str) -> Lifecycle:
+        """When the table's rows expire (Lifecycle(): never); max_rows over the whole store."""
+        raise NotImplementedError
+
+    def set_lifecycle(self, table: str, lifecycle: Lifecycle) -> None:
+        """Set when the table's rows expire (dynemb/ps_server/lifecycle.py)."""
+        raise NotImplementedError
+
+    def touch(self, table: str, ids: np.ndarray) -> tuple[int, int]:
+        """Mark the rows of ids in use now (resident on this rank): (how many are stored, the
+        seconds within which to touch them again; 0 if the table's rows do not expire)."""
         raise NotImplementedError
 
     def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
@@ -134,6 +152,7 @@ class LocalRowStore(RowStore):
     def __init__(self, store: EmbeddedStore | None = None, per_rank: bool = False) -> None:
         self.store = store or EmbeddedStore()
         self.per_rank = per_rank
+        self._sweeper: Sweeper | None = None
 
     def create_table(self, schema: TableSchema) -> None:
         """See RowStore.create_table."""
@@ -151,6 +170,26 @@ class LocalRowStore(RowStore):
     def where(self) -> str:
         """See RowStore.where."""
         return "the embedded store"
+
+    def lifecycle(self, table: str) -> Lifecycle:
+        """See RowStore.lifecycle."""
+        return self.store.lifecycle(table)
+
+    def set_lifecycle(self, table: str, lifecycle: Lifecycle) -> None:
+        """See RowStore.set_lifecycle; a sweeper thread of this process then deletes what is due
+        (the PS's own, when the rows are on a PS)."""
+        self.store.set_lifecycle(table, lifecycle)
+        if lifecycle.active and self._sweeper is None:
+            from dynemb.ps_server.sweeper import Sweeper
+
+            self._sweeper = Sweeper(self.store)
+            self._sweeper.start()
+
+    def touch(self, table: str, ids: np.ndarray) -> tuple[int, int]:
+        """See RowStore.touch."""
+        stored = self.store.touch(table, ids)
+        lifecycle = self.store.lifecycle(table)
+        return stored, lifecycle.touch_interval_s if lifecycle.active else 0
 
     def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
         """See RowStore.pull."""
@@ -178,6 +217,8 @@ class LocalRowStore(RowStore):
 
     def close(self) -> None:
         """Close the embedded store (which saves it if it has a directory)."""
+        if self._sweeper is not None:
+            self._sweeper.stop()
         self.store.close()
 
 
@@ -209,6 +250,18 @@ class RemoteRowStore(RowStore):
     def where(self) -> str:
         """See RowStore.where."""
         return "the PS " + ",".join(self.client.addresses)
+
+    def lifecycle(self, table: str) -> Lifecycle:
+        """See RowStore.lifecycle."""
+        return self.client.describe_table(table).lifecycle
+
+    def set_lifecycle(self, table: str, lifecycle: Lifecycle) -> None:
+        """See RowStore.set_lifecycle: on every PS (each its share of max_rows)."""
+        self.client.set_lifecycle(table, lifecycle)
+
+    def touch(self, table: str, ids: np.ndarray) -> tuple[int, int]:
+        """See RowStore.touch."""
+        return self.client.touch(table, ids)
 
     def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
         """See RowStore.pull."""

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dynemb.ps_server.lifecycle import Lifecycle
 from dynemb.ps_server.schema import OPTIMIZERS
 
 SYNTHETIC_UNIVERSE = 100_000  # synthetic data's distinct IDs per feature, unless --universe
@@ -59,8 +60,16 @@ class TableConfig:
     evict_fraction: float = 0.05
     admit_threshold: int = 1
     ttl_steps: int = 0  # 0: no TTL
+    ps_ttl_seconds: int = 0  # rows unused this long leave the PS (0: the PS table's setting stays)
+    ps_max_rows: int = 0  # past this many rows the PS drops the least recently used (0: as it is)
     init_scale: float = 0.0  # uniform(-s, s) for never-seen IDs; 0: 1/sqrt(dim)
     dynamic: bool = True  # False: plain TorchRec tables holding the whole universe
+
+    def lifecycle(self) -> Lifecycle | None:
+        """When the table's rows leave the PS, if the flags set it (None: left as the PS has it)."""
+        if not (self.ps_ttl_seconds or self.ps_max_rows):
+            return None
+        return Lifecycle(ttl_s=self.ps_ttl_seconds, max_rows=self.ps_max_rows)
 
 
 @dataclass
@@ -202,6 +211,11 @@ HELP = {
     "evict_fraction": "share of a rank's rows freed at once when its table is full",
     "admit_threshold": "sightings before an ID gets a row (1: at once)",
     "ttl_steps": "IDs idle longer than this many steps go first (0: no TTL)",
+    "ps_ttl_seconds": "rows that no trainer has written or read for this long are deleted from the PS (rows "
+    "resident on the devices count as read: the job touches them); 0: the PS table's setting is left as it is "
+    "(dynemb ps lifecycle changes it)",
+    "ps_max_rows": "past this many rows in a PS table, the least recently used are deleted first (none in use); "
+    "0: the PS table's setting is left as it is",
     "init_scale": "never-seen IDs start uniform(-s, s); 0 means 1/sqrt(dim)",
     "dynamic": "dynamic tables over the PS (--no-dynamic: plain full TorchRec tables of --capacity, else "
     "--universe rows each; an ID v takes row v mod rows, the hashing trick, as TorchRec's Criteo examples do)",

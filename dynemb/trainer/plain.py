@@ -168,7 +168,10 @@ def train_plain(cfg: TrainConfig) -> TrainResult:
             for i, feature in enumerate(model.features):
                 t = cfg.table_config(table_name(i))
                 policy = EvictionPolicy(t.policy, evict_fraction=t.evict_fraction, ttl_steps=t.ttl_steps or None)
-                specs.append(DynamicTableSpec(table_name(i), [feature], ps_schema(cfg, i), policy, t.admit_threshold))
+                spec = DynamicTableSpec(
+                    table_name(i), [feature], ps_schema(cfg, i), policy, t.admit_threshold, t.lifecycle()
+                )
+                specs.append(spec)
             rows = _table_rows(model, optimizers[0])
             dynamic = DynamicTables(rows, specs, store, TrainerMetrics(0), device=device)
         result = _loop(cfg, model, optimizers, dynamic, device)

@@ -64,6 +64,7 @@ def make_dynamic(cfg: TrainConfig, built: Built, store: RowStore, metrics: Train
                 admit_threshold=t.admit_threshold,
                 initializer=schema.initializer,
                 expected_rows=schema.expected_rows,
+                lifecycle=t.lifecycle(),
             )
         )
     # "warm": check_before_training has refused (or with --fresh dropped) rows left on the PS

@@ -335,6 +335,7 @@ def test_train_cli_names_bad_settings():
 def test_per_table_settings_from_a_file(tmp_path):
     import torch.distributed as dist
 
+    from dynemb.ps_server.lifecycle import Lifecycle
     from dynemb.tables.metrics import TrainerMetrics
     from dynemb.tables.row_store import LocalRowStore
     from dynemb.tables.table_rows import find_tables
@@ -345,9 +346,10 @@ def test_per_table_settings_from_a_file(tmp_path):
     f.write_text(
         "data: {num_sparse: 3, universe: 1000}\ntable: {dim: 8, capacity_fraction: 0.1}\n"
         "dense_arch: [8]\nover_arch: [8, 1]\n"
-        "tables:\n  t_1: {capacity: 40, policy: lru, admit_threshold: 2}\n  t_2: {init_scale: 0.5}\n"
+        "tables:\n  t_1: {capacity: 40, policy: lru, admit_threshold: 2, ps_ttl_seconds: 3600}\n"
+        "  t_2: {init_scale: 0.5}\n"
     )
-    cfg = parse("--config", str(f))
+    cfg = parse("--config", str(f), "--ps-max-rows", "5000")
     assert cfg.table_config("t_1").policy == "lru" and cfg.table_config("t_0").policy == "hybrid"
     created = init_distributed()
     try:
@@ -356,8 +358,13 @@ def test_per_table_settings_from_a_file(tmp_path):
         assert rows == {"t_0": 100, "t_1": 40, "t_2": 100}
         assert built.schemas["t_2"].initializer.b == 0.5
         assert built.schemas["t_0"].initializer.b == pytest.approx(8**-0.5)
-        with make_dynamic(cfg, built, LocalRowStore(), TrainerMetrics(0)) as dyn:
+        store = LocalRowStore()
+        with make_dynamic(cfg, built, store, TrainerMetrics(0)) as dyn:
             configs = {c.name: c for c in dyn.configs}
+            # when rows leave the store: the flag for every table, the file's TTL for one
+            t_1, t_0 = store.lifecycle("dynemb_t_1"), store.lifecycle("dynemb_t_0")
+            assert t_1 == Lifecycle(ttl_s=3600, max_rows=5000, since=t_1.since) and t_1.since > 0
+            assert (t_0.ttl_s, t_0.max_rows) == (0, 5000)
         assert configs["t_1"].policy == "lru" and configs["t_1"].admit_threshold == 2
         assert configs["t_0"].policy == "hybrid" and configs["t_0"].admit_threshold == 1
     finally:
