@@ -82,6 +82,7 @@ from dynemb.checkpoint.format import (
 )
 from dynemb.checkpoint.table_files import DEFAULT_CHUNK_ROWS, TableReader, TableWriter
 from dynemb.checkpoint.table_files import MANIFEST as TABLE_MANIFEST
+from dynemb.common.arrays import unique
 from dynemb.idtransformer.hashing import owner_of
 from dynemb.idtransformer.transformer import FREE, IDTransformer
 from dynemb.ps_server.schema import TableSchema
@@ -276,15 +277,15 @@ class Checkpointer:
                 kjt = batch.sparse_features
                 for table in self.tables:
                     ids = np.concatenate([kjt[key].values().numpy() for key in table.features])
-                    self.touched[table.name].append(np.unique(ids))
+                    self.touched[table.name].append(unique(ids))
             yield batch
 
     def _touched_everywhere(self) -> dict[str, np.ndarray]:
         """Per table, every ID any rank touched since the last checkpoint."""
-        mine = {n: np.unique(np.concatenate(v)) if v else np.zeros(0, np.int64) for n, v in self.touched.items()}
+        mine = {n: unique(np.concatenate(v)) if v else np.zeros(0, np.int64) for n, v in self.touched.items()}
         every: list[Any] = [None] * self.world
         dist.all_gather_object(every, mine, group=self.group)
-        return {n: np.unique(np.concatenate([e[n] for e in every])).astype(np.int64) for n in mine}
+        return {n: unique(np.concatenate([e[n] for e in every])).astype(np.int64) for n in mine}
 
     # -- save ---------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dynemb.common.arrays import unique_first
 from dynemb.ps_server.errors import InvalidArgument
 from dynemb.ps_server.schema import TableSchema
 
@@ -87,5 +88,5 @@ def decode_mask(data: bytes, n: int) -> np.ndarray:
 def last_occurrence(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(distinct ids, position of each one's last occurrence): a repeated id's last row wins."""
     rev = ids[::-1]
-    uniq, first_in_rev = np.unique(rev, return_index=True)
+    uniq, first_in_rev = unique_first(rev)
     return uniq, len(ids) - 1 - first_in_rev

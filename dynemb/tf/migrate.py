@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dynemb.common.arrays import unique_counts
 from dynemb.ps_server.initializer import bf16_bits_to_float, float_to_bf16_bits
 from dynemb.ps_server.schema import OPTIMIZERS, Initializer, TableSchema, optimizer_state_width
 from dynemb.tf.errors import TFMigrationError
@@ -192,7 +193,7 @@ def read_vocab(path: str, kind: str, rows: int, table: str) -> np.ndarray:
 
 
 def _check_distinct(ids: np.ndarray, what: str) -> None:
-    uniq, counts = np.unique(ids, return_counts=True)
+    uniq, counts = unique_counts(ids)
     if len(uniq) != len(ids):
         dup = uniq[counts > 1][0]
         rows = np.flatnonzero(ids == dup)[:2]

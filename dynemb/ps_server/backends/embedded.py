@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dynemb.common.arrays import unique
 from dynemb.ps_server import native
 from dynemb.ps_server.backends.base import Store, check_same_schema, rows_out
 from dynemb.ps_server.backends.deletion_log import DeletionLog, parse_cursor
@@ -85,7 +86,7 @@ class _Table:
     def forget(self, ids: np.ndarray) -> np.ndarray:
         """Remove ids from the table; the ids that were stored, each once, logged as deleted."""
         where = self.index.lookup(ids)
-        gone = np.unique(ids[where >= 0])
+        gone = unique(ids[where >= 0])
         self.log.append(gone)  # logged before they go (docs/ps.md, "Rows that expire")
         freed = self.index.remove(gone)
         if len(freed):

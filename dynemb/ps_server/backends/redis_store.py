@@ -32,6 +32,7 @@ from redis._parsers.base import BaseParser  # the error classes of error replies
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
+from dynemb.common.arrays import unique
 from dynemb.common.errors import shown
 from dynemb.ps_server.backends import redis_keys as layout
 from dynemb.ps_server.backends.base import Store, rows_out
@@ -340,7 +341,7 @@ class RedisStore(RedisClusterRows, Store):
         ids = _as_ids(ids)
         if len(ids) == 0:
             return 0
-        self._log_deleted(meta, np.unique(ids))
+        self._log_deleted(meta, unique(ids))
         if self._native is not None:
             return self._native_write(meta, ids, None)
         deleted = self._py_write(meta, "HDEL", ids, None)
