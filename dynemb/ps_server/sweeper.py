@@ -3,7 +3,9 @@
 One PS thread sweeps every table whose rows expire, one pass each per `every_s`; of all PS
 processes over one store, only the holder of a table's sweep lease sweeps it (a PS that dies
 loses its lease when it runs out). A pass is slices of about `slice_rows` rows, each its own
-short step on the store, with a pause between them, so that pulls and pushes go on in between.
+short step on the store, with a pause after each that keeps the sweep to a share of the time
+(`duty`), so that pulls and pushes go on in between: a slice reads its rows in this process,
+which the PS's request threads share (bench/expiry_bench.py measures what pulls see).
 """
 
 from __future__ import annotations
@@ -17,16 +19,17 @@ from collections import Counter
 from collections.abc import Callable
 from typing import NamedTuple
 
-import numpy as np
-
+from dynemb.common.arrays import unique_counts
 from dynemb.ps_server.backends.base import Store
 from dynemb.ps_server.errors import PSError, TableNotFound
 from dynemb.ps_server.lifecycle import now_stamp
 
 log = logging.getLogger("dynemb.ps")
 
-SLICE_ROWS = 4096
+SLICE_ROWS = 1024
 MAX_PASS_EVERY_S = 3600.0
+# The share of the time a pass sweeps: after a slice of d seconds it pauses d * (1 - DUTY) / DUTY.
+DUTY = 0.25
 
 
 class SweepResult(NamedTuple):
@@ -60,7 +63,7 @@ def cap_cutoff(store: Store, table: str, excess: int, slice_rows: int, should_st
     cursor = 0
     while True:
         cursor, stamps = store.stamps_slice(table, cursor, slice_rows)
-        values, n = np.unique(stamps, return_counts=True)
+        values, n = unique_counts(stamps)
         counts.update(dict(zip(values.tolist(), n.tolist())))
         if cursor == 0 or should_stop():
             break
@@ -78,7 +81,7 @@ def sweep_table(
     *,
     now: float | None = None,
     slice_rows: int = SLICE_ROWS,
-    pause_s: float = 0.0,
+    duty: float = 1.0,
     should_stop: Callable[[], bool] = lambda: False,
     on_slice: Callable[[], None] = lambda: None,
 ) -> SweepResult:
@@ -89,7 +92,7 @@ def sweep_table(
         table: the table.
         now: the time the pass is for (default: now).
         slice_rows: rows a slice looks at.
-        pause_s: seconds between slices.
+        duty: the share of the pass's time spent in slices (1.0: no pauses).
         should_stop: checked between slices; True ends the pass early.
         on_slice: called between slices (the sweeper renews its lease there).
 
@@ -112,6 +115,7 @@ def sweep_table(
     if lifecycle.active:  # a pass with nothing due still finds the oldest row
         cursor = 0
         while True:
+            began = time.monotonic()
             part = store.sweep_slice(table, cursor, before, slice_rows)
             cursor = part.cursor
             scanned += part.scanned
@@ -121,8 +125,8 @@ def sweep_table(
             if cursor == 0 or should_stop():
                 break
             on_slice()
-            if pause_s:
-                time.sleep(pause_s)
+            if duty < 1.0:
+                time.sleep((time.monotonic() - began) * (1.0 - duty) / duty)
     over = max(0, store.num_rows(table) - lifecycle.max_rows) if lifecycle.max_rows else 0
     finished = time.time()
     return SweepResult(table, finished, finished - started, scanned, deleted, before, over, oldest)
@@ -135,7 +139,7 @@ class Sweeper:
         store: the store.
         every_s: seconds between passes over a table.
         slice_rows: rows per slice.
-        pause_s: seconds between slices.
+        duty: the share of a pass's time spent in slices (the rest pauses between them).
         on_result: told each pass's result (metrics, describe).
     """
 
@@ -144,13 +148,13 @@ class Sweeper:
         store: Store,
         every_s: float = 60.0,
         slice_rows: int = SLICE_ROWS,
-        pause_s: float = 0.001,
+        duty: float = DUTY,
         on_result: Callable[[SweepResult], None] = lambda r: None,
     ) -> None:
         self.store = store
         self.every_s = every_s
         self.slice_rows = slice_rows
-        self.pause_s = pause_s
+        self.duty = duty
         self.on_result = on_result
         self.owner = uuid.uuid4().hex
         self.last: dict[str, SweepResult] = {}
@@ -204,7 +208,7 @@ class Sweeper:
                     self.store,
                     table,
                     slice_rows=self.slice_rows,
-                    pause_s=self.pause_s,
+                    duty=self.duty,
                     should_stop=self._stop.is_set,
                     on_slice=functools.partial(self._renew, table, lease_s),
                 )

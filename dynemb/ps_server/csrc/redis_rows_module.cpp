@@ -677,6 +677,93 @@ PyObject* py_integer_replies(PyObject*, PyObject* args) {
   return Py_BuildValue("(LN)", (long long)total, errors);
 }
 
+// bucket_stamps(buf, end, commands, value_bytes, ids, stamps, buckets) -> n or the text of the
+// first error reply (str). buf[:end] holds `commands` whole replies (scan said so) to HGETALLs of
+// buckets: arrays (RESP2) or maps (RESP3) of field/value pairs. Each pair's 8-byte field goes to
+// ids[n], the last 4 bytes of its value (the row's stamp) to stamps[n], the command's number to
+// buckets[n]; no row is copied. For the sweeper (redis_rows.py), which reads a slice's stamps
+// without building Python objects per row. ValueError for a reply that is not such pairs (a
+// field not 8 bytes, a value not value_bytes), or outputs too small.
+PyObject* py_bucket_stamps(PyObject*, PyObject* args) {
+  PyObject *buf_o, *ids_o, *stamps_o, *buckets_o;
+  Py_ssize_t stop, commands, value_bytes;
+  if (!PyArg_ParseTuple(args, "OnnnOOO", &buf_o, &stop, &commands, &value_bytes, &ids_o, &stamps_o, &buckets_o))
+    return nullptr;
+  Buf b, ids_b, stamps_b, buckets_b;
+  if (!b.get(buf_o, false) || !ids_b.get(ids_o, true) || !stamps_b.get(stamps_o, true) ||
+      !buckets_b.get(buckets_o, true))
+    return nullptr;
+  const int64_t room = std::min({ids_b.len() / 8, stamps_b.len() / 4, buckets_b.len() / 8});
+  if (stop < 0 || stop > b.len() || value_bytes < 4 || commands < 0) {
+    PyErr_SetString(PyExc_ValueError, "bucket_stamps: arguments out of range");
+    return nullptr;
+  }
+  int64_t* ids = reinterpret_cast<int64_t*>(ids_b.data());
+  char* stamps = stamps_b.data();
+  int64_t* buckets = reinterpret_cast<int64_t*>(buckets_b.data());
+  const char* p = b.data();
+  const char* end = p + stop;
+  const char* problem = nullptr;
+  const char* error = nullptr;
+  int64_t n = 0;
+  Py_BEGIN_ALLOW_THREADS
+  bool bad = false;
+  for (Py_ssize_t c = 0; c < commands && !problem; ++c) {
+    if (p >= end) {
+      problem = "fewer replies than commands";
+      break;
+    }
+    if (*p == '-') {
+      if (!error) error = p;
+      p = skip_reply(p, end, 0, bad);
+      if (!p) problem = "a cut-off error reply";
+      continue;
+    }
+    int64_t count;
+    const char* q;
+    if ((*p != '*' && *p != '%') || !read_line_int(p + 1, end, count, q, bad) || count < 0) {
+      problem = "a reply that is not an array of fields and values";
+      break;
+    }
+    const int64_t pairs = *p == '%' ? count : count / 2;
+    if (*p == '*' && count % 2) {
+      problem = "an array of an odd length";
+      break;
+    }
+    p = q;
+    for (int64_t i = 0; i < pairs; ++i) {
+      int64_t flen, vlen;
+      const char *fbody, *vbody;
+      if (p >= end || *p != '$' || !read_line_int(p + 1, end, flen, fbody, bad) || flen != 8 || end - fbody < 10) {
+        problem = "a field that is not 8 bytes";
+        break;
+      }
+      p = fbody + 10;
+      if (p >= end || *p != '$' || !read_line_int(p + 1, end, vlen, vbody, bad) || vlen != value_bytes ||
+          end - vbody < vlen + 2) {
+        problem = "a value of the wrong size";
+        break;
+      }
+      if (n >= room) {
+        problem = "more fields than the outputs hold";
+        break;
+      }
+      std::memcpy(ids + n, fbody, 8);
+      std::memcpy(stamps + 4 * n, vbody + vlen - 4, 4);
+      buckets[n] = c;
+      ++n;
+      p = vbody + vlen + 2;
+    }
+  }
+  Py_END_ALLOW_THREADS
+  if (problem) {
+    PyErr_Format(PyExc_ValueError, "Redis replied to HGETALL with %s", problem);
+    return nullptr;
+  }
+  if (error) return error_text(error, end);
+  return PyLong_FromLongLong(n);
+}
+
 PyMethodDef kMethods[] = {
     {"pull_request", py_pull_request, METH_VARARGS,
      "pull_request(ids, num_buckets, prefix, order) -> (request, commands): HMGETs of the ids' buckets"},
@@ -690,6 +777,8 @@ PyMethodDef kMethods[] = {
      "slot_nodes(ids, num_buckets, tag_prefix, slot_node, out): out[i] = slot_node[Cluster slot of ids[i]'s bucket]"},
     {"plain_write_request", py_plain_write_request, METH_VARARGS,
      "plain_write_request(ids, rows|None, row_bytes, num_buckets, prefix[, suffix]) -> (request, commands): HSETs or HDELs"},
+    {"bucket_stamps", py_bucket_stamps, METH_VARARGS,
+     "bucket_stamps(buf, end, commands, value_bytes, ids, stamps, buckets) -> n | error text"},
     {"integer_replies", py_integer_replies, METH_VARARGS,
      "integer_replies(buf, end, commands) -> (sum, [(command, error text)...])"},
     {nullptr, nullptr, 0, nullptr},
