@@ -146,6 +146,32 @@ class ReadDeletionsResponse(_message.Message):
     gap: bool
     def __init__(self, ids: _Optional[bytes] = ..., times: _Optional[bytes] = ..., cursor: _Optional[str] = ..., gap: _Optional[bool] = ...) -> None: ...
 
+class ReadDropsRequest(_message.Message):
+    __slots__ = ("after", "limit")
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    after: str
+    limit: int
+    def __init__(self, after: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class DroppedTable(_message.Message):
+    __slots__ = ("table", "time")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    time: float
+    def __init__(self, table: _Optional[str] = ..., time: _Optional[float] = ...) -> None: ...
+
+class ReadDropsResponse(_message.Message):
+    __slots__ = ("drops", "cursor", "gap")
+    DROPS_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    GAP_FIELD_NUMBER: _ClassVar[int]
+    drops: _containers.RepeatedCompositeFieldContainer[DroppedTable]
+    cursor: str
+    gap: bool
+    def __init__(self, drops: _Optional[_Iterable[_Union[DroppedTable, _Mapping]]] = ..., cursor: _Optional[str] = ..., gap: _Optional[bool] = ...) -> None: ...
+
 class CreateTableRequest(_message.Message):
     __slots__ = ("spec",)
     SPEC_FIELD_NUMBER: _ClassVar[int]

@@ -109,6 +109,11 @@ class ParameterServerStub:
                 request_serializer=dynemb_dot_protos_dot_ps__pb2.ReadDeletionsRequest.SerializeToString,
                 response_deserializer=dynemb_dot_protos_dot_ps__pb2.ReadDeletionsResponse.FromString,
                 _registered_method=True)
+        self.ReadDrops = channel.unary_unary(
+                '/dynemb.ps.v1.ParameterServer/ReadDrops',
+                request_serializer=dynemb_dot_protos_dot_ps__pb2.ReadDropsRequest.SerializeToString,
+                response_deserializer=dynemb_dot_protos_dot_ps__pb2.ReadDropsResponse.FromString,
+                _registered_method=True)
         self.AttachSegment = channel.unary_unary(
                 '/dynemb.ps.v1.ParameterServer/AttachSegment',
                 request_serializer=dynemb_dot_protos_dot_ps__pb2.AttachSegmentRequest.SerializeToString,
@@ -214,6 +219,12 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadDrops(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def AttachSegment(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -303,6 +314,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.ReadDeletions,
                     request_deserializer=dynemb_dot_protos_dot_ps__pb2.ReadDeletionsRequest.FromString,
                     response_serializer=dynemb_dot_protos_dot_ps__pb2.ReadDeletionsResponse.SerializeToString,
+            ),
+            'ReadDrops': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadDrops,
+                    request_deserializer=dynemb_dot_protos_dot_ps__pb2.ReadDropsRequest.FromString,
+                    response_serializer=dynemb_dot_protos_dot_ps__pb2.ReadDropsResponse.SerializeToString,
             ),
             'AttachSegment': grpc.unary_unary_rpc_method_handler(
                     servicer.AttachSegment,
@@ -720,6 +736,33 @@ class ParameterServer:
             '/dynemb.ps.v1.ParameterServer/ReadDeletions',
             dynemb_dot_protos_dot_ps__pb2.ReadDeletionsRequest.SerializeToString,
             dynemb_dot_protos_dot_ps__pb2.ReadDeletionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadDrops(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dynemb.ps.v1.ParameterServer/ReadDrops',
+            dynemb_dot_protos_dot_ps__pb2.ReadDropsRequest.SerializeToString,
+            dynemb_dot_protos_dot_ps__pb2.ReadDropsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -165,6 +165,31 @@ class Deletions(NamedTuple):
     gap: bool
 
 
+class Drop(NamedTuple):
+    """A table dropped: its name and when (Unix seconds)."""
+
+    table: str
+    time: float
+
+
+class Drops(NamedTuple):
+    """A stretch of a store's log of dropped tables (every row of each left with it).
+
+    Attributes:
+        drops: the tables dropped after the cursor, oldest first.
+        cursor: where the next read starts (pass it as `after`).
+        gap: the log was trimmed past `after`: some drops are no longer there.
+    """
+
+    drops: list[Drop]
+    cursor: str
+    gap: bool
+
+
+# Drops a store's log keeps.
+DROP_LOG_ENTRIES = 10_000
+
+
 def stamps_cutoff(stamps: np.ndarray, excess: int) -> int:
     """The stamp s such that deleting every row stamped below s deletes about `excess` rows (at
     least, short of ties): for the row cap, from the stamps of a whole table."""

@@ -443,6 +443,17 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             every = lifecycle.touch_interval_s if lifecycle.active else 0
             return ps_pb2.TouchResponse(rows_stored=stored, touch_every_s=every)
 
+    def ReadDrops(self, request, context):
+        """A stretch of the store's log of dropped tables."""
+        with self._call("ReadDrops", context):
+            with self._backend("drops"):
+                got = self.store.drops(request.after, min(request.limit or 1000, 10_000))
+            return ps_pb2.ReadDropsResponse(
+                drops=[ps_pb2.DroppedTable(table=d.table, time=d.time) for d in got.drops],
+                cursor=got.cursor,
+                gap=got.gap,
+            )
+
     def ReadDeletions(self, request, context):
         """A stretch of a table's deletion log."""
         with self._call("ReadDeletions", context):

@@ -284,3 +284,52 @@ def test_a_table_of_an_older_version_refuses_a_lifecycle(redis_url, redis_namesp
             store.set_lifecycle(t, Lifecycle(ttl_s=100))
     finally:
         store.close()
+
+
+def test_dropped_tables_are_logged(store):
+    start = store.drops()
+    for name in ("d1", "d2", "d1"):
+        make_table(store, name)
+        store.push(name, np.arange(3, dtype=np.int64), rows_of(np.arange(3)))
+        assert store.drop_table(name) == 3
+    assert store.drop_table("d1") is None  # no table: nothing logged
+    got = store.drops(start.cursor)
+    assert [d.table for d in got.drops] == ["d1", "d2", "d1"] and not got.gap
+    assert all(d.time > 0 for d in got.drops)
+    assert store.drops(got.cursor).drops == []
+    assert [d.table for d in store.drops(start.cursor, limit=2).drops] == ["d1", "d2"]
+    with pytest.raises(InvalidArgument, match="cursor"):
+        store.drops("x")
+
+
+def test_the_embedded_log_of_drops_is_saved(tmp_path):
+    store = EmbeddedStore(str(tmp_path))
+    make_table(store, "gone")
+    store.drop_table("gone")
+    make_table(store, "kept")
+    store.close()
+    again = EmbeddedStore(str(tmp_path))
+    assert [d.table for d in again.drops().drops] == ["gone"] and again.drops().cursor == "1"
+    again.drop_table("kept")
+    assert [d.table for d in again.drops("1").drops] == ["kept"]
+    again.close()
+
+
+def test_redis_log_of_drops_is_bounded_and_says_when_trimmed(redis_url, redis_namespace, monkeypatch):
+    from dynemb.ps_server.backends import redis_tables
+
+    monkeypatch.setattr(redis_tables, "DROP_LOG_ENTRIES", 10)
+    store = RedisStore.from_url(redis_url, namespace=redis_namespace)
+    try:
+        make_table(store, "first")
+        store.drop_table("first")
+        first = store.drops()
+        for k in range(250):  # trimmed to about 10, whole stream nodes (100 entries) at a time
+            make_table(store, f"d{k}")
+            store.drop_table(f"d{k}")
+        late = store.drops(first.cursor, limit=1000)
+        assert late.gap and 0 < len(late.drops) < 250
+        assert late.drops[-1].table == "d249" and late.cursor == "251"
+        assert not store.drops(late.cursor).gap
+    finally:
+        store.close()

@@ -109,6 +109,7 @@ class Fuzzer:
                 "SetLifecycle",
                 "Touch",
                 "ReadDeletions",
+                "ReadDrops",
             )
         }
         self.raw_export = self.channel.unary_stream(SERVICE + "Export")

@@ -65,6 +65,11 @@ def test_a_ps_sweeps_what_expired_and_keeps_what_is_touched(make_ps):
         assert not info.lifecycle.active
         time.sleep(5)
         assert client.describe_table("exp").num_rows == 100
+        # a table dropped: its rows leave with it, which the log of drops says
+        start = client.read_drops()
+        client.drop_table("exp")
+        drops = client.read_drops(start.cursor)
+        assert [d.table for d in drops.drops] == ["exp"] and drops.drops[0].time > time.time() - 60
 
 
 def test_one_ps_sweeps_a_table_and_another_takes_over_when_it_dies(redis_url, redis_namespace, make_ps):

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from dynemb.ps_server.errors import DeadlineExceeded, TableExists, TableNotFound
-from dynemb.ps_server.lifecycle import Deletions, Lifecycle, SweepSlice
+from dynemb.ps_server.lifecycle import Deletions, Drops, Lifecycle, SweepSlice
 from dynemb.ps_server.schema import TableSchema
 
 
@@ -168,6 +168,12 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def deletions(self, table: str, after: str = "", limit: int = 65536) -> Deletions:
         """Up to about `limit` ids logged as deleted after cursor `after` ("": from the oldest kept)."""
+
+    @abc.abstractmethod
+    def drops(self, after: str = "", limit: int = 1000) -> Drops:
+        """Up to `limit` tables dropped after cursor `after` ("": from the oldest kept), each with
+        its time: their rows left with them (the deletion logs record the rows that leave a
+        table that stays)."""
 
     def record_sweep(self, table: str, result: dict) -> None:
         """Keep a sweep's result (sweeper.SweepResult as a dict) for last_sweep(), seen by every

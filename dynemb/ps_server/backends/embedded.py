@@ -34,6 +34,7 @@ import os
 import shutil
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,7 +47,16 @@ from dynemb.ps_server.backends.deletion_log import DeletionLog, parse_cursor
 from dynemb.ps_server.backends.id_index import IdIndex
 from dynemb.ps_server.codec import rows_for_table
 from dynemb.ps_server.errors import PSError, TableNotFound
-from dynemb.ps_server.lifecycle import STAMP_DTYPE, Deletions, Lifecycle, SweepSlice, now_stamp
+from dynemb.ps_server.lifecycle import (
+    DROP_LOG_ENTRIES,
+    STAMP_DTYPE,
+    Deletions,
+    Drop,
+    Drops,
+    Lifecycle,
+    SweepSlice,
+    now_stamp,
+)
 from dynemb.ps_server.schema import TableSchema
 
 
@@ -220,6 +230,9 @@ class EmbeddedStore(Store):
     def __init__(self, directory: str | None = None) -> None:
         self._tables: dict[str, _Table] = {}
         self._lock = threading.Lock()
+        # tables dropped: (number, name, time), the newest DROP_LOG_ENTRIES; saved with the tables
+        self._drops: deque[tuple[int, str, float]] = deque(maxlen=DROP_LOG_ENTRIES)
+        self._drops_end = 0
         self.directory = Path(directory) if directory else None
         self.generation = 0  # the generation loaded or last saved (0: none, or the older layout)
         if self.directory is not None:
@@ -250,6 +263,7 @@ class EmbeddedStore(Store):
                 continue
             self._tables = tables
             self.generation = generation
+            self._load_drops(directory, generation)
             where = _gen_dir(directory, generation) if generation else directory
             rows = sum(len(t.index) for t in tables.values())
             if failed:
@@ -269,6 +283,22 @@ class EmbeddedStore(Store):
                 f"no saved generation of tables in {directory} loads: {'; '.join(failed)}. Move the directory "
                 f"away to start empty"
             )
+
+    def _load_drops(self, directory: Path, generation: int) -> None:
+        """The log of dropped tables as the generation saved it (none in the older layout)."""
+        if not generation:
+            return
+        try:
+            listing = json.loads((_gen_dir(directory, generation) / TABLES_FILE).read_text())
+            drops = [(int(seq), str(name), float(when)) for seq, name, when in listing.get("drops", [])]
+            end = int(listing.get("drops_end", 0))
+        except (OSError, ValueError, TypeError) as exc:
+            log.error(
+                "the log of dropped tables of generation %d is unreadable (%s): starting it empty", generation, exc
+            )
+            return
+        self._drops.extend(drops)
+        self._drops_end = max(end, drops[-1][0] + 1 if drops else 0)
 
     def _read_generation(self, directory: Path, generation: int) -> dict[str, _Table]:
         """Every table of one generation, checked against its tables.json (0: the older layout)."""
@@ -364,7 +394,12 @@ class EmbeddedStore(Store):
                 log.warning("save stalled after %d table files (%s, tests only)", len(entries), STALL_ENV)
                 while True:
                     time.sleep(60)
-        _write_json(gen / TABLES_FILE, {"generation": generation, "tables": entries})
+        with self._lock:
+            drops = [list(d) for d in self._drops]
+            drops_end = self._drops_end
+        _write_json(
+            gen / TABLES_FILE, {"generation": generation, "tables": entries, "drops": drops, "drops_end": drops_end}
+        )
         _fsync(directory)
         # the switch: until this rename lands, a restart loads the previous generation
         _write_json(directory / MANIFEST, {"format": SAVE_FORMAT, "generation": generation})
@@ -412,10 +447,25 @@ class EmbeddedStore(Store):
         return len(self._table(table).index)
 
     def drop_table(self, table: str) -> int | None:
-        """See Store.drop_table."""
+        """See Store.drop_table; the drop is logged (drops())."""
         with self._lock:
             t = self._tables.pop(table, None)
+            if t is not None:
+                self._drops.append((self._drops_end, table, time.time()))
+                self._drops_end += 1
         return None if t is None else len(t.index)
+
+    def drops(self, after: str = "", limit: int = 1000) -> Drops:
+        """See Store.drops: cursors count the drops logged before them."""
+        at = parse_cursor(after, "the log of dropped tables")
+        with self._lock:
+            kept = list(self._drops)
+            end = self._drops_end
+        first = kept[0][0] if kept else end
+        gap = at is not None and at < first
+        start = first if at is None else max(at, first)
+        got = [Drop(name, when) for seq, name, when in kept if seq >= start][: max(1, limit)]
+        return Drops(got, str(min(end, start + len(got))), gap)
 
     def pull(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """See Store.pull; rows of ids not found are left as they were in out."""

@@ -9,6 +9,7 @@ Layout (namespace <ns>, table <t>, bucket number <b>; the braces are literal):
     {dn:<ns>:tables}:rows         HASH  table name -> rows stored (kept by every write),
                                         <t>:c -> the table's "created" token (format 2 on)
     {dn:<ns>:tables}:dropped      ZSET  dropped tables' metadata -> when dropped (Redis TIME, seconds)
+    {dn:<ns>:tables}:drops        STREAM  the log of drops: entries {"table", "t"} numbered "<n>-0"
     dn:<ns>:<t>:<c>:r:{<t>.<b>}   HASH  id as 8 little-endian bytes -> the row's raw bytes, then
                                         its stamp (format 3 on: 4 bytes, lifecycle.py)
     dn:<ns>:<t>:<c>:deleted       STREAM  the table's deletion log: entries {"ids": 8-byte ids}
@@ -197,6 +198,11 @@ def rows_key(namespace: str) -> bytes:
 def dropped_key(namespace: str) -> bytes:
     """The key of the namespace's set of dropped tables to sweep (in the table hash's Cluster slot)."""
     return b"{" + meta_key(namespace) + b"}:dropped"
+
+
+def drops_key(namespace: str) -> bytes:
+    """The key of the namespace's log of dropped tables, a stream (in the table hash's Cluster slot)."""
+    return b"{" + meta_key(namespace) + b"}:drops"
 
 
 def bucket_prefix(namespace: str, table: str, token: str = "") -> bytes:

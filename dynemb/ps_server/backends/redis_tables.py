@@ -56,6 +56,7 @@ from dynemb.ps_server.backends.redis_keys import (
     _TableMeta,
     bucket_count_of,
     buckets_for,
+    drops_key,
     log,
     prefix_of,
 )
@@ -64,7 +65,7 @@ from dynemb.ps_server.errors import (
     PSError,
     TableNotFound,
 )
-from dynemb.ps_server.lifecycle import STAMP_BYTES, Deletions, Lifecycle, now_stamp
+from dynemb.ps_server.lifecycle import DROP_LOG_ENTRIES, STAMP_BYTES, Deletions, Drop, Drops, Lifecycle, now_stamp
 from dynemb.ps_server.schema import TableSchema
 
 # Counts and deletes bucket KEYS[1] atomically, so clear/drop report exactly what they removed.
@@ -114,13 +115,18 @@ _DROP_MARK_LUA = (
 )
 
 
-# KEYS[1] the table hash, KEYS[2] the row-count hash, KEYS[3] the dropped set: table ARGV[1] and
-# its count removed if its metadata is still ARGV[2] (the mark of this drop: another drop may
-# have finished it and a create made a new table of that name since), and the mark recorded
-# with Redis's time for the sweep; else nothing.
+# KEYS[1] the table hash, KEYS[2] the row-count hash, KEYS[3] the dropped set, KEYS[4] the log of
+# drops (a stream; all four in one slot): table ARGV[1] and its count removed if its metadata is
+# still ARGV[2] (the mark of this drop: another drop may have finished it and a create made a
+# new table of that name since), the mark recorded with Redis's time for the sweep, and the drop
+# logged (entries numbered "<n>-0" as in _LOG_LUA, the newest ARGV[3] or so kept); else nothing.
 _DROP_LUA = (
     "if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end "
     "local t = redis.call('TIME') redis.call('ZADD', KEYS[3], t[1] + t[2] / 1000000, ARGV[2]) "
+    "local last = redis.call('XREVRANGE', KEYS[4], '+', '-', 'COUNT', 1) local n = 1 "
+    "if #last > 0 then n = tonumber(string.match(last[1][1], '^(%d+)')) + 1 end "
+    "redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[3], n .. '-0', 'table', ARGV[1], "
+    "'t', t[1] .. '.' .. string.format('%06d', tonumber(t[2]))) "
     "redis.call('HDEL', KEYS[2], ARGV[1], ARGV[1] .. ':c') return redis.call('HDEL', KEYS[1], ARGV[1])"
 )
 
@@ -546,8 +552,9 @@ class RedisTables(StoreParts):
             )
         n, whole = self._delete_buckets(meta)
         if whole:
-            keys = [self._meta_key, self._rows_key, self._dropped_key]
-            self._run_scripted(lambda pipe: self._script(pipe, _DROP_LUA, keys, [table, meta.raw]))
+            keys = [self._meta_key, self._rows_key, self._dropped_key, drops_key(self.namespace)]
+            drop = [table, meta.raw, str(DROP_LOG_ENTRIES)]
+            self._run_scripted(lambda pipe: self._script(pipe, _DROP_LUA, keys, drop))
         with self._cache_lock:
             self._cache.pop(table, None)
         self._sweep_soon()
@@ -644,6 +651,24 @@ class RedisTables(StoreParts):
         ms = max(1, int(seconds * 1000))
         got = self._run_scripted(lambda pipe: self._script(pipe, _LEASE_LUA, [meta.lease_key], [owner, ms]))[0]
         return bool(int(got))
+
+    def drops(self, after: str = "", limit: int = 1000) -> Drops:
+        """See Store.drops: entries of the namespace's log of drops, numbered as the drops are
+        (_DROP_LUA), so a cursor is a count, as on the embedded store."""
+        at = parse_cursor(after, "the log of dropped tables")
+        key = drops_key(self.namespace)
+        pipe = self._pipeline()
+        pipe.execute_command("XRANGE", key, "-" if at is None else f"({at}-0", "+", "COUNT", max(1, limit))
+        pipe.execute_command("XRANGE", key, "-", "+", "COUNT", 1)
+        entries, first = self._run(pipe)
+        # entry n is the n-th drop: one past `at` missing from the oldest kept means trimmed ones
+        gap = at is not None and bool(first) and int(_raw(first[0][0]).split(b"-")[0]) > at + 1
+        got, cursor = [], after
+        for entry_id, fields in entries:
+            values = _entry_fields(fields)
+            got.append(Drop(_raw(values[b"table"]).decode(), float(_raw(values[b"t"]))))
+            cursor = _raw(entry_id).split(b"-")[0].decode()
+        return Drops(got, cursor, gap)
 
     def record_sweep(self, table: str, result: dict) -> None:
         """See Store.record_sweep: a key beside the table's, read by every PS."""

@@ -32,7 +32,7 @@ from dynemb.ps_server.client.sharding import Sharding
 from dynemb.ps_server.client.shared_memory import segment_pools
 from dynemb.ps_server.client.transport import Transport
 from dynemb.ps_server.errors import InvalidArgument, PSError, Unauthenticated
-from dynemb.ps_server.lifecycle import Deletions, Lifecycle
+from dynemb.ps_server.lifecycle import Deletions, Drop, Drops, Lifecycle
 from dynemb.ps_server.schema import MAX_EXPECTED_ROWS, Initializer, TableSchema
 
 DEFAULT_RETRY = RetryPolicy()
@@ -240,6 +240,23 @@ class PSClient:
         replies = self._transport.fanout("Touch", calls, self._deadline(timeout))
         every = min((r.touch_every_s for r in replies), default=0)
         return sum(r.rows_stored for r in replies), every
+
+    def read_drops(self, after: str = "", limit: int = 1000, timeout: float | None = None) -> Drops:
+        """Tables dropped after cursor `after`, by time (every row of each left with it; a drop
+        of a table on several PSes with stores of their own shows once for each).
+
+        Returns:
+            Drops: the tables and when, the cursor to read on from, and gap (a PS trimmed its
+            log past `after`).
+        """
+        shards = len(self._transport.addresses)
+        cursors = after.split(",") if after else [""] * shards
+        if len(cursors) != shards:
+            raise InvalidArgument(f"drop log cursor {after[:80]!r} is for {len(cursors)} PSes, not {shards}")
+        calls = [(shard, ps_pb2.ReadDropsRequest(after=c, limit=limit)) for shard, c in enumerate(cursors)]
+        replies = self._transport.fanout("ReadDrops", calls, self._deadline(timeout))
+        merged = sorted((Drop(d.table, d.time) for r in replies for d in r.drops), key=lambda d: d.time)
+        return Drops(merged, ",".join(r.cursor for r in replies), any(r.gap for r in replies))
 
     def read_deletions(
         self, table: str, after: str = "", limit: int = 65536, timeout: float | None = None
