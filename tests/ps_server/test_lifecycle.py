@@ -333,3 +333,12 @@ def test_redis_log_of_drops_is_bounded_and_says_when_trimmed(redis_url, redis_na
         assert not store.drops(late.cursor).gap
     finally:
         store.close()
+
+
+def test_a_clear_logs_every_row_it_deletes(store):
+    t = make_table(store)
+    ids = np.arange(100, 400, dtype=np.int64)
+    store.push(t, ids, rows_of(ids))
+    start = store.deletions(t).cursor
+    assert store.clear(t) == 300
+    assert sorted(store.deletions(t, start).ids.tolist()) == ids.tolist()

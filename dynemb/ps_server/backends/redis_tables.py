@@ -453,7 +453,7 @@ class RedisTables(StoreParts):
         if not int(counted) and not self.cluster:
             raise self._gone(meta.schema.name)
 
-    def _delete_buckets(self, meta: _TableMeta) -> tuple[int, bool]:
+    def _delete_buckets(self, meta: _TableMeta, log_rows: bool = False) -> tuple[int, bool]:
         """Clear the table's buckets while its metadata is still meta.raw, pipeline by pipeline.
 
         A clear or drop that outlives its table (finished by another PS's drop, perhaps created
@@ -461,6 +461,11 @@ class RedisTables(StoreParts):
         Redis each bucket's script checks the metadata; on Cluster it is read before each
         pipeline and after the last (a pipeline sent meanwhile clears only keys of the dropped
         table's creation token: see the module doc).
+
+        Args:
+            meta: the table's metadata.
+            log_rows: log each run's ids in the table's deletion log before it is cleared (a
+                clear; a drop is logged as a whole, in the log of drops).
 
         Returns:
             (rows removed, whether every bucket was cleared: False if it stopped).
@@ -474,6 +479,8 @@ class RedisTables(StoreParts):
             return raw is not None and _raw(raw) == meta.raw
 
         for keys in self._bucket_key_runs(meta):
+            if log_rows:
+                self._log_bucket_ids(meta, keys)
             if self.cluster:  # the scripts cannot see the table hash (another slot)
                 if not unchanged():
                     return removed, False
@@ -503,9 +510,22 @@ class RedisTables(StoreParts):
         # clears reached only the dropped table's keys, whatever came since)
         return removed, not self.cluster or unchanged()
 
+    def _log_bucket_ids(self, meta: _TableMeta, keys: list[bytes]) -> None:
+        """Log the ids stored in the buckets `keys` as deleted (their fields: HKEYS, no rows)."""
+        import numpy as np
+
+        pipe = self._pipeline()
+        for key in keys:
+            pipe.execute_command("HKEYS", key)
+        fields = [f for reply in self._run(pipe) for f in reply]
+        if fields:
+            self._log_deleted(meta, np.frombuffer(b"".join(map(_raw, fields)), dtype="<i8").astype(np.int64))
+
     def clear(self, table: str) -> int:
-        """See Store.clear; TableNotFound if the table is dropped while it clears."""
-        n, whole = self._delete_buckets(self._meta(table))
+        """See Store.clear; TableNotFound if the table is dropped while it clears. Each run of
+        buckets' ids is logged in the deletion log before the run is cleared (a row pushed in
+        between is cleared unlogged: a clear racing pushes leaves no promise about them)."""
+        n, whole = self._delete_buckets(self._meta(table), log_rows=True)
         if not whole:
             err = self._not_found(table)
             raise TableNotFound(f"{err} (dropped meanwhile, after {n} of its rows were cleared)")
