@@ -3,8 +3,9 @@ but second-long intervals and this test's targets, scrapes a running PS (`dynemb
 over Redis, with the auth token and TLS the Kubernetes manifests use), both ranks of a torchrun
 trainer (`-m dynemb.trainer --metrics-port`) that trains through that PS, and redis_exporter beside
 the Redis (run with deploy/k8s's redis.conf). PromQL through Prometheus' HTTP API then returns
-the trainer's hit and eviction counters per table and rank, the PS's rows per table, the
-recorded series, the Redis memory limit, and data for the dashboard's panels."""
+the trainer's hit and eviction counters per table and rank, the PS's rows per table, its
+sweeps and its tables' declared sizes, the recorded series, the Redis memory limit, and data
+for the dashboard's panels."""
 
 from __future__ import annotations
 
@@ -144,6 +145,8 @@ def stack(tmp_path_factory, redis_binaries):
             tls["key"],
             "--not-serving-seconds",
             "0",
+            "--sweep-every",  # passes over tables with a row cap alone are this often
+            "1",
             env={"DYNEMB_PS_AUTH_TOKEN": TOKEN},
         ).start()
         procs.append(ps)
@@ -179,7 +182,8 @@ def stack(tmp_path_factory, redis_binaries):
                 str(BATCH),
                 "--steps",
                 str(STEPS),
-                *"--eval-batches 1 --no-progress --job-name".split(),
+                # a row cap far above the rows trained: the PS sweeps the tables, deleting nothing
+                *"--ps-max-rows 1000000 --eval-batches 1 --no-progress --job-name".split(),
                 JOB,
                 "--metrics-port",
                 str(metrics_port),
@@ -268,6 +272,24 @@ def test_ps_counts_the_rows_the_trainers_moved_per_table(stack):
         assert pushed[(table,)] > evicted[(table,)] > 0
     assert prom.values('up{job="dynemb-ps"}', "job") == {("dynemb-ps",): 1.0}
     assert prom.values("dynemb_ps_serving", "job") == {("dynemb-ps",): 1.0}
+
+
+def test_ps_reports_its_sweeps_and_the_tables_declared_sizes(stack):
+    """The trainer's tables declare their ID universe and carry a row cap far above it: the PS
+    sweeps them (deleting nothing) and counts them against their declarations, and no alert on
+    rows that expire fires."""
+    prom, _ = stack
+    tables = {(table,) for table in TABLE_NAMES}
+    assert prom.values('dynemb_ps_table_declared_rows{job="dynemb-ps"}', "table") == dict.fromkeys(tables, 2000.0)
+    assert prom.values('dynemb_ps_rows_over_declared{job="dynemb-ps"}', "table") == dict.fromkeys(tables, 0.0)
+    assert prom.values('dynemb_ps_rows_over_cap{job="dynemb-ps"}', "table") == dict.fromkeys(tables, 0.0)
+    assert prom.values('dynemb_ps_rows_expired_total{job="dynemb-ps"}', "table") == dict.fromkeys(tables, 0.0)
+    ages = prom.values('dynemb_ps_oldest_row_age_seconds{job="dynemb-ps"}', "table")
+    assert set(ages) == tables and all(0 <= v < 600 for v in ages.values()), ages
+    since = prom.values('time() - dynemb_ps_last_sweep_timestamp_seconds{job="dynemb-ps"}', "table")
+    assert set(since) == tables and all(v < 60 for v in since.values()), since
+    alerts = 'ALERTS{alertname=~"DynembTableOverDeclared|DynembTableOverCap|DynembSweepsStopped"}'
+    assert prom.query(alerts) == []
 
 
 def test_recording_rules_evaluate_on_real_data(stack):

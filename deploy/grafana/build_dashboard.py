@@ -213,6 +213,43 @@ ROWS = [
         ],
     ),
     (
+        # docs/ps.md, "Rows that expire"; a table's state as each PS over its store reports it
+        "Rows that expire",
+        [
+            (
+                "Rows expired /s by table",
+                "ops",
+                [
+                    (
+                        f'sum by (table) (rate(dynemb_ps_rows_expired_total{{{P}, table=~"$table"}}[{RATE}]))',
+                        "{{table}}",
+                    )
+                ],
+            ),
+            (
+                "Oldest row age, time since the last sweep",
+                "s",
+                [
+                    (f'dynemb_ps_oldest_row_age_seconds{{{P}, table=~"$table"}}', "oldest row {{table}} {{instance}}"),
+                    (
+                        f'time() - dynemb_ps_last_sweep_timestamp_seconds{{{P}, table=~"$table"}}',
+                        "since sweep {{table}} {{instance}}",
+                    ),
+                ],
+            ),
+            (
+                "Rows over the row cap",
+                "short",
+                [(f'dynemb_ps_rows_over_cap{{{P}, table=~"$table"}}', "{{table}} {{instance}}")],
+            ),
+            (
+                "Rows over the declared size",
+                "short",
+                [(f'dynemb_ps_rows_over_declared{{{P}, table=~"$table"}}', "{{table}} {{instance}}")],
+            ),
+        ],
+    ),
+    (
         "Redis",
         [
             (

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from dynemb.protos import ps_pb2
+from dynemb.ps_server.schema import TableSchema
 
 # Latencies from 100 us (a small pull on the embedded store) to 30 s (a big import).
 LATENCY_BUCKETS = (
@@ -146,16 +148,44 @@ class PSMetrics:
         )
         self.oldest_row_age = Gauge(
             "dynemb_ps_oldest_row_age_seconds",
-            "Age of the least recently used row, at this PS's last sweep of the table",
+            "Age of the least recently used row, at the table's last sweep (dynemb_ps_last_sweep_timestamp_seconds)",
             ["table"],
             registry=r,
         )
         self.rows_over_cap = Gauge(
             "dynemb_ps_rows_over_cap",
-            "Rows over the table's max_rows after this PS's last sweep (all in use)",
+            "Rows over the table's max_rows after its last sweep (all in use)",
             ["table"],
             registry=r,
         )
+        # a pass over a table is due at least hourly, or every --sweep-every if longer (sweeper.py),
+        # and may take hours over billions of rows: a time older than that means that sweeps
+        # stopped. For the tables this PS has swept: its own last pass, or a later one of another
+        # PS over the store (server.py reads the store's record).
+        self.last_sweep = Gauge(
+            "dynemb_ps_last_sweep_timestamp_seconds",
+            "When the table's last sweep pass ended (Unix seconds), for tables this PS has swept",
+            ["table"],
+            registry=r,
+        )
+        self._swept_tables: set[str] = set()  # tables with sweep series of their own
+        self._last_finished: dict[str, float] = {}  # the sweep the gauges show, by label
+        self._sweeps_lock = threading.Lock()
+        # tables against the rows they declared (TableSchema.expected_rows), counted every
+        # server.TABLE_COUNT_EVERY_S; a table that declared none has neither series
+        self.declared_rows = Gauge(
+            "dynemb_ps_table_declared_rows",
+            "Rows the table declared it expects (expected_rows), for tables that declared some",
+            ["table"],
+            registry=r,
+        )
+        self.rows_over_declared = Gauge(
+            "dynemb_ps_rows_over_declared",
+            "Rows the table holds beyond what it declared (expected_rows), for tables that declared some",
+            ["table"],
+            registry=r,
+        )
+        self._declared: set[str] = set()  # label values counted() set at its last call
         self._expired_reads_seen: dict[str, int] = {}
         self._children: dict = {}
 
@@ -167,9 +197,61 @@ class PSMetrics:
         self._expired_reads_seen[result.table] = expired_reads
         self.child(self.rows_expired, label).inc(result.deleted)
         self.sweep_seconds.observe(result.seconds)
-        if result.oldest:
-            self.child(self.oldest_row_age, label).set(max(0.0, result.finished - result.oldest))
-        self.child(self.rows_over_cap, label).set(result.rows_over_cap)
+        with self._sweeps_lock:
+            self._sweep_gauges(label, result.finished, result.rows_over_cap, result.oldest)
+            if label == result.table:
+                self._swept_tables.add(label)
+
+    def _sweep_gauges(self, label: str, finished: float, rows_over_cap: int, oldest: int) -> None:
+        if oldest:
+            self.child(self.oldest_row_age, label).set(max(0.0, finished - oldest))
+        self.child(self.rows_over_cap, label).set(rows_over_cap)
+        self.child(self.last_sweep, label).set(finished)
+        self._last_finished[label] = finished
+
+    def sweep_seen(self, table: str, record: dict) -> None:
+        """The latest sweep of a table this PS has swept, as the store recorded it (Store.last_sweep:
+        by whichever PS over the store made it). The table's sweep gauges follow it where it is
+        newer than theirs, so that a PS whose sweep lease passed to another shows no stale sweep."""
+        finished = float(record.get("finished", 0.0))
+        with self._sweeps_lock:
+            if table in self._swept_tables and finished > self._last_finished.get(table, 0.0):
+                self._sweep_gauges(table, finished, int(record.get("rows_over_cap", 0)), int(record.get("oldest", 0)))
+
+    def swept_tables(self) -> set[str]:
+        """The tables with sweep series of their own (swept by this PS, not forgotten since)."""
+        with self._sweeps_lock:
+            return set(self._swept_tables)
+
+    def unswept(self, table: str) -> None:
+        """Remove a table's sweep gauges (its rows no longer expire: no sweep is due, and its
+        last sweep's time must not read as sweeps that stopped). Its counters stay."""
+        with self._sweeps_lock:
+            self._swept_tables.discard(table)
+            self._last_finished.pop(table, None)
+            for metric in (self.oldest_row_age, self.rows_over_cap, self.last_sweep):
+                self._children.pop((metric, (table,)), None)
+                with contextlib.suppress(KeyError):
+                    metric.remove(table)
+
+    def counted(self, tables: Iterable[tuple[TableSchema, int]]) -> None:
+        """Set each table's declared rows and rows over them, from (TableSchema, rows stored)
+        pairs of every table (Store.list_tables_with_rows): tables that declared none get no
+        series; those past max_table_labels are summed under OTHER_TABLES."""
+        sums: dict[str, tuple[int, int]] = {}
+        for schema, rows in tables:
+            if schema.expected_rows > 0:
+                declared, over = sums.get(label := self.table_label(schema.name), (0, 0))
+                sums[label] = (declared + schema.expected_rows, over + max(0, rows - schema.expected_rows))
+        for label, (declared, over) in sums.items():
+            self.child(self.declared_rows, label).set(declared)
+            self.child(self.rows_over_declared, label).set(over)
+        for label in self._declared - sums.keys():  # dropped (through any PS), or none under OTHER_TABLES now
+            for metric in (self.declared_rows, self.rows_over_declared):
+                self._children.pop((metric, (label,)), None)
+                with contextlib.suppress(KeyError):
+                    metric.remove(label)
+        self._declared = set(sums)
 
     def child(self, metric, *labels):
         """metric.labels(*labels), remembered: labels() checks and locks on every call, and a
@@ -199,7 +281,11 @@ class PSMetrics:
                 return
             self._labelled.discard(table)
             by_table: tuple[Counter | Gauge, ...] = (self.missing_rows, self.rows_expired, self.expired_reads)
-            by_table += (self.oldest_row_age, self.rows_over_cap)
+            by_table += (self.oldest_row_age, self.rows_over_cap, self.last_sweep)
+            by_table += (self.declared_rows, self.rows_over_declared)
+            with self._sweeps_lock:
+                self._swept_tables.discard(table)
+                self._last_finished.pop(table, None)
             tabled = (self.rows, *by_table)
             # list(): a C-level copy, safe while request threads add children
             for key in [k for k in list(self._children) if k[0] in tabled and k[1][-1] == table]:

@@ -30,7 +30,7 @@ from dynemb.ps_server import shm
 from dynemb.ps_server.auth import TokenAuthInterceptor
 from dynemb.ps_server.backend_watch import BackendWatch
 from dynemb.ps_server.backends import Store, open_store
-from dynemb.ps_server.errors import PSError
+from dynemb.ps_server.errors import PSError, TableNotFound
 from dynemb.ps_server.metrics import DEFAULT_MAX_TABLE_LABELS, PSMetrics
 from dynemb.ps_server.schema import MAX_ROW_WIDTH
 from dynemb.ps_server.service import DEFAULT_MAX_ROW_WIDTH, ParameterServerService, add_to_server
@@ -44,6 +44,10 @@ SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 # store's state and draining aside. A liveness probe checks it; readiness checks "" (which
 # follows the store), so an outage of Redis makes PS pods unready, not restarted.
 LIVENESS_SERVICE = "liveness"
+# How often the PS counts every table's rows against what it declared (dynemb_ps_rows_over_declared):
+# one listing of the tables with their row counts (two commands on Redis, whatever their number);
+# every second while the store holds no table, so the first tables show at once.
+TABLE_COUNT_EVERY_S = 30.0
 
 
 @dataclass
@@ -136,6 +140,7 @@ class PSServer:
         self.store = store
         self.health = health.HealthServicer()
         self.backend_watch = BackendWatch(store, config.backend_check_seconds, self._backend_changed)
+        self._table_count = threading.Thread(target=self._count_tables_loop, name="ps-table-count", daemon=True)
         self.port: int | None = None
         self.metrics_port: int | None = None
         self._metrics_http: WSGIServer | None = None
@@ -219,6 +224,7 @@ class PSServer:
         self.backend_watch.start()
         if self.sweeper is not None:
             self.sweeper.start()
+        self._table_count.start()
         # the store's settings for the tables already there, off the start path (it may be away)
         threading.Thread(target=self._check_store_config, name="ps-store-config", daemon=True).start()
         log.info(
@@ -239,6 +245,38 @@ class PSServer:
             self.store.record_sweep(result.table, result._asdict())
         except PSError as exc:
             log.warning("could not record the sweep of table %r: %s", result.table, exc)
+
+    def _count_tables_loop(self) -> None:
+        wait = 0.0
+        while not self._stopped.wait(wait):
+            try:
+                wait = TABLE_COUNT_EVERY_S if self.count_tables() else 1.0
+            except Exception:  # noqa: BLE001 - a thread that dies would leave the gauges stale
+                log.exception("could not count the tables' rows")
+                wait = TABLE_COUNT_EVERY_S
+
+    def count_tables(self) -> bool:
+        """Every table's rows against what it declared, into the metrics; for the tables this PS
+        has swept, the store's record of their last sweep (whichever PS made it), and out of
+        the metrics their sweep gauges once their rows no longer expire or they were dropped
+        (through any PS). Returns whether the store holds any table."""
+        try:
+            tables = self.store.list_tables_with_rows()
+        except PSError as exc:  # the store away (BackendWatch says so): next time
+            log.debug("could not count the tables' rows: %s", exc)
+            return False
+        self.metrics.counted(tables)
+        for table in self.metrics.swept_tables():
+            try:
+                if not self.store.lifecycle(table).active:
+                    self.metrics.unswept(table)
+                elif record := self.store.last_sweep(table):
+                    self.metrics.sweep_seen(table, record)
+            except TableNotFound:
+                self.metrics.unswept(table)
+            except PSError as exc:
+                log.debug("could not read the lifecycle of table %r: %s", table, exc)
+        return bool(tables)
 
     def _check_store_config(self) -> None:
         try:
@@ -292,6 +330,8 @@ class PSServer:
         if self.sweeper is not None:
             self.sweeper.stop()
         self.drain(grace)
+        if self._table_count.is_alive():
+            self._table_count.join(timeout=15)
         if close_port:
             self._grpc.stop(0).wait()  # after the drain, only refusals can be in flight
         if self._metrics_http is not None:

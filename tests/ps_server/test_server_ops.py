@@ -219,6 +219,51 @@ def test_dropped_tables_leave_metrics_and_labels_are_bounded(make_ps):
         assert pulled == 30 * 5 + sum(10 + i for i in range(5)) + 3
 
 
+def test_metrics_of_declared_sizes_and_sweeps():
+    """Tables against the rows they declared (summed under (other) past --max-table-labels),
+    sweep gauges that follow the store's record of a later sweep by another PS, and both gone
+    with the table's lifecycle or the table (dropped through another PS)."""
+    from dynemb.ps_server.lifecycle import Lifecycle
+    from dynemb.ps_server.server import PSServer, ServeConfig
+    from dynemb.ps_server.sweeper import SweepResult
+
+    config = ServeConfig(address="127.0.0.1:0", metrics_port=None, sweep_every_seconds=0, max_table_labels=2)
+    server = PSServer(config).start()
+
+    def gauge(name: str) -> dict[str, float]:
+        return {
+            s.labels["table"]: s.value
+            for family in server.metrics.registry.collect()
+            for s in family.samples
+            if s.name == name
+        }
+
+    try:
+        with PSClient(f"127.0.0.1:{server.port}") as ps:
+            for name, declared, rows in (("a", 100, 150), ("b", 50, 40), ("c", 10, 30), ("d", 10, 15), ("e", 0, 99)):
+                ps.create_table(name, dim=2, expected_rows=declared, lifecycle=Lifecycle(max_rows=1000))
+                ps.push(name, np.arange(rows), np.ones((rows, 2), np.float32))
+            server.count_tables()
+            assert gauge("dynemb_ps_table_declared_rows") == {"a": 100, "b": 50, "(other)": 20}
+            assert gauge("dynemb_ps_rows_over_declared") == {"a": 50, "b": 0, "(other)": 20 + 5}
+            # a sweep of b by this PS, then a later one by another PS over the same store
+            server._swept(SweepResult("b", 1000.0, 0.1, 40, 0, 0, 0, 900))
+            server.store.record_sweep("b", SweepResult("b", 2000.0, 0.1, 40, 0, 0, 7, 1990)._asdict())
+            server.count_tables()
+            assert gauge("dynemb_ps_last_sweep_timestamp_seconds") == {"b": 2000}
+            assert gauge("dynemb_ps_rows_over_cap") == {"b": 7}
+            assert gauge("dynemb_ps_oldest_row_age_seconds") == {"b": 10}
+            ps.set_lifecycle("b", Lifecycle())  # no sweep is due: no last sweep to alert on
+            server.store.drop_table("a")  # as another PS over the store would
+            server.store.drop_table("c")
+            server.count_tables()
+            assert gauge("dynemb_ps_last_sweep_timestamp_seconds") == gauge("dynemb_ps_rows_over_cap") == {}
+            assert gauge("dynemb_ps_table_declared_rows") == {"b": 50, "(other)": 10}
+            assert gauge("dynemb_ps_rows_over_declared") == {"b": 0, "(other)": 5}
+    finally:
+        server.stop(1)
+
+
 @pytest.mark.slow
 def test_tables_dropped_through_another_ps_leave_its_metrics(redis_url, redis_namespace, make_ps):
     flags = ("--backend", redis_url, "--namespace", redis_namespace)
