@@ -239,12 +239,8 @@ class PSServer:
         return self
 
     def _swept(self, result: SweepResult) -> None:
-        """A sweeper pass: into the metrics, and kept for every PS's DescribeTable."""
+        """A sweeper pass (the sweeper records it in the store for every PS): into the metrics."""
         self.metrics.swept(result, self.store.expired_reads(result.table))
-        try:
-            self.store.record_sweep(result.table, result._asdict())
-        except PSError as exc:
-            log.warning("could not record the sweep of table %r: %s", result.table, exc)
 
     def _count_tables_loop(self) -> None:
         wait = 0.0

@@ -28,6 +28,8 @@ log = logging.getLogger("dynemb.ps")
 
 SLICE_ROWS = 1024
 MAX_PASS_EVERY_S = 3600.0
+# Seconds after start before the first check of the tables (then every every_s / 4).
+FIRST_CHECK_S = 1.0
 # The share of the time a pass sweeps: after a slice of d seconds it pauses d * (1 - DUTY) / DUTY.
 DUTY = 0.25
 
@@ -176,31 +178,30 @@ class Sweeper:
         return max(self.every_s, min(ttl_s / 8, MAX_PASS_EVERY_S))
 
     def _loop(self) -> None:
-        while not self._stop.wait(self._next_wait()):
-            self.sweep_due()
-
-    def _next_wait(self) -> float:
-        return min(self.every_s, 1.0) if not self.last else self.every_s / 4
+        wait = min(self.every_s, FIRST_CHECK_S)
+        while not self._stop.wait(wait):
+            try:
+                self.sweep_due()
+            except Exception:  # noqa: BLE001 - whatever the store raised: logged, the next check tries again
+                log.exception("sweeper: a check of the tables failed; trying again in %.0f s", self.every_s / 4)
+            wait = self.every_s / 4
 
     def sweep_due(self) -> list[SweepResult]:
-        """One pass over each table due for one whose lease this PS holds."""
+        """One pass over each table whose rows expire and whose last pass (by any PS of the
+        store: its record) is a pass interval old, if this PS holds or takes its lease."""
         done: list[SweepResult] = []
         try:
-            schemas = self.store.list_tables()
+            lifecycles = self.store.lifecycles()  # on Redis: two commands, whatever the tables
         except PSError as exc:
             log.warning("sweeper: cannot list tables: %s", exc)
             return done
         lease_s = max(10.0, 3 * self.every_s)
-        for schema in schemas:
-            table = schema.name
+        for table, lifecycle in sorted(lifecycles.items()):
             if self._stop.is_set():
                 break
-            last = self.last.get(table)
             try:
-                lifecycle = self.store.lifecycle(table)
-                if not lifecycle.active:
-                    continue
-                if last is not None and time.time() - last.finished < self.pass_every(lifecycle.ttl_s):
+                last = self.store.last_sweep(table)
+                if last is not None and time.time() - float(last["finished"]) < self.pass_every(lifecycle.ttl_s):
                     continue
                 if not self.store.take_sweep_lease(table, self.owner, lease_s):
                     continue
@@ -218,6 +219,10 @@ class Sweeper:
                 log.warning("sweeper: table %r: %s", table, exc)
                 continue
             self.last[table] = result
+            try:  # for every PS of the store: when the next pass is due, and DescribeTable
+                self.store.record_sweep(table, result._asdict())
+            except PSError as exc:
+                log.warning("sweeper: could not record the pass over table %r: %s", table, exc)
             self.on_result(result)
             done.append(result)
             if result.deleted:

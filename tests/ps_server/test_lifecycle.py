@@ -342,3 +342,35 @@ def test_a_clear_logs_every_row_it_deletes(store):
     start = store.deletions(t).cursor
     assert store.clear(t) == 300
     assert sorted(store.deletions(t, start).ids.tolist()) == ids.tolist()
+
+
+def test_two_sweepers_over_one_store_make_one_pass_an_interval(redis_url, redis_namespace):
+    """Whether a pass is due goes by the store's record of the last one, by any PS: two PSes'
+    sweepers over one Redis make one pass a pass interval between them, and a check of tables
+    without a lifecycle reads no table one by one."""
+    import redis as redis_py
+
+    from dynemb.ps_server.sweeper import Sweeper
+
+    stores = [RedisStore.from_url(redis_url, namespace=redis_namespace) for _ in range(2)]
+    try:
+        for k in range(5):
+            make_table(stores[0], f"plain{k}")
+        r = redis_py.Redis.from_url(redis_url)
+        r.config_resetstat()
+        sweepers = [Sweeper(s, every_s=3600) for s in stores]
+        assert sweepers[0].sweep_due() == []
+        calls = {k: v["calls"] for k, v in r.info("commandstats").items()}
+        assert calls.get("cmdstat_hget", 0) == 0 and calls.get("cmdstat_hgetall") == 2, calls
+        t = make_table(stores[0])
+        stores[0].set_lifecycle(t, Lifecycle(ttl_s=100))
+        first = sweepers[0].sweep_due()
+        assert [p.table for p in first] == [t]
+        r.delete(stores[0]._meta(t).lease_key)  # as if the first PS's lease ran out
+        for _ in range(3):  # within the interval: neither sweeps again, whoever takes the lease
+            assert sweepers[1].sweep_due() == [] and sweepers[0].sweep_due() == []
+        assert stores[1].last_sweep(t)["finished"] == first[0].finished
+        r.close()
+    finally:
+        for s in stores:
+            s.close()

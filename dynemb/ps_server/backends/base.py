@@ -143,6 +143,19 @@ class Store(abc.ABC):
     def lifecycle(self, table: str) -> Lifecycle:
         """The table's lifecycle (Lifecycle() if its rows never expire); raises TableNotFound."""
 
+    def lifecycles(self) -> dict[str, Lifecycle]:
+        """The lifecycle of every table whose rows expire, by name (a backend may read them all
+        at once)."""
+        found = {}
+        for schema in self.list_tables():
+            try:
+                lifecycle = self.lifecycle(schema.name)
+            except TableNotFound:
+                continue
+            if lifecycle.active:
+                found[schema.name] = lifecycle
+        return found
+
     @abc.abstractmethod
     def set_lifecycle(self, table: str, lifecycle: Lifecycle) -> Lifecycle:
         """Set when the table's rows expire, on a live table; returns it as stored (`since` set

@@ -643,6 +643,10 @@ class RedisTables(StoreParts):
         """See Store.lifecycle."""
         return self._row_meta(table).lifecycle
 
+    def lifecycles(self) -> dict[str, Lifecycle]:
+        """See Store.lifecycles: from every table's metadata, read in one command."""
+        return {m.schema.name: m.lifecycle for m in self._all_metas()[0] if m.lifecycle.active}
+
     def set_lifecycle(self, table: str, lifecycle: Lifecycle) -> Lifecycle:
         """See Store.set_lifecycle: kept in the table's metadata, which every PS reads."""
         lifecycle = lifecycle.checked(table)._replace(since=now_stamp())
