@@ -7,6 +7,13 @@ the run's end. Every call is timed; every failure is counted by its gRPC status 
 Rows are a pure function of the id (`expected_rows`): every push of an id writes the same
 values, so whatever order concurrent pushes land in, a pull must return them exactly. A pull
 that does not is counted as an error (WRONG_ROWS, or MISSING_ROWS for ids the prefill wrote).
+
+With a TTL (`LoadSpec.ttl_s`, bench/ps_load.py --ttl) a client pushes only ids never pushed
+before in the run (client k's are (k + 1) << 40 upwards, a batch of consecutive ones at a time)
+and pulls ids drawn from its own batches pushed in the last `pull_window_s` seconds, timed from
+before each push was sent: rows that cannot have expired, so a missing one is LIVE_ROW_LOST.
+With `push_every_s` a client pushes at most once that often (it waits for its turn; its pulls
+keep their share of its calls), else as fast as the PS answers.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 import traceback
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +32,8 @@ from dynemb.ps_server.errors import PSError
 # Slots per client in the shared live counters the parent reads for its progress display.
 PULLS, PUSHES, ROWS, ERRORS = range(4)
 COUNTER_SLOTS = 4
+# With a TTL, client k's new ids start at (k + 1) << NEW_ID_SHIFT: no two clients' ever meet.
+NEW_ID_SHIFT = 40
 
 
 @dataclass(frozen=True)
@@ -38,6 +47,9 @@ class LoadSpec:
     timeout: float
     duration: float
     seed: int
+    ttl_s: int = 0  # 0: pull and push the prefilled id space; else new ids only (module doc)
+    pull_window_s: float = 0.0  # with a TTL: pulls draw from the ids pushed this recently
+    push_every_s: float = 0.0  # with a TTL: the least time between one client's pushes (0: none)
 
 
 def expected_rows(patterns: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -53,15 +65,58 @@ class ClientStats:
         self.first_error: dict[str, str] = {}  # code -> the first message seen
 
 
+class NewIds:
+    """With a TTL: one client's ids, each pushed once, and the batches it pushed recently."""
+
+    def __init__(self, k: int, spec: LoadSpec) -> None:
+        self.next = (k + 1) << NEW_ID_SHIFT
+        self.batch = spec.batch
+        self.window = spec.pull_window_s
+        self.recent: deque[tuple[float, int]] = deque()  # (when sent, first id) of batches written
+
+    def fresh(self) -> np.ndarray:
+        """The next batch of ids never pushed (taken even if its push fails: never sent twice)."""
+        ids = np.arange(self.next, self.next + self.batch, dtype=np.int64)
+        self.next += self.batch
+        return ids
+
+    def live(self, rng: np.random.Generator) -> np.ndarray | None:
+        """A batch drawn from the ids pushed in the last `window` seconds; None if there are none."""
+        horizon = time.monotonic() - self.window
+        while self.recent and self.recent[0][0] < horizon:
+            self.recent.popleft()
+        if not self.recent:
+            return None
+        firsts = np.fromiter((first for _, first in self.recent), dtype=np.int64, count=len(self.recent))
+        picks = rng.integers(0, len(firsts) * self.batch, self.batch)
+        return firsts[picks // self.batch] + picks % self.batch
+
+
 def _drive(k: int, client: PSClient, spec: LoadSpec, stop_at: float, stats: ClientStats, live) -> None:
     rng = np.random.default_rng([spec.seed, k])
     base = k * COUNTER_SLOTS
+    new = NewIds(k, spec) if spec.ttl_s else None
+    # clients' turns to push spread over the interval (the golden ratio's fractions)
+    next_push = time.monotonic() + spec.push_every_s * ((k * 0.6180339887) % 1.0)
     while time.monotonic() < stop_at:
-        ids = spec.ids[rng.integers(0, len(spec.ids), spec.batch)]
         method = "pull" if rng.random() < spec.pull_fraction else "push"
+        if new is None:
+            ids = spec.ids[rng.integers(0, len(spec.ids), spec.batch)]
+        else:
+            pulled = new.live(rng) if method == "pull" else None
+            method = "pull" if pulled is not None else "push"  # nothing pushed recently yet: push
+            ids = pulled if pulled is not None else new.fresh()
         code = None
+        if method == "push" and spec.push_every_s:
+            wait = next_push - time.monotonic()
+            if time.monotonic() + wait >= stop_at:
+                break
+            time.sleep(max(0.0, wait))
+            # a client that fell behind pushes at once, but does not make up for more than one turn
+            next_push = max(next_push + spec.push_every_s, time.monotonic() - spec.push_every_s)
         if method == "push":
             rows = expected_rows(spec.patterns, ids)  # built before the clock starts
+        sent = time.monotonic()
         start = time.perf_counter()
         try:
             if method == "pull":
@@ -70,7 +125,13 @@ def _drive(k: int, client: PSClient, spec: LoadSpec, stop_at: float, stats: Clie
                 client.push(spec.table, ids, rows, timeout=spec.timeout)
             elapsed = time.perf_counter() - start
             if method == "pull":
-                if got.missing.any():
+                if got.missing.any() and new is not None:
+                    code, message = (
+                        "LIVE_ROW_LOST",
+                        f"{int(got.missing.sum())} of {len(ids)} ids pushed in the last "
+                        f"{spec.pull_window_s:g} s came back missing (e.g. id {int(ids[got.missing][0])})",
+                    )
+                elif got.missing.any():
                     code, message = (
                         "MISSING_ROWS",
                         f"{int(got.missing.sum())} of {len(ids)} prefilled ids came back missing",
@@ -82,6 +143,8 @@ def _drive(k: int, client: PSClient, spec: LoadSpec, stop_at: float, stats: Clie
         except Exception as exc:  # anything else is still this run's error, never a silent stop
             code, message = type(exc).__name__, str(exc)
         if code is None:
+            if new is not None and method == "push":
+                new.recent.append((sent, int(ids[0])))  # pullable from now on, aged from `sent`
             stats.latencies[method].append(elapsed)
             live[base + (PULLS if method == "pull" else PUSHES)] += 1
             live[base + ROWS] += len(ids)

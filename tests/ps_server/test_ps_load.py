@@ -5,10 +5,14 @@
 - Against a PS started here (the --ps path), calls given too short a deadline are counted
   by status code and the run exits 1 naming them.
 - The memory-growth rule on made-up series: a leak fails it, spikes in flight do not.
+- --ttl: a table whose rows expire, fed new ids, settles within its bounds with no live row
+  lost, and empties after; the steady-size rule on made-up series fails a table that keeps
+  growing, one that lost rows, and one that swings.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -19,7 +23,7 @@ import numpy as np
 import pytest
 from helpers import REPO
 
-from bench.load_observe import growth
+from bench.load_observe import Lifetimes, growth, steady_size
 
 pytestmark = pytest.mark.slow
 
@@ -155,3 +159,61 @@ def test_memory_growth_rule_fails_a_leak_and_ignores_spikes():
     assert g.ratio == pytest.approx(48e6 / 209.5e6) and g.ratio > 0.10
     with pytest.raises(ValueError, match="no memory samples"):
         growth([], [], warmup_end=1, end=2, window=1)
+
+
+def test_a_ttl_table_fed_new_ids_settles_at_its_steady_size(tmp_path):
+    done, r = run_bench(
+        *("--ttl", "4", "--sweep-every", "0.5", "--push-rate", "2000", "--duration", "24"),
+        *("--clients", "2", "--procs", "1", "--batch", "256", "--id-space", "10000"),
+        tmp_path=tmp_path,
+    )
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr[-3000:]}"
+    assert r["ok"] and r["failures"] == [] and "PASS:" in done.stdout and "no live row lost" in done.stdout
+    assert r["errors_total"] == 0 and r["ps_metrics_errors"] == {}
+    assert r["requests"]["pull"] > 0 and r["requests"]["push"] > 0
+    e = r["expiry"]
+    st = e["steady"]
+    assert e["pass_every_s"] == 0.5 and e["pull_window_s"] == 2
+    assert e["new_ids_pushed"] == r["requests"]["push"] * 256
+    assert st["new_ids_per_s"] == pytest.approx(2000, rel=0.2)  # the rate asked, if the box keeps up
+    assert st["samples"] >= 5 and st["bounds_rows"][0] <= st["steady_rows"] <= st["bounds_rows"][1]
+    assert st["max_over_min"] <= st["band"] and st["kept_share"] <= 0.5
+    # the steady size is rate x lifetime: between TTL and the longest a row stays
+    assert 4 * st["new_ids_per_s"] * 0.8 <= st["steady_rows"] <= st["lifetime_s"]["most"] * st["new_ids_per_s"] * 1.2
+    assert "steady size:" in done.stdout and "bounds:" in done.stdout and "; rows stored: " in done.stdout
+    # after the load every row expired and was deleted by a sweep, none lost on the way
+    drain = e["drain"]
+    assert drain["rows_left"] == 0 and drain["rows_expired"] == drain["rows_pushed"] == e["new_ids_pushed"]
+    assert r["memory_skipped"] is None and r["memory_warmup_end_s"] >= st["lifetime_s"]["most"]
+    assert r["memory"]["ps_rss"]["growth"] <= 0.10
+
+
+def test_steady_size_rule_fails_growth_loss_and_swings():
+    life = Lifetimes(ttl=10, pass_every=1.25, poll=0.25, pass_seconds=0.5)
+    t = np.arange(0, 81, 1.0)
+    pushed = 1000.0 * t  # 1,000 new ids a second
+    # settled: each row stays 10 s + a saw-tooth of the passes (0 to 2 s)
+    settled = np.minimum(t, 10 + (t % 2)) * 1000
+    s = steady_size(t, settled.tolist(), pushed, end=80, lifetimes=life, in_flight=0)
+    assert s.failures == [] and s.samples == 21
+    assert s.rate == pytest.approx(1000) and s.expected == pytest.approx(11_250)
+    assert s.least == pytest.approx(10_000) and s.most == pytest.approx(life.most * 1000)
+    assert s.least <= s.median <= s.most
+    assert abs(s.kept) < 0.1
+    # no rows ever expire: the table keeps growing, over its bounds
+    s = steady_size(t, pushed.tolist(), pushed, end=80, lifetimes=life)
+    assert s.kept == pytest.approx(1.0) and any("still grew" in f for f in s.failures)
+    assert any("is over the" in f for f in s.failures)
+    # a sweeper falling behind: passes as long as the table is big, so the bounds widen with them,
+    # but the table still keeps 60% of its new ids
+    slow = dataclasses.replace(life, pass_seconds=40)
+    s = steady_size(t, (600 * t + 10_000).tolist(), pushed, end=80, lifetimes=slow)
+    assert not any("is over the" in f for f in s.failures) and any("still grew" in f for f in s.failures)
+    # rows lost: fewer than were pushed in the last TTL
+    s = steady_size(t, (settled * 0.7).tolist(), pushed, end=80, lifetimes=life)
+    assert any("rows were lost" in f for f in s.failures)
+    # swings past the band (here, every other count read low), and counts not read
+    swinging = settled * np.where(t % 2 == 0, 1.0, 0.6)
+    assert any("did not settle" in f for f in steady_size(t, swinging.tolist(), pushed, 80, life).failures)
+    unread = [None] * len(t)
+    assert "too few to judge" in steady_size(t, unread, pushed, end=80, lifetimes=life).failures[0]
