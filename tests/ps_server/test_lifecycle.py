@@ -227,7 +227,7 @@ def test_rows_written_or_read_while_a_sweep_runs_stay(store, clock):
 
 
 def test_redis_deletion_log_is_bounded_and_says_when_trimmed(redis_url, redis_namespace, monkeypatch):
-    monkeypatch.setattr(redis_keys, "LOG_MAX_ENTRIES", 10)
+    monkeypatch.setattr(redis_keys, "LOG_MAX_IDS", 20)
     monkeypatch.setattr(redis_keys, "LOG_IDS_PER_ENTRY", 2)
     store = RedisStore.from_url(redis_url, namespace=redis_namespace)
     try:
@@ -237,7 +237,7 @@ def test_redis_deletion_log_is_bounded_and_says_when_trimmed(redis_url, redis_na
         store.push(t, np.arange(1, 2, dtype=np.int64), rows_of(np.arange(1, 2)))
         store.delete(t, np.array([1], dtype=np.int64))
         first = store.deletions(t)
-        for k in range(300):  # 300 entries: trimmed to about 10, whole stream nodes at a time
+        for k in range(300):  # 600 ids: trimmed to about 20, whole stream nodes (100 entries) at a time
             store.delete(t, np.array([2 * k + 100, 2 * k + 101], dtype=np.int64))
         late = store.deletions(t, first.cursor, limit=1 << 20)
         assert late.gap
@@ -374,3 +374,20 @@ def test_two_sweepers_over_one_store_make_one_pass_an_interval(redis_url, redis_
     finally:
         for s in stores:
             s.close()
+
+
+def test_a_read_of_the_log_takes_about_limit_ids_however_they_were_logged(store):
+    t = make_table(store)
+    ids = np.arange(50, dtype=np.int64)
+    store.push(t, ids, rows_of(ids))
+    for i in ids:  # 50 entries of one id
+        store.delete(t, np.array([i]))
+    got, cursor = [], ""
+    while True:
+        part = store.deletions(t, cursor, limit=10)
+        if not len(part.ids):
+            break
+        assert len(part.ids) == 10
+        got += part.ids.tolist()
+        cursor = part.cursor
+    assert got == ids.tolist()

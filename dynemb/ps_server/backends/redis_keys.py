@@ -88,9 +88,9 @@ from dynemb.ps_server.schema import TableSchema
 META_FORMAT = 3
 
 
-# A table's deletion log (a stream) keeps about this many entries, of at most LOG_IDS_PER_ENTRY
-# ids each: 1,024 x 4,096 ids (32 MiB of Redis memory at most).
-LOG_MAX_ENTRIES = 1024
+# A table's deletion log (a stream) keeps about its newest LOG_MAX_IDS ids (32 MiB of Redis
+# memory), in entries of at most LOG_IDS_PER_ENTRY.
+LOG_MAX_IDS = 1 << 22
 
 
 LOG_IDS_PER_ENTRY = 4096

@@ -721,8 +721,13 @@ class RedisTables(StoreParts):
         per = layout.LOG_IDS_PER_ENTRY
         chunks = [ids[lo : lo + per].tobytes() for lo in range(0, len(ids), per)]
         for lo in range(0, len(chunks), 64):  # a script of at most 64 entries (256k ids)
-            args = [layout.LOG_MAX_ENTRIES, *chunks[lo : lo + 64]]
+            args = [layout.LOG_MAX_IDS, *chunks[lo : lo + 64]]
             self._run_scripted(functools.partial(self._append_log, meta.log_key, args))
+
+    def _run_one(self, *command) -> Any:
+        pipe = self._pipeline()
+        pipe.execute_command(*command)
+        return self._run(pipe)[0]
 
     def _append_log(self, key: bytes, args: list, pipe) -> None:
         self._script(pipe, _LOG_LUA, [key], args)
@@ -734,11 +739,19 @@ class RedisTables(StoreParts):
 
         meta = self._meta(table)
         at = parse_cursor(after, f"table {table!r}")
-        count = max(1, -(-limit // layout.LOG_IDS_PER_ENTRY))
         pipe = self._pipeline()
-        pipe.execute_command("XRANGE", meta.log_key, "-" if at is None else f"({at}-0", "+", "COUNT", count)
         pipe.execute_command("XRANGE", meta.log_key, "-", "+", "COUNT", 1)
-        entries, first = self._run(pipe)
+        start = at if at is not None else 0
+        # the entries whose ids end within `limit` of the cursor (ids number the ids logged)
+        pipe.execute_command("XRANGE", meta.log_key, f"({start}-0", f"{start + max(1, limit)}-0")
+        pipe.execute_command("XRANGE", meta.log_key, f"({start}-0", "+", "COUNT", 1)
+        first, entries, one = self._run(pipe)
+        if at is None and first:  # from the oldest kept
+            oldest = int(_raw(first[0][0]).split(b"-")[0]) - len(_entry_fields(first[0][1])[b"ids"]) // 8
+            if oldest > start:
+                entries = self._run_one("XRANGE", meta.log_key, f"({oldest}-0", f"{oldest + max(1, limit)}-0")
+                one = first
+        entries = entries or one  # an entry bigger than the limit comes whole
         gap = False
         if at is not None and first:  # where the oldest entry kept starts: past `at`, entries were trimmed
             first_end = int(_raw(first[0][0]).split(b"-")[0])
@@ -764,15 +777,19 @@ def _entry_fields(fields) -> dict:
     return fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2]))
 
 
-# KEYS[1] a deletion log (stream): an entry per ARGV[2...] (packed ids), trimmed to about ARGV[1]
-# entries; each entry's id is "<ids logged up to it>-0", so a reader's cursor counts ids as on
-# the embedded store, and a reader finds out whether entries past its cursor were trimmed.
+# KEYS[1] a deletion log (stream): an entry per ARGV[2...] (packed ids), the log then trimmed to
+# about its newest ARGV[1] ids (MINID: whole entries, whole stream nodes); each entry's id is
+# "<ids logged up to it>-0", so a reader's cursor counts ids as on the embedded store, the bound
+# is in ids whatever the entries' sizes, and a reader finds out whether ids past its cursor were
+# trimmed.
 _LOG_LUA = (
     "local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1) local n = 0 "
     "if #last > 0 then n = tonumber(string.match(last[1][1], '^(%d+)')) end "
     "local t = redis.call('TIME') local now = t[1] .. '.' .. string.format('%06d', tonumber(t[2])) "
     "for i = 2, #ARGV do n = n + #ARGV[i] / 8 "
-    "redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], n .. '-0', 'ids', ARGV[i], 't', now) end return n"
+    "redis.call('XADD', KEYS[1], n .. '-0', 'ids', ARGV[i], 't', now) end "
+    "if n > tonumber(ARGV[1]) then redis.call('XTRIM', KEYS[1], 'MINID', '~', (n - tonumber(ARGV[1])) .. '-0') end "
+    "return n"
 )
 
 
