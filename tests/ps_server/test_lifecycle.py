@@ -391,3 +391,23 @@ def test_a_read_of_the_log_takes_about_limit_ids_however_they_were_logged(store)
         got += part.ids.tolist()
         cursor = part.cursor
     assert got == ids.tolist()
+
+
+def test_a_drop_of_an_empty_table_visits_no_bucket(redis_url, redis_namespace):
+    import redis as redis_py
+
+    store = RedisStore.from_url(redis_url, namespace=redis_namespace)
+    r = redis_py.Redis.from_url(redis_url)
+    try:
+        store.create_table(TableSchema("empty", DIM))  # declares nothing: 4,096 buckets
+        r.config_resetstat()
+        assert store.drop_table("empty") == 0
+        calls = {k: v["calls"] for k, v in r.info("commandstats").items()}
+        assert calls.get("cmdstat_evalsha", 0) + calls.get("cmdstat_eval", 0) <= 3, calls
+        assert [d.table for d in store.drops().drops][-1] == "empty"
+        store.create_table(TableSchema("full", DIM))
+        store.push("full", np.arange(10, dtype=np.int64), rows_of(np.arange(10)))
+        assert store.drop_table("full") == 10  # a table with rows has its buckets cleared
+    finally:
+        r.close()
+        store.close()

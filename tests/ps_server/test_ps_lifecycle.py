@@ -94,10 +94,12 @@ def test_one_ps_sweeps_a_table_and_another_takes_over_when_it_dies(redis_url, re
 
 
 @pytest.mark.slow
-def test_a_ps_killed_mid_sweep_loses_no_row_that_had_not_expired(redis_url, redis_namespace, make_ps):
+@pytest.mark.parametrize("backend", ["standalone", "cluster"])
+def test_a_ps_killed_mid_sweep_loses_no_row_that_had_not_expired(request, backend, redis_namespace, make_ps):
     """kill -9 of the sweeping PS while it deletes a big table's expired rows: every row that had
     not expired is there, with its values, and none of them was even logged as deleted."""
-    flags = ("--backend", redis_url, "--namespace", redis_namespace)
+    url = request.getfixturevalue("redis_url" if backend == "standalone" else "redis_cluster")
+    flags = ("--backend", url if isinstance(url, str) else url.url, "--namespace", redis_namespace)
     loader = make_ps(*flags, "--sweep-every", "0")  # sweeps nothing
     old, live = np.arange(150_000, dtype=np.int64), np.arange(150_000, 200_000, dtype=np.int64)
     with PSClient(loader.address, timeout=60) as client:

@@ -570,7 +570,14 @@ class RedisTables(StoreParts):
                 f"table {table!r} in Redis namespace {self.namespace!r} kept changing while this PS "
                 "dropped it; try again"
             )
-        n, whole = self._delete_buckets(meta)
+        with self._redis():
+            counted = self.client.hget(self._rows_key, table)
+        if meta.token and counted is not None and int(counted) == 0:
+            # an empty table: no bucket to visit (a table of 4,096 buckets took ~50 ms). Keys that
+            # a write in flight leaves go with the dropped table's sweep, as on any drop.
+            n, whole = 0, True
+        else:
+            n, whole = self._delete_buckets(meta)
         if whole:
             keys = [self._meta_key, self._rows_key, self._dropped_key, drops_key(self.namespace)]
             drop = [table, meta.raw, str(DROP_LOG_ENTRIES)]
