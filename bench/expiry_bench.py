@@ -18,6 +18,8 @@ rows (the PS's default layout), rows of dim 64 + 64 optimizer-state floats (512 
 - delete: Delete of `--delete-present` present ids (200,000: issue 32's case), then of 8,388,608
   ids of which as many present; each time and Redis CPU; and pulls' p50/p99 while the first
   runs, against none running.
+- drops: --tables tables created, each empty or with 16 rows, then dropped one by one (the
+  PS's default table, 4,096 buckets): drops a second of each kind.
 The store runs in this process (the PS's gRPC costs are ps_bench's and ps_load's).
 """
 
@@ -182,15 +184,37 @@ def bench_delete(rows: int, present: int) -> dict:
     return out
 
 
+def bench_drops(tables: int) -> dict:
+    out = {}
+    with RedisProcess([]) as proc:
+        store = RedisStore.from_url(proc.url, namespace="drops")
+        for kind, rows in (("empty", 0), ("16 rows", 16)):
+            names = [f"{kind[:1]}{k}" for k in range(tables)]
+            for name in names:
+                store.create_table(TableSchema(name, 64, 64, "fp32"))
+                if rows:
+                    store.push(name, np.arange(rows, dtype=np.int64), np.ones((rows, 128), np.float32))
+            t0 = time.perf_counter()
+            for name in names:
+                store.drop_table(name)
+            out[kind] = tables / (time.perf_counter() - t0)
+        store.close()
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows stored [default %(default)s]")
     parser.add_argument("--expired", type=float, default=0.1, help="share of them expired [default %(default)s]")
     parser.add_argument("--delete-present", type=int, default=200_000, help="present ids deleted [default %(default)s]")
-    parser.add_argument("--only", choices=("sweep", "delete"))
+    parser.add_argument("--tables", type=int, default=200, help="tables of each kind dropped [default %(default)s]")
+    parser.add_argument("--only", choices=("sweep", "delete", "drops"))
     args = parser.parse_args(argv)
     print(f"expiry_bench: {args.rows:,} rows of 512 B, {os.cpu_count()} CPUs")
-    if args.only != "delete":
+    if args.only in (None, "drops"):
+        d = bench_drops(args.tables)
+        print("drops: " + ", ".join(f"{kind} tables {per_s:,.0f} a second" for kind, per_s in d.items()))
+    if args.only in (None, "sweep"):
         s = bench_sweep(args.rows, args.expired)
         print(
             f"sweep: {s['deleted']:,} of {s['rows']:,} rows expired, deleted in {s['seconds']:.2f} s; Redis CPU "
@@ -203,7 +227,7 @@ def main(argv=None) -> int:
             f"({s['pulls']} pulls); with no sweep: p50 {s['quiet_p50_ms']:.2f}, p99 {s['quiet_p99_ms']:.2f} "
             f"({s['quiet_pulls']}): p99 x{s['pull_p99_ms'] / s['quiet_p99_ms']:.2f}"
         )
-    if args.only != "sweep":
+    if args.only in (None, "delete"):
         d = bench_delete(max(args.rows, args.delete_present * 2), args.delete_present)
         print(
             f"delete: {args.delete_present:,} present ids in {d['present_seconds']:.3f} s (Redis CPU "

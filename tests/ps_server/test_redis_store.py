@@ -272,7 +272,7 @@ def test_write_planned_before_a_drop_lands_nowhere(request, redis_namespace, nat
 @pytest.mark.parametrize("native_rows", [True, False])
 def test_write_during_a_drop_lands_nowhere(redis_url, redis_namespace, native_rows):
     """A push planned before a drop that runs after the drop cleared the buckets (but before it
-    removed the metadata) writes nothing: the new table of that name starts empty."""
+    removed the metadata) writes nothing into the new table of that name, which starts empty."""
     store = RedisStore.from_url(redis_url, namespace=redis_namespace, num_buckets=16, native_rows=native_rows)
     other = RedisStore.from_url(redis_url, namespace=redis_namespace, num_buckets=16)
     schema = TableSchema("mid", dim=4)
@@ -290,10 +290,11 @@ def test_write_during_a_drop_lands_nowhere(redis_url, redis_namespace, native_ro
         pushed.append(True)
         return n
 
+    store.push("mid", ids[:10], rows[:10])  # rows to clear (an empty table's buckets are not visited)
     planned = read_meta("mid")
     store._meta = lambda table, dropping=False: planned
     other._delete_buckets = clear_then_push
-    assert other.drop_table("mid") == 0 and pushed
+    assert other.drop_table("mid") == 10 and pushed
     other.create_table(schema)
     assert not other.pull("mid", ids)[1].any() and other.num_rows("mid") == 0
     store.close()
