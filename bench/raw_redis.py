@@ -3,7 +3,8 @@
 The same work the PS does per batch, with nothing around it: hash the ids to their
 buckets, one pipeline of HMGET (pull) or HSET (push) per batch with one command per
 touched bucket, and the replies decoded into one numpy array. No gRPC, no PS
-process, no metadata read, no validation. It reads the very hashes the PS wrote.
+process, no metadata read, no validation. It reads the very hashes the PS wrote, and writes
+the values the PS would: each row and its 4-byte stamp (a table of metadata format 3 on).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import redis
 
 from dynemb.ps_server.backends.redis_keys import bucket_count_of, bucket_keys, meta_key, prefix_of
 from dynemb.ps_server.hashing import bucket_of
+from dynemb.ps_server.lifecycle import STAMP_BYTES, stamp_bytes
 from dynemb.ps_server.schema import TableSchema
 
 
@@ -26,6 +28,7 @@ class RawRedisRows:
         self.num_buckets = bucket_count_of(meta)
         self.keys = bucket_keys(prefix_of(namespace, schema.name, meta), 0, self.num_buckets)
         self.schema = schema
+        self.stamp = STAMP_BYTES if int(meta.get("format", 1)) >= 3 else 0
 
     def _grouped(self, ids: np.ndarray):
         b = bucket_of(ids, self.num_buckets)
@@ -43,14 +46,18 @@ class RawRedisRows:
         for b, lo, hi in zip(buckets, starts, ends):
             pipe.execute_command("HMGET", self.keys[b], *fields[lo:hi])
         values = [v for reply in pipe.execute() for v in reply]
+        raw = np.frombuffer(b"".join(values), dtype=np.uint8).reshape(len(ids), s.row_bytes + self.stamp)
         rows = np.empty((len(ids), s.width), dtype=s.np_dtype)
-        rows[order] = np.frombuffer(b"".join(values), dtype=s.np_dtype).reshape(len(ids), s.width)
+        rows[order] = np.ascontiguousarray(raw[:, : s.row_bytes]).view(s.np_dtype)
         return rows
 
     def push(self, ids: np.ndarray, rows: np.ndarray) -> None:
         s = self.schema
         order, buckets, starts, ends, fields = self._grouped(ids)
-        values = np.ascontiguousarray(rows[order], dtype=s.np_dtype).view(f"V{s.row_bytes}").ravel().tolist()
+        raw = np.empty((len(ids), s.row_bytes + self.stamp), dtype=np.uint8)
+        raw[:, : s.row_bytes] = np.ascontiguousarray(rows[order], dtype=s.np_dtype).view(np.uint8).reshape(len(ids), -1)
+        raw[:, s.row_bytes :] = np.frombuffer(stamp_bytes(), dtype=np.uint8)[: self.stamp]
+        values = raw.view(f"V{raw.shape[1]}").ravel().tolist()
         pipe = self.r.pipeline(transaction=False)
         for b, lo, hi in zip(buckets, starts, ends):
             args = [None] * (2 * (hi - lo))
@@ -64,9 +71,10 @@ class RawRedisRows:
 
 class RedisLimit:
     """What Redis serves to a client that does no work of its own: the very requests the PS
-    sends for a batch (its HMGET pipeline for a pull, its write script's EVALSHA for a push),
-    built before the clock starts, sent on one plain socket, and the replies read until they
-    are complete, never decoded. The PS over Redis can at best match it.
+    sends for a batch (its HMGET pipeline for a pull, its pipeline of HSETs of the rows and
+    their stamps for a push; not the small count script after it), built before the clock
+    starts, sent on one plain socket, and the replies read until they are complete, never
+    decoded. The PS over Redis can at best match it.
     """
 
     def __init__(self, url: str, namespace: str, schema: TableSchema) -> None:
@@ -86,16 +94,10 @@ class RedisLimit:
         return self.mod.pull_request(ids, self.meta.num_buckets, self.meta.prefix, order)
 
     def push_request(self, ids: np.ndarray, rows: np.ndarray) -> tuple[bytes, int]:
-        from dynemb.ps_server.backends.redis_rows import _WRITE_SCRIPTS
-
-        sha = self.store._sha(_WRITE_SCRIPTS["HSET"]).encode()
         s, m = self.schema, self.meta
         rows = np.ascontiguousarray(rows, dtype=s.np_dtype)
-        key, name = self.store._rows_key, s.name.encode()
-        request = self.mod.write_request(
-            ids, rows, s.row_bytes, m.num_buckets, m.prefix, sha, key, self.store._meta_key, name, m.raw
-        )
-        return request, 1
+        suffix = stamp_bytes() if m.stamped else b""
+        return self.mod.plain_write_request(ids, rows, s.row_bytes, m.num_buckets, m.prefix, suffix)
 
     def exchange(self, prepared: tuple[bytes, int]) -> None:
         """Send one prepared request, read its replies whole."""

@@ -1,9 +1,10 @@
 // Python module `_dynemb_redis_rows`: the Redis store's row path (../backends/redis_store.py)
 // between numpy arrays and the Redis protocol (RESP) bytes, with no Python object per row.
-// A pull is one call that writes the HMGET pipeline, one that reads its replies into the rows;
-// a push one call that writes the write script's EVALSHA. On Redis Cluster, slot_nodes tells
-// which node serves each id's bucket, and a push or delete is plain HSETs or HDELs per bucket
-// (plain_write_request, integer_replies). The socket I/O stays in Python (it
+// A pull is one call that writes the HMGET pipeline, one that reads its replies into the rows
+// (and their stamps); a push or delete one call that writes plain HSETs (each row and its stamp)
+// or HDELs, a command per bucket (plain_write_request, integer_replies). On Redis Cluster,
+// slot_nodes tells which node serves each id's bucket. A sweep reads a slice's stamps from
+// its buckets' HGETALLs (bucket_stamps). The socket I/O stays in Python (it
 // serves TCP, unix sockets and TLS alike); `scan` tells it when the replies are complete.
 // Every size is checked against the buffer it came in: no reply, however wrong, makes a call
 // read or write outside a buffer. The GIL is dropped while the bytes are built or read.
@@ -198,8 +199,7 @@ PyObject* py_pull_request(PyObject*, PyObject* args) {
   return r ? Py_BuildValue("(Nn)", r, Py_ssize_t(g.buckets.size())) : nullptr;
 }
 
-// A write's ids and rows (or None), checked and grouped by bucket: what write_request and
-// plain_write_request share.
+// A write's ids and rows (or None), checked and grouped by bucket, for plain_write_request.
 struct WriteInput {
   Buf ids_b, rows_b;
   int64_t n = 0;
@@ -225,54 +225,6 @@ bool write_input(const char* what, PyObject* ids_o, PyObject* rows_o, Py_ssize_t
   group(in.ids, in.n, num_buckets, in.g);
   Py_END_ALLOW_THREADS
   return true;
-}
-
-// write_request(ids, rows or None, row_bytes, num_buckets, prefix, sha, rows_key, meta_key, table, meta)
-// -> request: the store's write script (sha: its HSET version with rows, its HDEL version
-// without) as one EVALSHA over every touched bucket: field-row pairs or fields; KEYS = rows_key,
-// meta_key, the buckets; ARGV = table, its raw metadata (the script writes only if it is still
-// that), each bucket's number of values, then the values bucket after bucket (redis_store._WRITE_LUA).
-PyObject* py_write_request(PyObject*, PyObject* args) {
-  PyObject *ids_o, *rows_o;
-  Py_ssize_t row_bytes;
-  unsigned long long num_buckets;
-  const char *prefix_p, *sha_p, *rows_key_p, *meta_key_p, *table_p, *meta_p;
-  Py_ssize_t prefix_n, sha_n, rows_key_n, meta_key_n, table_n, meta_n;
-  if (!PyArg_ParseTuple(args, "OOnKy#y#y#y#y#y#", &ids_o, &rows_o, &row_bytes, &num_buckets, &prefix_p, &prefix_n,
-                        &sha_p, &sha_n, &rows_key_p, &rows_key_n, &meta_key_p, &meta_key_n, &table_p, &table_n,
-                        &meta_p, &meta_n))
-    return nullptr;
-  WriteInput in;
-  if (!write_input("write_request", ids_o, rows_o, row_bytes, num_buckets, in)) return nullptr;
-  const std::string prefix(prefix_p, size_t(prefix_n));
-  const Groups& g = in.g;
-  const int64_t n = in.n, per_id = in.per_id;
-  const int64_t* ids = in.ids;
-  const char* rows = in.rows;
-  const int64_t ng = int64_t(g.buckets.size());
-  return build([&](Out& req) {
-    put_count(req, '*', 3 + (2 + ng) + 2 + ng + per_id * n);
-    req += "$7\r\nEVALSHA\r\n";
-    put_bulk(req, sha_p, size_t(sha_n));
-    const std::string nkeys = std::to_string(2 + ng);
-    put_bulk(req, nkeys.data(), nkeys.size());
-    put_bulk(req, rows_key_p, size_t(rows_key_n));
-    put_bulk(req, meta_key_p, size_t(meta_key_n));
-    for (int64_t k = 0; k < ng; ++k) put_key(req, prefix, g.buckets[k]);
-    put_bulk(req, table_p, size_t(table_n));
-    put_bulk(req, meta_p, size_t(meta_n));
-    for (int64_t k = 0; k < ng; ++k) {
-      const std::string c = std::to_string(per_id * (g.starts[k + 1] - g.starts[k]));
-      put_bulk(req, c.data(), c.size());
-    }
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t at = g.order[i];
-      req += "$8\r\n";
-      req.append(reinterpret_cast<const char*>(ids + at), 8);
-      req += "\r\n";
-      if (rows) put_bulk(req, rows + at * row_bytes, size_t(row_bytes));
-    }
-  });
 }
 
 // The Cluster hash slot of bucket key tag `tag_prefix` + the bucket's decimal number (what Redis
@@ -767,8 +719,6 @@ PyObject* py_bucket_stamps(PyObject*, PyObject* args) {
 PyMethodDef kMethods[] = {
     {"pull_request", py_pull_request, METH_VARARGS,
      "pull_request(ids, num_buckets, prefix, order) -> (request, commands): HMGETs of the ids' buckets"},
-    {"write_request", py_write_request, METH_VARARGS,
-     "write_request(ids, rows|None, row_bytes, num_buckets, prefix, sha, rows_key, meta_key, table, meta) -> request"},
     {"scan", py_scan, METH_VARARGS, "scan(buf, start, end, wanted) -> (offset, complete replies)"},
     {"pull_replies", py_pull_replies, METH_VARARGS,
      "pull_replies(buf, start, end, commands, order, j, out, row_bytes, missing, k[, stamps]) -> (k, j) | error text"},
