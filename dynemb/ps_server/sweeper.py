@@ -159,7 +159,6 @@ class Sweeper:
         self.duty = duty
         self.on_result = on_result
         self.owner = uuid.uuid4().hex
-        self.last: dict[str, SweepResult] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -218,7 +217,6 @@ class Sweeper:
             except PSError as exc:
                 log.warning("sweeper: table %r: %s", table, exc)
                 continue
-            self.last[table] = result
             try:  # for every PS of the store: when the next pass is due, and DescribeTable
                 self.store.record_sweep(table, result._asdict())
             except PSError as exc:

@@ -188,19 +188,14 @@ class Store(abc.ABC):
         its time: their rows left with them (the deletion logs record the rows that leave a
         table that stays)."""
 
+    @abc.abstractmethod
     def record_sweep(self, table: str, result: dict) -> None:
         """Keep a sweep's result (sweeper.SweepResult as a dict) for last_sweep(), seen by every
         PS of the store."""
-        self._sweeps()[table] = result
 
+    @abc.abstractmethod
     def last_sweep(self, table: str) -> dict | None:
         """The table's last sweep result recorded (record_sweep), None if none."""
-        return self._sweeps().get(table)
-
-    def _sweeps(self) -> dict[str, dict]:
-        if not hasattr(self, "_last_sweeps"):
-            self._last_sweeps: dict[str, dict] = {}
-        return self._last_sweeps
 
     def expired_reads(self, table: str) -> int:
         """Rows this store's pulls found expired (and counted as absent) since it started."""

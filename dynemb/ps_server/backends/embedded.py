@@ -233,6 +233,7 @@ class EmbeddedStore(Store):
         # tables dropped: (number, name, time), the newest DROP_LOG_ENTRIES; saved with the tables
         self._drops: deque[tuple[int, str, float]] = deque(maxlen=DROP_LOG_ENTRIES)
         self._drops_end = 0
+        self._last_sweeps: dict[str, dict] = {}  # table -> its last sweep's result (record_sweep)
         self.directory = Path(directory) if directory else None
         self.generation = 0  # the generation loaded or last saved (0: none, or the older layout)
         if self.directory is not None:
@@ -453,6 +454,7 @@ class EmbeddedStore(Store):
             if t is not None:
                 self._drops.append((self._drops_end, table, time.time()))
                 self._drops_end += 1
+                self._last_sweeps.pop(table, None)  # a table created again under the name has none
         return None if t is None else len(t.index)
 
     def drops(self, after: str = "", limit: int = 1000) -> Drops:
@@ -593,6 +595,14 @@ class EmbeddedStore(Store):
         """See Store.deletions: cursors count the ids logged before them."""
         t = self._table(table)
         return t.log.read(parse_cursor(after, f"table {table!r}"), max(1, limit))
+
+    def record_sweep(self, table: str, result: dict) -> None:
+        """See Store.record_sweep (kept while the store runs)."""
+        self._last_sweeps[table] = result
+
+    def last_sweep(self, table: str) -> dict | None:
+        """See Store.last_sweep."""
+        return self._last_sweeps.get(table)
 
     def expired_reads(self, table: str) -> int:
         """Pulls of rows found expired (counted as absent) since the store started."""

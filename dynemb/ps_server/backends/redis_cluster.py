@@ -27,12 +27,11 @@ from redis._parsers.base import BaseParser  # the error classes of error replies
 
 from dynemb.ps_server.backends import redis_keys as layout
 from dynemb.ps_server.backends.redis_keys import _REDIS_ERRORS, _TableMeta, _timed_out
-from dynemb.ps_server.backends.redis_rows import RedisRows, _hmget_reader
+from dynemb.ps_server.backends.redis_rows import RedisRows, _hmget_reader, _write_plan
 from dynemb.ps_server.errors import (
     PSError,
 )
 from dynemb.ps_server.hashing import bucket_of  # re-exported: bench/raw_redis.py reads the same buckets
-from dynemb.ps_server.lifecycle import stamp_bytes
 
 
 @dataclass(frozen=True)
@@ -244,9 +243,7 @@ class RedisClusterRows(RedisRows):
         mod = self._native
         assert mod is not None
         command = "HSET" if rows is not None else "HDEL"
-        per_id = meta.value_bytes + 8 if rows is not None else 8
-        step = max(1, min(layout.PIPELINE_MAX_IDS, layout.PIPELINE_MAX_BYTES // per_id))
-        suffix = stamp_bytes() if meta.stamped and rows is not None else b""
+        step, suffix = _write_plan(meta, rows is not None)
         total = 0
         try:
             for lo in range(0, len(ids), step):

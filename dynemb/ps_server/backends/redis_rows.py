@@ -210,9 +210,7 @@ class RedisRows(RedisTables):
         schema = meta.schema
         mod = self._native
         assert mod is not None  # only called when there is one
-        per_id = meta.value_bytes + 8 if rows is not None else 8
-        step = max(1, min(layout.PIPELINE_MAX_IDS, layout.PIPELINE_MAX_BYTES // per_id))
-        suffix = stamp_bytes() if meta.stamped and rows is not None else b""
+        step, suffix = _write_plan(meta, rows is not None)
         total = 0
         try:
             for lo in range(0, len(ids), step):
@@ -496,6 +494,13 @@ class RedisRows(RedisTables):
         parts = [stamps for _, _, stamps in self._read_buckets(meta, start, stop)]
         stamps = np.concatenate(parts) if parts else np.zeros(0, STAMP_DTYPE)
         return (stop if stop < meta.num_buckets else 0), np.maximum(stamps, meta.lifecycle.since).astype(STAMP_DTYPE)
+
+
+def _write_plan(meta: _TableMeta, with_rows: bool) -> tuple[int, bytes]:
+    """(ids a pipeline of a write carries at most, what follows each row: its stamp, or nothing)."""
+    per_id = meta.value_bytes + 8 if with_rows else 8
+    step = max(1, min(layout.PIPELINE_MAX_IDS, layout.PIPELINE_MAX_BYTES // per_id))
+    return step, stamp_bytes() if meta.stamped and with_rows else b""
 
 
 def _split_values(blob: bytes, meta: _TableMeta, n: int) -> tuple[np.ndarray, np.ndarray | None]:

@@ -299,13 +299,7 @@ class RedisStore(RedisClusterRows, Store):
         ids = _as_ids(ids)
         meta = self._row_meta(table)
         rows = rows_out(out, len(ids), meta.schema)
-        stamps = np.zeros(len(ids), dtype=STAMP_DTYPE) if meta.stamped else None
-        if self._native is not None:
-            found = np.ones(len(ids), dtype=bool)
-            found[self._native_pull(meta, ids, rows, stamps)] = False
-        else:
-            found = self._py_pull(meta, ids, rows, stamps)
-        self._expire_read(meta, ids, found, stamps)
+        found = self._pull_found(meta, ids, rows)
         rows[~found] = 0
         return rows, found
 
@@ -315,9 +309,21 @@ class RedisStore(RedisClusterRows, Store):
         meta = self._row_meta(table)
         rows = rows_out(out, len(ids), meta.schema)
         if self._native is None or (meta.stamped and meta.lifecycle.active):
-            return np.flatnonzero(~self.pull(table, ids, rows)[1])
+            return np.flatnonzero(~self._pull_found(meta, ids, rows))
         stamps = np.zeros(len(ids), dtype=STAMP_DTYPE) if meta.stamped else None
         return self._native_pull(meta, ids, rows, stamps)
+
+    def _pull_found(self, meta: _TableMeta, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Rows of ids into rows (those not found unspecified); which were found, expired rows
+        counting as absent and old stamps renewed (_expire_read)."""
+        stamps = np.zeros(len(ids), dtype=STAMP_DTYPE) if meta.stamped else None
+        if self._native is not None:
+            found = np.ones(len(ids), dtype=bool)
+            found[self._native_pull(meta, ids, rows, stamps)] = False
+        else:
+            found = self._py_pull(meta, ids, rows, stamps)
+        self._expire_read(meta, ids, found, stamps)
+        return found
 
     def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> int:
         """See Store.push: each row stamped with now, if the table's rows carry stamps."""
