@@ -27,6 +27,7 @@ _MULTIPLIERS = (
     0x27D4EB2F165667C5,
 )
 MAX_COUNT = (1 << 31) - 1  # counters saturate here
+MAX_DEPTH = len(_MULTIPLIERS)
 
 
 def _signed(u: int) -> int:
@@ -50,8 +51,8 @@ class CountMinSketch:
     def __init__(self, width: int = 1 << 20, depth: int = 4, device: torch.device | str = "cpu") -> None:
         if width < 2 or width & (width - 1):
             raise ValueError(f"sketch width must be a power of two >= 2, got {width}")
-        if not 1 <= depth <= len(_MULTIPLIERS):
-            raise ValueError(f"sketch depth must be in [1, {len(_MULTIPLIERS)}], got {depth}")
+        if not 1 <= depth <= MAX_DEPTH:
+            raise ValueError(f"sketch depth must be in [1, {MAX_DEPTH}], got {depth}")
         self.width, self.depth = width, depth
         self.device = torch.device(device)
         self.counts = torch.zeros(depth, width, dtype=torch.int32, device=self.device)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dynemb.idtransformer.admission import MAX_DEPTH, multipliers
 from dynemb.idtransformer.slot_map import map_size
 from dynemb.idtransformer.triton_map import EMPTY, TritonSlotMap
 from dynemb.idtransformer.triton_select import ROWS_PER_BLOCK
@@ -79,6 +80,8 @@ class DeviceTables:
                 self.sketch_rows.append((at, s.width.bit_length() - 1, s.depth))
                 at += s.width * s.depth
         self.sketch = torch.zeros(at + 1, dtype=torch.int32, device=dev)
+        # made here, not per pass: a tensor from host values is a copy that waits for the device
+        self.sketch_multipliers = multipliers(MAX_DEPTH, dev)
         self.index = {id(t): k for k, t in enumerate(tables)}
         for k, t in enumerate(tables):
             self._move_in(k, t)

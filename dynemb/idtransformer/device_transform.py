@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dynemb.idtransformer import triton_select as ts
-from dynemb.idtransformer.admission import MAX_COUNT, multipliers
+from dynemb.idtransformer.admission import MAX_COUNT
 from dynemb.idtransformer.device_select import compact
 from dynemb.idtransformer.device_tables import DeviceTables
 from dynemb.idtransformer.many import ManyResult
@@ -299,7 +299,7 @@ def _sketch_admits(
     depth = lanes.at(ts.SKETCH_DEPTH, tab)
     bits = torch.where(depth > 0, lanes.at(ts.SKETCH_BITS, tab), 1)
     r = torch.arange(rows, device=ids.device).unsqueeze(1)
-    product = ids.unsqueeze(0) * multipliers(rows, ids.device).unsqueeze(1)  # wraps mod 2^64
+    product = ids.unsqueeze(0) * space.sketch_multipliers[:rows].unsqueeze(1)  # wraps mod 2^64
     width = torch.ones_like(bits) << bits
     column = (product >> (64 - bits)) & (width - 1)
     cells = torch.where(r < depth, lanes.at(ts.SKETCH_START, tab) + r * width + column, space.sketch.numel() - 1)

@@ -50,23 +50,23 @@ def _spread(flag, like):
 
 
 @triton.jit
-def _block_of(block_table, in_call, params, NP: tl.constexpr):
+def _block_of(block_table, in_call, policy, NP: tl.constexpr):
     """(the call's index of this program's table (-1: not in the call), its first row, capacity)."""
     c = tl.load(in_call + tl.load(block_table + tl.program_id(0)))
-    row0 = tl.load(params + NP * tl.maximum(c, 0) + 2)
-    cap = tl.load(params + NP * tl.maximum(c, 0) + 3)
+    row0 = tl.load(policy + NP * tl.maximum(c, 0) + 2)
+    cap = tl.load(policy + NP * tl.maximum(c, 0) + 3)
     return c, row0, cap
 
 
 @triton.jit
 def _score_kernel(
-    meta32, meta8, block_table, in_call, params, scores_ptr, movable_ptr, NP: tl.constexpr, BLOCK: tl.constexpr
+    meta32, meta8, block_table, in_call, policy, scores_ptr, movable_ptr, NP: tl.constexpr, BLOCK: tl.constexpr
 ):
     """Each row's eviction score (policy.EvictionPolicy.scores), the top one where the row is not
     movable (free, used at this step, pinned, padding); written only for the tables that may need
     room (the others' are never read); adds each table's movable rows to movable_ptr[table]."""
-    c, row0, cap = _block_of(block_table, in_call, params, NP)
-    p = params + NP * tl.maximum(c, 0)
+    c, row0, cap = _block_of(block_table, in_call, policy, NP)
+    p = policy + NP * tl.maximum(c, 0)
     step, need, kind = tl.load(p + 4), tl.load(p + 5), tl.load(p + 6)
     decay, ttl = tl.load(p + 7), tl.load(p + 8)
     row = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -163,13 +163,13 @@ def _victims_kernel(
 
 @triton.jit
 def _free_kernel(
-    meta32, block_table, in_call, params, free_count, free_before, want_ptr, out_base, out_ptr,
+    meta32, block_table, in_call, policy, free_count, free_before, want_ptr, out_base, out_ptr,
     NP: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """The table's lowest free rows, as many as want_ptr[table], to out_ptr from out_base[table]
     on, in row order; a block is read only if its table wants some of its free rows
     (free_before: the table's free rows in the blocks before it). Its free count drops by those taken."""
-    c, row0, cap = _block_of(block_table, in_call, params, NP)
+    c, row0, cap = _block_of(block_table, in_call, policy, NP)
     cc = tl.maximum(c, 0)
     before = tl.load(free_before + tl.program_id(0))
     want = tl.load(want_ptr + cc)

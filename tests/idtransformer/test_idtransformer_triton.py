@@ -396,3 +396,32 @@ def test_the_bench_runs_the_triton_backend_end_to_end(capsys):
     assert "for each of 3 tables" in out and "host copies per batch 1.00" in out
     rates = re.findall(r"hit rate (\S+)", out)
     assert len(rates) == 2 and rates[0] == rates[1], out
+
+
+def test_no_kernel_argument_takes_a_name_of_the_launchers_own():
+    """Triton's launcher binds a launch's arguments in a generated function whose own locals are
+    `params`, `specialization` and `options` (triton/runtime/jit.py,
+    create_function_from_signature): a kernel argument of one of those names is replaced by
+    the launcher's dict, and the launch fails on a GPU ("failed to specialize argument of type:
+    dict") though it runs under the interpreter, as on this CPU."""
+    import inspect
+
+    from triton.runtime.jit import KernelInterface
+
+    from dynemb.idtransformer import triton_map, triton_select
+
+    kernels = [
+        (module.__name__, name, obj)
+        for module in (triton_map, triton_select)
+        for name, obj in vars(module).items()
+        if isinstance(obj, KernelInterface)
+    ]
+    assert len(kernels) >= 10
+    taken = {"params", "specialization", "options"}
+    clashes = [
+        f"{module}.{name}({arg})"
+        for module, name, kernel in kernels
+        for arg in inspect.signature(kernel.fn).parameters
+        if arg in taken
+    ]
+    assert clashes == []
