@@ -225,8 +225,7 @@ def _loop(
                 if dynamic is None
                 else dynamic.wrap(part, in_flight=in_flight, prefetch=cfg.prefetch, priority=cfg.transform_priority)
             )
-            # on a GPU, from pinned memory: the copies to the device do not hold the host up
-            yield from ready if device.type == "cpu" else (b.pin_memory() for b in ready)
+            yield from ready if device.type == "cpu" else (pinned(b) for b in ready)
 
         limited = limited_batches()
         if not cfg.pipeline:
@@ -327,6 +326,19 @@ def _loop(
         result.hit_rate, result.table_hit_rates = dynamic.hit_rate()
         result.hit_rates = dynamic.hit_rates[: len(result.losses)]  # not the ones fetched ahead
     return result
+
+
+def pinned(batch):
+    """The batch with its host tensors in pinned memory, so that on_device's copies do not hold
+    the host up; a KJT that dynamic tables already moved to their device (DynamicTables.wrap)
+    stays there."""
+    kjt = batch.sparse_features
+    return dataclasses.replace(
+        batch,
+        dense_features=batch.dense_features.pin_memory(),
+        sparse_features=kjt if kjt.values().device.type != "cpu" else kjt.pin_memory(),
+        labels=batch.labels.pin_memory(),
+    )
 
 
 def on_device(batch, device: torch.device):

@@ -206,3 +206,34 @@ def test_nccl_collectives_with_one_rank():
         dist.monitored_barrier(group=control_group())
     finally:
         dist.destroy_process_group()
+
+
+def test_pinning_a_batch_leaves_a_kjt_already_on_the_device(monkeypatch):
+    """On a GPU the job pins each batch before its copy; the KJT of a batch that dynamic tables
+    transformed is on the device already, and pinning it would fail ("cannot pin
+    'torch.cuda.LongTensor'", seen on an H100). Pinning is faked here: this CPU cannot pin."""
+    from dynemb.tables.jagged import Batch, KeyedJaggedTensor
+    from dynemb.trainer.train import pinned
+
+    calls = []
+
+    def fake_pin(self):
+        if self.device.type != "cpu":
+            raise RuntimeError(f"cannot pin a tensor on {self.device}")
+        calls.append(self.shape)
+        return self
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+
+    def batch(device: str) -> Batch:
+        kjt = KeyedJaggedTensor(["f"], torch.arange(4, device=device), torch.tensor([2, 2], device=device))
+        return Batch(torch.ones(2, 3), kjt, torch.zeros(2))
+
+    on_host = pinned(batch("cpu"))
+    assert len(calls) == 4  # dense, labels, the KJT's values and lengths
+    calls.clear()
+    moved = batch("meta")
+    out = pinned(moved)
+    assert out.sparse_features is moved.sparse_features
+    assert len(calls) == 2
+    assert torch.equal(on_host.dense_features, torch.ones(2, 3))
