@@ -8,6 +8,8 @@
 #   build           the CPU kernels the CUDA tests compare with
 #   tests-plain     the CUDA tests that need neither TorchRec nor fbgemm-gpu (-m "cuda and not torchrec")
 #   bench-idtransformer   bench/idtransformer_bench.py --device cuda (MCH beside it where torchrec imports)
+#   profile-idtransformer bench/idtransformer_profile.py: the triton pass's device and wall time a
+#                   batch, 1 table and 26, and its costliest operators (the trace into $OUT)
 #   tests-torchrec  the CUDA tests that need them (-m "cuda and torchrec")
 #   bench-train     bench/train_bench.py --device cuda
 # Each step runs under its own time cap and the whole run under GPU_CHECK_BUDGET; a step that
@@ -43,12 +45,14 @@ ONLY=
 
 # The steps in order; the most seconds each may take (the budget left caps it too), and the
 # fewest it must have left to start (about what it took on an H200, docs/gpu.md).
-STEPS=(setup setup-fbgemm versions build tests-plain bench-idtransformer tests-torchrec bench-train)
+STEPS=(setup setup-fbgemm versions build tests-plain bench-idtransformer profile-idtransformer tests-torchrec
+  bench-train)
 declare -A MAX_S=([setup]=90 [setup-fbgemm]=120 [versions]=60 [build]=180 [tests-plain]=180
-  [bench-idtransformer]=150 [tests-torchrec]=240 [bench-train]=180)
+  [bench-idtransformer]=150 [profile-idtransformer]=120 [tests-torchrec]=240 [bench-train]=180)
 declare -A MIN_S=([setup]=10 [setup-fbgemm]=20 [versions]=20 [build]=20 [tests-plain]=30
-  [bench-idtransformer]=20 [tests-torchrec]=60 [bench-train]=80)
-declare -A PART=([tests-plain]=tests [tests-torchrec]=tests [bench-idtransformer]=bench [bench-train]=bench)
+  [bench-idtransformer]=20 [profile-idtransformer]=45 [tests-torchrec]=60 [bench-train]=80)
+declare -A PART=([tests-plain]=tests [tests-torchrec]=tests [bench-idtransformer]=bench [profile-idtransformer]=bench
+  [bench-train]=bench)
 
 # What the steps found out, for the later ones (the versions step sets them).
 HAVE_GPU=
@@ -359,7 +363,24 @@ step_bench_idtransformer() {
   sh_ "$PY" bench/idtransformer_bench.py "${args[@]}" ${GPU_CHECK_IDT_ARGS:-} >"$out" 2>&1 || rc=$?
   cat "$out"
   [ -z "$DRY" ] || return 0
-  STEP_FIGURE="$(figure_from "$out" 'idtransformer (hybrid)' 'ratio IDs/s')$note"
+  STEP_FIGURE="$(figure_from "$out" 'idtransformer (triton)' 'ratio IDs/s')$note"
+  return "$rc"
+}
+
+step_profile_idtransformer() {
+  if [ -z "$DRY" ] && [ -z "$HAVE_GPU" ]; then skip "no GPU: skipped"; return 0; fi
+  local out=$WORK/profile-idtransformer.out rc=0
+  sh_ "$PY" bench/idtransformer_profile.py --trace "$RESULTS/profile-trace.json" >"$out" 2>&1 || rc=$?
+  if [ "$rc" -eq 0 ]; then
+    sh_ "$PY" bench/idtransformer_profile.py --tables 26 --batch 65536 --warmup 8 --batches 3 >>"$out" 2>&1 || rc=$?
+  fi
+  cat "$out"
+  [ -z "$DRY" ] || return 0
+  # "busy of wall ms a batch", for 1 table, then 26
+  STEP_FIGURE=$(tr '\r' '\n' <"$out" | awk '
+    /wall per batch/ { wall = $5 }
+    /device busy per batch/ { printf "%s%s of %s ms", sep, $5, wall; sep = "; " }')
+  STEP_FIGURE="device busy of wall a batch, 1 and 26 tables: ${STEP_FIGURE:-?}"
   return "$rc"
 }
 
@@ -383,8 +404,10 @@ step_bench_train() {
 # line matching each pattern, e.g. "ours 89,778,428 IDs/s 0.5120; ratio 0.23".
 figure_from() {
   local out=$1 a b
-  a=$(grep -F -- "$2" "$out" | tail -1 | grep -oE '[0-9][0-9,]*(\.[0-9]+)?' | head -2 | paste -sd' ' || true)
-  b=$(grep -F -- "$3" "$out" | tail -1 | grep -oE '[0-9][0-9,]*\.[0-9]+' | head -1 || true)
+  # (tqdm's bars share a line with the result through carriage returns: split them off)
+  a=$(tr '\r' '\n' <"$out" | grep -F -- "$2" | grep -vF '%|' | tail -1 | grep -oE '[0-9][0-9,]*(\.[0-9]+)?' |
+    head -2 | paste -sd' ' || true)
+  b=$(tr '\r' '\n' <"$out" | grep -F -- "$3" | grep -vF '%|' | tail -1 | grep -oE '[0-9][0-9,]*\.[0-9]+' | head -1 || true)
   echo "${2}: ${a:-?}${b:+; ${3}: $b}"
 }
 
@@ -467,13 +490,13 @@ json.dump({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "budget_s
 print_table() {
   local i
   echo
-  printf '%-20s %-8s %7s  %s\n' step status seconds "key figure"
-  printf '%-20s %-8s %7s  %s\n' -------------------- -------- ------- ----------
+  printf '%-21s %-8s %7s  %s\n' step status seconds "key figure"
+  printf '%-21s %-8s %7s  %s\n' --------------------- -------- ------- ----------
   for i in "${!ROW_NAME[@]}"; do
-    printf '%-20s %-8s %7s  %s\n' "${ROW_NAME[i]}" "${ROW_STATUS[i]}" "${ROW_SECS[i]}" "${ROW_FIGURE[i]}"
+    printf '%-21s %-8s %7s  %s\n' "${ROW_NAME[i]}" "${ROW_STATUS[i]}" "${ROW_SECS[i]}" "${ROW_FIGURE[i]}"
   done
   if [ -n "$RUNNING" ]; then
-    printf '%-20s %-8s %7s  %s\n' "$RUNNING" running $(($(date +%s) - RUNNING_SINCE)) "(at most $STEP_BUDGET s)"
+    printf '%-21s %-8s %7s  %s\n' "$RUNNING" running $(($(date +%s) - RUNNING_SINCE)) "(at most $STEP_BUDGET s)"
   fi
   if [ -z "$DRY" ]; then echo "(logs: $LOG; $RESULTS/results.json)"; fi
 }

@@ -31,6 +31,7 @@ STEPS = [
     "build",
     "tests-plain",
     "bench-idtransformer",
+    "profile-idtransformer",
     "tests-torchrec",
     "bench-train",
 ]
@@ -103,6 +104,7 @@ def test_dry_run_names_every_step_in_order_and_runs_nothing(tmp_path):
     commands = [
         f"would run: {sys.executable} -m pytest -m 'cuda and not torchrec' ",
         "would run: " + sys.executable + " bench/idtransformer_bench.py --device cuda",
+        "would run: " + sys.executable + " bench/idtransformer_profile.py --trace ",
         f"would run: {sys.executable} -m pytest -m 'cuda and torchrec' ",
         "would run: " + sys.executable + " bench/train_bench.py --device cuda",
     ]
@@ -142,8 +144,13 @@ case $what in
     while [ $# -gt 0 ] && [ "$1" != --junitxml ]; do shift; done
     n=5; [[ $what == *"not torchrec"* ]] || n=13
     echo "<testsuites><testsuite tests=\\"$n\\" failures=\\"0\\" errors=\\"0\\" skipped=\\"1\\"/></testsuites>" >"$2" ;;
+  bench/idtransformer_profile*)
+    if [[ $what == *"--tables 26"* ]]; then busy=12.98 wall=20.10; else busy=3.38 wall=6.50; fi
+    echo "  wall per batch (unprofiled)       $wall ms   40,263,290 IDs/s"
+    echo "  device busy per batch             $busy ms   (profiled batches)" ;;
   bench/idtransformer*)
-    echo "  idtransformer (hybrid)   67,700,000 IDs/s   hit rate 0.5120"
+    printf 'idtransformer (triton):  50%%|#####     | 20/40 [00:00<00:01]\r'
+    echo "  idtransformer (triton)   67,700,000 IDs/s   hit rate 0.5120"
     [[ $what == *--skip-mch* ]] || echo "  ratio IDs/s ours / MCH             0.15   (goal >= 10)" ;;
   bench/train*)
     echo "  dynamic tables           5,165 samples/s"
@@ -198,6 +205,8 @@ def test_on_a_gpu_what_needs_no_fbgemm_runs_first_and_every_step_leaves_its_row(
         "build from dynemb.ps_server.native import id_index; id_index()",
         "pytest cuda and not torchrec",
         "bench/idtransformer_bench.py --device cuda",
+        f"bench/idtransformer_profile.py --trace {env['OUT']}/profile-trace.json",
+        "bench/idtransformer_profile.py --tables 26 --batch 65536 --warmup 8 --batches 3",
         "pytest cuda and torchrec",
         "bench/train_bench.py --device cuda",
     ]
@@ -206,7 +215,11 @@ def test_on_a_gpu_what_needs_no_fbgemm_runs_first_and_every_step_leaves_its_row(
     assert table["versions"] == ("pass", "torch 9, fake GPU")
     assert table["tests-plain"] == ("pass", "4 passed, 0 failed, 0 errors, 1 skipped")
     assert table["tests-torchrec"] == ("pass", "12 passed, 0 failed, 0 errors, 1 skipped")
-    assert table["bench-idtransformer"] == ("pass", "idtransformer (hybrid): 67,700,000 0.5120; ratio IDs/s: 0.15")
+    assert table["bench-idtransformer"] == ("pass", "idtransformer (triton): 67,700,000 0.5120; ratio IDs/s: 0.15")
+    assert table["profile-idtransformer"] == (
+        "pass",
+        "device busy of wall a batch, 1 and 26 tables: 3.38 of 6.50 ms; 12.98 of 20.10 ms",
+    )
     assert table["bench-train"] == ("pass", "dynamic tables: 5,165; ratio dynamic / full: 0.11")
     # the table is printed last; table.txt and results.json hold the same rows, finished
     out = Path(env["OUT"])
@@ -242,12 +255,14 @@ def test_without_fbgemm_the_first_half_runs_and_the_rest_says_why(tmp_path):
     assert table["tests-plain"][0] == table["build"][0] == "pass"
     assert table["bench-idtransformer"] == (
         "pass",
-        "idtransformer (hybrid): 67,700,000 0.5120; MCH not run: fbgemm-gpu not installed",
+        "idtransformer (triton): 67,700,000 0.5120; MCH not run: fbgemm-gpu not installed",
     )
     assert table["tests-torchrec"] == table["bench-train"] == ("skipped", "fbgemm-gpu not installed: skipped")
     assert _calls(tmp_path)[3:] == [
         "pytest cuda and not torchrec",
         "bench/idtransformer_bench.py --device cuda --skip-mch",
+        f"bench/idtransformer_profile.py --trace {env['OUT']}/profile-trace.json",
+        "bench/idtransformer_profile.py --tables 26 --batch 65536 --warmup 8 --batches 3",
     ]
     # again on the same machine: the pieces are looked for again (not "already installed");
     # fbgemm-gpu there but torchrec not importing: the row names torchrec

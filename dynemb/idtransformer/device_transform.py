@@ -111,11 +111,24 @@ class _Lanes:
         return self.padded[:, c][tab]
 
 
-def _per_table(tab: torch.Tensor, values: torch.Tensor, tables: int) -> torch.Tensor:
-    """values summed per table (tab: each lane's table, `tables` for none)."""
-    return torch.zeros(tables + 1, dtype=torch.int64, device=tab.device).index_add_(0, tab, values.to(torch.int64))[
-        :tables
-    ]
+class _Segments:
+    """Lanes that come table after table (tab: each lane's table, nondecreasing, `tables` for
+    lanes of none, which come last), as every lane order of the pass does; sums per table are
+    running sums read at each table's last lane. (An index_add_ into so few counters
+    serializes its atomics: 1.4 ms of a 262,144-ID batch's 5.9 ms on an H100, 2026-11-28.)"""
+
+    def __init__(self, tab: torch.Tensor, tables: int) -> None:
+        # each table's last lane (or an earlier table's; -1: none before it)
+        self.last = torch.searchsorted(tab, torch.arange(tables, device=tab.device), right=True) - 1
+        self.tables = tables
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """values summed per table (int64, one per table)."""
+        if values.numel() == 0:
+            return torch.zeros(self.tables, dtype=torch.int64, device=values.device)
+        run = torch.cumsum(values.to(torch.int64), 0)
+        upto = torch.where(self.last >= 0, run[self.last.clamp(min=0)], 0)
+        return torch.diff(upto, prepend=upto.new_zeros(1))
 
 
 def _starts(counts: torch.Tensor) -> torch.Tensor:
@@ -155,7 +168,8 @@ def transform_many(
     counts = torch.zeros_like(ids).index_add_(0, group, torch.ones_like(ids))
     first_seen = torch.full_like(ids, n).scatter_reduce_(0, group, order, "amin")
     valid = arange < n_distinct
-    distinct_t = _per_table(tab, valid, T)
+    by_tab = _Segments(tab, T)
+    distinct_t = by_tab.sum(valid)
 
     # 2. find; with pin, a hit's slot at 255 pins refuses its table before anything changes
     slots = find_many(space.entries, records, lanes.matrix, uniq, tab, n_distinct)
@@ -164,7 +178,7 @@ def transform_many(
     too_many_t = distinct_t > cap_t
     full_t = torch.zeros_like(too_many_t)
     if pin:
-        full_t = _per_table(tab, hit & (pins[torch.where(hit, row, spare)] == _MAX_PINS), T) > 0
+        full_t = by_tab.sum(hit & (pins[torch.where(hit, row, spare)] == _MAX_PINS)) > 0
     looked_t = ~too_many_t & ~full_t
     looked = torch.cat([looked_t, looked_t.new_zeros(1)])
     touch = torch.where(hit & looked[tab], row, spare)
@@ -184,8 +198,8 @@ def transform_many(
         )
         freq[touch] = torch.where(kind == ts.KINDS.index("lru"), f, bumped)
     last[touch] = step.to(torch.int32)
-    hits_t = _per_table(tab, counts * hit, T)
-    seen_t = _per_table(tab, hit, T)
+    hits_t = by_tab.sum(counts * hit)
+    seen_t = by_tab.sum(hit)
 
     # 3. the missing pairs in order of first sighting (table after table: the blocks are in
     #    table order); a placeholder -(k + 2) for the k-th
@@ -196,7 +210,8 @@ def transform_many(
     new = arange < n_new
     new_ids, new_counts = uniq[by_sighting], counts[by_sighting]
     new_tab = torch.where(new, tab[by_sighting], T)
-    new_t = _per_table(new_tab, new, T)
+    by_new_tab = _Segments(new_tab, T)
+    new_t = by_new_tab.sum(new)
     placed = torch.where(hit, slots, -(kth + 2))[inverse]
 
     # 4. admission (a refused table counts nothing in its sketch)
@@ -204,7 +219,7 @@ def transform_many(
     if any(t.sketch is not None for t in tables):
         depth = max(t.sketch.depth for t in tables if t.sketch is not None)
         admit &= _sketch_admits(space, lanes, depth, new_ids, new_tab, torch.where(admit, new_counts, 0))
-    wanted_t = _per_table(new_tab, admit, T)
+    wanted_t = by_new_tab.sum(admit)
 
     # 5. room: only a table given more IDs than it has free slots can need it (known on the host)
     free_t = lanes.col(ts.FREE_NOW)
@@ -259,7 +274,7 @@ def transform_many(
         pins[torch.where(used, row, spare)] += 1
         pins[into] += 1
     rejected = new & ~admit
-    rejected_t = _per_table(new_tab, rejected, T)
+    rejected_t = by_new_tab.sum(rejected)
     rejected_ids = compact(new_ids, rejected, n)
 
     # every slot a table's batch uses, once: its resident ones seen, then its admitted
@@ -276,7 +291,7 @@ def transform_many(
     # the caller's slots: every table's plus its base
     base = lanes.at(ts.BASE, in_ids)
     out_slots = torch.where(placed >= 0, placed + base, placed)
-    dropped_t = _per_table(in_ids, placed < 0, T)  # IDs of the batch given no slot (not admitted)
+    dropped_t = _Segments(in_ids, T).sum(placed < 0)  # IDs of the batch given no slot (not admitted)
 
     # 7. the one copy, then per table the refusals and the outputs' sizes
     status = torch.where(too_many_t, _TOO_MANY, torch.where(full_t, _PINS_FULL, torch.where(no_room_t, _NO_ROOM, _OK)))

@@ -398,6 +398,20 @@ def test_the_bench_runs_the_triton_backend_end_to_end(capsys):
     assert len(rates) == 2 and rates[0] == rates[1], out
 
 
+def test_the_profile_runs_and_names_where_the_time_goes(capsys, tmp_path):
+    import sys
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import idtransformer_profile
+
+    args = ["--device", DEVICE, "--capacity", "64", "--batch", "40", "--universe", "500", "--tables", "2"]
+    args += ["--warmup", "2", "--batches", "1", "--top", "5", "--trace", str(tmp_path / "trace.json")]
+    assert idtransformer_profile.main(args) == 0
+    out = capsys.readouterr().out
+    assert "2 table(s), batches of 40 IDs" in out and "IDs/s" in out and "aten::" in out
+    assert (tmp_path / "trace.json").stat().st_size > 0
+
+
 def test_no_kernel_argument_takes_a_name_of_the_launchers_own():
     """Triton's launcher binds a launch's arguments in a generated function whose own locals are
     `params`, `specialization` and `options` (triton/runtime/jit.py,
@@ -425,3 +439,22 @@ def test_no_kernel_argument_takes_a_name_of_the_launchers_own():
         if arg in taken
     ]
     assert clashes == []
+
+
+@pytest.mark.parametrize("tables", [1, 3, 26])
+def test_sums_per_table_by_segments_match_a_scatter(tables):
+    """The pass's per-table sums (running sums read at each table's last lane) against a plain
+    index_add_, for lanes table after table with tables of none, lanes of no table at the end,
+    and no lanes at all; counts (bool) and sums (int64)."""
+    from dynemb.idtransformer.device_transform import _Segments
+
+    g = torch.Generator().manual_seed(tables)
+    for n in (0, 1, 7, 1000):
+        tab = torch.sort(torch.randint(0, tables + 1, (n,), generator=g)).values
+        if tables > 2:
+            tab[tab == 1] = 2  # a table with no lanes
+        segments = _Segments(tab.to(DEVICE), tables)
+        numbers = torch.randint(0, 5, (n,), generator=g)
+        for values in (numbers, numbers > 2):
+            want = torch.zeros(tables + 1, dtype=torch.int64).index_add_(0, tab, values.long())[:tables]
+            assert torch.equal(segments.sum(values.to(DEVICE)).cpu(), want)
