@@ -178,6 +178,49 @@ def test_batches_split_over_several_pipelines(store, monkeypatch):
     assert sum(len(i) for i, _ in store.export("split", 64)) == 1300
 
 
+def test_a_big_write_goes_in_parts_one_run_of_buckets_each(store, monkeypatch):
+    """A write of more than WRITE_PART_BYTES goes to Redis in parts, each sent as soon as it is
+    made: every bucket in exactly one part (one command per bucket, as in one request), and a
+    repeated id's last row still wins; a delete too."""
+    monkeypatch.setattr(redis_keys, "WRITE_PART_BYTES", 4096)
+    schema = TableSchema("parts", dim=3)
+    store.num_buckets = 64
+    store.create_table(schema)
+    assert store._native is not None
+    real, made = store._native, []
+
+    class Counted:  # the compiled module, its write requests counted
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def plain_write_request(self, ids, *rest):
+            request, commands = real.plain_write_request(ids, *rest)
+            made.append((bucket_of(np.asarray(ids), 64), commands))
+            return request, commands
+
+    monkeypatch.setattr(store, "_native", Counted())
+    rng = np.random.default_rng(11)
+    ids = unique_ids(rng, 2000)
+    rows = random_rows(rng, 2000, schema)
+    dup_ids = np.concatenate([ids, ids[:100]])
+    dup_rows = np.concatenate([rows, rows[:100] + 1])
+    assert store.push("parts", dup_ids, dup_rows) == 2100
+    assert len(made) == redis_keys.WRITE_PARTS_MAX
+    runs = [(b.min(), b.max()) for b, _ in made]
+    assert all(hi < lo for (_, hi), (lo, _) in zip(runs, runs[1:]))  # runs of buckets, in order
+    assert sum(commands for _, commands in made) == len(np.unique(bucket_of(ids, 64)))
+    got, found = store.pull("parts", ids)
+    assert found.all()
+    np.testing.assert_array_equal(got[:100], rows[:100] + 1)
+    np.testing.assert_array_equal(got[100:], rows[100:])
+    assert store.num_rows("parts") == 2000
+    made.clear()
+    assert store.delete("parts", ids[:1500]) == 1500  # 12 KB of fields: 2 parts
+    assert len(made) == 2 and store.num_rows("parts") == 500
+    _, found = store.pull("parts", ids)
+    assert not found[:1500].any() and found[1500:].all()
+
+
 BACKENDS = ["standalone", pytest.param("cluster", marks=pytest.mark.cluster)]
 
 

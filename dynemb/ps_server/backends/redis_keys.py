@@ -125,6 +125,14 @@ PIPELINE_MAX_IDS = 65536
 PIPELINE_MAX_BYTES = 64 << 20
 
 
+# A write of more bytes than this goes out in parts (runs of buckets), each sent as soon as it
+# is made, so that Redis works on one while the PS makes the next; at most this many parts.
+WRITE_PART_BYTES = 1 << 20
+
+
+WRITE_PARTS_MAX = 8
+
+
 # A thread keeps its reply buffer for its next call up to this size (a 16k-id pull of 512-byte
 # rows takes ~8.5 MB); a bigger one is dropped after its call, so idle threads hold little.
 REPLY_BUFFER_KEEP_BYTES = 16 << 20

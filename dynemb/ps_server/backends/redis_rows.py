@@ -1,20 +1,20 @@
 """RedisStore's rows on standalone Redis: pull, push and delete through the compiled row path
 or redis-py's pipelines, and export (Redis Cluster's rows: redis_cluster.py).
 
-A write on standalone Redis checks, in its script, that the table's metadata is still the raw
-bytes the write read: a write still in flight when its table was dropped (and perhaps created
-again under that name) writes nothing and fails with TableNotFound. On Cluster the writes are
-plain per-bucket commands (the buckets span slots, so no script sees the metadata): such a
-write lands in the dropped table's own bucket keys, which nothing reads any more (a table
-created since under the name has another token), and its row count change, made only while
-the creation token kept beside the count is still the write's, is left out.
+Writes are plain HSETs and HDELs, one per bucket; the table's row count is changed after them by
+a small script that checks the table's creation token (_add_rows): a write still in flight when
+its table was dropped (and perhaps created again under that name) lands in the dropped table's
+own bucket keys, which nothing reads any more (a table created since has another token), and on
+standalone Redis fails with TableNotFound. On Cluster the same write stays quiet (it cannot tell
+whether another PS's write was first).
 
 Pull, push and delete take the compiled row path (csrc/redis_rows_module.cpp): one call groups
-the ids by bucket and writes the whole pipeline (HMGETs, or the write script's EVALSHA) as Redis
-protocol bytes, sent on a pooled connection; the replies are read from its socket into a
-per-thread buffer and copied into the rows run by run as they arrive, so no row becomes a Python
-object. The commands, keys and scripts are redis-py's path's own, so either reads what the other
-wrote.
+the ids by bucket and writes the whole pipeline (HMGETs, HSETs or HDELs) as Redis protocol
+bytes, sent on a pooled connection; a big write goes in parts, runs of buckets, each sent as
+soon as it is made so that Redis works on one while the next is made. The replies are read from
+the socket into a per-thread buffer and copied into the rows run by run as they arrive, so no
+row becomes a Python object. The commands and keys are redis-py's path's own, so either reads
+what the other wrote.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from dynemb.ps_server.errors import (
     InvalidArgument,
     PSError,
 )
+from dynemb.ps_server.hashing import bucket_of
 from dynemb.ps_server.lifecycle import STAMP_DTYPE, SweepSlice, now_stamp, stamp_bytes
 
 # KEYS[1] a bucket; ARGV[1] a stamp, ARGV[2] the table's lifecycle `since`, ARGV[3...] fields:
@@ -95,14 +96,34 @@ class RedisRows(RedisTables):
         take(buf, start, end, count), if given, is handed each run of whole replies as it
         arrives (buf[start:end], count of them), so they are read while Redis still answers
         the rest; on a retry it sees them again from the first."""
+        buf, end, _ = self._exchange_parts(iter([(request, replies)]), lambda _: expect_bytes, take)
+        return buf, end
+
+    def _exchange_parts(
+        self,
+        parts: Iterator[tuple[bytes, int]],
+        expect_bytes: Callable[[int], int],
+        take: Callable[[bytearray, int, int, int], None] | None = None,
+    ) -> tuple[bytearray, int, int]:
+        """_exchange of requests that parts yields (each with its count of commands), each sent
+        as soon as it is made, so Redis works on one while the next is made; then every reply
+        read: (buffer, end of the replies in it, replies). expect_bytes(replies) sizes the
+        buffer. A retry sends the parts made so far again, then makes the rest."""
         assert isinstance(self.client, redis.Redis)  # on Cluster: _cluster_exchange
         pool = self.client.connection_pool
+        sent: list[tuple[bytes, int]] = []
         for attempt in (0, 1):
             with self._redis():  # none free (max_connections), or Redis unreachable
                 conn = pool.get_connection()
             try:
-                conn.send_packed_command([request])
-                return self._recv(conn, replies, expect_bytes, take)
+                for request, _ in sent:
+                    conn.send_packed_command([request])
+                for request, commands in parts:  # on a retry, where the first try left off
+                    sent.append((request, commands))
+                    conn.send_packed_command([request])
+                replies = sum(commands for _, commands in sent)
+                buf, end = self._recv(conn, replies, expect_bytes(replies), take)
+                return buf, end, replies
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                 conn.disconnect()
                 if attempt or _timed_out(exc):
@@ -205,21 +226,17 @@ class RedisRows(RedisTables):
     def _native_write(self, meta: _TableMeta, ids: np.ndarray, rows: np.ndarray | None) -> int:
         """On standalone Redis (RedisClusterRows has Cluster's): plain HSETs of the ids' rows (rows
         given, each with its stamp) or HDELs of the ids (None), one per bucket, in pipelines of at
-        most PIPELINE_MAX_IDS ids built by the compiled module; then the row count is changed by
-        the fields added or removed (returned)."""
-        schema = meta.schema
+        most PIPELINE_MAX_IDS ids built by the compiled module (a big one in parts: _write_parts);
+        then the row count is changed by the fields added or removed (returned)."""
         mod = self._native
         assert mod is not None  # only called when there is one
         step, suffix = _write_plan(meta, rows is not None)
         total = 0
         try:
             for lo in range(0, len(ids), step):
-                part = ids[lo : lo + step]
                 part_rows = None if rows is None else rows[lo : lo + step]
-                request, commands = mod.plain_write_request(
-                    part, part_rows, schema.row_bytes, meta.num_buckets, meta.prefix, suffix
-                )
-                buf, end = self._exchange(request, commands, 16 * commands + 64)
+                parts = _write_parts(mod, meta, ids[lo : lo + step], part_rows, suffix)
+                buf, end, commands = self._exchange_parts(parts, lambda n: 16 * n + 64)
                 try:
                     changed, failed = mod.integer_replies(buf, end, commands)
                 except ValueError as exc:
@@ -494,6 +511,28 @@ class RedisRows(RedisTables):
         parts = [stamps for _, _, stamps in self._read_buckets(meta, start, stop)]
         stamps = np.concatenate(parts) if parts else np.zeros(0, STAMP_DTYPE)
         return (stop if stop < meta.num_buckets else 0), np.maximum(stamps, meta.lifecycle.since).astype(STAMP_DTYPE)
+
+
+def _write_parts(
+    mod, meta: _TableMeta, ids: np.ndarray, rows: np.ndarray | None, suffix: bytes
+) -> Iterator[tuple[bytes, int]]:
+    """A write's request (plain_write_request) in parts of about WRITE_PART_BYTES, each a run of
+    the table's buckets (so no bucket gets two commands), made one at a time as they are asked
+    for: Redis works on a part while the next is made. A repeated id stays in its bucket's
+    part, in its order, so its last row still wins."""
+    row_bytes, per_id = meta.schema.row_bytes, 8 + (0 if rows is None else meta.value_bytes)
+    parts = min(layout.WRITE_PARTS_MAX, len(ids) * per_id // layout.WRITE_PART_BYTES)
+    if parts <= 1:
+        yield mod.plain_write_request(ids, rows, row_bytes, meta.num_buckets, meta.prefix, suffix)
+        return
+    which = bucket_of(ids, meta.num_buckets) * parts // meta.num_buckets
+    order = np.argsort(which, kind="stable")
+    bounds = np.searchsorted(which[order], np.arange(parts + 1))
+    for k in range(parts):
+        at = order[bounds[k] : bounds[k + 1]]
+        if len(at):
+            part_rows = None if rows is None else rows[at]
+            yield mod.plain_write_request(ids[at], part_rows, row_bytes, meta.num_buckets, meta.prefix, suffix)
 
 
 def _write_plan(meta: _TableMeta, with_rows: bool) -> tuple[int, bytes]:
