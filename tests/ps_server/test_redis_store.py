@@ -221,6 +221,24 @@ def test_a_big_write_goes_in_parts_one_run_of_buckets_each(store, monkeypatch):
     assert not found[:1500].any() and found[1500:].all()
 
 
+def test_a_write_request_reads_its_rows_where_they_are():
+    """plain_write_request's rows_at: id i's row is rows[rows_at[i]], the same request as with
+    the rows copied out; a position that is no row, or rows_at on a delete, is refused."""
+    from dynemb.ps_server.native import redis_rows
+
+    mod = redis_rows()
+    rng = np.random.default_rng(5)
+    ids = unique_ids(rng, 300)
+    rows = rng.standard_normal((300, 4)).astype(np.float32)
+    at = rng.permutation(300)[:120]
+    args = (16, 64, b"dn:t:r:{t.", b"stmp")
+    assert mod.plain_write_request(ids[at], rows, *args, at) == mod.plain_write_request(ids[at], rows[at], *args)
+    with pytest.raises(ValueError, match=r"rows_at\[1\] = 300 is not a row of the 300 given"):
+        mod.plain_write_request(ids[:2], rows, *args, np.array([0, 300]))
+    with pytest.raises(ValueError, match="rows_at is for rows, not a delete"):
+        mod.plain_write_request(ids[:2], None, *args, np.array([0, 1]))
+
+
 BACKENDS = ["standalone", pytest.param("cluster", marks=pytest.mark.cluster)]
 
 

@@ -201,26 +201,48 @@ PyObject* py_pull_request(PyObject*, PyObject* args) {
 
 // A write's ids and rows (or None), checked and grouped by bucket, for plain_write_request.
 struct WriteInput {
-  Buf ids_b, rows_b;
+  Buf ids_b, rows_b, rows_at_b;
   int64_t n = 0;
   const int64_t* ids = nullptr;
-  const char* rows = nullptr;  // nullptr: a delete (HDEL), fields only
-  int64_t per_id = 1;          // values a bucket command takes per id: field-row pairs or fields
+  const char* rows = nullptr;        // nullptr: a delete (HDEL), fields only
+  const int64_t* rows_at = nullptr;  // id i's row is rows[rows_at[i]]; nullptr: rows[i]
+  int64_t per_id = 1;                // values a bucket command takes per id: field-row pairs or fields
   Groups g;
+  const char* row(int64_t i, Py_ssize_t row_bytes) const { return rows + (rows_at ? rows_at[i] : i) * row_bytes; }
 };
 
 bool write_input(const char* what, PyObject* ids_o, PyObject* rows_o, Py_ssize_t row_bytes,
-                 unsigned long long num_buckets, WriteInput& in) {
+                 unsigned long long num_buckets, WriteInput& in, PyObject* rows_at_o = nullptr) {
   if (!ids_of(ids_o, in.ids_b, in.n)) return false;
   const bool with_rows = rows_o != Py_None;
   if (with_rows && !in.rows_b.get(rows_o, false)) return false;
-  if (num_buckets < 1 || row_bytes < 0 || (with_rows && in.rows_b.len() != in.n * row_bytes)) {
-    PyErr_Format(PyExc_ValueError, "%s: rows must be row_bytes per id, num_buckets >= 1", what);
+  const bool at = rows_at_o && rows_at_o != Py_None;
+  if (at && (!with_rows || !in.rows_at_b.get(rows_at_o, false))) {
+    if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "%s: rows_at is for rows, not a delete", what);
+    return false;
+  }
+  if (num_buckets < 1 || row_bytes < 0 || (with_rows && !at && in.rows_b.len() != in.n * row_bytes) ||
+      (at && (row_bytes < 1 || in.rows_b.len() % row_bytes || in.rows_at_b.len() != in.n * 8))) {
+    PyErr_Format(PyExc_ValueError,
+                 "%s: rows must be row_bytes per id (with rows_at: whole rows, and one int64 of rows_at per id), "
+                 "num_buckets >= 1",
+                 what);
     return false;
   }
   in.per_id = with_rows ? 2 : 1;
   in.ids = reinterpret_cast<const int64_t*>(in.ids_b.data());
   in.rows = with_rows ? in.rows_b.data() : nullptr;
+  if (at) {
+    in.rows_at = reinterpret_cast<const int64_t*>(in.rows_at_b.data());
+    const int64_t stored = in.rows_b.len() / row_bytes;
+    for (int64_t i = 0; i < in.n; ++i) {
+      if (in.rows_at[i] < 0 || in.rows_at[i] >= stored) {
+        PyErr_Format(PyExc_ValueError, "%s: rows_at[%lld] = %lld is not a row of the %lld given", what, (long long)i,
+                     (long long)in.rows_at[i], (long long)stored);
+        return false;
+      }
+    }
+  }
   Py_BEGIN_ALLOW_THREADS
   group(in.ids, in.n, num_buckets, in.g);
   Py_END_ALLOW_THREADS
@@ -284,29 +306,31 @@ PyObject* py_slot_nodes(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// plain_write_request(ids, rows or None, row_bytes, num_buckets, prefix[, suffix]) -> (request, commands):
-// one plain HSET (rows given: field-row pairs, each row followed by suffix, its stamp) or HDEL
-// (fields) per touched bucket, buckets in ascending order, each bucket's ids in their order in
-// the batch (a repeated id's last row wins). Each reply is the fields added or removed.
+// plain_write_request(ids, rows or None, row_bytes, num_buckets, prefix[, suffix[, rows_at]]) ->
+// (request, commands): one plain HSET (rows given: field-row pairs, each row followed by suffix,
+// its stamp) or HDEL (fields) per touched bucket, buckets in ascending order, each bucket's ids
+// in their order in the batch (a repeated id's last row wins). Each reply is the fields added or
+// removed. rows_at (int64, one per id): id i's row is rows[rows_at[i]] (a part of a bigger write
+// made without copying its rows out first).
 PyObject* py_plain_write_request(PyObject*, PyObject* args) {
-  PyObject *ids_o, *rows_o;
+  PyObject *ids_o, *rows_o, *rows_at_o = nullptr;
   Py_ssize_t row_bytes;
   unsigned long long num_buckets;
   const char* prefix_p;
   Py_ssize_t prefix_n;
   const char* suffix_p = "";
   Py_ssize_t suffix_n = 0;
-  if (!PyArg_ParseTuple(args, "OOnKy#|y#", &ids_o, &rows_o, &row_bytes, &num_buckets, &prefix_p, &prefix_n,
-                        &suffix_p, &suffix_n))
+  if (!PyArg_ParseTuple(args, "OOnKy#|y#O", &ids_o, &rows_o, &row_bytes, &num_buckets, &prefix_p, &prefix_n,
+                        &suffix_p, &suffix_n, &rows_at_o))
     return nullptr;
   WriteInput in;
-  if (!write_input("plain_write_request", ids_o, rows_o, row_bytes, num_buckets, in)) return nullptr;
+  if (!write_input("plain_write_request", ids_o, rows_o, row_bytes, num_buckets, in, rows_at_o)) return nullptr;
   const std::string prefix(prefix_p, size_t(prefix_n));
   const std::string suffix(suffix_p, size_t(suffix_n));  // appended to every row (its stamp)
   const Groups& g = in.g;
   const int64_t per_id = in.per_id;
   const int64_t* ids = in.ids;
-  const char* rows = in.rows;
+  const bool rows = in.rows != nullptr;
   PyObject* r = build([&](Out& req) {
     for (size_t k = 0; k + 1 < g.starts.size(); ++k) {
       put_count(req, '*', 2 + per_id * (g.starts[k + 1] - g.starts[k]));
@@ -319,7 +343,7 @@ PyObject* py_plain_write_request(PyObject*, PyObject* args) {
         req += "\r\n";
         if (rows) {
           put_count(req, '$', int64_t(row_bytes) + int64_t(suffix.size()));
-          req.append(rows + at * row_bytes, size_t(row_bytes));
+          req.append(in.row(at, row_bytes), size_t(row_bytes));
           req += suffix;
           req += "\r\n";
         }
