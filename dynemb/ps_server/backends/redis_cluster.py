@@ -24,6 +24,7 @@ import redis
 import redis.cluster
 import redis.event
 from redis._parsers.base import BaseParser  # the error classes of error replies, as redis-py raises them
+from redis.crc import key_slot
 
 from dynemb.ps_server.backends import redis_keys as layout
 from dynemb.ps_server.backends.redis_keys import _REDIS_ERRORS, _TableMeta, _timed_out
@@ -122,6 +123,16 @@ class RedisClusterRows(RedisRows):
         bounds = np.cumsum(np.bincount(node + 1, minlength=len(smap.pools) + 1)).tolist()
         parts = [(k, order[bounds[k] : bounds[k + 1]]) for k in range(len(smap.pools)) if bounds[k + 1] > bounds[k]]
         return smap, parts, [order[: bounds[0]]] if bounds[0] else []
+
+    def _send_one(self, key: bytes, request: bytes) -> tuple[bytearray, int] | None:
+        """See RedisRows._send_one: on Cluster, to the node that serves key's slot."""
+        if not self.cluster:
+            return super()._send_one(key, request)
+        smap = self._slots()
+        node = int(smap.slot_node[key_slot(key)])
+        if node < 0:
+            return None
+        return self._cluster_exchange(smap, [(node, request, 1, 64, None)])[0]
 
     def _redirected(self, text: str) -> bool:
         """Whether an error reply says the key's slot is served elsewhere or on the move (MOVED,
@@ -283,9 +294,9 @@ class RedisClusterRows(RedisRows):
                     raise self._error_reply(error)
         except BaseException:
             with contextlib.suppress(PSError):  # what was written is counted
-                self._add_rows(meta, total if rows is not None else -total)
+                self._count_written(meta, total if rows is not None else -total)
             raise
-        self._add_rows(meta, total if rows is not None else -total)
+        self._count_written(meta, total if rows is not None else -total)
         return total
 
 

@@ -261,22 +261,32 @@ class RedisRows(RedisTables):
 
     def _count_written(self, meta: _TableMeta, change: int) -> None:
         """_add_rows on the compiled path: the count script's EVALSHA sent as protocol bytes
-        (through redis-py's pipeline it cost the PS 5-10 times the script's round trip); where
-        Redis has not the script loaded (restarted, SCRIPT FLUSH), it did not run, and goes the
-        redis-py way, which loads it."""
+        (through redis-py's pipeline it cost the PS 5-10 times the script's round trip; on
+        Cluster redis-py also asks the node for the script's keys first, COMMAND GETKEYS).
+        Where the script did not run (not loaded: Redis restarted, SCRIPT FLUSH; the slot
+        moved; no connection), it goes the redis-py way, which loads it and follows the slot."""
         args = [b"EVALSHA", self._sha(_WRITTEN_ROWS_LUA).encode(), b"1", self._rows_key]
         args += [meta.schema.name.encode(), meta.token.encode(), b"%d" % change]
         request = b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
         assert self._native is not None  # only called on the compiled path
-        buf, end = self._exchange(request, 1, 64)
-        reply = self._native.integer_reply(buf, end)
+        got = self._send_one(self._rows_key, request)
+        reply = None if got is None else self._native.integer_reply(*got)
+        if reply is None or (isinstance(reply, str) and (reply.startswith("NOSCRIPT") or self._redirected(reply))):
+            self._add_rows(meta, change)  # the script did not run
+            return
         if isinstance(reply, str):
-            if reply.startswith("NOSCRIPT"):
-                self._add_rows(meta, change)
-                return
             raise self._error_reply(reply)
         if not reply and not self.cluster:
             raise self._gone(meta.schema.name)
+
+    def _send_one(self, key: bytes, request: bytes) -> tuple[bytearray, int] | None:
+        """The reply (buffer, end) of one command about key, sent on the compiled path's own
+        connection; None where it could not be sent there (redis-py's way then: on Cluster)."""
+        return self._exchange(request, 1, 64)
+
+    def _redirected(self, text: str) -> bool:
+        """Whether an error reply says the command went to the wrong node (never on standalone)."""
+        return False
 
     def _py_pull(
         self, meta: _TableMeta, ids: np.ndarray, rows: np.ndarray, stamps: np.ndarray | None = None
