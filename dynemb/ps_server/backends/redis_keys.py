@@ -125,6 +125,11 @@ PIPELINE_MAX_IDS = 65536
 PIPELINE_MAX_BYTES = 64 << 20
 
 
+# Buckets a clear or drop removes in one script on standalone Redis (its run blocks Redis for
+# about a millisecond a thousand buckets).
+CLEAR_KEYS_PER_SCRIPT = 1024
+
+
 # A write of more bytes than this goes out in parts (runs of buckets), each sent as soon as it
 # is made, so that Redis works on one while the PS makes the next; at most this many parts.
 WRITE_PART_BYTES = 1 << 20

@@ -68,15 +68,22 @@ from dynemb.ps_server.errors import (
 from dynemb.ps_server.lifecycle import DROP_LOG_ENTRIES, STAMP_BYTES, Deletions, Drop, Drops, Lifecycle, now_stamp
 from dynemb.ps_server.schema import TableSchema
 
-# Counts and deletes bucket KEYS[1] atomically, so clear/drop report exactly what they removed.
-# On standalone Redis (KEYS[2] the table hash, KEYS[3] the row-count hash) only while table
-# ARGV[1]'s metadata is still ARGV[2] (else nothing, and -1: the table was dropped, perhaps
-# created again, since), and its count goes down in the same script. On Cluster (KEYS[1] alone)
-# the table hash is in another slot: the caller checks it, and changes the count (_CLEARED_ROWS_LUA).
-_CLEAR_BUCKET_LUA = (
-    "if #KEYS == 3 and redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return -1 end "
-    "local n = redis.call('HLEN', KEYS[1]) if n > 0 then redis.call('UNLINK', KEYS[1]) end "
-    "if #KEYS == 3 then n = -n " + _ADD_COUNT_LUA.replace("ROWS", "3") + " n = -n end return n"
+# Cluster: counts and deletes bucket KEYS[1] atomically, so clear/drop report exactly what they
+# removed; the table hash is in another slot: the caller checks it, and changes the count
+# (_CLEARED_ROWS_LUA).
+_CLEAR_BUCKET_LUA = "local n = redis.call('HLEN', KEYS[1]) if n > 0 then redis.call('UNLINK', KEYS[1]) end return n"
+
+
+# Standalone Redis: counts and deletes buckets KEYS[3...] at once, only while table ARGV[1]'s
+# metadata in the table hash KEYS[1] is still ARGV[2] (else nothing, and -1), its count (in
+# KEYS[2]) down by the rows removed in the same script. One script a run of buckets, not one a
+# bucket: a drop of a table of 4,096 buckets went at ~13 a second, its time in the client's
+# pipeline of 4,096 commands (2026-11-27).
+_CLEAR_BUCKETS_LUA = (
+    "if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return -1 end local n = 0 "
+    "for i = 3, #KEYS do local k = redis.call('HLEN', KEYS[i]) "
+    "if k > 0 then redis.call('UNLINK', KEYS[i]) n = n + k end end "
+    "n = -n " + _ADD_COUNT_LUA.replace("ROWS", "2") + " return -n"
 )
 
 
@@ -458,7 +465,8 @@ class RedisTables(StoreParts):
 
         A clear or drop that outlives its table (finished by another PS's drop, perhaps created
         again under the name since) stops rather than remove the new table's rows. On standalone
-        Redis each bucket's script checks the metadata; on Cluster it is read before each
+        Redis a script clears a run of CLEAR_KEYS_PER_SCRIPT buckets, checking the metadata
+        first; on Cluster (a script a bucket: the buckets span slots) it is read before each
         pipeline and after the last (a pipeline sent meanwhile clears only keys of the dropped
         table's creation token: see the module doc).
 
@@ -492,8 +500,9 @@ class RedisTables(StoreParts):
             else:
 
                 def fill(pipe, keys=keys) -> None:
-                    for key in keys:
-                        self._script(pipe, _CLEAR_BUCKET_LUA, [key, self._meta_key, self._rows_key], [name, meta.raw])
+                    for lo in range(0, len(keys), layout.CLEAR_KEYS_PER_SCRIPT):
+                        run = keys[lo : lo + layout.CLEAR_KEYS_PER_SCRIPT]
+                        self._script(pipe, _CLEAR_BUCKETS_LUA, [self._meta_key, self._rows_key, *run], [name, meta.raw])
 
             counts = [int(c) for c in self._run_scripted(fill)]
             n = sum(c for c in counts if c > 0)
