@@ -343,7 +343,9 @@ class PSClient:
         Raises:
             TableNotFound, InvalidArgument, DeadlineExceeded, Unavailable (ps_server/errors.py).
         """
-        return self.push_async(table, ids, rows, timeout).result()
+        ids = as_ids(ids)
+        rows = as_rows(table, ids, rows, copy=False)  # waited for: the caller's buffer is not reused meanwhile
+        return self._lanes.submit(table, self._rows.push, table, ids, rows, self._deadline(timeout)).result()
 
     def delete(self, table: str, ids, timeout: float | None = None) -> int:
         """Delete ids' rows; returns how many there were."""
@@ -371,7 +373,11 @@ class PSClient:
 
     def push_many(self, rows_by_table: Mapping[str, tuple[object, object]], timeout: float | None = None) -> int:
         """Several tables' pushes in one call per PS: {table: (ids, rows)}; rows written."""
-        return self.push_many_async(rows_by_table, timeout).result()
+        given = {}
+        for table, (ids, rows) in rows_by_table.items():
+            ids = as_ids(ids)
+            given[table] = (ids, as_rows(table, ids, rows, copy=False))  # waited for: no copy needed
+        return self._lanes.submit_many(given, self._rows.push_many, given, self._deadline(timeout)).result()
 
     def pull_many_async(
         self, ids_by_table: Mapping[str, object], timeout: float | None = None

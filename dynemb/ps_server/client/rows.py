@@ -71,16 +71,18 @@ def as_ids(ids) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
-def as_rows(table: str, ids: np.ndarray, rows) -> np.ndarray:
-    """A push's rows, checked against its ids and copied (the caller may reuse its buffer before the push runs).
+def as_rows(table: str, ids: np.ndarray, rows, copy: bool = True) -> np.ndarray:
+    """A push's rows, checked against its ids.
 
     Args:
         table: the table pushed to (named in the error).
         ids: the push's ids.
         rows: one row per id.
+        copy: copy them (a push not waited for: the caller may reuse its buffer before the
+            push runs); else copied only where not C-contiguous (a push waited for).
 
     Returns:
-        A C-contiguous copy of rows.
+        The rows, C-contiguous.
 
     Raises:
         InvalidArgument: rows are not (len(ids), width).
@@ -88,7 +90,7 @@ def as_rows(table: str, ids: np.ndarray, rows) -> np.ndarray:
     rows = np.asarray(rows)
     if rows.ndim != 2 or rows.shape[0] != len(ids):
         raise InvalidArgument(f"push to {table!r}: rows must be ({len(ids)}, width), got shape {rows.shape}")
-    return np.array(rows, copy=True, order="C")
+    return np.array(rows, copy=True, order="C") if copy else np.ascontiguousarray(rows)
 
 
 @dataclass
