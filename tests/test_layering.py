@@ -18,6 +18,7 @@ LAYERS = [
     {"cli"},
     {"demo"},
     {"tf", "trainer"},
+    {"publish"},
     {"checkpoint"},
     {"tables"},
     {"idtransformer", "ps_server"},
