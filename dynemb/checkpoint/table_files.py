@@ -89,6 +89,18 @@ def sha256_of(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def read_json_object(path: Path, error: type[Exception]) -> dict:
+    """The JSON object a manifest file holds; error, naming the file, if it is not valid JSON
+    or not an object."""
+    try:
+        doc = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise error(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise error(f"{path}: expected a JSON object, got {type(doc).__name__}")
+    return doc
+
+
 @dataclass(frozen=True)
 class Shard:
     """One shard file as table.json lists it: its name, rows and sha256."""
@@ -133,12 +145,7 @@ class Manifest:
                 f"{path}: missing ({what}); a table folder has a {MANIFEST} written by "
                 f"`dynemb checkpoint export` or `dynemb tf migrate --out`"
             )
-        try:
-            doc = json.loads(path.read_text())
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise TableFileError(f"{path}: not valid JSON ({exc})") from None
-        if not isinstance(doc, dict):
-            raise TableFileError(f"{path}: expected a JSON object, got {type(doc).__name__}")
+        doc = read_json_object(path, TableFileError)
 
         def need(key: str, kind: type | tuple):
             if key not in doc:

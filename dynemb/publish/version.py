@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dynemb.checkpoint.table_files import sha256_of
+from dynemb.checkpoint.table_files import read_json_object, sha256_of
 from dynemb.common.errors import UserError, shown
 from dynemb.publish.quantize import STORED, Quantized, check_dtype, quantize
 
@@ -108,12 +108,7 @@ class Version:
         path = folder / MANIFEST
         if not path.is_file():
             raise VersionError(f"{path}: missing (an incomplete or no version)")
-        try:
-            doc = json.loads(path.read_text())
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise VersionError(f"{path}: not valid JSON ({exc})") from None
-        if not isinstance(doc, dict):
-            raise VersionError(f"{path}: expected a JSON object, got {type(doc).__name__}")
+        doc = read_json_object(path, VersionError)
 
         def need(key: str, kind: type | tuple, nullable: bool = False):
             if key not in doc:
