@@ -131,3 +131,17 @@ def test_bad_arguments_name_the_problem(tmp_path):
             w.write_deleted(np.arange(2))
     with pytest.raises(VersionError, match="no versions of table 'item'"):
         chain(tmp_path, "item")
+
+
+def test_a_manifest_that_is_no_json_object_is_named(tmp_path):
+    write(tmp_path, 1, "full")
+    path = tmp_path / "user" / folder_name(1) / MANIFEST
+    path.write_text("{not json")
+    with pytest.raises(VersionError, match=r"version.json: not valid JSON"):
+        chain(tmp_path, "user")
+    path.write_text("[1, 2]")
+    with pytest.raises(VersionError, match="expected a JSON object, got list"):
+        Version.read(path.parent)
+    path.unlink()
+    with pytest.raises(VersionError, match=r"version.json: missing \(an incomplete or no version\)"):
+        Version.read(path.parent)
