@@ -87,6 +87,13 @@ _CLEAR_BUCKETS_LUA = (
 )
 
 
+# Standalone Redis: the fields (8-byte ids) of every bucket KEYS[...], end to end in one string.
+_BUCKET_FIELDS_LUA = (
+    "local out = {} for i = 1, #KEYS do local f = redis.call('HKEYS', KEYS[i]) "
+    "if #f > 0 then out[#out + 1] = table.concat(f) end end return table.concat(out)"
+)
+
+
 # Cluster, after a pipeline of bucket clears: KEYS[1] the table hash, KEYS[2] the row-count hash
 # (one slot); table ARGV[1]'s count changes by ARGV[3] if its metadata is still ARGV[2].
 _CLEARED_ROWS_LUA = (
@@ -520,15 +527,26 @@ class RedisTables(StoreParts):
         return removed, not self.cluster or unchanged()
 
     def _log_bucket_ids(self, meta: _TableMeta, keys: list[bytes]) -> None:
-        """Log the ids stored in the buckets `keys` as deleted (their fields: HKEYS, no rows)."""
+        """Log the ids stored in the buckets `keys` as deleted (their fields, no rows): on
+        standalone Redis a script per CLEAR_KEYS_PER_SCRIPT buckets returns them end to end,
+        on Cluster an HKEYS a bucket."""
         import numpy as np
 
-        pipe = self._pipeline()
-        for key in keys:
-            pipe.execute_command("HKEYS", key)
-        fields = [f for reply in self._run(pipe) for f in reply]
-        if fields:
-            self._log_deleted(meta, np.frombuffer(b"".join(map(_raw, fields)), dtype="<i8").astype(np.int64))
+        if self.cluster:
+            pipe = self._pipeline()
+            for key in keys:
+                pipe.execute_command("HKEYS", key)
+            blob = b"".join(_raw(f) for reply in self._run(pipe) for f in reply)
+        else:
+            step = layout.CLEAR_KEYS_PER_SCRIPT
+
+            def fill(pipe) -> None:
+                for lo in range(0, len(keys), step):
+                    self._script(pipe, _BUCKET_FIELDS_LUA, keys[lo : lo + step], [])
+
+            blob = b"".join(_raw(r) for r in self._run_scripted(fill))
+        if blob:
+            self._log_deleted(meta, np.frombuffer(blob, dtype="<i8").astype(np.int64))
 
     def clear(self, table: str) -> int:
         """See Store.clear; TableNotFound if the table is dropped while it clears. Each run of
