@@ -265,9 +265,8 @@ class RedisRows(RedisTables):
         Cluster redis-py also asks the node for the script's keys first, COMMAND GETKEYS).
         Where the script did not run (not loaded: Redis restarted, SCRIPT FLUSH; the slot
         moved; no connection), it goes the redis-py way, which loads it and follows the slot."""
-        args = [b"EVALSHA", self._sha(_WRITTEN_ROWS_LUA).encode(), b"1", self._rows_key]
-        args += [meta.schema.name.encode(), meta.token.encode(), b"%d" % change]
-        request = b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+        sha, name = self._sha(_WRITTEN_ROWS_LUA).encode(), meta.schema.name.encode()
+        request = _command(b"EVALSHA", sha, b"1", self._rows_key, name, meta.token.encode(), b"%d" % change)
         assert self._native is not None  # only called on the compiled path
         got = self._send_one(self._rows_key, request)
         reply = None if got is None else self._native.integer_reply(*got)
@@ -285,14 +284,7 @@ class RedisRows(RedisTables):
         of its time under ps_load on Cluster); redis-py's way where that fails."""
         if self._native is None:
             return super()._meta(table, dropping)
-        name = table.encode()
-        request = b"*3\r\n$4\r\nHGET\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
-            len(self._meta_key),
-            self._meta_key,
-            len(name),
-            name,
-        )
-        got = self._send_one(self._meta_key, request)
+        got = self._send_one(self._meta_key, _command(b"HGET", self._meta_key, table.encode()))
         if got is None or got[0][:1] != b"$":  # not sent there, or an error reply (a redirect too)
             return super()._meta(table, dropping)
         buf, end = got
@@ -595,6 +587,12 @@ def _write_parts(
             yield mod.plain_write_request(ids[at], None, row_bytes, meta.num_buckets, meta.prefix, suffix)
         elif len(at):  # the part's rows read where they are (rows_at), not copied out first
             yield mod.plain_write_request(ids[at], rows, row_bytes, meta.num_buckets, meta.prefix, suffix, at)
+
+
+def _command(*args: bytes) -> bytes:
+    """One Redis command as protocol bytes (a few small arguments; the row path's pipelines are
+    the compiled module's)."""
+    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
 
 
 def _write_plan(meta: _TableMeta, with_rows: bool) -> tuple[int, bytes]:

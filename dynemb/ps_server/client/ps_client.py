@@ -343,9 +343,7 @@ class PSClient:
         Raises:
             TableNotFound, InvalidArgument, DeadlineExceeded, Unavailable (ps_server/errors.py).
         """
-        ids = as_ids(ids)
-        rows = as_rows(table, ids, rows, copy=False)  # waited for: the caller's buffer is not reused meanwhile
-        return self._lanes.submit(table, self._rows.push, table, ids, rows, self._deadline(timeout)).result()
+        return self._submit_push(table, ids, rows, timeout, copy=False).result()  # waited for: no copy
 
     def delete(self, table: str, ids, timeout: float | None = None) -> int:
         """Delete ids' rows; returns how many there were."""
@@ -358,8 +356,11 @@ class PSClient:
 
     def push_async(self, table: str, ids, rows, timeout: float | None = None) -> Future[int]:
         """push() without waiting: a Future of the rows written."""
+        return self._submit_push(table, ids, rows, timeout, copy=True)  # the caller may reuse its buffer
+
+    def _submit_push(self, table: str, ids, rows, timeout: float | None, copy: bool) -> Future[int]:
         ids = as_ids(ids)
-        rows = as_rows(table, ids, rows)
+        rows = as_rows(table, ids, rows, copy)
         return self._lanes.submit(table, self._rows.push, table, ids, rows, self._deadline(timeout))
 
     def delete_async(self, table: str, ids, timeout: float | None = None) -> Future[int]:
@@ -373,11 +374,7 @@ class PSClient:
 
     def push_many(self, rows_by_table: Mapping[str, tuple[object, object]], timeout: float | None = None) -> int:
         """Several tables' pushes in one call per PS: {table: (ids, rows)}; rows written."""
-        given = {}
-        for table, (ids, rows) in rows_by_table.items():
-            ids = as_ids(ids)
-            given[table] = (ids, as_rows(table, ids, rows, copy=False))  # waited for: no copy needed
-        return self._lanes.submit_many(given, self._rows.push_many, given, self._deadline(timeout)).result()
+        return self._submit_push_many(rows_by_table, timeout, copy=False).result()  # waited for: no copy
 
     def pull_many_async(
         self, ids_by_table: Mapping[str, object], timeout: float | None = None
@@ -390,10 +387,15 @@ class PSClient:
         self, rows_by_table: Mapping[str, tuple[object, object]], timeout: float | None = None
     ) -> Future[int]:
         """push_many() without waiting: a Future of the rows written."""
+        return self._submit_push_many(rows_by_table, timeout, copy=True)  # the caller may reuse its buffers
+
+    def _submit_push_many(
+        self, rows_by_table: Mapping[str, tuple[object, object]], timeout: float | None, copy: bool
+    ) -> Future[int]:
         given = {}
         for table, (ids, rows) in rows_by_table.items():
             ids = as_ids(ids)
-            given[table] = (ids, as_rows(table, ids, rows))
+            given[table] = (ids, as_rows(table, ids, rows, copy))
         return self._lanes.submit_many(given, self._rows.push_many, given, self._deadline(timeout))
 
     # -- whole tables -----------------------------------------------------------
