@@ -316,7 +316,7 @@ def test_the_checks_see_mistakes(tmp_path):
     assert errors == [
         "page.md:3: `dynemb train`: --stepz is not in `dynemb train --help`",
         "page.md:5: `dynemb ps serv`: no such command (dynemb ps has serve, plan, tables, create-table, lifecycle, "
-        "describe, drop, pull, stats, health)",
+        "changes, describe, drop, pull, stats, health)",
         "page.md:6: `python -m dynemb.trainer`: --capacity-fractoin is not in `python -m dynemb.trainer --help`",
         "page.md:8: `dynemb tf nope`: no such command (dynemb tf has ls, migrate)",
         "page.md:9: `-m dynemb.nothing_here`: no such module",

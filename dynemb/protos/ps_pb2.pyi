@@ -45,7 +45,7 @@ class Initializer(_message.Message):
     def __init__(self, kind: _Optional[_Union[Initializer.Kind, str]] = ..., a: _Optional[float] = ..., b: _Optional[float] = ..., seed: _Optional[int] = ..., state_init: _Optional[float] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "dim", "state_width", "dtype", "initializer", "expected_rows", "lifecycle")
+    __slots__ = ("name", "dim", "state_width", "dtype", "initializer", "expected_rows", "lifecycle", "change_log")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     STATE_WIDTH_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class TableSpec(_message.Message):
     INITIALIZER_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_ROWS_FIELD_NUMBER: _ClassVar[int]
     LIFECYCLE_FIELD_NUMBER: _ClassVar[int]
+    CHANGE_LOG_FIELD_NUMBER: _ClassVar[int]
     name: str
     dim: int
     state_width: int
@@ -60,7 +61,8 @@ class TableSpec(_message.Message):
     initializer: Initializer
     expected_rows: int
     lifecycle: Lifecycle
-    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., state_width: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., initializer: _Optional[_Union[Initializer, _Mapping]] = ..., expected_rows: _Optional[int] = ..., lifecycle: _Optional[_Union[Lifecycle, _Mapping]] = ...) -> None: ...
+    change_log: int
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., state_width: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., initializer: _Optional[_Union[Initializer, _Mapping]] = ..., expected_rows: _Optional[int] = ..., lifecycle: _Optional[_Union[Lifecycle, _Mapping]] = ..., change_log: _Optional[int] = ...) -> None: ...
 
 class Lifecycle(_message.Message):
     __slots__ = ("ttl_s", "max_rows", "touch_every_s", "since")
@@ -99,6 +101,36 @@ class TableInfo(_message.Message):
     last_sweep: LastSweep
     expired_reads: int
     def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., num_rows: _Optional[int] = ..., last_sweep: _Optional[_Union[LastSweep, _Mapping]] = ..., expired_reads: _Optional[int] = ...) -> None: ...
+
+class SetChangeLogRequest(_message.Message):
+    __slots__ = ("table", "max_ids")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    MAX_IDS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    max_ids: int
+    def __init__(self, table: _Optional[str] = ..., max_ids: _Optional[int] = ...) -> None: ...
+
+class ReadChangesRequest(_message.Message):
+    __slots__ = ("table", "after", "limit")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    after: str
+    limit: int
+    def __init__(self, table: _Optional[str] = ..., after: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class ReadChangesResponse(_message.Message):
+    __slots__ = ("ids", "times", "cursor", "gap")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    TIMES_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    GAP_FIELD_NUMBER: _ClassVar[int]
+    ids: bytes
+    times: bytes
+    cursor: str
+    gap: bool
+    def __init__(self, ids: _Optional[bytes] = ..., times: _Optional[bytes] = ..., cursor: _Optional[str] = ..., gap: _Optional[bool] = ...) -> None: ...
 
 class SetLifecycleRequest(_message.Message):
     __slots__ = ("table", "lifecycle")

@@ -114,6 +114,16 @@ class ParameterServerStub:
                 request_serializer=dynemb_dot_protos_dot_ps__pb2.ReadDropsRequest.SerializeToString,
                 response_deserializer=dynemb_dot_protos_dot_ps__pb2.ReadDropsResponse.FromString,
                 _registered_method=True)
+        self.SetChangeLog = channel.unary_unary(
+                '/dynemb.ps.v1.ParameterServer/SetChangeLog',
+                request_serializer=dynemb_dot_protos_dot_ps__pb2.SetChangeLogRequest.SerializeToString,
+                response_deserializer=dynemb_dot_protos_dot_ps__pb2.TableInfo.FromString,
+                _registered_method=True)
+        self.ReadChanges = channel.unary_unary(
+                '/dynemb.ps.v1.ParameterServer/ReadChanges',
+                request_serializer=dynemb_dot_protos_dot_ps__pb2.ReadChangesRequest.SerializeToString,
+                response_deserializer=dynemb_dot_protos_dot_ps__pb2.ReadChangesResponse.FromString,
+                _registered_method=True)
         self.AttachSegment = channel.unary_unary(
                 '/dynemb.ps.v1.ParameterServer/AttachSegment',
                 request_serializer=dynemb_dot_protos_dot_ps__pb2.AttachSegmentRequest.SerializeToString,
@@ -225,6 +235,18 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetChangeLog(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadChanges(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def AttachSegment(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -319,6 +341,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.ReadDrops,
                     request_deserializer=dynemb_dot_protos_dot_ps__pb2.ReadDropsRequest.FromString,
                     response_serializer=dynemb_dot_protos_dot_ps__pb2.ReadDropsResponse.SerializeToString,
+            ),
+            'SetChangeLog': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetChangeLog,
+                    request_deserializer=dynemb_dot_protos_dot_ps__pb2.SetChangeLogRequest.FromString,
+                    response_serializer=dynemb_dot_protos_dot_ps__pb2.TableInfo.SerializeToString,
+            ),
+            'ReadChanges': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadChanges,
+                    request_deserializer=dynemb_dot_protos_dot_ps__pb2.ReadChangesRequest.FromString,
+                    response_serializer=dynemb_dot_protos_dot_ps__pb2.ReadChangesResponse.SerializeToString,
             ),
             'AttachSegment': grpc.unary_unary_rpc_method_handler(
                     servicer.AttachSegment,
@@ -763,6 +795,60 @@ class ParameterServer:
             '/dynemb.ps.v1.ParameterServer/ReadDrops',
             dynemb_dot_protos_dot_ps__pb2.ReadDropsRequest.SerializeToString,
             dynemb_dot_protos_dot_ps__pb2.ReadDropsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetChangeLog(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dynemb.ps.v1.ParameterServer/SetChangeLog',
+            dynemb_dot_protos_dot_ps__pb2.SetChangeLogRequest.SerializeToString,
+            dynemb_dot_protos_dot_ps__pb2.TableInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadChanges(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dynemb.ps.v1.ParameterServer/ReadChanges',
+            dynemb_dot_protos_dot_ps__pb2.ReadChangesRequest.SerializeToString,
+            dynemb_dot_protos_dot_ps__pb2.ReadChangesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -21,6 +21,7 @@ import threading
 import numpy as np
 
 from dynemb.common.cli_args import add_command
+from dynemb.ps_server.change_log import DEFAULT_MAX_IDS as DEFAULT_CHANGE_LOG
 from dynemb.ps_server.errors import InvalidArgument, PSError
 
 SERVE_EPILOG = """\
@@ -89,6 +90,7 @@ HELP = {
             "create-table": "create a table on every PS (no error if it exists with the same schema)",
             "describe": "show one table's schema, row count, lifecycle (TTL, row cap) and last sweep",
             "lifecycle": "set when a table's rows expire (TTL, row cap) on every PS, on a live table",
+            "changes": "keep or stop a table's change log (the ids pushed, which `dynemb table publish` reads)",
             "drop": "drop a table and all its rows on every PS",
             "pull": "print the rows of some ids",
             "stats": "per-PS backend, uptime, tables and request counts",
@@ -307,6 +309,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_lifecycle_flags(p)
     p.add_argument("--never", action="store_true", help="rows never expire (clears the TTL and the row cap)")
     p.set_defaults(func=cmd_lifecycle)
+    p = client_parser("changes")
+    p.add_argument("table")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument(
+        "--on",
+        action="store_true",
+        help=f"keep a change log of the newest {DEFAULT_CHANGE_LOG:,} ids pushed, on each PS",
+    )
+    g.add_argument(
+        "--max-ids",
+        type=_number("whole"),
+        help="keep a change log of the newest this many ids pushed, on each PS (4096 to 2^30)",
+    )
+    g.add_argument("--off", action="store_true", help="keep none (a publisher then cuts a full version next)")
+    p.set_defaults(func=cmd_changes)
     p = client_parser("describe")
     p.add_argument("table")
     p.set_defaults(func=cmd_describe)
@@ -330,17 +347,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_health)
 
 
-def add_lifecycle_flags(p: argparse.ArgumentParser) -> None:
-    """--ttl, --max-rows, --touch-every: when a table's rows expire (docs/ps.md, "Rows that expire")."""
+def duration_flag_type(whole: bool = False):
+    """An argparse type for a duration (seconds, or 90s, 5m, 12h, 30d): float seconds, or whole
+    seconds of at least 1."""
     from dynemb.ps_server.sizing import parse_duration
 
-    def duration(text: str) -> int:
+    def duration(text: str) -> float:
         try:
-            return max(1, round(parse_duration(text)))
+            seconds = parse_duration(text)
         except PSError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
+        return max(1, round(seconds)) if whole else seconds
 
     duration.__name__ = "duration"
+    return duration
+
+
+def add_lifecycle_flags(p: argparse.ArgumentParser) -> None:
+    """--ttl, --max-rows, --touch-every: when a table's rows expire (docs/ps.md, "Rows that expire")."""
+    duration = duration_flag_type(whole=True)
     g = p.add_argument_group("rows that expire")
     g.add_argument(
         "--ttl",
@@ -683,6 +708,18 @@ def cmd_lifecycle(args) -> int:
     return 0
 
 
+def cmd_changes(args) -> int:
+    """`dynemb ps changes`: keep (or stop keeping) a table's change log, on every PS."""
+    max_ids = 0 if args.off else (DEFAULT_CHANGE_LOG if args.on else args.max_ids)
+    with client_from_args(args) as ps:
+        info = ps.set_change_log(args.table, max_ids)
+    state = (
+        f"a change log of the newest {info.change_log:,} ids pushed, on each PS" if info.change_log else "no change log"
+    )
+    print(f"{args.table}: {state}")
+    return 0
+
+
 def cmd_describe(args) -> int:
     """`dynemb ps describe`: print one table's schema, row count, lifecycle and last sweep as JSON."""
     with client_from_args(args) as ps:
@@ -692,6 +729,7 @@ def cmd_describe(args) -> int:
             doc["lifecycle"] = {**info.lifecycle.to_dict(), "touch_every_s": info.lifecycle.touch_interval_s}
             doc["last_sweep"] = info.last_sweep._asdict() if info.last_sweep else None
             doc["expired_reads"] = info.expired_reads
+        doc["change_log"] = info.change_log
         print(json.dumps(doc, indent=2))
     return 0
 

@@ -24,6 +24,7 @@ from dynemb.protos import ps_pb2, ps_pb2_grpc
 from dynemb.ps_server import codec
 from dynemb.ps_server.backends.base import Store
 from dynemb.ps_server.burst_log import BurstLog
+from dynemb.ps_server.change_log import checked_max_ids
 from dynemb.ps_server.errors import (
     Abandoned,
     InvalidArgument,
@@ -53,7 +54,7 @@ log = logging.getLogger("dynemb.ps")
 # room for a dim of 4096 with two optimizer states per value (Adam), and a 64 MiB message still
 # carries a thousand fp32 rows of it.
 DEFAULT_MAX_ROW_WIDTH = 16384
-# Ids a ReadDeletions reply carries when the request names no limit.
+# Ids a ReadDeletions or ReadChanges reply carries when the request names no limit.
 DELETIONS_PER_READ = 65536
 # Room left in a message for everything but the packed ids and rows.
 DEFAULT_EXPORT_CHUNK_BYTES = 4 << 20
@@ -387,7 +388,9 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             n = self.store.num_rows(schema.name)
             lifecycle = self.store.lifecycle(schema.name)
             swept = self.store.last_sweep(schema.name) if lifecycle.active else None
+            change_log = self.store.change_log(schema.name)
         info = ps_pb2.TableInfo(spec=schema.to_proto(), num_rows=n, expired_reads=self.store.expired_reads(schema.name))
+        info.spec.change_log = change_log
         if lifecycle.active:
             info.spec.lifecycle.CopyFrom(lifecycle.to_proto())
         if swept:
@@ -412,10 +415,13 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 raise InvalidArgument("CreateTable needs a spec (name, dim, state_width, dtype)")
             schema = self._fitting(TableSchema.from_proto(request.spec))
             lifecycle = Lifecycle.from_proto(request.spec.lifecycle).checked(schema.name)
+            change_log = checked_max_ids(schema.name, min(request.spec.change_log, 1 << 62))
             with self._backend("create_table"):
                 created = self.store.create_table(schema)
                 if created and lifecycle.active:
                     lifecycle = self.store.set_lifecycle(schema.name, lifecycle)
+                if created and change_log:
+                    self.store.set_change_log(schema.name, change_log)
             if created:
                 log.info("created table %s%s", schema.to_dict(), f", {lifecycle.to_dict()}" if lifecycle.active else "")
             return ps_pb2.CreateTableResponse(table=self._info(schema), created=created)
@@ -450,6 +456,30 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 got = self.store.drops(request.after, min(request.limit or 1000, 10_000))
             return ps_pb2.ReadDropsResponse(
                 drops=[ps_pb2.DroppedTable(table=d.table, time=d.time) for d in got.drops],
+                cursor=got.cursor,
+                gap=got.gap,
+            )
+
+    def SetChangeLog(self, request, context):
+        """Keep (or stop keeping) a table's change log; the table's info after."""
+        with self._call("SetChangeLog", context):
+            schema = self._schema(request.table)
+            max_ids = checked_max_ids(schema.name, min(request.max_ids, 1 << 62))
+            with self._backend("set_change_log"):
+                self.store.set_change_log(schema.name, max_ids)
+            log.info("table %s: change log %s", schema.name, f"of {max_ids} ids" if max_ids else "off")
+            return self._info(schema)
+
+    def ReadChanges(self, request, context):
+        """A stretch of a table's change log."""
+        with self._call("ReadChanges", context):
+            schema = self._schema(request.table)
+            limit = min(request.limit or DELETIONS_PER_READ, self.max_message_bytes // 16)
+            with self._backend("changes"):
+                got = self.store.changes(schema.name, request.after, max(1, limit))
+            return ps_pb2.ReadChangesResponse(
+                ids=got.ids.astype("<i8").tobytes(),
+                times=got.times.astype("<f8").tobytes(),
                 cursor=got.cursor,
                 gap=got.gap,
             )

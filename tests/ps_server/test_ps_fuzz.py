@@ -110,6 +110,8 @@ class Fuzzer:
                 "Touch",
                 "ReadDeletions",
                 "ReadDrops",
+                "SetChangeLog",
+                "ReadChanges",
             )
         }
         self.raw_export = self.channel.unary_stream(SERVICE + "Export")

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from dynemb.ps_server.change_log import Changes
 from dynemb.ps_server.errors import DeadlineExceeded, TableExists, TableNotFound
 from dynemb.ps_server.lifecycle import Deletions, Drops, Lifecycle, SweepSlice
 from dynemb.ps_server.schema import TableSchema
@@ -187,6 +188,23 @@ class Store(abc.ABC):
         """Up to `limit` tables dropped after cursor `after` ("": from the oldest kept), each with
         its time: their rows left with them (the deletion logs record the rows that leave a
         table that stays)."""
+
+    # -- the change log (change_log.py): what a publisher reads ------------------------------
+
+    @abc.abstractmethod
+    def change_log(self, table: str) -> int:
+        """The ids the table's change log keeps; 0: it keeps none. Raises TableNotFound."""
+
+    @abc.abstractmethod
+    def set_change_log(self, table: str, max_ids: int) -> int:
+        """Keep a change log of the newest max_ids ids pushed (0: keep none; a log kept goes on,
+        its cursors valid); returns max_ids. Raises TableNotFound, or InvalidArgument for a size
+        out of range."""
+
+    @abc.abstractmethod
+    def changes(self, table: str, after: str = "", limit: int = 65536) -> Changes:
+        """Up to about `limit` ids logged as pushed after cursor `after` ("": from the oldest
+        kept). Raises InvalidArgument if the table keeps no change log."""
 
     @abc.abstractmethod
     def record_sweep(self, table: str, result: dict) -> None:

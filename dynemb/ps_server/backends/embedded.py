@@ -43,8 +43,9 @@ import numpy as np
 from dynemb.common.arrays import unique
 from dynemb.ps_server import native
 from dynemb.ps_server.backends.base import Store, check_same_schema, rows_out
-from dynemb.ps_server.backends.deletion_log import DeletionLog, parse_cursor
 from dynemb.ps_server.backends.id_index import IdIndex
+from dynemb.ps_server.backends.id_log import END, LOG_MAX_IDS, IdLog, parse_cursor
+from dynemb.ps_server.change_log import Changes, checked_max_ids, no_change_log
 from dynemb.ps_server.codec import rows_for_table
 from dynemb.ps_server.errors import PSError, TableNotFound
 from dynemb.ps_server.lifecycle import (
@@ -73,7 +74,10 @@ class _Table:
         # `since`): each row number's stamp, and its id (-1: free), which a sweep walks.
         self.stamps: np.ndarray | None = None
         self.row_ids: np.ndarray | None = None
-        self.log = DeletionLog()
+        self.log = IdLog()
+        self.changes = IdLog()  # the change log (change_log.py), kept while change_log
+        self.change_log = 0
+        self.published = 0  # the published version it holds, in a serving store (dynemb/publish/apply.py)
         self.expired_reads = 0  # rows a pull found expired, not yet swept
 
     def start_stamps(self) -> None:
@@ -208,8 +212,9 @@ def _read_table_file(path: Path) -> tuple[TableSchema, np.ndarray, np.ndarray, d
         raise SnapshotError(f"{path}: ids {ids.shape} and rows {rows.shape} do not match table {schema.name!r}")
     if "stamps" in extra and extra["stamps"].shape != ids.shape:
         raise SnapshotError(f"{path}: stamps {extra['stamps'].shape} do not match ids {ids.shape}")
-    if extra.get("deleted_ids", np.zeros(0)).shape != extra.get("deleted_times", np.zeros(0)).shape:
-        raise SnapshotError(f"{path}: the deletion log's ids and times do not match")
+    for what, prefix in (("deletion", "deleted"), ("change", "changed")):
+        if extra.get(f"{prefix}_ids", np.zeros(0)).shape != extra.get(f"{prefix}_times", np.zeros(0)).shape:
+            raise SnapshotError(f"{path}: the {what} log's ids and times do not match")
     return schema, ids, rows, meta, extra
 
 
@@ -343,8 +348,25 @@ class EmbeddedStore(Store):
                 staging.push(schema.name, ids, rows)
                 if t.stamps is not None and "stamps" in extra:
                     t.stamps[t.index.lookup(ids)] = extra["stamps"]
-            if "deleted_ids" in extra:
-                t.log.restore(extra["deleted_ids"], extra["deleted_times"], int(meta.get("deleted_first", "0")))
+            try:
+                if "deleted_ids" in extra or "deleted_end" in meta:
+                    deleted = extra.get("deleted_ids", np.zeros(0, np.int64))
+                    # saves before runs and an end were kept: one run, starting at deleted_first
+                    end = int(meta.get("deleted_end", int(meta.get("deleted_first", "0")) + len(deleted)))
+                    t.log.restore(deleted, extra.get("deleted_times", np.zeros(0)), extra.get("deleted_runs"), end)
+                t.published = int(meta.get("published", "0"))
+                if "changes" in meta:  # after the rows' pushes above, which it does not log
+                    changes = json.loads(meta["changes"])
+                    t.change_log = checked_max_ids(schema.name, int(changes["max_ids"]))
+                    t.changes.max_ids = t.change_log or LOG_MAX_IDS
+                    t.changes.restore(
+                        extra.get("changed_ids", np.zeros(0, np.int64)),
+                        extra.get("changed_times", np.zeros(0)),
+                        extra.get("changed_runs"),
+                        int(changes["end"]),
+                    )
+            except (ValueError, TypeError, KeyError, PSError) as exc:
+                raise SnapshotError(f"{path}: its logs or published version are unreadable ({exc})") from None
         return staging._tables
 
     # -- saving ----------------------------------------------------------------------
@@ -372,23 +394,32 @@ class EmbeddedStore(Store):
                 rows = t.rows[where]
                 stamps = None if t.stamps is None else t.stamps[where]
                 lifecycle = t.lifecycle
-            deleted_ids, deleted_times, deleted_first = t.log.snapshot()
+            deleted_ids, deleted_times, deleted_runs, deleted_end = t.log.snapshot()
+            changes, change_log = t.changes, t.change_log
             order = np.argsort(ids)
             tensors = {"ids": ids[order], "rows": np.ascontiguousarray(rows[order])}
             if stamps is not None:
                 tensors["stamps"] = stamps[order]
             if len(deleted_ids):
                 tensors["deleted_ids"], tensors["deleted_times"] = deleted_ids, deleted_times
+                tensors["deleted_runs"] = deleted_runs
+            metadata = {
+                "schema": json.dumps(t.schema.to_dict()),
+                "lifecycle": json.dumps(lifecycle.to_dict()),
+                # deleted_first: what an older dynemb reads (it keeps one run)
+                "deleted_first": str(int(deleted_runs[0, 0]) if len(deleted_runs) else deleted_end),
+                "deleted_end": str(deleted_end),
+            }
+            if t.published:
+                metadata["published"] = str(t.published)
+            if change_log or changes.end:  # its count goes on after a restart, on or off
+                changed_ids, changed_times, changed_runs, changed_end = changes.snapshot()
+                if len(changed_ids):
+                    tensors["changed_ids"], tensors["changed_times"] = changed_ids, changed_times
+                    tensors["changed_runs"] = changed_runs
+                metadata["changes"] = json.dumps({"max_ids": change_log, "end": changed_end})
             path = gen / f"{name}{SNAPSHOT_SUFFIX}"
-            save_file(
-                tensors,
-                str(path),
-                metadata={
-                    "schema": json.dumps(t.schema.to_dict()),
-                    "lifecycle": json.dumps(lifecycle.to_dict()),
-                    "deleted_first": str(deleted_first),
-                },
-            )
+            save_file(tensors, str(path), metadata=metadata)
             _fsync(path)
             entries.append({"file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path), "rows": len(ids)})
             if len(entries) == stall_after:
@@ -463,8 +494,10 @@ class EmbeddedStore(Store):
         with self._lock:
             kept = list(self._drops)
             end = self._drops_end
+        if at == END:
+            return Drops([], str(end), False)
         first = kept[0][0] if kept else end
-        gap = at is not None and at < first
+        gap = at is not None and not first <= at <= end
         start = first if at is None else max(at, first)
         got = [Drop(name, when) for seq, name, when in kept if seq >= start][: max(1, limit)]
         return Drops(got, str(min(end, start + len(got))), gap)
@@ -505,6 +538,8 @@ class EmbeddedStore(Store):
             return 0
         rows = rows_for_table(rows, t.schema, len(ids))
         with t.lock:
+            if t.change_log:  # logged before the write (change_log.py)
+                t.changes.append(ids)
             if not t.free:  # no deleted rows to reuse (a trainer's store never deletes): one C call
                 t.reserve(len(ids))
                 t.used += t.index.push_rows(ids, t.rows, rows, t.used)
@@ -595,6 +630,30 @@ class EmbeddedStore(Store):
         """See Store.deletions: cursors count the ids logged before them."""
         t = self._table(table)
         return t.log.read(parse_cursor(after, f"table {table!r}"), max(1, limit))
+
+    def change_log(self, table: str) -> int:
+        """See Store.change_log."""
+        return self._table(table).change_log
+
+    def set_change_log(self, table: str, max_ids: int) -> int:
+        """See Store.set_change_log: a log kept goes on (its cursors stay), resized."""
+        t = self._table(table)
+        max_ids = checked_max_ids(table, max_ids)
+        with t.lock:
+            if t.change_log and not max_ids:  # readers across the time it is off: a gap
+                t.changes.skip()
+            t.change_log = max_ids
+            if max_ids:
+                t.changes.max_ids = max_ids
+        return max_ids
+
+    def changes(self, table: str, after: str = "", limit: int = 65536) -> Changes:
+        """See Store.changes: cursors count the ids logged before them."""
+        t = self._table(table)
+        at = parse_cursor(after, f"table {table!r}", "change log")
+        if not t.change_log:
+            raise no_change_log(table)
+        return Changes(*t.changes.read(at, max(1, limit)))
 
     def record_sweep(self, table: str, result: dict) -> None:
         """See Store.record_sweep (kept while the store runs)."""

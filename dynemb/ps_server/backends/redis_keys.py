@@ -12,7 +12,8 @@ Layout (namespace <ns>, table <t>, bucket number <b>; the braces are literal):
     {dn:<ns>:tables}:drops        STREAM  the log of drops: entries {"table", "t"} numbered "<n>-0"
     dn:<ns>:<t>:<c>:r:{<t>.<b>}   HASH  id as 8 little-endian bytes -> the row's raw bytes, then
                                         its stamp (format 3 on: 4 bytes, lifecycle.py)
-    dn:<ns>:<t>:<c>:deleted       STREAM  the table's deletion log: entries {"ids": 8-byte ids}
+    dn:<ns>:<t>:<c>:deleted       STREAM  the table's deletion log: entries {"ids": 8-byte ids, "t"}
+    dn:<ns>:<t>:<c>:changed       STREAM  its change log (change_log.py, if kept): entries as above
     dn:<ns>:<t>:<c>:sweep         STRING  the PS holding the table's sweep lease (expires)
     dn:<ns>:<t>:<c>:swept         STRING  JSON: the table's last sweep (sweeper.SweepResult)
 
@@ -279,6 +280,7 @@ class _TableMeta:
     dropping: bool = False  # a drop has begun: no longer a table to anything but a drop
     stamped: bool = False  # each value ends in its row's stamp (format 3 on)
     lifecycle: Lifecycle = Lifecycle()
+    change_log: int = 0  # ids its change log keeps (0: none)
 
     def key(self, bucket: int) -> bytes:
         return b"%s%d}" % (self.prefix, bucket)
@@ -294,6 +296,11 @@ class _TableMeta:
         return self.prefix.rsplit(b"r:{", 1)[0] + b"deleted"
 
     @property
+    def changes_key(self) -> bytes:
+        """The key of the table's change log (a stream, change_log.py), beside its buckets."""
+        return self.prefix.rsplit(b"r:{", 1)[0] + b"changed"
+
+    @property
     def lease_key(self) -> bytes:
         """The key of the table's sweep lease (lifecycle.py, sweeper.py)."""
         return self.prefix.rsplit(b"r:{", 1)[0] + b"sweep"
@@ -305,8 +312,8 @@ class _TableMeta:
 
     @property
     def side_keys(self) -> list[bytes]:
-        """The table's keys besides its buckets (its deletion log, sweep lease, last sweep)."""
-        return [self.log_key, self.lease_key, self.swept_key]
+        """The table's keys besides its buckets (its deletion and change logs, sweep lease, last sweep)."""
+        return [self.log_key, self.changes_key, self.lease_key, self.swept_key]
 
 
 @dataclass(frozen=True)
@@ -401,4 +408,5 @@ class StoreParts:
         def _row_meta(self, table: str) -> _TableMeta: ...
         def _add_rows(self, meta: _TableMeta, change: int) -> None: ...
         def _log_deleted(self, meta: _TableMeta, ids: np.ndarray) -> None: ...
+        def _log_ids(self, key: bytes, ids: np.ndarray, max_ids: int) -> None: ...
         def _wrong_size(self, table: str) -> PSError: ...

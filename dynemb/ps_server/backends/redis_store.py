@@ -334,6 +334,8 @@ class RedisStore(RedisClusterRows, Store):
         meta = self._row_meta(table)
         schema = meta.schema
         rows = rows_for_table(rows, schema, len(ids))
+        if meta.change_log:  # logged before the write (change_log.py)
+            self._log_ids(meta.changes_key, ids, meta.change_log)
         if self._native is not None:
             self._native_write(meta, ids, rows)
             return len(ids)

@@ -47,7 +47,7 @@ from typing import Any
 
 from dynemb.ps_server.backends import redis_keys as layout
 from dynemb.ps_server.backends.base import check_same_schema, check_time
-from dynemb.ps_server.backends.deletion_log import parse_cursor
+from dynemb.ps_server.backends.id_log import END, parse_cursor
 from dynemb.ps_server.backends.redis_keys import (
     _ADD_COUNT_LUA,
     _WRITTEN_ROWS_LUA,
@@ -60,6 +60,7 @@ from dynemb.ps_server.backends.redis_keys import (
     log,
     prefix_of,
 )
+from dynemb.ps_server.change_log import Changes, checked_max_ids, no_change_log
 from dynemb.ps_server.errors import (
     InvalidArgument,
     PSError,
@@ -217,12 +218,13 @@ class RedisTables(StoreParts):
                 schema = dataclasses.replace(schema, expected_rows=int(d["expected_rows"]))
             fmt = int(d.get("format", 1))
             lifecycle = Lifecycle.from_dict(d.get("lifecycle"))
+            change_log = int(d.get("change_log", 0))
         except (ValueError, KeyError, TypeError) as exc:
             raise PSError(
                 f"metadata of table {table!r} in Redis namespace {self.namespace!r} is unreadable: {exc}"
             ) from None
         token = d["created"] if fmt >= 2 else ""
-        return _TableMeta(raw, schema, nb, prefix, token, bool(d.get("dropping")), fmt >= 3, lifecycle)
+        return _TableMeta(raw, schema, nb, prefix, token, bool(d.get("dropping")), fmt >= 3, lifecycle, change_log)
 
     def create_table(self, schema: TableSchema) -> bool:
         """See Store.create_table and _create_table."""
@@ -703,6 +705,38 @@ class RedisTables(StoreParts):
                 return lifecycle if lifecycle.active else Lifecycle()
         raise PSError(f"table {table!r} in Redis namespace {self.namespace!r} kept changing; try again")
 
+    # -- the change log (change_log.py) --------------------------------------------------
+
+    def change_log(self, table: str) -> int:
+        """See Store.change_log."""
+        return self._row_meta(table).change_log
+
+    def set_change_log(self, table: str, max_ids: int) -> int:
+        """See Store.set_change_log: kept in the table's metadata, which every PS reads."""
+        max_ids = checked_max_ids(table, max_ids)
+        for _ in range(layout.CREATE_TRIES):
+            meta = self._meta(table)
+            d = json.loads(meta.raw)
+            if max_ids:
+                d["change_log"] = max_ids
+            else:
+                d.pop("change_log", None)
+            raw = json.dumps(d, sort_keys=True).encode()
+            if self._run_scripted(functools.partial(self._mark, [table, meta.raw, raw]))[0]:
+                self._tables_changed += 1  # threads' kept metadata is void
+                if meta.change_log and not max_ids:  # readers across the time it is off: a gap
+                    self._run_scripted(functools.partial(self._skip_log, meta.changes_key))
+                return max_ids
+        raise PSError(f"table {table!r} in Redis namespace {self.namespace!r} kept changing; try again")
+
+    def changes(self, table: str, after: str = "", limit: int = 65536) -> Changes:
+        """See Store.changes: cursors as the deletion log's (deletions)."""
+        meta = self._meta(table)
+        if not meta.change_log:
+            raise no_change_log(table)
+        at = parse_cursor(after, f"table {table!r}", "change log")
+        return Changes(*self._read_log(meta.changes_key, at, after, limit))
+
     def take_sweep_lease(self, table: str, owner: str, seconds: float) -> bool:
         """See Store.take_sweep_lease: a key that expires, set if absent or this owner's."""
         meta = self._meta(table)
@@ -716,12 +750,17 @@ class RedisTables(StoreParts):
         at = parse_cursor(after, "the log of dropped tables")
         key = drops_key(self.namespace)
         pipe = self._pipeline()
-        pipe.execute_command("XRANGE", key, "-" if at is None else f"({at}-0", "+", "COUNT", max(1, limit))
+        start = "-" if at is None or at == END else f"({at}-0"
+        pipe.execute_command("XRANGE", key, start, "+", "COUNT", max(1, limit))
         pipe.execute_command("XRANGE", key, "-", "+", "COUNT", 1)
-        entries, first = self._run(pipe)
+        pipe.execute_command("XREVRANGE", key, "+", "-", "COUNT", 1)
+        entries, first, last = self._run(pipe)
+        end = int(_raw(last[0][0]).split(b"-")[0]) if last else 0
+        if at == END or (at is not None and at > end):  # the end now; or a cursor of another log
+            return Drops([], str(end), at != END)
         # entry n is the n-th drop: one past `at` missing from the oldest kept means trimmed ones
         gap = at is not None and bool(first) and int(_raw(first[0][0]).split(b"-")[0]) > at + 1
-        got, cursor = [], after
+        got, cursor = [], after if at is not None else str(end)
         for entry_id, fields in entries:
             values = _entry_fields(fields)
             got.append(Drop(_raw(values[b"table"]).decode(), float(_raw(values[b"t"]))))
@@ -747,6 +786,10 @@ class RedisTables(StoreParts):
     def _log_deleted(self, meta: _TableMeta, ids) -> None:
         """Append ids to the table's deletion log, before they are deleted (a crash between
         leaves ids logged that are still stored, which a reader checks; never the reverse)."""
+        self._log_ids(meta.log_key, ids, layout.LOG_MAX_IDS)
+
+    def _log_ids(self, key: bytes, ids, max_ids: int) -> None:
+        """Append ids to the log (a stream) at key, which keeps about its newest max_ids."""
         import numpy as np
 
         ids = np.ascontiguousarray(ids, dtype="<i8")
@@ -755,13 +798,16 @@ class RedisTables(StoreParts):
         per = layout.LOG_IDS_PER_ENTRY
         chunks = [ids[lo : lo + per].tobytes() for lo in range(0, len(ids), per)]
         for lo in range(0, len(chunks), 64):  # a script of at most 64 entries (256k ids)
-            args = [layout.LOG_MAX_IDS, *chunks[lo : lo + 64]]
-            self._run_scripted(functools.partial(self._append_log, meta.log_key, args))
+            args = [max_ids, *chunks[lo : lo + 64]]
+            self._run_scripted(functools.partial(self._append_log, key, args))
 
     def _run_one(self, *command) -> Any:
         pipe = self._pipeline()
         pipe.execute_command(*command)
         return self._run(pipe)[0]
+
+    def _skip_log(self, key: bytes, pipe) -> None:
+        self._script(pipe, _SKIP_LUA, [key], [])
 
     def _append_log(self, key: bytes, args: list, pipe) -> None:
         self._script(pipe, _LOG_LUA, [key], args)
@@ -769,36 +815,56 @@ class RedisTables(StoreParts):
     def deletions(self, table: str, after: str = "", limit: int = 65536) -> Deletions:
         """See Store.deletions: a cursor is the count of ids logged up to a point (decimal), as
         on the embedded store; the log's entries are numbered so (_LOG_LUA)."""
-        import numpy as np
-
         meta = self._meta(table)
         at = parse_cursor(after, f"table {table!r}")
+        return Deletions(*self._read_log(meta.log_key, at, after, limit))
+
+    def _read_log(self, key: bytes, at: int | None, after: str, limit: int) -> tuple:
+        """(ids, times, cursor, gap) of the log (a stream, _LOG_LUA) at key, from cursor `at`."""
+        import numpy as np
+
+        if at == END:
+            last = self._run_one("XREVRANGE", key, "+", "-", "COUNT", 1)
+            end = int(_raw(last[0][0]).split(b"-")[0]) if last else 0
+            return np.zeros(0, np.int64), np.zeros(0, np.float64), str(end), False
         pipe = self._pipeline()
-        pipe.execute_command("XRANGE", meta.log_key, "-", "+", "COUNT", 1)
+        pipe.execute_command("XRANGE", key, "-", "+", "COUNT", 1)
         start = at if at is not None else 0
         # the entries whose ids end within `limit` of the cursor (ids number the ids logged)
-        pipe.execute_command("XRANGE", meta.log_key, f"({start}-0", f"{start + max(1, limit)}-0")
-        pipe.execute_command("XRANGE", meta.log_key, f"({start}-0", "+", "COUNT", 1)
-        first, entries, one = self._run(pipe)
+        pipe.execute_command("XRANGE", key, f"({start}-0", f"{start + max(1, limit)}-0")
+        pipe.execute_command("XRANGE", key, f"({start}-0", "+", "COUNT", 1)
+        pipe.execute_command("XREVRANGE", key, "+", "-", "COUNT", 1)
+        first, entries, one, last = self._run(pipe)
         if at is None and first:  # from the oldest kept
             oldest = int(_raw(first[0][0]).split(b"-")[0]) - len(_entry_fields(first[0][1])[b"ids"]) // 8
             if oldest > start:
-                entries = self._run_one("XRANGE", meta.log_key, f"({oldest}-0", f"{oldest + max(1, limit)}-0")
+                entries = self._run_one("XRANGE", key, f"({oldest}-0", f"{oldest + max(1, limit)}-0")
                 one = first
         entries = entries or one  # an entry bigger than the limit comes whole
         gap = False
+        end = int(_raw(last[0][0]).split(b"-")[0]) if last else 0
         if at is not None and first:  # where the oldest entry kept starts: past `at`, entries were trimmed
             first_end = int(_raw(first[0][0]).split(b"-")[0])
             gap = first_end - len(_entry_fields(first[0][1])[b"ids"]) // 8 > at
-        ids, times = [], []
-        cursor = after
+        ids: list[np.ndarray] = []
+        times: list[np.ndarray] = []
+        cursor = after if at is not None else str(end)
+        if at is not None and at > end:  # a cursor of another log (the table made again)
+            gap, cursor, entries = True, str(end), []
+        running = at
         for entry_id, fields in entries:
-            cursor = _raw(entry_id).split(b"-")[0].decode()
             values = _entry_fields(fields)
             part = np.frombuffer(_raw(values[b"ids"]), dtype="<i8").astype(np.int64)
+            number = int(_raw(entry_id).split(b"-")[0])
+            if running is not None and number - len(part) > running:  # a count skipped (_SKIP_LUA)
+                if ids:
+                    break
+                gap = True
+            running = number
+            cursor = str(number)
             ids.append(part)
             times.append(np.full(len(part), float(_raw(values[b"t"]))))
-        return Deletions(
+        return (
             np.concatenate(ids) if ids else np.zeros(0, np.int64),
             np.concatenate(times) if times else np.zeros(0, np.float64),
             cursor,
@@ -824,6 +890,16 @@ _LOG_LUA = (
     "redis.call('XADD', KEYS[1], n .. '-0', 'ids', ARGV[i], 't', now) end "
     "if n > tonumber(ARGV[1]) then redis.call('XTRIM', KEYS[1], 'MINID', '~', (n - tonumber(ARGV[1])) .. '-0') end "
     "return n"
+)
+
+
+# KEYS[1] a log (stream, _LOG_LUA): an entry of no ids numbered one past the last, which tells a
+# reader that reads across it that ids were not logged there (a change log turned off).
+_SKIP_LUA = (
+    "local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1) local n = 0 "
+    "if #last > 0 then n = tonumber(string.match(last[1][1], '^(%d+)')) end "
+    "local t = redis.call('TIME') "
+    "redis.call('XADD', KEYS[1], (n + 1) .. '-0', 'ids', '', 't', t[1]) return n + 1"
 )
 
 

@@ -22,6 +22,7 @@ from concurrent.futures import Future
 import numpy as np
 
 from dynemb.protos import ps_pb2
+from dynemb.ps_server.change_log import Changes
 from dynemb.ps_server.client import streaming
 from dynemb.ps_server.client.ordering import TableLanes
 from dynemb.ps_server.client.results import PullResult, TableInfo
@@ -132,6 +133,7 @@ class PSClient:
         timeout: float | None = None,
         expected_rows: int = 0,
         lifecycle: Lifecycle | None = None,
+        change_log: int = 0,
     ) -> TableInfo:
         """Create the table on every PS; succeeds if it already exists with this schema.
 
@@ -148,6 +150,8 @@ class PSClient:
                 the stores' default].
             lifecycle: when its rows expire (TTL, row cap over all PSes): set if the table is
                 created now; a table that exists keeps its own (set_lifecycle changes it).
+            change_log: ids each PS's change log of the table keeps (set_change_log), if the
+                table is created now [default 0: none].
 
         Returns:
             The schema and the rows the table holds (summed over the PSes).
@@ -157,10 +161,14 @@ class PSClient:
             TableExists: the table exists with another schema.
         """
         schema = TableSchema(name, dim, state_width, dtype, initializer or Initializer(), expected_rows)
-        return self.create_table_from_schema(schema, timeout, lifecycle)
+        return self.create_table_from_schema(schema, timeout, lifecycle, change_log)
 
     def create_table_from_schema(
-        self, schema: TableSchema, timeout: float | None = None, lifecycle: Lifecycle | None = None
+        self,
+        schema: TableSchema,
+        timeout: float | None = None,
+        lifecycle: Lifecycle | None = None,
+        change_log: int = 0,
     ) -> TableInfo:
         """create_table, from a TableSchema (its expected_rows over all PSes: each is asked for its share)."""
         # ids spread evenly over the PSes: each is asked for its share, the shares summing to the whole
@@ -172,12 +180,14 @@ class PSClient:
             spec.expected_rows = each + (shard < extra)
             if lifecycle is not None and lifecycle.active:
                 spec.lifecycle.CopyFrom(self._share(lifecycle, shard).to_proto())
+            spec.change_log = change_log
             requests.append((shard, ps_pb2.CreateTableRequest(spec=spec)))
         replies = self._transport.fanout("CreateTable", requests, self._deadline(timeout))
         self._remember(schema)
         lifecycles = [Lifecycle.from_proto(r.table.spec.lifecycle) for r in replies]
         lifecycle = lifecycles[0]._replace(max_rows=sum(lc.max_rows for lc in lifecycles))
-        return TableInfo(schema, sum(r.table.num_rows for r in replies), lifecycle)
+        logs = max(r.table.spec.change_log for r in replies)
+        return TableInfo(schema, sum(r.table.num_rows for r in replies), lifecycle, change_log=logs)
 
     def describe_table(self, name: str, timeout: float | None = None) -> TableInfo:
         """The table's schema (expected_rows summed over the PSes), rows and max_rows summed over
@@ -195,6 +205,7 @@ class PSClient:
             info.lifecycle._replace(max_rows=sum(i.lifecycle.max_rows for i in infos)),
             max(sweeps, default=None),
             sum(i.expired_reads for i in infos),
+            max(i.change_log for i in infos),
         )
 
     def _share(self, lifecycle: Lifecycle, shard: int) -> Lifecycle:
@@ -224,6 +235,64 @@ class PSClient:
         self._transport.fanout("SetLifecycle", calls, self._deadline(timeout))
         return self.describe_table(name, timeout)
 
+    def set_change_log(self, name: str, max_ids: int, timeout: float | None = None) -> TableInfo:
+        """Keep (or stop keeping) the table's change log on every PS: the ids pushed, which
+        read_changes returns (what a publisher reads: docs/publish.md).
+
+        Args:
+            name: the table.
+            max_ids: the newest ids each PS's log keeps (4096 to 2^30; change_log.DEFAULT_MAX_IDS
+                is 2^24); 0: keep none. A log kept goes on, its cursors valid.
+            timeout: seconds for the whole call [default: the client's].
+
+        Returns:
+            The table's info after (describe_table).
+
+        Raises:
+            TableNotFound; InvalidArgument for a size out of range (named with its limits).
+        """
+        calls = [
+            (shard, ps_pb2.SetChangeLogRequest(table=name, max_ids=max_ids))
+            for shard in range(len(self._transport.addresses))
+        ]
+        self._transport.fanout("SetChangeLog", calls, self._deadline(timeout))
+        return self.describe_table(name, timeout)
+
+    def read_changes(self, table: str, after: str = "", limit: int = 65536, timeout: float | None = None) -> Changes:
+        """Ids pushed to the table after cursor `after`, oldest first (from its change log).
+
+        Args:
+            table: the table (it must keep a change log: set_change_log).
+            after: a cursor from an earlier result; "": from the oldest each PS keeps; "$": the
+                end now (no ids, the cursor to read from later).
+            limit: about the most ids per PS.
+
+        Returns:
+            Changes: ids (an id pushed several times comes as often), times, the cursor to read
+            on from, and gap (ids logged after `after` are gone: a PS trimmed its log past it, or
+            the table was made again; read the whole table instead).
+
+        Raises:
+            InvalidArgument: the table keeps no change log, or a cursor not from this table.
+        """
+        ids, times, cursor, gap = self._read_log("ReadChanges", ps_pb2.ReadChangesRequest, table, after, limit, timeout)
+        return Changes(ids, times, cursor, gap)
+
+    def _read_log(self, method: str, request: type, table: str, after: str, limit: int, timeout: float | None):
+        """(ids, times, cursor, gap) of a table's log on every PS: ReadChanges or ReadDeletions."""
+        shards = len(self._transport.addresses)
+        cursors = after.split(",") if after and after != "$" else [after] * shards
+        if len(cursors) != shards:
+            raise InvalidArgument(f"log cursor {after[:80]!r} is for {len(cursors)} PSes, not {shards}")
+        calls = [(shard, request(table=table, after=c, limit=limit)) for shard, c in enumerate(cursors)]
+        replies = self._transport.fanout(method, calls, self._deadline(timeout))
+        return (
+            np.concatenate([np.frombuffer(r.ids, "<i8").astype(np.int64) for r in replies]),
+            np.concatenate([np.frombuffer(r.times, "<f8").astype(np.float64) for r in replies]),
+            ",".join(r.cursor for r in replies),
+            any(r.gap for r in replies),
+        )
+
     def touch(self, table: str, ids, timeout: float | None = None) -> tuple[int, int]:
         """Mark rows in use now that the PS does not see used (rows resident on a trainer), so
         that they do not expire.
@@ -250,7 +319,7 @@ class PSClient:
             log past `after`).
         """
         shards = len(self._transport.addresses)
-        cursors = after.split(",") if after else [""] * shards
+        cursors = after.split(",") if after and after != "$" else [after] * shards
         if len(cursors) != shards:
             raise InvalidArgument(f"drop log cursor {after[:80]!r} is for {len(cursors)} PSes, not {shards}")
         calls = [(shard, ps_pb2.ReadDropsRequest(after=c, limit=limit)) for shard, c in enumerate(cursors)]
@@ -272,20 +341,10 @@ class PSClient:
             Deletions: ids, times, the cursor to read on from, and gap (a PS trimmed its log past
             `after`: some deletions are no longer there). An id stored again since is stored.
         """
-        shards = len(self._transport.addresses)
-        cursors = after.split(",") if after else [""] * shards
-        if len(cursors) != shards:
-            raise InvalidArgument(f"deletion log cursor {after[:80]!r} is for {len(cursors)} PSes, not {shards}")
-        calls = [
-            (shard, ps_pb2.ReadDeletionsRequest(table=table, after=c, limit=limit)) for shard, c in enumerate(cursors)
-        ]
-        replies = self._transport.fanout("ReadDeletions", calls, self._deadline(timeout))
-        return Deletions(
-            np.concatenate([np.frombuffer(r.ids, "<i8").astype(np.int64) for r in replies]),
-            np.concatenate([np.frombuffer(r.times, "<f8").astype(np.float64) for r in replies]),
-            ",".join(r.cursor for r in replies),
-            any(r.gap for r in replies),
+        ids, times, cursor, gap = self._read_log(
+            "ReadDeletions", ps_pb2.ReadDeletionsRequest, table, after, limit, timeout
         )
+        return Deletions(ids, times, cursor, gap)
 
     def list_tables(self, timeout: float | None = None) -> list[TableInfo]:
         """Every table, by name, its rows summed over the PSes."""

@@ -39,6 +39,7 @@ class TableInfo:
         lifecycle: when its rows expire (Lifecycle(): never); max_rows summed over the shards.
         last_sweep: the latest sweep of it over the shards (DescribeTable only; None: none yet).
         expired_reads: rows the PSes' pulls found expired, since they started (DescribeTable only).
+        change_log: ids each PS's change log of the table keeps (0: none).
     """
 
     schema: TableSchema
@@ -46,6 +47,7 @@ class TableInfo:
     lifecycle: Lifecycle = Lifecycle()
     last_sweep: LastSweep | None = None
     expired_reads: int = 0
+    change_log: int = 0
 
     @classmethod
     def from_proto(cls, msg: ps_pb2.TableInfo) -> TableInfo:
@@ -56,6 +58,7 @@ class TableInfo:
             Lifecycle.from_proto(msg.spec.lifecycle),
             LastSweep.from_proto(msg.last_sweep),
             msg.expired_reads,
+            msg.spec.change_log,
         )
 
 
