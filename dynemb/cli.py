@@ -25,13 +25,14 @@ def build_parser() -> argparse.ArgumentParser:
     from dynemb.checkpoint import cli as checkpoint_cli
     from dynemb.checkpoint import table_cli
     from dynemb.ps_server import cli as ps_cli
+    from dynemb.publish import cli as publish_cli
     from dynemb.tf import cli as tf_cli
     from dynemb.trainer import cli as train_cli
 
     ps_cli.add_parser(sub)
     train_cli.add_parser(sub)
     checkpoint_cli.add_parser(sub)
-    table_cli.add_parser(sub)
+    publish_cli.add_parser(table_cli.add_parser(sub))
     tf_cli.add_parser(sub)
     demo.add_parser(sub)
     return parser

@@ -15,9 +15,9 @@ from dynemb.common.cli_args import add_command, add_command_group, quiet_flag, r
 # subcommand: (its line in the list of commands, the start of its own --help)
 HELP = {
     "table": (
-        "export PS tables to portable folders and import them into any PS",
+        "export PS tables to portable folders and import them into any PS; publish versions for serving",
         "Portable table folders (safetensors shards + table.json): export PS tables into them and import them "
-        "into any PS, on any backend.",
+        "into any PS, on any backend. Versions for serving: publish a table's changes as versions.",
     ),
     "export": (
         "write PS tables to table folders (OUT/<table>/)",
@@ -49,9 +49,12 @@ examples:
 """
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    """Adds `table` and its subcommands to the `dynemb` command's subparsers `sub`."""
-    add_table_commands(add_command_group(sub, "table", HELP, EPILOG, "table_command"))
+def add_parser(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    """Adds `table` and its subcommands to the `dynemb` command's subparsers `sub`; returns
+    its own subparsers (where dynemb.publish adds `publish`)."""
+    table_sub = add_command_group(sub, "table", HELP, EPILOG, "table_command")
+    add_table_commands(table_sub)
+    return table_sub
 
 
 def add_table_commands(sub: argparse._SubParsersAction, old_name_of: str = "") -> None:
