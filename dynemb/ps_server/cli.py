@@ -276,6 +276,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "drop a segment unused this long (its client died)",
         float,
     )
+    serve.add_argument(
+        "--read-only",
+        action="store_true",
+        default=_env("DYNEMB_PS_READ_ONLY", False, _flag),
+        help="serve published tables (`dynemb table apply`) read only: pulls return rows and a missing mask, "
+        "nothing initialised; every write is refused. --backend is the serving store: the Redis (its --namespace) "
+        "or embedded:///DIR, reloaded when a newer apply lands [env DYNEMB_PS_READ_ONLY]",
+    )
+    option(
+        "--follow-seconds",
+        "DYNEMB_PS_FOLLOW_SECONDS",
+        1.0,
+        "read only over embedded:///DIR: how often to look for a newer apply",
+        float,
+    )
     serve.add_argument("--port-file", help="write the bound port here once serving (for scripts and tests)")
     option("--log-level", "DYNEMB_LOG_LEVEL", "INFO", "")
     serve.set_defaults(func=cmd_serve)
@@ -563,6 +578,8 @@ def cmd_serve(args) -> int:
             sweep_every_seconds=args.sweep_every,
             shm_max_bytes=int(args.shm_max_mb * (1 << 20)),
             shm_idle_seconds=args.shm_idle_seconds,
+            read_only=args.read_only,
+            follow_seconds=args.follow_seconds,
         )
         server = PSServer(config).start()
     except Exception as exc:  # bad flags or an unusable port: say so, exit non-zero

@@ -69,6 +69,10 @@ class SegmentUnusable(PSError, code=grpc.StatusCode.FAILED_PRECONDITION):
     (another host, not a sealed memfd, a wrong token) or one it no longer has attached."""
 
 
+class ReadOnly(PSError, code=grpc.StatusCode.PERMISSION_DENIED):
+    """A write to a PS that serves published tables read only (`dynemb ps serve --read-only`)."""
+
+
 class Unavailable(PSError, code=grpc.StatusCode.UNAVAILABLE):
     """Raised by the client when a PS stayed unreachable through every retry."""
 
@@ -82,6 +86,7 @@ _BY_CODE = {
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.FAILED_PRECONDITION: SegmentUnusable,
+    grpc.StatusCode.PERMISSION_DENIED: ReadOnly,
 }
 
 

@@ -87,6 +87,10 @@ class ServeConfig:
     shm_idle_seconds: float = 300.0
     backend_options: dict = field(default_factory=dict)
     max_table_labels: int = DEFAULT_MAX_TABLE_LABELS  # tables with /metrics label values of their own
+    # Serve published tables (dynemb table apply) read only: a Redis backend's namespace of them,
+    # or an embedded store's files, reloaded every follow_seconds when a newer save is there.
+    read_only: bool = False
+    follow_seconds: float = 1.0
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -137,6 +141,8 @@ class PSServer:
                 options.setdefault("rows_per_bucket", config.redis_rows_per_bucket)
                 options.setdefault("listpack", config.redis_listpack)
             store = open_store(config.backend, namespace=config.namespace, **options)
+            if config.read_only:
+                store = _read_only(store, config.namespace)
         self.store = store
         self.health = health.HealthServicer()
         self.backend_watch = BackendWatch(store, config.backend_check_seconds, self._backend_changed)
@@ -173,11 +179,11 @@ class PSServer:
             self.segments,
             max_row_width=config.max_row_width,
             max_request_bytes=config.max_request_bytes,
+            read_only=config.read_only,
         )
         add_to_server(self.service, self._grpc)
-        self.sweeper = (
-            Sweeper(store, config.sweep_every_seconds, on_result=self._swept) if config.sweep_every_seconds else None
-        )
+        sweeps = config.sweep_every_seconds and not config.read_only
+        self.sweeper = Sweeper(store, config.sweep_every_seconds, on_result=self._swept) if sweeps else None
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
@@ -225,6 +231,8 @@ class PSServer:
         if self.sweeper is not None:
             self.sweeper.start()
         self._table_count.start()
+        if self.config.read_only and hasattr(self.store, "reload_if_newer"):
+            threading.Thread(target=self._follow_loop, name="ps-follow", daemon=True).start()
         # the store's settings for the tables already there, off the start path (it may be away)
         threading.Thread(target=self._check_store_config, name="ps-store-config", daemon=True).start()
         log.info(
@@ -241,6 +249,14 @@ class PSServer:
     def _swept(self, result: SweepResult) -> None:
         """A sweeper pass (the sweeper records it in the store for every PS): into the metrics."""
         self.metrics.swept(result, self.store.expired_reads(result.table))
+
+    def _follow_loop(self) -> None:
+        """Read only over an embedded store's files: load a newer save when one is there."""
+        while not self._stopped.wait(self.config.follow_seconds):
+            try:
+                self.store.reload_if_newer()  # type: ignore[attr-defined]
+            except Exception:  # noqa: BLE001 - a bad save is logged; the one loaded stays served
+                log.exception("could not load the newer save of the embedded store")
 
     def _count_tables_loop(self) -> None:
         wait = 0.0
@@ -353,3 +369,17 @@ class PSServer:
     def wait(self) -> None:
         """Block until the server has stopped."""
         self._grpc.wait_for_termination()
+
+
+def _read_only(store: Store, namespace: str) -> Store:
+    """The store of a read-only PS: published tables in Redis, or the embedded store's files
+    (never saved back, reloaded when an applier saved a newer generation)."""
+    from dynemb.ps_server.backends.embedded import EmbeddedStore
+
+    if isinstance(store, EmbeddedStore):
+        store.read_only = True
+        return store
+    from dynemb.ps_server.backends.serving import ServingStore
+    from dynemb.ps_server.backends.serving_redis import ServingRedis
+
+    return ServingStore(ServingRedis(store, namespace))

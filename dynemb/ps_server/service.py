@@ -29,6 +29,7 @@ from dynemb.ps_server.errors import (
     Abandoned,
     InvalidArgument,
     PSError,
+    ReadOnly,
     ResourceExhausted,
     ShuttingDown,
     TableNotFound,
@@ -54,6 +55,10 @@ log = logging.getLogger("dynemb.ps")
 # room for a dim of 4096 with two optimizer states per value (Adam), and a 64 MiB message still
 # carries a thousand fp32 rows of it.
 DEFAULT_MAX_ROW_WIDTH = 16384
+# The calls a read-only PS refuses.
+WRITES = frozenset(
+    {"CreateTable", "DropTable", "Push", "PushMany", "Delete", "Import", "SetLifecycle", "SetChangeLog", "Touch"}
+)
 # Ids a ReadDeletions or ReadChanges reply carries when the request names no limit.
 DELETIONS_PER_READ = 65536
 # Room left in a message for everything but the packed ids and rows.
@@ -233,6 +238,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         max_row_width: the most values (dim + state_width) a row of a table created here may have.
         max_request_bytes: the most bytes of rows one pull or push may ask for or carry, in its
             messages or through shared memory [default: max_message_bytes].
+        read_only: refuse every call that writes (ReadOnly), and pull ids not stored as zeros,
+            not initialised (a PS serving published tables).
     """
 
     def __init__(
@@ -243,8 +250,10 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         segments: SegmentTable | None = None,
         max_row_width: int = DEFAULT_MAX_ROW_WIDTH,
         max_request_bytes: int | None = None,
+        read_only: bool = False,
     ) -> None:
         self.store = store
+        self.read_only = read_only
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
         self.max_row_width = max_row_width
@@ -294,6 +303,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         start = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
+            if self.read_only and method in WRITES:
+                raise ReadOnly(f"{method}: this PS serves published tables read only; write to the training PS")
             yield
         except PSError as exc:
             code = exc.code
@@ -648,7 +659,10 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         tally.bytes_out += out.nbytes
         if not num_missing:
             return b"", 0
-        fill_initial_rows(schema, ids[positions], out, positions)
+        if self.read_only:  # a serving store has no initializer: what it lacks is missing
+            out[positions] = 0
+        else:
+            fill_initial_rows(schema, ids[positions], out, positions)
         m.child(m.missing_rows, label).inc(num_missing)
         missing = np.zeros(len(ids), dtype=bool)
         missing[positions] = True

@@ -17,6 +17,14 @@ HELP = {
         "version: the first, every --full-every, and whenever the PS's logs cannot say what changed). The first "
         "publish of a table turns on its change log on the PS. docs/publish.md has the format.",
     ),
+    "apply": (
+        "apply published versions to a serving store (Redis, or an embedded store's files)",
+        "Take each table of a serving store from the version it holds to the newest in DIR: the newest full version "
+        "and the deltas after it, or just the deltas after the one it holds. Every file of the chain is checked "
+        "first: a gap or a corrupt file writes nothing. Readers (`dynemb ps serve --read-only`, "
+        "dynemb.publish.Lookup) switch from one version to the next at once, never reading a mix; an apply cut "
+        "short is finished by the next.",
+    ),
 }
 
 EPILOG = """\
@@ -25,6 +33,16 @@ examples:
   dynemb table publish --ps localhost:50051 --to published/
   # one table, int8 rows (a scale per row), a full version every 10, every 5 minutes until stopped
   dynemb table publish --ps localhost:50051 --table user --to published/ --dtype int8 --full-every 10 --every 5m
+"""
+
+APPLY_EPILOG = """\
+examples:
+  # every table published under published/ into a Redis, namespace "serving"
+  dynemb table apply published/ --to redis://localhost:6379 --namespace serving
+  # follow: apply new versions as they appear, every 10 s, until stopped
+  dynemb table apply published/ --to redis://localhost:6379 --namespace serving --follow --every 10s
+  # into an embedded store's files, which `dynemb ps serve --read-only --backend embedded:///srv/tables` serves
+  dynemb table apply published/ --to embedded:///srv/tables
 """
 
 
@@ -61,6 +79,27 @@ def add_parser(table_sub: argparse._SubParsersAction) -> None:
     quiet_flag(p)
     p.set_defaults(func=cmd_publish)
 
+    p = add_command(table_sub, "apply", HELP, APPLY_EPILOG)
+    p.add_argument("folder", metavar="DIR", help="the published tables' folder (`dynemb table publish --to`)")
+    p.add_argument(
+        "--to",
+        required=True,
+        metavar="URL",
+        help="the serving store: redis://, rediss://, redis+cluster:// (with --namespace), or embedded:///DIR",
+    )
+    p.add_argument("--namespace", default="dynemb", help="the Redis key namespace of the serving store [dynemb]")
+    table_flag(p, "a table to apply (repeat for several) [default: every table published in DIR]")
+    p.add_argument("--follow", action="store_true", help="keep applying new versions as they appear, until stopped")
+    p.add_argument(
+        "--every",
+        type=duration_flag_type(),
+        default=10.0,
+        metavar="DURATION",
+        help="with --follow: how often to look for new versions [default 10s]",
+    )
+    quiet_flag(p)
+    p.set_defaults(func=cmd_apply)
+
 
 def cmd_publish(args) -> int:
     """`dynemb table publish`: the next version of each chosen table."""
@@ -87,3 +126,36 @@ def cmd_publish(args) -> int:
             if not args.every:
                 return 0
             time.sleep(max(0.0, args.every - (time.monotonic() - started)))
+
+
+def cmd_apply(args) -> int:
+    """`dynemb table apply`: each chosen table's serving copy to the newest version."""
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from dynemb.publish.apply import apply_table, serving_store
+    from dynemb.publish.version import VersionError, numbers
+
+    root = Path(args.folder)
+    if not root.is_dir():
+        raise VersionError(f"{root}: no such folder of published tables")
+    store = serving_store(args.to, args.namespace)
+    while True:
+        names = args.table or sorted(p.name for p in root.iterdir() if p.is_dir() and numbers(root, p.name))
+        if not names and not args.follow:
+            print(f"no published tables in {root}; nothing applied")
+            return 0
+        for name in names:
+            t0 = time.perf_counter()
+            with tqdm(unit="row", desc=f"apply {name}", disable=args.quiet) as bar:
+                done = apply_table(store, root, name, progress=bar.update)
+            if done.versions:
+                applied = ", ".join(f"v{n}" for n in done.versions)
+                took = time.perf_counter() - t0
+                print(f"{name}: applied {applied} in {took:.2f} s (holds v{done.holds})", flush=True)
+            elif not args.follow:
+                print(f"{name}: holds v{done.holds}, the newest", flush=True)
+        if not args.follow:
+            return 0
+        time.sleep(args.every)

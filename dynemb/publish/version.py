@@ -50,6 +50,8 @@ KINDS = ("full", "delta")
 DEFAULT_ROWS_PER_FILE = 1 << 20
 _FOLDER = re.compile(r"^v(\d{8})$")
 _FILE = re.compile(r"^(rows|deleted)-\d{5}\.safetensors$")
+# Tests only: a writer stops for good after writing this many files (a kill -9 lands mid-version).
+STALL_ENV = "DYNEMB_TEST_PUBLISH_STALL_AFTER"
 
 
 class VersionError(UserError, ValueError):
@@ -277,6 +279,9 @@ class VersionWriter:
         path = self.partial / name
         save_file(tensors, str(path), metadata={"format": FORMAT, "table": self.manifest.table})
         self.manifest.files.append(VersionFile(name, kind, len(tensors["ids"]), sha256_of(path)))
+        if len(self.manifest.files) == int(os.environ.get(STALL_ENV, "-1")):
+            while True:  # tests only (STALL_ENV)
+                time.sleep(60)
 
     def close(self) -> Version:
         """Write version.json, then put the folder in place; returns the manifest."""

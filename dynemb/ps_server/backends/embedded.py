@@ -241,6 +241,7 @@ class EmbeddedStore(Store):
         self._last_sweeps: dict[str, dict] = {}  # table -> its last sweep's result (record_sweep)
         self.directory = Path(directory) if directory else None
         self.generation = 0  # the generation loaded or last saved (0: none, or the older layout)
+        self.read_only = False  # never saved (a PS serving files an applier writes: reload_if_newer)
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._load(self.directory)
@@ -373,7 +374,7 @@ class EmbeddedStore(Store):
 
     def save(self) -> None:
         """Write every table as a new generation and switch to it (see the module doc)."""
-        if self.directory is None:
+        if self.directory is None or self.read_only:
             return
         from safetensors.numpy import save_file
 
@@ -444,6 +445,22 @@ class EmbeddedStore(Store):
             for path in directory.glob(f"*{SNAPSHOT_SUFFIX}"):
                 path.unlink()
         log.info("saved %d tables to %s", len(entries), gen)
+
+    def reload_if_newer(self) -> bool:
+        """Load the directory's current generation if it is not the one loaded (an applier saved
+        a newer one), and switch every table to it at once; returns whether it did."""
+        if self.directory is None:
+            return False
+        try:
+            current = int(json.loads((self.directory / MANIFEST).read_text())["generation"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        if current == self.generation:
+            return False
+        tables = self._read_generation(self.directory, current)
+        self._tables, self.generation = tables, current  # a pull in flight keeps the table it has
+        log.info("loaded generation %d (%d tables) from %s", current, len(tables), self.directory)
+        return True
 
     def close(self) -> None:
         """Save every table to the directory, if there is one (see save)."""
