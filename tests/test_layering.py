@@ -1,7 +1,7 @@
 """The package's layers, read from the imports of every module (functions' own imports too):
 lower layers never import higher ones, parts of one layer never import each other, nothing of the
 runtime imports dynemb.testing, and the DLRM job (dynemb.trainer) uses the library as a user
-would: only the names dynemb.tables and dynemb.checkpoint export, never their modules."""
+would: only the names dynemb.tables, dynemb.checkpoint and dynemb.publish export, never their modules."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ LAYERS = [
     {"protos", "common"},
 ]
 LAYER = {part: depth for depth, parts in enumerate(LAYERS) for part in parts}
-LIBRARY = ("tables", "checkpoint")  # what dynemb.trainer may use through their package's names only
+LIBRARY = ("tables", "checkpoint", "publish")  # what dynemb.trainer may use through their package's names only
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:

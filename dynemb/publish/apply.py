@@ -170,7 +170,7 @@ def _apply_files(folder: Path, root, table: str, progress) -> Applied:
 
     store = EmbeddedStore(str(folder))
     try:
-        have = store._table(table).published or None
+        have = store.published_version(table) or None
     except TableNotFound:
         have = None
     versions = chain(root, table, have=have)
@@ -192,4 +192,4 @@ def _apply_files(folder: Path, root, table: str, progress) -> Applied:
         store._table(table).published = v.number
     if versions:
         store.save()  # the switch: a new generation, by a rename
-    return Applied([v.number for v in versions], store._table(table).published if store.schemas([table]) else 0)
+    return Applied([v.number for v in versions], store.published_version(table) if store.schemas([table]) else 0)

@@ -217,6 +217,9 @@ class DynamicTables:
         self.world_size = dist.get_world_size(group)
         self.rows: dict[str, TableRows] = {}
         self.transformers: dict[str, ShardedIDTransformer] = {}
+        # per table, the transformer step of the last flush: a slot seen since (last_access at
+        # or past it) holds a row training may have changed (flush(changed_only=True))
+        self._flushed_at: dict[str, int] = {}
         self.feature_table: dict[str, str] = {}
         for spec in specs:
             r = rows[spec.name]
@@ -804,13 +807,27 @@ class DynamicTables:
         local = self.transformers[name].local
         return local.slot_id[local.last_access != -1].cpu().numpy()
 
-    def flush(self) -> int:
-        """Push every resident row (with its optimizer state) to the PS; rows stay resident."""
+    def flush(self, changed_only: bool = False) -> int:
+        """Push resident rows (with their optimizer state) to the PS; rows stay resident.
+
+        Args:
+            changed_only: only the rows of slots looked up since the last flush (on the device:
+                their last access is at or past the step of that flush): every row training can
+                have changed since, so the PS then has every row as trained, at the cost of the
+                rows touched rather than of every resident one.
+
+        Returns:
+            The rows pushed.
+        """
         self.settle()
         pushed = 0
         for name, t in self.transformers.items():
             local = t.local
-            slots = torch.nonzero(local.last_access != -1).squeeze(1)
+            live = local.last_access != -1
+            if changed_only:
+                live &= local.last_access >= self._flushed_at.get(name, 0)
+            self._flushed_at[name] = local.step
+            slots = torch.nonzero(live).squeeze(1)
             if len(slots):
                 ids = local.slot_id[slots]
                 rows = self.rows[name].read(slots).cpu().numpy()

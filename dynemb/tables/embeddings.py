@@ -281,9 +281,13 @@ class DynamicEmbeddings:
 
     # -- whole tables ----------------------------------------------------------------------
 
-    def flush(self) -> int:
+    def flush(self, changed_only: bool = False) -> int:
         """Push every resident row, with its optimizer state, to the store; rows stay resident.
         Not collective. Returns the rows pushed.
+
+        Args:
+            changed_only: only the rows looked up since the last flush, the ones training can
+                have changed (what a publish needs: dynemb.publish.publish_tables).
 
         Raises:
             SetupError: a thread is transforming batches ahead (a wrap with prefetch still
@@ -294,7 +298,7 @@ class DynamicEmbeddings:
                 "flush() while a thread transforms batches ahead (wrap(prefetch=...)) and moves rows: flush between "
                 "wraps (once the wrapped batches have ended, or after closing them), or wrap with prefetch=0"
             )
-        return self.tables.flush()
+        return self.tables.flush(changed_only)
 
     def resident_rows(self) -> int:
         """IDs with a row on this rank's devices, over every dynamic table."""

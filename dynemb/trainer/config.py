@@ -113,6 +113,11 @@ class TrainConfig:
     checkpoint_full_every: int = 1  # every k-th checkpoint is full, the others incremental
     checkpoint_keep: int = 3  # newest checkpoints kept (plus what their chains need)
     checkpoint_at_end: bool = False
+    publish_to: str = ""  # where versions for serving go (dynemb.publish); "" = none
+    publish_every: int = 0  # steps between versions (0: only with --publish-at-end)
+    publish_at_end: bool = False
+    publish_dtype: str = ""  # fp32, fp16, bf16, int8; "": the table's own
+    publish_full_every: int = 24  # every k-th version is full, the others deltas
     resume: str = ""  # a checkpoint folder, "latest" (in checkpoint_dir), or "auto" (latest if any)
     warm_start: bool = False  # train on from the rows an earlier run left on the PS (startup.py)
     fresh: bool = False  # drop the rows an earlier run left on the PS before training
@@ -143,6 +148,16 @@ class TrainConfig:
             raise ValueError(f"zipf must be > 0 (got {self.data.zipf}) and universe >= 0 (got {self.data.universe})")
         if (self.checkpoint_every or self.checkpoint_at_end) and not self.checkpoint_dir:
             raise ValueError("checkpoint_every / checkpoint_at_end need checkpoint_dir")
+        if (self.publish_every or self.publish_at_end) and not self.publish_to:
+            raise ValueError("publish_every / publish_at_end need publish_to")
+        if self.publish_to and not self.ps:
+            raise ValueError(
+                "publish_to needs ps: versions are cut from a PS's change log (run `dynemb ps serve`, give --ps)"
+            )
+        if self.publish_every < 0 or self.publish_full_every < 1:
+            raise ValueError("publish_every must be >= 0 and publish_full_every >= 1")
+        if self.publish_dtype not in ("", "fp32", "fp16", "bf16", "int8"):
+            raise ValueError(f"publish_dtype must be fp32, fp16, bf16, int8 or empty, got {self.publish_dtype!r}")
         if self.resume in ("latest", "auto") and not self.checkpoint_dir:
             raise ValueError(f"resume {self.resume!r} needs checkpoint_dir")
         if self.warm_start and self.fresh:
@@ -262,6 +277,13 @@ HELP = {
     "checkpoint_full_every": "every k-th checkpoint holds every row; the ones between only rows changed since the last",
     "checkpoint_keep": "newest checkpoints to keep (older ones go, unless a kept one builds on them)",
     "checkpoint_at_end": "also checkpoint after the last step",
+    "publish_to": "folder for versions of the tables for serving (<table>/vNNNNNNNN/; `dynemb table apply` "
+    "applies them); needs --ps",
+    "publish_every": "steps between versions: every rank pushes the rows it changed, then one cuts the rows "
+    "changed and ids deleted since the last version (0: none during training)",
+    "publish_at_end": "also publish a version after the last step",
+    "publish_dtype": "the published rows' dtype: fp32, fp16, bf16, or int8 (a scale per row); empty: the table's own",
+    "publish_full_every": "every k-th version holds every row (a new serving replica starts there)",
     "resume": "continue from a checkpoint: its folder, 'latest' in --checkpoint-dir, or 'auto': the latest if "
     "there is one, else start afresh (for torchrun's elastic restarts); on any number of ranks",
     "warm_start": "train on from the rows an earlier run left in this job's PS tables (without it, or --fresh, "

@@ -20,6 +20,7 @@ class TrainResult:
     hit_rates: list[float] = field(default_factory=list)  # dynamic tables: this rank's, per batch
     evals: list[tuple[int, float, float]] = field(default_factory=list)  # (step, AUC, log-loss), eval_every
     data_ran_out: bool = False  # the data ended before the planned steps
+    versions: list[tuple[int, dict[str, int]]] = field(default_factory=list)  # (step, version by table) published
     # with train(..., collect_tables=True): this rank's block of every table after training,
     # {name: (first row, rows (n, dim + state width))}; dynamic tables read back from the PS
     tables: dict = field(default_factory=dict)

@@ -36,6 +36,7 @@ from tqdm import tqdm
 from dynemb import tables as dt
 from dynemb.checkpoint import Checkpointer
 from dynemb.idtransformer.hashing import owner_of
+from dynemb.publish import PublishConfig, publish_tables
 from dynemb.tables import RowStore, TrainerMetrics, find_tables, init_distributed, resolve_device
 from dynemb.trainer.collectives import all_gather_ragged
 from dynemb.trainer.config import TrainConfig, table_name
@@ -161,6 +162,9 @@ def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
         if cfg.checkpoint_at_end and result.losses:
             assert ckpt is not None, "TrainConfig refuses checkpoint_at_end without checkpoint_dir"
             ckpt.save(first_step + len(result.losses))
+        last = first_step + len(result.losses)
+        if cfg.publish_at_end and dynamic is not None and not any(k == last for k, _ in result.versions):
+            result.versions.append((last, publish(cfg, dynamic, last)))
         result.auc, result.logloss = evaluate(cfg, built, dynamic, device)
         if dynamic is not None:
             dynamic.close()  # the PS holds every row the job has trained
@@ -180,6 +184,13 @@ def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
         store.close()
         if created:
             dist.destroy_process_group()
+
+
+def publish(cfg: TrainConfig, dynamic: dt.DynamicEmbeddings, step: int) -> dict[str, int]:
+    """Collective: versions of every dynamic table for serving, at this step (dynemb.publish);
+    the version numbers by table on rank 0, {} elsewhere."""
+    config = PublishConfig(cfg.publish_to, dtype=cfg.publish_dtype or None, full_every=cfg.publish_full_every)
+    return {name: v.number for name, v in publish_tables(dynamic, config, step).items()}
 
 
 def _loop(
@@ -209,6 +220,7 @@ def _loop(
     model, optimizer = built.model, built.optimizer
     model.train()
     every = cfg.checkpoint_every if ckpt is not None else 0
+    publishing = cfg.publish_every if dynamic is not None else 0
     pipeline = None
 
     def segment(end: int) -> tuple[Generator, Callable[[], torch.Tensor]]:
@@ -252,7 +264,7 @@ def _loop(
     evaluating = cfg.eval_every
 
     def boundary(k: int) -> int:  # the end of the segment that starts at step k
-        return min([total, *((k // p + 1) * p for p in (every, evaluating) if p)])
+        return min([total, *((k // p + 1) * p for p in (every, evaluating, publishing) if p)])
 
     bar = tqdm(
         total=total,
@@ -299,6 +311,9 @@ def _loop(
                 if every and k % every == 0:
                     assert ckpt is not None, "every > 0 only with a Checkpointer"
                     ckpt.save(k)
+                if publishing and k % publishing == 0:
+                    assert dynamic is not None, "publishing > 0 only with dynamic tables"
+                    result.versions.append((k, publish(cfg, dynamic, k)))
                 if evaluating and k % evaluating == 0:
                     if pipeline is not None:
                         pipeline.detach()  # the model's own forward, for evaluation

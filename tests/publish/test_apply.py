@@ -173,3 +173,30 @@ def test_int8_versions_are_read_dequantized(redis_url, redis_namespace, tmp_path
     assert found.tolist() == [True, True, True, False] and rows.dtype == np.float32
     np.testing.assert_allclose(rows[:3, 0], [1.0, -0.5, 0.0], atol=1 / 127)
     assert apply_mod.Applied([], 1) == ([], 1)
+
+
+@pytest.mark.parametrize("kind", ["redis", "files"])
+def test_a_lookup_serves_rows_a_default_and_follows_new_versions(redis_url, redis_namespace, tmp_path, kind):
+    from dynemb.publish import Lookup
+
+    root = tmp_path / "published"
+    target = redis_url if kind == "redis" else f"embedded://{tmp_path / 'serving'}"
+    write_version(root, 1, "full", {i: float(i) for i in range(10)})
+    apply_table(serving_store(target, redis_namespace), root, "user")
+    lookup = Lookup(target, "user", namespace=redis_namespace, default=-1.0, cache_rows=4, max_staleness_s=0.0)
+    got = lookup(np.array([3, 99, 3, 5]))
+    assert got.shape == (4, DIM) and got[:, 0].tolist() == [3.0, -1.0, 3.0, 5.0] and lookup.version == 1
+    assert lookup.misses == 4 and len(lookup._cache) == 3  # 3, 99 (missing), 5
+    lookup(np.array([3, 5]))
+    assert lookup.hits == 2
+    lookup(np.arange(10))
+    assert len(lookup._cache) == 4  # bounded
+    write_version(root, 2, "delta", {3: 33.0}, deleted=[5])
+    apply_table(serving_store(target, redis_namespace), root, "user")
+    assert lookup(np.array([3, 5, 4]))[:, 0].tolist() == [33.0, -1.0, 4.0] and lookup.version == 2
+    stale = Lookup(target, "user", namespace=redis_namespace, max_staleness_s=3600)
+    assert stale(np.array([3]))[0, 0] == 33.0
+    write_version(root, 3, "delta", {3: 333.0})
+    apply_table(serving_store(target, redis_namespace), root, "user")
+    assert stale(np.array([3]))[0, 0] == 33.0  # cached, and not asked again within the hour
+    assert stale(np.array([4, 3]))[:, 0].tolist() == [4.0, 333.0]  # a miss finds version 3: all read again

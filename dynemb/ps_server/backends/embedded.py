@@ -446,6 +446,10 @@ class EmbeddedStore(Store):
                 path.unlink()
         log.info("saved %d tables to %s", len(entries), gen)
 
+    def published_version(self, table: str) -> int:
+        """The published version the table holds (a serving store's: dynemb/publish/apply.py); 0: none."""
+        return self._table(table).published
+
     def reload_if_newer(self) -> bool:
         """Load the directory's current generation if it is not the one loaded (an applier saved
         a newer one), and switch every table to it at once; returns whether it did."""
