@@ -53,7 +53,11 @@ def serving_store(url: str, namespace: str = "dynemb") -> ServingRedis | Path:
 
 
 def apply_table(
-    store: ServingRedis | Path, root: str | os.PathLike, table: str, progress: Callable[[int], None] | None = None
+    store: ServingRedis | Path,
+    root: str | os.PathLike,
+    table: str,
+    progress: Callable[[int], None] | None = None,
+    shown: Callable[[int], None] | None = None,
 ) -> Applied:
     """Take the store's copy of the table to the newest version under root (see the module).
 
@@ -62,14 +66,16 @@ def apply_table(
         root: the published tables' folder.
         table: the table.
         progress: called with the rows written, as they are.
+        shown: called with each version's number once readers read it (before a delta's
+            rows are moved out of their pending fields, on Redis).
 
     Raises:
         VersionError: no chain from what the store holds to the newest (a gap, no full version
             to start from), or a file of it missing or corrupt: nothing was written then.
     """
     if isinstance(store, Path):
-        return _apply_files(store, root, table, progress)
-    return _apply_redis(store, root, table, progress)
+        return _apply_files(store, root, table, progress, shown)
+    return _apply_redis(store, root, table, progress, shown)
 
 
 def _note(progress: Callable[[int], None] | None, n: int) -> None:
@@ -80,25 +86,25 @@ def _note(progress: Callable[[int], None] | None, n: int) -> None:
 # -- Redis ---------------------------------------------------------------------------------
 
 
-def _apply_redis(store: ServingRedis, root, table: str, progress) -> Applied:
+def _apply_redis(store: ServingRedis, root, table: str, progress, shown) -> Applied:
     head = store.raw_head(table)
     done = []
     if head.pending:  # a delta cut short: finish it first
         v = Version.read(Path(root) / table / folder_name(head.pending))
         v.check_files()
         log.info("table %s: finishing version %d, cut short", table, v.number)
-        _apply_delta(store, table, head, v, progress)
+        _apply_delta(store, table, head, v, progress, shown)
         done.append(v.number)
         head = store.raw_head(table)
     for v in chain(root, table, have=head.version or None):
         if v.kind == "full":
-            _apply_full(store, table, head, v, progress)
+            _apply_full(store, table, head, v, progress, shown)
         else:
             if v.dim != head.dim or v.dtype != head.dtype:
                 raise VersionError(
                     f"{v.folder}: a delta of dim {v.dim}, {v.dtype} onto a store holding dim {head.dim}, {head.dtype}"
                 )
-            _apply_delta(store, table, head, v, progress)
+            _apply_delta(store, table, head, v, progress, shown)
         done.append(v.number)
         head = store.raw_head(table)
     return Applied(done, head.version)
@@ -108,7 +114,7 @@ def _stored(q: Quantized, dtype: str) -> list[bytes]:
     return encode_rows(q.values, q.scales if dtype == "int8" else None)
 
 
-def _apply_full(store: ServingRedis, table: str, head: ServingHead, v: Version, progress) -> None:
+def _apply_full(store: ServingRedis, table: str, head: ServingHead, v: Version, progress, shown) -> None:
     tag = f"v{v.number}"
     buckets = max(1, math.ceil(v.rows * GROWTH / ROWS_PER_BUCKET))
     if head.writing_tag and head.writing_tag not in (tag, head.tag):  # a full cut short: its keys are garbage
@@ -124,28 +130,37 @@ def _apply_full(store: ServingRedis, table: str, head: ServingHead, v: Version, 
         table, True, version=v.number, base=v.number, tag=tag, buckets=buckets, dim=v.dim, dtype=v.dtype,
         pending=0, visible=0, writing_tag="", writing_buckets=0, rows=rows,
     )  # fmt: skip
+    _note(shown, v.number)
     if head.tag and head.tag != tag:  # readers of the old tag read again (gen moved on)
         store.unlink_tag(table, head.tag, head.buckets)
     log.info("table %s: full version %d applied (%d rows)", table, v.number, v.rows)
 
 
-def _apply_delta(store: ServingRedis, table: str, head: ServingHead, v: Version, progress) -> None:
+def _apply_delta(store: ServingRedis, table: str, head: ServingHead, v: Version, progress, shown) -> None:
     tag, buckets = head.tag, head.buckets
     gone = v.deleted_ids()
+    none = [None] * len(gone)
     if not head.visible:  # steps 1 and 2 (again, if cut short before 2: the same fields)
         store.set_head(table, False, pending=v.number)
-        rows = head.rows
         for ids, q in v.row_chunks():
-            rows += store.write(table, tag, buckets, ids, _stored(q, v.dtype), pending=True)
+            store.write(table, tag, buckets, ids, _stored(q, v.dtype), pending=True)
             _note(progress, len(ids))
-        rows += store.write(table, tag, buckets, gone, [None] * len(gone), pending=True)
+        store.write(table, tag, buckets, gone, none, pending=True)
         _stall("step1")
-        store.set_head(table, True, version=v.number, visible=1, rows=rows)
+        store.set_head(table, True, version=v.number, visible=1)
+        _note(shown, v.number)
         _stall("step2")
+        head = store.raw_head(table)
+    if head.counted != v.number:  # the rows it leaves, counted before step 3 writes any
+        rows = head.rows + store.count(table, tag, buckets, gone, none)
+        for ids, _ in v.row_chunks():
+            rows += store.count(table, tag, buckets, ids, [b""] * len(ids))
+        store.set_head(table, False, counted=v.number, counted_rows=rows)
+        head = store.raw_head(table)
     for ids, q in v.row_chunks():  # step 3
         store.compact(table, tag, buckets, ids, list(_stored(q, v.dtype)))
-    store.compact(table, tag, buckets, gone, [None] * len(gone))
-    store.set_head(table, True, pending=0, visible=0)
+    store.compact(table, tag, buckets, gone, none)
+    store.set_head(table, True, pending=0, visible=0, rows=head.counted_rows)
     log.info("table %s: version %d applied (%d rows, %d deleted)", table, v.number, v.rows, v.deleted)
 
 
@@ -162,7 +177,7 @@ def _stall(point: str) -> None:
 VERSION_KEY = "published"
 
 
-def _apply_files(folder: Path, root, table: str, progress) -> Applied:
+def _apply_files(folder: Path, root, table: str, progress, shown) -> Applied:
     """Load the embedded store's files, apply the chain, save a new generation (the switch)."""
     from dynemb.ps_server.backends.embedded import EmbeddedStore
     from dynemb.ps_server.errors import TableNotFound
@@ -192,4 +207,5 @@ def _apply_files(folder: Path, root, table: str, progress) -> Applied:
         store._table(table).published = v.number
     if versions:
         store.save()  # the switch: a new generation, by a rename
+        _note(shown, versions[-1].number)
     return Applied([v.number for v in versions], store.published_version(table) if store.schemas([table]) else 0)

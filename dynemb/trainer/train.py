@@ -190,7 +190,13 @@ def publish(cfg: TrainConfig, dynamic: dt.DynamicEmbeddings, step: int) -> dict[
     """Collective: versions of every dynamic table for serving, at this step (dynemb.publish);
     the version numbers by table on rank 0, {} elsewhere."""
     config = PublishConfig(cfg.publish_to, dtype=cfg.publish_dtype or None, full_every=cfg.publish_full_every)
-    return {name: v.number for name, v in publish_tables(dynamic, config, step).items()}
+    versions = publish_tables(dynamic, config, step)
+    if versions:  # rank 0
+        cut = ", ".join(
+            f"{v.table} v{v.number} ({v.kind}, {v.rows:,} rows, {v.deleted:,} deleted)" for v in versions.values()
+        )
+        print(f"step {step}: published {cut} -> {cfg.publish_to}", file=sys.stderr, flush=True)
+    return {name: v.number for name, v in versions.items()}
 
 
 def _loop(

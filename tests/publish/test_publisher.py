@@ -4,6 +4,8 @@ store and Redis, on one PS and on two."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -144,3 +146,26 @@ def test_a_publisher_fallen_behind_its_change_log_cuts_a_full_version(embedded_c
     push(client, "fast", np.arange(5, dtype=np.int64), rng)
     assert publish_table(client, "fast", config).kind == "delta"
     assert same(replay(tmp_path, "fast"), ps_rows(client, "fast"))
+
+
+def test_rows_that_expire_between_versions_are_tombstones(make_ps, tmp_path):
+    from dynemb.ps_server.lifecycle import Lifecycle
+
+    ps = make_ps("--sweep-every", "0.5")
+    rng = np.random.default_rng(3)
+    with PSClient(ps.address, timeout=30) as client:
+        client.create_table("exp", dim=DIM, state_width=STATE, lifecycle=Lifecycle(ttl_s=4))
+        ids = np.arange(200, dtype=np.int64)
+        push(client, "exp", ids, rng)
+        config = PublishConfig(tmp_path)
+        assert publish_table(client, "exp", config).rows == 200
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # rows 0-49 kept in use, the others left to expire
+            client.touch("exp", ids[:50])
+            if client.describe_table("exp").num_rows == 50:
+                break
+            time.sleep(0.5)
+        push(client, "exp", ids[:5], rng)
+        v = publish_table(client, "exp", config)
+        assert v.kind == "delta" and v.rows == 5 and sorted(v.deleted_ids().tolist()) == list(range(50, 200))
+        assert same(replay(tmp_path, "exp"), ps_rows(client, "exp")) and len(replay(tmp_path, "exp")) == 50

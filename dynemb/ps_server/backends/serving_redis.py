@@ -68,7 +68,10 @@ class ServingHead:
         writing_tag: a full version's tag being written (its keys are garbage if it is not
             switched to: a restart unlinks them).
         writing_buckets: that tag's buckets.
-        rows: the rows of the version readers read.
+        rows: the rows of the version readers read (once applied whole: while a delta's
+            pending fields are shown, the version's before).
+        counted: the delta whose rows were counted (counted_rows) before step 3 began.
+        counted_rows: the rows that delta leaves.
     """
 
     version: int = 0
@@ -83,6 +86,8 @@ class ServingHead:
     writing_tag: str = ""
     writing_buckets: int = 0
     rows: int = 0
+    counted: int = 0
+    counted_rows: int = 0
 
     @classmethod
     def from_reply(cls, reply: dict) -> ServingHead:
@@ -257,34 +262,44 @@ class ServingRedis:
 
     def write(self, table: str, tag: str, buckets: int, ids: np.ndarray, values: list, pending: bool) -> int:
         """Write rows (stored values; None: a tombstone, pending only) under ids to tag's buckets,
-        as pending fields or their own. Returns how many rows they add: rows new to the table,
-        less the tombstones of rows it has (ids given once each)."""
+        as pending fields or their own. Returns the rows new to the table (own fields only)."""
         return self._per_bucket(table, tag, buckets, ids, values, "write" if not pending else "pending")
 
-    def compact(self, table: str, tag: str, buckets: int, ids: np.ndarray, values: list[bytes | None]) -> None:
+    def count(self, table: str, tag: str, buckets: int, ids: np.ndarray, values: list) -> int:
+        """How many rows writing these (None: a tombstone) to their own fields would add: rows new
+        to the table, less the tombstones of rows it has (ids given once each). Reads only."""
+        return self._per_bucket(table, tag, buckets, ids, values, "count")
+
+    def compact(self, table: str, tag: str, buckets: int, ids: np.ndarray, values: list) -> None:
         """Step 3: each id's row (None: a tombstone) to its own field, then its pending field removed."""
         self._per_bucket(table, tag, buckets, ids, values, "compact")
 
     def _per_bucket(self, table: str, tag: str, buckets: int, ids: np.ndarray, values: list, how: str) -> int:
         ids = np.ascontiguousarray(ids, dtype=np.int64)
+        b = bucket_of(ids, buckets)
+        order = np.argsort(b, kind="stable")  # stable: a repeated id's last row wins
+        fields = id_fields(ids)
+        runs = list(_runs(b, order))  # all ids sorted by bucket first: one command a bucket
         added = 0
-        for lo in range(0, len(ids), PIPELINE_IDS):
-            part = ids[lo : lo + PIPELINE_IDS]
-            vals = values[lo : lo + PIPELINE_IDS]
-            b = bucket_of(part, buckets)
-            order = np.argsort(b, kind="stable")  # stable: a repeated id's last row wins
-            fields = id_fields(part)
+        at = 0
+        while at < len(runs):
             pipe = self.store.client.pipeline(transaction=False)
-            counted = []  # (the row's value, whether it is a tombstone) of each HMGET's ids
-            for bucket, where in _runs(b, order):
+            counted = []  # whether each HMGET's ids are tombstones
+            n = 0
+            while at < len(runs) and (n == 0 or n + len(runs[at][1]) <= PIPELINE_IDS):
+                bucket, where = runs[at]
+                at += 1
+                n += len(where)
                 key = bucket_key(self.namespace, table, tag, bucket)
-                if how == "pending":  # what the table has of them now, then their pending fields
+                if how == "count":  # what the table has of them now
                     pipe.hmget(key, [fields[i] for i in where])
-                    counted.append([vals[i] is None for i in where])
-                    pipe.hset(key, mapping={fields[i] + PENDING: vals[i] or b"" for i in where})
+                    counted.append([values[i] is None for i in where])
                     continue
-                rows = {fields[i]: vals[i] for i in where if vals[i] is not None}
-                gone = [fields[i] for i in where if vals[i] is None]
+                if how == "pending":
+                    pipe.hset(key, mapping={fields[i] + PENDING: values[i] or b"" for i in where})
+                    continue
+                rows = {fields[i]: values[i] for i in where if values[i] is not None}
+                gone = [fields[i] for i in where if values[i] is None]
                 if rows:
                     pipe.hset(key, mapping=rows)
                 if how == "compact":
@@ -292,11 +307,9 @@ class ServingRedis:
             replies = self.store._run(pipe)
             if how == "write":
                 added += sum(int(r) for r in replies)
-            elif how == "pending":
-                for had, tombstones in zip(replies[::2], counted):
-                    added += sum(
-                        (-1 if t else 0) if h is not None else (0 if t else 1) for h, t in zip(had, tombstones)
-                    )
+            elif how == "count":  # +1 a row new to the table, -1 a tombstone of one it has
+                for had, tombstones in zip(replies, counted):
+                    added += sum(-t if h is not None else 1 - t for h, t in zip(had, tombstones))
         return added
 
     def unlink_tag(self, table: str, tag: str, buckets: int) -> None:
