@@ -186,6 +186,19 @@ class PSMetrics:
             registry=r,
         )
         self._declared: set[str] = set()  # label values counted() set at its last call
+        # a read-only PS (`dynemb ps serve --read-only`): the published version each table serves
+        self.published_version = Gauge(
+            "dynemb_ps_published_version",
+            "The published version a read-only PS serves of the table (dynemb table apply)",
+            ["table"],
+            registry=r,
+        )
+        self.published_cut = Gauge(
+            "dynemb_ps_published_cut_timestamp_seconds",
+            "When the version a read-only PS serves of the table was cut (Unix seconds): its age is time() minus this",
+            ["table"],
+            registry=r,
+        )
         self._expired_reads_seen: dict[str, int] = {}
         self._children: dict = {}
 
@@ -252,6 +265,13 @@ class PSMetrics:
                 with contextlib.suppress(KeyError):
                     metric.remove(label)
         self._declared = set(sums)
+
+    def published(self, versions: dict[str, tuple[int, float]]) -> None:
+        """Each served table's (version, cut time), from a read-only PS's store."""
+        for table, (number, cut) in versions.items():
+            label = self.table_label(table)
+            self.child(self.published_version, label).set(number)
+            self.child(self.published_cut, label).set(cut)
 
     def child(self, metric, *labels):
         """metric.labels(*labels), remembered: labels() checks and locks on every call, and a

@@ -278,6 +278,8 @@ class PSServer:
             log.debug("could not count the tables' rows: %s", exc)
             return False
         self.metrics.counted(tables)
+        if self.config.read_only:  # the versions served (published_versions: serving.py, embedded.py)
+            self.metrics.published(self.store.published_versions())  # type: ignore[attr-defined]
         for table in self.metrics.swept_tables():
             try:
                 if not self.store.lifecycle(table).active:

@@ -128,7 +128,7 @@ def _apply_full(store: ServingRedis, table: str, head: ServingHead, v: Version, 
         _note(progress, len(ids))
     store.set_head(
         table, True, version=v.number, base=v.number, tag=tag, buckets=buckets, dim=v.dim, dtype=v.dtype,
-        pending=0, visible=0, writing_tag="", writing_buckets=0, rows=rows,
+        pending=0, visible=0, writing_tag="", writing_buckets=0, rows=rows, time=repr(v.time),
     )  # fmt: skip
     _note(shown, v.number)
     if head.tag and head.tag != tag:  # readers of the old tag read again (gen moved on)
@@ -147,7 +147,7 @@ def _apply_delta(store: ServingRedis, table: str, head: ServingHead, v: Version,
             _note(progress, len(ids))
         store.write(table, tag, buckets, gone, none, pending=True)
         _stall("step1")
-        store.set_head(table, True, version=v.number, visible=1)
+        store.set_head(table, True, version=v.number, visible=1, time=repr(v.time))
         _note(shown, v.number)
         _stall("step2")
         head = store.raw_head(table)
@@ -172,9 +172,6 @@ def _stall(point: str) -> None:
 
 
 # -- the embedded store's files ----------------------------------------------------------------
-
-# The table metadata key (in the embedded store's files) of the version a table holds.
-VERSION_KEY = "published"
 
 
 def _apply_files(folder: Path, root, table: str, progress, shown) -> Applied:
@@ -204,7 +201,7 @@ def _apply_files(folder: Path, root, table: str, progress, shown) -> Applied:
         gone = v.deleted_ids()
         if len(gone):
             store.delete(table, gone)
-        store._table(table).published = v.number
+        store.set_published(table, v.number, v.time)  # saved with the table
     if versions:
         store.save()  # the switch: a new generation, by a rename
         _note(shown, versions[-1].number)

@@ -115,6 +115,7 @@ class TrainConfig:
     checkpoint_at_end: bool = False
     publish_to: str = ""  # where versions for serving go (dynemb.publish); "" = none
     publish_every: int = 0  # steps between versions (0: only with --publish-at-end)
+    publish_every_seconds: float = 0.0  # or seconds between versions, looked at every log_every steps
     publish_at_end: bool = False
     publish_dtype: str = ""  # fp32, fp16, bf16, int8; "": the table's own
     publish_full_every: int = 24  # every k-th version is full, the others deltas
@@ -148,14 +149,16 @@ class TrainConfig:
             raise ValueError(f"zipf must be > 0 (got {self.data.zipf}) and universe >= 0 (got {self.data.universe})")
         if (self.checkpoint_every or self.checkpoint_at_end) and not self.checkpoint_dir:
             raise ValueError("checkpoint_every / checkpoint_at_end need checkpoint_dir")
-        if (self.publish_every or self.publish_at_end) and not self.publish_to:
-            raise ValueError("publish_every / publish_at_end need publish_to")
+        if (self.publish_every or self.publish_every_seconds or self.publish_at_end) and not self.publish_to:
+            raise ValueError("publish_every / publish_every_seconds / publish_at_end need publish_to")
+        if self.publish_every and self.publish_every_seconds:
+            raise ValueError("publish by steps (publish_every) or by time (publish_every_seconds), not both")
         if self.publish_to and not self.ps:
             raise ValueError(
                 "publish_to needs ps: versions are cut from a PS's change log (run `dynemb ps serve`, give --ps)"
             )
-        if self.publish_every < 0 or self.publish_full_every < 1:
-            raise ValueError("publish_every must be >= 0 and publish_full_every >= 1")
+        if self.publish_every < 0 or self.publish_every_seconds < 0 or self.publish_full_every < 1:
+            raise ValueError("publish_every and publish_every_seconds must be >= 0, publish_full_every >= 1")
         if self.publish_dtype not in ("", "fp32", "fp16", "bf16", "int8"):
             raise ValueError(f"publish_dtype must be fp32, fp16, bf16, int8 or empty, got {self.publish_dtype!r}")
         if self.resume in ("latest", "auto") and not self.checkpoint_dir:
@@ -281,6 +284,8 @@ HELP = {
     "applies them); needs --ps",
     "publish_every": "steps between versions: every rank pushes the rows it changed, then one cuts the rows "
     "changed and ids deleted since the last version (0: none during training)",
+    "publish_every_seconds": "or seconds between versions: rank 0 looks every --log-every steps (the loop's "
+    "batches in flight drain there) and every rank publishes when it says so",
     "publish_at_end": "also publish a version after the last step",
     "publish_dtype": "the published rows' dtype: fp32, fp16, bf16, or int8 (a scale per row); empty: the table's own",
     "publish_full_every": "every k-th version holds every row (a new serving replica starts there)",

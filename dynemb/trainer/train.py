@@ -199,6 +199,13 @@ def publish(cfg: TrainConfig, dynamic: dt.DynamicEmbeddings, step: int) -> dict[
     return {name: v.number for name, v in versions.items()}
 
 
+def _agreed(rank0_says: bool) -> bool:
+    """Collective: rank 0's answer, on every rank (ranks' clocks may differ)."""
+    said = [rank0_says]
+    dist.broadcast_object_list(said, src=0, group=dt.control_group())
+    return bool(said[0])
+
+
 def _loop(
     cfg: TrainConfig,
     built: Built,
@@ -227,6 +234,9 @@ def _loop(
     model.train()
     every = cfg.checkpoint_every if ckpt is not None else 0
     publishing = cfg.publish_every if dynamic is not None else 0
+    # by time: rank 0 looks every log_every steps (a segment ends there) and tells every rank
+    timed = cfg.log_every if cfg.publish_every_seconds and dynamic is not None else 0
+    published_at = time.monotonic()
     pipeline = None
 
     def segment(end: int) -> tuple[Generator, Callable[[], torch.Tensor]]:
@@ -270,7 +280,7 @@ def _loop(
     evaluating = cfg.eval_every
 
     def boundary(k: int) -> int:  # the end of the segment that starts at step k
-        return min([total, *((k // p + 1) * p for p in (every, evaluating, publishing) if p)])
+        return min([total, *((k // p + 1) * p for p in (every, evaluating, publishing, timed) if p)])
 
     bar = tqdm(
         total=total,
@@ -317,9 +327,13 @@ def _loop(
                 if every and k % every == 0:
                     assert ckpt is not None, "every > 0 only with a Checkpointer"
                     ckpt.save(k)
-                if publishing and k % publishing == 0:
-                    assert dynamic is not None, "publishing > 0 only with dynamic tables"
+                due = bool(publishing and k % publishing == 0)
+                if timed and k % timed == 0:
+                    due = _agreed(time.monotonic() - published_at >= cfg.publish_every_seconds)
+                if due:
+                    assert dynamic is not None, "publishing only with dynamic tables"
                     result.versions.append((k, publish(cfg, dynamic, k)))
+                    published_at = time.monotonic()
                 if evaluating and k % evaluating == 0:
                     if pipeline is not None:
                         pipeline.detach()  # the model's own forward, for evaluation

@@ -38,8 +38,9 @@ def test_versions_of_a_training_job_are_the_ps_rows_at_each_cut(ranks, backend, 
 
 
 @pytest.mark.dist
-def test_the_training_job_publishes_every_n_steps_and_at_the_end(tmp_path, make_ps):
-    """`dynemb train --publish-to DIR --publish-every 4 --publish-at-end` on 2 ranks, as a user runs it."""
+def test_the_training_job_publishes_by_time_and_at_the_end(tmp_path, make_ps):
+    """`dynemb train --publish-to DIR --publish-every-seconds S --publish-at-end` on 2 ranks, as a
+    user runs it: rank 0 looks every --log-every steps, and every rank publishes when it says."""
     import os
     import subprocess
     import sys
@@ -55,8 +56,8 @@ def test_the_training_job_publishes_every_n_steps_and_at_the_end(tmp_path, make_
     root = tmp_path / "published"
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "dynemb.trainer",
-         *flags, "--ps", ps.address, "--publish-to", str(root), "--publish-every", "4", "--publish-at-end",
-         "--publish-dtype", "fp16"],
+         *flags, "--ps", ps.address, "--publish-to", str(root), "--publish-every-seconds", "0.001",
+         "--log-every", "4", "--publish-at-end", "--publish-dtype", "fp16"],
         capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
@@ -65,5 +66,21 @@ def test_the_training_job_publishes_every_n_steps_and_at_the_end(tmp_path, make_
         assert [(v.number, v.kind, v.step, v.dtype) for v in versions] == [
             (1, "full", 4, "fp16"), (2, "delta", 8, "fp16"), (3, "delta", 10, "fp16")
         ]  # fmt: skip
+    assert "step 8: published dynemb_t_0 v2 (delta, " in done.stderr
     with pytest.raises(ValueError, match="publish_to needs ps"):
         TrainConfig(publish_to=str(root))
+    with pytest.raises(ValueError, match="not both"):
+        TrainConfig(ps="x:1", publish_to=str(root), publish_every=3, publish_every_seconds=1)
+
+
+def test_the_training_job_publishes_every_n_steps(tmp_path, make_ps):
+    from helpers import config
+
+    from dynemb.publish import chain
+    from dynemb.trainer.train import train
+
+    ps = make_ps()
+    root = tmp_path / "published"
+    result = train(config("adagrad", dynamic=True, steps=10, ps=ps.address, publish_to=str(root), publish_every=5))
+    assert result.versions == [(5, {f"t_{i}": 1 for i in range(6)})]  # none at the end: not asked
+    assert [v.kind for v in chain(root, "dynemb_t_0")] == ["full"]

@@ -75,6 +75,8 @@ def test_train_publish_apply_serve(make_ps, redis_namespace, tmp_path, request, 
             got = serve.pull("user", np.array([5, 500]))
             assert got.missing.tolist() == [False, True]
             assert got.rows[0].tolist() == [5.0, 1.0, 1.0, 1.0] and not got.rows[1].any()  # zeros, no initializer
+            wait_until(lambda: 'dynemb_ps_published_version{table="user"} 1.0' in reader.metrics_text(), timeout=20)
+            assert "dynemb_ps_published_cut_timestamp_seconds" in reader.metrics_text()
             with pytest.raises(ReadOnly, match="read only"):
                 serve.push("user", np.array([1]), np.zeros((1, DIM), np.float32))
             # training goes on: rows change, some are deleted; a delta published and applied

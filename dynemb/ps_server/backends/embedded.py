@@ -78,6 +78,7 @@ class _Table:
         self.changes = IdLog()  # the change log (change_log.py), kept while change_log
         self.change_log = 0
         self.published = 0  # the published version it holds, in a serving store (dynemb/publish/apply.py)
+        self.published_time = 0.0  # when that version was cut
         self.expired_reads = 0  # rows a pull found expired, not yet swept
 
     def start_stamps(self) -> None:
@@ -356,6 +357,7 @@ class EmbeddedStore(Store):
                     end = int(meta.get("deleted_end", int(meta.get("deleted_first", "0")) + len(deleted)))
                     t.log.restore(deleted, extra.get("deleted_times", np.zeros(0)), extra.get("deleted_runs"), end)
                 t.published = int(meta.get("published", "0"))
+                t.published_time = float(meta.get("published_time", "0"))
                 if "changes" in meta:  # after the rows' pushes above, which it does not log
                     changes = json.loads(meta["changes"])
                     t.change_log = checked_max_ids(schema.name, int(changes["max_ids"]))
@@ -413,6 +415,7 @@ class EmbeddedStore(Store):
             }
             if t.published:
                 metadata["published"] = str(t.published)
+                metadata["published_time"] = repr(t.published_time)
             if change_log or changes.end:  # its count goes on after a restart, on or off
                 changed_ids, changed_times, changed_runs, changed_end = changes.snapshot()
                 if len(changed_ids):
@@ -445,6 +448,15 @@ class EmbeddedStore(Store):
             for path in directory.glob(f"*{SNAPSHOT_SUFFIX}"):
                 path.unlink()
         log.info("saved %d tables to %s", len(entries), gen)
+
+    def set_published(self, table: str, number: int, cut: float) -> None:
+        """Record that the table holds published version `number`, cut at `cut` (saved with it)."""
+        t = self._table(table)
+        t.published, t.published_time = number, cut
+
+    def published_versions(self) -> dict[str, tuple[int, float]]:
+        """{table: (published version, when it was cut)} of the tables that hold one."""
+        return {name: (t.published, t.published_time) for name, t in list(self._tables.items()) if t.published}
 
     def published_version(self, table: str) -> int:
         """The published version the table holds (a serving store's: dynemb/publish/apply.py); 0: none."""

@@ -113,6 +113,15 @@ class ServingStore(Store):
     def last_sweep(self, table: str) -> dict | None:
         return None
 
+    def published_versions(self) -> dict[str, tuple[int, float]]:
+        """{table: (the version served, when it was cut)} of every table published here."""
+        out = {}
+        for table in self.serving.tables():
+            head = self.serving.raw_head(table)
+            if head.version:
+                out[table] = (head.version, head.time)
+        return out
+
     def ping(self) -> None:
         """See Store.ping: the Redis answers."""
         self.serving.store.ping()

@@ -68,6 +68,7 @@ class ServingHead:
         writing_tag: a full version's tag being written (its keys are garbage if it is not
             switched to: a restart unlinks them).
         writing_buckets: that tag's buckets.
+        time: when the version readers read was cut (Unix seconds).
         rows: the rows of the version readers read (once applied whole: while a delta's
             pending fields are shown, the version's before).
         counted: the delta whose rows were counted (counted_rows) before step 3 began.
@@ -85,6 +86,7 @@ class ServingHead:
     visible: int = 0
     writing_tag: str = ""
     writing_buckets: int = 0
+    time: float = 0.0
     rows: int = 0
     counted: int = 0
     counted_rows: int = 0
