@@ -155,3 +155,27 @@ def test_the_change_log_through_a_ps(make_ps):
         assert client.set_change_log("ch", 0).change_log == 0
         with pytest.raises(InvalidArgument, match="keeps no change log"):
             client.read_changes("ch", got.cursor)
+
+
+def test_the_cli_turns_a_change_log_on_and_off(embedded_ps):
+    import json
+    import subprocess
+    import sys
+
+    from dynemb.testing.local_ps import REPO
+
+    def dynemb(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "dynemb.cli", *args, "--ps", embedded_ps.address],
+            capture_output=True, text=True, timeout=60, cwd=REPO,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    with PSClient(embedded_ps.address, timeout=30) as client:
+        client.create_table("cli_ch", dim=DIM)
+    on = dynemb("ps", "changes", "cli_ch", "--on")
+    assert on == "cli_ch: a change log of the newest 16,777,216 ids pushed, on each PS\n"
+    assert json.loads(dynemb("ps", "describe", "cli_ch"))["change_log"] == 1 << 24
+    assert dynemb("ps", "changes", "cli_ch", "--max-ids", "5000").startswith("cli_ch: a change log of the newest 5,000")
+    assert dynemb("ps", "changes", "cli_ch", "--off") == "cli_ch: no change log\n"
