@@ -483,26 +483,20 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 
     def ReadChanges(self, request, context):
         """A stretch of a table's change log."""
-        with self._call("ReadChanges", context):
-            schema = self._schema(request.table)
-            limit = min(request.limit or DELETIONS_PER_READ, self.max_message_bytes // 16)
-            with self._backend("changes"):
-                got = self.store.changes(schema.name, request.after, max(1, limit))
-            return ps_pb2.ReadChangesResponse(
-                ids=got.ids.astype("<i8").tobytes(),
-                times=got.times.astype("<f8").tobytes(),
-                cursor=got.cursor,
-                gap=got.gap,
-            )
+        return self._read_log("ReadChanges", request, context, self.store.changes, ps_pb2.ReadChangesResponse)
 
     def ReadDeletions(self, request, context):
         """A stretch of a table's deletion log."""
-        with self._call("ReadDeletions", context):
+        return self._read_log("ReadDeletions", request, context, self.store.deletions, ps_pb2.ReadDeletionsResponse)
+
+    def _read_log(self, method: str, request, context, read, reply: type):
+        """A stretch of a table's log of ids (`read`: Store.changes or Store.deletions)."""
+        with self._call(method, context):
             schema = self._schema(request.table)
             limit = min(request.limit or DELETIONS_PER_READ, self.max_message_bytes // 16)
-            with self._backend("deletions"):
-                got = self.store.deletions(schema.name, request.after, max(1, limit))
-            return ps_pb2.ReadDeletionsResponse(
+            with self._backend(read.__name__):
+                got = read(schema.name, request.after, max(1, limit))
+            return reply(
                 ids=got.ids.astype("<i8").tobytes(),
                 times=got.times.astype("<f8").tobytes(),
                 cursor=got.cursor,

@@ -17,18 +17,9 @@ from dynemb.ps_server.schema import TableSchema
 DIM = 4
 
 
-@pytest.fixture(params=["embedded", "redis", "redis-py", "redis-cluster"])
-def store(request, redis_namespace):
-    if request.param == "embedded":
-        s = EmbeddedStore()
-    elif request.param == "redis-cluster":
-        cluster = request.getfixturevalue("redis_cluster")
-        s = RedisStore.from_url(cluster.url, namespace=redis_namespace)
-    else:
-        url = request.getfixturevalue("redis_url")
-        s = RedisStore.from_url(url, namespace=redis_namespace, native_rows=request.param == "redis")
-    yield s
-    s.close()
+@pytest.fixture
+def store(every_store):
+    return every_store
 
 
 def rows_of(ids: np.ndarray, value: float = 1.0) -> np.ndarray:

@@ -20,26 +20,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tables"))
 
 from helpers import leave_process_groups  # noqa: E402
+from published import replay, same  # noqa: E402
 from tables_dist_worker import CAPACITY, batches  # noqa: E402
 from tables_models import CONFIGS, build, train_step  # noqa: E402
 
 from dynemb import tables as dt  # noqa: E402
 from dynemb.ps_server.client import PSClient  # noqa: E402
-from dynemb.publish import PublishConfig, chain, dequantize, publish_tables  # noqa: E402
+from dynemb.publish import PublishConfig, publish_tables  # noqa: E402
 
 SEGMENTS, STEPS = 3, 8
-
-
-def replay(root, table: str) -> dict[int, np.ndarray]:
-    held: dict[int, np.ndarray] = {}
-    for v in chain(root, table):
-        if v.kind == "full":
-            held.clear()
-        for ids, q in v.row_chunks():
-            held.update(zip(ids.tolist(), dequantize(q, v.dtype)))
-        for i in v.deleted_ids().tolist():
-            held.pop(i, None)
-    return held
 
 
 def run(out: str, address: str, rank: int) -> list[dict]:
@@ -88,10 +77,6 @@ def export(ps: PSClient, table: str, dim: int) -> dict[int, np.ndarray]:
     for ids, rows in ps.export(table):
         out.update(zip(ids.tolist(), rows[:, :dim]))
     return out
-
-
-def same(a: dict[int, np.ndarray], b: dict[int, np.ndarray]) -> bool:
-    return a.keys() == b.keys() and all(np.array_equal(a[i].view(np.uint32), b[i].view(np.uint32)) for i in a)
 
 
 def main() -> None:

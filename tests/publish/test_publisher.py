@@ -8,27 +8,13 @@ import time
 
 import numpy as np
 import pytest
+from published import replay, same
 
 from dynemb.ps_server.client import PSClient
 from dynemb.publish.publisher import PublishConfig, publish_table
-from dynemb.publish.quantize import dequantize
 from dynemb.publish.version import chain
 
 DIM, STATE = 4, 2
-
-
-def replay(root, table: str) -> dict[int, np.ndarray]:
-    """What a serving store holds after applying the table's chain: id -> float32 row."""
-    held: dict[int, np.ndarray] = {}
-    for v in chain(root, table):
-        if v.kind == "full":
-            held.clear()
-        for ids, q in v.row_chunks():
-            for i, row in zip(ids.tolist(), dequantize(q, v.dtype)):
-                held[i] = row
-        for i in v.deleted_ids().tolist():
-            held.pop(i, None)
-    return held
 
 
 def ps_rows(client: PSClient, table: str) -> dict[int, np.ndarray]:
@@ -38,10 +24,6 @@ def ps_rows(client: PSClient, table: str) -> dict[int, np.ndarray]:
         for i, row in zip(ids.tolist(), rows[:, :DIM]):
             out[i] = row
     return out
-
-
-def same(a: dict[int, np.ndarray], b: dict[int, np.ndarray]) -> bool:
-    return a.keys() == b.keys() and all(np.array_equal(a[k].view(np.uint32), b[k].view(np.uint32)) for k in a)
 
 
 def push(client: PSClient, table: str, ids: np.ndarray, rng) -> None:
