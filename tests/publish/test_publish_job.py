@@ -14,7 +14,7 @@ WORKER = Path(__file__).parent / "publish_worker.py"
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("ranks,backend", [(1, "embedded"), (2, "embedded"), (2, "redis")])
+@pytest.mark.parametrize("ranks,backend", [(1, "embedded"), (2, "redis")])
 def test_versions_of_a_training_job_are_the_ps_rows_at_each_cut(ranks, backend, tmp_path, make_ps, request):
     flags = ()
     if backend == "redis":
