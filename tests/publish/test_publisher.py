@@ -130,10 +130,15 @@ def test_a_publisher_fallen_behind_its_change_log_cuts_a_full_version(embedded_c
     assert same(replay(tmp_path, "fast"), ps_rows(client, "fast"))
 
 
-def test_rows_that_expire_between_versions_are_tombstones(make_ps, tmp_path):
+@pytest.mark.parametrize("backend", ["embedded", "redis"])
+def test_rows_that_expire_between_versions_are_tombstones(make_ps, tmp_path, request, backend):
     from dynemb.ps_server.lifecycle import Lifecycle
 
-    ps = make_ps("--sweep-every", "0.5")
+    flags = ()
+    if backend == "redis":
+        url, namespace = request.getfixturevalue("redis_url"), request.getfixturevalue("redis_namespace")
+        flags = ("--backend", url, "--namespace", namespace)
+    ps = make_ps("--sweep-every", "0.5", *flags)
     rng = np.random.default_rng(3)
     with PSClient(ps.address, timeout=30) as client:
         client.create_table("exp", dim=DIM, state_width=STATE, lifecycle=Lifecycle(ttl_s=4))
