@@ -726,6 +726,10 @@ class RedisTables(StoreParts):
                 self._tables_changed += 1  # threads' kept metadata is void
                 if meta.change_log and not max_ids:  # readers across the time it is off: a gap
                     self._run_scripted(functools.partial(self._skip_log, meta.changes_key))
+                if max_ids and not meta.change_log:
+                    # a row call of any PS may work from metadata read up to FRESH_METADATA_S ago:
+                    # past that, every push logs (a publisher reads its first cursor after this)
+                    time.sleep(layout.FRESH_METADATA_S)
                 return max_ids
         raise PSError(f"table {table!r} in Redis namespace {self.namespace!r} kept changing; try again")
 
