@@ -231,7 +231,7 @@ class PSServer:
         if self.sweeper is not None:
             self.sweeper.start()
         self._table_count.start()
-        if self.config.read_only and hasattr(self.store, "reload_if_newer"):
+        if self.config.read_only:
             threading.Thread(target=self._follow_loop, name="ps-follow", daemon=True).start()
         # the store's settings for the tables already there, off the start path (it may be away)
         threading.Thread(target=self._check_store_config, name="ps-store-config", daemon=True).start()
@@ -251,10 +251,10 @@ class PSServer:
         self.metrics.swept(result, self.store.expired_reads(result.table))
 
     def _follow_loop(self) -> None:
-        """Read only over an embedded store's files: load a newer save when one is there."""
+        """Read only: load a newer save of the store's files when one is there (embedded)."""
         while not self._stopped.wait(self.config.follow_seconds):
             try:
-                self.store.reload_if_newer()  # type: ignore[attr-defined]
+                self.store.reload_if_newer()
             except Exception:  # noqa: BLE001 - a bad save is logged; the one loaded stays served
                 log.exception("could not load the newer save of the embedded store")
 
@@ -278,8 +278,8 @@ class PSServer:
             log.debug("could not count the tables' rows: %s", exc)
             return False
         self.metrics.counted(tables)
-        if self.config.read_only:  # the versions served (published_versions: serving.py, embedded.py)
-            self.metrics.published(self.store.published_versions())  # type: ignore[attr-defined]
+        if self.config.read_only:
+            self.metrics.published(self.store.published_versions())
         for table in self.metrics.swept_tables():
             try:
                 if not self.store.lifecycle(table).active:

@@ -24,6 +24,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -118,12 +119,16 @@ def publish_table(
         assert previous is not None
         before = _Cursors(**previous.source["cursors"])
         ends = _ends(client, table)
-        drops, drops_gap = _read_drops(client, before.drops, ends.drops)
-        changed, changes_gap = _read_all(client.read_changes, table, before.changes, ends.changes)
-        deleted, deletions_gap = _read_all(client.read_deletions, table, before.deletions, ends.deletions)
-        if drops_gap or changes_gap or deletions_gap:
+        drops = _read_to(partial(client.read_drops, limit=1000), before.drops, ends.drops)
+        changes = _read_to(partial(client.read_changes, table, limit=LOG_READ_IDS), before.changes, ends.changes)
+        deletions = _read_to(
+            partial(client.read_deletions, table, limit=LOG_READ_IDS), before.deletions, ends.deletions
+        )
+        changed = np.concatenate([np.zeros(0, np.int64), *(got.ids for got in changes)])
+        deleted = np.concatenate([np.zeros(0, np.int64), *(got.ids for got in deletions)])
+        if any(got.gap for got in drops + changes + deletions):
             why_full = "a log of the PS was trimmed past the last version's cursor"
-        elif table in drops:
+        elif any(d.table == table for got in drops for d in got.drops):
             why_full = f"table {table!r} was dropped since the last version"
     else:
         ends = _ends(client, table)
@@ -188,31 +193,16 @@ def _reached(cursor: str, end: str) -> bool:
     return all(int(c) >= int(e) for c, e in zip(cursor.split(","), end.split(",")))
 
 
-def _read_all(read, table: str, after: str, end: str) -> tuple[np.ndarray, bool]:
-    """(ids, gap) of a table's log (read_changes, read_deletions) from `after` to `end`."""
-    parts, gap = [], False
+def _read_to(read: Callable, after: str, end: str) -> list:
+    """The stretches read(at) of a log (read_changes, read_deletions, read_drops) from cursor
+    `after` until every PS's cursor is at `end` (or the log has no more)."""
+    got: list = []
     while not _reached(after, end):
-        got = read(table, after, limit=LOG_READ_IDS)
-        gap |= got.gap
-        parts.append(got.ids)
-        if got.cursor == after:
+        got.append(read(after))
+        if got[-1].cursor == after:
             break
-        after = got.cursor
-    return (np.concatenate(parts) if parts else np.zeros(0, np.int64)), gap
-
-
-def _read_drops(client, after: str, end: str) -> tuple[set[str], bool]:
-    """(names of the tables dropped, gap) from cursor `after` to `end`."""
-    names: set[str] = set()
-    gap = False
-    while not _reached(after, end):
-        got = client.read_drops(after, limit=1000)
-        gap |= got.gap
-        names.update(d.table for d in got.drops)
-        if got.cursor == after:
-            break
-        after = got.cursor
-    return names, gap
+        after = got[-1].cursor
+    return got
 
 
 def _pulled(client, table: str, ids: np.ndarray, per: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:

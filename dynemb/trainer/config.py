@@ -15,6 +15,7 @@ from pathlib import Path
 
 from dynemb.ps_server.lifecycle import Lifecycle
 from dynemb.ps_server.schema import OPTIMIZERS
+from dynemb.publish import DEFAULT_FULL_EVERY, DTYPES
 
 SYNTHETIC_UNIVERSE = 100_000  # synthetic data's distinct IDs per feature, unless --universe
 JOB_NAME = re.compile(r"([A-Za-z0-9][A-Za-z0-9._:-]{0,127})?")  # a label value that reads well in a query
@@ -118,7 +119,7 @@ class TrainConfig:
     publish_every_seconds: float = 0.0  # or seconds between versions, looked at every log_every steps
     publish_at_end: bool = False
     publish_dtype: str = ""  # fp32, fp16, bf16, int8; "": the table's own
-    publish_full_every: int = 24  # every k-th version is full, the others deltas
+    publish_full_every: int = DEFAULT_FULL_EVERY  # every k-th version is full, the others deltas
     resume: str = ""  # a checkpoint folder, "latest" (in checkpoint_dir), or "auto" (latest if any)
     warm_start: bool = False  # train on from the rows an earlier run left on the PS (startup.py)
     fresh: bool = False  # drop the rows an earlier run left on the PS before training
@@ -159,8 +160,8 @@ class TrainConfig:
             )
         if self.publish_every < 0 or self.publish_every_seconds < 0 or self.publish_full_every < 1:
             raise ValueError("publish_every and publish_every_seconds must be >= 0, publish_full_every >= 1")
-        if self.publish_dtype not in ("", "fp32", "fp16", "bf16", "int8"):
-            raise ValueError(f"publish_dtype must be fp32, fp16, bf16, int8 or empty, got {self.publish_dtype!r}")
+        if self.publish_dtype and self.publish_dtype not in DTYPES:
+            raise ValueError(f"publish_dtype must be one of {', '.join(DTYPES)} or empty, got {self.publish_dtype!r}")
         if self.resume in ("latest", "auto") and not self.checkpoint_dir:
             raise ValueError(f"resume {self.resume!r} needs checkpoint_dir")
         if self.warm_start and self.fresh:

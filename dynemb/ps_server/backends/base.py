@@ -228,6 +228,16 @@ class Store(abc.ABC):
         """Check (and where it may, adjust) the backend's settings for the tables there are; the
         PS calls it once at start. Problems are logged, not raised."""
 
+    def published_versions(self) -> dict[str, tuple[int, float]]:
+        """{table: (the published version it holds, when it was cut)}: a serving store's (a
+        read-only PS); {} for a store that holds none."""
+        return {}
+
+    def reload_if_newer(self) -> bool:
+        """Load what another process saved since (a read-only PS over files an applier writes);
+        whether it did. A store that another process cannot change under it: nothing."""
+        return False
+
     def ping(self) -> None:  # noqa: B027 - not abstract: a store with nothing to check keeps this no-op
         """Raise BackendUnavailable if the store cannot serve requests now."""
 

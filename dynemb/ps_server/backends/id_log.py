@@ -99,9 +99,10 @@ class IdLog:
             times.append(np.full(len(take), when))
             at += len(take)
             got += len(take)
-        if got < limit and at < end:  # a count skipped at the end
-            gap = True
-        at = min(max(at, end) if got < limit else at, end)
+        if got < limit:  # read to the end: a count skipped there is a gap too
+            gap |= at < end
+            at = end
+        at = min(at, end)
         return Deletions(
             np.concatenate(ids) if ids else np.zeros(0, np.int64),
             np.concatenate(times) if times else np.zeros(0, np.float64),

@@ -759,16 +759,16 @@ class RedisTables(StoreParts):
         pipe.execute_command("XRANGE", key, "-", "+", "COUNT", 1)
         pipe.execute_command("XREVRANGE", key, "+", "-", "COUNT", 1)
         entries, first, last = self._run(pipe)
-        end = int(_raw(last[0][0]).split(b"-")[0]) if last else 0
+        end = _last_number(last)
         if at == END or (at is not None and at > end):  # the end now; or a cursor of another log
             return Drops([], str(end), at != END)
         # entry n is the n-th drop: one past `at` missing from the oldest kept means trimmed ones
-        gap = at is not None and bool(first) and int(_raw(first[0][0]).split(b"-")[0]) > at + 1
+        gap = at is not None and bool(first) and _number(first[0][0]) > at + 1
         got, cursor = [], after if at is not None else str(end)
         for entry_id, fields in entries:
             values = _entry_fields(fields)
             got.append(Drop(_raw(values[b"table"]).decode(), float(_raw(values[b"t"]))))
-            cursor = _raw(entry_id).split(b"-")[0].decode()
+            cursor = str(_number(entry_id))
         return Drops(got, cursor, gap)
 
     def record_sweep(self, table: str, result: dict) -> None:
@@ -829,7 +829,7 @@ class RedisTables(StoreParts):
 
         if at == END:
             last = self._run_one("XREVRANGE", key, "+", "-", "COUNT", 1)
-            end = int(_raw(last[0][0]).split(b"-")[0]) if last else 0
+            end = _last_number(last)
             return np.zeros(0, np.int64), np.zeros(0, np.float64), str(end), False
         pipe = self._pipeline()
         pipe.execute_command("XRANGE", key, "-", "+", "COUNT", 1)
@@ -840,15 +840,15 @@ class RedisTables(StoreParts):
         pipe.execute_command("XREVRANGE", key, "+", "-", "COUNT", 1)
         first, entries, one, last = self._run(pipe)
         if at is None and first:  # from the oldest kept
-            oldest = int(_raw(first[0][0]).split(b"-")[0]) - len(_entry_fields(first[0][1])[b"ids"]) // 8
+            oldest = _number(first[0][0]) - len(_entry_fields(first[0][1])[b"ids"]) // 8
             if oldest > start:
                 entries = self._run_one("XRANGE", key, f"({oldest}-0", f"{oldest + max(1, limit)}-0")
                 one = first
         entries = entries or one  # an entry bigger than the limit comes whole
         gap = False
-        end = int(_raw(last[0][0]).split(b"-")[0]) if last else 0
+        end = _last_number(last)
         if at is not None and first:  # where the oldest entry kept starts: past `at`, entries were trimmed
-            first_end = int(_raw(first[0][0]).split(b"-")[0])
+            first_end = _number(first[0][0])
             gap = first_end - len(_entry_fields(first[0][1])[b"ids"]) // 8 > at
         ids: list[np.ndarray] = []
         times: list[np.ndarray] = []
@@ -859,7 +859,7 @@ class RedisTables(StoreParts):
         for entry_id, fields in entries:
             values = _entry_fields(fields)
             part = np.frombuffer(_raw(values[b"ids"]), dtype="<i8").astype(np.int64)
-            number = int(_raw(entry_id).split(b"-")[0])
+            number = _number(entry_id)
             if running is not None and number - len(part) > running:  # a count skipped (_SKIP_LUA)
                 if ids:
                     break
@@ -874,6 +874,16 @@ class RedisTables(StoreParts):
             cursor,
             gap,
         )
+
+
+def _number(entry_id) -> int:
+    """A log entry's number: its stream id "<n>-0" (_LOG_LUA, _DROP_LUA)."""
+    return int(_raw(entry_id).split(b"-")[0])
+
+
+def _last_number(reply: list) -> int:
+    """The number of the entry an XREVRANGE ... COUNT 1 gave (0: the log is empty)."""
+    return _number(reply[0][0]) if reply else 0
 
 
 def _entry_fields(fields) -> dict:

@@ -280,10 +280,7 @@ class PSClient:
 
     def _read_log(self, method: str, request: type, table: str, after: str, limit: int, timeout: float | None):
         """(ids, times, cursor, gap) of a table's log on every PS: ReadChanges or ReadDeletions."""
-        shards = len(self._transport.addresses)
-        cursors = after.split(",") if after and after != "$" else [after] * shards
-        if len(cursors) != shards:
-            raise InvalidArgument(f"log cursor {after[:80]!r} is for {len(cursors)} PSes, not {shards}")
+        cursors = self._cursors(after, "log")
         calls = [(shard, request(table=table, after=c, limit=limit)) for shard, c in enumerate(cursors)]
         replies = self._transport.fanout(method, calls, self._deadline(timeout))
         return (
@@ -292,6 +289,14 @@ class PSClient:
             ",".join(r.cursor for r in replies),
             any(r.gap for r in replies),
         )
+
+    def _cursors(self, after: str, log: str) -> list[str]:
+        """Each PS's part of a log cursor (joined by commas; "" and "$" stand for every PS's)."""
+        shards = len(self._transport.addresses)
+        cursors = after.split(",") if after and after != "$" else [after] * shards
+        if len(cursors) != shards:
+            raise InvalidArgument(f"{log} cursor {after[:80]!r} is for {len(cursors)} PSes, not {shards}")
+        return cursors
 
     def touch(self, table: str, ids, timeout: float | None = None) -> tuple[int, int]:
         """Mark rows in use now that the PS does not see used (rows resident on a trainer), so
@@ -318,10 +323,7 @@ class PSClient:
             Drops: the tables and when, the cursor to read on from, and gap (a PS trimmed its
             log past `after`).
         """
-        shards = len(self._transport.addresses)
-        cursors = after.split(",") if after and after != "$" else [after] * shards
-        if len(cursors) != shards:
-            raise InvalidArgument(f"drop log cursor {after[:80]!r} is for {len(cursors)} PSes, not {shards}")
+        cursors = self._cursors(after, "drop log")
         calls = [(shard, ps_pb2.ReadDropsRequest(after=c, limit=limit)) for shard, c in enumerate(cursors)]
         replies = self._transport.fanout("ReadDrops", calls, self._deadline(timeout))
         merged = sorted((Drop(d.table, d.time) for r in replies for d in r.drops), key=lambda d: d.time)
