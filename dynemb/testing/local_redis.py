@@ -1,5 +1,6 @@
 """Real redis-server processes for tests, benchmarks and demos: standalone (plain, ACL/password,
-TLS) and a 3-master Cluster.
+TLS), a Cluster of masters (with replicas, if asked), and a replicated standalone Redis watched
+by Sentinel.
 
 Each server gets a free loopback port, its own temp dir and a config file there (no
 persistence: `save ""`, `appendonly no`), and is terminated by `stop()`.
@@ -7,6 +8,7 @@ persistence: `save ""`, `appendonly no`), and is terminated by `stop()`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -170,16 +172,27 @@ class RedisProcess(TempDirProcess):
 
 
 class RedisClusterProcesses:
-    """A Redis Cluster of `masters` nodes (no replicas) on loopback, made with `redis-cli --cluster create`.
+    """A Redis Cluster of `masters` masters, each with `replicas` replicas, on loopback, made with
+    `redis-cli --cluster create`.
 
     With `tls_files` (from make_tls_files) clients and the cluster bus use TLS only.
+    `node_timeout_ms` is cluster-node-timeout: how long a master may be unreachable before its
+    replica is promoted (failover tests make it short).
     """
 
     def __init__(
-        self, masters: int = 3, tls_files: dict[str, str] | None = None, acl: tuple[str, str] | None = None
+        self,
+        masters: int = 3,
+        tls_files: dict[str, str] | None = None,
+        acl: tuple[str, str] | None = None,
+        *,
+        replicas: int = 0,
+        node_timeout_ms: int = 5000,
     ) -> None:
         self.tls_files = tls_files
         self.acl = acl
+        self.replicas = replicas
+        self.node_timeout_ms = node_timeout_ms
         client_kwargs: dict = {}
         extra_config: list[str] = []
         if acl:  # a user with every right; the default user is locked out
@@ -196,7 +209,7 @@ class RedisClusterProcesses:
             client_kwargs["ssl_ca_certs"] = tls_files["ca"]
         self._extra_config = extra_config
         self._client_kwargs = client_kwargs
-        self.nodes = [self._new_node() for _ in range(masters)]
+        self.nodes = [self._new_node() for _ in range(masters * (1 + replicas))]
 
     def _new_node(self) -> RedisProcess:
         # the cluster bus port is chosen too, so it need not be port + 10000
@@ -205,7 +218,9 @@ class RedisClusterProcesses:
                 "cluster-enabled yes",
                 "cluster-config-file nodes.conf",
                 f"cluster-port {free_port()}",
-                "cluster-node-timeout 5000",
+                f"cluster-node-timeout {self.node_timeout_ms}",
+                # a replica cut off for long may still be promoted: the failover tests stop one on purpose
+                "cluster-replica-validity-factor 0",
                 *self._extra_config,
             ],
             tls=bool(self.tls_files),
@@ -277,7 +292,7 @@ class RedisClusterProcesses:
     def _start(self, timeout: float) -> None:
         for n in self.nodes:
             n.start()
-        args = ["--cluster", "create", *self.addresses, "--cluster-replicas", "0", "--cluster-yes"]
+        args = ["--cluster", "create", *self.addresses, "--cluster-replicas", str(self.replicas), "--cluster-yes"]
         done = self.cli(*args, timeout=timeout)
         if done.returncode != 0:
             raise RuntimeError(f"redis-cli {' '.join(args)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
@@ -291,11 +306,216 @@ class RedisClusterProcesses:
                     time.sleep(0.1)
             finally:
                 c.close()
+        if self.replicas:
+            self.wait_replicated(timeout)
+
+    def roles(self) -> dict[str, str | None]:
+        """Each running node's address -> the address of the master it replicates, or None for
+        a master, as the nodes report it now (ROLE)."""
+        out: dict[str, str | None] = {}
+        for n in self.nodes:
+            if n.proc is None or n.proc.poll() is not None:
+                continue
+            c = n.client(socket_timeout=2)
+            try:
+                role = c.execute_command("ROLE")
+            except redis.RedisError:
+                continue
+            finally:
+                c.close()
+            kind = role[0].decode() if isinstance(role[0], bytes) else role[0]
+            if kind == "master":
+                out[n.address] = None
+            else:
+                host = role[1].decode() if isinstance(role[1], bytes) else role[1]
+                out[n.address] = f"{host}:{role[2]}"
+        return out
+
+    def node(self, address: str) -> RedisProcess:
+        """The node at host:port."""
+        return next(n for n in self.nodes if n.address == address)
+
+    def replica_of(self, master: RedisProcess) -> RedisProcess:
+        """A running node that replicates master now."""
+        for address, of in self.roles().items():
+            if of == master.address:
+                return self.node(address)
+        raise RuntimeError(f"no node replicates {master.address}")
+
+    def wait_replicated(self, timeout: float = 30.0) -> None:
+        """Wait until every replica's link to its master is up (its first sync done).
+
+        Raises:
+            RuntimeError: one was not in sync after timeout seconds.
+        """
+        deadline = time.monotonic() + timeout
+        for address, of in self.roles().items():
+            if of is None:
+                continue
+            c = self.node(address).client(socket_timeout=2)
+            try:
+                while c.info("replication").get("master_link_status") != "up":
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"replica {address} of {of} never synced:\n{self.node(address).log()}")
+                    time.sleep(0.1)
+            finally:
+                c.close()
+
+    def wait_promoted(self, replica: RedisProcess, timeout: float = 30.0) -> None:
+        """Wait until replica is a master and the live nodes say the cluster is ok.
+
+        Raises:
+            RuntimeError: it was not promoted in time.
+        """
+        deadline = time.monotonic() + timeout
+        while self.roles().get(replica.address, "") is not None or not self._ok(replica):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"replica {replica.address} was not promoted in {timeout}s:\n{replica.log()}")
+            time.sleep(0.1)
+
+    @staticmethod
+    def _ok(node: RedisProcess) -> bool:
+        c = node.client(socket_timeout=2)
+        try:
+            return c.cluster("INFO").get("cluster_state") == "ok"
+        except redis.RedisError:
+            return False
+        finally:
+            c.close()
 
     def close(self) -> None:
         """Stop every node and remove its folder."""
         for n in self.nodes:
             n.close()
+
+
+class SentinelProcess(RedisProcess):
+    """One redis-server in Sentinel mode watching the master `name` at master_address, with a
+    quorum of `quorum` and the given down-after and failover timeouts (short in tests)."""
+
+    def __init__(
+        self, name: str, master_address: str, *, quorum: int = 1, down_after_ms: int = 1000, failover_ms: int = 3000
+    ) -> None:
+        host, port = master_address.rsplit(":", 1)
+        super().__init__(
+            [
+                f"sentinel monitor {name} {host} {port} {quorum}",
+                f"sentinel down-after-milliseconds {name} {down_after_ms}",
+                f"sentinel failover-timeout {name} {failover_ms}",
+                f"sentinel parallel-syncs {name} 1",
+            ]
+        )
+
+    def start(self, timeout: float = 15.0) -> SentinelProcess:
+        """Start it (it rewrites its own config file, so the file is its own) and wait for PING."""
+        lines = [f"port {self.port}", "bind 127.0.0.1", f"dir {self.dir}", f"logfile {self.log_path}", *self.config]
+        conf = os.path.join(self.dir, "sentinel.conf")
+        Path(conf).write_text("\n".join(lines) + "\n")
+        self.proc = subprocess.Popen(
+            [find_binary(), conf, "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+        )
+        try:
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+
+class RedisSentinelProcesses:
+    """A standalone Redis master with `replicas` replicas and `sentinels` Sentinels watching it
+    under the name `name`; Sentinel promotes a replica when the master has not answered for
+    down_after_ms. `url` is the redis+sentinel:// URL a PS takes."""
+
+    def __init__(
+        self, replicas: int = 1, sentinels: int = 1, *, name: str = "dynemb", down_after_ms: int = 1000
+    ) -> None:
+        self.name = name
+        self.nodes = [RedisProcess()]
+        master = self.nodes[0]
+        self.nodes += [RedisProcess([f"replicaof {master.host} {master.port}"]) for _ in range(replicas)]
+        quorum = sentinels // 2 + 1
+        self.sentinels = [
+            SentinelProcess(name, master.address, quorum=quorum, down_after_ms=down_after_ms) for _ in range(sentinels)
+        ]
+
+    @property
+    def url(self) -> str:
+        """redis+sentinel://<sentinels>/<name>."""
+        return "redis+sentinel://" + ",".join(s.address for s in self.sentinels) + f"/{self.name}"
+
+    def master(self) -> RedisProcess:
+        """The node the Sentinels name as master now."""
+        c = self.sentinels[0].client(socket_timeout=2)
+        try:
+            host, port = c.sentinel_get_master_addr_by_name(self.name)
+        finally:
+            c.close()
+        host = host.decode() if isinstance(host, bytes) else host
+        return next(n for n in self.nodes if n.address == f"{host}:{port}")
+
+    def start(self, timeout: float = 30.0) -> RedisSentinelProcesses:
+        """Start the master, its replicas (waiting until they synced) and the Sentinels (waiting
+        until each sees every replica); returns self.
+
+        Raises:
+            RuntimeError: a process failed to start, or did not sync or see the replicas in time.
+        """
+        try:
+            for n in self.nodes:
+                n.start()
+            deadline = time.monotonic() + timeout
+            for n in self.nodes[1:]:
+                c = n.client(socket_timeout=2)
+                try:
+                    while c.info("replication").get("master_link_status") != "up":
+                        if time.monotonic() > deadline:
+                            raise RuntimeError(f"replica {n.address} never synced:\n{n.log()}")
+                        time.sleep(0.1)
+                finally:
+                    c.close()
+            for s in self.sentinels:
+                s.start()
+                c = s.client(socket_timeout=2)
+                try:
+                    while len(c.sentinel_slaves(self.name)) < len(self.nodes) - 1:
+                        if time.monotonic() > deadline:
+                            raise RuntimeError(f"sentinel {s.address} never saw the replicas:\n{s.log()}")
+                        time.sleep(0.1)
+                finally:
+                    c.close()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def wait_promoted(self, old: RedisProcess, timeout: float = 30.0) -> RedisProcess:
+        """Wait until the Sentinels name a master other than old, and it says it is one.
+
+        Raises:
+            RuntimeError: no failover in time.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(redis.RedisError, StopIteration):
+                new = self.master()
+                if new is not old:
+                    c = new.client(socket_timeout=2)
+                    try:
+                        if c.info("replication").get("role") == "master":
+                            return new
+                    finally:
+                        c.close()
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"no replica of {old.address} was promoted in {timeout}s:\n{self.sentinels[0].log()}"
+                )
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        """Stop every process and remove its folder."""
+        for p in [*self.sentinels, *self.nodes]:
+            p.close()
 
 
 def make_tls_files(directory: str) -> dict[str, str]:
