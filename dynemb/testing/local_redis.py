@@ -448,7 +448,7 @@ class RedisSentinelProcesses:
         """The node the Sentinels name as master now."""
         c = self.sentinels[0].client(socket_timeout=2)
         try:
-            host, port = c.sentinel_get_master_addr_by_name(self.name)
+            host, port = c.execute_command("SENTINEL GET-MASTER-ADDR-BY-NAME", self.name)
         finally:
             c.close()
         host = host.decode() if isinstance(host, bytes) else host
