@@ -147,7 +147,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "",
         "where rows live: embedded:// (the default: in this process, lost on exit), embedded:///DIR (saved to "
         "DIR on shutdown, loaded at start), redis://[user:pass@]host:port/db, rediss://... (TLS), "
-        "redis+cluster://host:port[,host:port]",
+        "redis+cluster://host:port[,host:port], redis+sentinel://host:port[,host:port]/MASTER_NAME (Sentinels)",
         shown=False,
     )
     option("--namespace", "DYNEMB_NAMESPACE", "dynemb", "Redis key prefix, so several models share one Redis")
@@ -245,6 +245,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "auto",
         "auto: raise Redis's hash-max-listpack-value/-entries (CONFIG SET, never lowered) to what the tables' "
         "rows need, so their hashes take ~1.12x the rows' bytes, not ~1.35x; off: leave Redis's config alone",
+    )
+    option(
+        "--redis-durable",
+        "DYNEMB_PS_REDIS_DURABLE",
+        "auto",
+        "acknowledge a push or delete only once Redis replicas have it (WAIT), so a failover loses no "
+        "acknowledged row: auto = 1 replica on each master that has any; N = N replicas, else the write "
+        "fails and is retried; off = never wait (a failover may lose the last writes)",
+    )
+    option(
+        "--redis-durable-timeout-ms",
+        "DYNEMB_PS_REDIS_DURABLE_TIMEOUT_MS",
+        2000,
+        "how long a durable write waits for its replicas before it fails (and is retried)",
+        int,
     )
     option(
         "--backend-check-seconds",
@@ -574,6 +589,8 @@ def cmd_serve(args) -> int:
             redis_buckets=args.redis_buckets,
             redis_rows_per_bucket=args.redis_rows_per_bucket,
             redis_listpack=args.redis_listpack,
+            redis_durable=args.redis_durable,
+            redis_durable_timeout_ms=args.redis_durable_timeout_ms,
             backend_check_seconds=args.backend_check_seconds,
             sweep_every_seconds=args.sweep_every,
             shm_max_bytes=int(args.shm_max_mb * (1 << 20)),

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.metrics_core import CounterMetricFamily
 
 from dynemb.protos import ps_pb2
 from dynemb.ps_server.schema import TableSchema
@@ -266,6 +267,11 @@ class PSMetrics:
                     metric.remove(label)
         self._declared = set(sums)
 
+    def watch_replica_waits(self, read: Callable[[], dict[str, int]]) -> None:
+        """Export dynemb_ps_replica_waits_total{outcome}, read at each scrape (Store.replica_waits:
+        the store counts its durable writes by what WAIT said)."""
+        self.registry.register(_ReplicaWaits(read))
+
     def published(self, versions: dict[str, tuple[int, float]]) -> None:
         """Each served table's (version, cut time), from a read-only PS's store."""
         for table, (number, cut) in versions.items():
@@ -325,3 +331,21 @@ class PSMetrics:
         """The tables with label values of their own now."""
         with self._labels_lock:
             return set(self._labelled)
+
+
+class _ReplicaWaits:
+    """A collector of a store's durable writes by outcome (redis_durable.py), read at scrape time."""
+
+    def __init__(self, read: Callable[[], dict[str, int]]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "dynemb_ps_replica_waits",
+            "Durable writes (--redis-durable) by what waiting for Redis replicas said: acked, short "
+            "(too few replicas had it in time: the write failed and is retried), unreplicated (no replica online)",
+            labels=["outcome"],
+        )
+        for outcome, n in sorted(self.read().items()):
+            family.add_metric([outcome], n)
+        yield family

@@ -30,6 +30,7 @@ from dynemb.ps_server import shm
 from dynemb.ps_server.auth import TokenAuthInterceptor
 from dynemb.ps_server.backend_watch import BackendWatch
 from dynemb.ps_server.backends import Store, open_store
+from dynemb.ps_server.backends.redis_durable import DEFAULT_TIMEOUT_MS, Durability
 from dynemb.ps_server.errors import PSError, TableNotFound
 from dynemb.ps_server.metrics import DEFAULT_MAX_TABLE_LABELS, PSMetrics
 from dynemb.ps_server.schema import MAX_ROW_WIDTH
@@ -77,6 +78,9 @@ class ServeConfig:
     redis_buckets: int = 4096  # hashes per new table that declares no expected rows (fixed once created)
     redis_rows_per_bucket: int = 16  # rows a hash is sized for, in a table that declares its expected rows
     redis_listpack: str = "auto"  # auto: raise Redis's listpack limits as tables need them; off: leave them
+    # writes acknowledged once replicas have them (redis_durable.py): auto, off or a count of replicas
+    redis_durable: str = "auto"
+    redis_durable_timeout_ms: int = DEFAULT_TIMEOUT_MS
     backend_check_seconds: float = 1.0  # how often health re-checks that the store answers
     # Passes of the sweeper over a table whose rows expire: at most one per this many seconds
     # (and per ttl / 8, up to an hour apart); 0: this PS sweeps nothing (others over the store may).
@@ -115,6 +119,7 @@ class ServeConfig:
             raise ValueError(f"--max-table-labels must be >= 0, got {self.max_table_labels}")
         if self.redis_listpack not in ("auto", "off"):
             raise ValueError(f"--redis-listpack must be auto or off, got {self.redis_listpack!r}")
+        Durability.parse(self.redis_durable, self.redis_durable_timeout_ms)  # its error names the limits
         if not 1 <= self.redis_rows_per_bucket <= 1 << 16:
             raise ValueError(f"--redis-rows-per-bucket must be in [1, 65536], got {self.redis_rows_per_bucket}")
         if self.backend_check_seconds <= 0:
@@ -140,10 +145,12 @@ class PSServer:
                 options.setdefault("num_buckets", config.redis_buckets)
                 options.setdefault("rows_per_bucket", config.redis_rows_per_bucket)
                 options.setdefault("listpack", config.redis_listpack)
+                options.setdefault("durable", Durability.parse(config.redis_durable, config.redis_durable_timeout_ms))
             store = open_store(config.backend, namespace=config.namespace, **options)
             if config.read_only:
                 store = _read_only(store, config.namespace)
         self.store = store
+        self.metrics.watch_replica_waits(store.replica_waits)
         self.health = health.HealthServicer()
         self.backend_watch = BackendWatch(store, config.backend_check_seconds, self._backend_changed)
         self._table_count = threading.Thread(target=self._count_tables_loop, name="ps-table-count", daemon=True)

@@ -5,6 +5,8 @@ embedded:///path/to/dir       the same, saved to dir on shutdown and loaded from
 redis://[user:pass@]host:port/db    standalone Redis
 rediss://...                  the same over TLS
 redis+cluster://host:port[,host:port...]  Redis Cluster (rediss+cluster:// for TLS)
+redis+sentinel://[user:pass@]host:port[,host:port...]/<master name>[/db]  standalone Redis whose
+                              master Sentinel names (rediss+sentinel:// for TLS)
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def open_store(url: str = "", *, namespace: str = "dynemb", **options) -> Store:
 
         path = url.split("://", 1)[1] if "://" in url else ""
         return EmbeddedStore(path or None)
-    if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix"):
+    if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster", "redis+sentinel", "rediss+sentinel", "unix"):
         from dynemb.ps_server.backends.redis_store import RedisStore
 
         return RedisStore.from_url(url, namespace=namespace, **options)
@@ -39,7 +41,7 @@ def open_store(url: str = "", *, namespace: str = "dynemb", **options) -> Store:
 
     raise InvalidArgument(
         f"backend URL {shown(_without_password(url))}: scheme {shown(scheme)} is not one of embedded://, redis://, "
-        f"rediss://, redis+cluster://, rediss+cluster://"
+        f"rediss://, redis+cluster://, rediss+cluster://, redis+sentinel://, rediss+sentinel://"
     )
 
 

@@ -219,6 +219,12 @@ class Store(abc.ABC):
         """Rows this store's pulls found expired (and counted as absent) since it started."""
         return 0
 
+    def replica_waits(self) -> dict[str, int]:
+        """Writes by what waiting for the backend's replicas said (redis_durable.py): "acked",
+        "short" (failed: too few had it), "unreplicated" (no replica to wait for); {} for a
+        store without replicas."""
+        return {}
+
     def take_sweep_lease(self, table: str, owner: str, seconds: float) -> bool:
         """Whether `owner` holds (now, or renewed) the right to sweep the table for `seconds`: one
         sweeper per table among every PS of a store. A store of one process always grants it."""

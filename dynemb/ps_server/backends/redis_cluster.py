@@ -27,6 +27,7 @@ from redis._parsers.base import BaseParser  # the error classes of error replies
 from redis.crc import key_slot
 
 from dynemb.ps_server.backends import redis_keys as layout
+from dynemb.ps_server.backends.redis_durable import last_integer, wait_command
 from dynemb.ps_server.backends.redis_keys import _REDIS_ERRORS, _TableMeta, _timed_out
 from dynemb.ps_server.backends.redis_rows import RedisRows, _hmget_reader, _write_plan
 from dynemb.ps_server.errors import (
@@ -261,23 +262,32 @@ class RedisClusterRows(RedisRows):
                 chunk = ids[lo : lo + step]
                 chunk_rows = None if rows is None else rows[lo : lo + step]
                 smap, parts, again = self._by_node(meta, chunk)
-                sends = []
+                sends, waits = [], []
                 for node, pos in parts:
                     part_rows = None if chunk_rows is None else chunk_rows[pos]
                     request, commands = mod.plain_write_request(
                         chunk[pos], part_rows, schema.row_bytes, meta.num_buckets, meta.prefix, suffix
                     )
-                    sends.append((node, request, commands, 16 * commands + 64, None))
+                    wanted = self._waits.wanted(smap.pools[node])
+                    if wanted:  # WAIT last, on the node's same connection (redis_durable.py)
+                        request += wait_command(wanted, self._waits.durability.timeout_ms)
+                    waits.append(wanted)
+                    sends.append((node, request, commands + bool(wanted), 16 * commands + 64, None))
                 error = None
-                for (_, pos), send, reply in zip(parts, sends, self._cluster_exchange(smap, sends)):
+                short: list[tuple[Any, int, int]] = []
+                replies = self._cluster_exchange(smap, sends)
+                for (node, pos), send, reply, wanted in zip(parts, sends, replies, waits):
                     if reply is None:
                         again.append(pos)
                         continue
                     try:
                         changed, failed = mod.integer_replies(reply[0], reply[1], send[2])
+                        acked = last_integer(*reply) if wanted else 0
                     except ValueError as exc:
                         raise PSError(f"Redis at {self.address}: {exc}") from None
-                    total += changed
+                    total += changed - acked
+                    if wanted:
+                        short.append((smap.pools[node], wanted, acked))
                     redirected = []
                     for c, text in failed:
                         if self._redirected(text):
@@ -292,12 +302,20 @@ class RedisClusterRows(RedisRows):
                     total += self._py_write(meta, command, chunk[pos], None if chunk_rows is None else chunk_rows[pos])
                 if error is not None:
                     raise self._error_reply(error)
+                for pool, wanted, acked in short:
+                    self._waits.check(pool, wanted, acked, f"Redis Cluster node {_node_name(pool)}")
         except BaseException:
             with contextlib.suppress(PSError):  # what was written is counted
                 self._count_written(meta, total if rows is not None else -total)
             raise
         self._count_written(meta, total if rows is not None else -total)
         return total
+
+
+def _node_name(pool) -> str:
+    """host:port of a node's connection pool, for messages."""
+    kw = pool.connection_kwargs
+    return f"{kw.get('host', '?')}:{kw.get('port', '?')}"
 
 
 def _follow_ask_to_new_masters(client: redis.cluster.RedisCluster) -> None:

@@ -75,6 +75,7 @@ from redis.exceptions import RedisClusterException
 
 from dynemb.common.errors import shown
 from dynemb.ps_server.backends.redis_config import ListpackLimits
+from dynemb.ps_server.backends.redis_durable import ReplicaWaits
 from dynemb.ps_server.errors import (
     InvalidArgument,
     PSError,
@@ -378,6 +379,7 @@ class StoreParts:
         address: str
         _listpack: ListpackLimits | None
         _password: str | None
+        _waits: ReplicaWaits
         _meta_key: bytes
         _rows_key: bytes
         _dropped_key: bytes

@@ -33,6 +33,7 @@ import redis.event
 
 from dynemb.common.arrays import unique
 from dynemb.ps_server.backends import redis_keys as layout
+from dynemb.ps_server.backends.redis_durable import last_integer, wait_command
 from dynemb.ps_server.backends.redis_keys import (
     _WRITTEN_ROWS_LUA,
     _as_ids,
@@ -44,6 +45,7 @@ from dynemb.ps_server.backends.redis_keys import (
 )
 from dynemb.ps_server.backends.redis_tables import RedisTables
 from dynemb.ps_server.errors import (
+    BackendUnavailable,
     InvalidArgument,
     PSError,
 )
@@ -77,16 +79,28 @@ _TOUCH_LUA = (
 class RedisRows(RedisTables):
     """Rows on standalone Redis, and export (see the module)."""
 
+    def _pool(self) -> redis.ConnectionPool:
+        """Standalone Redis's connection pool (on Cluster each node has its own: _SlotMap)."""
+        assert isinstance(self.client, redis.Redis)
+        return self.client.connection_pool
+
     def _write(self, meta: _TableMeta, command: str, part: list, values: list, per_id: int) -> int:
         """HSET or HDEL of each (bucket, start, end) of part with the ids' values[per_id * start :
         per_id * end] (field-row pairs, or fields), a command per bucket in one pipeline; the
         fields added or removed (the caller changes the row count by them)."""
 
+        wanted = 0 if self.cluster else self._waits.wanted(self._pool())
+
         def fill(pipe) -> None:
             for b, start, end in part:
                 pipe.execute_command(command, meta.key(b), *values[per_id * start : per_id * end])
+            if wanted:  # one pipeline, one connection: WAIT covers its writes (redis_durable.py)
+                pipe.execute_command("WAIT", wanted, self._waits.durability.timeout_ms)
 
-        return int(sum(self._run_scripted(fill)))
+        replies = self._run_scripted(fill)
+        if wanted:
+            self._waits.check(self._pool(), wanted, int(replies.pop()), f"Redis at {self.address}")
+        return int(sum(replies))
 
     def _exchange(
         self,
@@ -118,7 +132,7 @@ class RedisRows(RedisTables):
         read: (buffer, end of the replies in it, replies). expect_bytes(replies) sizes the
         buffer. A retry sends the parts made so far again, then makes the rest."""
         assert isinstance(self.client, redis.Redis)  # on Cluster: _cluster_exchange
-        pool = self.client.connection_pool
+        pool = self._pool()
         sent: list[tuple[bytes, int]] = []
         for attempt in (0, 1):
             with self._redis():  # none free (max_connections), or Redis unreachable
@@ -239,25 +253,40 @@ class RedisRows(RedisTables):
         mod = self._native
         assert mod is not None  # only called when there is one
         step, suffix = _write_plan(meta, rows is not None)
+        pool = self._pool()
         total = 0
         try:
             for lo in range(0, len(ids), step):
                 part_rows = None if rows is None else rows[lo : lo + step]
                 parts = _write_parts(mod, meta, ids[lo : lo + step], part_rows, suffix)
+                wanted = self._waits.wanted(pool)
+                if wanted:  # WAIT last, on the same connection (redis_durable.py)
+                    parts = itertools.chain(parts, [(wait_command(wanted, self._waits.durability.timeout_ms), 1)])
                 buf, end, commands = self._exchange_parts(parts, lambda n: 16 * n + 64)
                 try:
                     changed, failed = mod.integer_replies(buf, end, commands)
+                    acked = last_integer(buf, end) if wanted else 0
                 except ValueError as exc:
                     raise PSError(f"Redis at {self.address}: {exc}") from None
-                total += changed
+                total += changed - acked
                 if failed:
+                    self._read_only_reply(failed[0][1])
                     raise self._error_reply(failed[0][1])
+                if wanted:
+                    self._waits.check(pool, wanted, acked, f"Redis at {self.address}")
         except BaseException:
             with contextlib.suppress(PSError):  # what was written is counted
                 self._count_written(meta, total if rows is not None else -total)
             raise
         self._count_written(meta, total if rows is not None else -total)
         return total
+
+    def _read_only_reply(self, text: str) -> None:
+        """On standalone Redis, a READONLY reply to a write says the Redis this store writes to
+        is a replica now (Sentinel failed it over): its connections are closed, so the next ones
+        ask Sentinel for the master (redis-py does the same on its own path)."""
+        if text.startswith("READONLY") and not self.cluster:
+            self._pool().disconnect()
 
     def _count_written(self, meta: _TableMeta, change: int) -> None:
         """_add_rows on the compiled path: the count script's EVALSHA sent as protocol bytes
@@ -364,7 +393,46 @@ class RedisRows(RedisTables):
         changed = 0
         for part in g.pipelines(meta.value_bytes + 8 if rows is not None else 8):
             changed += self._write(meta, command, list(part), values, per_id)
+        if self.cluster and not self._waits.durability.off:
+            self._confirm_replicated(meta, ids)
         return int(changed)
+
+    def _confirm_replicated(self, meta: _TableMeta, ids: np.ndarray) -> None:
+        """On Cluster, after writes through redis-py's pipeline (whose connections are its own):
+        on each master of the ids' buckets, a marker key that expires at once is set and WAIT
+        sent on the same connection; the marker is written after those writes, so a replica that
+        has it has them (redis_durable.py). A bucket whose slot is on the move fails the write.
+
+        Raises:
+            BackendUnavailable: too few replicas had the writes, or a slot moved meanwhile.
+        """
+        assert isinstance(self.client, redis.cluster.RedisCluster)
+        markers: dict[str, tuple] = {}
+        for b in np.unique(bucket_of(ids, meta.num_buckets)).tolist():
+            key = meta.key(b) + b":w"
+            with self._redis():
+                node = self.client.get_node_from_key(key)
+            markers.setdefault(node.name, (node, key))
+        timeout = self._waits.durability.timeout_ms
+        for node, key in markers.values():
+            with self._redis():
+                client = self.client.get_redis_connection(node)
+            wanted = self._waits.wanted(client.connection_pool)
+            if not wanted:
+                continue
+            pipe = client.pipeline(transaction=False)
+            pipe.set(key, b"1", px=10)
+            pipe.execute_command("WAIT", wanted, timeout)
+            try:
+                with self._redis():
+                    _, acked = pipe.execute()
+            except BackendUnavailable:
+                raise
+            except PSError as exc:  # MOVED or ASK: the slot is moving
+                raise BackendUnavailable(
+                    f"Redis Cluster node {node.name}: cannot confirm replicas have the rows: {exc}"
+                ) from None
+            self._waits.check(client.connection_pool, wanted, int(acked), f"Redis Cluster node {node.name}")
 
     def export(self, table: str, rows_per_chunk: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """See Store.export: bucket by bucket, ids in no particular order."""

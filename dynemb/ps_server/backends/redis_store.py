@@ -28,6 +28,7 @@ import numpy as np
 import redis
 import redis.cluster
 import redis.event
+import redis.sentinel
 from redis._parsers.base import BaseParser  # the error classes of error replies, as redis-py raises them
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
@@ -39,6 +40,7 @@ from dynemb.ps_server.backends.base import Store, rows_out
 from dynemb.ps_server.backends.redis_cluster import RedisClusterRows, _follow_ask_to_new_masters, _SlotMap
 from dynemb.ps_server.backends.redis_config import MODES as LISTPACK_MODES
 from dynemb.ps_server.backends.redis_config import ROWS_PER_BUCKET, ListpackLimits
+from dynemb.ps_server.backends.redis_durable import Durability, ReplicaWaits
 from dynemb.ps_server.backends.redis_keys import _REDIS_ERRORS, _as_ids, _TableMeta, dropped_key, meta_key, rows_key
 from dynemb.ps_server.backends.redis_tls import check_tls_files, untrusted_hint
 from dynemb.ps_server.codec import rows_for_table
@@ -88,6 +90,49 @@ def _split_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict]:
     return nodes, kwargs
 
 
+def _split_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, dict, dict]:
+    """`redis+sentinel://[user:pass@]h1:p1,h2:p2/<master name>[/db][?opts]` -> (Sentinels,
+    master name, redis-py kwargs for the master, kwargs for the Sentinels).
+
+    The user and password are the master's (and its replicas'); `sentinel_password=` (and
+    `sentinel_username=`) in the query are the Sentinels' own, if they ask for one. The other
+    options mean what they mean in a redis:// URL (redis-py's parser reads them) and go to both.
+    """
+    scheme, rest = url.split("://", 1)
+    tls = scheme.lower() == "rediss+sentinel"
+    rest, _, query = rest.partition("?")
+    netloc, _, path = rest.partition("/")
+    userinfo, _, hosts = netloc.rpartition("@")
+    nodes = []
+    for part in filter(None, hosts.split(",")):
+        host, sep, port = part.rpartition(":")
+        if not sep or not port.isdigit():
+            raise InvalidArgument(f"sentinel URL node {shown(part)} must be host:port")
+        nodes.append((unquote(host.strip("[]")), int(port)))
+    if not nodes:
+        raise InvalidArgument(
+            "a sentinel URL needs at least one Sentinel host:port, e.g. redis+sentinel://10.0.0.1:26379/mymaster"
+        )
+    name, _, db = path.strip("/").partition("/")
+    if not name:
+        raise InvalidArgument(
+            "a sentinel URL names the master after the Sentinels, e.g. redis+sentinel://10.0.0.1:26379/mymaster"
+        )
+    if db and not db.isdigit():
+        raise InvalidArgument(f"the database after the master's name must be a number, got {shown(db)}")
+    pairs = parse_qsl(query)
+    sentinel_kw = {k.removeprefix("sentinel_"): v for k, v in pairs if k in ("sentinel_password", "sentinel_username")}
+    pairs = [(k, v) for k, v in pairs if not k.startswith("sentinel_")]
+    probe = f"{'rediss' if tls else 'redis'}://{userinfo + '@' if userinfo else ''}{hosts.split(',')[0]}/{db or 0}"
+    kwargs = redis.connection.parse_url(probe + ("?" + urlencode(pairs) if pairs else ""))
+    for k in ("host", "port", "connection_class"):
+        kwargs.pop(k, None)
+    if tls:
+        kwargs["ssl"] = True
+    shared = {k: v for k, v in kwargs.items() if k not in ("username", "password", "db")}
+    return nodes, unquote(name), kwargs, {**shared, **sentinel_kw}
+
+
 class RedisStore(RedisClusterRows, Store):
     """Tables in Redis or Redis Cluster (layout: redis_keys.py). Usually built by from_url()."""
 
@@ -104,6 +149,7 @@ class RedisStore(RedisClusterRows, Store):
         native_rows: bool = True,
         rows_per_bucket: int = ROWS_PER_BUCKET,
         listpack: str = "auto",
+        durable: Durability | None = None,
     ) -> None:
         check_name(namespace, "namespace")
         if not isinstance(num_buckets, int) or not 1 <= num_buckets <= layout.MAX_BUCKETS:
@@ -122,6 +168,8 @@ class RedisStore(RedisClusterRows, Store):
         # Redis's listpack limits raised as tables need them (redis_config.py); None: left alone
         self._listpack = ListpackLimits(client, self.address, rows_per_bucket) if listpack == "auto" else None
         self._password = password
+        # writes acknowledged once replicas have them (redis_durable.py)
+        self._waits = ReplicaWaits(durable or Durability(), self._connected_replicas)
         self._meta_key = meta_key(namespace)
         self._rows_key = rows_key(namespace)
         self._dropped_key = dropped_key(namespace)
@@ -156,9 +204,11 @@ class RedisStore(RedisClusterRows, Store):
         native_rows: bool = True,
         rows_per_bucket: int = ROWS_PER_BUCKET,
         listpack: str = "auto",
+        durable: Durability | None = None,
         **kw,
     ) -> RedisStore:
-        """redis://, rediss://, unix://, redis+cluster://, rediss+cluster:// (see the module doc).
+        """redis://, rediss://, unix://, redis+cluster://, rediss+cluster://, redis+sentinel://,
+        rediss+sentinel:// (see the module doc).
 
         Extra keywords go to redis-py (ssl_ca_certs=, ssl_cert_reqs=, max_connections=...);
         `retries` sets how often a request is retried on a dropped connection (default 2).
@@ -166,7 +216,8 @@ class RedisStore(RedisClusterRows, Store):
         compiled row path (the same commands; for comparison and tests). num_buckets: the
         buckets of a new table that declares no expected rows; rows_per_bucket: what a table
         that does is sized for; listpack: "auto" raises Redis's listpack limits as the tables
-        need them (redis_config.py), "off" leaves Redis's config alone.
+        need them (redis_config.py), "off" leaves Redis's config alone; durable: how writes wait
+        for replicas (redis_durable.py; default "auto").
         """
         scheme = url.split("://", 1)[0].lower()
         retries = int(kw.pop("retries", 2))
@@ -189,6 +240,18 @@ class RedisStore(RedisClusterRows, Store):
                 except _REDIS_ERRORS as exc:  # it connects at once, to learn the slot map
                     raise _translate(exc, f"Redis Cluster {address}", options.get("password")) from None
                 _follow_ask_to_new_masters(client)
+            elif scheme in ("redis+sentinel", "rediss+sentinel"):
+                sentinels, name, options, sentinel_kw = _split_sentinel_url(url)
+                options = {**kw, **options, "socket_timeout": socket_timeout}
+                check_tls_files(options)
+                sentinel = redis.sentinel.Sentinel(
+                    sentinels,
+                    sentinel_kwargs={**sentinel_kw, "socket_timeout": min(socket_timeout, 5.0)},
+                    retry=retry,
+                    **options,
+                )
+                client = sentinel.master_for(name, retry=retry, **options)
+                address = f"{name} via Sentinel {','.join(f'{h}:{p}' for h, p in sentinels)}"
             elif scheme in ("redis", "rediss", "unix"):
                 standalone = redis.Redis.from_url(url, socket_timeout=socket_timeout, retry=retry, **kw)
                 client = standalone
@@ -215,6 +278,7 @@ class RedisStore(RedisClusterRows, Store):
             native_rows=native_rows,
             rows_per_bucket=rows_per_bucket,
             listpack=listpack,
+            durable=durable,
         )
 
     @contextlib.contextmanager
@@ -355,6 +419,18 @@ class RedisStore(RedisClusterRows, Store):
         deleted = self._py_write(meta, "HDEL", ids, None)
         self._add_rows(meta, -deleted)
         return deleted
+
+    def _connected_replicas(self, pool) -> int:
+        """The replicas of the master of a connection pool that are online now (INFO
+        replication): one still loading its first copy of the data cannot acknowledge writes."""
+        with self._redis():
+            info = redis.Redis(connection_pool=pool).info("replication")
+        slaves = [v for k, v in info.items() if k.startswith("slave") and k[5:].isdigit()]
+        return sum(1 for v in slaves if isinstance(v, dict) and v.get("state") == "online")
+
+    def replica_waits(self) -> dict[str, int]:
+        """See Store.replica_waits."""
+        return dict(self._waits.counts)
 
     def expired_reads(self, table: str) -> int:
         """Rows pulls through this store found expired (counted as absent) since it started."""
