@@ -157,3 +157,11 @@ def test_bad_settings_are_refused(proxy):
         proxy.delay(-1)
     with pytest.raises(ValueError):
         proxy.loss(1.5)
+
+
+def test_a_lost_chunk_waits_a_round_trip_and_an_rto(proxy):
+    with connect(proxy) as sock:
+        proxy.delay(0.05)
+        proxy.loss(1.0, rto=0.1)  # each way: 50 ms, then lost: a 100 ms round trip + 100 ms more
+        took = round_trip(sock, b"x")
+    assert 0.5 <= took < 0.8, took

@@ -201,3 +201,50 @@ def test_health_sees_a_cut_off_redis_with_default_settings(redis_process, make_p
                 wait_for_health(client, "NOT_SERVING", timeout=6)
             finally:
                 link.heal()
+
+
+# -- a slow, lossy link under load ----------------------------------------------------------
+
+
+def test_ps_load_over_a_slow_lossy_link_has_no_errors(redis_url, make_ps, tmp_path):
+    """bench/ps_load.py's clients reach the PS through 200 ms of delay each way and 5% loss:
+    every call succeeds (the bench checks every pulled value), and the latency figures show
+    the link (printed; pytest -s shows them)."""
+    # no shared memory: the rows go through the link, as a remote client's do (a client on
+    # this host would hand them over in memory, and only the calls would cross the proxy)
+    ps = make_ps("--backend", redis_url, "--namespace", f"nf{uuid.uuid4().hex[:8]}", "--shm-max-mb", "0")
+    batch, row_bytes = 128, (16 + 16) * 4
+    with FaultProxy("127.0.0.1", ps.port) as link:
+        link.delay(0.2)
+        link.loss(0.05)
+        run = subprocess.run(
+            [sys.executable, "bench/ps_load.py", "--ps", link.address]
+            + ["--ps-metrics", f"http://127.0.0.1:{ps.metrics_port}/metrics", "--json", str(tmp_path / "load.json")]
+            + f"--clients 8 --procs 1 --duration 5 --batch {batch} --id-space 4096 --dim 16 --state-width 16".split(),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        forwarded = link.bytes_forwarded
+    table = "\n".join(line for line in run.stdout.splitlines() if line.startswith(("method", "pull ", "push ", "all ")))
+    shown = f"ps_load over 200 ms + 5% loss each way:\n{table}\n{run.stdout[-1500:]}{run.stderr[-1500:]}"
+    print("\n" + shown.split("\n" + run.stdout[-1500:])[0])
+    summary = json.loads((tmp_path / "load.json").read_text())
+    assert summary["errors_total"] == 0 and summary["requests"]["all"] > 0, shown
+    assert summary["rows_stored"]["before"] == summary["rows_stored"]["after"], shown
+    # The one failure the bench sees is the PS's count of refused AttachSegment calls: each
+    # client sees a loopback address and asks for shared memory, which --shm-max-mb 0 refuses.
+    refused = {
+        line.split("{", 1)[1].split("}", 1)[0]
+        for line in ps.metrics_text().splitlines()
+        if line.startswith("dynemb_ps_requests_total{") and 'code="OK"' not in line and not line.endswith(" 0.0")
+    }
+    assert refused <= {'code="FAILED_PRECONDITION",method="AttachSegment"'}, (refused, shown)
+    assert all("FAILED_PRECONDITION" in f for f in summary["failures"]), shown
+    latency = summary["latency_ms"]["all"]
+    # 200 ms each way on every call; a lost chunk a retransmission timeout more (a round trip
+    # of 400 ms + 200 ms): with ~2 chunks a call each way, some call meets one
+    assert latency["p50_ms"] >= 400 and latency["max_ms"] >= 1000, shown
+    # the rows crossed the link: every batch's bytes at least, each way it went
+    assert forwarded >= summary["requests"]["all"] * batch * row_bytes, (forwarded, shown)

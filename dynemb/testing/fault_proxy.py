@@ -35,8 +35,9 @@ How each fault looks to the two ends, as a real network's would:
   behind it are not held up further).
 - loss(f): TCP retransmits a lost segment, so an application never sees bytes go missing: it sees
   them late. A chunk (one read, up to 64 KiB) is "lost" with probability f and then held one
-  retransmission timeout (`rto`, Linux's minimum of 200 ms by default) longer, and the chunks
-  behind it wait for it (TCP delivers in order).
+  retransmission timeout longer: Linux's, the round trip (2 x the delay set) plus `rto` (its
+  minimum of 200 ms), and the chunks behind it wait for it (TCP delivers in order). Per chunk,
+  not per 1.5 KB segment: a big chunk is no likelier to be hit than a small one.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class _Pipe:
             with proxy._cond:
                 due = time.monotonic() + proxy._delay
                 if data and proxy._loss and proxy._rng.random() < proxy._loss:
-                    due += proxy._rto
+                    due += 2 * proxy._delay + proxy._rto  # sent again a round trip + RTO later
                 self.last_due = due = max(due, self.last_due)  # in order: none overtakes a held one
                 self.chunks.append((due, data))
                 self.held += len(data)
@@ -277,7 +278,8 @@ class FaultProxy:
             self._cond.notify_all()
 
     def loss(self, fraction: float, rto: float = 0.2) -> None:
-        """Hold a `fraction` of chunks one retransmission timeout (`rto` seconds) longer (module doc).
+        """Hold a `fraction` of chunks one retransmission timeout longer: the round trip (2 x the
+        delay) + `rto` seconds (module doc).
 
         Raises:
             ValueError: fraction outside [0, 1] or rto negative.
