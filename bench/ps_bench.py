@@ -13,6 +13,10 @@ ids drawn uniformly from the stored ids; PS and baselines see the very same batc
   (bench/raw_redis.py's RedisLimit: the PS's own requests for each batch, built beforehand,
   sent on a plain socket, the replies read whole and never decoded): goal PS >= 0.8x, the two
   timed batch by batch alternately.
+- Durable pushes (`--only durable`): a Redis master with one replica, and two PSes over it, one
+  with `--redis-durable auto` (each push waits until the replica has it: WAIT 1) and one with
+  `--redis-durable off`; the same batches pushed through each alternately. Prints push rows/s
+  with and without, and their ratio.
 - Embedded backend: PS rows/s on loopback (goal 2M rows/s), the client as it comes: on
   one host the rows go through shared memory and only the ids through gRPC
   (dynemb/ps_server/shm.py). Next to it, measured in the same run: the PS with the rows inside
@@ -131,6 +135,43 @@ def bench_redis(args, schema, ids, batches, rows) -> dict:
     return out
 
 
+def bench_durable(args, schema, ids, batches, rows) -> dict:
+    """Push rows/s through a PS that waits for a replica (--redis-durable auto) and one that
+    does not (off), over the same replicated Redis, batch by batch alternately."""
+    master = RedisProcess(["repl-diskless-sync-delay 0"]).start()
+    replica = RedisProcess([f"replicaof {master.host} {master.port}"])
+    try:
+        replica.start()
+        client = replica.client()
+        while client.info("replication").get("master_link_status") != "up":
+            time.sleep(0.05)
+        client.close()
+        flags = ("--backend", master.url, "--namespace", "bench", "--log-level", "WARNING")
+        with (
+            LocalPS(*flags, "--redis-durable", "auto") as durable_proc,
+            LocalPS(*flags, "--redis-durable", "off") as plain_proc,
+            PSClient(durable_proc.address) as durable,
+            PSClient(plain_proc.address) as plain,
+        ):
+            durable.wait_ready()
+            plain.wait_ready()
+            durable.create_table_from_schema(schema)
+            load(durable, schema, ids, np.random.default_rng(1), "load: rows into replicated Redis")
+            out = {}
+            out["durable_push"], out["plain_push"] = timed_alternating(
+                lambda b: durable.push(TABLE, b, rows[: len(b)]),
+                lambda b: plain.push(TABLE, b, rows[: len(b)]),
+                batches,
+            )
+            waits = master.client().info("commandstats").get("cmdstat_wait", {}).get("calls", 0)
+            out["wait_calls"] = int(waits)
+    finally:
+        replica.close()
+        master.close()
+    out["durable_ratio"] = out["durable_push"] / out["plain_push"]
+    return out
+
+
 def raw_grpc_rows_per_s(schema, batches, chunk_bytes: int) -> tuple[float, float]:
     """Raw gRPC, no PS code (bench/raw_grpc.py, its server in its own process as the PS is):
     replies of a pull's size, requests of a push's, the same number of concurrent messages
@@ -207,7 +248,7 @@ def main(argv=None) -> int:
         default=1,
         help="also run the embedded part over this many PS processes [default %(default)s: no]",
     )
-    parser.add_argument("--only", choices=("redis", "embedded"), help="run one part")
+    parser.add_argument("--only", choices=("redis", "durable", "embedded"), help="run one part")
     parser.add_argument("--json", type=Path, default=Path(__file__).parent / "out" / "ps_bench.json")
     args = parser.parse_args(argv)
 
@@ -236,6 +277,14 @@ def main(argv=None) -> int:
         print(
             f"  Redis memory per row     {per_row:>12,.0f} B = {per_row / raw_row:.2f}x the {raw_row} raw bytes "
             f"(goal <= 1.2x: listpack buckets, README 'Redis memory'; at 1M rows: bench/redis_memory.py)"
+        )
+    if args.only in (None, "durable"):
+        d = results["durable"] = bench_durable(args, schema, ids, batches, rows)
+        print("\nDurable pushes, Redis with 1 replica (push rows/s)")
+        print(f"  --redis-durable auto (WAIT 1)  {d['durable_push']:>12,.0f}")
+        print(f"  --redis-durable off            {d['plain_push']:>12,.0f}")
+        print(
+            f"  ratio durable / off            {d['durable_ratio']:>12.2f}   ({d['wait_calls']:,} WAITs on the master)"
         )
     if args.only in (None, "embedded"):
         e = results["embedded"] = bench_embedded(args, schema, ids, batches, rows)

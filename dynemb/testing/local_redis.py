@@ -221,6 +221,7 @@ class RedisClusterProcesses:
                 f"cluster-node-timeout {self.node_timeout_ms}",
                 # a replica cut off for long may still be promoted: the failover tests stop one on purpose
                 "cluster-replica-validity-factor 0",
+                "repl-diskless-sync-delay 0",  # a replica's first sync at once, not after 5 s
                 *self._extra_config,
             ],
             tls=bool(self.tls_files),
@@ -431,7 +432,7 @@ class RedisSentinelProcesses:
         self, replicas: int = 1, sentinels: int = 1, *, name: str = "dynemb", down_after_ms: int = 1000
     ) -> None:
         self.name = name
-        self.nodes = [RedisProcess()]
+        self.nodes = [RedisProcess(["repl-diskless-sync-delay 0"])]  # replicas sync at once, not after 5 s
         master = self.nodes[0]
         self.nodes += [RedisProcess([f"replicaof {master.host} {master.port}"]) for _ in range(replicas)]
         quorum = sentinels // 2 + 1
