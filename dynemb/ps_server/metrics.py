@@ -202,6 +202,9 @@ class PSMetrics:
         )
         self._expired_reads_seen: dict[str, int] = {}
         self._children: dict = {}
+        # durable writes (redis_durable.py), counted by the store and read at each scrape
+        self.replica_waits = _ReplicaWaits()
+        r.register(self.replica_waits)
 
     def swept(self, result, expired_reads: int) -> None:
         """Record a sweeper pass (sweeper.SweepResult) and the expired rows pulls found so far."""
@@ -268,9 +271,9 @@ class PSMetrics:
         self._declared = set(sums)
 
     def watch_replica_waits(self, read: Callable[[], dict[str, int]]) -> None:
-        """Export dynemb_ps_replica_waits_total{outcome}, read at each scrape (Store.replica_waits:
+        """Have dynemb_ps_replica_waits_total{outcome} read at each scrape (Store.replica_waits:
         the store counts its durable writes by what WAIT said)."""
-        self.registry.register(_ReplicaWaits(read))
+        self.replica_waits.read = read
 
     def published(self, versions: dict[str, tuple[int, float]]) -> None:
         """Each served table's (version, cut time), from a read-only PS's store."""
@@ -336,12 +339,18 @@ class PSMetrics:
 class _ReplicaWaits:
     """A collector of a store's durable writes by outcome (redis_durable.py), read at scrape time."""
 
-    def __init__(self, read: Callable[[], dict[str, int]]) -> None:
-        self.read = read
+    NAME = "dynemb_ps_replica_waits"
+
+    def __init__(self) -> None:
+        self.read: Callable[[], dict[str, int]] = dict
+
+    def label_names(self) -> dict[str, list[str]]:
+        """{the family's name as documented: its labels} (tests/deploy_files.py)."""
+        return {self.NAME + "_total": ["outcome"]}
 
     def collect(self) -> Iterable[CounterMetricFamily]:
         family = CounterMetricFamily(
-            "dynemb_ps_replica_waits",
+            self.NAME,
             "Durable writes (--redis-durable) by what waiting for Redis replicas said: acked, short "
             "(too few replicas had it in time: the write failed and is retried), unreplicated (no replica online)",
             labels=["outcome"],
