@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from dynemb.ps_server.backends.base import rows_out
 from dynemb.ps_server.backends.embedded import EmbeddedStore
-from dynemb.ps_server.client import PSClient, RetryPolicy
+from dynemb.ps_server.client import CallWatch, PSClient, RetryPolicy
 from dynemb.ps_server.initializer import fill_initial_rows
 from dynemb.ps_server.lifecycle import Lifecycle
 from dynemb.ps_server.schema import TableSchema
@@ -112,6 +112,10 @@ class RowStore:
     def pull_many_async(self, ids_by_table: dict[str, np.ndarray]) -> Future:
         """{table: rows} of several tables' pulls at once."""
         return _done(lambda: {t: self.pull(t, ids) for t, ids in ids_by_table.items()})
+
+    def watch_calls(self, watch: CallWatch) -> None:
+        """Tell `watch` of the store's calls from now on: their retries, failures and waits (a
+        trainer's metrics export them). A store in this process makes no calls to watch."""
 
     def close(self) -> None:
         """Release the store (connections, memory)."""
@@ -293,6 +297,10 @@ class RemoteRowStore(RowStore):
         """See RowStore.pull_many_async: one call per PS."""
         return _then(self.client.pull_many_async(ids_by_table), lambda got: {t: r.rows for t, r in got.items()})
 
+    def watch_calls(self, watch: CallWatch) -> None:
+        """See RowStore.watch_calls: every call of the PS client."""
+        self.client.watch = watch
+
     def close(self) -> None:
         """Close the PS client."""
         self.client.close()
@@ -324,7 +332,9 @@ def open_store(
     return RemoteRowStore(
         where,
         timeout=timeout,
-        retry=RetryPolicy(attempts=None, max_backoff=5.0, attempt_timeout=attempt_timeout),
+        # tries at most 2 s apart: a PS back is used within about that (each try that finds it
+        # away fails at once, so trying often costs nothing)
+        retry=RetryPolicy(attempts=None, max_backoff=2.0, attempt_timeout=attempt_timeout),
         auth_token=os.environ.get("DYNEMB_PS_AUTH_TOKEN") or None,
         tls_ca=tls_ca,
         tls_cert=tls_cert,

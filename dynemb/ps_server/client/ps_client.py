@@ -26,7 +26,7 @@ from dynemb.ps_server.change_log import Changes
 from dynemb.ps_server.client import streaming
 from dynemb.ps_server.client.ordering import TableLanes
 from dynemb.ps_server.client.results import PullResult, TableInfo
-from dynemb.ps_server.client.retry import RetryPolicy
+from dynemb.ps_server.client.retry import CallWatch, RetryPolicy
 from dynemb.ps_server.client.rows import RowTransfer, as_ids, as_rows
 from dynemb.ps_server.client.schema_cache import SchemaCache
 from dynemb.ps_server.client.sharding import Sharding
@@ -56,6 +56,8 @@ class PSClient:
         lanes: threads row operations spread over, by table (a table's calls keep their order).
         shared_memory: rows through shared memory: None: with a PS on a loopback address; True: try every PS;
             False: never.
+        watch: told of every row and table call's start, retries and end (retry.CallWatch: what a trainer's
+            metrics export), so a call blocked on a PS that is away shows while it waits.
 
     Raises:
         InvalidArgument: no address, an address or TLS setting that cannot be used.
@@ -77,6 +79,7 @@ class PSClient:
         retry: RetryPolicy = DEFAULT_RETRY,
         lanes: int = 8,
         shared_memory: bool | None = None,
+        watch: CallWatch | None = None,
     ) -> None:
         if isinstance(addresses, str):
             addresses = [a.strip() for a in addresses.split(",") if a.strip()]
@@ -98,6 +101,7 @@ class PSClient:
             tls_key=tls_key,
             tls_server_name=tls_server_name,
             max_message_bytes=max_message_bytes,
+            watch=watch,
         )
         self._sharding = Sharding(len(self.addresses), self.chunk_bytes, max_message_bytes)
         self._lanes = TableLanes(lanes)
@@ -105,6 +109,15 @@ class PSClient:
         self._pools = segment_pools(self._transport, shared_memory, keep=len(self._lanes) + 1)
         self._schemas = SchemaCache(lambda table: self.describe_table(table).schema)
         self._rows = RowTransfer(self._transport, self._sharding, self._pools, self._schemas)
+
+    @property
+    def watch(self) -> CallWatch | None:
+        """What is told of every call's start, retries and end (see the constructor); settable."""
+        return self._transport.watch
+
+    @watch.setter
+    def watch(self, watch: CallWatch | None) -> None:
+        self._transport.watch = watch
 
     @property
     def _stubs(self) -> list:

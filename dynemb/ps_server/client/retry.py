@@ -16,6 +16,7 @@ per-try timeout (perAttemptRecvTimeout) is ignored without the experimental hedg
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -74,6 +75,7 @@ class Attempts:
     def __init__(self, policy: RetryPolicy, deadline: float) -> None:
         self.policy = policy
         self.deadline = deadline
+        self.started = time.monotonic()
         self.retries = 0
         self._backoffs = policy.backoffs()
 
@@ -112,3 +114,42 @@ class Attempts:
             return None
         self.retries += 1
         return delay
+
+
+class CallWatch:
+    """What a client's calls are doing, for its owner's metrics (a trainer's: dynemb/tables/metrics.py): tries
+    retried, calls that failed, and the calls waiting now. The client tells it (Transport.call); the owner reads it
+    when scraped. A call blocked on a PS that is away shows while it waits, not only once it ends.
+
+    Attributes:
+        retries: tries tried again (after UNAVAILABLE, a try over its time, or a segment the PS no longer knew).
+        failures: calls that ended in an error, after their retries.
+    """
+
+    def __init__(self) -> None:
+        self.retries = 0
+        self.failures = 0
+        self._waiting: dict[int, float] = {}  # id of a call's Attempts: when the call started
+        self._lock = threading.Lock()
+
+    def started(self, tries: Attempts) -> None:
+        """A call under these tries is in flight (since tries.started)."""
+        with self._lock:
+            self._waiting[id(tries)] = tries.started
+
+    def ended(self, tries: Attempts, failed: bool) -> None:
+        """The call under these tries returned, or (failed) raised its error."""
+        with self._lock:
+            self._waiting.pop(id(tries), None)
+            self.failures += failed
+
+    def retried(self) -> None:
+        """A try failed and is tried again."""
+        with self._lock:
+            self.retries += 1
+
+    def blocked_seconds(self) -> float:
+        """How long the oldest call in flight has been waiting for its reply; 0 when none is."""
+        with self._lock:
+            oldest = min(self._waiting.values(), default=None)
+        return 0.0 if oldest is None else max(0.0, time.monotonic() - oldest)

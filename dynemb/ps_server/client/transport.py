@@ -20,12 +20,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dynemb.protos import ps_pb2, ps_pb2_grpc
 from dynemb.ps_server.auth import bearer_metadata
-from dynemb.ps_server.client.retry import Attempts, RetryPolicy
-from dynemb.ps_server.errors import DeadlineExceeded, InvalidArgument, PSError, from_rpc_error
+from dynemb.ps_server.client.retry import Attempts, CallWatch, RetryPolicy
+from dynemb.ps_server.errors import DeadlineExceeded, InvalidArgument, PSError, SegmentUnusable, from_rpc_error
 from dynemb.ps_server.replicas import channel_target
 
 log = logging.getLogger("dynemb.ps.client")
 
+# How often a channel to a PS that is away tries to connect again: a PS back is used within it
+RECONNECT_BACKOFF_MS = 1000
 # The stub methods that carry bytes (wire.py): name -> (request serializer, response deserializer)
 _BYTES_METHODS = {
     "Pull": (ps_pb2.PullRequest.SerializeToString, None),
@@ -114,6 +116,7 @@ class Transport:
         auth_token: sent as `authorization: Bearer <token>` on every call, health checks included.
         tls, tls_ca, tls_cert, tls_key, tls_server_name: as PSClient's.
         max_message_bytes: the largest message sent or received.
+        watch: told of every unary call's start, retries and end (a trainer's metrics read it).
 
     Raises:
         InvalidArgument: unusable TLS settings, or replicas that do not resolve.
@@ -131,13 +134,22 @@ class Transport:
         tls_key: str | bytes | None = None,
         tls_server_name: str | None = None,
         max_message_bytes: int = 64 << 20,
+        watch: CallWatch | None = None,
     ) -> None:
         self.addresses = list(addresses)
         self.retry = retry
+        self.watch = watch
         self.metadata = bearer_metadata(auth_token)
         options: list[tuple[str, int | str]] = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            # gRPC's reconnect backoff grows to 120 s while a PS is away, and calls fail at once
+            # without trying to connect until it has passed: a PS back after 90 s was answered
+            # 19 s later (issue 34 saw ~50 s). Tries to connect once a second at most instead (not
+            # min_reconnect_backoff_ms: that is also how long one connect may take, 20 s, kept
+            # for slow links).
+            ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
+            ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
         ]
         if tls_server_name:
             options.append(("grpc.ssl_target_name_override", tls_server_name))
@@ -182,6 +194,23 @@ class Transport:
         """
         if tries is None:
             tries = self.retry.start(deadline)
+        if self.watch is None:
+            return self._call(shard, method, request, deadline, tries, sent)
+        self.watch.started(tries)
+        failed = True
+        try:
+            reply = self._call(shard, method, request, deadline, tries, sent)
+            failed = False
+            return reply
+        except SegmentUnusable:  # tried again by the caller (rows.py), with a new segment or as bytes
+            failed = False
+            self.watch.retried()
+            raise
+        finally:
+            self.watch.ended(tries, failed)
+
+    def _call(self, shard: int, method: str, request, deadline: float, tries: Attempts, sent: grpc.Future | None):
+        """`call`'s tries."""
         last: grpc.RpcError | None = None
         while True:
             try:
@@ -201,6 +230,8 @@ class Transport:
                 delay = tries.next_delay(err.code())
                 if delay is None:
                     raise self.error(err, shard) from None
+                if self.watch is not None:
+                    self.watch.retried()
                 if tries.retries == 1:  # once per call: an outage is one line per call, not per try
                     log.warning(
                         "%s to PS %s: %s; retrying for up to %.0f s",
