@@ -126,7 +126,7 @@ def test_a_delay_is_added_each_way(proxy):
         fast = round_trip(sock, b"ping")
         proxy.delay(0.1)
         slow = round_trip(sock, b"ping")
-    assert fast < 0.1 and 0.2 <= slow < 0.5, (fast, slow)
+    assert slow >= 0.2 and slow - fast >= 0.15 and slow < 1.0, (fast, slow)
 
 
 def test_a_lost_chunk_comes_late_and_in_order(proxy):
@@ -135,7 +135,7 @@ def test_a_lost_chunk_comes_late_and_in_order(proxy):
         took = round_trip(sock, b"first")
         proxy.loss(0.0)
         fast = round_trip(sock, b"second")
-    assert 0.3 <= took < 0.6 and fast < 0.1, (took, fast)
+    assert 0.3 <= took < 1.0 and took - fast >= 0.25, (took, fast)
 
 
 def test_refuse_resets_connections_until_heal(proxy):
@@ -144,7 +144,8 @@ def test_refuse_resets_connections_until_heal(proxy):
         proxy.refuse()
         with pytest.raises(ConnectionResetError):
             sock.recv(1)
-    with connect(proxy) as refused, pytest.raises(ConnectionResetError):
+    # the reset may come before connect() returns, or at the send, or at the read
+    with pytest.raises((ConnectionResetError, BrokenPipeError)), connect(proxy) as refused:
         refused.sendall(b"x")
         refused.recv(1)
     proxy.heal()
@@ -164,4 +165,4 @@ def test_a_lost_chunk_waits_a_round_trip_and_an_rto(proxy):
         proxy.delay(0.05)
         proxy.loss(1.0, rto=0.1)  # each way: 50 ms, then lost: a 100 ms round trip + 100 ms more
         took = round_trip(sock, b"x")
-    assert 0.5 <= took < 0.8, took
+    assert 0.5 <= took < 1.2, took

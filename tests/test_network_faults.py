@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -18,10 +20,11 @@ from helpers import wait_until
 from ps_procs import wait_for_health
 
 from dynemb.checkpoint.format import checkpoints, read_manifest
-from dynemb.ps_server.client import PSClient, RetryPolicy
+from dynemb.ps_server.client import PSClient, PullResult, RetryPolicy
 from dynemb.ps_server.errors import PSError
 from dynemb.testing.fault_proxy import FaultProxy
-from dynemb.testing.local_ps import REPO
+from dynemb.testing.local_ps import REPO, LocalPS
+from dynemb.testing.local_redis import RedisProcess
 
 pytestmark = pytest.mark.slow
 
@@ -128,61 +131,138 @@ def test_a_trainer_cut_off_from_its_ps_fails_in_one_line_and_resumes_losing_noth
 # -- a PS cut off from Redis ----------------------------------------------------------------
 
 
-def redis_ps(make_ps, link: FaultProxy, query: str = ""):
-    """A PS over the Redis behind `link`, checking it every 0.2 s."""
-    url = f"redis://{link.address}/0{query}"
-    return make_ps("--backend", url, "--namespace", f"nf{uuid.uuid4().hex[:8]}", "--backend-check-seconds", "0.2")
+def redis_ps(link: FaultProxy, query: str = "") -> LocalPS:
+    """A PS (not started) over the Redis behind `link`, checking it every 0.2 s."""
+    return LocalPS(
+        *("--backend", f"redis://{link.address}/0{query}", "--namespace", f"nf{uuid.uuid4().hex[:8]}"),
+        *("--log-level", "INFO", "--not-serving-seconds", "0", "--backend-check-seconds", "0.2"),
+    )
 
 
-def test_a_ps_cut_off_from_redis_goes_not_serving_and_back_losing_no_row(redis_process, make_ps):
-    """Health says NOT_SERVING within seconds of the cut and SERVING within seconds of the
-    heal; a push meanwhile is not acknowledged (one line naming the PS); every row acknowledged
-    before or after is there bit for bit, the newest value of each id, none left stale by a
-    write of the cut that landed late."""
-    store = redis_process()
+@dataclass
+class CutMidPush:
+    """What a PS showed of a cut from Redis in the middle of a push (redis_cut_mid_push)."""
+
+    ids_of: dict[str, np.ndarray]  # the ids of each push: before, refused (the one cut), after
+    pushed: dict[str, np.ndarray]  # (n, 16) each: the rows each push wrote, by id; NaN elsewhere
+    refused: str  # the error the cut push got
+    not_serving_after: float  # seconds from the cut to health NOT_SERVING
+    serving_after: float  # seconds from the heal to SERVING
+    got: PullResult  # every id 0..n-1 pulled at the end
+    counted: int  # the table's row count at the end
+    ps_address: str
+    redis_address: str  # as the PS has it: the link's
+
+
+@pytest.fixture(scope="module")
+def redis_cut_mid_push(redis_binaries) -> CutMidPush:
+    """A PS whose link to Redis is cut once a big push is under way (part of it gone to Redis),
+    then healed; a push acknowledged after the heal writes over some of its rows. The tests
+    below each check a part of what this leaves."""
     rng = np.random.default_rng(7)
-    with FaultProxy("127.0.0.1", store.port) as link:
+    n = 62000  # ids 0..n-1: a row's id is its index in `pushed`
+    ids_of = {
+        "before": np.arange(0, 2000),
+        "refused": np.arange(1000, 61000),  # over 1000 rows of before; big, to be cut midway
+        "after": np.r_[np.arange(1500, 2500), np.arange(30000, 31000), np.arange(61000, 62000)],
+    }
+    pushed = {k: np.full((n, 16), np.nan, dtype=np.float32) for k in ids_of}
+    for k, ids in ids_of.items():
+        pushed[k][ids] = rng.standard_normal((len(ids), 16), dtype=np.float32)
+
+    def push(client: PSClient, k: str) -> None:
+        client.push("rows", ids_of[k].astype(np.int64), pushed[k][ids_of[k]])
+
+    with RedisProcess() as store, FaultProxy("127.0.0.1", store.port) as link:
         # socket_timeout=1: with redis-py's 10 s and the PS's 3 tries a ping into a cut takes
         # 30 s, and so does NOT_SERVING (test_health_sees_a_cut_off_redis_with_default_settings)
-        ps = redis_ps(make_ps, link, "?socket_timeout=1")
-        with PSClient(ps.address, timeout=10) as client:
+        with redis_ps(link, "?socket_timeout=1") as ps, PSClient(ps.address, timeout=10) as client:
             client.create_table("rows", dim=8, state_width=8)
-            want: dict[int, np.ndarray] = {}
+            push(client, "before")
+            sent = link.bytes_forwarded
+            outcome: list[PSError | None] = []
 
-            def push(ids: np.ndarray) -> None:
-                rows = rng.standard_normal((len(ids), 16), dtype=np.float32)
-                client.push("rows", ids, rows)
-                want.update(zip(ids.tolist(), rows))
+            def push_refused() -> None:
+                # one try: the PS's answer itself (a retried call that runs out of time says
+                # only DEADLINE_EXCEEDED and the PS, its earlier tries' cause dropped)
+                with PSClient(ps.address, timeout=10, retry=RetryPolicy(attempts=1)) as once:
+                    try:
+                        push(once, "refused")
+                        outcome.append(None)
+                    except PSError as exc:
+                        outcome.append(exc)
 
-            push(np.arange(0, 2000, dtype=np.int64))
+            pushing = threading.Thread(target=push_refused)
+            pushing.start()
+            # cut once a part of it has gone to Redis
+            wait_until(lambda: link.bytes_forwarded > sent + (1 << 20), timeout=30, what="the push", interval=0)
             link.cut()
             cut_at = time.monotonic()
             wait_for_health(client, "NOT_SERVING", timeout=10)
             not_serving_after = time.monotonic() - cut_at
-            during = np.arange(1000, 3000, dtype=np.int64)  # half of them acknowledged before
-            # one try: the PS's answer itself (a retried call that runs out of time says only
-            # DEADLINE_EXCEEDED and the PS, its earlier tries' cause dropped)
-            with PSClient(ps.address, timeout=10, retry=RetryPolicy(attempts=1)) as once:
-                with pytest.raises(PSError) as refused:
-                    once.push("rows", during, rng.standard_normal((len(during), 16), dtype=np.float32))
-            message = str(refused.value)
-            assert "\n" not in message and ps.address in message and f"Redis at {link.address}" in message, message
-
+            pushing.join(timeout=30)
+            (refused,) = outcome
+            assert refused is not None, "the push was through before the cut: make it bigger"
             link.heal()
             healed_at = time.monotonic()
             wait_for_health(client, "SERVING", timeout=10)
             serving_after = time.monotonic() - healed_at
-            push(np.arange(1500, 4000, dtype=np.int64))  # over rows of before and of the cut
+            push(client, "after")
             time.sleep(0.5)  # room for a write of the cut to land late, if one could
-            ids = np.array(sorted(want), dtype=np.int64)
-            got = client.pull("rows", ids)
-    assert not got.missing.any(), f"{int(got.missing.sum())} acknowledged rows missing"
-    np.testing.assert_array_equal(got.rows, np.stack([want[i] for i in ids.tolist()]))
-    assert not_serving_after < 6 and serving_after < 3, (not_serving_after, serving_after)
+            counted = client.describe_table("rows").num_rows
+            got = client.pull("rows", np.arange(n, dtype=np.int64))
+            return CutMidPush(
+                ids_of, pushed, str(refused), not_serving_after, serving_after, got, counted, ps.address, link.address
+            )
+
+
+def test_a_ps_cut_off_from_redis_goes_not_serving_and_back(redis_cut_mid_push):
+    """Health says NOT_SERVING within seconds of the cut and SERVING within seconds of the
+    heal; the push cut midway is refused in one line naming Redis and the PS."""
+    cut = redis_cut_mid_push
+    message = cut.refused
+    assert "\n" not in message and cut.ps_address in message and f"Redis at {cut.redis_address}" in message, message
+    assert cut.not_serving_after < 6 and cut.serving_after < 3, (cut.not_serving_after, cut.serving_after)
     print(
-        f"\nPS <-> Redis cut: NOT_SERVING {not_serving_after:.1f} s after the cut, SERVING {serving_after:.1f} s "
-        f"after the heal; a push during it: {message}"
+        f"\nPS <-> Redis cut: NOT_SERVING {cut.not_serving_after:.1f} s after the cut, SERVING "
+        f"{cut.serving_after:.1f} s after the heal; the push cut midway: {message}"
     )
+
+
+def test_a_cut_between_ps_and_redis_loses_no_acknowledged_row(redis_cut_mid_push):
+    """Every row is what some push wrote, whole: an acknowledged one's, or the refused push's
+    where that came later (a refused write may have landed: its client is to send it again);
+    the push acknowledged after the heal wins everywhere, no write of the cut landing late."""
+    cut = redis_cut_mid_push
+    got, pushed = cut.got, cut.pushed
+    n = len(got.rows)
+    before, refused, after = (np.isin(np.arange(n), cut.ids_of[k]) for k in ("before", "refused", "after"))
+    is_ = {k: (got.rows == pushed[k]).all(axis=1) for k in pushed}
+    assert not got.missing[before | after].any(), f"{int(got.missing[before | after].sum())} acknowledged rows gone"
+    assert is_["after"][after].all(), f"{int((~is_['after'][after]).sum())} rows not the newest acknowledged push's"
+    before_only = before & ~after
+    bad = before_only & ~(is_["before"] | (refused & is_["refused"]))
+    assert not bad.any(), f"{int(bad.sum())} rows neither the acknowledged push's nor the refused later one's"
+    refused_only = refused & ~before & ~after
+    bad = refused_only & ~(got.missing | is_["refused"])
+    assert not bad.any(), f"{int(bad.sum())} rows only the refused push wrote are neither absent nor its own"
+    landed = int((refused_only & ~got.missing).sum() + (before_only & refused & is_["refused"]).sum())
+    print(
+        f"\n{landed:,} of the cut push's {int(refused.sum()):,} rows landed (before the cut or at the heal), "
+        f"none over the push acknowledged after; the table counts {cut.counted:,} rows and holds "
+        f"{int((~got.missing).sum()):,}"
+    )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the row count misses the rows of a push cut midway: RedisRows._native_write (backends/redis_rows.py) "
+    "counts a part's new fields from its replies, which never come (the HSETs land at the heal, uncounted), "
+    "and its count of the parts that did reply is sent into the cut and dropped",
+)
+def test_the_row_count_is_the_rows_held_after_a_cut_mid_push(redis_cut_mid_push):
+    cut = redis_cut_mid_push
+    assert cut.counted == int((~cut.got.missing).sum())
 
 
 @pytest.mark.xfail(
@@ -190,10 +270,9 @@ def test_a_ps_cut_off_from_redis_goes_not_serving_and_back_losing_no_row(redis_p
     reason="a ping into a cut waits out redis-py's socket_timeout (10 s) on each of the PS's 3 tries: "
     "health says NOT_SERVING only ~30 s into the cut (BackendWatch.check has no deadline of its own)",
 )
-def test_health_sees_a_cut_off_redis_with_default_settings(redis_process, make_ps):
+def test_health_sees_a_cut_off_redis_with_default_settings(redis_process):
     store = redis_process()
-    with FaultProxy("127.0.0.1", store.port) as link:
-        ps = redis_ps(make_ps, link)
+    with FaultProxy("127.0.0.1", store.port) as link, redis_ps(link) as ps:
         with PSClient(ps.address, timeout=10) as client:
             wait_for_health(client, "SERVING")
             link.cut()
