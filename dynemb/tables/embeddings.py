@@ -147,6 +147,7 @@ class DynamicEmbeddings:
                 schemas = list(self.schemas.values())
                 agree(lambda: check_tables(schemas, self.store, start, dist.get_rank()), self.store, control)
             self.metrics = metrics or TrainerMetrics(dist.get_rank(), job=job)
+            self.store.watch_calls(self.metrics.ps_calls)  # PS retries, failures and waits, as metrics
             if metrics_port:
                 self.metrics.serve(metrics_port + int(os.environ.get("LOCAL_RANK", "0")))
             # The IDs' exchanges over groups of their own: the training thread's (inline

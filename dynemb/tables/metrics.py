@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from dynemb.ps_server.client import CallWatch
 from dynemb.ps_server.metrics import LATENCY_BUCKETS
 
 # the per-table counters, in the column order of TableStats.count's rows
@@ -122,6 +123,45 @@ class TableStats:
         return out
 
 
+class PSCallStats:
+    """The rank's PS calls as its PS client's CallWatch counts them, read when scraped (a custom
+    collector): retries and failures, and how long the oldest call in flight has waited, so a
+    rank blocked on a PS that is away shows while it waits (the latency histograms record a
+    call only once it ends)."""
+
+    def __init__(self, rank: str, job: str, registry: CollectorRegistry) -> None:
+        self.labels = [rank, job]
+        self.watch = CallWatch()
+        registry.register(self)
+
+    def collect(self):
+        """The metric families (prometheus_client's collector interface)."""
+        watch = self.watch
+        families = (
+            (CounterMetricFamily, "dynemb_trainer_ps_retries", "PS call tries tried again", watch.retries),
+            (CounterMetricFamily, "dynemb_trainer_ps_errors", "PS calls failed after their retries", watch.failures),
+            (
+                GaugeMetricFamily,
+                "dynemb_trainer_ps_blocked_seconds",
+                "How long the oldest PS call in flight has waited for its reply (0: none in flight)",
+                watch.blocked_seconds(),
+            ),
+        )
+        for kind, name, help_text, value in families:
+            family = kind(name, help_text, labels=list(RANK_LABELS))
+            family.add_metric(self.labels, float(value))
+            yield family
+
+    def label_names(self) -> dict[str, list[str]]:
+        """{family name as documented: its label names} (tests/deploy_files.py)."""
+        names = (
+            "dynemb_trainer_ps_retries_total",
+            "dynemb_trainer_ps_errors_total",
+            "dynemb_trainer_ps_blocked_seconds",
+        )
+        return {name: list(RANK_LABELS) for name in names}
+
+
 class TrainerMetrics:
     """Every metric of one trainer rank (listed in docs/metrics.md). The per-rank ones are the
     children of this rank's labels, made here: they are exposed (at 0) from the start, so an
@@ -152,6 +192,20 @@ class TrainerMetrics:
             "dynemb_trainer_loss", "Recent training loss (mean over the last steps)", RANK_LABELS, registry=r
         ).labels(*mine)
         self.steps = Counter("dynemb_trainer_steps", "Training steps done", RANK_LABELS, registry=r).labels(*mine)
+        # 1 once the rank's job is done (trained, evaluated, rows flushed): an alert tells a rank
+        # that ended from one that went down while its job ran
+        self.finished = Gauge(
+            "dynemb_trainer_finished",
+            "1 once this rank finished its job cleanly, 0 while it runs",
+            RANK_LABELS,
+            registry=r,
+        ).labels(*mine)
+        self.ps_stats = PSCallStats(self.rank, job, r)
+
+    @property
+    def ps_calls(self) -> CallWatch:
+        """What the rank's PS client tells of its calls (RowStore.watch_calls)."""
+        return self.ps_stats.watch
 
     def serve(self, port: int, address: str = "127.0.0.1"):
         """Serve /metrics; returns the HTTP server (its `shutdown()` stops it)."""

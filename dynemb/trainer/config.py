@@ -295,8 +295,8 @@ HELP = {
     "warm_start": "train on from the rows an earlier run left in this job's PS tables (without it, or --fresh, "
     "or --resume, a job that finds such rows refuses to start)",
     "fresh": "drop the rows an earlier run left in this job's PS tables before training (see --warm-start)",
-    "log_every": "steps between progress-bar updates",
-    "progress": "show the progress bar (rank 0)",
+    "log_every": "steps between loss reports: the progress bar's, or a line each without it",
+    "progress": "show the progress bar (rank 0); --no-progress: a loss line every --log-every steps instead",
 }
 
 

@@ -201,7 +201,7 @@ def _loop(cfg, model: PlainModel, optimizers, dynamic: DynamicTables | None, dev
         if dynamic is not None:
             dynamic.release_oldest()
         losses.append(loss.detach())
-        if cfg.progress and len(losses) % cfg.log_every == 0:
+        if len(losses) % cfg.log_every == 0:  # with or without --progress: these lines are its progress
             print(f"step {len(losses)}: loss {float(losses[-1]):.4f}", file=sys.stderr, flush=True)
     result.losses = torch.stack(losses).cpu().tolist() if losses else []
     result.data_ran_out = len(result.losses) < cfg.steps

@@ -148,6 +148,7 @@ def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
     store = open_row_store(cfg)
     dynamic: dt.DynamicEmbeddings | None = None
     metrics = TrainerMetrics(rank, job=cfg.metrics_job())
+    store.watch_calls(metrics.ps_calls)  # retries, failures and a call blocked now, as metrics
     if cfg.metrics_port:  # + local rank: every machine's (or pod's) ranks serve on the same ports
         metrics.serve(cfg.metrics_port + int(os.environ.get("LOCAL_RANK", "0")), cfg.metrics_address)
     try:
@@ -172,6 +173,7 @@ def train(cfg: TrainConfig, collect_tables: bool = False) -> TrainResult:
                 dist.barrier()
         if collect_tables:
             result.tables = _collect_tables(built, dynamic, store)
+        metrics.finished.set(1)  # done: a rank that stops answering now is no alert (DynembTrainerDown)
         if cfg.metrics_port and cfg.metrics_linger_seconds:
             time.sleep(cfg.metrics_linger_seconds)  # the final counts stay up for Prometheus' next scrape
         return result
@@ -320,6 +322,9 @@ def _loop(
                 if dynamic is not None:
                     post["hit"] = f"{dynamic.last_hit_rate:.3f}"
                 bar.set_postfix(post)
+                if not cfg.progress and rank == 0:  # no bar to show them: a line per log_every steps
+                    line = "  ".join(f"{key} {value}" for key, value in post.items())
+                    print(f"step {k + 1}: {line}", file=sys.stderr, flush=True)
             bar.update(1)
             k += 1
             if k < total and k == boundary(k - 1):  # drained: the segment ended here
