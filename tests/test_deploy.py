@@ -97,11 +97,11 @@ def test_ps_error_alert_counts_the_server_side_codes_the_ps_starts_at_zero():
     from dynemb.ps_server.metrics import METHODS, SERVER_ERROR_CODES
 
     rules = {r.get("record") or r["alert"]: r["expr"] for g in rule_groups() for r in g["rules"]}
-    ratio = rules["instance_method:dynemb_ps_server_error_ratio:rate5m"]
+    ratio = rules["instance_method:dynemb_ps_server_error_ratio:rate1m"]
     selected = re.search(r'dynemb_ps_errors_total\{code=~"([^"]+)"\}', ratio).group(1)
     assert set(selected.split("|")) == set(SERVER_ERROR_CODES)
     assert re.search(r"sum by \(job, instance, method\)", ratio)
-    assert "instance_method:dynemb_ps_server_error_ratio:rate5m" in rules["DynembPSErrors"]
+    assert "instance_method:dynemb_ps_server_error_ratio:rate1m" in rules["DynembPSErrors"]
     assert {"NOT_FOUND", "INVALID_ARGUMENT", "ALREADY_EXISTS", "UNAUTHENTICATED"}.isdisjoint(SERVER_ERROR_CODES)
     assert {"Pull", "Push", "PullMany", "PushMany", "DescribeTable"} <= set(METHODS)
 
