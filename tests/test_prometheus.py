@@ -240,6 +240,24 @@ def test_every_target_is_up(stack):
     assert set(health.values()) == {"up"}, health
 
 
+def test_ranks_say_they_finished_and_export_their_ps_calls(stack):
+    """Each rank, lingering after its job, says it finished (what DynembTrainerDown and
+    DynembTrainerStalled read) and exports its PS client's retries, failures and blocked time."""
+    prom, _ = stack
+    ranks = {(str(r), JOB) for r in range(RANKS)}
+    deadline = time.monotonic() + 8  # the ranks linger 12 s; the fixture waited 3 of them
+    while (finished := prom.values("dynemb_trainer_finished", "rank", "train_job")) != dict.fromkeys(ranks, 1.0):
+        assert time.monotonic() < deadline, finished
+        time.sleep(0.2)
+    for name in ("dynemb_trainer_ps_retries_total", "dynemb_trainer_ps_errors_total"):
+        got = prom.values(name, "rank", "train_job")
+        assert set(got) == ranks and all(v >= 0 for v in got.values()), (name, got)
+    assert prom.values("dynemb_trainer_ps_errors_total", "rank", "train_job") == dict.fromkeys(ranks, 0.0)
+    assert prom.values("dynemb_trainer_ps_blocked_seconds", "rank", "train_job") == dict.fromkeys(ranks, 0.0)
+    alerts = 'ALERTS{alertname=~"DynembTrainerDown|DynembTrainerStalled|DynembTrainerBlockedOnPS"}'
+    assert prom.query(alerts) == []
+
+
 def test_trainer_hit_and_eviction_counters_per_table_and_rank(stack):
     prom, _ = stack
     keys = {(table, str(r), JOB) for table in TABLE_NAMES for r in range(RANKS)}
