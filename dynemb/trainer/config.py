@@ -272,7 +272,10 @@ HELP = {
     "metrics_port": "each rank serves Prometheus /metrics on this port + its local rank "
     "(its rank within the machine or pod, env LOCAL_RANK; 0: off)",
     "metrics_address": "address of the ranks' /metrics endpoints (0.0.0.0: reachable from other hosts and pods)",
-    "metrics_linger_seconds": "keep /metrics up this long after training, so Prometheus scrapes the final counts",
+    "metrics_linger_seconds": (
+        "keep /metrics up this long after training, so Prometheus scrapes the final counts and "
+        "dynemb_trainer_finished (over a scrape interval: else DynembTrainerDown takes the end for a crash)"
+    ),
     "job_name": "this job's name in its metrics (label train_job), so the jobs that one Prometheus watches stay "
     "apart; empty: --ps-table-prefix without its trailing _ (dynemb)",
     "seed": "seed of the model and the tables' initializers",
