@@ -136,7 +136,14 @@ def test_rules_and_dashboard_name_metrics_the_code_exports():
         for v in dashboard()["templating"]["list"]
         if v["type"] == "query"
     ]
-    redis_names = {"redis_up", "redis_memory_used_bytes", "redis_memory_max_bytes"}  # checked live in test_prometheus
+    # checked live in test_prometheus
+    redis_names = {
+        "redis_up",
+        "redis_memory_used_bytes",
+        "redis_memory_max_bytes",
+        "redis_connected_slaves",
+        "redis_instance_info",
+    }
     jobs = _scrape_jobs("prometheus.yml")
     assert jobs == _scrape_jobs("prometheus-k8s.yml") == {"dynemb-ps", "dynemb-trainer", "redis"}
     used = set()

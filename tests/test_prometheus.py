@@ -335,6 +335,9 @@ def test_redis_exporter_reports_the_deployed_maxmemory(stack):
     assert prom.values('redis_up{job="redis"}', "job") == {("redis",): 1.0}
     used = prom.values('redis_memory_used_bytes{job="redis"} / (redis_memory_max_bytes{job="redis"} > 0)', "job")
     assert 0 < used[("redis",)] < 0.9  # the alert's expression, not firing
+    # the failover alerts' inputs (a lone master: no replica, never promoted)
+    assert prom.values('redis_connected_slaves{job="redis"}', "job") == {("redis",): 0.0}
+    assert prom.values('redis_instance_info{job="redis"}', "role") == {("master",): 1.0}
 
 
 def test_every_dashboard_query_runs_and_shows_data(stack):
