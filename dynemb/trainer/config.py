@@ -106,7 +106,9 @@ class TrainConfig:
     ps_attempt_seconds: float = 30.0  # how long one try may take before it is abandoned and retried
     metrics_port: int = 0  # each rank serves /metrics on metrics_port + its local rank; 0: off
     metrics_address: str = "127.0.0.1"  # 0.0.0.0 where Prometheus scrapes from another host or pod
-    metrics_linger_seconds: float = 0.0  # keep /metrics up this long after the job, for a last scrape
+    # keep /metrics up this long after the job (when exported), for a last scrape: over the shipped
+    # Prometheus' 15 s interval, so DynembTrainerDown sees the rank finished rather than crashed
+    metrics_linger_seconds: float = 20.0
     job_name: str = ""  # the metrics' train_job label; "": ps_table_prefix without its trailing "_"
     seed: int = 0
     checkpoint_dir: str = ""  # where checkpoints go (step-NNNNNNNN/ folders); "" = none

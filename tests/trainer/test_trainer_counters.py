@@ -39,6 +39,7 @@ def run():
         progress=False,
         log_every=LOG_EVERY,
         metrics_port=port,
+        metrics_linger_seconds=0,
     )
     printed = io.StringIO()
     with contextlib.redirect_stderr(printed):

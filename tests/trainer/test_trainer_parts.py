@@ -148,6 +148,7 @@ def test_training_serves_metrics_per_rank():
         over_arch=[8, 1],
         progress=False,
         metrics_port=port,
+        metrics_linger_seconds=0,
     )
     scraped: list[str] = []
 
