@@ -269,21 +269,31 @@ def test_the_row_count_is_the_rows_held_after_a_cut_mid_push(redis_cut_mid_push)
     assert cut.counted == int((~cut.got.missing).sum())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a ping into a cut waits out redis-py's socket_timeout (10 s) on each of the PS's 3 tries: "
-    "health says NOT_SERVING only ~30 s into the cut (BackendWatch.check has no deadline of its own)",
-)
 def test_health_sees_a_cut_off_redis_with_default_settings(redis_process):
+    """With redis-py's default socket timeouts (10 s a try, 3 tries) health still turns within
+    BackendWatch's ping timeout (5 s) and a check interval; calls are refused at once meanwhile,
+    naming the store, not each left to wait out the timeouts."""
     store = redis_process()
     with FaultProxy("127.0.0.1", store.port) as link, redis_ps(link) as ps:
         with PSClient(ps.address, timeout=10) as client:
+            client.create_table("away", 4)
             wait_for_health(client, "SERVING")
             link.cut()
             try:
-                wait_for_health(client, "NOT_SERVING", timeout=6)
+                start = time.monotonic()
+                wait_for_health(client, "NOT_SERVING", timeout=8)
+                assert time.monotonic() - start < 8
+                with PSClient(ps.address, timeout=3, retry=RetryPolicy(attempts=1)) as once:
+                    start = time.monotonic()
+                    with pytest.raises(
+                        PSError, match=r"UNAVAILABLE: the redis store at .* is away \(health NOT_SERVING\)"
+                    ):
+                        once.pull("away", np.arange(4, dtype=np.int64))
+                    assert time.monotonic() - start < 2
             finally:
                 link.heal()
+            wait_for_health(client, "SERVING")
+            assert client.pull("away", np.arange(4, dtype=np.int64)).missing.all()
 
 
 # -- a slow, lossy link under load ----------------------------------------------------------

@@ -4,6 +4,11 @@ NOT_SERVING, so probes and load balancers see it, and SERVING again once the sto
 A thread pings the store every `interval` seconds; requests keep being taken meanwhile (they
 answer UNAVAILABLE while the store is away, which clients retry). Nothing here restarts or
 reconnects anything: redis-py reconnects on the next command by itself.
+
+A ping gets PING_TIMEOUT_S to answer before the store counts as away: a Redis cut off by the
+network does not refuse, it is silent, and redis-py's own ping would wait out its socket
+timeout on each of its tries (~30 s with the PS's defaults). The ping goes on in its thread and
+reports the store back when it answers.
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ from dynemb.ps_server.backends.base import Store
 from dynemb.ps_server.errors import PSError
 
 log = logging.getLogger("dynemb.ps")
+
+# how long a ping may take before the store counts as away (a busy Redis answers PING in ms)
+PING_TIMEOUT_S = 5.0
 
 
 class BackendWatch:
@@ -34,18 +42,27 @@ class BackendWatch:
         self.interval = interval
         self.on_change = on_change
         self.up: bool | None = None
+        self.reason = ""  # why the store counts as away, while it does
+        self.ping_timeout = max(PING_TIMEOUT_S, interval)
+        self._ping: _Ping | None = None  # the ping in flight
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="backend-watch", daemon=True)
 
     def check(self) -> bool:
-        """Ping once; report a change of state (logged, and passed to on_change)."""
-        try:
-            self.store.ping()
-            up, reason = True, ""
-        except PSError as exc:
-            up, reason = False, str(exc)
-        except Exception as exc:  # noqa: BLE001 - a watcher that dies would leave health stale
-            up, reason = False, f"{type(exc).__name__}: {exc}"
+        """Ping once (or wait on the ping still in flight) for up to ping_timeout; report a
+        change of state (logged, and passed to on_change)."""
+        with self._lock:
+            if self._ping is None:
+                self._ping = _Ping(self.store)
+            ping = self._ping
+        if ping.done.wait(self.ping_timeout):
+            with self._lock:
+                self._ping = None
+            up, reason = ping.up, ping.reason
+        else:
+            up, reason = False, f"it has not answered a ping for {self.ping_timeout:g} s"
+        self.reason = reason
         if up != self.up:
             if up:
                 log.info("backend %s reachable: SERVING", self.store.kind)
@@ -69,3 +86,25 @@ class BackendWatch:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=self.interval + 15)
+
+
+class _Ping:
+    """One ping of the store, in a thread of its own: done is set when it answered or failed."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.up = False
+        self.reason = ""
+        self.done = threading.Event()
+        threading.Thread(target=self._run, name="backend-ping", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self.store.ping()
+            self.up = True
+        except PSError as exc:
+            self.reason = str(exc)
+        except Exception as exc:  # noqa: BLE001 - a watcher that dies would leave health stale
+            self.reason = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.done.set()

@@ -187,6 +187,7 @@ class PSServer:
             max_row_width=config.max_row_width,
             max_request_bytes=config.max_request_bytes,
             read_only=config.read_only,
+            store_away=self._store_away,
         )
         add_to_server(self.service, self._grpc)
         sweeps = config.sweep_every_seconds and not config.read_only
@@ -366,6 +367,15 @@ class PSServer:
     def _count_refusal(self, method: str) -> None:
         self.metrics.requests.labels(method, "UNAUTHENTICATED").inc()
         self.metrics.errors.labels(method, "UNAUTHENTICATED").inc()
+
+    def _store_away(self) -> str:
+        """Why the store counts as away now (BackendWatch), for the calls refused meanwhile; ""
+        while it answers."""
+        if self.backend_watch.up is not False:
+            return ""
+        where = getattr(self.store, "address", "")
+        store = f"the {self.store.kind} store" + (f" at {where}" if where else "")
+        return f"{store} is away (health NOT_SERVING): {self.backend_watch.reason}"
 
     def _backend_changed(self, up: bool) -> None:
         self.metrics.backend_up.set(1 if up else 0)

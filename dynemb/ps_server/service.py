@@ -13,7 +13,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import numpy as np
@@ -27,6 +27,7 @@ from dynemb.ps_server.burst_log import BurstLog
 from dynemb.ps_server.change_log import checked_max_ids
 from dynemb.ps_server.errors import (
     Abandoned,
+    BackendUnavailable,
     InvalidArgument,
     PSError,
     ReadOnly,
@@ -59,6 +60,8 @@ DEFAULT_MAX_ROW_WIDTH = 16384
 WRITES = frozenset(
     {"CreateTable", "DropTable", "Push", "PushMany", "Delete", "Import", "SetLifecycle", "SetChangeLog", "Touch"}
 )
+# The calls that never reach the store: answered while it is away.
+WITHOUT_STORE = frozenset({"AttachSegment", "DetachSegment"})
 # Ids a ReadDeletions or ReadChanges reply carries when the request names no limit.
 DELETIONS_PER_READ = 65536
 # Room left in a message for everything but the packed ids and rows.
@@ -240,6 +243,9 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             messages or through shared memory [default: max_message_bytes].
         read_only: refuse every call that writes (ReadOnly), and pull ids not stored as zeros,
             not initialised (a PS serving published tables).
+        store_away: why the store counts as away now ("" while it answers: BackendWatch);
+            calls that reach the store are refused with that reason meanwhile, at once,
+            rather than each waiting out the store's socket timeouts.
     """
 
     def __init__(
@@ -251,9 +257,11 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         max_row_width: int = DEFAULT_MAX_ROW_WIDTH,
         max_request_bytes: int | None = None,
         read_only: bool = False,
+        store_away: Callable[[], str] = str,
     ) -> None:
         self.store = store
         self.read_only = read_only
+        self.store_away = store_away
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
         self.max_row_width = max_row_width
@@ -305,6 +313,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         try:
             if self.read_only and method in WRITES:
                 raise ReadOnly(f"{method}: this PS serves published tables read only; write to the training PS")
+            if method not in WITHOUT_STORE and (away := self.store_away()):
+                raise BackendUnavailable(away)
             yield
         except PSError as exc:
             code = exc.code

@@ -150,6 +150,42 @@ def test_a_wait_that_overruns_the_deadline_reports_the_last_try(transports, monk
         transport.call(0, "ListTables", LIST, time.monotonic() + 0.3)
 
 
+class _Failed(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self):
+        return ()
+
+
+def test_a_call_that_ends_in_a_timeout_still_says_why_it_failed(transports):
+    """A PS that said why (UNAVAILABLE: its Redis away) and then stopped answering in time: the
+    one line names both, not only the deadline."""
+    transport = transports(["127.0.0.1:1"], attempts=3, initial_backoff=0.01)
+    replies = iter(
+        [
+            _Failed(grpc.StatusCode.UNAVAILABLE, "Redis at 10.0.0.5:6379 is unavailable: TimeoutError"),
+            _Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"),
+            _Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"),
+        ]
+    )
+
+    def stub_call(request, timeout=None, metadata=None):
+        raise next(replies)
+
+    transport.stubs[0] = type("Stub", (), {"ListTables": staticmethod(stub_call)})()
+    retry = RetryPolicy(attempts=3, initial_backoff=0.01, attempt_timeout=0.5)
+    transport.retry = retry
+    with pytest.raises(DeadlineExceeded, match=r"Deadline Exceeded.*the try before: .*Redis at 10\.0\.0\.5:6379"):
+        transport.call(0, "ListTables", LIST, time.monotonic() + 10)
+
+
 def test_a_hung_try_is_abandoned_and_sent_again(make_ps, transports, caplog):
     proc = make_ps()
     transport = transports([proc.address], attempts=None, attempt_timeout=0.3, max_backoff=0.1)

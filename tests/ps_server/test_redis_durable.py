@@ -122,3 +122,23 @@ def test_ps_over_sentinel_exports_its_waits(make_ps):
         assert 'dynemb_ps_replica_waits_total{outcome="acked"} 1.0' in text
     finally:
         redis_set.close()
+
+
+def test_a_socket_timeout_in_the_url_wins_on_every_kind(redis_cluster):
+    """`?socket_timeout=` in a cluster or sentinel URL is the store's, as in a redis:// URL (a
+    test of a cut link sets it short; the PS's default of 10 s applies where the URL says none)."""
+    store = open_store(redis_cluster.url + "?socket_timeout=1.5")
+    try:
+        node = store.client.get_primaries()[0]
+        assert store.client.get_redis_connection(node).connection_pool.connection_kwargs["socket_timeout"] == 1.5
+    finally:
+        store.close()
+    redis_set = RedisSentinelProcesses(replicas=0, sentinels=1).start()
+    try:
+        store = open_store(redis_set.url + "?socket_timeout=2.5")
+        try:
+            assert store.client.connection_pool.connection_kwargs["socket_timeout"] == 2.5
+        finally:
+            store.close()
+    finally:
+        redis_set.close()

@@ -228,7 +228,7 @@ class RedisStore(RedisClusterRows, Store):
         try:
             if scheme in ("redis+cluster", "rediss+cluster"):
                 nodes, url_kw = _split_cluster_url(url)
-                options = {**kw, **url_kw, "socket_timeout": socket_timeout}
+                options = {**kw, "socket_timeout": socket_timeout, **url_kw}  # the URL's own wins, as in redis://
                 address = ",".join(f"{h}:{p}" for h, p in nodes)
                 check_tls_files(options)  # before connecting: the cluster client connects at once
                 try:
@@ -242,7 +242,7 @@ class RedisStore(RedisClusterRows, Store):
                 _follow_ask_to_new_masters(client)
             elif scheme in ("redis+sentinel", "rediss+sentinel"):
                 sentinels, name, options, sentinel_kw = _split_sentinel_url(url)
-                options = {**kw, **options, "socket_timeout": socket_timeout}
+                options = {**kw, "socket_timeout": socket_timeout, **options}  # the URL's own wins
                 check_tls_files(options)
                 sentinel = redis.sentinel.Sentinel(
                     sentinels,

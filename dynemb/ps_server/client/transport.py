@@ -166,6 +166,15 @@ class Transport:
             exc.args = (f"{exc.args[0]}; {self._tls_hint}",)
         return exc
 
+    def _final(self, last: grpc.RpcError, cause: grpc.RpcError | None, shard: int) -> PSError:
+        """The error of a call whose tries ran out: the last try's, and where that one only ran
+        out of time, the reason an earlier try gave (a PS that answered "Redis is away" before
+        it stopped answering in time), so the one line says what failed."""
+        exc = self.error(last, shard)
+        if cause is not None and cause is not last and last.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            exc.args = (f"{exc.args[0]}; the try before: {self.error(cause, shard).args[0]}",)
+        return exc
+
     def call(
         self,
         shard: int,
@@ -212,6 +221,7 @@ class Transport:
     def _call(self, shard: int, method: str, request, deadline: float, tries: Attempts, sent: grpc.Future | None):
         """`call`'s tries."""
         last: grpc.RpcError | None = None
+        cause: grpc.RpcError | None = None  # the last try that failed with a reason of its own
         while True:
             try:
                 if sent is not None:
@@ -219,7 +229,7 @@ class Transport:
                     return attempt.result()
                 if tries.expired():
                     if last is not None:  # a wait between tries overran the deadline: the last try says why
-                        raise self.error(last, shard)
+                        raise self._final(last, cause, shard)
                     raise DeadlineExceeded(
                         f"DEADLINE_EXCEEDED: {method} to PS {self.addresses[shard]} did not succeed in time"
                     )
@@ -227,9 +237,11 @@ class Transport:
                 return rpc(request, timeout=tries.timeout(), metadata=self.metadata)
             except grpc.RpcError as err:
                 last = err
+                if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    cause = err
                 delay = tries.next_delay(err.code())
                 if delay is None:
-                    raise self.error(err, shard) from None
+                    raise self._final(err, cause, shard) from None
                 if self.watch is not None:
                     self.watch.retried()
                 if tries.retries == 1:  # once per call: an outage is one line per call, not per try
