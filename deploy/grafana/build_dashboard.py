@@ -122,6 +122,31 @@ ROWS = [
                     ),
                 ],
             ),
+            (
+                # a rank blocked on a PS that is away shows here while it waits (DynembTrainerBlockedOnPS)
+                "PS calls retried and failed /s, by rank",
+                "ops",
+                [
+                    (
+                        f"sum by (train_job, rank) (rate(dynemb_trainer_ps_retries_total{{{R}}}[{RATE}]))",
+                        "retried {{train_job}} rank {{rank}}",
+                    ),
+                    (
+                        f"sum by (train_job, rank) (rate(dynemb_trainer_ps_errors_total{{{R}}}[{RATE}]))",
+                        "failed {{train_job}} rank {{rank}}",
+                    ),
+                ],
+            ),
+            (
+                "Oldest PS call waiting, by rank",
+                "s",
+                [
+                    (
+                        f"max by (train_job, rank) (dynemb_trainer_ps_blocked_seconds{{{R}}})",
+                        "{{train_job}} rank {{rank}}",
+                    )
+                ],
+            ),
         ],
     ),
     (
@@ -210,6 +235,18 @@ ROWS = [
                 ],
             ),
             ("PS memory (RSS)", "bytes", [(f"process_resident_memory_bytes{{{P}}}", "{{instance}}")]),
+            (
+                # --redis-durable: short = writes failed for lack of replicas (retried), unreplicated =
+                # written to a master with none online (docs/ps.md, "Failover")
+                "PS durable writes /s by outcome",
+                "ops",
+                [
+                    (
+                        f"sum by (instance, outcome) (rate(dynemb_ps_replica_waits_total{{{P}}}[{RATE}]))",
+                        "{{outcome}} {{instance}}",
+                    )
+                ],
+            ),
         ],
     ),
     (
@@ -258,6 +295,17 @@ ROWS = [
                 [('redis_memory_used_bytes{job="redis"} / (redis_memory_max_bytes{job="redis"} > 0)', "{{instance}}")],
             ),
             ("Redis memory used", "bytes", [('redis_memory_used_bytes{job="redis"}', "{{instance}}")]),
+            (
+                # a master's replicas (a failover leaves the promoted one with none until the old is back)
+                "Redis replicas connected, by master",
+                "short",
+                [
+                    (
+                        'redis_connected_slaves{job="redis"} and on (instance) redis_instance_info{role="master"}',
+                        "{{instance}}",
+                    )
+                ],
+            ),
         ],
     ),
 ]
