@@ -141,11 +141,7 @@ def bench_durable(args, schema, ids, batches, rows) -> dict:
     master = RedisProcess(["repl-diskless-sync-delay 0"]).start()
     replica = RedisProcess([f"replicaof {master.host} {master.port}"])
     try:
-        replica.start()
-        client = replica.client()
-        while client.info("replication").get("master_link_status") != "up":
-            time.sleep(0.05)
-        client.close()
+        replica.start().wait_synced(time.monotonic() + 60)
         flags = ("--backend", master.url, "--namespace", "bench", "--log-level", "WARNING")
         with (
             LocalPS(*flags, "--redis-durable", "auto") as durable_proc,

@@ -176,3 +176,19 @@ def learnable_tsv(path: Path, n: int, seed: int = 0) -> str:
         lines.append("\t".join([label, *dense, *cats]) + "\n")
     path.write_text("".join(lines))
     return str(path)
+
+
+def job_tables(address: str, prefix: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Every table of a job on the PS at address, sorted by id: {name without prefix: (ids, rows)}."""
+    from dynemb.ps_server.client import PSClient
+
+    out = {}
+    with PSClient(address, timeout=60) as client:
+        for info in client.list_tables():
+            name = info.schema.name
+            if name.startswith(prefix):
+                chunks = list(client.export(name))
+                ids = np.concatenate([c[0] for c in chunks])
+                order = np.argsort(ids)
+                out[name[len(prefix) :]] = (ids[order], np.concatenate([c[1] for c in chunks])[order])
+    return out

@@ -18,7 +18,7 @@ import uuid
 
 import numpy as np
 import pytest
-from helpers import wait_until
+from helpers import job_tables, wait_until
 from ps_procs import wait_for_health
 
 from dynemb.ps_server.client import PSClient
@@ -72,21 +72,6 @@ def wait_for_log(job: subprocess.Popen, line: str) -> None:
     """Until the job has logged `line` (it met the fault and retries), still running."""
     wait_until(lambda: line in stderr_of(job) or job.poll() is not None, timeout=60, what=repr(line), interval=0.1)
     assert job.poll() is None, f"the trainer gave up during the fault: {stderr_of(job)[-3000:]}"
-
-
-def tables_of(address: str, prefix: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Every table of the job, sorted by id: {name without prefix: (ids, rows)}."""
-    out = {}
-    with PSClient(address, timeout=60) as client:
-        for info in client.list_tables():
-            name = info.schema.name
-            if name.startswith(prefix):
-                chunks = list(client.export(name))
-                ids = np.concatenate([c[0] for c in chunks])
-                rows = np.concatenate([c[1] for c in chunks])
-                order = np.argsort(ids)
-                out[name[len(prefix) :]] = (ids[order], rows[order])
-    return out
 
 
 def pushed_rows(address: str) -> int:
@@ -150,7 +135,7 @@ def compare_with_unfaulted(tmp_path, ps: LocalPS, faulted: str) -> None:
     want = json.loads((tmp_path / "clean_.json").read_text())
     assert len(got["losses"]) == STEPS
     assert got["losses"] == want["losses"] and got["auc"] == want["auc"]
-    a, b = tables_of(ps.address, faulted), tables_of(ps.address, "clean_")
+    a, b = job_tables(ps.address, faulted), job_tables(ps.address, "clean_")
     assert a.keys() == b.keys() and len(a) == 4
     for name in a:
         np.testing.assert_array_equal(a[name][0], b[name][0], err_msg=f"ids of {name}")

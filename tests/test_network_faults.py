@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import redis
-from helpers import wait_until
+from helpers import job_tables, wait_until
 from ps_procs import wait_for_health
 
 from dynemb.checkpoint.format import checkpoints, read_manifest
@@ -61,20 +61,6 @@ def train(ps_address: str, prefix: str, out, *extra: str, log: str = "") -> subp
 
 def stderr_of(out, prefix: str) -> str:
     return (out / f"{prefix}stderr").read_text(errors="replace")
-
-
-def ps_tables(address: str, prefix: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Every table of the job on the PS, sorted by id: {name without prefix: (ids, rows)}."""
-    out = {}
-    with PSClient(address, timeout=60) as client:
-        for info in client.list_tables():
-            name = info.schema.name
-            if name.startswith(prefix):
-                chunks = list(client.export(name))
-                ids = np.concatenate([c[0] for c in chunks])
-                order = np.argsort(ids)
-                out[name[len(prefix) :]] = (ids[order], np.concatenate([c[1] for c in chunks])[order])
-    return out
 
 
 def test_a_trainer_cut_off_from_its_ps_fails_in_one_line_and_resumes_losing_nothing(make_ps, tmp_path):
@@ -124,7 +110,7 @@ def test_a_trainer_cut_off_from_its_ps_fails_in_one_line_and_resumes_losing_noth
     got = json.loads((tmp_path / "cut_json").read_text())
     want = json.loads((tmp_path / "clean_json").read_text())
     assert got["losses"] == want["losses"][at:] and got["auc"] == want["auc"]
-    a, b = ps_tables(ps.address, "cut_"), ps_tables(ps.address, "clean_")
+    a, b = job_tables(ps.address, "cut_"), job_tables(ps.address, "clean_")
     assert a.keys() == b.keys() and len(a) == 3
     for name in a:
         np.testing.assert_array_equal(a[name][0], b[name][0], err_msg=f"ids of {name}")

@@ -164,6 +164,21 @@ class RedisProcess(TempDirProcess):
         finally:
             client.close()
 
+    def wait_synced(self, deadline: float) -> None:
+        """Wait until this replica's link to its master is up (its first copy loaded).
+
+        Raises:
+            RuntimeError: not by deadline (time.monotonic() seconds).
+        """
+        c = self.client(socket_timeout=2)
+        try:
+            while c.info("replication").get("master_link_status") != "up":
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"replica {self.address} never synced with its master:\n{self.log()}")
+                time.sleep(0.05)
+        finally:
+            c.close()
+
     def stop(self) -> None:
         """Terminate the server (its folder and port stay for a restart)."""
         if self.proc is not None:
@@ -351,16 +366,8 @@ class RedisClusterProcesses:
         """
         deadline = time.monotonic() + timeout
         for address, of in self.roles().items():
-            if of is None:
-                continue
-            c = self.node(address).client(socket_timeout=2)
-            try:
-                while c.info("replication").get("master_link_status") != "up":
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"replica {address} of {of} never synced:\n{self.node(address).log()}")
-                    time.sleep(0.1)
-            finally:
-                c.close()
+            if of is not None:
+                self.node(address).wait_synced(deadline)
 
     def wait_promoted(self, replica: RedisProcess, timeout: float = 30.0) -> None:
         """Wait until replica is a master and the live nodes say the cluster is ok.
@@ -467,14 +474,7 @@ class RedisSentinelProcesses:
                 n.start()
             deadline = time.monotonic() + timeout
             for n in self.nodes[1:]:
-                c = n.client(socket_timeout=2)
-                try:
-                    while c.info("replication").get("master_link_status") != "up":
-                        if time.monotonic() > deadline:
-                            raise RuntimeError(f"replica {n.address} never synced:\n{n.log()}")
-                        time.sleep(0.1)
-                finally:
-                    c.close()
+                n.wait_synced(deadline)
             for s in self.sentinels:
                 s.start()
                 c = s.client(socket_timeout=2)

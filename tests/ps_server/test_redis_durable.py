@@ -8,7 +8,6 @@ import time
 
 import numpy as np
 import pytest
-from helpers import wait_until
 
 from dynemb.ps_server.backends import open_store
 from dynemb.ps_server.backends.redis_durable import Durability, last_integer, wait_command
@@ -63,9 +62,7 @@ def replicated():
     """A master with one replica in sync."""
     master = RedisProcess(["repl-diskless-sync-delay 0"]).start()
     replica = RedisProcess([f"replicaof {master.host} {master.port}"]).start()
-    client = replica.client()
-    wait_until(lambda: client.info("replication").get("master_link_status") == "up", timeout=30, what="sync")
-    client.close()
+    replica.wait_synced(time.monotonic() + 30)
     yield master, replica
     replica.close()
     master.close()

@@ -55,6 +55,17 @@ from dynemb.ps_server.native import redis_rows
 from dynemb.ps_server.schema import check_name
 
 
+def _host_ports(hosts: str, what: str) -> list[tuple[str, int]]:
+    """`h1:p1,h2:p2,[::1]:p3` -> [(host, port)...]; InvalidArgument naming `what` for a bad one."""
+    nodes = []
+    for part in filter(None, hosts.split(",")):
+        host, sep, port = part.rpartition(":")
+        if not sep or not port.isdigit():
+            raise InvalidArgument(f"{what} {shown(part)} must be host:port")
+        nodes.append((unquote(host.strip("[]")), int(port)))
+    return nodes
+
+
 def _split_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict]:
     """`redis+cluster://[user:pass@]h1:p1,h2:p2[/0][?opts]` -> (startup nodes, redis-py kwargs).
 
@@ -66,12 +77,7 @@ def _split_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict]:
     rest, _, query = rest.partition("?")
     netloc, _, path = rest.partition("/")
     userinfo, _, hosts = netloc.rpartition("@")
-    nodes = []
-    for part in filter(None, hosts.split(",")):
-        host, sep, port = part.rpartition(":")
-        if not sep or not port.isdigit():
-            raise InvalidArgument(f"cluster URL node {shown(part)} must be host:port")
-        nodes.append((unquote(host.strip("[]")), int(port)))
+    nodes = _host_ports(hosts, "cluster URL node")
     if not nodes:
         raise InvalidArgument("a cluster URL needs at least one host:port, e.g. redis+cluster://10.0.0.1:7000")
     if path.strip("/") not in ("", "0"):
@@ -103,12 +109,7 @@ def _split_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, dict, dic
     rest, _, query = rest.partition("?")
     netloc, _, path = rest.partition("/")
     userinfo, _, hosts = netloc.rpartition("@")
-    nodes = []
-    for part in filter(None, hosts.split(",")):
-        host, sep, port = part.rpartition(":")
-        if not sep or not port.isdigit():
-            raise InvalidArgument(f"sentinel URL node {shown(part)} must be host:port")
-        nodes.append((unquote(host.strip("[]")), int(port)))
+    nodes = _host_ports(hosts, "sentinel URL node")
     if not nodes:
         raise InvalidArgument(
             "a sentinel URL needs at least one Sentinel host:port, e.g. redis+sentinel://10.0.0.1:26379/mymaster"
