@@ -44,6 +44,10 @@ DEFAULT_TIMEOUT_MS = 2000
 MAX_REPLICAS = 16
 
 
+class ReplicasShort(BackendUnavailable):
+    """Too few replicas had a write in time: it is in Redis and counted, not acknowledged."""
+
+
 @dataclass(frozen=True)
 class Durability:
     """How writes wait for replicas.
@@ -127,7 +131,7 @@ class ReplicaWaits:
             self._count("unreplicated")
             return
         self._count("short")
-        raise BackendUnavailable(
+        raise ReplicasShort(
             f"{where}: {acked} of {wanted} replicas had the write after {self.durability.timeout_ms} ms "
             f"(durable writes, --redis-durable {self.durability}): not acknowledged, retry it"
         )

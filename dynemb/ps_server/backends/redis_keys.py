@@ -171,6 +171,10 @@ log = logging.getLogger("dynemb.ps")
 
 # How long commands the cluster answers "not now" (TRYAGAIN while a slot moves...) are retried.
 PASSING_RETRY_SECONDS = 5.0
+# A table whose write failed after it may have been sent (the connection cut midway: its replies,
+# which the row count is changed by, never came) is recounted from its buckets at each count read
+# (once Redis answers) until the failure is this old: what was in flight has landed by then.
+RECOUNT_AFTER_S = 5.0
 
 
 # The row count of table ARGV[1] in hash KEYS[ROWS] changes by n, if the table has one (a table
@@ -380,6 +384,7 @@ class StoreParts:
         _listpack: ListpackLimits | None
         _password: str | None
         _waits: ReplicaWaits
+        _unsure: dict[str, float]
         _meta_key: bytes
         _rows_key: bytes
         _dropped_key: bytes

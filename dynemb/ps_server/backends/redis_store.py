@@ -40,7 +40,7 @@ from dynemb.ps_server.backends.base import Store, rows_out
 from dynemb.ps_server.backends.redis_cluster import RedisClusterRows, _follow_ask_to_new_masters, _SlotMap
 from dynemb.ps_server.backends.redis_config import MODES as LISTPACK_MODES
 from dynemb.ps_server.backends.redis_config import ROWS_PER_BUCKET, ListpackLimits
-from dynemb.ps_server.backends.redis_durable import Durability, ReplicaWaits
+from dynemb.ps_server.backends.redis_durable import Durability, ReplicasShort, ReplicaWaits
 from dynemb.ps_server.backends.redis_keys import _REDIS_ERRORS, _as_ids, _TableMeta, dropped_key, meta_key, rows_key
 from dynemb.ps_server.backends.redis_tls import check_tls_files, untrusted_hint
 from dynemb.ps_server.codec import rows_for_table
@@ -171,6 +171,7 @@ class RedisStore(RedisClusterRows, Store):
         self._password = password
         # writes acknowledged once replicas have them (redis_durable.py)
         self._waits = ReplicaWaits(durable or Durability(), self._connected_replicas)
+        self._unsure: dict[str, float] = {}  # tables whose row count a cut write may have left wrong: since when
         self._meta_key = meta_key(namespace)
         self._rows_key = rows_key(namespace)
         self._dropped_key = dropped_key(namespace)
@@ -401,10 +402,11 @@ class RedisStore(RedisClusterRows, Store):
         rows = rows_for_table(rows, schema, len(ids))
         if meta.change_log:  # logged before the write (change_log.py)
             self._log_ids(meta.changes_key, ids, meta.change_log)
-        if self._native is not None:
-            self._native_write(meta, ids, rows)
-            return len(ids)
-        self._add_rows(meta, self._py_write(meta, "HSET", ids, rows))
+        with self._count_unsure_if_cut(table):
+            if self._native is not None:
+                self._native_write(meta, ids, rows)
+                return len(ids)
+            self._add_rows(meta, self._py_write(meta, "HSET", ids, rows))
         return len(ids)
 
     def delete(self, table: str, ids: np.ndarray) -> int:
@@ -415,11 +417,27 @@ class RedisStore(RedisClusterRows, Store):
         if len(ids) == 0:
             return 0
         self._log_deleted(meta, unique(ids))
-        if self._native is not None:
-            return self._native_write(meta, ids, None)
-        deleted = self._py_write(meta, "HDEL", ids, None)
-        self._add_rows(meta, -deleted)
+        with self._count_unsure_if_cut(table):
+            if self._native is not None:
+                return self._native_write(meta, ids, None)
+            deleted = self._py_write(meta, "HDEL", ids, None)
+            self._add_rows(meta, -deleted)
         return deleted
+
+    @contextlib.contextmanager
+    def _count_unsure_if_cut(self, table: str):
+        """A write that failed on the way to Redis (BackendUnavailable: a connection cut or timed
+        out) may have landed without the replies its row count is changed by: the table is
+        recounted from its buckets at a count read once Redis answers (RedisTables._settle_counts).
+        A write that too few replicas had (ReplicasShort) is in Redis and counted."""
+        try:
+            yield
+        except ReplicasShort:
+            raise
+        except BackendUnavailable:
+            with self._cache_lock:
+                self._unsure.setdefault(table, time.monotonic())
+            raise
 
     def _connected_replicas(self, pool) -> int:
         """The replicas of the master of a connection pool that are online now (INFO
