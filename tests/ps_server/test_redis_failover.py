@@ -18,12 +18,14 @@ held: the protection is what keeps them.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
 
 import numpy as np
 import pytest
+import redis
 from helpers import wait_until
 
 from dynemb.ps_server.client import PSClient
@@ -81,37 +83,45 @@ class Pusher(threading.Thread):
 
 
 def failover_run(make_ps, url: str, durable: str, stop_replica, kill_master, promoted) -> tuple[int, int, list[str]]:
-    """Steps 1-4 of the module doc; (acknowledged rows, of them missing or different, errors)."""
+    """Steps 1-4 of the module doc; (acknowledged rows, of them missing or different, errors).
+    A step that fails names itself, with the end of the PS's log."""
     ps = make_ps("--backend", url, "--redis-durable", durable, "--redis-durable-timeout-ms", "300")
-    with PSClient(ps.address, timeout=60.0, retry=RETRY) as admin:
-        admin.create_table(TABLE, DIM)
-        pusher = Pusher(ps.address)
-        pusher.start()
-        wait_until(lambda: len(pusher.acked) >= 10, timeout=30, what="pushes before the fault")
-        stop_replica()
-        # one batch while the replica is stopped, on its own client: with durable writes it waits
-        lagging_client = PSClient(ps.address, timeout=60.0, retry=RETRY)
-        lagging = threading.Thread(target=pusher.push_batch, args=(lagging_client, LAG_BATCH))
-        acked_before = len(pusher.acked)
-        lagging.start()
-        # until Redis acknowledged it (durable writes off) or a first try surely ended
-        deadline = time.monotonic() + 3.0
-        while time.monotonic() < deadline and not any(len(a) == LAG_BATCH for a in pusher.acked[acked_before:]):
-            time.sleep(0.05)
-        kill_master()
-        promoted()
-        acked_at_promotion = len(pusher.acked)
-        wait_until(lambda: len(pusher.acked) >= acked_at_promotion + 10, timeout=60, what="pushes after the failover")
-        pusher.finish()
-        lagging.join(timeout=90)
-        assert not lagging.is_alive(), "the push made while the replica was stopped never returned"
+    pusher = Pusher(ps.address)
+    lagging_client = PSClient(ps.address, timeout=60.0, retry=RETRY)
+    try:
+        with PSClient(ps.address, timeout=60.0, retry=RETRY) as admin:
+            admin.create_table(TABLE, DIM)
+            pusher.start()
+            wait_until(lambda: len(pusher.acked) >= 10, timeout=30, what="pushes before the fault")
+            stop_replica()
+            # one batch while the replica is stopped, on its own client: with durable writes it waits
+            lagging = threading.Thread(target=pusher.push_batch, args=(lagging_client, LAG_BATCH))
+            acked_before = len(pusher.acked)
+            lagging.start()
+            # until Redis acknowledged it (durable writes off) or a first try surely ended
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline and not any(len(a) == LAG_BATCH for a in pusher.acked[acked_before:]):
+                time.sleep(0.05)
+            kill_master()
+            promoted()
+            at_promotion = len(pusher.acked)
+            wait_until(lambda: len(pusher.acked) >= at_promotion + 10, timeout=60, what="pushes after the failover")
+            pusher.finish()
+            lagging.join(timeout=90)
+            assert not lagging.is_alive(), "the push made while the replica was stopped never returned"
+            ids = np.concatenate(pusher.acked)
+            pulled = admin.pull(TABLE, ids)
+    except AssertionError as exc:
+        errors = f"{len(pusher.errors)} errors, the first: {pusher.errors[:2]}"
+        raise AssertionError(f"{exc}\n{errors}\nthe PS's log ends:\n{ps.log()[-6000:]}") from None
+    finally:
+        pusher.stop_event.set()  # a failed run leaves no thread pushing into the next tests
+        pusher.join(timeout=90)
         lagging_client.close()
-        ids = np.concatenate(pusher.acked)
-        pulled = admin.pull(TABLE, ids)
-        found = ~pulled.missing
-        bad = int(pulled.missing.sum() + (~(pulled.rows[found] == rows_of(ids[found])).all(axis=1)).sum())
         pusher.client.close()
-        return len(ids), bad, pusher.errors
+    found = ~pulled.missing
+    bad = int(pulled.missing.sum() + (~(pulled.rows[found] == rows_of(ids[found])).all(axis=1)).sum())
+    return len(ids), bad, pusher.errors
 
 
 def check_failover(make_ps, url: str, durable: str, master, replica, promoted) -> None:
@@ -119,13 +129,23 @@ def check_failover(make_ps, url: str, durable: str, master, replica, promoted) -
     promotion; every acknowledged row there with durable writes, some lost without."""
     assert master.proc is not None and replica.proc is not None
 
+    def stop_replica() -> None:
+        # the replica has every write so far (the table's creation included: that is not waited
+        # for), so what the failover can lose is what comes while it is stopped
+        client = master.client(socket_timeout=10)
+        for i in range(100):  # WAIT waits for its connection's last write: one to a key it serves
+            with contextlib.suppress(redis.exceptions.MovedError):
+                client.set(f"failover-test:{i}", 1)
+                break
+        assert client.execute_command("WAIT", 1, 5000) == 1, "the replica did not catch up"
+        client.close()
+        replica.proc.send_signal(signal.SIGSTOP)
+
     def kill_master() -> None:
         master.proc.send_signal(signal.SIGKILL)
         replica.proc.send_signal(signal.SIGCONT)
 
-    acked, bad, errors = failover_run(
-        make_ps, url, durable, lambda: replica.proc.send_signal(signal.SIGSTOP), kill_master, promoted
-    )
+    acked, bad, errors = failover_run(make_ps, url, durable, stop_replica, kill_master, promoted)
     assert acked >= 20 * BATCH
     assert errors == [], errors[:3]
     if durable == "auto":
