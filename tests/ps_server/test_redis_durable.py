@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+from helpers import wait_until
 
 from dynemb.ps_server.backends import open_store
 from dynemb.ps_server.backends.redis_durable import Durability, last_integer, wait_command
@@ -63,6 +64,9 @@ def replicated():
     master = RedisProcess(["repl-diskless-sync-delay 0"]).start()
     replica = RedisProcess([f"replicaof {master.host} {master.port}"]).start()
     replica.wait_synced(time.monotonic() + 30)
+    client = master.client()  # and the master counts it online (what --redis-durable auto reads)
+    wait_until(lambda: client.info("replication").get("slave0", {}).get("state") == "online", timeout=30, what="online")
+    client.close()
     yield master, replica
     replica.close()
     master.close()
@@ -70,7 +74,7 @@ def replicated():
 
 def test_writes_wait_for_the_replica_and_fail_without_it(replicated):
     master, replica = replicated
-    store = open_store(master.url, namespace="durable", durable=Durability(None, 200))
+    store = open_store(master.url, namespace="durable", durable=Durability(None, 1500))
     try:
         store.create_table(TableSchema("t", 4))
         ids = np.arange(100, dtype=np.int64)
@@ -82,7 +86,7 @@ def test_writes_wait_for_the_replica_and_fail_without_it(replicated):
         replica.proc.send_signal(signal.SIGSTOP)  # connected, but it acknowledges nothing
         try:
             start = time.monotonic()
-            with pytest.raises(BackendUnavailable, match=r"0 of 1 replicas had the write after 200 ms"):
+            with pytest.raises(BackendUnavailable, match=r"0 of 1 replicas had the write after 1500 ms"):
                 store.push("t", ids, np.ones((100, 4), np.float32))
             assert time.monotonic() - start < 5
         finally:
