@@ -85,6 +85,32 @@ def leave_process_groups() -> None:
     assert not left, f"gloo threads outlive the process groups: {left}"
 
 
+def dynemb(
+    *args: str,
+    env: dict[str, str] | None = None,
+    timeout: float = 120,
+    check: bool = False,
+    keep_carriage_returns: bool = False,
+) -> subprocess.CompletedProcess:
+    """`python -m dynemb.cli ARGS` from the checkout, its output captured as text (ENV added to
+    this process's environment). check: fail the test with its stderr unless it exits 0.
+    keep_carriage_returns: decode the output by hand, so that a progress bar's carriage returns
+    stay as they are (text mode would turn them into newlines)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "dynemb.cli", *args],
+        capture_output=True,
+        text=not keep_carriage_returns,
+        timeout=timeout,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+    )
+    if keep_carriage_returns:
+        done.stdout, done.stderr = done.stdout.decode(), done.stderr.decode()
+    if check:
+        assert done.returncode == 0, f"dynemb {' '.join(args)} exited {done.returncode}: {done.stderr}"
+    return done
+
+
 def torchrun(nproc: int, script: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """`script` under torchrun on nproc local ranks (gloo), its output captured."""
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import torchrun
+from helpers import dynemb, torchrun
+
+pytestmark = pytest.mark.torchrec  # TorchRec and fbgemm-gpu: needed by every test here
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 STEPS, HALF = 40, 20
@@ -82,12 +84,7 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_and_verifies(tmp_path):
     ck = tmp_path / "ck"
     _run("two_tower.py", 2, "--steps", "20", "--checkpoint-dir", str(ck))
     (saved,) = sorted(ck.iterdir())
-    verified = subprocess.run(
-        [sys.executable, "-m", "dynemb.cli", "checkpoint", "inspect", "--verify", str(saved)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    verified = dynemb("checkpoint", "inspect", "--verify", str(saved))
     assert verified.returncode == 0 and "sha256 match" in verified.stdout + verified.stderr, verified.stderr[-2000:]
     assert "ranks        2" in verified.stdout
     done = _run("two_tower.py", 1, "--steps", "30", "--checkpoint-dir", str(ck), "--resume")

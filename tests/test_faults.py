@@ -142,6 +142,7 @@ def compare_with_unfaulted(tmp_path, ps: LocalPS, faulted: str) -> None:
         np.testing.assert_array_equal(a[name][1], b[name][1], err_msg=f"rows of {name}")
 
 
+@pytest.mark.torchrec
 def test_a_ps_killed_mid_training_and_restarted_loses_nothing(redis_ps, tmp_path):
     ps = redis_ps()
     port = ps.port
@@ -154,6 +155,7 @@ def test_a_ps_killed_mid_training_and_restarted_loses_nothing(redis_ps, tmp_path
     compare_with_unfaulted(tmp_path, ps, "killed_")
 
 
+@pytest.mark.torchrec
 def test_a_paused_ps_past_the_try_deadline_loses_nothing(redis_ps, tmp_path):
     ps = redis_ps()
     job = start_training(ps, tmp_path, "paused_")
@@ -167,6 +169,7 @@ def test_a_paused_ps_past_the_try_deadline_loses_nothing(redis_ps, tmp_path):
     compare_with_unfaulted(tmp_path, ps, "paused_")
 
 
+@pytest.mark.torchrec
 def test_a_ps_replica_killed_mid_training_fails_over_to_another(redis_ps, tmp_path):
     first, second = redis_ps(), redis_ps()  # two PS processes over the same Redis and namespace
     replicas = f"{first.address}|{second.address}"
@@ -183,6 +186,7 @@ def test_a_ps_replica_killed_mid_training_fails_over_to_another(redis_ps, tmp_pa
     compare_with_unfaulted(tmp_path, second, "replica_")
 
 
+@pytest.mark.torchrec
 def test_redis_restarted_mid_training_loses_nothing(tmp_path):
     """Redis as the docs set it up for production: AOF on, fsync every second. A restart
     (SIGTERM: Redis writes its AOF out and exits) while trainers push."""
@@ -273,6 +277,7 @@ def final_tables(folder) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
 @pytest.mark.dist
+@pytest.mark.torchrec
 def test_a_killed_rank_stops_the_job_and_a_restart_from_the_checkpoint_ends_the_same(tmp_path):
     from dynemb.checkpoint.format import checkpoints, read_manifest
 

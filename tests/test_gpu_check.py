@@ -356,15 +356,15 @@ def test_a_run_without_a_gpu_skips_the_gpu_steps_cleanly(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_cuda_tests_that_need_torchrec_are_told_from_their_imports(tmp_path):
-    """The `torchrec` marker (tests/conftest.py) on the CUDA tests of a few modules: from the
-    module's imports, the test's own, its helpers' and fixtures', and an example it runs."""
-    # a folder, not its files: pytest never leaves out a file named on its command line
-    files = ["tests/trainer", "tests/test_examples.py", "tests/test_gpu_check.py"]
+def test_the_cuda_tests_that_need_torchrec_are_marked_and_the_rest_collect_without_it(tmp_path):
+    """The `torchrec` marker, written on the tests and modules that need TorchRec or fbgemm-gpu:
+    where neither can be imported, `-m "cuda and not torchrec"` (gpu_check.sh's tests-plain)
+    collects the whole suite without an error (a module that imports them at its top level
+    says so with `pytestmark`, tests/conftest.py), and selects the CUDA tests that need neither."""
 
-    def collected(expr: str, **env: str) -> subprocess.CompletedProcess:
+    def collected(expr: str, *paths: str, **env: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "pytest", "-m", expr, "--collect-only", "-q", "-p", "no:cacheprovider", *files],
+            [sys.executable, "-m", "pytest", "-m", expr, "--collect-only", "-q", "-p", "no:cacheprovider", *paths],
             cwd=ROOT,
             capture_output=True,
             text=True,
@@ -375,25 +375,28 @@ def test_the_cuda_tests_that_need_torchrec_are_told_from_their_imports(tmp_path)
     def names(proc: subprocess.CompletedProcess) -> set[str]:
         return {line.split("/")[-1] for line in proc.stdout.splitlines() if "::" in line}
 
-    # where TorchRec cannot be imported: the modules that need it are not even imported
     shim = tmp_path / "shim"
     for module in ("torchrec", "fbgemm_gpu"):
         (shim / module).mkdir(parents=True)
         (shim / module / "__init__.py").write_text(f"raise ImportError('no {module} here')\n")
-    plain = collected("cuda and not torchrec", PYTHONPATH=f"{shim}:{ROOT}")
-    assert plain.returncode == 0, plain.stdout + plain.stderr
+    plain = collected("cuda and not torchrec", "tests", PYTHONPATH=f"{shim}:{ROOT}")
+    assert plain.returncode == 0, plain.stdout[-4000:] + plain.stderr
+    assert "error" not in plain.stdout.lower(), plain.stdout[-4000:]
     assert names(plain) == {
+        "test_idtransformer_triton.py::test_on_cuda_the_pass_does_not_sync_but_for_its_copy",
         "test_trainer_device.py::test_row_moves_on_a_gpu_use_events_not_device_syncs",
         "test_trainer_device.py::test_nccl_collectives_with_one_rank",
         "test_gpu_check.py::test_a_tensor_on_each_device[cuda]",
         "test_gpu_check.py::test_a_cuda_marked_test_sees_a_gpu",
     }, plain.stdout
-    torchrec = names(collected("cuda and torchrec"))
-    assert "test_trainer_device.py::test_one_gpu_trains_like_the_cpu" in torchrec  # train() in its body
-    assert "test_examples.py::test_an_example_trains_on_a_gpu[two_tower.py-cuda]" in torchrec  # the script
+    # a folder, not its files: pytest never leaves out a file named on its command line
+    torchrec = names(
+        collected("cuda and torchrec", "tests/trainer", "tests/test_examples.py", "tests/test_gpu_check.py")
+    )
+    assert "test_trainer_device.py::test_one_gpu_trains_like_the_cpu" in torchrec
+    assert "test_examples.py::test_an_example_trains_on_a_gpu[two_tower.py-cuda]" in torchrec
     assert "test_trainer_exact.py::test_dynamic_tables_train_exactly_like_full_ones[cuda-plain-sgd]" in torchrec
     assert len(torchrec) == 11, torchrec
-    assert "error" not in plain.stdout.lower()
 
 
 def _wheel(folder: Path, name: str, files: dict[str, bytes]) -> Path:

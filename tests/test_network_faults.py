@@ -63,6 +63,7 @@ def stderr_of(out, prefix: str) -> str:
     return (out / f"{prefix}stderr").read_text(errors="replace")
 
 
+@pytest.mark.torchrec
 def test_a_trainer_cut_off_from_its_ps_fails_in_one_line_and_resumes_losing_nothing(make_ps, tmp_path):
     """A cut shorter than the trainer's PS deadline is waited out; a longer one fails the job
     with one line naming the PS, soon after the deadline (no hang); resumed from its last

@@ -59,6 +59,7 @@ def _imported_after(module: str, prefixes: tuple[str, ...]) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.torchrec
 def test_the_trainer_does_not_import_test_scaffolding_or_redis():
     assert _imported_after("dynemb.trainer.train", ("dynemb.testing", "redis")) == []
 

@@ -28,7 +28,7 @@ from dynemb.testing.local_ps import LocalPS, _die_with_parent
 from dynemb.testing.local_redis import RedisProcess, free_port, make_tls_files
 from dynemb.testing.process import end_process
 
-pytestmark = [pytest.mark.slow, pytest.mark.dist]
+pytestmark = [pytest.mark.slow, pytest.mark.dist, pytest.mark.torchrec]
 
 # enough steps that Prometheus (1 s scrapes) sees the counters move: rate() needs two samples
 # that differ, and 40 steps ran in well under a second

@@ -19,6 +19,8 @@ from dynemb.ps_server.errors import PSError
 from dynemb.ps_server.schema import TableSchema
 from dynemb.tables import TrainerMetrics, open_store
 
+pytestmark = pytest.mark.torchrec  # TorchRec and fbgemm-gpu: needed by every test here
+
 AWAY_SECONDS = 30  # gRPC's default reconnect backoff (1 s x 1.6^n, jittered) tries at ~26 s, then ~43 s
 RESUME_SECONDS = 5  # the trainer's tries are at most 2 s apart, its channel's connects 1 s
 

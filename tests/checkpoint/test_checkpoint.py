@@ -17,6 +17,8 @@ from helpers import TESTS, checkpointed_config, config, torchrun
 from dynemb.checkpoint.format import MANIFEST, CheckpointError, checkpoints, read_manifest
 from dynemb.trainer.train import train
 
+pytestmark = pytest.mark.torchrec  # TorchRec and fbgemm-gpu: needed by every test here
+
 STEPS = 40
 
 

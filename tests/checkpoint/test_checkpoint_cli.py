@@ -11,19 +11,13 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import checkpointed_config, fill, same_bits, unique
+from helpers import checkpointed_config, dynemb, fill, same_bits, unique
 
 from dynemb.ps_server.client import PSClient
 from dynemb.testing.local_ps import REPO, LocalPS
 from dynemb.trainer.train import train
 
-pytestmark = pytest.mark.slow  # a training job's checkpoints in its fixtures
-
-
-def dynemb(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "dynemb.cli", *args], capture_output=True, text=True, cwd=REPO, timeout=300
-    )
+pytestmark = [pytest.mark.slow, pytest.mark.torchrec]  # a training job's checkpoints in its fixtures
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +37,14 @@ def redis_ps(redis_url):
 
 def test_inspect_lists_and_describes_checkpoints(job):
     ck, tables = job
-    res = dynemb("checkpoint", "inspect", str(ck))
+    res = dynemb("checkpoint", "inspect", str(ck), timeout=300)
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines() == [
         f"2 checkpoint(s) in {ck}:",
         "  step-00000010  step 10  full",
         "  step-00000020  step 20  incremental <- step-00000010",
     ]
-    res = dynemb("checkpoint", "inspect", str(ck / "step-00000020"), "--verify", "--quiet")
+    res = dynemb("checkpoint", "inspect", str(ck / "step-00000020"), "--verify", "--quiet", timeout=300)
     assert res.returncode == 0, res.stderr
     out = res.stdout
     assert "  kind         incremental, builds on step-00000010" in out
@@ -87,7 +81,7 @@ def count_files(folder) -> int:
 def test_restore_puts_a_training_chain_on_a_fresh_ps(job, make_ps):
     ck, tables = job
     ps = make_ps()
-    res = dynemb("checkpoint", "restore", str(ck / "step-00000020"), "--ps", ps.address, "--quiet")
+    res = dynemb("checkpoint", "restore", str(ck / "step-00000020"), "--ps", ps.address, "--quiet", timeout=300)
     assert res.returncode == 0, res.stderr
     assert len(res.stdout.splitlines()) == len(tables)
     with PSClient(ps.address, timeout=30) as client:
@@ -104,18 +98,18 @@ def test_save_and_restore_onto_another_backend_bit_for_bit(embedded_client, redi
     _, ids_b, rows_b = fill(embedded_client, b, "bf16", n=40, dim=4, state_width=1, seed=4)
     snap = tmp_path / "snap"
     addr = embedded_client.addresses[0]
-    res = dynemb("checkpoint", "save", "--ps", addr, "--table", a, "--table", b, "--out", str(snap))
+    res = dynemb("checkpoint", "save", "--ps", addr, "--table", a, "--table", b, "--out", str(snap), timeout=300)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == f"saved 2 table(s) -> {snap}"
     assert f"save {a}" in res.stderr  # the progress bar
-    res = dynemb("checkpoint", "inspect", str(snap))
+    res = dynemb("checkpoint", "inspect", str(snap), timeout=300)
     assert "(PS tables only: dynemb checkpoint save)" in res.stdout and f"  {a:<24} {300:>10}" in res.stdout
 
     # rows changed and added after the save are gone after a restore
     embedded_client.push(a, ids_a[:10], np.zeros_like(rows_a[:10]))
     embedded_client.push(a, np.array([12345], np.int64), np.ones((1, rows_a.shape[1]), np.float32))
     for target in (addr, redis_ps.address):
-        res = dynemb("checkpoint", "restore", str(snap), "--ps", target, "--quiet")
+        res = dynemb("checkpoint", "restore", str(snap), "--ps", target, "--quiet", timeout=300)
         assert res.returncode == 0, res.stderr
         assert res.stdout.splitlines() == [f"restored table {a}: 300 rows", f"restored table {b}: 40 rows"]
         with PSClient(target, timeout=30) as client:
@@ -123,7 +117,7 @@ def test_save_and_restore_onto_another_backend_bit_for_bit(embedded_client, redi
             assert same_bits(client.pull(b, ids_b).rows, rows_b)
             assert client.describe_table(a).num_rows == 300
 
-    res = dynemb("checkpoint", "save", "--ps", addr, "--table", a, "--out", str(snap))
+    res = dynemb("checkpoint", "save", "--ps", addr, "--table", a, "--out", str(snap), timeout=300)
     assert res.returncode == 1 and "exists and is not empty" in res.stderr
 
 
@@ -136,7 +130,7 @@ def test_a_corrupt_checkpoint_or_a_schema_clash_writes_nothing(job, make_ps, tmp
     with PSClient(ps.address, timeout=30) as client:
         # a table of the checkpoint's name, another schema: refused before any table is written
         client.create_table("dynemb_t_4", dim=3, state_width=0)
-        res = dynemb("checkpoint", "restore", str(ck / "step-00000020"), "--ps", ps.address, "--quiet")
+        res = dynemb("checkpoint", "restore", str(ck / "step-00000020"), "--ps", ps.address, "--quiet", timeout=300)
         assert res.returncode == 1
         assert "table 'dynemb_t_4' exists on the PS with another schema" in res.stderr
         assert [t.schema.name for t in client.list_tables()] == ["dynemb_t_4"]
@@ -147,7 +141,7 @@ def test_a_corrupt_checkpoint_or_a_schema_clash_writes_nothing(job, make_ps, tmp
             ["restore", str(ck / "step-00000020"), "--ps", ps.address],
             ["inspect", str(ck / "step-00000020"), "--verify"],
         ):
-            res = dynemb("checkpoint", *args, "--quiet")
+            res = dynemb("checkpoint", *args, "--quiet", timeout=300)
             assert res.returncode == 1, res.stdout
             last = res.stderr.strip().splitlines()[-1]
             assert last == f"dynemb: error: {shard}: sha256 differs from manifest.json (corrupt or changed)"

@@ -28,6 +28,8 @@ from dynemb.checkpoint.format import checkpoints, read_manifest
 from dynemb.checkpoint.table_files import TableReader
 from dynemb.testing.local_ps import REPO
 
+pytestmark = pytest.mark.torchrec  # TorchRec and fbgemm-gpu: needed by every test here
+
 WORKER = TESTS / "dist" / "elastic_worker.py"
 FLAGS = (
     "--steps 40 --num-sparse 6 --universe 6000 --ids-per-feature 2 --dim 8 --capacity-fraction 0.1 "

@@ -45,6 +45,7 @@ def run(world: int, out: Path, *args: str) -> None:
     ],
     ids=["dynamic-in-process-adam", "dynamic-ps-process", "full-tables"],
 )
+@pytest.mark.torchrec
 def test_two_ranks_resume_on_fewer_and_on_more(tmp_path, optimizer, tables, ps, worlds):
     from dynemb.testing.local_ps import LocalPS
 
@@ -143,6 +144,7 @@ def check_work_spread(out: Path, tables: str, world: int) -> None:
             assert got == sorted(overlap * len(links)), f"table {name}, block {lo}..{hi}: read {got}"
 
 
+@pytest.mark.torchrec
 def test_a_rebuilt_transformer_keeps_what_its_policy_keeps_first_and_sums_the_sketches():
     """More resident IDs than slots: the most recently used stay (LRU), in slots 0..n-1, the
     rest left out; the admission sketches' counters are summed, so an ID seen on two old ranks
@@ -171,6 +173,7 @@ def test_a_rebuilt_transformer_keeps_what_its_policy_keeps_first_and_sums_the_sk
     assert got.slots[0] >= 0 and int(got.admitted_ids.numel()) == 1  # 11 resident; 99's third sighting admits it
 
 
+@pytest.mark.torchrec
 def test_the_data_resumes_at_the_global_sample_rounded_down_to_a_step():
     from dynemb.checkpoint.checkpoint import data_start
 
@@ -186,6 +189,7 @@ def test_the_data_resumes_at_the_global_sample_rounded_down_to_a_step():
     assert data_start(resharded, 48, 3) == 23 and data_start(resharded, 48, 1) == 69
 
 
+@pytest.mark.torchrec
 def test_the_restore_work_is_shared_out_by_rows_the_same_on_every_rank():
     from dynemb.checkpoint.checkpoint import spread
 
@@ -198,6 +202,7 @@ def test_the_restore_work_is_shared_out_by_rows_the_same_on_every_rank():
 
 
 @pytest.mark.parametrize("rows,world", [(6000, 2), (6000, 3), (10, 4), (5, 4), (7, 1), (1001, 7)])
+@pytest.mark.torchrec
 def test_the_old_blocks_are_those_of_torchrec_row_wise_sharding(rows, world):
     """A full table's old per-rank folders are chosen by arithmetic on the old world size:
     it has to be the layout TorchRec gives."""

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import uuid
 
 import numpy as np
 import pytest
-from helpers import fill, same_bits, unique
+from helpers import dynemb, fill, same_bits, unique
 
 from dynemb.checkpoint.table_files import (
     MANIFEST,
@@ -26,7 +24,7 @@ from dynemb.checkpoint.table_files import (
 from dynemb.ps_server.client import PSClient
 from dynemb.ps_server.errors import TableNotFound
 from dynemb.ps_server.schema import TableSchema
-from dynemb.testing.local_ps import REPO, LocalPS
+from dynemb.testing.local_ps import LocalPS
 
 
 @pytest.fixture(scope="module")
@@ -215,12 +213,6 @@ def test_schema_clash_with_an_existing_table_writes_nothing(redis_client, copy_o
         import_table(redis_client, copy_of, table=table, replace=True, progress=False)
     assert redis_client.describe_table(table).num_rows == 1
     assert np.array_equal(redis_client.pull(table, [1]).rows, np.ones((1, 8), np.float32))
-
-
-def dynemb(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "dynemb.cli", *args], capture_output=True, text=True, cwd=REPO, timeout=120
-    )
 
 
 @pytest.mark.slow

@@ -213,7 +213,7 @@ def _same(a, b, what):
 
 
 @settings(max_examples=25, deadline=None)
-@pytest.mark.parametrize("other", SIDES[1:])
+@pytest.mark.parametrize("other", [pytest.param(o, marks=pytest.mark.slow) if o == "torch" else o for o in SIDES[1:]])
 @given(
     seed=st.integers(0, 2**31),
     kind=st.sampled_from(["lru", "lfu", "hybrid"]),
@@ -317,6 +317,7 @@ def _transform_alike(sides: dict[str, IDTransformer], ids: torch.Tensor, pin: bo
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fraction", [0.05, 0.3])
 @pytest.mark.parametrize("kind", ["lru", "hybrid"])
 def test_kernel_matches_the_torch_ops_on_a_large_aged_table(kind, fraction):
@@ -340,7 +341,7 @@ def test_kernel_matches_the_torch_ops_on_a_large_aged_table(kind, fraction):
             assert len(out["torch"].evicted_ids) >= int(fraction * capacity)
 
 
-@pytest.mark.parametrize("size", ["small", "large"])
+@pytest.mark.parametrize("size", ["small", pytest.param("large", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("layout", ["random", "oldest-where-sampled"])
 @pytest.mark.parametrize("kind", ["lru", "lfu", "hybrid", "hybrid+ttl"])
 def test_victims_under_a_sampled_bound_match_the_torch_ops(kind, layout, size):
@@ -461,6 +462,7 @@ _OP = st.one_of(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(
     ops=st.lists(_OP, min_size=1, max_size=30),

@@ -5,7 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import REPO
+
+pytestmark = pytest.mark.slow  # each builds or loads the kernel in a new process
 
 LOAD = """
 from torch.utils import cpp_extension

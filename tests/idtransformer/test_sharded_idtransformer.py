@@ -7,6 +7,8 @@ from helpers import TESTS, torchrun
 
 WORKER = TESTS / "dist" / "sharded_idtransformer_worker.py"
 
+pytestmark = pytest.mark.dist
+
 
 @pytest.mark.parametrize("world,policy", [(2, "hybrid"), (4, "lru")])
 def test_each_rank_owns_its_ids_and_rows(world, policy):

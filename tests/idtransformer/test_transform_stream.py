@@ -17,6 +17,7 @@ sys.path.insert(0, str(WORKER.parent))
 import transform_stream_worker as worker  # noqa: E402
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("world,policy", [(2, "hybrid"), (4, "lru")])
 def test_a_stream_agrees_with_transform_tables_on_every_rank(world, policy):
     run = torchrun(world, WORKER, policy, timeout=300)
@@ -35,11 +36,13 @@ def one_rank():
         dist.destroy_process_group()
 
 
+@pytest.mark.torchrec
 def test_on_one_rank_the_message_goes_to_the_rank_itself(one_rank):
     worker.same_as_transform_tables(0, 1, "hybrid")
     worker.a_refused_batch(0, 1)
 
 
+@pytest.mark.torchrec
 def test_the_protocol_is_kept(one_rank):
     from dynemb.idtransformer.stream import TransformStream
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import dynemb
 
 from dynemb.ps_server import change_log
 from dynemb.ps_server.backends import redis_keys
@@ -150,23 +151,14 @@ def test_the_change_log_through_a_ps(make_ps):
 
 def test_the_cli_turns_a_change_log_on_and_off(embedded_ps):
     import json
-    import subprocess
-    import sys
 
-    from dynemb.testing.local_ps import REPO
-
-    def dynemb(*args: str) -> str:
-        done = subprocess.run(
-            [sys.executable, "-m", "dynemb.cli", *args, "--ps", embedded_ps.address],
-            capture_output=True, text=True, timeout=60, cwd=REPO,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        return done.stdout
+    def cli(*args: str) -> str:
+        return dynemb(*args, "--ps", embedded_ps.address, check=True).stdout
 
     with PSClient(embedded_ps.address, timeout=30) as client:
         client.create_table("cli_ch", dim=DIM)
-    on = dynemb("ps", "changes", "cli_ch", "--on")
+    on = cli("ps", "changes", "cli_ch", "--on")
     assert on == "cli_ch: a change log of the newest 16,777,216 ids pushed, on each PS\n"
-    assert json.loads(dynemb("ps", "describe", "cli_ch"))["change_log"] == 1 << 24
-    assert dynemb("ps", "changes", "cli_ch", "--max-ids", "5000").startswith("cli_ch: a change log of the newest 5,000")
-    assert dynemb("ps", "changes", "cli_ch", "--off") == "cli_ch: no change log\n"
+    assert json.loads(cli("ps", "describe", "cli_ch"))["change_log"] == 1 << 24
+    assert cli("ps", "changes", "cli_ch", "--max-ids", "5000").startswith("cli_ch: a change log of the newest 5,000")
+    assert cli("ps", "changes", "cli_ch", "--off") == "cli_ch: no change log\n"

@@ -5,21 +5,17 @@ test_lifecycle.py)."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
-from helpers import wait_until
+from helpers import dynemb, wait_until
 
 from dynemb.ps_server.client import PSClient
 from dynemb.ps_server.errors import InvalidArgument
 from dynemb.ps_server.lifecycle import Lifecycle
-from dynemb.testing.local_ps import REPO
 
 SWEEP = ("--sweep-every", "0.5")
 
@@ -122,17 +118,6 @@ def test_a_ps_killed_mid_sweep_loses_no_row_that_had_not_expired(request, backen
         assert client.describe_table("big").num_rows >= len(live)
         log = client.read_deletions("big")
         assert not np.isin(live, log.ids).any()  # nothing live was even a candidate
-
-
-def dynemb(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "dynemb.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=os.environ,
-        timeout=60,
-    )
 
 
 def test_cli_sets_and_shows_a_tables_lifecycle(embedded_ps):

@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 import psutil
 import pytest
+from helpers import dynemb
 
 from dynemb.protos import ps_pb2, ps_pb2_grpc
 from dynemb.ps_server import shm
@@ -154,14 +155,7 @@ def test_a_push_of_more_rows_than_the_limit_is_refused(make_ps):
 
 
 def test_serve_help_names_the_limits():
-    import subprocess
-    import sys
-
-    from dynemb.testing.local_ps import REPO
-
-    command = [sys.executable, "-m", "dynemb.cli", "ps", "serve", "--help"]
-    out = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+    out = dynemb("ps", "serve", "--help", check=True)
     text = " ".join(out.stdout.split())
     for flag, env in (("--max-row-width", "DYNEMB_PS_MAX_ROW_WIDTH"), ("--max-request-mb", "DYNEMB_PS_MAX_REQUEST_MB")):
         assert flag in text and env in text

@@ -16,6 +16,8 @@ from dynemb.ps_server.errors import InvalidArgument
 from dynemb.ps_server.schema import TableSchema
 from dynemb.trainer.data import BadLine, parse_criteo_line
 
+pytestmark = pytest.mark.torchrec  # TorchRec and fbgemm-gpu: needed by every test here
+
 HUGE = "h" * 100_000
 
 

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
-from helpers import wait_until
+from helpers import dynemb, wait_until
 
 from dynemb.ps_server.backends import redis_config, redis_keys
 from dynemb.ps_server.backends.redis_keys import MAX_BUCKETS, buckets_for, dropped_key, meta_key
@@ -21,7 +19,6 @@ from dynemb.ps_server.backends.redis_store import RedisStore
 from dynemb.ps_server.client import PSClient
 from dynemb.ps_server.errors import InvalidArgument
 from dynemb.ps_server.schema import MAX_EXPECTED_ROWS, TableSchema
-from dynemb.testing.local_ps import REPO
 from dynemb.testing.local_redis import RedisClusterProcesses, RedisProcess
 
 LIMITS = (redis_config.VALUE, redis_config.ENTRIES)
@@ -229,27 +226,19 @@ def test_the_ps_raises_the_limits_for_its_tables_at_start_and_shares_out_declare
         store.close()
 
 
-def dynemb(*args: str) -> subprocess.CompletedProcess:
-    out = subprocess.run(
-        [sys.executable, "-m", "dynemb.cli", *args], capture_output=True, text=True, timeout=120, cwd=REPO
-    )
-    assert out.returncode == 0, out.stderr
-    return out
-
-
 @pytest.mark.slow
 def test_the_cli_declares_expected_rows(redis_process, make_ps, tmp_path):
     proc = redis_process()
     ps = make_ps("--backend", proc.url, "--namespace", "cli")
     at = ("--ps", ps.address)
-    dynemb("ps", "create-table", "t", "--dim", "8", "--expected-rows", "1000", *at)
-    assert json.loads(dynemb("ps", "describe", "t", *at).stdout)["expected_rows"] == 1000
+    dynemb("ps", "create-table", "t", "--dim", "8", "--expected-rows", "1000", *at, check=True)
+    assert json.loads(dynemb("ps", "describe", "t", *at, check=True).stdout)["expected_rows"] == 1000
     with PSClient(ps.address, timeout=30) as client:
         client.push("t", np.arange(300, dtype=np.int64), np.ones((300, 8), np.float32))
-    dynemb("table", "export", "--table", "t", "--out", str(tmp_path), "--quiet", *at)
+    dynemb("table", "export", "--table", "t", "--out", str(tmp_path), "--quiet", *at, check=True)
     # imported as a new table: sized for the folder's rows, or for what --expected-rows says
-    dynemb("table", "import", str(tmp_path / "t"), "--as", "t2", "--quiet", *at)
-    dynemb("table", "import", str(tmp_path / "t"), "--as", "t3", "--expected-rows", "64000", "--quiet", *at)
+    dynemb("table", "import", str(tmp_path / "t"), "--as", "t2", "--quiet", *at, check=True)
+    dynemb("table", "import", str(tmp_path / "t"), "--as", "t3", "--expected-rows", "64000", "--quiet", *at, check=True)
     store = RedisStore.from_url(proc.url, namespace="cli", listpack="off")
     assert [store.num_buckets_of(t) for t in ("t", "t2", "t3")] == [63, 19, 4000]
     assert store.schema("t2").expected_rows == 300

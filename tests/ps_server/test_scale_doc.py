@@ -81,6 +81,7 @@ def test_the_figures_follow_from_the_inputs():
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.torchrec
 def test_state_width_is_the_trainers(optimizer):
     from dynemb.trainer.config import TrainConfig
     from dynemb.trainer.model import ps_schema  # the schema the trainer creates its PS tables with

@@ -15,6 +15,7 @@ import pytest
 import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from helpers import dynemb
 
 from dynemb.protos import ps_pb2
 from dynemb.ps_server.client import PSClient
@@ -190,13 +191,7 @@ def test_tokens_never_reach_logs_or_metrics(make_ps, redis_auth, tmp_path):
     metrics = proc.metrics_text()
     manifests = "".join(p.read_text() for p in (tmp_path / "ck").glob("*/manifest.json"))
     assert json.loads(out.read_text())["losses"] and manifests
-    help_text = subprocess.run(
-        [sys.executable, *"-m dynemb.cli ps serve --help".split()],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "DYNEMB_PS_AUTH_TOKEN": TOKEN},
-    ).stdout
+    help_text = dynemb("ps", "serve", "--help", env={"DYNEMB_PS_AUTH_TOKEN": TOKEN}).stdout
     assert "DEBUG" in proc.log() and "UNAUTHENTICATED" in metrics  # it did log, and count the refusal
     for where, text in [
         ("PS log", proc.log()),

@@ -16,12 +16,11 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import noted_retry, wait_until
+from helpers import dynemb, noted_retry, wait_until
 
 from dynemb.protos import ps_pb2, ps_pb2_grpc
 from dynemb.ps_server.client import PSClient, RetryPolicy
 from dynemb.ps_server.errors import TableNotFound, Unauthenticated
-from dynemb.testing.local_ps import REPO
 from dynemb.testing.local_redis import free_port, make_tls_files
 
 
@@ -346,17 +345,6 @@ def test_async_calls_run_in_call_order(embedded_client):
     bad = ps.pull_async("no_such_table", ids)
     with pytest.raises(TableNotFound):
         bad.result()
-
-
-def dynemb(*args: str, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "dynemb.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-        env={**os.environ, **(env or {})},
-    )
 
 
 @pytest.mark.slow

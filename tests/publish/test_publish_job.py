@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from helpers import torchrun
 
+pytestmark = pytest.mark.torchrec  # TorchRec and fbgemm-gpu: needed by every test here
+
 WORKER = Path(__file__).parent / "publish_worker.py"
 
 

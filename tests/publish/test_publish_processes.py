@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import wait_until
+from helpers import dynemb, wait_until
 
 from dynemb.ps_server.client import PSClient
 from dynemb.ps_server.errors import ReadOnly
@@ -22,19 +22,6 @@ from dynemb.publish.version import numbers
 from dynemb.testing.local_ps import REPO
 
 DIM, STATE = 4, 2
-
-
-def dynemb(*args: str, env=None) -> subprocess.CompletedProcess:
-    done = subprocess.run(
-        [sys.executable, "-m", "dynemb.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-        env={**os.environ, **(env or {})},
-    )
-    assert done.returncode == 0, done.stderr
-    return done
 
 
 def started(*args: str, env=None) -> subprocess.Popen:
@@ -63,9 +50,11 @@ def test_train_publish_apply_serve(make_ps, redis_namespace, tmp_path, request, 
     with PSClient(training.address, timeout=30) as client:
         client.create_table("user", dim=DIM, state_width=STATE)
         client.push("user", ids, rows_of(ids, 1.0))
-        out = dynemb("table", "publish", "--ps", training.address, "--to", str(root), "--quiet").stdout
+        out = dynemb("table", "publish", "--ps", training.address, "--to", str(root), "--quiet", check=True).stdout
         assert "published user v1 (full, fp32: 100 rows)" in out
-        out = dynemb("table", "apply", str(root), "--to", target, "--namespace", redis_namespace, "--quiet").stdout
+        out = dynemb(
+            "table", "apply", str(root), "--to", target, "--namespace", redis_namespace, "--quiet", check=True
+        ).stdout
         assert "user: applied v1" in out and "(holds v1)" in out
         flags = ("--backend", target, "--namespace", redis_namespace, "--follow-seconds", "0.2")
         reader = make_ps("--read-only", *flags)
@@ -82,9 +71,9 @@ def test_train_publish_apply_serve(make_ps, redis_namespace, tmp_path, request, 
             # training goes on: rows change, some are deleted; a delta published and applied
             client.push("user", ids[:10], rows_of(ids[:10], 2.0))
             client.delete("user", ids[90:])
-            out = dynemb("table", "publish", "--ps", training.address, "--to", str(root), "--quiet").stdout
+            out = dynemb("table", "publish", "--ps", training.address, "--to", str(root), "--quiet", check=True).stdout
             assert "published user v2 (delta, fp32: 10 rows, 10 deleted)" in out
-            dynemb("table", "apply", str(root), "--to", target, "--namespace", redis_namespace, "--quiet")
+            dynemb("table", "apply", str(root), "--to", target, "--namespace", redis_namespace, "--quiet", check=True)
 
             def caught_up() -> bool:
                 got = serve.pull("user", ids)
@@ -103,7 +92,7 @@ def test_a_publisher_killed_mid_version_leaves_none_half_made(make_ps, tmp_path)
     with PSClient(training.address, timeout=30) as client:
         client.create_table("user", dim=DIM, state_width=STATE)
         client.push("user", ids, rows_of(ids, 1.0))
-        dynemb("table", "publish", "--ps", training.address, "--to", str(root), "--quiet")
+        dynemb("table", "publish", "--ps", training.address, "--to", str(root), "--quiet", check=True)
         client.push("user", ids[:5], rows_of(ids[:5], 2.0))
         client.delete("user", ids[-5:])
         # stalls after its rows file, before its tombstones and manifest: killed there
@@ -113,10 +102,10 @@ def test_a_publisher_killed_mid_version_leaves_none_half_made(make_ps, tmp_path)
         p.send_signal(signal.SIGKILL)
         p.wait()
         assert numbers(root, "user") == [1]  # nothing a follower would apply
-        out = dynemb("table", "apply", str(root), "--to", f"embedded://{tmp_path / 's'}", "--quiet").stdout
+        out = dynemb("table", "apply", str(root), "--to", f"embedded://{tmp_path / 's'}", "--quiet", check=True).stdout
         assert "applied v1" in out
         # the next publish starts version 2 over, and nothing was lost
-        out = dynemb("table", "publish", "--ps", training.address, "--to", str(root), "--quiet").stdout
+        out = dynemb("table", "publish", "--ps", training.address, "--to", str(root), "--quiet", check=True).stdout
         assert "published user v2 (delta, fp32: 5 rows, 5 deleted)" in out
         assert not (root / "user" / ".v00000002.partial").exists()
 
@@ -130,11 +119,11 @@ def test_an_applier_killed_mid_version_is_finished_by_the_next(make_ps, redis_ur
     with PSClient(training.address, timeout=30) as client:
         client.create_table("user", dim=DIM, state_width=STATE)
         client.push("user", ids, rows_of(ids, 1.0))
-        dynemb("table", "publish", "--ps", training.address, "--to", str(root), "--quiet")
-        dynemb(*apply)
+        dynemb("table", "publish", "--ps", training.address, "--to", str(root), "--quiet", check=True)
+        dynemb(*apply, check=True)
         client.push("user", ids, rows_of(ids, 2.0))
         client.delete("user", ids[:1])
-        dynemb("table", "publish", "--ps", training.address, "--to", str(root), "--quiet")
+        dynemb("table", "publish", "--ps", training.address, "--to", str(root), "--quiet", check=True)
     store = serving_store(redis_url, redis_namespace)
     p = started(*apply, env={"DYNEMB_TEST_APPLY_STALL": stall})
     wait_until(lambda: store.raw_head("user").pending == 2 and (stall == "step1" or store.raw_head("user").visible),
@@ -147,7 +136,7 @@ def test_an_applier_killed_mid_version_is_finished_by_the_next(make_ps, redis_ur
         assert version == 1 and found.all() and (rows[:, 1] == 1.0).all()
     else:  # version 2, whole
         assert version == 2 and not found[0] and found[1:].all() and (rows[1:, 1] == 2.0).all()
-    out = dynemb(*apply).stdout
+    out = dynemb(*apply, check=True).stdout
     assert "applied v2" in out and "(holds v2)" in out
     head = store.raw_head("user")
     assert (head.version, head.pending, head.visible, head.rows) == (2, 0, 0, 49)

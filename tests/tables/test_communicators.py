@@ -14,6 +14,8 @@ import json
 import pytest
 from helpers import TESTS, torchrun
 
+pytestmark = pytest.mark.torchrec  # TorchRec and fbgemm-gpu: needed by every test here
+
 WORKER = TESTS / "dist" / "communicators_worker.py"
 
 

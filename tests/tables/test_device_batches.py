@@ -21,7 +21,10 @@ from dynemb.tables import dynamic
 from dynemb.tables.dynamic import DynamicTables
 from dynemb.trainer.train import train
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="triton tables on CPU tensors (the interpreter)")
+pytestmark = [
+    pytest.mark.skipif(torch.cuda.is_available(), reason="triton tables on CPU tensors (the interpreter)"),
+    pytest.mark.torchrec,
+]
 
 
 def _on(backend: str, monkeypatch) -> None:

@@ -17,6 +17,8 @@ from torchrec import KeyedJaggedTensor
 from dynemb import tables as dt
 from dynemb.tables.row_store import LocalRowStore
 
+pytestmark = pytest.mark.torchrec  # TorchRec and fbgemm-gpu: needed by every test here
+
 CAPACITY = 60  # rows per dynamic table: far fewer than the IDs the batches touch
 
 

@@ -19,6 +19,8 @@ from dynemb.trainer.data import SyntheticCriteo
 from dynemb.trainer.model import build
 from dynemb.trainer.train import make_dynamic
 
+pytestmark = pytest.mark.torchrec  # TorchRec and fbgemm-gpu: needed by every test here
+
 
 def _state(dynamic) -> dict[str, torch.Tensor]:
     return {n: t.local.records.clone() for n, t in dynamic.transformers.items()}

@@ -18,6 +18,8 @@ from dynemb.tables.dynamic import DynamicTables
 from dynemb.trainer.model import build
 from dynemb.trainer.train import batches, init_distributed, make_dynamic, open_row_store, train
 
+pytestmark = pytest.mark.torchrec  # TorchRec and fbgemm-gpu: needed by every test here
+
 
 def _transform_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "dynemb-transform"]

@@ -75,6 +75,7 @@ def test_the_error_carries_the_shares_that_went_through(one_process_group, refus
 
 
 @pytest.mark.parametrize("shared,ahead", [(True, 0), (False, 1)], ids=["one-storage", "per-table-ahead"])
+@pytest.mark.torchrec
 def test_dynamic_tables_finish_a_refused_batch_on_one_process(one_process_group, shared, ahead):
     from refused_batch_worker import Scenario
 
@@ -85,6 +86,7 @@ def test_dynamic_tables_finish_a_refused_batch_on_one_process(one_process_group,
 
 @pytest.mark.dist
 @pytest.mark.parametrize("shared,ahead", [(True, 0), (False, 1)], ids=["one-storage", "per-table-ahead"])
+@pytest.mark.torchrec
 def test_dynamic_tables_finish_a_refused_batch_on_two_ranks(shared, ahead):
     run = torchrun(2, WORKER, "shared" if shared else "separate", str(ahead))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]

@@ -19,6 +19,8 @@ from dynemb import tables as dt
 from dynemb.ps_server.client import PSClient
 from dynemb.ps_server.lifecycle import Lifecycle
 
+pytestmark = pytest.mark.torchrec  # TorchRec and fbgemm-gpu: needed by every test here
+
 CAPACITY = 60
 HOT = np.arange(5)  # in every batch: resident all along, never evicted
 TTL = 4

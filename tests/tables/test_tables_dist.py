@@ -17,6 +17,7 @@ MODES = ["plain", "prefetch", "pipeline", "pipeline_prefetch"]
 
 @pytest.mark.dist
 @pytest.mark.parametrize("store", ["embedded", "redis"])
+@pytest.mark.torchrec
 def test_two_ranks_train_exactly_like_full_tables_in_every_loop(store, tmp_path, make_ps, redis_url, redis_namespace):
     where = "embedded"
     if store == "redis":
@@ -32,6 +33,7 @@ def test_two_ranks_train_exactly_like_full_tables_in_every_loop(store, tmp_path,
 
 
 @pytest.mark.dist
+@pytest.mark.torchrec
 def test_set_up_mistakes_on_two_ranks_are_one_line_on_each():
     done = torchrun(2, Path(__file__).parent / "tables_mistakes_worker.py")
     assert done.returncode == 0, done.stderr[-4000:]

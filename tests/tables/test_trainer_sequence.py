@@ -24,6 +24,8 @@ from dynemb.tables.row_store import LocalRowStore
 from dynemb.tables.table_rows import find_tables
 from dynemb.trainer.train import init_distributed
 
+pytestmark = pytest.mark.torchrec  # TorchRec and fbgemm-gpu: needed by every test here
+
 UNIVERSE, DIM, FEATURES = 500, 4, ["clicks", "views"]
 
 

@@ -7,8 +7,6 @@ truncated, mistyped or misfitting input refused before anything is written."""
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 import uuid
 import zipfile
 from pathlib import Path
@@ -16,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xxhash
-from helpers import TESTS
+from helpers import TESTS, dynemb
 from tf_fixture_values import FIXTURES, Known
 
 from dynemb.checkpoint.table_files import TableReader
@@ -24,7 +22,6 @@ from dynemb.ps_server.client import PSClient
 from dynemb.ps_server.errors import TableNotFound
 from dynemb.ps_server.initializer import float_to_bf16_bits
 from dynemb.ps_server.schema import Initializer
-from dynemb.testing.local_ps import REPO
 from dynemb.tf import migrate
 from dynemb.tf.bundle import Bundle
 from dynemb.tf.errors import TFMigrationError
@@ -201,6 +198,7 @@ def test_moving_a_variable_that_is_no_embedding_says_so(tmp_path):
         "--quiet",
         "--out",
         str(tmp_path),
+        keep_carriage_returns=True,
     )
     assert res.returncode == 0, res.stderr
     assert "note: 'h2': head/kernel is not named or made like an embedding" in res.stderr
@@ -440,13 +438,6 @@ def test_checkpoint_paths(tmp_path):
         open_source(str(tmp_path / "nothing"))
 
 
-def dynemb(*args: str) -> subprocess.CompletedProcess:
-    res = subprocess.run([sys.executable, "-m", "dynemb.cli", *args], capture_output=True, cwd=REPO, timeout=120)
-    # decoded by hand: text=True would turn the progress bars' carriage returns into newlines
-    res.stdout, res.stderr = res.stdout.decode(), res.stderr.decode()
-    return res
-
-
 TF1_LS = """\
 tests/fixtures/tf/tf1_saver/model.ckpt-100: TF1 Saver checkpoint, 10 tensors
 TENSOR            DTYPE      SHAPE    ROLE
@@ -474,19 +465,19 @@ KERAS_CHECKPOINT_LS = (FIX / "keras_checkpoint_ls.txt").read_text()  # `tf ls` o
 
 
 def test_cli_ls():
-    res = dynemb("tf", "ls", "tests/fixtures/tf/tf1_saver")
+    res = dynemb("tf", "ls", "tests/fixtures/tf/tf1_saver", keep_carriage_returns=True)
     assert res.returncode == 0, res.stderr
     assert res.stdout == TF1_LS
-    res = dynemb("tf", "ls", "tests/fixtures/tf/tfra_tf1/model")
+    res = dynemb("tf", "ls", "tests/fixtures/tf/tfra_tf1/model", keep_carriage_returns=True)
     assert res.returncode == 0, res.stderr
     assert (
         "  user_de  7     4    float32  TFRA table (2 shards)  m=user_de_Adam_m (2 shards, matched by key), "
         "v=user_de_Adam_v (2 shards, matched by key)"
     ) in res.stdout.splitlines()
     assert "m/user_de_Adam_m_mht_2of2-values                         float32  [5, 4]  m slot of user_de" in res.stdout
-    res = dynemb("tf", "ls", "tests/fixtures/tf/keras_model/model.keras")
+    res = dynemb("tf", "ls", "tests/fixtures/tf/keras_model/model.keras", keep_carriage_returns=True)
     assert "optimizer/vars/2           float32  [11, 4]  accumulator slot of user_emb" in res.stdout
-    res = dynemb("tf", "ls", "tests/fixtures/tf/keras_checkpoint")
+    res = dynemb("tf", "ls", "tests/fixtures/tf/keras_checkpoint", keep_carriage_returns=True)
     assert res.returncode == 0, res.stderr
     assert res.stdout == KERAS_CHECKPOINT_LS
 
@@ -498,6 +489,7 @@ def test_cli_migrate_into_a_ps_and_into_files(embedded_ps, embedded_client, tmp_
         *"tf migrate tests/fixtures/tf/tf1_saver --optimizer adagrad --state-init 0.5 --quiet --ps".split(),
         embedded_ps.address,
         *tables,
+        keep_carriage_returns=True,
     )
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines() == [
@@ -517,15 +509,27 @@ def test_cli_migrate_into_a_ps_and_into_files(embedded_ps, embedded_client, tmp_
         *"tf migrate tests/fixtures/tf/keras_weights/model.weights.h5 --optimizer adam --table user=user_emb".split(),
         "--out",
         str(tmp_path),
+        keep_carriage_returns=True,
     )
     assert res.returncode == 0, res.stderr
     assert "migrate user" in res.stderr  # the progress bar
     assert_rows_equal(read_folder(tmp_path / "user"), expected(FIXTURES["keras_weights"]["user_emb"], "adam"))
-    res = dynemb("checkpoint", "import", str(tmp_path / "user"), "--as", unique("k"), "--ps", embedded_ps.address)
+    res = dynemb(
+        "checkpoint",
+        "import",
+        str(tmp_path / "user"),
+        "--as",
+        unique("k"),
+        "--ps",
+        embedded_ps.address,
+        keep_carriage_returns=True,
+    )
     assert res.returncode == 0, res.stderr
 
     res = dynemb(
-        *"tf migrate tests/fixtures/tf/tf1_saver --optimizer sgd --table x=misc/complex --out".split(), str(tmp_path)
+        *"tf migrate tests/fixtures/tf/tf1_saver --optimizer sgd --table x=misc/complex --out".split(),
+        str(tmp_path),
+        keep_carriage_returns=True,
     )
     assert res.returncode == 1 and "Traceback" not in res.stderr
     assert res.stderr.strip().splitlines()[-1] == (
@@ -533,7 +537,16 @@ def test_cli_migrate_into_a_ps_and_into_files(embedded_ps, embedded_client, tmp_
         "embedding must be a float tensor (float32, float64, float16, "
         "bfloat16)"
     )
-    res = dynemb("tf", "migrate", "tests/fixtures/tf/tf1_saver", "--table", "x=emb/user", "--out", str(tmp_path))
+    res = dynemb(
+        "tf",
+        "migrate",
+        "tests/fixtures/tf/tf1_saver",
+        "--table",
+        "x=emb/user",
+        "--out",
+        str(tmp_path),
+        keep_carriage_returns=True,
+    )
     assert res.returncode == 2 and "--optimizer" in res.stderr
 
 
@@ -552,18 +565,45 @@ def test_cli_errors_name_real_flags_and_leave_no_progress_bar(tmp_path, tf1_copy
     out = str(tmp_path / "out")
     assert (
         dynemb(
-            "tf", "migrate", str(tf1_copy), "--optimizer", "sgd", "--out", out, "--table", "a=emb/item", "--quiet"
+            "tf",
+            "migrate",
+            str(tf1_copy),
+            "--optimizer",
+            "sgd",
+            "--out",
+            out,
+            "--table",
+            "a=emb/item",
+            "--quiet",
+            keep_carriage_returns=True,
         ).returncode
         == 0
     )
-    res = dynemb("tf", "migrate", str(tf1_copy), "--optimizer", "sgd", "--out", out, "--table", "a=emb/item")
+    res = dynemb(
+        "tf",
+        "migrate",
+        str(tf1_copy),
+        "--optimizer",
+        "sgd",
+        "--out",
+        out,
+        "--table",
+        "a=emb/item",
+        keep_carriage_returns=True,
+    )
     assert res.returncode == 1
     assert screen(res.stderr)[-2:] == [
         f"dynemb: error: {out}/a: already holds table files; choose another --out or give --overwrite",
         "",
     ]
     res = dynemb(
-        "tf", "migrate", str(tf1_copy), "--out", out, *"--optimizer sgd --table a=emb/item --overwrite --quiet".split()
+        "tf",
+        "migrate",
+        str(tf1_copy),
+        "--out",
+        out,
+        *"--optimizer sgd --table a=emb/item --overwrite --quiet".split(),
+        keep_carriage_returns=True,
     )
     assert res.returncode == 0, res.stderr
 
@@ -576,6 +616,7 @@ def test_cli_errors_name_real_flags_and_leave_no_progress_bar(tmp_path, tf1_copy
         "--out",
         str(tmp_path / "new"),
         *"--optimizer sgd --table a=emb/item --table b=emb/user".split(),
+        keep_carriage_returns=True,
     )
     assert res.returncode == 1 and "verify" in res.stderr  # the bar was drawn, then cleared
     assert [ln for ln in screen(res.stderr) if ln] == [ln for ln in screen(res.stderr) if ln.startswith("dynemb:")]

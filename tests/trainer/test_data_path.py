@@ -7,11 +7,13 @@ import logging
 
 import numpy as np
 import pytest
-from helpers import learnable_tsv
+from helpers import dynemb, learnable_tsv
 
 from dynemb.trainer.config import DataConfig, TableConfig, TrainConfig
 from dynemb.trainer.data import batches_per_epoch
 from dynemb.trainer.train import train
+
+pytestmark = pytest.mark.torchrec  # TorchRec and fbgemm-gpu: needed by every test here
 
 
 def _cfg(source: str, **extra) -> TrainConfig:
@@ -113,17 +115,17 @@ def test_the_hit_rate_is_over_every_lookup_and_names_each_table():
 
 def test_the_summary_names_the_lowest_hit_rates_and_the_json_has_the_evaluations(tmp_path):
     import json
-    import subprocess
-    import sys
 
     (tmp_path / "run.json").write_text(json.dumps({"tables": {"t_1": {"capacity": 150, "evict_fraction": 0.5}}}))
     flags = "--num-sparse 4 --universe 6000 --capacity-fraction 0.1 --batch-size 48 --steps 20 --eval-every 10"
     flags += " --dim 8 --dense-arch 8 --over-arch 8,1 --no-pipeline --prefetch 0 --no-progress"
-    run = subprocess.run(
-        [sys.executable, "-m", "dynemb.cli", "train", "--config", str(tmp_path / "run.json"), *flags.split()]
-        + ["--result-json", str(tmp_path / "out.json")],
-        capture_output=True,
-        text=True,
+    run = dynemb(
+        "train",
+        "--config",
+        str(tmp_path / "run.json"),
+        *flags.split(),
+        "--result-json",
+        str(tmp_path / "out.json"),
         timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]

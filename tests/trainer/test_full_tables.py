@@ -20,6 +20,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb.trainer.full_tables import IDOutOfRange, check_in_rows, full_batches, hash_into_rows
 
+pytestmark = pytest.mark.torchrec  # TorchRec and fbgemm-gpu: needed by every test here
+
 
 def _kjt(per_key: dict[str, list[int]]) -> KeyedJaggedTensor:
     """One ID per sample; every key has the same number of samples."""

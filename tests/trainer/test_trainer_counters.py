@@ -17,6 +17,8 @@ from dynemb.testing.local_redis import free_port
 from dynemb.trainer.config import DataConfig, TableConfig, TrainConfig, table_name
 from dynemb.trainer.data import SyntheticCriteo
 
+pytestmark = pytest.mark.torchrec  # TorchRec and fbgemm-gpu: needed by every test here
+
 STEPS, BATCH, EVAL_BATCHES, LOG_EVERY, TABLES = 24, 64, 2, 5, 2
 
 

@@ -127,6 +127,7 @@ def test_row_moves_on_a_gpu_use_events_not_device_syncs():
 
 
 @pytest.mark.slow
+@pytest.mark.torchrec
 def test_cpu_and_auto_train_alike():
     from dynemb.trainer.train import train
 
@@ -137,6 +138,7 @@ def test_cpu_and_auto_train_alike():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+@pytest.mark.torchrec
 def test_the_plain_model_trains_exactly_like_its_full_tables(optimizer):
     """torch EmbeddingBags (no fbgemm-gpu): dynamic tables at 10% of the IDs, rows in the
     embedded store, against the same model holding every ID."""
@@ -176,6 +178,7 @@ def test_without_torchrec_the_job_trains_the_plain_model():
 
 @needs_gpu
 @pytest.mark.slow
+@pytest.mark.torchrec
 def test_one_gpu_trains_like_the_cpu():
     """TorchRec's DLRM on one GPU (NCCL, a group of one): the dynamic tables train as on the
     CPU (FBGEMM's GPU kernels sum in another order: close, not equal), and evaluation's
@@ -208,6 +211,7 @@ def test_nccl_collectives_with_one_rank():
         dist.destroy_process_group()
 
 
+@pytest.mark.torchrec
 def test_pinning_a_batch_leaves_a_kjt_already_on_the_device(monkeypatch):
     """On a GPU the job pins each batch before its copy; the KJT of a batch that dynamic tables
     transformed is on the device already, and pinning it would fail ("cannot pin

@@ -16,6 +16,8 @@ import pytest
 from dynemb.ps_server.client import PSClient
 from dynemb.trainer.config import TrainConfig
 
+pytestmark = pytest.mark.torchrec  # TorchRec and fbgemm-gpu: needed by every test here
+
 # a job that trains in seconds: 3 small tables, 6 steps
 FLAGS = (
     "--steps 6 --num-sparse 3 --universe 1000 --capacity-fraction 0.5 --dim 8 --dense-arch 16,8 --over-arch 16,1 "

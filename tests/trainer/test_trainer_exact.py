@@ -11,6 +11,8 @@ from helpers import TESTS, config, torchrun
 
 from dynemb.trainer.train import train
 
+pytestmark = pytest.mark.torchrec  # TorchRec and fbgemm-gpu: needed by every test here
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam"])

@@ -16,6 +16,8 @@ from dynemb.idtransformer.transformer import IDTransformer, TooManyIDs
 from dynemb.trainer.config import DataConfig
 from dynemb.trainer.data import BadLine, criteo_tsv_batches
 
+pytestmark = pytest.mark.torchrec  # TorchRec and fbgemm-gpu: needed by every test here
+
 BACKENDS = pytest.mark.parametrize("backend", ["kernel", "torch"])
 INT64 = torch.iinfo(torch.int64)
 EDGES = [

@@ -14,6 +14,8 @@ from helpers import TESTS
 from dynemb.trainer.config import DataConfig, TableConfig, TrainConfig, add_arguments, from_args
 from dynemb.trainer.data import SyntheticCriteo, criteo_tsv_batches, parse_criteo_line
 
+pytestmark = pytest.mark.torchrec  # TorchRec and fbgemm-gpu: needed by every test here
+
 
 def parse(*argv: str) -> TrainConfig:
     p = argparse.ArgumentParser()
