@@ -14,6 +14,8 @@ else cpu. Which thread drives which group: docs/design.md, "Communicators and th
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 
 import torch
@@ -24,6 +26,7 @@ from dynemb.common.errors import UserError
 # (the default group, the gloo group made beside it): control_group()'s while that default
 # group is the current one
 _control: tuple[dist.ProcessGroup | None, dist.ProcessGroup] | None = None
+_made_default = False  # whether init_distributed made a default group (held by no reference here: see below)
 
 
 class DeviceUnavailable(UserError):
@@ -78,9 +81,28 @@ def init_distributed(device: torch.device | None = None) -> bool:
     else:
         # an in-process store: a group of one needs no rendezvous (and no port)
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    global _made_default
+    _made_default = True
     if backend == "nccl":
         add_control_group()
     return True
+
+
+@atexit.register
+def _end_groups_at_exit() -> None:
+    """End the process groups' threads while the interpreter is whole.
+
+    A gloo group's worker threads live as long as the group object, and a destroyed group
+    often still is alive at exit, held by a sharded model's reference cycles. A worker that
+    releases its last collective's tensors once the interpreter is finalizing takes the GIL,
+    which Python answers with pthread_exit inside C++ that cannot be unwound: the process
+    aborts ("terminate called without an active exception") after the job has done its work.
+    So: destroy the default group if init_distributed made it and the job left it, then collect
+    the garbage that holds destroyed groups (their destructors join the threads, GIL released).
+    Registered at import, so that it runs after the handlers of the job's own (last in, first out)."""
+    if _made_default and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
 
 
 def add_control_group() -> dist.ProcessGroup:
