@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine: sets up .venv and redis-server, checks lint, format
-# and types (ruff, mypy), then runs pytest.
-# Extra arguments go to pytest, e.g.  scripts/test.sh -k redis -x
+# and types (ruff, mypy), then runs pytest on parallel workers (pytest-xdist).
+# Extra arguments go to pytest, e.g.  scripts/test.sh -k redis -x   (-n 0: one process, no workers)
+# DYNEMB_TEST_WORKERS sets the workers: by default twice the cores, as most of the suite's time
+# is spent waiting on the processes it starts (docs/development.md has the figures).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup_env.sh
@@ -11,4 +13,7 @@ echo "[test] ruff check, ruff format --check, mypy"
 .venv/bin/ruff check --quiet .
 .venv/bin/ruff format --check --quiet .
 .venv/bin/mypy
-exec .venv/bin/python -m pytest "$@"
+workers=${DYNEMB_TEST_WORKERS:-$(( $(nproc) * 2 ))}
+# --maxschedchunk 1: tests handed out one at a time, in the order tests/conftest.py puts them
+# (the longest first), not in chunks of consecutive tests (a chunk would hold every long one)
+exec .venv/bin/python -m pytest -n "$workers" --dist load --maxschedchunk 1 "$@"

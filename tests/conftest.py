@@ -24,6 +24,20 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption(
+        "--soak",
+        action="store_true",
+        help="the release check's counts where a test has two (the PS fuzz: 10,000 hostile requests a run, not 2,000)",
+    )
+
+
+@pytest.fixture(scope="session")
+def soak(request) -> bool:
+    """Whether the run is the release check's (--soak): the longer counts."""
+    return bool(request.config.getoption("--soak"))
+
+
 @pytest.fixture(scope="session")
 def redis_binaries() -> tuple[str, str]:
     """(redis-server, redis-cli); fails the test (never skips) when they are missing."""
@@ -201,6 +215,14 @@ def pytest_collection_modifyitems(config, items) -> None:
     if cuda_items and not torch.cuda.is_available():
         for item in cuda_items:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+    # the longest first (torchrun jobs, then other slow tests), each kind in the seed's order:
+    # pytest-xdist hands tests out in this order, so that no worker starts a minute-long test
+    # while the others have run out of work (a stable sort keeps pytest-randomly's order)
+    items.sort(key=lambda item: 0 if item.get_closest_marker("dist") else 1 if _is_slow(item) else 2)
+
+
+def _is_slow(item) -> bool:
+    return any(item.get_closest_marker(name) for name in ("slow", "cluster"))
 
 
 def _is_cuda_case(item) -> bool:

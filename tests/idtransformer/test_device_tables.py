@@ -196,6 +196,7 @@ class _Counted:
         return self.launches, self.ops, self.copies
 
 
+@pytest.mark.slow
 def test_launches_and_copies_do_not_grow_with_the_tables(monkeypatch):
     """A DLRM step's 26 tables cost what 1 costs: the same Triton launches, the same torch ops,
     one host copy; every table evicting, admitting through its sketch and pinned."""

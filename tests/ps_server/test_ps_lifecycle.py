@@ -68,6 +68,7 @@ def test_a_ps_sweeps_what_expired_and_keeps_what_is_touched(make_ps):
         assert [d.table for d in drops.drops] == ["exp"] and drops.drops[0].time > time.time() - 60
 
 
+@pytest.mark.slow
 def test_one_ps_sweeps_a_table_and_another_takes_over_when_it_dies(redis_url, redis_namespace, make_ps):
     """Two PSes over one Redis: one holds the table's sweep lease and sweeps; killed, its lease
     runs out and the other sweeps."""
