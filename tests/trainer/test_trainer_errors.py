@@ -77,10 +77,11 @@ def test_a_resume_with_another_optimizer_is_one_line_from_rank_0(tmp_path, make_
 @pytest.mark.dist
 def test_a_rerun_on_the_same_ps_refuses_unless_told_what_to_do_with_the_rows(tmp_path, make_ps):
     """The issue's rerun that silently warm-started: refused in one line, then each way out
-    (and a table of another schema named with the flags that help)."""
+    (and a table of another schema named with the flags that help). The rerun that is refused
+    runs on 2 ranks (one line, rank 0's); the others on one, as the tables are the same."""
     ps = make_ps()
     job = [*FLAGS, "--ps", ps.address, "--optimizer", "adagrad"]
-    first = _torchrun(*job, "--result-json", str(tmp_path / "first.json"))
+    first = _torchrun(*job, "--result-json", str(tmp_path / "first.json"), nproc=1)
     assert first.returncode == 0, first.stderr[-3000:]
     with PSClient(ps.address, timeout=30) as client:
         rows = {t.schema.name: t.num_rows for t in client.list_tables()}
@@ -96,19 +97,19 @@ def test_a_rerun_on_the_same_ps_refuses_unless_told_what_to_do_with_the_rows(tmp
     ], again.stderr[-6000:]
     assert _our_tracebacks(again.stderr) == [], again.stderr[-6000:]
 
-    warm = _torchrun(*job, "--warm-start", "--result-json", str(tmp_path / "warm.json"))
+    warm = _torchrun(*job, "--warm-start", "--result-json", str(tmp_path / "warm.json"), nproc=1)
     assert warm.returncode == 0, warm.stderr[-3000:]
     # the same job from the rows the first left: embeddings trained on, so other losses
     assert _losses(tmp_path / "warm.json") != _losses(tmp_path / "first.json")
 
-    fresh = _torchrun(*job, "--fresh", "--result-json", str(tmp_path / "fresh.json"))
+    fresh = _torchrun(*job, "--fresh", "--result-json", str(tmp_path / "fresh.json"), nproc=1)
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     assert "--fresh: dropped 3 tables" in fresh.stderr
     # from fresh tables again: the first run's very losses, neither run's rows left behind
     assert _losses(tmp_path / "fresh.json") == _losses(tmp_path / "first.json")
 
     # tables of another schema (another optimizer's) are no tables to train on, rows or none
-    other = _torchrun(*job, "--optimizer", "adam", "--warm-start")
+    other = _torchrun(*job, "--optimizer", "adam", "--warm-start", nproc=1)
     assert other.returncode != 0
     (line,) = _errors(other.stderr)
     assert line.startswith(f"dynemb: error: the PS {ps.address} holds a table dynemb_t_0 with another schema"), line
