@@ -50,8 +50,6 @@ from dynemb.idtransformer.admission import MAX_COUNT, CountMinSketch, multiplier
 from dynemb.idtransformer.ids import as_int64_ids
 from dynemb.idtransformer.policy import _FREQ_SHIFT, DEFAULT_POLICY, MAX_FREQ, POLICIES, EvictionPolicy
 from dynemb.idtransformer.slot_map import COIN_SEED, fmix64
-from dynemb.idtransformer.triton_map import fmix64 as tl_fmix64
-from dynemb.idtransformer.triton_map import lsr
 
 MIN_BUCKET, MAX_BUCKET, DEFAULT_BUCKET = 32, 1024, 128
 FREE = -1
@@ -65,10 +63,12 @@ _MAX_FREQ: tl.constexpr = tl.constexpr(MAX_FREQ)
 _MAX_COUNT: tl.constexpr = tl.constexpr(MAX_COUNT)
 _COIN_SEED: tl.constexpr = tl.constexpr(COIN_SEED)
 _COIN_MULT: tl.constexpr = tl.constexpr(0x9E3779B97F4A7C15 - (1 << 64))  # slot_map.coin's, as int64
+_FMIX1: tl.constexpr = tl.constexpr(0xFF51AFD7ED558CCD - (1 << 64))  # slot_map.fmix64's multipliers
+_FMIX2: tl.constexpr = tl.constexpr(0xC4CEB9FE1A85EC53 - (1 << 64))
 _SALT: tl.constexpr = tl.constexpr(TABLE_SALT)
 _TOP: tl.constexpr = tl.constexpr((1 << 63) - 1)  # a way that may not go
 _EXPIRED: tl.constexpr = tl.constexpr(1 << 62)  # policy.scores: an expired slot scores last - 2^62
-_FREE_SCORE: tl.constexpr = tl.constexpr(-(1 << 62) - 1)  # below every resident slot, expired ones too
+assert MAX_FREQ << _FREQ_SHIFT < 1 << 48 and MAX_BUCKET <= 1024  # the kernel's packed eviction order
 # the policy's settings per table, columns of one int64 matrix
 P_FIRST, P_KIND, P_TTL, P_DECAY, P_INIT_FREQ, P_THRESHOLD = range(6)
 N_PARAMS = 6
@@ -178,18 +178,6 @@ def _score(last, freq, step, kind, ttl, decay):
 
 
 @triton.jit
-def _bumped(freq, hits, key, step, init_freq, log_factor):
-    """policy.bump_with for one ID: freq + 1 with probability 1 - (1 - p)^hits, p = 1 /
-    ((freq - init_freq) * log_factor + 1), drawn from slot_map.coin(key, step)'s hash."""
-    r = tl_fmix64(key * _COIN_MULT ^ ((step.to(tl.int64) << 32) ^ _COIN_SEED))
-    draw = lsr(r, 11).to(tl.float64) * 1.1102230246251565e-16  # 2^-53
-    p = 1.0 / (tl.maximum(freq - init_freq, 0).to(tl.float64) * log_factor + 1.0)
-    q = tl.maximum(1.0 - p, 1e-300)  # (log of 0 where p is 1; p_batch is 1 either way)
-    p_batch = tl.where(hits == 1, p, 1.0 - tl.exp(hits.to(tl.float64) * tl.log(q)))
-    return tl.where((draw < p_batch) & (freq < _MAX_FREQ), freq + 1, freq)
-
-
-@triton.jit
 def _find_or_insert_kernel(
     keys_ptr,
     last_ptr,
@@ -206,7 +194,8 @@ def _find_or_insert_kernel(
     mult_ptr,
     urow_ptr,
     uslot_ptr,
-    flags_ptr,
+    arank_ptr,
+    erank_ptr,
     gone_ptr,
     admitted_ptr,
     evicted_ptr,
@@ -220,22 +209,24 @@ def _find_or_insert_kernel(
     PIN: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """One program per touched bucket (see the module doc); admitted_ptr / evicted_ptr: three
-    int64 rows of out_len (table, id, slot)."""
+    """One program per touched bucket (see the module doc). Per distinct pair i it writes its
+    row and slot (-1: none), and its rank among the program's admitted and evicted pairs (-1:
+    not one); admitted_ptr / evicted_ptr: three int64 rows of out_len (table, id, slot)."""
     p = tl.program_id(0)
     n_distinct = tl.load(counts_ptr + 0)
     start = tl.load(bstart_ptr + p)
     end = tl.minimum(tl.load(bstart_ptr + p + 1), n_distinct)
     active = start < end  # programs past the touched buckets do nothing
-    t = tl.load(utab_ptr + start, mask=active, other=0)
-    g = tl.load(ubucket_ptr + start, mask=active, other=0)
-    first = tl.load(params_ptr + t * 6 + 0, mask=active, other=0)
-    kind = tl.load(params_ptr + t * 6 + 1, mask=active, other=0)
-    ttl = tl.load(params_ptr + t * 6 + 2, mask=active, other=-1)
-    decay = tl.load(params_ptr + t * 6 + 3, mask=active, other=1)
-    init_freq = tl.load(params_ptr + t * 6 + 4, mask=active, other=0)
-    threshold = tl.load(params_ptr + t * 6 + 5, mask=active, other=1)
-    log_factor = tl.load(log_factor_ptr + t, mask=active, other=1.0)
+    at = tl.minimum(start, out_len - 1)  # (a place to read for them too)
+    t = tl.load(utab_ptr + at)
+    g = tl.load(ubucket_ptr + at)
+    first = tl.load(params_ptr + t * 6 + 0)
+    kind = tl.load(params_ptr + t * 6 + 1)
+    ttl = tl.load(params_ptr + t * 6 + 2)
+    decay = tl.load(params_ptr + t * 6 + 3)
+    init_freq = tl.load(params_ptr + t * 6 + 4)
+    threshold = tl.load(params_ptr + t * 6 + 5)
+    log_factor = tl.load(log_factor_ptr + t)
 
     lanes = tl.arange(0, B)
     rows = g * B + lanes
@@ -243,74 +234,98 @@ def _find_or_insert_kernel(
     mine = lanes < tl.where(active, B, 0)
     keys = tl.load(keys_ptr + rows, mask=mine, other=0)
     last = tl.load(last_ptr + rows, mask=mine, other=-1)
-    freq = tl.load(freq_ptr + rows, mask=mine, other=0).to(tl.int32)
+    freq = tl.load(freq_ptr + rows, mask=mine, other=0)
     pins = tl.load(pins_ptr + rows, mask=mine, other=0)
     occupied = last != -1
-    top = tl.full([B], _TOP, tl.int64)
-    # a free way scores below every resident one (even an expired one, >= -2^62); a way pinned
-    # by a batch in flight or used by this one (touched at this step) may not go
-    score = tl.where(occupied, _score(last, freq, step, kind, ttl, decay), _FREE_SCORE)
-    cand = tl.where(occupied & ((pins > 0) | (last == step)), top, score)
+    # Each way's place in the eviction order, packed in one int64 so that one min finds the
+    # victim: class (free 0, expired 1, live 2) << 58 | value << 10 | way, where value is the
+    # policy's score (< 2^48) or an expired way's last access; a way pinned by a batch in flight
+    # or used by this one (touched at this step) may not go (_TOP).
+    score = _score(last, freq, step, kind, ttl, decay)
+    expired = score < 0
+    cls = tl.where(occupied, tl.where(expired, 1, 2), 0).to(tl.int64)
+    value = tl.where(occupied, tl.where(expired, last.to(tl.int64), score), 0)
+    order = (cls << 58) | (value << 10) | lanes
+    order = tl.where(occupied & ((pins > 0) | (last == step)), _TOP, order)
+    step64 = step.to(tl.int64)
 
     hits = start * 0
     n_admitted = start * 0
     n_evicted = start * 0
     n_rejected = start * 0
     n_refused = start * 0
+    # branches, not selects over every case: a hit skips the sketch, LRU the log counter (on
+    # a GPU, work saved; in the interpreter, where a reduction costs milliseconds, a test's time)
     for i in range(start, end):
         key = tl.load(uniq_ptr + i)
         sightings = tl.load(ucount_ptr + i)
-        match = occupied & (keys == key)
-        hit = tl.max(match.to(tl.int32), axis=0) > 0
-        # admission: count a miss's sightings in the sketch (threshold > 1 only)
-        counted = (~hit) & (threshold > 1)
-        estimate = sightings * 0 + _TOP
-        mixed = key + t * _SALT  # sketch_keys(t, key)
-        for d in tl.static_range(DEPTH):
-            column = ((mixed * tl.load(mult_ptr + d)) >> sketch_shift) & (sketch_width - 1)
-            cell = sketch_ptr + d * sketch_width + column
-            before = tl.atomic_add(cell, sightings.to(tl.int32), mask=counted).to(tl.int64)
-            after = before + sightings
-            tl.atomic_min(cell, _MAX_COUNT, mask=counted & (after > _MAX_COUNT))  # saturate as the sketch does
-            estimate = tl.minimum(estimate, tl.minimum(after, _MAX_COUNT))
-        admit_ok = (threshold <= 1) | (estimate >= threshold)
-        # the way: the hit's, else the lowest candidate (free first, then by score, then way)
-        best = tl.min(cand, axis=0)
-        way = tl.where(hit, tl.min(tl.where(match, lanes, B), axis=0), tl.min(tl.where(cand == best, lanes, B), axis=0))
-        admit = (~hit) & admit_ok & (best != _TOP)
-        here = lanes == way
-        use = hit | admit
-        evict = admit & (tl.max((here & occupied).to(tl.int32), axis=0) > 0)
-        old_key = tl.sum(tl.where(here, keys, 0), axis=0)
-        old_last = tl.sum(tl.where(here, last, 0), axis=0).to(tl.int64)
-        old_freq = tl.sum(tl.where(here, freq, 0), axis=0)
-        # a hit's frequency: decayed by idle time (hybrid), then the log counter's bump (lfu, hybrid)
-        f = tl.where(kind == 2, tl.maximum(old_freq - ((step - old_last) // decay).to(tl.int32), 0), old_freq)
-        f = tl.where(kind == 0, f, _bumped(f, sightings, key, step, init_freq, log_factor))
-        new_freq = tl.where(hit, f, init_freq.to(tl.int32))
-        at = here & use
-        keys = tl.where(here & admit, key, keys)
-        last = tl.where(at, step, last)
-        freq = tl.where(at, new_freq, freq)
-        occupied = occupied | (here & admit)
-        if PIN:
-            pins = tl.where(at, pins + 1, pins)
-        cand = tl.where(at, top, cand)
-        row = g * B + way
-        tl.store(urow_ptr + i, tl.where(use, row, -1))
-        tl.store(uslot_ptr + i, tl.where(use, row - first, -1))
-        tl.store(flags_ptr + i, admit.to(tl.int32) + 2 * evict.to(tl.int32))
-        tl.store(gone_ptr + i, old_key)
-        hits += tl.where(hit, sightings, 0)
-        n_admitted += admit.to(tl.int64)
-        n_evicted += evict.to(tl.int64)
-        n_rejected += ((~hit) & (~admit_ok)).to(tl.int64)
-        n_refused += ((~hit) & admit_ok & (~admit)).to(tl.int64)
+        # one min: a matching way (negative, way - 1024), else the first way in eviction order
+        pick = tl.min(tl.where(occupied & (keys == key), lanes - 1024, order), axis=0)
+        tl.store(erank_ptr + i, -1)
+        if pick < 0:  # a hit: touch (and pin) its way
+            way = pick + 1024
+            row = g * B + way
+            if kind != 0:  # the log counter: decayed by idle time (hybrid), bumped (lfu, hybrid)
+                f = tl.load(freq_ptr + row).to(tl.int64)
+                if kind == 2:
+                    f = tl.maximum(f - (step64 - tl.load(last_ptr + row).to(tl.int64)) // decay, 0)
+                # policy.bump_with, drawn as slot_map.coin(key, step) draws: fmix64 of both
+                r = key * _COIN_MULT ^ ((step64 << 32) ^ _COIN_SEED)
+                r = r ^ (r.to(tl.uint64, bitcast=True) >> 33).to(tl.int64, bitcast=True)
+                r = r * _FMIX1
+                r = r ^ (r.to(tl.uint64, bitcast=True) >> 33).to(tl.int64, bitcast=True)
+                r = r * _FMIX2
+                r = r ^ (r.to(tl.uint64, bitcast=True) >> 33).to(tl.int64, bitcast=True)
+                draw = (r.to(tl.uint64, bitcast=True) >> 11).to(tl.float64) * 1.1102230246251565e-16  # 2^-53
+                p = 1.0 / (tl.maximum(f - init_freq, 0).to(tl.float64) * log_factor + 1.0)
+                q = tl.maximum(1.0 - p, 1e-300)  # (log of 0 where p is 1: p_batch is 1 either way)
+                p_batch = tl.where(sightings == 1, p, 1.0 - tl.exp(sightings.to(tl.float64) * tl.log(q)))
+                f = tl.where((draw < p_batch) & (f < _MAX_FREQ), f + 1, f)
+                tl.store(freq_ptr + row, f.to(tl.uint8))
+            tl.store(last_ptr + row, step)
+            if PIN:
+                tl.store(pins_ptr + row, tl.load(pins_ptr + row) + 1)
+            order = tl.where(lanes == way, _TOP, order)
+            tl.store(urow_ptr + i, row)
+            tl.store(uslot_ptr + i, row - first)
+            tl.store(arank_ptr + i, -1)
+            hits += sightings
+        else:
+            # admission: the miss's sightings counted in the sketch (threshold > 1 only)
+            estimate = sightings * 0 + _TOP
+            if threshold > 1:
+                mixed = key + t * _SALT  # sketch_keys(t, key)
+                for d in tl.static_range(DEPTH):
+                    column = ((mixed * tl.load(mult_ptr + d)) >> sketch_shift) & (sketch_width - 1)
+                    cell = sketch_ptr + d * sketch_width + column
+                    after = tl.atomic_add(cell, sightings.to(tl.int32)).to(tl.int64) + sightings
+                    tl.atomic_min(cell, _MAX_COUNT, mask=after > _MAX_COUNT)  # saturate as the sketch does
+                    estimate = tl.minimum(estimate, tl.minimum(after, _MAX_COUNT))
+            tl.store(arank_ptr + i, -1)
+            if estimate < threshold:
+                n_rejected += 1
+            elif pick == _TOP:  # every way pinned or used by this batch: refused this batch
+                n_refused += 1
+            else:
+                way = pick & (B - 1)
+                row = g * B + way
+                if (pick >> 58) > 0:  # the way held a pair: evicted
+                    tl.store(gone_ptr + i, tl.load(keys_ptr + row))
+                    tl.store(erank_ptr + i, n_evicted.to(tl.int32))
+                    n_evicted += 1
+                tl.store(keys_ptr + row, key)
+                tl.store(last_ptr + row, step)
+                tl.store(freq_ptr + row, init_freq.to(tl.uint8))
+                if PIN:  # (a victim has no pins)
+                    tl.store(pins_ptr + row, 1)
+                keys = tl.where(lanes == way, key, keys)
+                occupied = occupied | (lanes == way)
+                order = tl.where(lanes == way, _TOP, order)
+                tl.store(urow_ptr + i, row)
+                tl.store(uslot_ptr + i, row - first)
+                tl.store(arank_ptr + i, n_admitted.to(tl.int32))
+                n_admitted += 1
 
-    tl.store(keys_ptr + rows, keys, mask=mine)
-    tl.store(last_ptr + rows, last, mask=mine)
-    tl.store(freq_ptr + rows, freq.to(tl.uint8), mask=mine)
-    tl.store(pins_ptr + rows, pins, mask=mine)
     # one atomic per counter a program: its places in the outputs, and the batch's sums
     a_at = tl.atomic_add(counts_ptr + 2, n_admitted, mask=active)
     e_at = tl.atomic_add(counts_ptr + 3, n_evicted, mask=active)
@@ -318,25 +333,24 @@ def _find_or_insert_kernel(
     tl.atomic_add(counts_ptr + 4, n_rejected, mask=active)
     tl.atomic_add(counts_ptr + 5, n_refused, mask=active)
     tl.atomic_add(counts_ptr + 7 + t, n_admitted - n_evicted, mask=active)
-    # copy the program's admitted and evicted pairs to their places, a chunk at a time
+    # the program's admitted and evicted pairs to their places, a chunk at a time
     chunk = tl.arange(0, CHUNK)
     for c in range(start, end, CHUNK):
         at_i = c + chunk
         inside = at_i < end
-        flag = tl.load(flags_ptr + at_i, mask=inside, other=0)
         slot = tl.load(uslot_ptr + at_i, mask=inside, other=0)
-        came = (flag & 1) != 0
-        put = a_at + tl.cumsum(came.to(tl.int64), axis=0) - 1
+        a_rank = tl.load(arank_ptr + at_i, mask=inside, other=-1)
+        came = a_rank >= 0
+        put = a_at + a_rank
         tl.store(admitted_ptr + put, t + chunk * 0, mask=came)
         tl.store(admitted_ptr + out_len + put, tl.load(uniq_ptr + at_i, mask=came, other=0), mask=came)
         tl.store(admitted_ptr + 2 * out_len + put, slot, mask=came)
-        a_at += tl.sum(came.to(tl.int64), axis=0)
-        went = (flag & 2) != 0
-        put = e_at + tl.cumsum(went.to(tl.int64), axis=0) - 1
+        e_rank = tl.load(erank_ptr + at_i, mask=inside, other=-1)
+        went = e_rank >= 0
+        put = e_at + e_rank
         tl.store(evicted_ptr + put, t + chunk * 0, mask=went)
         tl.store(evicted_ptr + out_len + put, tl.load(gone_ptr + at_i, mask=went, other=0), mask=went)
         tl.store(evicted_ptr + 2 * out_len + put, slot, mask=went)
-        e_at += tl.sum(went.to(tl.int64), axis=0)
 
 
 @triton.jit
@@ -502,7 +516,8 @@ class BucketSlotMap:
         # 3. the launch
         urow = torch.full((n,), -1, dtype=torch.int64, device=dev)
         uslot = torch.full((n,), -1, dtype=torch.int64, device=dev)
-        flags = torch.empty(n, dtype=torch.int32, device=dev)
+        arank = torch.empty(n, dtype=torch.int32, device=dev)
+        erank = torch.empty(n, dtype=torch.int32, device=dev)
         gone = torch.empty(n, dtype=torch.int64, device=dev)
         admitted = torch.empty(3, n, dtype=torch.int64, device=dev)
         evicted = torch.empty(3, n, dtype=torch.int64, device=dev)
@@ -511,7 +526,7 @@ class BucketSlotMap:
         _find_or_insert_kernel[(grid,)](
             self.keys, self.last_access, self.freq, self.pins,
             uniq, utab, ubucket, ucount, bstart, self._params, self._log_factor, sketch, self._mult,
-            urow, uslot, flags, gone, admitted, evicted, counts,
+            urow, uslot, arank, erank, gone, admitted, evicted, counts,
             self.step, width, 64 - (width.bit_length() - 1), n,
             B=self.bucket_size, DEPTH=self.sketch.depth if self.sketch is not None else 0, PIN=pin, CHUNK=_CHUNK,
         )  # fmt: skip
