@@ -212,10 +212,10 @@ def _find_or_insert_kernel(
     """One program per touched bucket (see the module doc). Per distinct pair i it writes its
     row and slot (-1: none), and its rank among the program's admitted and evicted pairs (-1:
     not one); admitted_ptr / evicted_ptr: three int64 rows of out_len (table, id, slot)."""
-    p = tl.program_id(0)
+    program = tl.program_id(0)
     n_distinct = tl.load(counts_ptr + 0)
-    start = tl.load(bstart_ptr + p)
-    end = tl.minimum(tl.load(bstart_ptr + p + 1), n_distinct)
+    start = tl.load(bstart_ptr + program)
+    end = tl.minimum(tl.load(bstart_ptr + program + 1), n_distinct)
     active = start < end  # programs past the touched buckets do nothing
     at = tl.minimum(start, out_len - 1)  # (a place to read for them too)
     t = tl.load(utab_ptr + at)
@@ -254,16 +254,18 @@ def _find_or_insert_kernel(
     n_evicted = start * 0
     n_rejected = start * 0
     n_refused = start * 0
-    # branches, not selects over every case: a hit skips the sketch, LRU the log counter (on
-    # a GPU, work saved; in the interpreter, where a reduction costs milliseconds, a test's time)
+    # branches, not selects over every case: LRU skips the log counter, a table without a
+    # threshold the sketch (on a GPU, work saved; in the interpreter, where a reduction costs
+    # milliseconds, a test's time)
+    # Two passes: the hits first, so that a miss never evicts a way that a later key of this
+    # batch would have hit (it is touched, and so kept, before any miss looks for a victim).
     for i in range(start, end):
         key = tl.load(uniq_ptr + i)
         sightings = tl.load(ucount_ptr + i)
-        # one min: a matching way (negative, way - 1024), else the first way in eviction order
-        pick = tl.min(tl.where(occupied & (keys == key), lanes - 1024, order), axis=0)
+        way = tl.min(tl.where(occupied & (keys == key), lanes, B), axis=0)
+        tl.store(arank_ptr + i, -1)
         tl.store(erank_ptr + i, -1)
-        if pick < 0:  # a hit: touch (and pin) its way
-            way = pick + 1024
+        if way < B:  # a hit: touch (and pin) its way
             row = g * B + way
             if kind != 0:  # the log counter: decayed by idle time (hybrid), bumped (lfu, hybrid)
                 f = tl.load(freq_ptr + row).to(tl.int64)
@@ -277,9 +279,9 @@ def _find_or_insert_kernel(
                 r = r * _FMIX2
                 r = r ^ (r.to(tl.uint64, bitcast=True) >> 33).to(tl.int64, bitcast=True)
                 draw = (r.to(tl.uint64, bitcast=True) >> 11).to(tl.float64) * 1.1102230246251565e-16  # 2^-53
-                p = 1.0 / (tl.maximum(f - init_freq, 0).to(tl.float64) * log_factor + 1.0)
-                q = tl.maximum(1.0 - p, 1e-300)  # (log of 0 where p is 1: p_batch is 1 either way)
-                p_batch = tl.where(sightings == 1, p, 1.0 - tl.exp(sightings.to(tl.float64) * tl.log(q)))
+                prob = 1.0 / (tl.maximum(f - init_freq, 0).to(tl.float64) * log_factor + 1.0)
+                q = tl.maximum(1.0 - prob, 1e-300)  # (log of 0 where prob is 1: p_batch is 1 either way)
+                p_batch = tl.where(sightings == 1, prob, 1.0 - tl.exp(sightings.to(tl.float64) * tl.log(q)))
                 f = tl.where((draw < p_batch) & (f < _MAX_FREQ), f + 1, f)
                 tl.store(freq_ptr + row, f.to(tl.uint8))
             tl.store(last_ptr + row, step)
@@ -288,9 +290,11 @@ def _find_or_insert_kernel(
             order = tl.where(lanes == way, _TOP, order)
             tl.store(urow_ptr + i, row)
             tl.store(uslot_ptr + i, row - first)
-            tl.store(arank_ptr + i, -1)
             hits += sightings
-        else:
+    for i in range(start, end):
+        if tl.load(urow_ptr + i) < 0:  # a miss (urow starts at -1)
+            key = tl.load(uniq_ptr + i)
+            sightings = tl.load(ucount_ptr + i)
             # admission: the miss's sightings counted in the sketch (threshold > 1 only)
             estimate = sightings * 0 + _TOP
             if threshold > 1:
@@ -301,7 +305,8 @@ def _find_or_insert_kernel(
                     after = tl.atomic_add(cell, sightings.to(tl.int32)).to(tl.int64) + sightings
                     tl.atomic_min(cell, _MAX_COUNT, mask=after > _MAX_COUNT)  # saturate as the sketch does
                     estimate = tl.minimum(estimate, tl.minimum(after, _MAX_COUNT))
-            tl.store(arank_ptr + i, -1)
+            # the first way in eviction order (free, expired, lowest score, lowest way)
+            pick = tl.min(order, axis=0)
             if estimate < threshold:
                 n_rejected += 1
             elif pick == _TOP:  # every way pinned or used by this batch: refused this batch
