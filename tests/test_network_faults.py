@@ -98,8 +98,9 @@ def test_a_trainer_cut_off_from_its_ps_fails_in_one_line_and_resumes_losing_noth
         assert len(errors) == 1 and link.address in errors[0], err[-3000:]
         assert "Traceback" not in err, err[-3000:]
         # the deadline twice (the step's call, then the push of the resident rows it tries before
-        # exiting: 9.7 s seen), and the job's own exit
-        assert failed_after < 2 * DEADLINE_S + 5, f"failed {failed_after:.1f} s after the cut: {errors[0]}"
+        # exiting: 9.7 s seen alone, 14.4 s beside a parallel run's other tests), and the job's
+        # own exit: no hang (the trainer would wait out --ps-timeout-seconds again and again)
+        assert failed_after < 2 * DEADLINE_S + 12, f"failed {failed_after:.1f} s after the cut: {errors[0]}"
 
         link.heal()
         at = read_manifest(checkpoints(ck)[-1])["step"]

@@ -1,6 +1,7 @@
 """The ID transformer's kernel loads even when a build that was cut off left torch's lock behind
 (a machine restart mid-build once made every later import wait forever)."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,23 +16,27 @@ from torch.utils import cpp_extension
 from dynemb.idtransformer import kernel
 print(cpp_extension._get_build_directory(kernel.build_name(), verbose=False))
 """
+LOAD_OPS = "from dynemb.idtransformer.kernel import ops; ops(); print('loaded')"
 
 
-def test_a_stale_build_lock_is_removed_not_waited_on():
+@pytest.fixture(scope="module")
+def own_build(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """The kernel built in a folder of these tests' own (TORCH_EXTENSIONS_DIR), and the
+    environment that loads it from there: what they plant or time must not be met (a lock
+    removed, a build redone) by the other processes of a parallel run, which load the kernel
+    from the shared folder all the while. One build (seconds), shared by the module's tests."""
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path_factory.mktemp("extensions"))}
+    subprocess.run([sys.executable, "-c", LOAD_OPS], cwd=REPO, env=env, check=True, capture_output=True, timeout=600)
+    build = subprocess.run([sys.executable, "-c", LOAD], cwd=REPO, env=env, check=True, capture_output=True, text=True)
+    return Path(build.stdout.strip()), env
+
+
+def test_a_stale_build_lock_is_removed_not_waited_on(own_build):
     root = REPO
-    build = Path(
-        subprocess.run(
-            [sys.executable, "-c", LOAD], cwd=root, check=True, capture_output=True, text=True
-        ).stdout.strip()
-    )
-    build.mkdir(parents=True, exist_ok=True)
+    build, env = own_build
     (build / "lock").touch()  # what a killed build leaves
     done = subprocess.run(
-        [sys.executable, "-c", "from dynemb.idtransformer.kernel import ops; ops(); print('loaded')"],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=240,
+        [sys.executable, "-c", LOAD_OPS], cwd=root, env=env, capture_output=True, text=True, timeout=240
     )
     assert done.returncode == 0, done.stderr
     assert "loaded" in done.stdout
@@ -39,23 +44,19 @@ def test_a_stale_build_lock_is_removed_not_waited_on():
     assert not (build / "lock").exists()
 
 
-def test_a_second_checkout_of_the_same_source_reuses_the_build(tmp_path):
+def test_a_second_checkout_of_the_same_source_reuses_the_build(own_build, tmp_path):
     """Two checkouts of one version (worktrees, copies) share the build folder; the build must
     not depend on which path the source was read from, or each load rebuilds the other's."""
     import shutil
 
     root = REPO
-    build = Path(
-        subprocess.run(
-            [sys.executable, "-c", LOAD], cwd=root, check=True, capture_output=True, text=True
-        ).stdout.strip()
-    )
-    load = "from dynemb.idtransformer.kernel import ops; ops(); print('loaded')"
-    subprocess.run([sys.executable, "-c", load], cwd=root, check=True, capture_output=True, timeout=240)
+    build, env = own_build
     built = {p.name: p.stat().st_mtime_ns for p in build.iterdir() if p.suffix in (".so", ".ninja", ".o")}
     assert any(name.endswith(".so") for name in built), sorted(built)
     shutil.copytree(root / "dynemb", tmp_path / "dynemb", ignore=shutil.ignore_patterns("__pycache__"))
-    done = subprocess.run([sys.executable, "-c", load], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD_OPS], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
+    )
     assert done.returncode == 0, done.stderr
     after = {p.name: p.stat().st_mtime_ns for p in build.iterdir() if p.suffix in (".so", ".ninja", ".o")}
     assert after == built, "loading from a second checkout rebuilt the kernel"

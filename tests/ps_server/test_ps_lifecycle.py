@@ -98,13 +98,16 @@ def test_a_ps_killed_mid_sweep_loses_no_row_that_had_not_expired(request, backen
     url = request.getfixturevalue("redis_url" if backend == "standalone" else "redis_cluster")
     flags = ("--backend", url if isinstance(url, str) else url.url, "--namespace", redis_namespace)
     loader = make_ps(*flags, "--sweep-every", "0")  # sweeps nothing
+    ttl = 20
     old, live = np.arange(150_000, dtype=np.int64), np.arange(150_000, 200_000, dtype=np.int64)
     with PSClient(loader.address, timeout=60) as client:
-        client.create_table("big", dim=4, expected_rows=200_000, lifecycle=Lifecycle(ttl_s=10))
+        # a ttl long enough that the live rows outlast a PS started and a sweep begun on a loaded
+        # machine (10 s was too short beside a parallel run's other tests)
+        client.create_table("big", dim=4, expected_rows=200_000, lifecycle=Lifecycle(ttl_s=ttl))
         for lo in range(0, len(old), 20_000):
             client.push("big", old[lo : lo + 20_000], rows_of(old[lo : lo + 20_000]))
-        time.sleep(7)
-        client.push("big", live, rows_of(live))  # 10 s after this, they too expire: check before
+        time.sleep(ttl - 3)
+        client.push("big", live, rows_of(live))  # ttl s after this, they too expire: check before
         pushed_live = time.time()
         time.sleep(3.5)
         sweeper = make_ps(*flags, *SWEEP)
@@ -113,7 +116,7 @@ def test_a_ps_killed_mid_sweep_loses_no_row_that_had_not_expired(request, backen
         )
         sweeper.stop(signal.SIGKILL)
         got = client.pull("big", live)
-        assert time.time() - pushed_live < 10, "the check came after the live rows expired: the test is too slow"
+        assert time.time() - pushed_live < ttl, "the check came after the live rows expired: the test is too slow"
         assert not got.missing.any()
         np.testing.assert_array_equal(got.rows, rows_of(live))
         assert client.describe_table("big").num_rows >= len(live)
