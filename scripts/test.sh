@@ -14,6 +14,7 @@ echo "[test] ruff check, ruff format --check, mypy"
 .venv/bin/ruff format --check --quiet .
 .venv/bin/mypy
 workers=${DYNEMB_TEST_WORKERS:-$(( $(nproc) * 2 ))}
-# --maxschedchunk 1: tests handed out one at a time, in the order tests/conftest.py puts them
-# (the longest first), not in chunks of consecutive tests (a chunk would hold every long one)
-exec .venv/bin/python -m pytest -n "$workers" --dist load --maxschedchunk 1 "$@"
+# --dist loadgroup: tests handed out one at a time (a group of tests that share a module's
+# fixture as one), in the order tests/conftest.py puts them: the longest first. Not --dist
+# load, which hands out chunks of consecutive tests (one chunk would hold every long one).
+exec .venv/bin/python -m pytest -n "$workers" --dist loadgroup "$@"

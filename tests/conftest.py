@@ -203,14 +203,19 @@ _CLUSTER_FIXTURES = {"redis_cluster", "redis_tls_cluster"}
 
 def pytest_collection_modifyitems(config, items) -> None:
     """`cluster` on every test that starts a Redis Cluster (through its fixtures), `cuda` on
-    every case parametrized with a CUDA device; then, without a GPU, a skip on every `cuda` test
-    (so `pytest -m cuda` selects the GPU checks, scripts/gpu_check.sh). The other markers are
-    written on the tests themselves."""
+    every case parametrized with a CUDA device, an xdist group on the tests of a module that
+    share a module-scoped fixture; then, without a GPU, a skip on every `cuda` test (so
+    `pytest -m cuda` selects the GPU checks, scripts/gpu_check.sh); then the order. The other
+    markers are written on the tests themselves."""
     for item in items:
         if _CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.cluster)
         if _is_cuda_case(item):
             item.add_marker(pytest.mark.cuda)
+        if _shares_a_module_fixture(item):
+            # one worker runs them (scripts/test.sh: --dist loadgroup), so that the fixture (a
+            # training job, a Prometheus stack) is set up once, not on every worker
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
     cuda_items = [item for item in items if item.get_closest_marker("cuda")]
     if cuda_items and not torch.cuda.is_available():
         for item in cuda_items:
@@ -219,6 +224,11 @@ def pytest_collection_modifyitems(config, items) -> None:
     # pytest-xdist hands tests out in this order, so that no worker starts a minute-long test
     # while the others have run out of work (a stable sort keeps pytest-randomly's order)
     items.sort(key=lambda item: 0 if item.get_closest_marker("dist") else 1 if _is_slow(item) else 2)
+
+
+def _shares_a_module_fixture(item) -> bool:
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    return any(d.scope in ("module", "class") for fixturedefs in defs.values() for d in fixturedefs)
 
 
 def _is_slow(item) -> bool:
