@@ -14,7 +14,7 @@ echo "[test] ruff check, ruff format --check, mypy"
 .venv/bin/ruff format --check --quiet .
 .venv/bin/mypy
 workers=${DYNEMB_TEST_WORKERS:-$(( $(nproc) * 2 ))}
-# --dist loadgroup: tests handed out one at a time (a group of tests that share a module's
-# fixture as one), in the order tests/conftest.py puts them: the longest first. Not --dist
-# load, which hands out chunks of consecutive tests (one chunk would hold every long one).
-exec .venv/bin/python -m pytest -n "$workers" --dist loadgroup "$@"
+# tests handed out one at a time, in the order tests/conftest.py puts them (the longest first),
+# the tests of a few modules that share a costly fixture as one: tests/conftest.py's scheduler
+# for --dist load (xdist's own hands out chunks of consecutive tests: one would hold every long one)
+exec .venv/bin/python -m pytest -n "$workers" --dist load "$@"

@@ -203,19 +203,14 @@ _CLUSTER_FIXTURES = {"redis_cluster", "redis_tls_cluster"}
 
 def pytest_collection_modifyitems(config, items) -> None:
     """`cluster` on every test that starts a Redis Cluster (through its fixtures), `cuda` on
-    every case parametrized with a CUDA device, an xdist group on the tests of a module that
-    share a module-scoped fixture; then, without a GPU, a skip on every `cuda` test (so
-    `pytest -m cuda` selects the GPU checks, scripts/gpu_check.sh); then the order. The other
+    every case parametrized with a CUDA device; then, without a GPU, a skip on every `cuda` test
+    (so `pytest -m cuda` selects the GPU checks, scripts/gpu_check.sh); then the order. The other
     markers are written on the tests themselves."""
     for item in items:
         if _CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.cluster)
         if _is_cuda_case(item):
             item.add_marker(pytest.mark.cuda)
-        if _shares_a_module_fixture(item):
-            # one worker runs them (scripts/test.sh: --dist loadgroup), so that the fixture (a
-            # training job, a Prometheus stack) is set up once, not on every worker
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
     cuda_items = [item for item in items if item.get_closest_marker("cuda")]
     if cuda_items and not torch.cuda.is_available():
         for item in cuda_items:
@@ -224,11 +219,6 @@ def pytest_collection_modifyitems(config, items) -> None:
     # pytest-xdist hands tests out in this order, so that no worker starts a minute-long test
     # while the others have run out of work (a stable sort keeps pytest-randomly's order)
     items.sort(key=lambda item: 0 if item.get_closest_marker("dist") else 1 if _is_slow(item) else 2)
-
-
-def _shares_a_module_fixture(item) -> bool:
-    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-    return any(d.scope in ("module", "class") for fixturedefs in defs.values() for d in fixturedefs)
 
 
 def _is_slow(item) -> bool:
@@ -262,3 +252,38 @@ def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
     ):
         return True
     return None
+
+
+# --- pytest-xdist: which worker runs what (scripts/test.sh runs -n N --dist load) --------------
+# Tests are handed out one at a time in the order above, except the tests of these modules,
+# which share a module-scoped fixture that costs tens of seconds (a Prometheus stack and the
+# trainers it scrapes, a torchrun job, a training run, a kernel build): each module goes to one
+# worker whole, which sets its fixture up once. Written here by hand because xdist's own groups
+# (--dist loadgroup) rename node ids, which pytest 9 no longer lets a plugin do.
+_ONE_WORKER_MODULES = frozenset(
+    {
+        "test_prometheus.py",
+        "test_communicators.py",
+        "test_checkpoint_cli.py",
+        "test_trainer_counters.py",
+        "test_kernel_build.py",
+    }
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which would answer for --dist load
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneAtATime(LoadScopeScheduling):
+        """LoadScopeScheduling with a unit of one test, or of one module of _ONE_WORKER_MODULES:
+        units are handed out in the suite's order (the modules first, largest first), a worker
+        given one more when it has two tests or fewer left."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module.rsplit("/", 1)[-1] in _ONE_WORKER_MODULES else nodeid
+
+    return OneAtATime(config, log)
