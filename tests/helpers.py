@@ -218,3 +218,65 @@ def job_tables(address: str, prefix: str) -> dict[str, tuple[np.ndarray, np.ndar
                 order = np.argsort(ids)
                 out[name[len(prefix) :]] = (ids[order], np.concatenate([c[1] for c in chunks])[order])
     return out
+
+
+class DeviceWork:
+    """Kernel launches (Triton's), torch ops (each a kernel launch or more on a GPU; views
+    aside) and host copies (`module.to_host`) while count() runs a function. Under Triton's
+    interpreter a launch's own argument copies are not counted as the pass's ops."""
+
+    def __init__(self, monkeypatch, module) -> None:
+        import torch
+        import triton
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.launches = self.ops = self.copies = 0
+        self.on = False
+        outer = self
+
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if outer.on and not func.is_view:
+                    outer.ops += 1
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Ops()
+        real_copy = module.to_host
+
+        def copy(counts):
+            self.copies += 1
+            return real_copy(counts)
+
+        monkeypatch.setattr(module, "to_host", copy)
+        if torch.cuda.is_available():
+            real_run = triton.runtime.jit.JITFunction.run
+
+            def run(fn, *a, **kw):
+                self.launches += self.on
+                return real_run(fn, *a, **kw)
+
+            monkeypatch.setattr(triton.runtime.jit.JITFunction, "run", run)
+        else:  # the interpreter's launches (their argument copies are not the pass's ops)
+            from triton.runtime.interpreter import GridExecutor
+
+            real_call = GridExecutor.__call__
+
+            def call(executor, *a, **kw):
+                self.launches += self.on
+                was, self.on = self.on, False
+                try:
+                    return real_call(executor, *a, **kw)
+                finally:
+                    self.on = was
+
+            monkeypatch.setattr(GridExecutor, "__call__", call)
+
+    def count(self, fn) -> tuple[int, int, int]:
+        self.launches = self.ops = self.copies = 0
+        with self.mode:
+            self.on = True
+            try:
+                fn()
+            finally:
+                self.on = False
+        return self.launches, self.ops, self.copies

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-import triton
+from helpers import DeviceWork
 
 from dynemb.idtransformer import bucket_map
 from dynemb.idtransformer.admission import CountMinSketch
@@ -253,7 +253,7 @@ def test_export_and_restore_round_trip():
 
 def test_tables_get_slots_in_their_own_range_in_one_launch(monkeypatch):
     """26 tables cost what 1 costs: one Triton launch, the same torch ops, one host copy."""
-    counted = _Counted(monkeypatch)
+    counted = DeviceWork(monkeypatch, bucket_map)
     figures = {}
     for n in (1, 26):
         m = BucketSlotMap([TableSpec(B, EvictionPolicy("hybrid"), 2) for _ in range(n)], B, 1 << 8, 4, DEVICE)
@@ -273,65 +273,6 @@ def test_tables_get_slots_in_their_own_range_in_one_launch(monkeypatch):
     assert figures[1] == figures[26], f"1 table: {figures[1]}, 26: {figures[26]} (launches, ops, copies)"
     assert figures[1][0] == 1 and figures[1][2] == 1, figures
     assert figures["release 1"] == figures["release 26"] and figures["release 1"][::2] == (1, 0), figures
-
-
-class _Counted:
-    """Triton launches, torch ops (views aside) and host copies (bucket_map.to_host) while on;
-    under the interpreter its own argument copies are not counted (test_device_tables' way)."""
-
-    def __init__(self, monkeypatch) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        self.launches = self.ops = self.copies = 0
-        self.on = False
-        outer = self
-
-        class Ops(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if outer.on and not func.is_view:
-                    outer.ops += 1
-                return func(*args, **(kwargs or {}))
-
-        self.mode = Ops()
-        real_copy = bucket_map.to_host
-
-        def copy(counts):
-            self.copies += 1
-            return real_copy(counts)
-
-        monkeypatch.setattr(bucket_map, "to_host", copy)
-        if CUDA:
-            real_run = triton.runtime.jit.JITFunction.run
-
-            def run(fn, *a, **kw):
-                self.launches += self.on
-                return real_run(fn, *a, **kw)
-
-            monkeypatch.setattr(triton.runtime.jit.JITFunction, "run", run)
-        else:
-            from triton.runtime.interpreter import GridExecutor
-
-            real_call = GridExecutor.__call__
-
-            def call(executor, *a, **kw):
-                self.launches += self.on
-                was, self.on = self.on, False
-                try:
-                    return real_call(executor, *a, **kw)
-                finally:
-                    self.on = was
-
-            monkeypatch.setattr(GridExecutor, "__call__", call)
-
-    def count(self, fn) -> tuple[int, int, int]:
-        self.launches = self.ops = self.copies = 0
-        with self.mode:
-            self.on = True
-            try:
-                fn()
-            finally:
-                self.on = False
-        return self.launches, self.ops, self.copies
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
+from helpers import DeviceWork
 
 from dynemb.idtransformer import device_transform
 from dynemb.idtransformer.device_tables import DeviceTables
@@ -137,70 +137,11 @@ def test_a_release_refused_by_one_table_releases_the_others():
     assert isinstance(errors[1], ValueError) and errors[2] is None
 
 
-class _Counted:
-    """Kernel launches (Triton's), torch ops (each a kernel launch or more on a GPU; views
-    aside) and host copies (device_transform.to_host) while it is on."""
-
-    def __init__(self, monkeypatch) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        self.launches = self.ops = self.copies = 0
-        self.on = False
-        outer = self
-
-        class Ops(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if outer.on and not func.is_view:
-                    outer.ops += 1
-                return func(*args, **(kwargs or {}))
-
-        self.mode = Ops()
-        real_copy = device_transform.to_host
-
-        def copy(counts):
-            self.copies += 1
-            return real_copy(counts)
-
-        monkeypatch.setattr(device_transform, "to_host", copy)
-        if CUDA:
-            real_run = triton.runtime.jit.JITFunction.run
-
-            def run(fn, *a, **kw):
-                self.launches += self.on
-                return real_run(fn, *a, **kw)
-
-            monkeypatch.setattr(triton.runtime.jit.JITFunction, "run", run)
-        else:  # the interpreter's launches (their argument copies are not the pass's ops)
-            from triton.runtime.interpreter import GridExecutor
-
-            real_call = GridExecutor.__call__
-
-            def call(executor, *a, **kw):
-                self.launches += self.on
-                was, self.on = self.on, False
-                try:
-                    return real_call(executor, *a, **kw)
-                finally:
-                    self.on = was
-
-            monkeypatch.setattr(GridExecutor, "__call__", call)
-
-    def count(self, fn) -> tuple[int, int, int]:
-        self.launches = self.ops = self.copies = 0
-        with self.mode:
-            self.on = True
-            try:
-                fn()
-            finally:
-                self.on = False
-        return self.launches, self.ops, self.copies
-
-
 @pytest.mark.slow
 def test_launches_and_copies_do_not_grow_with_the_tables(monkeypatch):
     """A DLRM step's 26 tables cost what 1 costs: the same Triton launches, the same torch ops,
     one host copy; every table evicting, admitting through its sketch and pinned."""
-    counted = _Counted(monkeypatch)
+    counted = DeviceWork(monkeypatch, device_transform)
 
     def make(n: int) -> list[IDTransformer]:
         policy = EvictionPolicy("hybrid", evict_fraction=0.25, log_factor=1.0)
