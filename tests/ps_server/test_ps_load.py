@@ -162,9 +162,12 @@ def test_memory_growth_rule_fails_a_leak_and_ignores_spikes():
 
 
 def test_a_ttl_table_fed_new_ids_settles_at_its_steady_size(tmp_path):
+    # Redis's memory follows the rows stored, which may move within the steady-size band (1.67
+    # here, judged below): its 10% default failed once on a loaded machine (rows 9,984 at
+    # warm-up's end, 11,681 at the end: +15.7%), so it is given the band; the PS's RSS keeps 10%
     done, r = run_bench(
         *("--ttl", "4", "--sweep-every", "0.5", "--push-rate", "2000", "--duration", "24"),
-        *("--clients", "2", "--procs", "1", "--batch", "256", "--id-space", "10000"),
+        *("--clients", "2", "--procs", "1", "--batch", "256", "--id-space", "10000", "--max-redis-growth", "0.67"),
         tmp_path=tmp_path,
     )
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr[-3000:]}"
