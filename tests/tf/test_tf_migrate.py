@@ -563,34 +563,9 @@ def screen(text: str) -> list[str]:
 
 def test_cli_errors_name_real_flags_and_leave_no_progress_bar(tmp_path, tf1_copy):
     out = str(tmp_path / "out")
-    assert (
-        dynemb(
-            "tf",
-            "migrate",
-            str(tf1_copy),
-            "--optimizer",
-            "sgd",
-            "--out",
-            out,
-            "--table",
-            "a=emb/item",
-            "--quiet",
-            keep_carriage_returns=True,
-        ).returncode
-        == 0
-    )
-    res = dynemb(
-        "tf",
-        "migrate",
-        str(tf1_copy),
-        "--optimizer",
-        "sgd",
-        "--out",
-        out,
-        "--table",
-        "a=emb/item",
-        keep_carriage_returns=True,
-    )
+    migrate = ("tf", "migrate", str(tf1_copy), "--optimizer", "sgd", "--out", out, "--table", "a=emb/item")
+    assert dynemb(*migrate, "--quiet", keep_carriage_returns=True).returncode == 0
+    res = dynemb(*migrate, keep_carriage_returns=True)
     assert res.returncode == 1
     assert screen(res.stderr)[-2:] == [
         f"dynemb: error: {out}/a: already holds table files; choose another --out or give --overwrite",
