@@ -19,6 +19,7 @@ from dynemb.ps_server.errors import InvalidArgument
 from dynemb.ps_server.lifecycle import Lifecycle
 from dynemb.ps_server.schema import TableSchema
 from dynemb.ps_server.sweeper import sweep_table
+from dynemb.testing.local_redis import RedisProcess
 
 T0 = 1_800_000_000.0
 DIM = 4
@@ -384,10 +385,17 @@ def test_a_read_of_the_log_takes_about_limit_ids_however_they_were_logged(store)
     assert got == ids.tolist()
 
 
-def test_a_drop_of_an_empty_table_visits_no_bucket(redis_url, redis_namespace):
+def test_a_drop_of_an_empty_table_visits_no_bucket(redis_binaries):
     import redis as redis_py
 
-    store = RedisStore.from_url(redis_url, namespace=redis_namespace)
+    # A server of its own: commandstats counts every client's calls, and a sweeper or PS
+    # thread an earlier test on this worker left winding down would add to them.
+    with RedisProcess() as proc:
+        _drop_empty_table(proc.url, redis_py)
+
+
+def _drop_empty_table(redis_url: str, redis_py) -> None:
+    store = RedisStore.from_url(redis_url, namespace="t")
     r = redis_py.Redis.from_url(redis_url)
     try:
         store.create_table(TableSchema("empty", DIM))  # declares nothing: 4,096 buckets
