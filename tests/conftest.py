@@ -61,6 +61,15 @@ def redis_url(redis_server) -> str:
 
 
 @pytest.fixture
+def own_redis_url(redis_binaries):
+    """A redis-server for this test alone, for tests that count the server's commands:
+    commandstats counts every client's, and a sweeper or PS thread an earlier test on this
+    worker left winding down would add to the shared server's."""
+    with RedisProcess() as proc:
+        yield proc.url
+
+
+@pytest.fixture
 def redis_namespace() -> str:
     """A namespace no other test uses, so tests sharing a server never see each other's tables."""
     return f"t{uuid.uuid4().hex[:12]}"

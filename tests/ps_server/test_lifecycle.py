@@ -19,7 +19,6 @@ from dynemb.ps_server.errors import InvalidArgument
 from dynemb.ps_server.lifecycle import Lifecycle
 from dynemb.ps_server.schema import TableSchema
 from dynemb.ps_server.sweeper import sweep_table
-from dynemb.testing.local_redis import RedisProcess
 
 T0 = 1_800_000_000.0
 DIM = 4
@@ -336,7 +335,7 @@ def test_a_clear_logs_every_row_it_deletes(store):
     assert sorted(store.deletions(t, start).ids.tolist()) == ids.tolist()
 
 
-def test_two_sweepers_over_one_store_make_one_pass_an_interval(redis_url, redis_namespace):
+def test_two_sweepers_over_one_store_make_one_pass_an_interval(own_redis_url, redis_namespace):
     """Whether a pass is due goes by the store's record of the last one, by any PS: two PSes'
     sweepers over one Redis make one pass a pass interval between them, and a check of tables
     without a lifecycle reads no table one by one."""
@@ -344,6 +343,7 @@ def test_two_sweepers_over_one_store_make_one_pass_an_interval(redis_url, redis_
 
     from dynemb.ps_server.sweeper import Sweeper
 
+    redis_url = own_redis_url
     stores = [RedisStore.from_url(redis_url, namespace=redis_namespace) for _ in range(2)]
     try:
         for k in range(5):
@@ -385,16 +385,10 @@ def test_a_read_of_the_log_takes_about_limit_ids_however_they_were_logged(store)
     assert got == ids.tolist()
 
 
-def test_a_drop_of_an_empty_table_visits_no_bucket(redis_binaries):
+def test_a_drop_of_an_empty_table_visits_no_bucket(own_redis_url):
     import redis as redis_py
 
-    # A server of its own: commandstats counts every client's calls, and a sweeper or PS
-    # thread an earlier test on this worker left winding down would add to them.
-    with RedisProcess() as proc:
-        _drop_empty_table(proc.url, redis_py)
-
-
-def _drop_empty_table(redis_url: str, redis_py) -> None:
+    redis_url = own_redis_url
     store = RedisStore.from_url(redis_url, namespace="t")
     r = redis_py.Redis.from_url(redis_url)
     try:

@@ -660,7 +660,9 @@ def test_export_every_row_once(store):
     assert list(store.export("empty", 10)) == []
 
 
-def test_clear_and_drop(store, redis_url, redis_namespace):
+def test_clear_and_drop(own_redis_url, redis_namespace):
+    redis_url = own_redis_url
+    store = RedisStore.from_url(redis_url, namespace=redis_namespace)
     rng = np.random.default_rng(5)
     for name in ("a", "b"):
         schema = TableSchema(name, dim=2)
@@ -689,6 +691,7 @@ def test_clear_and_drop(store, redis_url, redis_namespace):
     runs = -(-store.num_buckets // redis_keys.CLEAR_KEYS_PER_SCRIPT)
     assert runs <= calls(r, "evalsha") <= runs + 3  # (the drop's own mark, log and end)
     r.close()
+    store.close()
 
 
 def test_table_errors_name_what_is_wrong(store, redis_namespace):
@@ -1155,7 +1158,9 @@ def test_row_counts_on_cluster(redis_cluster, redis_namespace):
     s.close()
 
 
-def test_listing_many_tables_takes_two_commands(store, redis_url):
+def test_listing_many_tables_takes_two_commands(own_redis_url):
+    redis_url = own_redis_url
+    store = RedisStore.from_url(redis_url, namespace="t")
     for i in range(40):
         store.create_table(TableSchema(f"l{i:02d}", dim=2))
         store.push(f"l{i:02d}", np.arange(i), np.zeros((i, 2), np.float32))
@@ -1168,6 +1173,7 @@ def test_listing_many_tables_takes_two_commands(store, redis_url):
         "cmdstat_hgetall": 2
     }
     r.close()
+    store.close()
 
 
 def test_tables_of_an_older_version_are_counted_once_and_listing_stops_at_the_deadline(store, redis_url):

@@ -281,12 +281,13 @@ def test_tables_dropped_through_another_ps_leave_its_metrics(redis_url, redis_na
 
 
 @pytest.mark.slow
-def test_entries_with_no_ids_cost_no_store_call(redis_url, redis_namespace, make_ps):
+def test_entries_with_no_ids_cost_no_store_call(own_redis_url, redis_namespace, make_ps):
     """A PullMany / PushMany of 20,000 entries naming 2 tables, most with no ids: one lookup of
     both tables' schemas per call (it was one HGET per entry), and no reads or writes for the
     empty entries."""
     import redis
 
+    redis_url = own_redis_url
     proc = make_ps("--backend", redis_url, "--namespace", redis_namespace)
     with PSClient(proc.address) as ps:
         ps.create_table("e1", dim=2)
