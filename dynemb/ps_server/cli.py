@@ -16,7 +16,7 @@ import math
 import os
 import signal
 import sys
-import threading
+import time
 
 import numpy as np
 
@@ -567,6 +567,17 @@ def cmd_serve(args) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # The handler only records the signal: it runs in the main thread between two bytecodes,
+    # wherever that thread is, so taking a lock there (an Event's, logging's) can deadlock
+    # against the main thread itself (seen: a PS not out 60 s after SIGTERM). Installed before
+    # the server starts and the port file appears, so an early SIGTERM still drains.
+    signals: list[int] = []
+
+    def on_signal(signum, frame):
+        signals.append(signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         config = ServeConfig(
             address=args.address,
@@ -607,15 +618,9 @@ def cmd_serve(args) -> int:
         with open(tmp, "w") as f:
             f.write(f"{server.port} {server.metrics_port or 0}\n")
         os.replace(tmp, args.port_file)
-    stop = threading.Event()
-
-    def on_signal(signum, frame):
-        logging.getLogger("dynemb.ps").info("got %s", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    stop.wait()
+    while not signals:
+        time.sleep(0.1)  # the handler runs during the sleep; the loop sees it within 0.1 s
+    logging.getLogger("dynemb.ps").info("got %s", signal.Signals(signals[0]).name)
     server.stop(close_port=False)
     # Exit without grpc's shutdown (see PSServer.stop): the connections close with the process.
     logging.shutdown()
