@@ -20,6 +20,7 @@ import pytest
 
 from dynemb.protos import ps_pb2
 from dynemb.ps_server import shm
+from dynemb.ps_server.client import PSClient
 from dynemb.ps_server.client.ordering import TableLanes
 from dynemb.ps_server.client.retry import RetryPolicy
 from dynemb.ps_server.client.sharding import Sharding
@@ -120,18 +121,44 @@ def test_a_call_outlasts_a_ps_restart(make_ps, transports, caplog):
     assert caplog.text.count("UNAVAILABLE; retrying") == 1  # one line per call, not per try
 
 
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_a_default_client_outlasts_a_restart_slower_than_its_backoffs(
+    make_ps, redis_url, redis_namespace, shared_memory
+):
+    """PSClient(timeout=T) with its default retry policy waits for a PS away longer than its
+    backoffs add up to (~5 s): it gave up after 3-4 s when it counted tries (issue 44)."""
+    backend = ("--backend", redis_url, "--namespace", redis_namespace)
+    first = make_ps(*backend)
+    address = first.address
+    ids = np.arange(100, dtype=np.int64)
+    with PSClient(address, timeout=40, shared_memory=shared_memory) as client:
+        client.create_table("t", dim=4)
+        client.push("t", ids, np.ones((100, 4), dtype=np.float32))
+        assert first.stop() == 0, first.log()[-4000:]
+        with ThreadPoolExecutor(1) as pool:
+            start = time.monotonic()
+            call = pool.submit(client.pull, "t", ids)
+            time.sleep(9.0)
+            assert not call.done(), call.exception()
+            make_ps(*backend, "--address", address)
+            got = call.result(timeout=60)
+    assert not got.missing.any() and (got.rows == 1).all()
+    assert time.monotonic() - start > 9.0
+
+
 def test_a_ps_that_stays_away_fails_the_call_by_its_deadline(transports):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
     transport = transports([address], attempts=None, initial_backoff=0.05, max_backoff=0.1)
     start = time.monotonic()
-    with pytest.raises(Unavailable, match=address):
+    # the one line says what the call did: its tries, their time, what ended them
+    with pytest.raises(Unavailable, match=rf"{address}.*; \d+ tries over \d\.\d s, until the call's deadline"):
         transport.call(0, "ListTables", LIST, start + 1.0)
     assert 0.5 < time.monotonic() - start < 3.0  # tried until about the deadline, not beyond
     few = transports([address], attempts=2, initial_backoff=0.05)
     start = time.monotonic()
-    with pytest.raises(Unavailable):
+    with pytest.raises(Unavailable, match=r"2 tries over \d\.\d s, until the retry policy's limit of 2"):
         few.call(0, "ListTables", LIST, start + 30)
     assert time.monotonic() - start < 2.0
 

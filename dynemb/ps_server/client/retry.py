@@ -6,6 +6,11 @@ again rather than waited on to the end. Every try fits in the call's one deadlin
 with jitter. Every PS call is idempotent (push overwrites, delete of a deleted id is a no-op, create of the same
 schema succeeds), so a retry never duplicates a write.
 
+A call is tried until its deadline, not a number of times: a count of tries ends a call after however long its
+backoffs add up to (8 tries gave up after 3-4 s of a 60 s deadline while a PS restarted, issue 44), and a channel
+in TRANSIENT_FAILURE fails each try at once. `attempts` caps the tries only where a caller asks for fewer (1: no
+retry).
+
 These are not gRPC's own retries (a `retryPolicy` in the channel's `grpc.service_config`), because in grpcio
 1.85: it clamps maxAttempts at 5, where a trainer's client retries for its whole deadline (attempts=None) to
 outlast a PS restart; it never retries a request bigger than its per-call retry buffer
@@ -31,14 +36,14 @@ class RetryPolicy:
     """How a PS call that failed is tried again.
 
     Attributes:
-        attempts: tries in all, the first included; None: as many as the deadline allows.
+        attempts: tries in all, the first included; None (the default): as many as the deadline allows.
         initial_backoff: seconds before the first retry (jittered down to half of it).
         max_backoff: the longest wait between two tries, in seconds.
         multiplier: how much each wait grows over the one before.
         attempt_timeout: seconds one try may take; None: the call's whole deadline.
     """
 
-    attempts: int | None = 8
+    attempts: int | None = None
     initial_backoff: float = 0.05
     max_backoff: float = 2.0
     multiplier: float = 2.0
@@ -78,6 +83,14 @@ class Attempts:
         self.started = time.monotonic()
         self.retries = 0
         self._backoffs = policy.backoffs()
+
+    def tries(self) -> int:
+        """Tries made so far, the one under way included."""
+        return self.retries + 1
+
+    def seconds(self) -> float:
+        """Seconds since the call started."""
+        return time.monotonic() - self.started
 
     def expired(self) -> bool:
         """Whether the call's deadline has passed."""

@@ -96,6 +96,25 @@ def _channel(address: str, creds, options: list, tls_server_name: str | None) ->
     return grpc.insecure_channel(target, options=options)
 
 
+def _how_long_retried(tries: Attempts) -> str:
+    """For the log line of a call's first retry: until when it is tried again."""
+    left = max(tries.deadline - time.monotonic(), 0.0)
+    if tries.policy.attempts is None:
+        return f"until its deadline, {left:.0f} s from now"
+    return f"up to {tries.policy.attempts - 1} times within {left:.0f} s"
+
+
+def _what_was_tried(tries: Attempts) -> str:
+    """For a call's final error: its tries, their time, and what ended them."""
+    n = tries.tries()
+    ended = (
+        f"the retry policy's limit of {tries.policy.attempts}"
+        if tries.policy.attempts is not None and n >= tries.policy.attempts
+        else "the call's deadline"
+    )
+    return f"{n} {'try' if n == 1 else 'tries'} over {tries.seconds():.1f} s, until {ended}"
+
+
 def _stub(channel: grpc.Channel) -> ps_pb2_grpc.ParameterServerStub:
     """The channel's ParameterServer stub, its row-carrying methods taking and giving bytes."""
     stub = ps_pb2_grpc.ParameterServerStub(channel)
@@ -166,13 +185,15 @@ class Transport:
             exc.args = (f"{exc.args[0]}; {self._tls_hint}",)
         return exc
 
-    def _final(self, last: grpc.RpcError, cause: grpc.RpcError | None, shard: int) -> PSError:
+    def _final(self, last: grpc.RpcError, cause: grpc.RpcError | None, shard: int, tries: Attempts) -> PSError:
         """The error of a call whose tries ran out: the last try's, and where that one only ran
         out of time, the reason an earlier try gave (a PS that answered "Redis is away" before
-        it stopped answering in time), so the one line says what failed."""
+        it stopped answering in time), and what the call did, so the one line says what failed."""
         exc = self.error(last, shard)
         if cause is not None and cause is not last and last.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
             exc.args = (f"{exc.args[0]}; the try before: {self.error(cause, shard).args[0]}",)
+        if tries.retryable(last.code()) or tries.retries:
+            exc.args = (f"{exc.args[0]}; {_what_was_tried(tries)}",)
         return exc
 
     def call(
@@ -229,9 +250,10 @@ class Transport:
                     return attempt.result()
                 if tries.expired():
                     if last is not None:  # a wait between tries overran the deadline: the last try says why
-                        raise self._final(last, cause, shard)
+                        raise self._final(last, cause, shard, tries)
                     raise DeadlineExceeded(
-                        f"DEADLINE_EXCEEDED: {method} to PS {self.addresses[shard]} did not succeed in time"
+                        f"DEADLINE_EXCEEDED: {method} to PS {self.addresses[shard]} did not succeed in time; "
+                        f"{_what_was_tried(tries)}"
                     )
                 rpc = getattr(self.stubs[shard], method)
                 return rpc(request, timeout=tries.timeout(), metadata=self.metadata)
@@ -241,16 +263,16 @@ class Transport:
                     cause = err
                 delay = tries.next_delay(err.code())
                 if delay is None:
-                    raise self._final(err, cause, shard) from None
+                    raise self._final(err, cause, shard, tries) from None
                 if self.watch is not None:
                     self.watch.retried()
                 if tries.retries == 1:  # once per call: an outage is one line per call, not per try
                     log.warning(
-                        "%s to PS %s: %s; retrying for up to %.0f s",
+                        "%s to PS %s: %s; retrying %s",
                         method,
                         self.addresses[shard],
                         err.code().name,
-                        deadline - time.monotonic(),
+                        _how_long_retried(tries),
                     )
                 time.sleep(delay)
 
