@@ -19,7 +19,7 @@ from helpers import DeviceWork
 
 from dynemb.idtransformer import bucket_map
 from dynemb.idtransformer.admission import CountMinSketch
-from dynemb.idtransformer.bucket_map import BucketSlotMap, TableSpec, bucket_of, sketch_keys
+from dynemb.idtransformer.bucket_map import BucketSlotMap, TableSpec, bucket_of
 from dynemb.idtransformer.policy import EvictionPolicy
 from dynemb.idtransformer.transformer import IDTransformer
 
@@ -82,13 +82,13 @@ def _stream(seed: int, sizes_max: int, tables: int, steps: int, spread: int):
 
 TABLES = [
     TableSpec(64, EvictionPolicy("lru", ttl_steps=3)),
-    TableSpec(96, EvictionPolicy("lfu", log_factor=1.0)),
-    TableSpec(32, EvictionPolicy("hybrid", log_factor=0.5, decay_steps=2), admit_threshold=2),
+    TableSpec(90, EvictionPolicy("lfu", log_factor=1.0)),  # its last bucket: 26 ways of 32
+    TableSpec(32, EvictionPolicy("hybrid", log_factor=0.5, decay_steps=2), admit_threshold=2, sketch_width=1 << 8),
 ]
 
 
 def test_invariants_over_a_stream_of_three_tables_with_pins_in_flight():
-    m = BucketSlotMap(TABLES, bucket_size=B, sketch_width=1 << 8, device=DEVICE)
+    m = BucketSlotMap(TABLES, bucket_size=B, device=DEVICE)
     ref = Reference(m)
     in_flight: list = []
     evicted = 0
@@ -132,11 +132,11 @@ def test_a_bucket_with_every_way_pinned_refuses_and_never_shares_a_row():
     assert set(freed.evicted.slots.tolist()) == set(freed.admitted.slots.tolist())
     with pytest.raises(ValueError, match="not pinned"):  # the first batch again
         m.release(first.rows, check=True)
-    assert int(m.pins.min()) == 0 and m.find_or_insert(torch.tensor([], dtype=torch.int64), [0]).counts[-1] == B
+    assert int(m.pins.min()) == 0 and m.resident() == [B]
 
 
 def _one_bucket(policy: EvictionPolicy, threshold: int = 1) -> BucketSlotMap:
-    return BucketSlotMap([TableSpec(B, policy, threshold)], bucket_size=B, sketch_width=1 << 8, device=DEVICE)
+    return BucketSlotMap([TableSpec(B, policy, threshold, sketch_width=1 << 8)], bucket_size=B, device=DEVICE)
 
 
 def _go(m: BucketSlotMap, ids) -> bucket_map.Found:
@@ -196,18 +196,25 @@ def test_admission_waits_for_the_threshold_and_counts_in_the_sketch():
     seen = [_go(m, [42, 42]).counts, _go(m, [42]).counts]
     assert [(c.rejected, c.admitted) for c in seen] == [(1, 0), (0, 1)], "admitted at its third sighting"
     assert _go(m, [42]).counts.hits == 1
-    # the kernel counts as CountMinSketch.add does, keyed by sketch_keys (table 0: the ID)
+    # the kernel counts as CountMinSketch.add does, in the table's own sketch
     twin = CountMinSketch(1 << 8, 4)
     twin.add(torch.tensor([42, 42]))
     twin.add(torch.tensor([42]))
-    assert torch.equal(m.sketch.counts.cpu(), twin.counts)
-    many = BucketSlotMap(
-        [TableSpec(B), TableSpec(B, admit_threshold=2)], bucket_size=B, sketch_width=1 << 8, device=DEVICE
-    )
-    many.find_or_insert(torch.tensor([9, 9, 9], device=DEVICE), [1, 2])
-    twin = CountMinSketch(1 << 8, 4)
-    twin.add(sketch_keys(torch.tensor([1]), torch.tensor([9])), torch.tensor([2]))
-    assert torch.equal(many.sketch.counts.cpu(), twin.counts), "only the thresholded table's misses are counted"
+    sketch = m.sketches[0]
+    assert sketch is not None and torch.equal(sketch.counts.cpu(), twin.counts)
+    specs = [
+        TableSpec(B),
+        TableSpec(B, admit_threshold=2, sketch_width=1 << 8, sketch_depth=2),
+        TableSpec(B, admit_threshold=3, sketch_width=1 << 9),
+    ]
+    many = BucketSlotMap(specs, bucket_size=B, device=DEVICE)
+    many.find_or_insert(torch.tensor([9, 9, 9, 9, 9], device=DEVICE), [1, 2, 2])
+    assert many.sketches[0] is None, "a table without a threshold has no sketch"
+    for k, seen in ((1, 2), (2, 2)):
+        twin = CountMinSketch(specs[k].sketch_width, specs[k].sketch_depth)
+        twin.add(torch.tensor([9]), torch.tensor([seen]))
+        sketch = many.sketches[k]
+        assert sketch is not None and torch.equal(sketch.counts.cpu(), twin.counts), f"table {k}'s sketch"
 
 
 def test_the_kernels_scores_are_the_policys():
@@ -219,31 +226,29 @@ def test_the_kernels_scores_are_the_policys():
         EvictionPolicy("hybrid", decay_steps=5, ttl_steps=20),
     ]
     m = BucketSlotMap([TableSpec(B, p) for p in policies], bucket_size=B, device=DEVICE)
-    m.step = 50
+    m.steps = [50] * len(policies)
     m.last_access.copy_(torch.randint(0, 51, (m.rows,), generator=gen, dtype=torch.int32))
     m.freq.copy_(torch.randint(0, 256, (m.rows,), generator=gen, dtype=torch.uint8))
     got = m.scores().cpu().view(len(policies), B)
     for k, p in enumerate(policies):
-        want = p.scores(m.last_access.cpu().view(-1, B)[k], m.freq.cpu().view(-1, B)[k], m.step)
+        want = p.scores(m.last_access.cpu().view(-1, B)[k], m.freq.cpu().view(-1, B)[k], 50)
         assert torch.equal(got[k], want), p
 
 
 def test_export_and_restore_round_trip():
-    m = BucketSlotMap(TABLES, bucket_size=B, sketch_width=1 << 8, device=DEVICE)
+    m = BucketSlotMap(TABLES, bucket_size=B, device=DEVICE)
     batches = list(_stream(1, 30, 3, 8, 150))
     for ids, sizes in batches[:5]:
         m.find_or_insert(ids.to(DEVICE), sizes)
     saved = m.export()
-    twin = BucketSlotMap(TABLES, bucket_size=B, sketch_width=1 << 8, device=DEVICE)
+    twin = BucketSlotMap(TABLES, bucket_size=B, device=DEVICE)
     twin.restore(saved)
-    assert twin.resident() == m.resident() and twin.step == m.step
+    assert twin.resident() == m.resident() and twin.steps == m.steps
     for ids, sizes in batches[5:]:  # the two go on alike
         a, b = m.find_or_insert(ids.to(DEVICE), sizes), twin.find_or_insert(ids.to(DEVICE), sizes)
         assert torch.equal(a.slots, b.slots) and a.counts == b.counts
         assert all(torch.equal(x, y) for x, y in zip(a.evicted, b.evicted))
-    other = BucketSlotMap(
-        [TableSpec(2 * t.capacity, t.policy, t.admit_threshold) for t in TABLES], 2 * B, 1 << 8, 4, DEVICE
-    )
+    other = BucketSlotMap([t._replace(capacity=2 * t.capacity) for t in TABLES], 2 * B, DEVICE)
     with pytest.raises(ValueError, match="outside the buckets"):
         other.restore(saved)
     twice = saved._replace(slots=torch.zeros_like(saved.slots))
@@ -256,7 +261,7 @@ def test_tables_get_slots_in_their_own_range_in_one_launch(monkeypatch):
     counted = DeviceWork(monkeypatch, bucket_map)
     figures = {}
     for n in (1, 26):
-        m = BucketSlotMap([TableSpec(B, EvictionPolicy("hybrid"), 2) for _ in range(n)], B, 1 << 8, 4, DEVICE)
+        m = BucketSlotMap([TableSpec(B, EvictionPolicy("hybrid"), 2, 1 << 8) for _ in range(n)], B, DEVICE)
         ids = torch.arange(3).repeat(n).to(DEVICE)  # every table: IDs 0, 1, 2
         m.find_or_insert(ids, [3] * n)  # counted once each: not admitted yet
         found = {}
@@ -296,8 +301,10 @@ def test_zipf_hit_rate_within_a_point_of_the_kernel():
 
 
 def test_bad_geometry_is_refused_with_the_limit():
-    with pytest.raises(ValueError, match="not a positive multiple of the bucket size 32 \\(use 128 or 96\\)"):
-        BucketSlotMap([TableSpec(100)], bucket_size=32, device=DEVICE)
+    with pytest.raises(ValueError, match="table 1: capacity must be >= 1, got 0"):
+        BucketSlotMap([TableSpec(100), TableSpec(0)], bucket_size=32, device=DEVICE)
+    with pytest.raises(ValueError, match="sketch width must be a power of two"):
+        BucketSlotMap([TableSpec(100, admit_threshold=2, sketch_width=100)], bucket_size=32, device=DEVICE)
     with pytest.raises(ValueError, match="power of two in \\[32, 1024\\]"):
         BucketSlotMap([TableSpec(96)], bucket_size=48, device=DEVICE)
     with pytest.raises(ValueError, match="each of the 2 tables"):
@@ -330,14 +337,15 @@ P, I32 = "*i64", "i32"
 kernels = {
     bm._find_or_insert_kernel: (
         dict(keys_ptr=P, last_ptr="*i32", freq_ptr="*u8", pins_ptr="*i32", uniq_ptr=P, utab_ptr=P, ubucket_ptr=P,
-             ucount_ptr=P, bstart_ptr=P, params_ptr=P, log_factor_ptr="*fp64", sketch_ptr="*i32", mult_ptr=P,
-             urow_ptr=P, uslot_ptr=P, arank_ptr="*i32", erank_ptr="*i32", gone_ptr=P, admitted_ptr=P,
-             evicted_ptr=P, counts_ptr=P, step=I32, sketch_width=I32, sketch_shift=I32, out_len=I32),
+             ucount_ptr=P, bstart_ptr=P, params_ptr=P, steps_ptr=P, log_factor_ptr="*fp64", sketch_ptr="*i32",
+             mult_ptr=P, urow_ptr=P, uslot_ptr=P, arank_ptr="*i32", erank_ptr="*i32", rrank_ptr="*i32", gone_ptr=P,
+             admitted_ptr=P, evicted_ptr=P, rejected_ptr=P, counts_ptr=P, n_tables=I32, out_len=I32),
         dict(B=128, DEPTH=4, PIN=True, CHUNK=64),
     ),
-    bm._release_kernel: (dict(pins_ptr="*i32", rows_ptr=P, n=I32, counts_ptr=P), dict(BLOCK=256)),
+    bm._release_kernel: (dict(pins_ptr="*i32", rows_ptr=P, row_table_ptr=P, n=I32, faults_ptr=P), dict(BLOCK=256)),
     bm._scores_kernel: (
-        dict(last_ptr="*i32", freq_ptr="*u8", out_ptr=P, tab_ptr=P, params_ptr=P, n=I32, step=I32), dict(BLOCK=256)
+        dict(last_ptr="*i32", freq_ptr="*u8", out_ptr=P, tab_ptr=P, params_ptr=P, steps_ptr=P, n=I32),
+        dict(BLOCK=256),
     ),
 }
 for fn, (sig, consts) in kernels.items():
