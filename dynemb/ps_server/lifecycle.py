@@ -10,8 +10,10 @@ touches) is ever deleted by a sweep:
 
 - TTL: rows whose stamp is older than ttl_s are expired: a pull treats them as absent (the ID
   comes back as a never-seen one), and a sweep deletes them;
-- row cap: past max_rows, a sweep deletes the rows of the oldest stamps, but none younger than
-  keep_s: a table whose rows are all in use stays over its cap, and says so (rows_over_cap).
+- row cap: past max_rows (counted row by row, not from the kept count, which a PS killed between
+  a write and its count change leaves off), a sweep deletes exactly the rows over the cap, the
+  oldest stamps first and, within one stamp, the lowest ids first (a Cutoff), but none younger
+  than keep_s: a table whose rows are all in use stays over its cap, and says so (rows_over_cap).
 
 Stamps written before a lifecycle was set count as the time it was set (`since`), so setting a
 TTL on a live table never expires, at once, rows that were read but not written since.
@@ -190,11 +192,19 @@ class Drops(NamedTuple):
 DROP_LOG_ENTRIES = 10_000
 
 
-def stamps_cutoff(stamps: np.ndarray, excess: int) -> int:
-    """The stamp s such that deleting every row stamped below s deletes about `excess` rows (at
-    least, short of ties): for the row cap, from the stamps of a whole table."""
-    if excess <= 0 or len(stamps) == 0:
-        return 0
-    if excess >= len(stamps):
-        return int(stamps.max()) + 1
-    return int(np.partition(stamps, excess - 1)[excess - 1]) + 1
+# The lowest int64 id: a Cutoff at (stamp, LOWEST_ID) makes due exactly the rows stamped below it.
+LOWEST_ID = -(1 << 63)
+
+
+class Cutoff(NamedTuple):
+    """Where a sweep deletes up to: a row is due if (its stamp, its id) < (stamp, id). The id
+    splits one stamp's rows, so that the row cap deletes exactly down to the cap even when many
+    rows share a second (one push). Cutoff(): nothing is due; Cutoff(s): the rows stamped below s.
+    Cutoffs order as tuples do: max() of two deletes what either would, min() what both would."""
+
+    stamp: int = 0
+    id: int = LOWEST_ID
+
+    def due(self, stamps: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """Which of the rows (their stamps, `since` applied, and ids) this cutoff makes due."""
+        return (stamps < self.stamp) | ((stamps == self.stamp) & (ids < self.id))

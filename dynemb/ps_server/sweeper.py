@@ -16,13 +16,15 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
+
+import numpy as np
 
 from dynemb.common.arrays import unique_counts
 from dynemb.ps_server.backends.base import Store
 from dynemb.ps_server.errors import PSError, TableNotFound
-from dynemb.ps_server.lifecycle import now_stamp
+from dynemb.ps_server.lifecycle import Cutoff, now_stamp
 
 log = logging.getLogger("dynemb.ps")
 
@@ -43,9 +45,12 @@ class SweepResult(NamedTuple):
         seconds: how long it took.
         scanned: rows looked at.
         deleted: rows deleted (expired by the TTL or over the cap).
-        before: the stamp rows older than were deleted (0: none were due).
+        before: the stamp rows older than were deleted (0: none were due); rows of that stamp
+            itself may have been too, the lowest ids first (the cap's Cutoff).
         rows_over_cap: rows still over the cap after the pass (all younger than keep_s).
         oldest: the oldest stamp among the rows kept (0: none kept, or no pass made).
+        complete: False for a pass stopped midway (the PS stopping): not a pass to record, as
+            the next one is due at once.
     """
 
     table: str
@@ -56,25 +61,101 @@ class SweepResult(NamedTuple):
     before: int
     rows_over_cap: int
     oldest: int = 0
+    complete: bool = True
 
 
-def cap_cutoff(store: Store, table: str, excess: int, slice_rows: int, should_stop: Callable[[], bool]) -> int:
-    """The stamp below which about `excess` rows of the table lie (a pass over its stamps,
-    counted per second, so that memory stays small whatever the table's size)."""
-    counts: Counter[int] = Counter()
+class CapCount(NamedTuple):
+    """What a count of a capped table's rows found.
+
+    Attributes:
+        rows: the rows read, one by one (the kept count may be off: see lifecycle.py).
+        cutoff: the cutoff that deletes exactly the rows over the cap (Cutoff(): none are over).
+        oldest: the oldest stamp read (0: no rows).
+    """
+
+    rows: int
+    cutoff: Cutoff
+    oldest: int
+
+
+class _Stopped(Exception):
+    """The sweeper was told to stop between two slices."""
+
+
+class _Pace(NamedTuple):
+    """How a pass goes from slice to slice (see sweep_table's arguments)."""
+
+    slice_rows: int
+    duty: float
+    should_stop: Callable[[], bool]
+    on_slice: Callable[[], None]
+
+    def after_slice(self, began: float) -> None:
+        """Between two slices (the first began at time.monotonic() `began`): raise _Stopped if
+        told to stop, else renew the lease and pause for the duty."""
+        if self.should_stop():
+            raise _Stopped
+        self.on_slice()
+        if self.duty < 1.0:
+            time.sleep((time.monotonic() - began) * (1.0 - self.duty) / self.duty)
+
+
+def _stamp_slices(store: Store, table: str, pace: _Pace) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(ids, stamps) of the table's rows, slice by slice, paced (_Pace.after_slice)."""
     cursor = 0
     while True:
-        cursor, stamps = store.stamps_slice(table, cursor, slice_rows)
+        began = time.monotonic()
+        cursor, ids, stamps = store.stamps_slice(table, cursor, pace.slice_rows)
+        yield ids, stamps
+        if cursor == 0:
+            return
+        pace.after_slice(began)
+
+
+def _rows_by_stamp(store: Store, table: str, pace: _Pace) -> Counter[int]:
+    """How many rows of the table carry each stamp (counted per second, so that memory stays
+    small whatever the table's size)."""
+    counts: Counter[int] = Counter()
+    for _, stamps in _stamp_slices(store, table, pace):
         values, n = unique_counts(stamps)
         counts.update(dict(zip(values.tolist(), n.tolist())))
-        if cursor == 0 or should_stop():
-            break
-    total = 0
+    return counts
+
+
+def _kth_lowest_id(store: Store, table: str, stamp: int, k: int, pace: _Pace) -> int | None:
+    """The k-th lowest id among the rows stamped `stamp` (the highest there is, if fewer are
+    now; None if none are), keeping at most about 2k ids."""
+    lowest = np.zeros(0, np.int64)
+    for ids, stamps in _stamp_slices(store, table, pace):
+        lowest = np.concatenate([lowest, ids[stamps == stamp]])
+        if len(lowest) > 2 * k:
+            lowest = np.partition(lowest, k - 1)[:k]
+    if not len(lowest):
+        return None
+    return int(np.partition(lowest, k - 1)[k - 1]) if len(lowest) >= k else int(lowest.max())
+
+
+def cap_count(store: Store, table: str, max_rows: int, pace: _Pace) -> CapCount:
+    """Count the table's rows and find the cutoff that deletes exactly those over max_rows, the
+    oldest stamps first and, within the stamp the cap falls in, the lowest ids first (a second
+    pass reads that stamp's ids). Raises _Stopped if stopped midway: nothing may be deleted by
+    a count of part of the table."""
+    counts = _rows_by_stamp(store, table, pace)
+    rows = sum(counts.values())
+    oldest = min(counts, default=0)
+    excess = rows - max_rows
+    if excess <= 0:
+        return CapCount(rows, Cutoff(), oldest)
+    older = 0  # rows stamped below `stamp`
     for stamp in sorted(counts):
-        total += counts[stamp]
-        if total >= excess:
-            return stamp + 1
-    return max(counts, default=-1) + 1
+        if older + counts[stamp] >= excess:
+            break
+        older += counts[stamp]
+    k = excess - older  # the rows of `stamp` to delete, 1 to all of them
+    kth = None if k == counts[stamp] else _kth_lowest_id(store, table, stamp, k, pace)
+    if kth is None or kth == np.iinfo(np.int64).max:  # the whole second is over the cap
+        return CapCount(rows, Cutoff(stamp + 1), oldest)
+    return CapCount(rows, Cutoff(stamp, kth + 1), oldest)
 
 
 def sweep_table(
@@ -95,7 +176,7 @@ def sweep_table(
         now: the time the pass is for (default: now).
         slice_rows: rows a slice looks at.
         duty: the share of the pass's time spent in slices (1.0: no pauses).
-        should_stop: checked between slices; True ends the pass early.
+        should_stop: checked between slices; True ends the pass early (complete=False).
         on_slice: called between slices (the sweeper renews its lease there).
 
     Raises:
@@ -103,35 +184,44 @@ def sweep_table(
     """
     started = time.time()
     now = started if now is None else now
+    pace = _Pace(slice_rows, duty, should_stop, on_slice)
     lifecycle = store.lifecycle(table)
     before = lifecycle.expired_before(now)
     if before and lifecycle.since >= before:
         before = 0  # stamps count from `since`: nothing is older than the TTL yet
-    excess = 0
+    cutoff = Cutoff(before)
+    counted = None
     if lifecycle.max_rows:
-        excess = store.num_rows(table) - lifecycle.max_rows
-        if excess > 0:
-            keep_before = now_stamp(now) - lifecycle.keep_s
-            before = max(before, min(keep_before, cap_cutoff(store, table, excess, slice_rows, should_stop)))
+        try:
+            counted = cap_count(store, table, lifecycle.max_rows, pace)
+        except _Stopped:
+            finished = time.time()
+            return SweepResult(table, finished, finished - started, 0, 0, 0, 0, complete=False)
+        keep = Cutoff(now_stamp(now) - lifecycle.keep_s)
+        cutoff = max(cutoff, min(keep, counted.cutoff))
     scanned = deleted = oldest = 0
-    if lifecycle.active:  # a pass with nothing due still finds the oldest row
+    complete = True
+    if counted is not None and cutoff == Cutoff():  # nothing due: the count found what a pass would
+        scanned, oldest = counted.rows, counted.oldest
+    elif lifecycle.active:  # a pass with nothing due still finds the oldest row
         cursor = 0
-        while True:
-            began = time.monotonic()
-            part = store.sweep_slice(table, cursor, before, slice_rows)
-            cursor = part.cursor
-            scanned += part.scanned
-            deleted += len(part.deleted)
-            if part.oldest:
-                oldest = min(oldest, part.oldest) if oldest else part.oldest
-            if cursor == 0 or should_stop():
-                break
-            on_slice()
-            if duty < 1.0:
-                time.sleep((time.monotonic() - began) * (1.0 - duty) / duty)
-    over = max(0, store.num_rows(table) - lifecycle.max_rows) if lifecycle.max_rows else 0
+        try:
+            while True:
+                began = time.monotonic()
+                part = store.sweep_slice(table, cursor, cutoff, slice_rows)
+                cursor = part.cursor
+                scanned += part.scanned
+                deleted += len(part.deleted)
+                if part.oldest:
+                    oldest = min(oldest, part.oldest) if oldest else part.oldest
+                if cursor == 0:
+                    break
+                pace.after_slice(began)
+        except _Stopped:
+            complete = False
+    over = max(0, counted.rows - deleted - lifecycle.max_rows) if counted is not None else 0
     finished = time.time()
-    return SweepResult(table, finished, finished - started, scanned, deleted, before, over, oldest)
+    return SweepResult(table, finished, finished - started, scanned, deleted, cutoff.stamp, over, oldest, complete)
 
 
 class Sweeper:
@@ -217,6 +307,9 @@ class Sweeper:
             except PSError as exc:
                 log.warning("sweeper: table %r: %s", table, exc)
                 continue
+            if not result.complete:  # the PS is stopping: the next PS's pass is due at once
+                log.info("sweeper: the pass over table %r was stopped midway; not recorded", table)
+                break
             try:  # for every PS of the store: when the next pass is due, and DescribeTable
                 self.store.record_sweep(table, result._asdict())
             except PSError as exc:

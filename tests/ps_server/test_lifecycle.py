@@ -151,6 +151,86 @@ def test_row_cap_spares_rows_in_use(store, clock):
     assert store.num_rows(t) == 30
 
 
+def test_row_cap_deletes_down_to_it_within_one_second_lowest_ids_first(store, clock):
+    """1,000 rows pushed in one call (one stamp) to a table capped at 500: the sweep deletes
+    500 of them, the lowest ids (ties of a stamp broken by id), never the whole second."""
+    t = make_table(store, expected=2000)
+    store.set_lifecycle(t, Lifecycle(max_rows=500, touch_every_s=1))  # keep_s: 3 s
+    ids = np.random.default_rng(1).permutation(np.arange(-500, 500, dtype=np.int64))
+    store.push(t, ids, rows_of(ids))
+    clock.now = T0 + 10
+    result = sweep_table(store, t, now=clock.now, slice_rows=64)
+    assert result.deleted == 500 and result.rows_over_cap == 0
+    assert store.num_rows(t) == 500
+    assert store.pull(t, np.arange(0, 500))[1].all()
+    assert not store.pull(t, np.arange(-500, 0))[1].any()
+
+
+def test_row_cap_cuts_inside_the_boundary_second_by_id(store, clock):
+    """Rows over three seconds, the cap falling inside the middle one: the older second goes
+    whole, the middle one from its lowest ids up to exactly the cap."""
+    t = make_table(store, expected=2000)
+    store.set_lifecycle(t, Lifecycle(max_rows=250, touch_every_s=1))
+    for k in range(3):  # ids 0-99 at T0, 100-199 at T0 + 1, 200-299 at T0 + 2, pushed backwards
+        clock.now = T0 + k
+        ids = np.arange(100 * k + 99, 100 * k - 1, -1, dtype=np.int64)
+        store.push(t, ids, rows_of(ids))
+    clock.now = T0 + 10
+    result = sweep_table(store, t, now=clock.now, slice_rows=16)
+    assert result.deleted == 50 and store.num_rows(t) == 250
+    assert not store.pull(t, np.arange(0, 50))[1].any()
+    assert store.pull(t, np.arange(50, 300))[1].all()
+
+
+@pytest.mark.parametrize("native_rows", [True, False])
+def test_row_cap_counts_rows_not_the_kept_count(redis_url, redis_namespace, clock, native_rows):
+    """A PS killed between a write and its count change leaves the kept count low (docs/ps.md):
+    the cap goes by the rows there are, so the table ends at its cap, not over it for good."""
+    import redis as redis_py
+
+    store = RedisStore.from_url(redis_url, namespace=redis_namespace, native_rows=native_rows)
+    try:
+        t = make_table(store, expected=2000)
+        store.set_lifecycle(t, Lifecycle(max_rows=500, touch_every_s=1))
+        for k in range(10):  # 100 rows at each of T0 ... T0 + 9
+            clock.now = T0 + k
+            ids = np.arange(100 * k, 100 * k + 100, dtype=np.int64)
+            store.push(t, ids, rows_of(ids))
+        with redis_py.Redis.from_url(redis_url) as r:
+            r.hincrby(store._rows_key, t, -300)  # 300 rows written, their count change lost
+        assert store.num_rows(t) == 700
+        clock.now = T0 + 20
+        result = sweep_table(store, t, now=clock.now, slice_rows=64)
+        assert result.deleted == 500 and result.rows_over_cap == 0
+        assert int(store.pull(t, np.arange(1000))[1].sum()) == 500
+    finally:
+        store.close()
+
+
+def test_a_pass_stopped_midway_deletes_nothing_and_is_not_recorded(store, clock, monkeypatch):
+    """A PS stopping while its sweeper counts a capped table's rows: a count of part of the
+    table deletes nothing, and the pass is not recorded, so the next PS's pass is due at once."""
+    import time
+
+    from dynemb.ps_server.sweeper import Sweeper
+
+    clock.now = time.time() - 100  # the sweeper goes by the real clock: rows 100 s old
+    t = make_table(store, expected=4000)
+    store.set_lifecycle(t, Lifecycle(max_rows=1000, touch_every_s=1))
+    ids = np.arange(3000, dtype=np.int64)
+    store.push(t, ids, rows_of(ids))
+    sweeper = Sweeper(store, every_s=3600, slice_rows=64, duty=1.0)
+    read_stamps = store.stamps_slice
+
+    def stop_while_counting(*args):
+        sweeper._stop.set()  # as Sweeper.stop() does, without a thread to join
+        return read_stamps(*args)
+
+    monkeypatch.setattr(store, "stamps_slice", stop_while_counting)
+    assert sweeper.sweep_due() == []
+    assert store.num_rows(t) == 3000 and store.last_sweep(t) is None
+
+
 def test_delete_and_clear_are_logged_and_the_cursor_reads_on(store, clock):
     t = make_table(store)
     ids = np.arange(20, dtype=np.int64)

@@ -14,7 +14,7 @@ import numpy as np
 
 from dynemb.ps_server.change_log import Changes
 from dynemb.ps_server.errors import DeadlineExceeded, TableExists, TableNotFound
-from dynemb.ps_server.lifecycle import Deletions, Drops, Lifecycle, SweepSlice
+from dynemb.ps_server.lifecycle import Cutoff, Deletions, Drops, Lifecycle, SweepSlice
 from dynemb.ps_server.schema import TableSchema
 
 
@@ -169,15 +169,15 @@ class Store(abc.ABC):
         not see read); returns how many of them are stored."""
 
     @abc.abstractmethod
-    def sweep_slice(self, table: str, cursor: int, before: int, max_rows: int) -> SweepSlice:
-        """Delete the rows stamped before `before` among about max_rows rows from cursor (0: the
+    def sweep_slice(self, table: str, cursor: int, cutoff: Cutoff, max_rows: int) -> SweepSlice:
+        """Delete the rows the cutoff makes due among about max_rows rows from cursor (0: the
         first slice of a pass), each logged first in the deletion log. A row written, pulled or
         touched while the slice runs is not deleted."""
 
     @abc.abstractmethod
-    def stamps_slice(self, table: str, cursor: int, max_rows: int) -> tuple[int, np.ndarray]:
-        """(next cursor, 0 at the end; the stamps of about max_rows rows from cursor, stamps from
-        before the lifecycle was set read as its `since`): for the row cap's cutoff."""
+    def stamps_slice(self, table: str, cursor: int, max_rows: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """(next cursor, 0 at the end; the ids of about max_rows rows from cursor; their stamps,
+        stamps from before the lifecycle was set read as its `since`): for the row cap's cutoff."""
 
     @abc.abstractmethod
     def deletions(self, table: str, after: str = "", limit: int = 65536) -> Deletions:

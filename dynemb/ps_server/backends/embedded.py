@@ -51,6 +51,7 @@ from dynemb.ps_server.errors import PSError, TableNotFound
 from dynemb.ps_server.lifecycle import (
     DROP_LOG_ENTRIES,
     STAMP_DTYPE,
+    Cutoff,
     Deletions,
     Drop,
     Drops,
@@ -71,9 +72,11 @@ class _Table:
         self.free: list[np.ndarray] = []  # row numbers freed by deletes
         self.lifecycle = Lifecycle()
         # Kept only while the lifecycle is active (before it, every row counts as stamped at its
-        # `since`): each row number's stamp, and its id (-1: free), which a sweep walks.
+        # `since`): each row number's stamp, its id and whether it holds one (any int64 is an id:
+        # no id can mark a free row), which a sweep walks.
         self.stamps: np.ndarray | None = None
         self.row_ids: np.ndarray | None = None
+        self.row_live: np.ndarray | None = None
         self.log = IdLog()
         self.changes = IdLog()  # the change log (change_log.py), kept while change_log
         self.change_log = 0
@@ -84,19 +87,22 @@ class _Table:
     def start_stamps(self) -> None:
         """Stamps (0: before `since`) and ids by row number, for a table whose rows now expire."""
         self.stamps = np.zeros(len(self.rows), dtype=STAMP_DTYPE)
-        self.row_ids = np.full(len(self.rows), -1, dtype=np.int64)
+        self.row_ids = np.zeros(len(self.rows), dtype=np.int64)
+        self.row_live = np.zeros(len(self.rows), dtype=bool)
         ids, where = self.index.items()
         self.row_ids[where] = ids
+        self.row_live[where] = True
 
     def stamp(self, ids: np.ndarray, where: np.ndarray | None = None) -> None:
         """Stamp the rows of ids (stored; where: their row numbers, if known) as used now."""
-        if self.stamps is None or self.row_ids is None:
+        if self.stamps is None or self.row_ids is None or self.row_live is None:
             return
         if where is None:
             where = self.index.lookup(ids)
         present = where >= 0
         self.stamps[where[present]] = now_stamp()
         self.row_ids[where[present]] = ids[present]
+        self.row_live[where[present]] = True
 
     def forget(self, ids: np.ndarray) -> np.ndarray:
         """Remove ids from the table; the ids that were stored, each once, logged as deleted."""
@@ -106,8 +112,8 @@ class _Table:
         freed = self.index.remove(gone)
         if len(freed):
             self.free.append(freed)
-            if self.row_ids is not None:
-                self.row_ids[freed] = -1
+            if self.row_live is not None:
+                self.row_live[freed] = False
         return gone
 
     def allocate(self, n: int) -> np.ndarray:
@@ -137,9 +143,10 @@ class _Table:
             grown = np.zeros((cap, self.schema.width), dtype=self.rows.dtype)
             grown[: self.used] = self.rows[: self.used]
             self.rows = grown
-            if self.stamps is not None and self.row_ids is not None:
+            if self.stamps is not None and self.row_ids is not None and self.row_live is not None:
                 self.stamps = np.concatenate([self.stamps, np.zeros(cap - len(self.stamps), STAMP_DTYPE)])
-                self.row_ids = np.concatenate([self.row_ids, np.full(cap - len(self.row_ids), -1, np.int64)])
+                self.row_ids = np.concatenate([self.row_ids, np.zeros(cap - len(self.row_ids), np.int64)])
+                self.row_live = np.concatenate([self.row_live, np.zeros(cap - len(self.row_live), bool)])
 
 
 log = logging.getLogger("dynemb.ps")
@@ -618,7 +625,7 @@ class EmbeddedStore(Store):
         with t.lock:
             t.lifecycle = lifecycle
             if not lifecycle.active:
-                t.stamps = t.row_ids = None
+                t.stamps = t.row_ids = t.row_live = None
             elif t.stamps is None:
                 t.start_stamps()
         return lifecycle
@@ -632,32 +639,33 @@ class EmbeddedStore(Store):
             t.stamp(ids, where)
         return int((where >= 0).sum())
 
-    def sweep_slice(self, table: str, cursor: int, before: int, max_rows: int) -> SweepSlice:
+    def sweep_slice(self, table: str, cursor: int, cutoff: Cutoff, max_rows: int) -> SweepSlice:
         """See Store.sweep_slice: the cursor is a row number; one slice under the table's lock."""
         t = self._table(table)
         with t.lock:
-            if t.stamps is None or t.row_ids is None:
+            if t.stamps is None or t.row_ids is None or t.row_live is None:
                 return SweepSlice(0, 0, np.zeros(0, np.int64))
             stop = min(t.used, cursor + max_rows)
-            row_ids = t.row_ids[cursor:stop]
-            live = row_ids >= 0
+            row_ids = t.row_ids[cursor:stop].copy()
+            live = t.row_live[cursor:stop].copy()  # forget() below frees rows of this view
             stamps = np.maximum(t.stamps[cursor:stop], t.lifecycle.since)
-            old = live & (stamps < before)
+            old = live & cutoff.due(stamps, row_ids)
             deleted = t.forget(row_ids[old]) if old.any() else np.zeros(0, np.int64)
             kept = stamps[live & ~old]
             oldest = int(kept.min()) if len(kept) else 0
             return SweepSlice(stop if stop < t.used else 0, int(live.sum()), deleted, oldest)
 
-    def stamps_slice(self, table: str, cursor: int, max_rows: int) -> tuple[int, np.ndarray]:
+    def stamps_slice(self, table: str, cursor: int, max_rows: int) -> tuple[int, np.ndarray, np.ndarray]:
         """See Store.stamps_slice."""
         t = self._table(table)
         with t.lock:
-            if t.stamps is None or t.row_ids is None:
-                return 0, np.zeros(0, STAMP_DTYPE)
+            if t.stamps is None or t.row_ids is None or t.row_live is None:
+                return 0, np.zeros(0, np.int64), np.zeros(0, STAMP_DTYPE)
             stop = min(t.used, cursor + max_rows)
-            live = t.row_ids[cursor:stop] >= 0
+            row_ids = t.row_ids[cursor:stop]
+            live = t.row_live[cursor:stop]
             stamps = np.maximum(t.stamps[cursor:stop][live], t.lifecycle.since).astype(STAMP_DTYPE)
-            return (stop if stop < t.used else 0), stamps
+            return (stop if stop < t.used else 0), row_ids[live].copy(), stamps
 
     def deletions(self, table: str, after: str = "", limit: int = 65536) -> Deletions:
         """See Store.deletions: cursors count the ids logged before them."""

@@ -50,16 +50,18 @@ from dynemb.ps_server.errors import (
     PSError,
 )
 from dynemb.ps_server.hashing import bucket_of
-from dynemb.ps_server.lifecycle import STAMP_DTYPE, SweepSlice, now_stamp, stamp_bytes
+from dynemb.ps_server.lifecycle import STAMP_DTYPE, Cutoff, SweepSlice, now_stamp, stamp_bytes
 
-# KEYS[1] a bucket; ARGV[1] a stamp, ARGV[2] the table's lifecycle `since`, ARGV[3...] fields:
-# the fields whose stamp (at least `since`) is below ARGV[1] deleted; returns them. A row written,
-# pulled or touched since the sweep read it has a newer stamp and stays.
+# KEYS[1] a bucket; ARGV[1] a cutoff's stamp, ARGV[2] the table's lifecycle `since`, ARGV[3...]
+# fields the sweep found due: those whose stamp (at least `since`) is still at most ARGV[1] are
+# deleted; returns them. A row written, pulled or touched since the sweep read it has a newer
+# stamp (now, past any cutoff: that is at least keep_s old) and stays. The ids of the cutoff's own
+# second that are due were chosen by the sweep (Cutoff.due): Lua's numbers cannot hold int64 ids.
 _EXPIRE_LUA = (
-    "local before = tonumber(ARGV[1]) local since = tonumber(ARGV[2]) local out = {} "
+    "local last = tonumber(ARGV[1]) local since = tonumber(ARGV[2]) local out = {} "
     "for i = 3, #ARGV do local v = redis.call('HGET', KEYS[1], ARGV[i]) "
     "if v and #v >= 4 then local s = struct.unpack('<I4', v, #v - 3) if s < since then s = since end "
-    "if s < before then redis.call('HDEL', KEYS[1], ARGV[i]) out[#out + 1] = ARGV[i] end end end "
+    "if s <= last then redis.call('HDEL', KEYS[1], ARGV[i]) out[#out + 1] = ARGV[i] end end end "
     "return out"
 )
 
@@ -588,7 +590,7 @@ class RedisRows(RedisTables):
             if len(b)
         ]
 
-    def sweep_slice(self, table: str, cursor: int, before: int, max_rows: int) -> SweepSlice:
+    def sweep_slice(self, table: str, cursor: int, cutoff: Cutoff, max_rows: int) -> SweepSlice:
         """See Store.sweep_slice: the cursor is a bucket number. The slice's buckets are read
         whole (HGETALL); the rows due are logged, then deleted by a script per bucket that checks
         each one's stamp again (_EXPIRE_LUA)."""
@@ -601,7 +603,7 @@ class RedisRows(RedisTables):
         for b, ids, stamps in self._read_buckets(meta, start, stop):
             scanned += len(ids)
             stamps = np.maximum(stamps, since)
-            old = stamps < before
+            old = cutoff.due(stamps, ids)
             if old.any():
                 due.append((b, ids[old]))
             if not old.all():
@@ -613,7 +615,7 @@ class RedisRows(RedisTables):
 
             def fill(pipe) -> None:
                 for b, ids in due:
-                    self._script(pipe, _EXPIRE_LUA, [meta.key(b)], [before, since, *id_fields(ids)])
+                    self._script(pipe, _EXPIRE_LUA, [meta.key(b)], [cutoff.stamp, since, *id_fields(ids)])
 
             for reply in self._run_scripted(fill):
                 deleted += map(_raw, reply)
@@ -622,15 +624,17 @@ class RedisRows(RedisTables):
         gone = np.frombuffer(b"".join(deleted), dtype="<i8").astype(np.int64)
         return SweepSlice(stop if stop < meta.num_buckets else 0, scanned, gone, oldest)
 
-    def stamps_slice(self, table: str, cursor: int, max_rows: int) -> tuple[int, np.ndarray]:
+    def stamps_slice(self, table: str, cursor: int, max_rows: int) -> tuple[int, np.ndarray, np.ndarray]:
         """See Store.stamps_slice (the cursor a bucket number)."""
         meta = self._meta(table)
         if not meta.stamped:
-            return 0, np.zeros(0, STAMP_DTYPE)
+            return 0, np.zeros(0, np.int64), np.zeros(0, STAMP_DTYPE)
         start, stop = self._slice_buckets(meta, cursor, max_rows)
-        parts = [stamps for _, _, stamps in self._read_buckets(meta, start, stop)]
-        stamps = np.concatenate(parts) if parts else np.zeros(0, STAMP_DTYPE)
-        return (stop if stop < meta.num_buckets else 0), np.maximum(stamps, meta.lifecycle.since).astype(STAMP_DTYPE)
+        read = self._read_buckets(meta, start, stop)
+        ids = np.concatenate([i for _, i, _ in read]) if read else np.zeros(0, np.int64)
+        stamps = np.concatenate([s for _, _, s in read]) if read else np.zeros(0, STAMP_DTYPE)
+        since = meta.lifecycle.since
+        return (stop if stop < meta.num_buckets else 0), ids, np.maximum(stamps, since).astype(STAMP_DTYPE)
 
 
 def _write_parts(

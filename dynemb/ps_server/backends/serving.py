@@ -16,7 +16,7 @@ from dynemb.ps_server.backends.base import Store, rows_out
 from dynemb.ps_server.backends.serving_redis import ServingRedis
 from dynemb.ps_server.change_log import Changes
 from dynemb.ps_server.errors import ReadOnly, TableNotFound
-from dynemb.ps_server.lifecycle import Deletions, Drops, Lifecycle, SweepSlice
+from dynemb.ps_server.lifecycle import Cutoff, Deletions, Drops, Lifecycle, SweepSlice
 from dynemb.ps_server.schema import TableSchema
 
 
@@ -85,11 +85,11 @@ class ServingStore(Store):
     def touch(self, table: str, ids: np.ndarray) -> int:
         raise self._refuse(f"touch rows of table {table!r}")
 
-    def sweep_slice(self, table: str, cursor: int, before: int, max_rows: int) -> SweepSlice:
+    def sweep_slice(self, table: str, cursor: int, cutoff: Cutoff, max_rows: int) -> SweepSlice:
         return SweepSlice(0, 0, np.zeros(0, np.int64))
 
-    def stamps_slice(self, table: str, cursor: int, max_rows: int) -> tuple[int, np.ndarray]:
-        return 0, np.zeros(0, np.uint32)
+    def stamps_slice(self, table: str, cursor: int, max_rows: int) -> tuple[int, np.ndarray, np.ndarray]:
+        return 0, np.zeros(0, np.int64), np.zeros(0, np.uint32)
 
     def deletions(self, table: str, after: str = "", limit: int = 65536) -> Deletions:
         raise self._refuse(f"read the deletion log of table {table!r} (its tombstones are in the versions)")
