@@ -9,6 +9,11 @@ A ping gets PING_TIMEOUT_S to answer before the store counts as away: a Redis cu
 network does not refuse, it is silent, and redis-py's own ping would wait out its socket
 timeout on each of its tries (~30 s with the PS's defaults). The ping goes on in its thread and
 reports the store back when it answers.
+
+After each ping answered, LossWatch asks the store whether it still holds what this PS saw it
+hold (Store.lost_data: a marker beside the tables): a Redis restarted without persistence, or
+an empty replica promoted, answers pings like any other, and would otherwise be served on
+empty, its tables gone and created again by the next trainer.
 """
 
 from __future__ import annotations
@@ -35,10 +40,13 @@ class BackendWatch:
         on_change: on_change(up) is called at the first check and at each change.
     """
 
-    def __init__(self, store: Store, interval: float, on_change: Callable[[bool], None]) -> None:
+    def __init__(
+        self, store: Store, interval: float, on_change: Callable[[bool], None], loss: LossWatch | None = None
+    ) -> None:
         if interval <= 0:
             raise ValueError(f"backend check interval must be > 0 seconds, got {interval}")
         self.store = store
+        self.loss = loss
         self.interval = interval
         self.on_change = on_change
         self.up: bool | None = None
@@ -54,7 +62,7 @@ class BackendWatch:
         change of state (logged, and passed to on_change)."""
         with self._lock:
             if self._ping is None:
-                self._ping = _Ping(self.store)
+                self._ping = _Ping(self.store, self.loss)
             ping = self._ping
         if ping.done.wait(self.ping_timeout):
             with self._lock:
@@ -88,11 +96,60 @@ class BackendWatch:
             self._thread.join(timeout=self.interval + 15)
 
 
-class _Ping:
-    """One ping of the store, in a thread of its own: done is set when it answered or failed."""
+class LossWatch:
+    """Whether the store lost what this PS saw it hold (Store.lost_data), once known for good:
+    the PS refuses its store calls from then on (unless the store serves after such a loss) until
+    it is restarted, so no table is created anew over the loss.
 
-    def __init__(self, store: Store) -> None:
+    Args:
+        store: the store.
+        on_lost: on_lost(reason), once, when the loss is first found.
+    """
+
+    def __init__(self, store: Store, on_lost: Callable[[str], None]) -> None:
         self.store = store
+        self.on_lost = on_lost
+        self.reason = ""  # why the store counts as having lost its data; "" while it does not
+        self._lock = threading.Lock()
+
+    @property
+    def refusing(self) -> str:
+        """The reason calls are refused for, "" when they are not."""
+        return "" if self.store.serves_after_loss else self.reason
+
+    def check(self) -> str:
+        """Ask the store (unless a loss is known already); the loss's reason, "" if none. A store
+        that cannot be asked now is BackendWatch's to report: "" then."""
+        with self._lock:
+            if self.reason:
+                return self.reason
+            try:
+                reason = self.store.lost_data()
+            except PSError:
+                return ""
+            if reason:
+                self.reason = reason
+                log.error(
+                    "backend %s LOST ITS DATA: %s. %s",
+                    self.store.kind,
+                    reason,
+                    "Calls go on (see above)"
+                    if self.store.serves_after_loss
+                    else "Every call is refused (DATA_LOSS), none creates a table anew: restore the data "
+                    "(or accept its loss), then restart this PS",
+                )
+        if reason:
+            self.on_lost(reason)
+        return reason
+
+
+class _Ping:
+    """One ping of the store, in a thread of its own: done is set when it answered or failed.
+    A ping answered goes on to ask the LossWatch, if given."""
+
+    def __init__(self, store: Store, loss: LossWatch | None = None) -> None:
+        self.store = store
+        self.loss = loss
         self.up = False
         self.reason = ""
         self.done = threading.Event()
@@ -102,6 +159,8 @@ class _Ping:
         try:
             self.store.ping()
             self.up = True
+            if self.loss is not None:
+                self.loss.check()
         except PSError as exc:
             self.reason = str(exc)
         except Exception as exc:  # noqa: BLE001 - a watcher that dies would leave health stale

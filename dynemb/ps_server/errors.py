@@ -73,6 +73,11 @@ class ReadOnly(PSError, code=grpc.StatusCode.PERMISSION_DENIED):
     """A write to a PS that serves published tables read only (`dynemb ps serve --read-only`)."""
 
 
+class DataLoss(PSError, code=grpc.StatusCode.DATA_LOSS):
+    """The store lost what this PS saw it hold (a Redis restarted empty, an empty replica
+    promoted): the PS refuses to serve it, or to create tables anew in it, until restarted."""
+
+
 class Unavailable(PSError, code=grpc.StatusCode.UNAVAILABLE):
     """Raised by the client when a PS stayed unreachable through every retry."""
 
@@ -87,6 +92,7 @@ _BY_CODE = {
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.FAILED_PRECONDITION: SegmentUnusable,
     grpc.StatusCode.PERMISSION_DENIED: ReadOnly,
+    grpc.StatusCode.DATA_LOSS: DataLoss,
 }
 
 

@@ -123,6 +123,12 @@ class PSMetrics:
         self.backend_up = Gauge(
             "dynemb_ps_backend_up", "1 while the store (Redis) answers pings, 0 while it is away", registry=r
         )
+        self.backend_lost_data = Gauge(
+            "dynemb_ps_backend_lost_data",
+            "1 once the store was found to have lost what this PS saw it hold (its marker gone: a Redis "
+            "restarted empty); stays until the PS restarts",
+            registry=r,
+        )
         self.shm_segments = Gauge(
             "dynemb_ps_shm_segments", "Client memory segments attached for same-host row transfer", registry=r
         )

@@ -28,7 +28,7 @@ from dynemb.common.version import __version__
 from dynemb.protos import ps_pb2
 from dynemb.ps_server import shm
 from dynemb.ps_server.auth import TokenAuthInterceptor
-from dynemb.ps_server.backend_watch import BackendWatch
+from dynemb.ps_server.backend_watch import BackendWatch, LossWatch
 from dynemb.ps_server.backends import Store, open_store
 from dynemb.ps_server.backends.redis_durable import DEFAULT_TIMEOUT_MS, Durability
 from dynemb.ps_server.errors import PSError, TableNotFound
@@ -152,7 +152,8 @@ class PSServer:
         self.store = store
         self.metrics.watch_replica_waits(store.replica_waits)
         self.health = health.HealthServicer()
-        self.backend_watch = BackendWatch(store, config.backend_check_seconds, self._backend_changed)
+        self.loss = LossWatch(store, self._store_lost)
+        self.backend_watch = BackendWatch(store, config.backend_check_seconds, self._backend_changed, self.loss)
         self._table_count = threading.Thread(target=self._count_tables_loop, name="ps-table-count", daemon=True)
         self.port: int | None = None
         self.metrics_port: int | None = None
@@ -188,6 +189,7 @@ class PSServer:
             max_request_bytes=config.max_request_bytes,
             read_only=config.read_only,
             store_away=self._store_away,
+            loss=self.loss,
         )
         add_to_server(self.service, self._grpc)
         sweeps = config.sweep_every_seconds and not config.read_only
@@ -376,6 +378,10 @@ class PSServer:
         where = getattr(self.store, "address", "")
         store = f"the {self.store.kind} store" + (f" at {where}" if where else "")
         return f"{store} is away (health NOT_SERVING): {self.backend_watch.reason}"
+
+    def _store_lost(self, reason: str) -> None:
+        """The store lost its data (LossWatch logged it): the metric the alert reads."""
+        self.metrics.backend_lost_data.set(1)
 
     def _backend_changed(self, up: bool) -> None:
         self.metrics.backend_up.set(1 if up else 0)

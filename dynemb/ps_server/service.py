@@ -22,12 +22,14 @@ from google.protobuf.message import DecodeError
 from dynemb.common.version import __version__
 from dynemb.protos import ps_pb2, ps_pb2_grpc
 from dynemb.ps_server import codec
+from dynemb.ps_server.backend_watch import LossWatch
 from dynemb.ps_server.backends.base import Store
 from dynemb.ps_server.burst_log import BurstLog
 from dynemb.ps_server.change_log import checked_max_ids
 from dynemb.ps_server.errors import (
     Abandoned,
     BackendUnavailable,
+    DataLoss,
     InvalidArgument,
     PSError,
     ReadOnly,
@@ -246,6 +248,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         store_away: why the store counts as away now ("" while it answers: BackendWatch);
             calls that reach the store are refused with that reason meanwhile, at once,
             rather than each waiting out the store's socket timeouts.
+        loss: whether the store lost its data (backend_watch.LossWatch): calls that reach the
+            store are refused with DATA_LOSS from then on; a table not found asks it at once.
     """
 
     def __init__(
@@ -258,8 +262,10 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         max_request_bytes: int | None = None,
         read_only: bool = False,
         store_away: Callable[[], str] = str,
+        loss: LossWatch | None = None,
     ) -> None:
         self.store = store
+        self.loss = loss
         self.read_only = read_only
         self.store_away = store_away
         self.metrics = metrics
@@ -315,9 +321,14 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 raise ReadOnly(f"{method}: this PS serves published tables read only; write to the training PS")
             if method not in WITHOUT_STORE and (away := self.store_away()):
                 raise BackendUnavailable(away)
+            if method not in WITHOUT_STORE and (lost := self._lost(check=False)):
+                raise DataLoss(lost)
             yield
         except PSError as exc:
             code = exc.code
+            if isinstance(exc, TableNotFound) and (lost := self._lost(check=True)):
+                # the table may be gone with the store's data: said as such, not as a caller's slip
+                code, exc = DataLoss.code, DataLoss(f"{lost}; {exc}")
             context.abort(code, _details(str(exc)))
         except GeneratorExit:  # a reply stream (Export) the client stopped reading
             code = grpc.StatusCode.CANCELLED
@@ -339,6 +350,15 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             m.child(m.requests, method, code.name).inc()
             if code != grpc.StatusCode.OK:
                 m.child(m.errors, method, code.name).inc()
+
+    def _lost(self, check: bool) -> str:
+        """Why calls are refused for a loss of the store's data, "" if they are not; check: ask the
+        store now (a table not found) rather than wait for the backend watch's next look."""
+        if self.loss is None:
+            return ""
+        if check:
+            self.loss.check()
+        return self.loss.refusing
 
     @staticmethod
     def _still_wanted(context: grpc.ServicerContext, what: str) -> None:

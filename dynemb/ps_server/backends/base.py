@@ -247,5 +247,18 @@ class Store(abc.ABC):
     def ping(self) -> None:  # noqa: B027 - not abstract: a store with nothing to check keeps this no-op
         """Raise BackendUnavailable if the store cannot serve requests now."""
 
+    # whether the rows outlive a loss lost_data reports (the embedded store: in this process)
+    serves_after_loss = False
+
+    def lost_data(self) -> str:
+        """Why the store no longer holds what this process saw it hold, "" while it does (or
+        cannot tell). A store that keeps a marker beside its tables writes it here once it holds
+        any, and reports it gone or replaced. Called by the PS's backend watch after each ping.
+
+        Raises:
+            BackendUnavailable: the store cannot be asked now.
+        """
+        return ""
+
     def close(self) -> None:  # noqa: B027 - not abstract: a store with nothing to release keeps this no-op
         """Release connections and memory."""

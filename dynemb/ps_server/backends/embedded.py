@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from dynemb.common.arrays import unique
+from dynemb.common.names import inside
 from dynemb.ps_server import native
 from dynemb.ps_server.backends.base import Store, check_same_schema, rows_out
 from dynemb.ps_server.backends.id_index import IdIndex
@@ -239,6 +240,7 @@ class EmbeddedStore(Store):
     """
 
     kind = "embedded"
+    serves_after_loss = True  # its rows are in this process: a save writes its files again
 
     def __init__(self, directory: str | None = None) -> None:
         self._tables: dict[str, _Table] = {}
@@ -332,9 +334,7 @@ class EmbeddedStore(Store):
                     name, want_bytes, want_sha = e["file"], int(e["bytes"]), e["sha256"]
                 except (KeyError, TypeError, ValueError) as exc:
                     raise SnapshotError(f"{gen / TABLES_FILE}: an entry is unreadable ({exc!r})") from None
-                if not isinstance(name, str) or Path(name).name != name:
-                    raise SnapshotError(f"{gen / TABLES_FILE}: {name!r} is no file name in {gen}")
-                path = gen / name
+                path = inside(gen, name, what=f"{gen / TABLES_FILE}: file name", error=SnapshotError)
                 size = path.stat().st_size if path.exists() else None
                 if size != want_bytes:
                     state = "missing" if size is None else f"{size} bytes"
@@ -392,7 +392,7 @@ class EmbeddedStore(Store):
         generation = max([previous, *_generations(directory)]) + 1
         gen = _gen_dir(directory, generation)
         shutil.rmtree(gen, ignore_errors=True)
-        gen.mkdir()
+        gen.mkdir(parents=True)  # the folder too, if it was deleted under this process (lost_data)
         stall_after = int(os.environ.get(STALL_ENV, "-1"))
         entries = []
         for name in sorted(self._tables):
@@ -484,6 +484,17 @@ class EmbeddedStore(Store):
         self._tables, self.generation = tables, current  # a pull in flight keeps the table it has
         log.info("loaded generation %d (%d tables) from %s", current, len(tables), self.directory)
         return True
+
+    def lost_data(self) -> str:
+        """See Store.lost_data: the directory's MANIFEST.json, once a generation was loaded or
+        saved, deleted (by hand, or with the folder) while this process runs."""
+        if self.directory is None or not self.generation or (self.directory / MANIFEST).exists():
+            return ""
+        return (
+            f"the embedded store's saved files in {self.directory} are gone ({MANIFEST} of generation "
+            f"{self.generation} deleted); the rows are still in this process and are saved again at its "
+            f"shutdown: stop it with SIGTERM, never kill -9"
+        )
 
     def close(self) -> None:
         """Save every table to the directory, if there is one (see save)."""

@@ -10,6 +10,8 @@ Layout (namespace <ns>, table <t>, bucket number <b>; the braces are literal):
                                         <t>:c -> the table's "created" token (format 2 on)
     {dn:<ns>:tables}:dropped      ZSET  dropped tables' metadata -> when dropped (Redis TIME, seconds)
     {dn:<ns>:tables}:drops        STREAM  the log of drops: entries {"table", "t"} numbered "<n>-0"
+    {dn:<ns>:tables}:marker       STRING  a random token, written once the namespace holds tables
+                                        (Store.lost_data: a Redis that lost its data has none)
     dn:<ns>:<t>:<c>:r:{<t>.<b>}   HASH  id as 8 little-endian bytes -> the row's raw bytes, then
                                         its stamp (format 3 on: 4 bytes, lifecycle.py)
     dn:<ns>:<t>:<c>:deleted       STREAM  the table's deletion log: entries {"ids": 8-byte ids, "t"}
@@ -217,6 +219,12 @@ def rows_key(namespace: str) -> bytes:
 def dropped_key(namespace: str) -> bytes:
     """The key of the namespace's set of dropped tables to sweep (in the table hash's Cluster slot)."""
     return b"{" + meta_key(namespace) + b"}:dropped"
+
+
+def marker_key(namespace: str) -> bytes:
+    """The key of the namespace's marker (in the table hash's Cluster slot): a token a PS writes
+    once the namespace holds tables, so that a Redis that lost them is told from a new one."""
+    return b"{" + meta_key(namespace) + b"}:marker"
 
 
 def drops_key(namespace: str) -> bytes:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -41,7 +42,15 @@ from dynemb.ps_server.backends.redis_cluster import RedisClusterRows, _follow_as
 from dynemb.ps_server.backends.redis_config import MODES as LISTPACK_MODES
 from dynemb.ps_server.backends.redis_config import ROWS_PER_BUCKET, ListpackLimits
 from dynemb.ps_server.backends.redis_durable import Durability, ReplicasShort, ReplicaWaits
-from dynemb.ps_server.backends.redis_keys import _REDIS_ERRORS, _as_ids, _TableMeta, dropped_key, meta_key, rows_key
+from dynemb.ps_server.backends.redis_keys import (
+    _REDIS_ERRORS,
+    _as_ids,
+    _TableMeta,
+    dropped_key,
+    marker_key,
+    meta_key,
+    rows_key,
+)
 from dynemb.ps_server.backends.redis_tls import check_tls_files, untrusted_hint
 from dynemb.ps_server.codec import rows_for_table
 from dynemb.ps_server.errors import (
@@ -175,6 +184,8 @@ class RedisStore(RedisClusterRows, Store):
         self._meta_key = meta_key(namespace)
         self._rows_key = rows_key(namespace)
         self._dropped_key = dropped_key(namespace)
+        self._marker_key = marker_key(namespace)
+        self._marker: bytes | str | None = None  # the namespace's marker as this store last saw it
         self._cache: OrderedDict[str, _TableMeta] = OrderedDict()  # least recently used first
         self._cache_lock = threading.Lock()
         self._fresh = threading.local()  # metadata a thread just read, for its next row call
@@ -460,6 +471,26 @@ class RedisStore(RedisClusterRows, Store):
         """See Store.ping (a Redis PING)."""
         with self._redis():
             self.client.ping()
+
+    def lost_data(self) -> str:
+        """See Store.lost_data: the namespace's marker (redis_keys.marker_key), written once it
+        holds a table, read back at each check; one GET once written."""
+        key = self._marker_key.decode()
+        with self._redis():
+            there = self.client.get(self._marker_key)
+            if self._marker is None:
+                if there is None and self.client.hlen(self._meta_key):  # tables, no marker yet: write it
+                    self.client.set(self._marker_key, secrets.token_hex(8), nx=True)
+                    there = self.client.get(self._marker_key)
+                self._marker = there
+                return ""
+        if there == self._marker:
+            return ""
+        now = "is gone" if there is None else "holds another token (written since by a PS that found it gone)"
+        return (
+            f"Redis at {self.address} lost namespace {self.namespace!r}'s data: its marker {key}, written beside "
+            f"the tables, {now}. It restarted without persistence, or an empty replica was promoted"
+        )
 
     def close(self) -> None:
         """See Store.close; errors while closing are ignored. A sweep still running stops at its
