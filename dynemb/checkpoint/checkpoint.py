@@ -83,6 +83,7 @@ from dynemb.checkpoint.format import (
 from dynemb.checkpoint.table_files import DEFAULT_CHUNK_ROWS, TableReader, TableWriter
 from dynemb.checkpoint.table_files import MANIFEST as TABLE_MANIFEST
 from dynemb.common.arrays import unique
+from dynemb.common.names import inside
 from dynemb.idtransformer.hashing import owner_of
 from dynemb.idtransformer.transformer import FREE, IDTransformer
 from dynemb.ps_server.schema import TableSchema
@@ -397,7 +398,7 @@ class Checkpointer:
                         for _ in chunks:  # this rank's rows, sent to rank 0
                             pass
                         continue
-                    with TableWriter(work / "tables" / name, schema, source={"kind": "checkpoint"}) as w:
+                    with TableWriter(inside(work / "tables", name), schema, source={"kind": "checkpoint"}) as w:
                         for ids, rows in chunks:
                             rows = np.asarray(rows, dtype=schema.np_dtype)
                             w.write(ids, rows[:, : schema.dim], rows[:, schema.dim :])
@@ -419,7 +420,7 @@ class Checkpointer:
                 local = (touched_ids[in_block] - r.row_offset).long()
             rows = r.read(local).cpu().numpy().astype(schema.np_dtype)
             with TableWriter(
-                work / "tables" / name / f"rank-{self.rank:05d}",
+                inside(work / "tables", name) / f"rank-{self.rank:05d}",
                 schema,
                 source={"kind": "checkpoint", "rank": self.rank},
             ) as w:
@@ -692,7 +693,7 @@ class Checkpointer:
                 self.store.replace(schema, [])
         dist.barrier(group=self.group)
         for link in links:
-            readers = [TableReader(link / "tables" / name) for name in names]
+            readers = [TableReader(inside(link / "tables", name)) for name in names]
             pieces = [(t, shard) for t, r in enumerate(readers) for shard in r.manifest.shards]
             takes = spread([shard.rows for _, shard in pieces], self.world)
             mine = [p for p, rank in zip(pieces, takes) if rank == self.rank]
@@ -776,7 +777,7 @@ class Checkpointer:
                         if hi > first:
                             blocks[old_rank] = (lo, hi)
                 for old_rank, (lo, hi) in blocks.items():
-                    part = c / "tables" / name / f"rank-{old_rank:05d}"
+                    part = inside(c / "tables", name) / f"rank-{old_rank:05d}"
                     if not (part / TABLE_MANIFEST).is_file():
                         continue  # an old rank with no rows of the table wrote none
                     self.work["table_files"].append(f"{c.name}/{name}/{part.name}")

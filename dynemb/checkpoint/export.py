@@ -8,13 +8,13 @@ IDs (gathered at rank 0, chunk by chunk: no rank holds more than a chunk of anot
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from tqdm import tqdm
 
 from dynemb.checkpoint.table_files import DEFAULT_ROWS_PER_SHARD, Manifest, TableWriter
+from dynemb.common.names import inside
 from dynemb.tables.device import ensure_control_group
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ def export_tables(
             if per_rank:
                 _send(mine, group)
             continue
-        folder = Path(directory) / name
+        folder = inside(directory, name)
         source = {"kind": "dynemb.tables", "store": dynamic.store.where, "ranks": world}
         with (
             TableWriter(folder, schema, rows_per_shard=rows_per_shard, source=source, overwrite=overwrite) as w,

@@ -32,6 +32,7 @@ from tqdm import tqdm
 from dynemb.checkpoint.table_files import MANIFEST as TABLE_MANIFEST
 from dynemb.checkpoint.table_files import TableReader, TableWriter, check_no_conflict, sha256_of
 from dynemb.common.errors import UserError, shown
+from dynemb.common.names import check_name, inside
 from dynemb.ps_server.schema import TableSchema
 
 FORMAT = "dynemb.checkpoint"
@@ -90,7 +91,20 @@ def read_manifest(folder: str | os.PathLike) -> dict:
     for key, kind in (("files", dict), ("tables", dict), ("kind", str)):
         if not isinstance(doc.get(key), kind):
             raise CheckpointError(f"{path}: field {key!r} missing or not a {kind.__name__}")
+    _check_names(path, doc)
     return doc
+
+
+def _check_names(path: Path, doc: dict) -> None:
+    """Every name the manifest joins into a path (its tables, each part of its files' paths,
+    its parent's) valid (dynemb/common/names.py): none leads out of the checkpoint's folder."""
+    for key in doc["tables"]:
+        check_name(key, f"{path}: field 'tables': table name", CheckpointError)
+    for rel in doc["files"]:
+        for part in rel.split("/"):
+            check_name(part, f"{path}: field 'files': {shown(rel)}: path part", CheckpointError)
+    if doc.get("parent") is not None:
+        check_name(doc["parent"], f"{path}: field 'parent': checkpoint name", CheckpointError)
 
 
 def verify(folder: str | os.PathLike, progress: bool = False, share: tuple[int, int] = (0, 1)) -> dict:
@@ -107,7 +121,7 @@ def verify(folder: str | os.PathLike, progress: bool = False, share: tuple[int, 
     for rel, digest in tqdm(
         sorted(doc["files"].items())[k::n], desc=f"verify {folder.name}", unit="file", disable=not progress
     ):
-        path = folder / rel
+        path = inside(folder, *rel.split("/"), what="path part", error=CheckpointError)
         if not path.is_file():
             raise CheckpointError(f"{path}: listed in {MANIFEST} but missing")
         if sha256_of(path) != digest:
@@ -141,7 +155,7 @@ def chain(folder: str | os.PathLike) -> list[Path]:
                 f"{out[0]}: builds on {parent}, which is not in {out[0].parent} "
                 f"(an incremental checkpoint needs its chain back to a full one)"
             )
-        out.insert(0, out[0].parent / parent)
+        out.insert(0, inside(out[0].parent, parent, what="checkpoint name", error=CheckpointError))
         if len(out) > 10_000:
             raise CheckpointError(f"{folder}: parent chain does not end in a full checkpoint")
     return out
@@ -150,7 +164,7 @@ def chain(folder: str | os.PathLike) -> list[Path]:
 def table_parts(folder: Path, key: str) -> list[Path]:
     """The table folders of one table in one checkpoint: tables/<key>/ itself, or its
     per-rank folders."""
-    base = folder / "tables" / key
+    base = inside(folder / "tables", key, error=CheckpointError)
     if (base / TABLE_MANIFEST).is_file():
         return [base]
     parts = sorted(p for p in base.glob("rank-*") if (p / TABLE_MANIFEST).is_file())

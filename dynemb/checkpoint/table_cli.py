@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 
 from dynemb.common.cli_args import add_command, add_command_group, quiet_flag, rows_per_shard_flag, table_flag
+from dynemb.common.names import name_arg
 
 # subcommand: (its line in the list of commands, the start of its own --help)
 HELP = {
@@ -87,6 +88,7 @@ def add_table_commands(sub: argparse._SubParsersAction, old_name_of: str = "") -
         "--as",
         dest="rename",
         metavar="NAME",
+        type=name_arg(),
         help="the PS table name, when importing exactly one table [default: its own name]",
     )
     p.add_argument(
@@ -135,25 +137,26 @@ def chosen_tables(ps, args, done: str) -> list[str]:
 
 def cmd_export(args) -> int:
     """`dynemb table export`: the chosen PS tables into OUT/<table>/ folders."""
-    from pathlib import Path
-
     from dynemb.checkpoint.table_files import export_table
+    from dynemb.common.names import inside
     from dynemb.ps_server.cli import client_from_args
 
     with client_from_args(args) as ps:
         names = chosen_tables(ps, args, "exported")
         for name in names:
             ps.describe_table(name)  # a missing table fails before any file is written
+        # a name the PS lists was checked when the table was made, perhaps by an older dynemb
+        folders = {name: inside(args.out, name) for name in names}
         for name in names:
             m = export_table(
                 ps,
                 name,
-                Path(args.out) / name,
+                folders[name],
                 rows_per_shard=args.rows_per_shard,
                 overwrite=args.overwrite,
                 progress=not args.quiet,
             )
-            print(f"exported {name}: {m.num_rows} rows in {len(m.shards)} shard(s) -> {Path(args.out) / name}")
+            print(f"exported {name}: {m.num_rows} rows in {len(m.shards)} shard(s) -> {folders[name]}")
     return 0
 
 

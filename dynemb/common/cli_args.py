@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 
+from dynemb.common.names import name_arg
+
 
 def add_command(
     sub: argparse._SubParsersAction, name: str, texts: Mapping[str, tuple[str, str]], epilog: str | None = None
@@ -53,8 +55,9 @@ def quiet_flag(p: argparse.ArgumentParser) -> None:
 
 
 def table_flag(p: argparse.ArgumentParser, help: str) -> None:
-    """Adds `--table NAME`, repeatable: the tables a command works on (`args.table`, a list)."""
-    p.add_argument("--table", action="append", default=[], metavar="NAME", help=help)
+    """Adds `--table NAME`, repeatable: the tables a command works on (`args.table`, a list),
+    each a valid name (dynemb/common/names.py), or argparse's one error line."""
+    p.add_argument("--table", action="append", default=[], metavar="NAME", type=name_arg(), help=help)
 
 
 def rows_per_shard_flag(p: argparse.ArgumentParser, help: str) -> None:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from dynemb.common import names
 from dynemb.common.errors import shown
 from dynemb.protos import ps_pb2
 from dynemb.ps_server.errors import InvalidArgument
@@ -32,7 +32,6 @@ _PROTO_INIT = {
 _INIT_FROM_PROTO = {v: k for k, v in _PROTO_INIT.items()}
 _INIT_FROM_PROTO[ps_pb2.Initializer.KIND_UNSPECIFIED] = "zeros"
 
-NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}")  # the whole name (fullmatch: `$` lets "t\n" through)
 MAX_ROW_WIDTH = 1 << 16
 # The optimizers whose state a PS row carries after the embedding, and how many floats of it:
 # a row is dim + optimizer_state_width(optimizer, dim) floats wide.
@@ -53,7 +52,8 @@ MAX_EXPECTED_ROWS = 1 << 48
 
 
 def check_name(name: str, what: str = "table name") -> str:
-    """`name` if it is a valid table (or other) name: 1 to 128 of A-Z a-z 0-9 _ . -
+    """`name` if it is a valid table (or other) name (dynemb/common/names.py: 1 to 128 of
+    A-Z a-z 0-9 _ . -, the first not . or -).
 
     Args:
         name: the name to check.
@@ -62,9 +62,7 @@ def check_name(name: str, what: str = "table name") -> str:
     Raises:
         InvalidArgument: it is not valid (echoed capped).
     """
-    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
-        raise InvalidArgument(f"{what} {shown(name)} is not valid: use 1 to 128 of the characters A-Z a-z 0-9 _ . -")
-    return name
+    return names.check_name(name, what, InvalidArgument)
 
 
 @dataclass(frozen=True)

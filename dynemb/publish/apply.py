@@ -24,7 +24,7 @@ import numpy as np
 
 from dynemb.ps_server.backends.serving_redis import GROWTH, ROWS_PER_BUCKET, ServingHead, ServingRedis, encode_rows
 from dynemb.publish.quantize import Quantized, dequantize
-from dynemb.publish.version import Version, VersionError, chain, folder_name
+from dynemb.publish.version import Version, VersionError, chain, folder_name, table_folder
 
 log = logging.getLogger("dynemb.publish")
 # Tests only: an apply to Redis stops for good at this point of a delta ("step1": its pending
@@ -90,7 +90,7 @@ def _apply_redis(store: ServingRedis, root, table: str, progress, shown) -> Appl
     head = store.raw_head(table)
     done = []
     if head.pending:  # a delta cut short: finish it first
-        v = Version.read(Path(root) / table / folder_name(head.pending))
+        v = Version.read(table_folder(root, table) / folder_name(head.pending))
         v.check_files()
         log.info("table %s: finishing version %d, cut short", table, v.number)
         _apply_delta(store, table, head, v, progress, shown)

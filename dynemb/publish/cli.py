@@ -134,6 +134,7 @@ def cmd_apply(args) -> int:
 
     from tqdm import tqdm
 
+    from dynemb.common.names import name_problem
     from dynemb.publish.apply import apply_table, serving_store
     from dynemb.publish.version import VersionError, numbers
 
@@ -142,7 +143,9 @@ def cmd_apply(args) -> int:
         raise VersionError(f"{root}: no such folder of published tables")
     store = serving_store(args.to, args.namespace)
     while True:
-        names = args.table or sorted(p.name for p in root.iterdir() if p.is_dir() and numbers(root, p.name))
+        # a folder whose name is no table's (hidden, say) holds no published table
+        found = [p.name for p in root.iterdir() if p.is_dir() and name_problem(p.name) is None]
+        names = args.table or sorted(name for name in found if numbers(root, name))
         if not names and not args.follow:
             print(f"no published tables in {root}; nothing applied")
             return 0

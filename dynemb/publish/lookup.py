@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from dynemb.ps_server.backends.serving_redis import ServingRedis
+from dynemb.ps_server.schema import check_name
 from dynemb.publish.quantize import as_float32
 
 
@@ -37,6 +38,7 @@ class Lookup:
 
     Raises:
         TableNotFound: the table is not published there.
+        InvalidArgument: the table's name is not valid (dynemb/common/names.py).
     """
 
     def __init__(
@@ -50,7 +52,7 @@ class Lookup:
     ) -> None:
         from dynemb.publish.apply import serving_store
 
-        self.table = table
+        self.table = check_name(table)
         self.cache_rows = cache_rows
         self.max_staleness_s = max_staleness_s
         store = serving_store(url, namespace)

@@ -25,14 +25,13 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 
 from dynemb.common.arrays import unique
 from dynemb.ps_server.change_log import DEFAULT_MAX_IDS
 from dynemb.ps_server.schema import TableSchema
-from dynemb.publish.version import DEFAULT_ROWS_PER_FILE, Version, VersionWriter, folder_name, numbers
+from dynemb.publish.version import DEFAULT_ROWS_PER_FILE, Version, VersionWriter, folder_name, numbers, table_folder
 
 log = logging.getLogger("dynemb.publish")
 
@@ -104,11 +103,12 @@ def publish_table(
         TableNotFound: no such table on the PS.
         VersionError: the versions there are not of this table, or one is unreadable.
     """
+    folder = table_folder(config.root, table)  # the name checked before the PS is asked
     info = client.describe_table(table)
     schema = info.schema
     dtype = config.dtype or schema.dtype
     have = numbers(config.root, table)
-    previous = Version.read(Path(config.root) / table / folder_name(have[-1])) if have else None
+    previous = Version.read(folder / folder_name(have[-1])) if have else None
     why_full = "asked for" if full else _why_full(client, schema, dtype, config, previous)
     if not info.change_log:  # nothing before this moment is logged: this version is full
         log.info("table %s: turning on its change log (%d ids a PS)", table, config.change_log)

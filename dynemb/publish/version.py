@@ -41,6 +41,7 @@ import numpy as np
 
 from dynemb.checkpoint.table_files import read_json_object, sha256_of
 from dynemb.common.errors import UserError, shown
+from dynemb.common.names import check_name, inside
 from dynemb.publish.quantize import STORED, Quantized, check_dtype, quantize
 
 FORMAT = "dynemb.version"
@@ -61,6 +62,11 @@ class VersionError(UserError, ValueError):
 def folder_name(number: int) -> str:
     """A version's folder name: v00000042."""
     return f"v{number:08d}"
+
+
+def table_folder(root: str | os.PathLike, table: str) -> Path:
+    """root/<table>/, the table's name checked (dynemb/common/names.py): never a path out of root."""
+    return inside(root, table, error=VersionError)
 
 
 @dataclass(frozen=True)
@@ -145,7 +151,7 @@ class Version:
                 raise VersionError(f"{where}.sha256 must be 64 hex digits, got {shown(entry['sha256'])}")
             files.append(VersionFile(**entry))
         v = cls(
-            table=need("table", str),
+            table=check_name(need("table", str), f"{path}: field 'table': table name", VersionError),
             number=need("number", int),
             kind=kind,
             parent=need("parent", int, nullable=True),
@@ -239,7 +245,7 @@ class VersionWriter:
             raise ValueError(f"a version is 'full' or 'delta', not {kind!r}")
         if number < 1:
             raise ValueError(f"version numbers start at 1, got {number}")
-        self.table_folder = Path(root) / table
+        self.table_folder = table_folder(root, table)
         self.final = self.table_folder / folder_name(number)
         if self.final.exists():
             raise VersionError(f"{self.final}: version {number} of table {table!r} is there already")
@@ -307,7 +313,7 @@ class VersionWriter:
 
 def numbers(root: str | os.PathLike, table: str) -> list[int]:
     """The numbers of the table's complete versions (their folders in place), ascending."""
-    folder = Path(root) / table
+    folder = table_folder(root, table)
     if not folder.is_dir():
         return []
     return sorted(int(m.group(1)) for p in folder.iterdir() if (m := _FOLDER.match(p.name)))
@@ -326,7 +332,7 @@ def chain(root: str | os.PathLike, table: str, have: int | None = None) -> list[
             the chain is missing or corrupt; nothing is to be applied then.
     """
     have_numbers = numbers(root, table)
-    folder = Path(root) / table
+    folder = table_folder(root, table)
     if not have_numbers:
         raise VersionError(f"{folder}: no versions of table {table!r}")
     newest = have_numbers[-1]

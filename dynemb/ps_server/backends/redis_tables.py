@@ -390,7 +390,7 @@ class RedisTables(StoreParts):
     def _scanned_bucket_keys(self, meta: _TableMeta) -> Iterator[list[bytes]]:
         """The table's bucket keys that exist, by SCAN over every master (see _bucket_key_runs)."""
         prefix = meta.prefix
-        # the prefix holds no glob characters (names are [A-Za-z0-9_.-]); keys of other tables
+        # the prefix holds no glob characters (names are [A-Za-z0-9_.-]: common/names.py); keys of other tables
         # that happen to match (none can: the prefix ends in "{<table>.") are filtered anyway
         run: set[bytes] = set()  # SCAN may return a key twice
         with self._redis():

@@ -151,7 +151,8 @@ class PSClient:
         """Create the table on every PS; succeeds if it already exists with this schema.
 
         Args:
-            name: the table's name (letters, digits, `_.-`, see schema.py).
+            name: the table's name (letters, digits, `_.-`, the first not `.` or `-`: see
+                dynemb/common/names.py).
             dim: embedding values per row.
             state_width: optimizer-state values per row, after the embedding.
             dtype: "fp32", "fp16" or "bf16".
