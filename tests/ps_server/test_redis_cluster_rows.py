@@ -100,7 +100,9 @@ def test_cluster_rows_take_the_compiled_path_on_every_node(redis_cluster, redis_
     rows = random_rows(rng, len(ids), schema)
     hset_before, hmget_before = node_calls(redis_cluster, "hset"), node_calls(redis_cluster, "hmget")
     assert s.push("fast", ids, rows) == len(ids)
-    assert set(others) == {"EVALSHA"}  # the row count's script, once the rows are written
+    # at most the row count's script: through redis-py only where a node had not loaded it yet
+    # (NOSCRIPT), which depends on what ran before on this worker's cluster
+    assert set(others) <= {"EVALSHA"}, others
     asked = np.concatenate([ids, unique_ids(rng, 300)])  # and ids never written
     got, found = s.pull("fast", asked)
     assert found[: len(ids)].all() and not found[len(ids) :].any()
