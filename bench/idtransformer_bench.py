@@ -97,16 +97,16 @@ def run_ours(args, batches, device, backend: str) -> dict:
     hits = total = timed = 0
     elapsed = 0.0
     copies = [0]
-    if t.backend == "triton":  # count the pass's device-to-host copies through its one door
-        from dynemb.idtransformer import device_transform
+    if t.backend == "triton":  # count the map's device-to-host copies through its one door
+        from dynemb.idtransformer import bucket_map
 
-        real = device_transform.to_host
+        real = bucket_map.to_host
 
         def counted(counts):
             copies[0] += 1
             return real(counts)
 
-        device_transform.to_host = counted
+        bucket_map.to_host = counted
     try:
         for k, b in enumerate(tqdm(batches, desc=f"idtransformer ({t.backend})", unit="batch", leave=False)):
             x = table_batch(b, args.tables, device)
@@ -123,7 +123,7 @@ def run_ours(args, batches, device, backend: str) -> dict:
                 timed += 1
     finally:
         if t.backend == "triton":
-            device_transform.to_host = real
+            bucket_map.to_host = real
     result = {
         "backend": t.backend,
         "ids_per_s": total / elapsed,

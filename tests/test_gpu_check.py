@@ -383,7 +383,7 @@ def test_the_cuda_tests_that_need_torchrec_are_marked_and_the_rest_collect_witho
     assert plain.returncode == 0, plain.stdout[-4000:] + plain.stderr
     assert "error" not in plain.stdout.lower(), plain.stdout[-4000:]
     assert names(plain) == {
-        "test_idtransformer_triton.py::test_on_cuda_the_pass_does_not_sync_but_for_its_copy",
+        "test_bucket_tables.py::test_on_cuda_the_call_does_not_sync_but_for_its_copy",
         "test_trainer_device.py::test_row_moves_on_a_gpu_use_events_not_device_syncs",
         "test_trainer_device.py::test_nccl_collectives_with_one_rank",
         "test_gpu_check.py::test_a_tensor_on_each_device[cuda]",

@@ -49,11 +49,12 @@ import triton.language as tl
 
 from dynemb.idtransformer.admission import MAX_COUNT, CountMinSketch, multipliers
 from dynemb.idtransformer.admission import MAX_DEPTH as _MAX_SKETCH_DEPTH
+from dynemb.idtransformer.backend import DEFAULT_BUCKET
 from dynemb.idtransformer.ids import as_int64_ids
 from dynemb.idtransformer.policy import _FREQ_SHIFT, DEFAULT_POLICY, MAX_FREQ, POLICIES, EvictionPolicy
 from dynemb.idtransformer.slot_map import COIN_SEED, fmix64
 
-MIN_BUCKET, MAX_BUCKET, DEFAULT_BUCKET = 32, 1024, 128
+MIN_BUCKET, MAX_BUCKET = 32, 1024
 FREE = -1
 BUCKET_SEED = 0x2545F4914F6CDD1D  # the bucket hash: fmix64(id ^ BUCKET_SEED); odd, below 2^63
 # constants the kernels share with policy.py, admission.py and slot_map.py (globals a Triton
@@ -149,7 +150,8 @@ class Found(NamedTuple):
             -1 where not admitted.
         rows: per distinct (table, ID) pair, table after table, its row in the storage or -1:
             what release unpins.
-        distinct_slots: the same pairs' slots in their table (-1: none), plus base if given.
+        distinct_slots: the same pairs' slots in their table (-1: none; no base: what
+            a table's release takes).
         admitted: the pairs given a slot by this batch (their rows to pull or initialise).
         evicted: the pairs that left to make room (their rows to push before reuse).
         rejected: the pairs below their admission threshold (slots -1).
@@ -655,13 +657,33 @@ class BucketSlotMap:
         return Found(
             slots[inverse].reshape(ids.shape),
             urow[:d],
-            slots[:d],
+            uslot[:d],
             Rows(adm[0], adm[1], adm[2]),
             Rows(ev[0], ev[1], ev[2]),
             Rows(rej[0], rej[1], torch.full_like(rej[0], -1)),
             total,
             per_table,
         )
+
+    def find(self, t: int, ids: torch.Tensor) -> torch.Tensor:
+        """Table t's slot of each ID (-1: not resident), touching nothing: what evaluation
+        reads. Torch ops over each ID's bucket, a chunk of IDs at a time (a chunk's bucket
+        rows are chunk x B keys)."""
+        flat = as_int64_ids(ids).reshape(-1).to(self.device)
+        out = torch.full_like(flat, -1)
+        b, first = self.bucket_size, self.first_rows[t]
+        lanes = torch.arange(b, device=self.device)
+        step = max(1, (1 << 22) // b)
+        for at in range(0, flat.numel(), step):
+            part = flat[at : at + step]
+            bucket = bucket_of(torch.full_like(part, t), part, self._first_bucket, self._buckets)
+            rows = (bucket * b).unsqueeze(1) + lanes
+            inside = rows - first < self.tables[t].capacity
+            rows = torch.where(inside, rows, 0)
+            match = inside & (self.keys[rows] == part.unsqueeze(1)) & (self.last_access[rows] != FREE)
+            way = torch.where(match, lanes, b).amin(1)
+            out[at : at + step] = torch.where(way < b, bucket * b + way - first, -1)
+        return out.reshape(ids.shape)
 
     def release(self, rows: torch.Tensor, check: bool = False) -> torch.Tensor:
         """Unpin the rows of a batch found with pin=True (its Found.rows; -1 entries skipped).
@@ -770,12 +792,21 @@ class BucketSlotMap:
         self.steps = list(state.steps)
         self._counts[: len(self.tables), F_RESIDENT] = torch.bincount(tables, minlength=len(self.tables))
 
-    def load_table(self, t: int, ids: torch.Tensor, last_access: torch.Tensor, freq: torch.Tensor, step: int) -> int:
-        """Make table t hold these IDs (distinct), placed anew in the buckets they hash to, with
-        their last access (<= step) and frequency, at this step; pins 0. Where a bucket gets
-        more IDs than it has ways, those its policy would keep longest stay (the rest are left
-        out: their rows stay on the PS). What a checkpoint of another layout or world size
-        restores through.
+    def load_table(
+        self,
+        t: int,
+        ids: torch.Tensor,
+        last_access: torch.Tensor,
+        freq: torch.Tensor,
+        step: int,
+        slots: torch.Tensor | None = None,
+    ) -> int:
+        """Make table t hold these IDs (distinct) with their last access (<= step) and
+        frequency, at this step; pins 0. Where `slots` are given and each lies in the bucket
+        its ID hashes to here (a state of this layout), each ID goes to its slot; else each is
+        placed anew in its bucket, and where a bucket gets more IDs than it has ways, those its
+        policy would keep longest stay (the rest are left out: their rows stay on the PS). What
+        a checkpoint of another layout or world size restores through.
 
         Returns:
             The IDs placed.
@@ -783,16 +814,16 @@ class BucketSlotMap:
         dev, b = self.device, self.bucket_size
         ids = ids.to(dev, torch.int64)
         last, freq = last_access.to(dev, torch.int32), freq.to(dev, torch.uint8)
-        region = slice(self.first_rows[t], self.first_rows[t] + int(self._buckets[t]) * b)
-        self.keys[region] = 0
-        self.last_access[region] = FREE
-        self.freq[region] = 0
-        self.pins[region] = 0
-        self.steps[t] = step
-        placed = 0
-        if ids.numel():
-            tables = torch.full_like(ids, t)
-            bucket = bucket_of(tables, ids, self._first_bucket, self._buckets)
+        first, capacity = self.first_rows[t], self.tables[t].capacity
+        region = slice(first, first + int(self._buckets[t]) * b)
+        bucket = bucket_of(torch.full_like(ids, t), ids, self._first_bucket, self._buckets)
+        row = order = None
+        if slots is not None and ids.numel():
+            slots = slots.to(dev, torch.int64)
+            exact = bool(((slots >= 0) & (slots < capacity) & ((first + slots) // b == bucket)).all())
+            if exact and torch.unique(slots).numel() == slots.numel():
+                row, order = first + slots, torch.arange(ids.numel(), device=dev)
+        if row is None and ids.numel():
             keep_first = torch.sort(-self.tables[t].policy.scores(last, freq, step), stable=True).indices
             order = keep_first[torch.sort(bucket[keep_first], stable=True).indices]
             s_bucket = bucket[order]
@@ -801,9 +832,15 @@ class BucketSlotMap:
             at = torch.arange(len(order), device=dev)
             way = at - torch.cummax(torch.where(starts, at, 0), 0).values
             row = s_bucket * b + way
-            keep = row - self.first_rows[t] < self.tables[t].capacity
-            keep &= way < b
+            keep = (row - first < capacity) & (way < b)
             row, order = row[keep], order[keep]
+        self.keys[region] = 0
+        self.last_access[region] = FREE
+        self.freq[region] = 0
+        self.pins[region] = 0
+        self.steps[t] = step
+        placed = 0
+        if row is not None and order is not None:
             self.keys[row], self.last_access[row], self.freq[row] = ids[order], last[order], freq[order]
             placed = int(row.numel())
         self._counts[t, F_RESIDENT] = placed

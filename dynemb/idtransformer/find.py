@@ -77,5 +77,5 @@ def find_blocks(
 def _find(table: ShardedIDTransformer, ids: torch.Tensor) -> torch.Tensor:
     if ids.numel() == 0:
         return ids.clone()
-    local = table.local.map.find(ids).to(torch.int64)
+    local = table.local.find(ids)
     return torch.where(local >= 0, local + table.offset, -1)

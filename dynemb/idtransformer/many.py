@@ -15,8 +15,8 @@ changes.
 
 Tables on the compiled kernel without an admission sketch take one kernel call for them all
 (csrc/slot_map.cpp transform_many: lookup and admit, table after table, no Python between);
-triton tables take one pass for them all (device_transform.py: a fixed number of launches and
-one host copy, whatever their number); the rest (the torch backend, kernel tables with an
+triton tables take one launch and one host copy for them all, whatever their number
+(bucket_tables.py); the rest (the torch backend, kernel tables with an
 admission threshold) go one by one through transform.
 
     errors = release_many(tables, [out.distinct_slots for out in out.results])   # when done
@@ -151,9 +151,9 @@ def _on_kernel(t: IDTransformer) -> bool:
 def _device_many(
     tables: list[IDTransformer], ids: torch.Tensor, sizes: list[int], pin: bool, bases: list[int]
 ) -> ManyResult:
-    from dynemb.idtransformer import device_transform
+    from dynemb.idtransformer import bucket_tables
 
-    return device_transform.transform_many(tables, ids.to(tables[0].device), sizes, pin, bases)
+    return bucket_tables.transform_many(tables, ids.to(tables[0].device), sizes, pin, bases)
 
 
 def _one(t: IDTransformer, block: torch.Tensor, pin: bool, base: int):
@@ -221,9 +221,9 @@ def release_many_flat(
     (counts[t] of table t's, as ManyResult.flat has them): one kernel call (or one triton
     pass), nothing to cut or join. Every table must be on the kernel, or every one on triton."""
     if tables and all(t.backend == "triton" for t in tables):
-        from dynemb.idtransformer import device_transform
+        from dynemb.idtransformer import bucket_tables
 
-        return device_transform.release_many(tables, distinct_slots, counts)
+        return bucket_tables.release_many(tables, distinct_slots, counts)
     status = tables[0].kernel_map.ops.release_many([t.records for t in tables], distinct_slots, counts).tolist()
     return [t.release_error(s) for t, s in zip(tables, status)]
 

@@ -1,15 +1,14 @@
-"""The ID transformer's id → slot map. Three implementations of one small API (find,
-insert, erase), at most 16 bytes per slot each:
+"""The ID transformer's id → slot map for the exact backends. Two implementations of one small
+API (find, insert, erase), at most 16 bytes per slot each:
 - KernelSlotMap (CPU): open addressing with linear probing, 8-byte entries {tag, slot} at
   most half full, used by the compiled kernel (csrc/slot_map.cpp), which also runs the
   transformer's two per-batch passes (lookup, admit) over them. An ID's home position is
   fastrange(fmix64(id ^ seed) >> 32, size); `home` computes it in torch ops, as the kernel does.
 - SortedSlotMap (backend "torch", any device): the resident ids sorted, with their slots;
   bulk torch ops (searchsorted, merge, compaction), no host round-trips.
-- TritonSlotMap (backend "triton", triton_map.py): the kernel's tags and homes in an
-  open-addressing table of Triton kernels (CAS insert, tombstones, rebuild).
 Which map holds the ids does not change a transformer's results (slots, admissions,
-evictions): the tests hold the backends to identical ones.
+evictions): the tests hold the two backends to identical ones. The triton backend's map is
+set-associative and has a contract of its own (bucket_map.py).
 """
 
 from __future__ import annotations
@@ -153,9 +152,9 @@ def coin(ids: torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
 
 def make_slot_map(capacity: int, records: torch.Tensor, backend: str) -> KernelSlotMap | SortedSlotMap:
     """The slot map of a backend: 'kernel' (KernelSlotMap) or 'torch' (SortedSlotMap); a
-    triton table's map lives in its DeviceTables (device_tables.py)."""
+    triton table's map lives in its BucketTables (bucket_tables.py)."""
     if backend == "kernel":
         return KernelSlotMap(capacity, records)
     if backend == "torch":
         return SortedSlotMap(capacity, records.device)
-    raise ValueError(f"slot map backend {backend!r} is not one of 'kernel', 'torch' (triton: DeviceTables)")
+    raise ValueError(f"slot map backend {backend!r} is not one of 'kernel', 'torch' (triton: BucketTables)")

