@@ -25,7 +25,8 @@ class TableConfig:
         name: the TorchRec table's name (EmbeddingBagConfig.name).
         policy: which resident IDs leave first when the table is full: "lru", "lfu" or "hybrid"
             (LFU with decay by idle time; dynemb/idtransformer/policy.py).
-        evict_fraction: share of the table freed at once when it is full.
+        evict_fraction: share of the table freed at once when it is full (the CPU kernel; on a
+            GPU the map frees one slot of the ID's bucket per new ID, see docs/idtransformer.md).
         ttl_steps: IDs idle for more steps than this are evicted before any other (None: no TTL).
         admit_threshold: sightings an ID needs before it gets a row (1: at once); IDs below it
             are left out of their bags.
