@@ -78,6 +78,32 @@ class TableFileError(UserError, ValueError):
     """A table folder that cannot be used: missing, corrupt, or at odds with the PS."""
 
 
+def tensor_layout(path: Path, error: type[Exception]) -> dict[str, tuple[str, list[int]]]:
+    """{tensor: (safetensors dtype, shape)} of a safetensors file, read from its header only;
+    `error` naming the file if it is not one safetensors reads (its header's length and every
+    tensor's offsets are checked against the file's size by the reader: a header claiming 2^40
+    rows or 2^62 bytes is refused, not allocated)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            return {name: (f.get_slice(name).get_dtype(), list(f.get_slice(name).get_shape())) for name in f.keys()}
+    except (SafetensorError, OSError) as exc:
+        raise error(f"{path}: not a readable safetensors file: {exc}") from None
+
+
+def check_layout(path: Path, want: dict[str, tuple[str, list[int]]], error: type[Exception], what: str) -> None:
+    """The file holds exactly the tensors of `want` ({name: (dtype, shape)}), or `error` naming
+    the first difference and `what` the manifest says the file is."""
+    have = tensor_layout(path, error)
+    if set(have) != set(want):
+        raise error(f"{path}: holds tensors {shown(sorted(have))}, expected {sorted(want)} ({what})")
+    for name, (dtype, shape) in want.items():
+        if have[name] != (dtype, shape):
+            got_dtype, got_shape = have[name]
+            raise error(f"{path}: tensor {name!r} is {got_dtype} {got_shape}, expected {dtype} {shape} ({what})")
+
+
 def shard_name(index: int) -> str:
     """The file name of shard number index, e.g. part-00000.safetensors."""
     return f"part-{index:05d}.safetensors"
@@ -347,8 +373,6 @@ class TableReader:
                 bar.update(shard.rows)
 
     def _check_shard(self, shard: Shard) -> None:
-        from safetensors import SafetensorError, safe_open
-
         path = self.folder / shard.file
         if not path.is_file():
             raise TableFileError(f"{path}: missing (listed in {self.folder / MANIFEST})")
@@ -364,21 +388,8 @@ class TableReader:
             "embeddings": (_ST_DTYPE[s.dtype], [shard.rows, s.dim]),
             "state": (_ST_DTYPE[s.dtype], [shard.rows, s.state_width]),
         }
-        try:
-            with safe_open(str(path), framework="numpy") as f:
-                keys = set(f.keys())
-                if keys != set(TENSORS):
-                    raise TableFileError(f"{path}: holds tensors {shown(sorted(keys))}, expected {list(TENSORS)}")
-                for name, (dtype, shape) in want.items():
-                    sl = f.get_slice(name)
-                    if (sl.get_dtype(), list(sl.get_shape())) != (dtype, shape):
-                        raise TableFileError(
-                            f"{path}: tensor {name!r} is {sl.get_dtype()} {list(sl.get_shape())}, "
-                            f"expected {dtype} {shape} (table {s.name!r}: {shard.rows} rows, "
-                            f"dim {s.dim}, state_width {s.state_width}, dtype {s.dtype})"
-                        )
-        except SafetensorError as exc:
-            raise TableFileError(f"{path}: not a readable safetensors file: {exc}") from None
+        what = f"table {s.name!r}: {shard.rows} rows, dim {s.dim}, state_width {s.state_width}, dtype {s.dtype}"
+        check_layout(path, want, TableFileError, what)
 
     def chunks(
         self, chunk_rows: int = DEFAULT_CHUNK_ROWS, verify: bool = True, shards: list[Shard] | None = None

@@ -21,7 +21,8 @@ HELP = {
         "apply published versions to a serving store (Redis, or an embedded store's files)",
         "Take each table of a serving store from the version it holds to the newest in DIR: the newest full version "
         "and the deltas after it, or just the deltas after the one it holds. Every file of the chain is checked "
-        "first: a gap or a corrupt file writes nothing. Readers (`dynemb ps serve --read-only`, "
+        "first (sha256, tensors, dtype, shapes, counts, widths against the store): a gap, a corrupt or lying file, "
+        "or another publisher's folder writes nothing. Readers (`dynemb ps serve --read-only`, "
         "dynemb.publish.Lookup) switch from one version to the next at once, never reading a mix; an apply cut "
         "short is finished by the next.",
     ),

@@ -23,7 +23,9 @@ version.json (format "dynemb.version", version 1):
      "source": {...}}                                free-form: where the rows came from
 
 chain() says which versions take a serving store from the version it holds to the newest, and
-checks every file of them first: a gap or a corrupt file is refused before anything is applied.
+checks every file of them first: a gap, a corrupt file, or a file whose tensors are not what the
+manifest says (names, dtype, shape, counts) is refused before anything is applied. A version's
+identity is its manifest's sha256 (`digest`): a store keeps the one it applied.
 """
 
 from __future__ import annotations
@@ -39,9 +41,10 @@ from pathlib import Path
 
 import numpy as np
 
-from dynemb.checkpoint.table_files import read_json_object, sha256_of
+from dynemb.checkpoint.table_files import check_layout, read_json_object, sha256_of
 from dynemb.common.errors import UserError, shown
 from dynemb.common.names import check_name, inside
+from dynemb.ps_server.schema import MAX_ROW_WIDTH
 from dynemb.publish.quantize import STORED, Quantized, check_dtype, quantize
 
 FORMAT = "dynemb.version"
@@ -51,6 +54,8 @@ KINDS = ("full", "delta")
 DEFAULT_ROWS_PER_FILE = 1 << 20
 _FOLDER = re.compile(r"^v(\d{8})$")
 _FILE = re.compile(r"^(rows|deleted)-\d{5}\.safetensors$")
+# the safetensors dtype of each published dtype's values (bf16: its bit patterns)
+_ST_DTYPE = {"fp32": "F32", "fp16": "F16", "bf16": "U16", "int8": "I8"}
 # Tests only: a writer stops for good after writing this many files (a kill -9 lands mid-version).
 STALL_ENV = "DYNEMB_TEST_PUBLISH_STALL_AFTER"
 
@@ -97,11 +102,12 @@ class Version:
     files: list[VersionFile]
     source: dict = field(default_factory=dict)
     folder: Path | None = None
+    digest: str = ""  # the sha256 of its version.json: which version of that number it is
 
     def to_dict(self) -> dict:
         """The manifest as version.json holds it."""
         doc = {"format": FORMAT, "version": FORMAT_VERSION}
-        doc.update({k: v for k, v in asdict(self).items() if k != "folder"})
+        doc.update({k: v for k, v in asdict(self).items() if k not in ("folder", "digest")})
         return doc
 
     @classmethod
@@ -165,7 +171,14 @@ class Version:
             files=files,
             source=doc.get("source") or {},
             folder=folder,
+            digest=sha256_of(path),
         )
+        if not isinstance(v.source, dict):
+            raise VersionError(f"{path}: field 'source' must be an object, got {shown(v.source)}")
+        if not 1 <= v.dim <= MAX_ROW_WIDTH:
+            raise VersionError(f"{path}: field 'dim' must be 1 to {MAX_ROW_WIDTH}, got {v.dim}")
+        if v.number < 1 or v.base < 1:
+            raise VersionError(f"{path}: fields 'number' and 'base' must be >= 1, got {v.number} and {v.base}")
         for what, total in (("rows", v.rows), ("deleted", v.deleted)):
             counted = sum(f.count for f in files if f.kind == what)
             if counted != total:
@@ -179,8 +192,9 @@ class Version:
         return v
 
     def check_files(self) -> None:
-        """Every file there with the sha256 the manifest lists; VersionError naming the first
-        that is missing or differs."""
+        """Every file there with the sha256 the manifest lists, and holding the tensors it says
+        (a file can match its sha256 and still not be what the manifest describes: another
+        width, dtype or count); VersionError naming the first that is missing or differs."""
         assert self.folder is not None
         for f in self.files:
             path = self.folder / f.file
@@ -188,6 +202,17 @@ class Version:
                 raise VersionError(f"{path}: missing (listed in {MANIFEST})")
             if sha256_of(path) != f.sha256:
                 raise VersionError(f"{path}: its sha256 is not the one {MANIFEST} lists: the file is corrupt")
+            what = f"{MANIFEST}: {f.count} {f.kind}" + (f", dim {self.dim}, {self.dtype}" if f.kind == "rows" else "")
+            check_layout(path, self._layout(f), VersionError, what)
+
+    def _layout(self, f: VersionFile) -> dict[str, tuple[str, list[int]]]:
+        """The tensors {name: (safetensors dtype, shape)} the manifest says file f holds."""
+        want = {"ids": ("I64", [f.count])}
+        if f.kind == "rows":
+            want["values"] = (_ST_DTYPE[self.dtype], [f.count, self.dim])
+            if self.dtype == "int8":
+                want["scales"] = ("F32", [f.count])
+        return want
 
     def row_chunks(self) -> Iterator[tuple[np.ndarray, Quantized]]:
         """(ids, rows in the version's dtype), file by file."""
@@ -298,6 +323,7 @@ class VersionWriter:
             os.replace(tmp, self.partial / MANIFEST)
             os.replace(self.partial, self.final)
             self.manifest.folder = self.final
+            self.manifest.digest = sha256_of(self.final / MANIFEST)
             self._closed = True
         return self.manifest
 

@@ -83,6 +83,7 @@ class _Table:
         self.change_log = 0
         self.published = 0  # the published version it holds, in a serving store (dynemb/publish/apply.py)
         self.published_time = 0.0  # when that version was cut
+        self.published_digest = ""  # its manifest's sha256: which version of that number it is
         self.expired_reads = 0  # rows a pull found expired, not yet swept
 
     def start_stamps(self) -> None:
@@ -365,6 +366,7 @@ class EmbeddedStore(Store):
                     t.log.restore(deleted, extra.get("deleted_times", np.zeros(0)), extra.get("deleted_runs"), end)
                 t.published = int(meta.get("published", "0"))
                 t.published_time = float(meta.get("published_time", "0"))
+                t.published_digest = str(meta.get("published_digest", ""))
                 if "changes" in meta:  # after the rows' pushes above, which it does not log
                     changes = json.loads(meta["changes"])
                     t.change_log = checked_max_ids(schema.name, int(changes["max_ids"]))
@@ -423,6 +425,7 @@ class EmbeddedStore(Store):
             if t.published:
                 metadata["published"] = str(t.published)
                 metadata["published_time"] = repr(t.published_time)
+                metadata["published_digest"] = t.published_digest
             if change_log or changes.end:  # its count goes on after a restart, on or off
                 changed_ids, changed_times, changed_runs, changed_end = changes.snapshot()
                 if len(changed_ids):
@@ -456,10 +459,11 @@ class EmbeddedStore(Store):
                 path.unlink()
         log.info("saved %d tables to %s", len(entries), gen)
 
-    def set_published(self, table: str, number: int, cut: float) -> None:
-        """Record that the table holds published version `number`, cut at `cut` (saved with it)."""
+    def set_published(self, table: str, number: int, cut: float, digest: str = "") -> None:
+        """Record that the table holds published version `number`, cut at `cut`, whose manifest's
+        sha256 is `digest` (saved with it)."""
         t = self._table(table)
-        t.published, t.published_time = number, cut
+        t.published, t.published_time, t.published_digest = number, cut, digest
 
     def published_versions(self) -> dict[str, tuple[int, float]]:
         """{table: (published version, when it was cut)} of the tables that hold one."""
@@ -468,6 +472,10 @@ class EmbeddedStore(Store):
     def published_version(self, table: str) -> int:
         """The published version the table holds (a serving store's: dynemb/publish/apply.py); 0: none."""
         return self._table(table).published
+
+    def published_digest(self, table: str) -> str:
+        """The sha256 of the manifest of the published version the table holds ("": none kept)."""
+        return self._table(table).published_digest
 
     def reload_if_newer(self) -> bool:
         """Load the directory's current generation if it is not the one loaded (an applier saved

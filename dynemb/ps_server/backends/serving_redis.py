@@ -73,6 +73,8 @@ class ServingHead:
             pending fields are shown, the version's before).
         counted: the delta whose rows were counted (counted_rows) before step 3 began.
         counted_rows: the rows that delta leaves.
+        digest: the sha256 of the manifest of the version readers read ("": applied by an
+            older dynemb): which version of that number it is.
     """
 
     version: int = 0
@@ -90,6 +92,7 @@ class ServingHead:
     rows: int = 0
     counted: int = 0
     counted_rows: int = 0
+    digest: str = ""
 
     @classmethod
     def from_reply(cls, reply: dict) -> ServingHead:
