@@ -156,6 +156,7 @@ class Found(NamedTuple):
         evicted: the pairs that left to make room (their rows to push before reuse).
         rejected: the pairs below their admission threshold (slots -1).
         counts: the batch's counts, all tables together; per_table: each table's.
+        faults: per table, the rows released that were not pinned since the map was made.
     """
 
     slots: torch.Tensor
@@ -166,6 +167,7 @@ class Found(NamedTuple):
     rejected: Rows
     counts: BatchCounts
     per_table: list[BatchCounts]
+    faults: list[int]
 
 
 class Exported(NamedTuple):
@@ -423,9 +425,9 @@ def _find_or_insert_kernel(
 
 
 @triton.jit
-def _release_kernel(pins_ptr, rows_ptr, row_table_ptr, n, faults_ptr, BLOCK: tl.constexpr):
-    """Unpin rows (-1: none); a row that was not pinned keeps 0 pins and counts a fault for its
-    table (faults_ptr: one counter per table)."""
+def _release_kernel(pins_ptr, rows_ptr, row_table_ptr, n, counts_ptr, BLOCK: tl.constexpr):
+    """Unpin rows (-1: none); a row that was not pinned keeps 0 pins and counts a fault in its
+    table's row of the counts."""
     at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     row = tl.load(rows_ptr + at, mask=at < n, other=-1)
     live = row >= 0
@@ -433,7 +435,7 @@ def _release_kernel(pins_ptr, rows_ptr, row_table_ptr, n, faults_ptr, BLOCK: tl.
     fault = live & (before <= 0)
     tl.atomic_add(pins_ptr + row, 1, mask=fault)  # put back: never below 0 pins
     t = tl.load(row_table_ptr + row, mask=fault, other=0)
-    tl.atomic_add(faults_ptr + t, 1, mask=fault)
+    tl.atomic_add(counts_ptr + t * _NF + _F_FAULTS, 1, mask=fault)
 
 
 @triton.jit
@@ -594,7 +596,7 @@ class BucketSlotMap:
             empty = flat[:0]
             none = Rows(empty, empty, empty)
             zero = BatchCounts(0, 0, 0, 0, 0, 0, 0)
-            return Found(flat.reshape(ids.shape), empty, empty, none, none, none, zero, [zero] * n_tables)
+            return Found(flat.reshape(ids.shape), empty, empty, none, none, none, zero, [zero] * n_tables, [])
         # 1. the distinct (table, ID) pairs sorted by bucket (then ID), at the front of n-long
         #    tensors: two stable sorts; a bucket belongs to one table, so (bucket, ID) is the pair
         tab = torch.repeat_interleave(torch.arange(n_tables, device=dev), sizes_d, output_size=n)
@@ -663,6 +665,7 @@ class BucketSlotMap:
             Rows(rej[0], rej[1], torch.full_like(rej[0], -1)),
             total,
             per_table,
+            [c[k * N_FIELDS + F_FAULTS] for k in range(n_tables)],
         )
 
     def find(self, t: int, ids: torch.Tensor) -> torch.Tensor:
@@ -685,27 +688,24 @@ class BucketSlotMap:
             out[at : at + step] = torch.where(way < b, bucket * b + way - first, -1)
         return out.reshape(ids.shape)
 
-    def release(self, rows: torch.Tensor, check: bool = False) -> torch.Tensor:
+    def release(self, rows: torch.Tensor, check: bool = False) -> None:
         """Unpin the rows of a batch found with pin=True (its Found.rows; -1 entries skipped).
-        A row that was not pinned stays at 0 pins and counts a fault for its table.
+        A row that was not pinned stays at 0 pins and counts a fault for its table, which the
+        next batch's copy carries (`faults`): no host copy here.
 
         Args:
-            check: copy the faults to the host and raise if this call made any.
-
-        Returns:
-            Per table, the faults of this call (on the device: reading it is a host copy).
+            check: copy the faults to the host now and raise if this call made any.
 
         Raises:
             ValueError: with check, a row released that was not pinned (released twice?).
         """
         n = rows.numel()
-        faults = torch.zeros(len(self.tables), dtype=torch.int64, device=self.device)
+        before = self._counts[:, F_FAULTS].clone() if check else None
         if n:
             held = rows.reshape(-1).to(self.device, torch.int64).contiguous()
-            _release_kernel[(triton.cdiv(n, _BLOCK),)](self.pins, held, self._row_table, n, faults, BLOCK=_BLOCK)
-        if check and (bad := sum(to_host(faults))):
+            _release_kernel[(triton.cdiv(n, _BLOCK),)](self.pins, held, self._row_table, n, self._counts, BLOCK=_BLOCK)
+        if before is not None and (bad := sum(to_host(self._counts[:, F_FAULTS] - before))):
             raise ValueError(f"{bad} rows released that were not pinned (released twice?)")
-        return faults
 
     # -- state -----------------------------------------------------------------------------
 

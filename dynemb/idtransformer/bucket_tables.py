@@ -19,17 +19,19 @@ here raises TooManyIDs, NoRoom or a full pin count; evict_fraction has no meanin
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
 from dynemb.idtransformer import bucket_map
-from dynemb.idtransformer.bucket_map import F_RESIDENT, BucketSlotMap, TableSpec
+from dynemb.idtransformer.bucket_map import F_FAULTS, F_RESIDENT, BucketSlotMap, TableSpec
 from dynemb.idtransformer.many import ManyResult
 
 if TYPE_CHECKING:
     from dynemb.idtransformer.transformer import IDTransformer, TransformResult
 
+log = logging.getLogger("dynemb.idtransformer")
 _NOT_PINNED = "release of slots that are not pinned (released twice?)"
 
 
@@ -65,7 +67,8 @@ class BucketTables:
         ]
         self.map = BucketSlotMap(specs, bucket_size=sizes.pop(), device=self.device)
         self.index = {id(t): k for k, t in enumerate(tables)}
-        self._bases: dict[tuple[int, ...], torch.Tensor] = {}
+        # per table, the release faults already reported (raised by a checked release, or logged)
+        self.faults_seen = [0] * len(tables)
         for k, t in enumerate(tables):
             self._move_in(k, t)
 
@@ -130,6 +133,7 @@ def transform_many(
     for t in tables:
         m.steps[space.index[id(t)]] = t.step  # (a load_state_dict may have set it)
     found = m.find_or_insert(ids.to(space.device), map_sizes, pin, map_bases, in_call)
+    _log_new_faults(space, found.faults)
     for t, k in zip(tables, at):
         t.step = m.steps[k]
         t.resident += found.per_table[k].admitted - found.per_table[k].evicted
@@ -157,6 +161,20 @@ def transform_many(
     return ManyResult(found.slots, None, errors, flat, counts, list(sizes), hits, dropped)
 
 
+def _log_new_faults(space: BucketTables, faults: list[int]) -> None:
+    """Log the release faults that unchecked releases made since the last batch (a caller that
+    releases a batch twice, or slots it was not given)."""
+    for k, (total, seen) in enumerate(zip(faults, space.faults_seen)):
+        if total > seen:
+            log.error(
+                "%d slots of table %d (capacity %d) were released but not pinned (released twice?)",
+                total - seen,
+                k,
+                space.tables[k].capacity,
+            )
+            space.faults_seen[k] = total
+
+
 def transform_one(t: IDTransformer, flat: torch.Tensor, pin: bool) -> TransformResult:
     """One batch through table t (flat: its IDs, 1-d int64 on t's device)."""
     out = transform_many([t], flat, [flat.numel()], pin, [0]).results[0]
@@ -165,27 +183,40 @@ def transform_one(t: IDTransformer, flat: torch.Tensor, pin: bool) -> TransformR
 
 
 def release_many(
-    tables: list[IDTransformer], distinct_slots: torch.Tensor, counts: list[int]
+    tables: list[IDTransformer], distinct_slots: torch.Tensor, counts: list[int], check: bool = True
 ) -> list[Exception | None]:
     """Unpin every table's distinct slots (table after table, counts[t] of table t's, the
-    table's own slots; -1 entries, a batch's IDs that got no slot, skipped) with one host copy
-    for all. Per table its error: IndexError for a slot outside it (its slots are then left
-    pinned), ValueError for a slot that was not pinned (released twice?; the others of the
-    table are released)."""
+    table's own slots; -1 entries, a batch's IDs that got no slot, skipped).
+
+    Args:
+        check: find each table's error now, with one host copy for all: IndexError for a slot
+            outside it (its slots are then left pinned), ValueError for a slot that was not
+            pinned (released twice?; the table's others are released). Without it, no copy:
+            slots outside their table are skipped, and the faults are counted on the device
+            and logged with the next batch's copy (what a training step does: one copy a step).
+
+    Returns:
+        Per table, its error or None.
+    """
     space = BucketTables.of(tables)
-    m, dev, n = space.map, space.device, distinct_slots.numel()
+    m, n = space.map, distinct_slots.numel()
     if n == 0:
         return [None] * len(tables)
-    host = m._to_device([space.index[id(t)] for t in tables] + list(counts))  # one copy
+    host = m._to_device([space.index[id(t)] for t in tables] + list(counts))  # one copy to the device
     tab = torch.repeat_interleave(host[: len(tables)], host[len(tables) :], output_size=n)
-    slots = distinct_slots.to(dev, torch.int64)
+    slots = distinct_slots.to(space.device, torch.int64)
     outside = slots >= m._capacity[tab]
-    bad = torch.zeros(len(m.tables), dtype=torch.int64, device=dev).index_add_(0, tab, outside.to(torch.int64))
+    bad = torch.zeros(len(m.tables), dtype=torch.int64, device=space.device).index_add_(0, tab, outside.to(torch.int64))
     live = (slots >= 0) & (bad[tab] == 0)
     rows = torch.where(live, m._first_row[tab] + slots, -1)
-    faults = m.release(rows)
-    got = bucket_map.to_host(torch.stack([bad, faults]))  # the one copy
+    faults = m._counts[:, F_FAULTS]
+    before = faults.clone() if check else None
+    m.release(rows)
+    if before is None:
+        return [None] * len(tables)
+    got = bucket_map.to_host(torch.stack([bad, faults[: len(m.tables)] - before[: len(m.tables)]]))  # the one copy
     outside_n, faults_n = got[: len(m.tables)], got[len(m.tables) :]
+    space.faults_seen = [seen + new for seen, new in zip(space.faults_seen, faults_n)]
     errors: list[Exception | None] = []
     for t in tables:
         k = space.index[id(t)]

@@ -215,15 +215,17 @@ def _kernel_many(
 
 
 def release_many_flat(
-    tables: list[IDTransformer], distinct_slots: torch.Tensor, counts: list[int]
+    tables: list[IDTransformer], distinct_slots: torch.Tensor, counts: list[int], check: bool = True
 ) -> list[Exception | None]:
     """release_many with every table's distinct slots in one tensor, table after table
     (counts[t] of table t's, as ManyResult.flat has them): one kernel call (or one triton
-    pass), nothing to cut or join. Every table must be on the kernel, or every one on triton."""
+    launch), nothing to cut or join. Every table must be on the kernel, or every one on triton.
+    check=False (triton only): no host copy, the errors are logged with the next batch's copy
+    instead (bucket_tables.release_many)."""
     if tables and all(t.backend == "triton" for t in tables):
         from dynemb.idtransformer import bucket_tables
 
-        return bucket_tables.release_many(tables, distinct_slots, counts)
+        return bucket_tables.release_many(tables, distinct_slots, counts, check)
     status = tables[0].kernel_map.ops.release_many([t.records for t in tables], distinct_slots, counts).tolist()
     return [t.release_error(s) for t, s in zip(tables, status)]
 

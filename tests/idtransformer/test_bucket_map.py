@@ -342,7 +342,7 @@ kernels = {
              admitted_ptr=P, evicted_ptr=P, rejected_ptr=P, counts_ptr=P, n_tables=I32, out_len=I32),
         dict(B=128, DEPTH=4, PIN=True, CHUNK=64),
     ),
-    bm._release_kernel: (dict(pins_ptr="*i32", rows_ptr=P, row_table_ptr=P, n=I32, faults_ptr=P), dict(BLOCK=256)),
+    bm._release_kernel: (dict(pins_ptr="*i32", rows_ptr=P, row_table_ptr=P, n=I32, counts_ptr=P), dict(BLOCK=256)),
     bm._scores_kernel: (
         dict(last_ptr="*i32", freq_ptr="*u8", out_ptr=P, tab_ptr=P, params_ptr=P, steps_ptr=P, n=I32),
         dict(BLOCK=256),

@@ -203,6 +203,26 @@ def test_one_launch_and_one_copy_a_call_for_one_table_as_for_26(monkeypatch):
     assert figures["release 1"] == figures["release 26"] and figures["release 1"][::2] == (1, 1), figures
 
 
+def test_an_unchecked_release_copies_nothing_and_a_fault_shows_with_the_next_batch(monkeypatch, caplog):
+    """What a training step does: the release without a host copy; a batch released twice is
+    named in the log with the next batch's one copy."""
+    import logging
+
+    from dynemb.idtransformer.many import release_many_flat
+
+    counted = DeviceWork(monkeypatch, bucket_map)
+    t = triton(64)
+    many = transform_many([t], torch.arange(10, device=DEVICE), [10], pin=True)
+    slots, counts = many.flat["distinct_slots"], many.counts["distinct_slots"]
+    launches, _, copies = counted.count(lambda: release_many_flat([t], slots, counts, check=False))
+    assert (launches, copies) == (1, 0) and int(t.pins.sum()) == 0
+    assert release_many_flat([t], slots, counts, check=False) == [None]  # twice: not seen yet
+    with caplog.at_level(logging.ERROR, "dynemb.idtransformer"):
+        transform_many([t], torch.arange(3, device=DEVICE), [3])
+        transform_many([t], torch.arange(3, device=DEVICE), [3])
+    assert caplog.text.count("10 slots of table 0 (capacity 64) were released but not pinned") == 1, caplog.text
+
+
 def test_backends_are_chosen_and_refused_clearly(monkeypatch):
     assert IDTransformer(4).backend == "kernel"
     with pytest.raises(ValueError, match="is not one of"):
