@@ -22,6 +22,7 @@ import numpy as np
 
 from dynemb.common.cli_args import add_command
 from dynemb.ps_server.change_log import DEFAULT_MAX_IDS as DEFAULT_CHANGE_LOG
+from dynemb.ps_server.entries import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_IDS
 from dynemb.ps_server.errors import InvalidArgument, PSError
 
 SERVE_EPILOG = """\
@@ -166,6 +167,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "most MiB of rows one pull or push may ask for or carry, in its messages or through shared memory: "
         "bounds the memory one request makes the PS use",
         float,
+    )
+    option(
+        "--max-request-entries",
+        "DYNEMB_PS_MAX_REQUEST_ENTRIES",
+        DEFAULT_MAX_ENTRIES,
+        "most entries (a table's pull or push each) one PullMany or PushMany may have",
+        int,
+    )
+    option(
+        "--max-request-ids",
+        "DYNEMB_PS_MAX_REQUEST_IDS",
+        DEFAULT_MAX_IDS,
+        "most ids one request may carry, over all its entries",
+        int,
     )
     option("--workers", "DYNEMB_PS_WORKERS", 16, "request-handling threads", int)
     option(
@@ -586,6 +601,8 @@ def cmd_serve(args) -> int:
             max_message_bytes=int(args.max_message_mb * (1 << 20)),
             max_row_width=args.max_row_width,
             max_request_bytes=int(args.max_request_mb * (1 << 20)),
+            max_request_entries=args.max_request_entries,
+            max_request_ids=args.max_request_ids,
             workers=args.workers,
             auth_token=args.auth_token or None,
             auth_health=args.auth_health,

@@ -31,6 +31,7 @@ from dynemb.ps_server.auth import TokenAuthInterceptor
 from dynemb.ps_server.backend_watch import BackendWatch, LossWatch
 from dynemb.ps_server.backends import Store, open_store
 from dynemb.ps_server.backends.redis_durable import DEFAULT_TIMEOUT_MS, Durability
+from dynemb.ps_server.entries import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_IDS
 from dynemb.ps_server.errors import PSError, TableNotFound
 from dynemb.ps_server.metrics import DEFAULT_MAX_TABLE_LABELS, PSMetrics
 from dynemb.ps_server.schema import MAX_ROW_WIDTH
@@ -63,6 +64,9 @@ class ServeConfig:
     # most bytes of rows one pull or push may ask for or carry (messages and shared memory).
     max_row_width: int = DEFAULT_MAX_ROW_WIDTH
     max_request_bytes: int = 64 << 20
+    # ...and the most entries one PullMany or PushMany may have, and ids one request may carry
+    max_request_entries: int = DEFAULT_MAX_ENTRIES
+    max_request_ids: int = DEFAULT_MAX_IDS
     workers: int = 16
     auth_token: str | None = field(default=None, repr=False)  # never in a repr, so never in a log
     auth_health: bool = False  # health checks need the token too (default: open, for probes)
@@ -111,6 +115,11 @@ class ServeConfig:
             raise ValueError(f"--max-row-width must be in [1, {MAX_ROW_WIDTH}], got {self.max_row_width}")
         if self.max_request_bytes < 1:
             raise ValueError(f"--max-request-mb must be > 0, got {self.max_request_bytes} bytes")
+        if self.max_request_entries < 1 or self.max_request_ids < 1:
+            raise ValueError(
+                f"--max-request-entries and --max-request-ids must be > 0, got {self.max_request_entries} and "
+                f"{self.max_request_ids}"
+            )
         if self.workers < 1:
             raise ValueError("workers must be >= 1")
         if self.shm_max_bytes < 0 or self.shm_idle_seconds <= 0:
@@ -187,6 +196,8 @@ class PSServer:
             self.segments,
             max_row_width=config.max_row_width,
             max_request_bytes=config.max_request_bytes,
+            max_request_entries=config.max_request_entries,
+            max_request_ids=config.max_request_ids,
             read_only=config.read_only,
             store_away=self._store_away,
             loss=self.loss,

@@ -26,6 +26,20 @@ from dynemb.ps_server.backend_watch import LossWatch
 from dynemb.ps_server.backends.base import Store
 from dynemb.ps_server.burst_log import BurstLog
 from dynemb.ps_server.change_log import checked_max_ids
+from dynemb.ps_server.entries import (
+    DEFAULT_MAX_ENTRIES,
+    DEFAULT_MAX_IDS,
+    ID_BYTES,
+    PulledTable,
+    RowEntries,
+    TooManyEntries,
+    copy_ranges,
+    gather,
+    parse_row_entries,
+    pull_many_reply,
+    pull_many_reply_size,
+    push_many_reply,
+)
 from dynemb.ps_server.errors import (
     Abandoned,
     BackendUnavailable,
@@ -46,9 +60,7 @@ from dynemb.ps_server.wire import (
     MESSAGE_OVERHEAD,
     MalformedMessage,
     ReplyPlan,
-    build_pull_many_response,
     build_pull_response,
-    parse_push_many_request,
     parse_push_request,
 )
 
@@ -96,7 +108,9 @@ def _undecodable(method: str, request_type, data: bytes) -> InvalidArgument:
     )
 
 
-_IN_PLACE = {"Push": parse_push_request, "PushMany": parse_push_many_request}
+_IN_PLACE = {"Push": parse_push_request}
+# the batch requests, read as columns (entries.py): (segment ref's field, rows' field) of an entry
+_ENTRIES = {"PullMany": (3, 0), "PushMany": (4, 3)}
 
 
 def _decoding(servicer: ParameterServerService, name: str, handler, request_type, streaming: bool):
@@ -115,6 +129,11 @@ def _decoding(servicer: ParameterServerService, name: str, handler, request_type
 
     # the row-carrying requests are read in place (wire.py): no copy of their rows
     parse = _IN_PLACE.get(name, request_type.FromString)
+    if name in _ENTRIES:
+        ref_field, rows_field = _ENTRIES[name]
+
+        def parse(data):  # entries past the limit are counted, never read
+            return parse_row_entries(data, ref_field, rows_field, servicer.max_request_entries)
 
     def handle(data, context):
         try:
@@ -122,6 +141,12 @@ def _decoding(servicer: ParameterServerService, name: str, handler, request_type
         except (DecodeError, MalformedMessage):
             with servicer._call(name, context):  # answered and counted like any refused request
                 raise _undecodable(name, request_type, data) from None
+        except TooManyEntries as exc:
+            with servicer._call(name, context):
+                raise ResourceExhausted(
+                    f"{name} of {exc.count} entries is over this PS's limit of {servicer.max_request_entries} "
+                    f"entries per request (--max-request-entries); send them in several"
+                ) from None
         return handler(request, context)
 
     return handle
@@ -243,6 +268,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         max_row_width: the most values (dim + state_width) a row of a table created here may have.
         max_request_bytes: the most bytes of rows one pull or push may ask for or carry, in its
             messages or through shared memory [default: max_message_bytes].
+        max_request_entries: the most entries (tables' pulls or pushes) one PullMany or PushMany may have.
+        max_request_ids: the most ids one request may carry, over all its entries.
         read_only: refuse every call that writes (ReadOnly), and pull ids not stored as zeros,
             not initialised (a PS serving published tables).
         store_away: why the store counts as away now ("" while it answers: BackendWatch);
@@ -260,6 +287,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         segments: SegmentTable | None = None,
         max_row_width: int = DEFAULT_MAX_ROW_WIDTH,
         max_request_bytes: int | None = None,
+        max_request_entries: int = DEFAULT_MAX_ENTRIES,
+        max_request_ids: int = DEFAULT_MAX_IDS,
         read_only: bool = False,
         store_away: Callable[[], str] = str,
         loss: LossWatch | None = None,
@@ -272,6 +301,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         self.max_message_bytes = max_message_bytes
         self.max_row_width = max_row_width
         self.max_request_bytes = max_message_bytes if max_request_bytes is None else max_request_bytes
+        self.max_request_entries = max_request_entries
+        self.max_request_ids = max_request_ids
         self.segments = segments if segments is not None else SegmentTable(0, 0.0)  # 0 bytes: none taken
         self.started = time.time()
         # a checkpoint's exports, a restore's imports: one log line a burst, not one a table
@@ -481,7 +512,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         """Mark rows resident on a trainer as used now."""
         with self._call("Touch", context):
             schema = self._schema(request.table)
-            ids = codec.decode_ids(request.ids, schema.name)
+            ids = self._ids(request.ids, "touch", schema.name)
             self._still_wanted(context, "touch")
             with self._backend("touch"):
                 stored = self.store.touch(schema.name, ids)
@@ -585,17 +616,108 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             self._check_reply_size("pull", [plan])
             return build_pull_response(self._reply_plan(*plan, tally))
 
-    def PullMany(self, request, context):
-        """Pull from several tables; every entry is checked before any is read."""
+    def PullMany(self, request: RowEntries, context):
+        """Pull from several tables; every entry is checked before any is read. One store call
+        per table, whatever the entries (entries.py): the cost is linear in entries and ids."""
         with self._call("PullMany", context), self._tallied("Pull") as tally:
-            # every entry checked before any is read, every name first: a bad one is refused as
-            # such wherever it stands, not after an earlier entry's own refusal
-            for p in request.pulls:
-                check_name(p.table)
-            known = self._schemas([p.table for p in request.pulls], tally)
-            plans = [self._pull_plan(p, tally, known) for p in request.pulls]
-            self._check_reply_size("pull of several tables", plans)
-            return build_pull_many_response([self._reply_plan(*plan, tally) for plan in plans])
+            schemas, counts, row_bytes = self._check_entries("pull of several tables", request, tally)
+            in_message = ~request.has_ref
+            self._check_pull_many_reply(request, counts, row_bytes, in_message)
+            into = self._entry_segments(request, schemas, counts)
+            ids = gather(request.data, request.ids_at, request.ids_len, np.int64)
+            missing = np.zeros(len(ids), dtype=bool)
+            tally.bytes_in += ids.nbytes
+            pulled = [
+                self._pull_entries(schemas[t], ids, counts, entries, into, missing, tally)
+                for t, entries in _entries_by_table(request)
+            ]
+            return pull_many_reply(counts, row_bytes, in_message, missing, pulled)
+
+    def _check_entries(
+        self, what: str, request: RowEntries, tally: _Tally
+    ) -> tuple[list[TableSchema], np.ndarray, np.ndarray]:
+        """Every entry of a PullMany or PushMany checked, before any is read or written: its table's
+        name and schema (every name first: a bad one is refused as such wherever it stands), its
+        ids packed int64, and the request's ids and rows within this PS's limits.
+
+        Returns:
+            (each name's schema, each entry's id count, each entry's row bytes).
+        """
+        known = self._schemas(request.names, tally)
+        schemas = [known[name] for name in request.names]
+        odd = np.flatnonzero(request.ids_len % ID_BYTES)
+        if len(odd):
+            e = odd[0]  # its error, as a Pull's
+            codec.decode_ids(_span(request.data, request.ids_at[e], request.ids_len[e]), schemas[request.table[e]].name)
+        counts = request.ids_len // ID_BYTES
+        self._check_ids(what, int(counts.sum()))
+        per_table = np.bincount(request.table, weights=counts, minlength=len(schemas)).astype(np.int64)
+        self._check_request_rows(what, [(s, int(n)) for s, n in zip(schemas, per_table) if n])
+        row_bytes = np.array([s.row_bytes for s in schemas], dtype=np.int64)[request.table]
+        return schemas, counts, row_bytes
+
+    def _check_pull_many_reply(
+        self, request: RowEntries, counts: np.ndarray, row_bytes: np.ndarray, in_message: np.ndarray
+    ) -> None:
+        """Refuse a PullMany whose reply could be over the message limit (rows in a segment take no room)."""
+        reply_bytes = MESSAGE_OVERHEAD + pull_many_reply_size(counts, row_bytes, in_message)
+        if reply_bytes <= self.max_message_bytes:
+            return
+        names = [request.names[t] for t in dict.fromkeys(request.table[in_message].tolist())]
+        tables = ", ".join(map(repr, names[:3])) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        most = (self.max_message_bytes - MESSAGE_OVERHEAD) // (int(row_bytes[in_message].max()) + 1)
+        raise ResourceExhausted(
+            f"pull of several tables of {int(counts[in_message].sum())} rows from table {tables} in "
+            f"{len(request)} entries needs a {reply_bytes}-byte reply, over this PS's max message size of "
+            f"{self.max_message_bytes} bytes; pull at most {most} ids per request"
+        )
+
+    def _entry_segments(
+        self, request: RowEntries, schemas: list[TableSchema], counts: np.ndarray
+    ) -> dict[int, np.ndarray]:
+        """{entry: its rows in a segment} for the entries that name one (each checked here)."""
+        into = {}
+        for e in np.flatnonzero(request.has_ref).tolist():
+            segment, offset, size = request.refs[e].tolist()
+            into[e] = self._segment_rows(segment, offset, size, schemas[request.table[e]], int(counts[e]))
+        return into
+
+    def _pull_entries(
+        self,
+        schema: TableSchema,
+        ids: np.ndarray,
+        counts: np.ndarray,
+        entries: np.ndarray,
+        into: dict[int, np.ndarray],
+        missing: np.ndarray,
+        tally: _Tally,
+    ) -> PulledTable:
+        """One table's entries of a PullMany in one store call: their rows, into its segment where
+        the table's only entry has one; the ids missing marked in `missing`."""
+        where = _id_positions(counts, entries)
+        own = into.get(int(entries[0])) if len(entries) == 1 else None
+        rows = own if own is not None else np.empty((len(where), schema.width), dtype=schema.np_dtype)
+        positions = self._pull_into(schema, ids[where], rows, tally)
+        missing[where[positions]] = True
+        first = np.cumsum(counts[entries]) - counts[entries]
+        if own is None:
+            for k, e in enumerate(entries.tolist()):
+                if e in into:
+                    into[e][...] = rows[first[k] : first[k] + counts[e]]
+        return PulledTable(rows, entries, first)
+
+    def _check_ids(self, what: str, n: int) -> None:
+        """Refuse a request of more ids than --max-request-ids."""
+        if n > self.max_request_ids:
+            raise ResourceExhausted(
+                f"{what} of {n} ids is over this PS's limit of {self.max_request_ids} ids per request "
+                f"(--max-request-ids); send them in several"
+            )
+
+    def _ids(self, data: bytes, what: str, table: str) -> np.ndarray:
+        """A request's ids (codec.decode_ids), within --max-request-ids."""
+        self._check_ids(what, len(data) // ID_BYTES)
+        return codec.decode_ids(data, table)
 
     def _pull_plan(
         self, request, tally: _Tally, known: dict[str, TableSchema] | None = None
@@ -603,7 +725,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         """(schema, ids, request bytes, where the rows go: a segment's rows or None for the reply).
         known: schemas already looked up for this call, by table."""
         schema = known[request.table] if known is not None else self._schema(request.table, tally)
-        ids = codec.decode_ids(request.ids, schema.name)
+        ids = self._ids(request.ids, "pull", schema.name)
         into = None
         if request.HasField("rows_to"):
             ref = request.rows_to
@@ -670,27 +792,33 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         self, schema: TableSchema, ids: np.ndarray, nbytes_in: int, out: np.ndarray, tally: _Tally
     ) -> tuple[bytes, int]:
         """Rows of ids into out, the missing ones initialised; (missing bitmap, how many missing)."""
-        if not len(ids):  # an entry with no ids costs no store call
+        tally.bytes_in += nbytes_in if len(ids) else 0
+        positions = self._pull_into(schema, ids, out, tally)
+        if not len(positions):
             return b"", 0
+        missing = np.zeros(len(ids), dtype=bool)
+        missing[positions] = True
+        return codec.encode_mask(missing), len(positions)
+
+    def _pull_into(self, schema: TableSchema, ids: np.ndarray, out: np.ndarray, tally: _Tally) -> np.ndarray:
+        """Rows of ids into out, the missing ones initialised (zeros on a read-only PS); their positions."""
+        if not len(ids):  # an entry with no ids costs no store call
+            return np.zeros(0, dtype=np.int64)
         start = time.perf_counter()
         positions = self.store.pull_into(schema.name, ids, out)
         tally.store_time("pull", start)
-        num_missing = len(positions)
         m = self.metrics
         label = m.table_label(schema.name)
         m.child(m.rows, "Pull", label).inc(len(ids))
-        tally.bytes_in += nbytes_in
         tally.bytes_out += out.nbytes
-        if not num_missing:
-            return b"", 0
+        if not len(positions):
+            return positions
         if self.read_only:  # a serving store has no initializer: what it lacks is missing
             out[positions] = 0
         else:
             fill_initial_rows(schema, ids[positions], out, positions)
-        m.child(m.missing_rows, label).inc(num_missing)
-        missing = np.zeros(len(ids), dtype=bool)
-        missing[positions] = True
-        return codec.encode_mask(missing), num_missing
+        m.child(m.missing_rows, label).inc(len(positions))
+        return positions
 
     def Push(self, request, context):
         """Write rows from the message or a segment (not if the caller gave up first)."""
@@ -700,26 +828,60 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             self._still_wanted(context, "push")
             return ps_pb2.PushResponse(rows_written=self._push_rows(*plan, tally))
 
-    def PushMany(self, request, context):
-        """Push to several tables; every entry is checked before any is written."""
+    def PushMany(self, request: RowEntries, context):
+        """Push to several tables; every entry is checked before any is written. One store call
+        per table, whatever the entries (entries.py)."""
         with self._call("PushMany", context), self._tallied("Push") as tally:
-            # every entry checked before any is written (a bad one writes nothing), names first as in PullMany
-            for p in request.pushes:
-                check_name(p.table)
-            known = self._schemas([p.table for p in request.pushes], tally)
-            plans = [self._push_plan(p, tally, known) for p in request.pushes]
-            self._check_request_rows("push to several tables", [(schema, len(ids)) for schema, ids, _ in plans])
+            schemas, counts, row_bytes = self._check_entries("push to several tables", request, tally)
+            self._check_push_rows(request, schemas, counts, row_bytes)
+            into = self._entry_segments(request, schemas, counts)
+            ids = gather(request.data, request.ids_at, request.ids_len, np.int64)
+            tables = [(schemas[t], entries) for t, entries in _entries_by_table(request)]
+            rows = [self._push_many_rows(schema, request, counts, entries, into) for schema, entries in tables]
             self._still_wanted(context, "push")
-            return ps_pb2.PushManyResponse(
-                pushes=[ps_pb2.PushResponse(rows_written=self._push_rows(*plan, tally)) for plan in plans]
-            )
+            for (schema, entries), table_rows in zip(tables, rows):
+                self._push_rows(schema, ids[_id_positions(counts, entries)], table_rows, tally)
+            return push_many_reply(counts)  # every row given is written (a repeated id's last)
+
+    def _check_push_rows(
+        self, request: RowEntries, schemas: list[TableSchema], counts: np.ndarray, row_bytes: np.ndarray
+    ) -> None:
+        """Each push's rows: in the message, as many bytes as its ids' rows, or in a segment, not both."""
+        both = np.flatnonzero(request.has_ref & (request.rows_len > 0))
+        if len(both):
+            name = schemas[request.table[both[0]]].name
+            raise InvalidArgument(f"push to {name!r} carries rows both in the message and in a segment (rows_from)")
+        wrong = np.flatnonzero(~request.has_ref & (request.rows_len != counts * row_bytes))
+        if len(wrong):
+            e = wrong[0]  # its error, as a Push's
+            rows = _span(request.data, request.rows_at[e], request.rows_len[e])
+            codec.decode_rows(rows, schemas[request.table[e]], int(counts[e]))
+
+    def _push_many_rows(
+        self, schema: TableSchema, request: RowEntries, counts: np.ndarray, entries: np.ndarray, into: dict
+    ) -> np.ndarray:
+        """One table's rows of a PushMany, its entries' in their order: from the message or segments."""
+        n = counts[entries]
+        first = np.cumsum(n) - n
+        rows = np.empty((int(n.sum()), schema.width), dtype=schema.np_dtype)
+        inline = ~request.has_ref[entries]
+        copy_ranges(
+            rows,
+            first[inline] * schema.row_bytes,
+            request.data,
+            request.rows_at[entries[inline]],
+            request.rows_len[entries[inline]],
+        )
+        for k in np.flatnonzero(~inline).tolist():
+            rows[first[k] : first[k] + n[k]] = into[int(entries[k])]
+        return rows
 
     def _push_plan(
         self, request, tally: _Tally, known: dict[str, TableSchema] | None = None
     ) -> tuple[TableSchema, np.ndarray, np.ndarray]:
         """(schema, ids, rows) of a PushRequest read by wire.parse_push_request (known: as in _pull_plan)."""
         schema = known[request.table] if known is not None else self._schema(request.table, tally)
-        ids = codec.decode_ids(request.ids, schema.name)
+        ids = self._ids(request.ids, "push", schema.name)
         if request.rows_from is None:
             return schema, ids, codec.decode_rows(request.rows, schema, len(ids))
         if len(request.rows):
@@ -744,7 +906,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         """Delete ids' rows; replies how many were stored."""
         with self._call("Delete", context):
             schema = self._schema(request.table)
-            ids = codec.decode_ids(request.ids, schema.name)
+            ids = self._ids(request.ids, "delete", schema.name)
             self._still_wanted(context, "delete")
             with self._backend("delete"):
                 deleted = self.store.delete(schema.name, ids)
@@ -794,7 +956,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                     schema = self._fitting(TableSchema.from_proto(chunk.spec))
                 elif chunk.HasField("spec") and TableSchema.from_proto(chunk.spec) != schema:
                     raise InvalidArgument(f"import into {schema.name!r}: a later chunk carries another spec")
-                ids = codec.decode_ids(chunk.ids, schema.name)
+                ids = self._ids(chunk.ids, "import chunk", schema.name)
                 rows = codec.decode_rows(chunk.rows, schema, len(ids))
                 if first:  # only once the first chunk checked out: a refused import clears nothing
                     with self._backend("create_table"):
@@ -855,3 +1017,29 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 tables=tables,
                 methods=methods,
             )
+
+
+def _span(data: bytes, at, length) -> bytes:
+    """data[at:at + length] (the bytes of one refused entry, for its error)."""
+    return data[int(at) : int(at) + int(length)]
+
+
+def _entries_by_table(request: RowEntries) -> Iterator[tuple[int, np.ndarray]]:
+    """(table index, its entries ascending) for each table a PullMany or PushMany names."""
+    if len(request.names) == 1:
+        yield 0, np.arange(len(request), dtype=np.int64)
+        return
+    order = np.argsort(request.table, kind="stable")
+    bounds = np.searchsorted(request.table[order], np.arange(len(request.names) + 1))
+    for t in range(len(request.names)):
+        yield t, order[bounds[t] : bounds[t + 1]]
+
+
+def _id_positions(counts: np.ndarray, entries: np.ndarray) -> np.ndarray:
+    """Where the ids of these entries lie among all entries' ids (in entry order), joined."""
+    firsts = np.cumsum(counts) - counts
+    n = counts[entries]
+    if len(entries) == len(counts):  # every entry: every id, in order
+        return np.arange(int(counts.sum()), dtype=np.int64)
+    shift = np.repeat(firsts[entries] - (np.cumsum(n) - n), n)
+    return np.arange(int(n.sum()), dtype=np.int64) + shift

@@ -131,3 +131,131 @@ def test_a_pull_of_many_tables_over_the_message_limit_is_refused_by_name(make_ps
     with PSClient(proc.address, max_message_bytes=1 << 20) as ps:  # the client cuts it under the limit
         got = ps.pull_many({"user": np.arange(40_000), "ad": np.arange(10_000)})
         assert got["user"].rows.shape == (40_000, 16) and got["ad"].missing.all()
+
+
+# -- many entries: one store call per table, and bounded (issue 44) ----------------------------------------------------
+
+
+def redis_calls(r) -> int:
+    return sum(v["calls"] for v in r.info("commandstats").values())
+
+
+def test_many_small_entries_cost_one_store_call_per_table_and_answer_as_pulls(make_ps, own_redis_url):
+    """2,000 entries of one or two ids over two tables, some empty, some never pushed: the reply
+    is, entry by entry, what a Pull of that entry answers, and the PS made a handful of Redis
+    commands, not two per entry (which made 200,000 entries take 36-75 s)."""
+    import redis
+
+    proc = make_ps("--backend", own_redis_url, "--namespace", "many")
+    with PSClient(proc.address) as ps:
+        ps.create_table("t", dim=4)
+        ps.create_table("u", dim=2, state_width=1, dtype="fp16")
+        ps.push("t", np.arange(0, 3000, 2), np.arange(6000, dtype=np.float32).reshape(1500, 4))
+        ps.push("u", np.arange(1000), np.ones((1000, 3), np.float32))
+    rng = np.random.default_rng(1)
+    entries = [
+        ps_pb2.PullRequest(table=("t", "u")[k % 2], ids=rng.integers(0, 3000, k % 3, dtype=np.int64).tobytes())
+        for k in range(2000)
+    ]
+    stub = ps_pb2_grpc.ParameterServerStub(grpc.insecure_channel(proc.address))
+    r = redis.Redis.from_url(own_redis_url)
+    before = redis_calls(r)
+    for table in ("t", "u"):  # what one Pull per table of the same ids costs: an HMGET per bucket
+        stub.Pull(ps_pb2.PullRequest(table=table, ids=b"".join(e.ids for e in entries if e.table == table)))
+    per_table = redis_calls(r) - before - 1  # the INFO itself
+    before = redis_calls(r)
+    reply = stub.PullMany(ps_pb2.PullManyRequest(pulls=entries))
+    commands = redis_calls(r) - before - 1
+    assert commands <= per_table + 2, f"{commands} Redis commands for a PullMany, {per_table} for a Pull per table"
+    assert len(reply.pulls) == len(entries)
+    for entry, got in zip(entries, reply.pulls):
+        assert got == stub.Pull(entry)  # the same fields, missing masks and initialised rows included
+
+    pushes = [
+        ps_pb2.PushRequest(table="t", ids=np.int64(k).tobytes(), rows=np.full(4, k, np.float32).tobytes())
+        for k in range(2000)
+    ]
+    before = redis_calls(r)
+    stub.Push(
+        ps_pb2.PushRequest(table="t", ids=np.arange(2000).tobytes(), rows=np.zeros((2000, 4), np.float32).tobytes())
+    )
+    one_push = redis_calls(r) - before - 1
+    before = redis_calls(r)
+    written = stub.PushMany(ps_pb2.PushManyRequest(pushes=pushes))
+    commands = redis_calls(r) - before - 1
+    assert commands <= one_push + 2, f"{commands} Redis commands for a PushMany, {one_push} for one Push of its ids"
+    assert [p.rows_written for p in written.pushes] == [1] * 2000
+    with PSClient(proc.address) as ps:
+        assert np.array_equal(
+            ps.pull("t", np.arange(2000)).rows, np.repeat(np.arange(2000, dtype=np.float32), 4).reshape(-1, 4)
+        )
+
+
+def test_a_batch_over_the_entry_or_id_limit_is_refused_naming_it(make_ps):
+    proc = make_ps("--max-request-entries", "100", "--max-request-ids", "1000")
+    with PSClient(proc.address) as ps:
+        ps.create_table("t", dim=4)
+    stub = ps_pb2_grpc.ParameterServerStub(grpc.insecure_channel(proc.address))
+    one = np.int64(7).tobytes()
+    row = np.ones(4, np.float32).tobytes()
+    many_ids = np.arange(1001, dtype=np.int64).tobytes()
+    refused = {
+        "entries": [
+            lambda: stub.PullMany(ps_pb2.PullManyRequest(pulls=[ps_pb2.PullRequest(table="t", ids=one)] * 101)),
+            lambda: stub.PushMany(
+                ps_pb2.PushManyRequest(pushes=[ps_pb2.PushRequest(table="t", ids=one, rows=row)] * 101)
+            ),
+        ],
+        "ids": [
+            lambda: stub.Pull(ps_pb2.PullRequest(table="t", ids=many_ids)),
+            lambda: stub.Delete(ps_pb2.DeleteRequest(table="t", ids=many_ids)),
+            lambda: stub.Touch(ps_pb2.TouchRequest(table="t", ids=many_ids)),
+            lambda: stub.PullMany(
+                ps_pb2.PullManyRequest(pulls=[ps_pb2.PullRequest(table="t", ids=many_ids[:4800])] * 2)
+            ),
+        ],
+    }
+    for limit, calls in refused.items():
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as info:
+                call()
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert f"(--max-request-{limit})" in info.value.details(), info.value.details()
+    # at the limits: served
+    assert len(stub.PullMany(ps_pb2.PullManyRequest(pulls=[ps_pb2.PullRequest(table="t", ids=one)] * 100)).pulls) == 100
+    assert len(stub.Pull(ps_pb2.PullRequest(table="t", ids=many_ids[:8000])).missing) == 125
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "python"])
+def test_entries_read_as_protobuf_reads_them_and_damage_is_malformed(native, monkeypatch):
+    from dynemb.ps_server import entries
+    from dynemb.ps_server.wire import MalformedMessage
+
+    if not native:
+        monkeypatch.setattr(entries, "_native", False)
+    ref = ps_pb2.SegmentRef(segment=3, offset=1 << 40, size=24)
+    pushes = [
+        ps_pb2.PushRequest(table="t", ids=np.arange(3).tobytes(), rows=b"r" * 12),
+        ps_pb2.PushRequest(table="ü", ids=b"", rows_from=ref),
+        ps_pb2.PushRequest(table="t"),
+    ]
+    data = ps_pb2.PushManyRequest(pushes=pushes).SerializeToString()
+    got = entries.parse_row_entries(data, 4, 3, 10)
+    assert got.names == ["t", "ü"] and got.table.tolist() == [0, 1, 0]
+    for k, p in enumerate(pushes):
+        assert data[got.ids_at[k] : got.ids_at[k] + got.ids_len[k]] == p.ids
+        assert data[got.rows_at[k] : got.rows_at[k] + got.rows_len[k]] == p.rows
+        assert bool(got.has_ref[k]) == p.HasField("rows_from")
+    assert got.refs[1].tolist() == [3, 1 << 40, 24]
+    with pytest.raises(entries.TooManyEntries) as info:
+        entries.parse_row_entries(data, 4, 3, 2)
+    assert info.value.count == 3
+    for cut in range(1, len(data)):  # every truncation: read as protobuf reads it, or malformed
+        try:
+            expected = len(ps_pb2.PushManyRequest.FromString(data[:cut]).pushes)
+        except Exception:  # noqa: BLE001 - protobuf's own refusal
+            expected = None
+        try:
+            assert len(entries.parse_row_entries(data[:cut], 4, 3, 10)) == expected
+        except MalformedMessage:
+            pass

@@ -12,11 +12,12 @@ from ps_procs import wait_for_health
 from dynemb.protos import ps_pb2, ps_pb2_grpc
 from dynemb.ps_server.backends.embedded import EmbeddedStore
 from dynemb.ps_server.client import PSClient, RetryPolicy
+from dynemb.ps_server.entries import parse_row_entries
 from dynemb.ps_server.errors import InvalidArgument, TableExists, TableNotFound, Unavailable
 from dynemb.ps_server.metrics import PSMetrics
 from dynemb.ps_server.schema import TableSchema
 from dynemb.ps_server.service import ParameterServerService
-from dynemb.ps_server.wire import parse_push_many_request, parse_push_request
+from dynemb.ps_server.wire import parse_push_request
 
 
 @pytest.fixture
@@ -267,7 +268,7 @@ def test_the_ps_does_not_apply_a_write_given_up_on_in_its_handler(method, remain
     push = ps_pb2.PushRequest(table="late", ids=ids.tobytes(), rows=np.ones((5, 2), np.float32).tobytes())
     requests = {
         "Push": lambda: parse_push_request(push.SerializeToString()),
-        "PushMany": lambda: parse_push_many_request(ps_pb2.PushManyRequest(pushes=[push]).SerializeToString()),
+        "PushMany": lambda: parse_row_entries(ps_pb2.PushManyRequest(pushes=[push]).SerializeToString(), 4, 3, 10),
         "Delete": lambda: ps_pb2.DeleteRequest(table="late", ids=ids.tobytes()),
     }
     handler = getattr(service, method)

@@ -268,7 +268,9 @@ class RowTransfer:
                 ]
                 shared = [len(p.ids) * p.schema.row_bytes if place else 0 for p, place in zip(pieces, places)]
                 messages = self.sharding.pack(
-                    [(p.shard, size, k) for k, (p, size) in enumerate(zip(pieces, sizes))], shared
+                    [(p.shard, size, k) for k, (p, size) in enumerate(zip(pieces, sizes))],
+                    shared,
+                    [len(p.ids) for p in pieces],
                 )
             else:
                 messages = [(p.shard, [k]) for k, p in enumerate(pieces)]

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from dynemb.ps_server import codec
+from dynemb.ps_server.entries import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_IDS
 from dynemb.ps_server.hashing import ROW_HASH_SEED, shard_of, xxh64_ids
 from dynemb.ps_server.wire import MESSAGE_OVERHEAD
 
@@ -33,8 +34,9 @@ class Sharding:
         self.segment_bytes = 4 * chunk_bytes if segment_bytes is None else segment_bytes
 
     def ids_per_message(self, per_id_bytes: int) -> int:
-        """How many ids of per_id_bytes each (with their rows) one message carries; at least one."""
-        return max(1, (self.chunk_bytes - MESSAGE_OVERHEAD) // per_id_bytes)
+        """How many ids of per_id_bytes each (with their rows) one message carries; at least one, at
+        most a PS's default --max-request-ids."""
+        return max(1, min((self.chunk_bytes - MESSAGE_OVERHEAD) // per_id_bytes, DEFAULT_MAX_IDS))
 
     def owners(self, ids: np.ndarray) -> np.ndarray:
         """Each id's shard: an int array shaped as ids."""
@@ -120,29 +122,41 @@ class Sharding:
         return [(shard, ids[sl], rows[sl]) for shard, sl in pieces]
 
     def pack(
-        self, pieces: list[tuple[int, int, object]], in_segments: list[int] | None = None
+        self,
+        pieces: list[tuple[int, int, object]],
+        in_segments: list[int] | None = None,
+        ids_in: list[int] | None = None,
     ) -> list[tuple[int, list]]:
         """Pieces packed into messages of at most chunk_bytes each (and at most segment_bytes of rows
-        in shared memory), a shard's pieces in their order.
+        in shared memory, DEFAULT_MAX_IDS ids and DEFAULT_MAX_ENTRIES pieces: a PS's default limits),
+        a shard's pieces in their order.
 
         Args:
             pieces: (shard, bytes, item); a piece already fits one message alone (`split` cut it so).
             in_segments: each piece's bytes of rows in shared memory (not in the message) [default: none].
+            ids_in: each piece's ids [default: not counted].
 
         Returns:
             (shard, [item, ...]) messages, in the order their first piece came.
         """
         messages: list[tuple[int, list]] = []
-        open_msg: dict[int, tuple[int, int, list]] = {}
+        open_msg: dict[int, tuple[int, int, int, list]] = {}
         for k, (shard, nbytes, item) in enumerate(pieces):
             shared = in_segments[k] if in_segments is not None else 0
-            size, rows, items = open_msg.get(shard, (MESSAGE_OVERHEAD, 0, None))
-            if items is None or size + nbytes > self.chunk_bytes or (rows and rows + shared > self.segment_bytes):
+            ids = ids_in[k] if ids_in is not None else 0
+            size, rows, n, items = open_msg.get(shard, (MESSAGE_OVERHEAD, 0, 0, None))
+            if (
+                items is None
+                or size + nbytes > self.chunk_bytes
+                or (rows and rows + shared > self.segment_bytes)
+                or n + ids > DEFAULT_MAX_IDS
+                or len(items) >= DEFAULT_MAX_ENTRIES
+            ):
                 items = []
                 messages.append((shard, items))
-                size, rows = MESSAGE_OVERHEAD, 0
+                size, rows, n = MESSAGE_OVERHEAD, 0, 0
             items.append(item)
-            open_msg[shard] = (size + nbytes, rows + shared, items)
+            open_msg[shard] = (size + nbytes, rows + shared, n + ids, items)
         return messages
 
     def stream_pieces(self, ids: np.ndarray, per_id_bytes: int) -> Iterator[tuple[int, np.ndarray]]:

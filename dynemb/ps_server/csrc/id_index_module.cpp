@@ -8,6 +8,9 @@
 #include <Python.h>
 
 #include <cstring>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
 
 #include "id_index.h"
 
@@ -490,6 +493,206 @@ PyObject* py_init_rows(PyObject*, PyObject* args) {
   return result;
 }
 
+// -- batch requests (PullMany, PushMany) read in one pass: ../wire.py parse_row_entries ------------------
+
+// A protobuf reader over [pos, end): false, with ValueError set, on bytes that are no message.
+struct Reader {
+  const uint8_t* p;
+  const uint8_t* end;
+
+  bool varint(uint64_t* out) {
+    uint64_t v = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+      if (p >= end) break;
+      const uint8_t b = *p++;
+      v |= uint64_t(b & 0x7F) << shift;
+      if (b < 0x80) {
+        *out = v;
+        return true;
+      }
+    }
+    PyErr_SetString(PyExc_ValueError, "a varint runs past the end of its message or is over 10 bytes");
+    return false;
+  }
+  // one field: its number and wire type; a length-delimited one's bytes in [*at, *at + *len)
+  bool field(uint32_t* number, uint32_t* wire, const uint8_t** at, uint64_t* len) {
+    uint64_t key;
+    if (!varint(&key)) return false;
+    *number = uint32_t(key >> 3);
+    *wire = uint32_t(key & 7);
+    if (*number == 0) {
+      PyErr_SetString(PyExc_ValueError, "a field numbered 0");
+      return false;
+    }
+    uint64_t skip = 0;
+    switch (*wire) {
+      case 0:
+        return varint(len);
+      case 1:
+        skip = 8;
+        break;
+      case 5:
+        skip = 4;
+        break;
+      case 2:
+        if (!varint(&skip)) return false;
+        *at = p;
+        *len = skip;
+        break;
+      default:
+        PyErr_Format(PyExc_ValueError, "field %u has wire type %u, which these messages never use", *number, *wire);
+        return false;
+    }
+    if (skip > uint64_t(end - p)) {
+      PyErr_Format(PyExc_ValueError, "field %u claims %llu bytes, %lld are left", *number, (unsigned long long)skip,
+                   (long long)(end - p));
+      return false;
+    }
+    p += skip;
+    return true;
+  }
+};
+
+// Columns of parse_row_entries' table, one row of them per entry.
+enum Col { kName, kIdsAt, kIdsLen, kRowsAt, kRowsLen, kHasRef, kSegment, kOffset, kSize, kCols };
+
+bool expect(uint32_t number, uint32_t wire, uint32_t want) {
+  if (wire == want) return true;
+  PyErr_Format(PyExc_ValueError, "field %u has wire type %u, expected %u", number, wire, want);
+  return false;
+}
+
+// One PullRequest or PushRequest at [at, at + len) of base into row.
+bool read_entry(const uint8_t* base, const uint8_t* at, uint64_t len, uint32_t ref_field, uint32_t rows_field,
+                int64_t* row, std::string_view* name) {
+  Reader r{at, at + len};
+  while (r.p < r.end) {
+    uint32_t number, wire;
+    const uint8_t* v = nullptr;
+    uint64_t n = 0;
+    if (!r.field(&number, &wire, &v, &n)) return false;
+    if (number == 1 || number == 2 || number == rows_field || number == ref_field) {
+      if (!expect(number, wire, 2)) return false;
+    } else {
+      continue;  // unknown fields are skipped, as protobuf does
+    }
+    if (number == 1) {
+      *name = std::string_view(reinterpret_cast<const char*>(v), n);
+    } else if (number == 2) {
+      row[kIdsAt] = v - base, row[kIdsLen] = int64_t(n);
+    } else if (number == rows_field) {
+      row[kRowsAt] = v - base, row[kRowsLen] = int64_t(n);
+    } else {
+      row[kHasRef] = 1;
+      Reader ref{v, v + n};
+      while (ref.p < ref.end) {
+        uint32_t k, w;
+        const uint8_t* unused = nullptr;
+        uint64_t value = 0;
+        if (!ref.field(&k, &w, &unused, &value)) return false;
+        if (k >= 1 && k <= 3) {
+          if (!expect(k, w, 0)) return false;
+          row[kSegment + k - 1] = int64_t(value);
+        }
+      }
+    }
+  }
+  return true;
+}
+
+// parse_row_entries(data, ref_field, rows_field, max_entries) -> (count, table | None, names):
+// the entries (field 1) of a PullManyRequest (ref_field 3, rows_field 0) or PushManyRequest
+// (4, 3) in one pass, none made a Python object: `table` holds kCols int64 a entry (its name's
+// index in names, where its ids and rows lie in data, its segment ref); names the distinct table
+// names, as bytes, in order of first use. Over max_entries entries: only counted, table None.
+PyObject* py_parse_row_entries(PyObject*, PyObject* args) {
+  Py_buffer data{};
+  unsigned int ref_field, rows_field;
+  Py_ssize_t max_entries;
+  if (!PyArg_ParseTuple(args, "y*IIn", &data, &ref_field, &rows_field, &max_entries)) return nullptr;
+  const uint8_t* base = static_cast<const uint8_t*>(data.buf);
+  std::vector<int64_t> table;
+  std::vector<std::string_view> names;
+  std::unordered_map<std::string_view, int64_t> index;
+  Reader r{base, base + data.len};
+  Py_ssize_t count = 0;
+  bool ok = true;
+  while (ok && r.p < r.end) {
+    uint32_t number, wire;
+    const uint8_t* at = nullptr;
+    uint64_t len = 0;
+    if (!(ok = r.field(&number, &wire, &at, &len))) break;
+    if (number != 1) continue;
+    if (!(ok = expect(number, wire, 2))) break;
+    if (++count > max_entries) continue;  // counted only, to name the count in the refusal
+    int64_t row[kCols] = {0};
+    std::string_view name;
+    if (!(ok = read_entry(base, at, len, ref_field, rows_field, row, &name))) break;
+    auto found = index.emplace(name, int64_t(names.size()));
+    if (found.second) names.push_back(name);
+    row[kName] = found.first->second;
+    table.insert(table.end(), row, row + kCols);
+  }
+  PyObject* result = nullptr;
+  if (ok) {
+    PyObject* list = PyList_New(Py_ssize_t(names.size()));
+    for (size_t i = 0; list && i < names.size(); ++i) {
+      PyObject* b = PyBytes_FromStringAndSize(names[i].data(), Py_ssize_t(names[i].size()));
+      if (!b) Py_CLEAR(list);
+      else PyList_SET_ITEM(list, Py_ssize_t(i), b);
+    }
+    PyObject* cols = count > max_entries ? (Py_INCREF(Py_None), Py_None)
+                                         : PyBytes_FromStringAndSize(reinterpret_cast<const char*>(table.data()),
+                                                                     Py_ssize_t(table.size() * sizeof(int64_t)));
+    if (list && cols) result = Py_BuildValue("nOO", count, cols, list);
+    Py_XDECREF(list);
+    Py_XDECREF(cols);
+  }
+  PyBuffer_Release(&data);
+  return result;
+}
+
+// copy_ranges(dest, dest_at, src, src_at, lengths): dest[dest_at[i]:+lengths[i]] =
+// src[src_at[i]:+lengths[i]] for each i, every range checked against its buffer first.
+PyObject* py_copy_ranges(PyObject*, PyObject* args) {
+  PyObject *dest_o, *dest_at_o, *src_o, *src_at_o, *len_o;
+  if (!PyArg_ParseTuple(args, "OOOOO", &dest_o, &dest_at_o, &src_o, &src_at_o, &len_o)) return nullptr;
+  Int64s dest_at, src_at, lens;
+  if (!dest_at.get(dest_at_o, false, false, "dest_at") || !src_at.get(src_at_o, false, false, "src_at") ||
+      !lens.get(len_o, false, false, "lengths"))
+    return nullptr;
+  if (dest_at.n != lens.n || src_at.n != lens.n) {
+    PyErr_SetString(PyExc_ValueError, "copy_ranges: dest_at, src_at and lengths differ in length");
+    return nullptr;
+  }
+  Py_buffer dst{}, src{};
+  if (PyObject_GetBuffer(dest_o, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0) return nullptr;
+  if (PyObject_GetBuffer(src_o, &src, PyBUF_C_CONTIGUOUS) != 0) {
+    PyBuffer_Release(&dst);
+    return nullptr;
+  }
+  bool ok = true;
+  for (int64_t i = 0; ok && i < lens.n; ++i) {
+    const int64_t n = lens.data[i], d = dest_at.data[i], s = src_at.data[i];
+    if (n < 0 || d < 0 || s < 0 || d > dst.len - n || s > src.len - n) {
+      PyErr_Format(PyExc_IndexError, "copy_ranges: range %lld (%lld bytes from %lld to %lld) is out of its buffers",
+                   (long long)i, (long long)n, (long long)s, (long long)d);
+      ok = false;
+    }
+  }
+  if (ok) {
+    char* to = static_cast<char*>(dst.buf);
+    const char* from = static_cast<const char*>(src.buf);
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t i = 0; i < lens.n; ++i) std::memcpy(to + dest_at.data[i], from + src_at.data[i], size_t(lens.data[i]));
+    Py_END_ALLOW_THREADS
+  }
+  PyBuffer_Release(&dst);
+  PyBuffer_Release(&src);
+  if (!ok) return nullptr;
+  Py_RETURN_NONE;
+}
+
 PyMethodDef kMethods[] = {
     {"new", py_new, METH_VARARGS, "new(capacity, seed) -> index"},
     {"size", py_size, METH_O, "size(index) -> live entries"},
@@ -507,6 +710,9 @@ PyMethodDef kMethods[] = {
      "push_rows(index, table, row_bytes, ids, rows, next_value) -> inserted count: rows of ids into table"},
     {"init_rows", py_init_rows, METH_VARARGS,
      "init_rows(out, width, positions, ids, kind, key, a, scale, dim, state_init): initial float32 rows"},
+    {"parse_row_entries", py_parse_row_entries, METH_VARARGS,
+     "parse_row_entries(data, ref_field, rows_field, max_entries) -> (count, table|None, names)"},
+    {"copy_ranges", py_copy_ranges, METH_VARARGS, "copy_ranges(dest, dest_at, src, src_at, lengths)"},
     {"filled_bytes", py_filled_bytes, METH_VARARGS, "filled_bytes(capacity, fill) -> bytes written in place by fill(view) -> used"},
     {nullptr, nullptr, 0, nullptr},
 };
