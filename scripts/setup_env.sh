@@ -32,6 +32,18 @@ if [ "$(cat $stamp 2>/dev/null)" != "$want" ]; then
   echo "$want" > $stamp
 fi
 
+# Triton as the GPU machine has it, beside .venv's (whose interpreter runs the kernels on CPU):
+# the suite compiles the kernels with it for sm_90 (tests/idtransformer/test_bucket_map.py), so
+# that CI refuses what the GPU's compiler would. From the package index's disk: ~20 s.
+GPU_TRITON=3.6.0
+if [ "$(cat .venv/triton-gpu/.version 2>/dev/null)" != "$GPU_TRITON" ]; then
+  echo "[setup] Triton $GPU_TRITON into .venv/triton-gpu (the GPU machine's, to compile the kernels as it does)"
+  rm -rf .venv/triton-gpu
+  $VPY -m pip install -q --disable-pip-version-check --no-deps --target .venv/triton-gpu "triton==$GPU_TRITON" \
+    >>.venv/setup.log 2>&1 || { tail -20 .venv/setup.log; echo "[setup] pip install triton==$GPU_TRITON failed" >&2; exit 1; }
+  echo "$GPU_TRITON" > .venv/triton-gpu/.version
+fi
+
 # The ID transformer's CPU kernel is C++ built by torch's extension builder (cached under
 # ~/.cache/torch_extensions), the embedded PS store's id index a small C++ module built with
 # g++ (cached under ~/.cache/dynemb/build); each is rebuilt only when its source changes.

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import DeviceWork
+from helpers import REPO, DeviceWork
 
 from dynemb.idtransformer import bucket_map
 from dynemb.idtransformer.admission import CountMinSketch
@@ -313,21 +313,33 @@ def test_bad_geometry_is_refused_with_the_limit():
         )
 
 
+GPU_TRITON = REPO / ".venv" / "triton-gpu"  # scripts/setup_env.sh puts the GPU machine's Triton there
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(CUDA, reason="on a GPU the kernels compile when they run")
-def test_kernels_compile_for_sm90():
+@pytest.mark.parametrize("triton_at", ["venv", "gpu"], ids=["triton-of-the-venv", "triton-of-the-gpu-machine"])
+def test_kernels_compile_for_sm90(triton_at):
     """What Triton's compiler refuses and its interpreter accepts (a constexpr-true early
     return, an argument named like the launcher's locals, constants over int64) fails here: the
     kernels are compiled to cubin for an H100/H200 (sm_90) without a GPU, in a process without
-    TRITON_INTERPRET (the kernels are decorated for the interpreter in this one)."""
+    TRITON_INTERPRET (the kernels are decorated for the interpreter in this one), with .venv's
+    Triton and with the GPU machine's (shared/DESIGN.md: 3.6.0)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if triton_at == "gpu":
+        version = GPU_TRITON / ".version"
+        assert version.exists(), f"no Triton in {GPU_TRITON}: run scripts/setup_env.sh"
+        env["PYTHONPATH"] = os.pathsep.join([str(GPU_TRITON), str(REPO)])
     done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split().count("cubin") == 3, done.stdout
+    if triton_at == "gpu":
+        assert f"triton {version.read_text().strip()}" in done.stdout, done.stdout
 
 
 _COMPILE = """
 import triton
+print("triton", triton.__version__)
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
