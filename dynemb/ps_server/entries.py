@@ -192,13 +192,13 @@ def gather(data, at: np.ndarray, lengths: np.ndarray, dtype, width: int = 1) -> 
 # -- a PullManyResponse laid out for all entries at once -----------------------------------
 
 
+# the smallest value of each varint width past one byte
+_VARINT_STEPS = np.array([1 << bits for bits in range(7, 64, 7)], dtype=np.uint64)
+
+
 def varint_lengths(values: np.ndarray) -> np.ndarray:
     """Bytes of each value's varint."""
-    v = values.astype(np.uint64)
-    n = np.ones(len(v), dtype=np.int64)
-    for bits in range(7, 64, 7):
-        n += v >= np.uint64(1 << bits)
-    return n
+    return np.searchsorted(_VARINT_STEPS, values.astype(np.uint64), side="right") + 1
 
 
 def write_varints(buf: np.ndarray, at: np.ndarray, values: np.ndarray) -> None:

@@ -700,10 +700,10 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         positions = self._pull_into(schema, ids[where], rows, tally)
         missing[where[positions]] = True
         first = np.cumsum(counts[entries]) - counts[entries]
-        if own is None:
-            for k, e in enumerate(entries.tolist()):
-                if e in into:
-                    into[e][...] = rows[first[k] : first[k] + counts[e]]
+        if own is None and into:
+            for k in np.flatnonzero(np.isin(entries, list(into))).tolist():
+                e = int(entries[k])
+                into[e][...] = rows[first[k] : first[k] + counts[e]]
         return PulledTable(rows, entries, first)
 
     def _check_ids(self, what: str, n: int) -> None:
