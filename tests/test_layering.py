@@ -28,11 +28,24 @@ LAYER = {part: depth for depth, parts in enumerate(LAYERS) for part in parts}
 LIBRARY = ("tables", "checkpoint", "publish")  # what dynemb.trainer may use through their package's names only
 
 
-def _imports(path: Path) -> list[tuple[int, str]]:
+def _imports(path: Path, runtime_only: bool = False) -> list[tuple[int, str]]:
     """(line, dotted name) of every dynemb import in the file; `from dynemb.x import y` gives
-    dynemb.x, and dynemb.x.y where y is a module of dynemb.x."""
+    dynemb.x, and dynemb.x.y where y is a module of dynemb.x. runtime_only leaves out those
+    under `if TYPE_CHECKING:` (for the type checker only)."""
+    tree = ast.parse(path.read_text(), str(path))
+    skipped = set()
+    if runtime_only:
+        skipped = {
+            id(node)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+            for stmt in block.body
+            for node in ast.walk(stmt)
+        }
     out = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names if a.name.startswith("dynemb")]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("dynemb"):
@@ -82,3 +95,27 @@ def test_the_check_sees_a_wrong_import(tmp_path):
             test_imports_go_down_the_layers(bad)
     finally:
         bad.unlink()
+
+
+def test_the_id_transformer_modules_import_each_other_in_no_circle():
+    """dynemb/idtransformer reads top to bottom: no module imports, however late, one that
+    imports it back (issue 43's layout: the records in results.py, each backend below the API)."""
+    package, prefix = ROOT / "idtransformer", "dynemb.idtransformer."
+    graph = {
+        p.stem: {n.removeprefix(prefix) for _, n in _imports(p, runtime_only=True) if n.startswith(prefix)} - {p.stem}
+        for p in package.glob("*.py")
+        if p.stem != "__init__"
+    }
+    done: set[str] = set()
+
+    def visit(module: str, trail: list[str]) -> None:
+        if module in trail:
+            raise AssertionError(" -> ".join(trail[trail.index(module) :] + [module]))
+        if module in done or module not in graph:
+            return
+        for needed in sorted(graph[module]):
+            visit(needed, trail + [module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])

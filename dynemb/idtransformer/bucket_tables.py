@@ -26,10 +26,11 @@ import torch
 
 from dynemb.idtransformer import bucket_map
 from dynemb.idtransformer.bucket_map import F_FAULTS, F_RESIDENT, BucketSlotMap, TableSpec
-from dynemb.idtransformer.many import ManyResult
+from dynemb.idtransformer.results import ManyResult
 
 if TYPE_CHECKING:
-    from dynemb.idtransformer.transformer import IDTransformer, TransformResult
+    from dynemb.idtransformer.results import TransformResult
+    from dynemb.idtransformer.transformer import IDTransformer
 
 log = logging.getLogger("dynemb.idtransformer")
 _NOT_PINNED = "release of slots that are not pinned (released twice?)"

@@ -27,72 +27,8 @@ from __future__ import annotations
 import torch
 
 from dynemb.idtransformer.ids import as_int64_ids
-from dynemb.idtransformer.transformer import _PINS_FULL, IDTransformer, TransformResult, _no_room, too_many_ids
-
-
-class ManyResult:
-    """slots: every block's slots, in the layout of the IDs; errors: per table, what its
-    transform raised, or None. Per table, results[t]: its TransformResult, or None where it
-    failed. From the kernel the tables' admitted and evicted IDs and slots and distinct slots
-    come as one tensor each, table after table (`flat`, with `counts`: per table, how many of
-    each; the triton pass adds "rejected_ids"), and the per-table results are cut from them only
-    when first asked for: a caller that handles all tables at once (the trainer's row moves,
-    release_many) takes them whole."""
-
-    FIELDS = ("admitted_ids", "admitted_slots", "evicted_ids", "evicted_slots", "distinct_slots")
-
-    def __init__(
-        self,
-        slots: torch.Tensor,
-        results: list[TransformResult | None] | None,
-        errors: list[Exception | None],
-        flat: dict[str, torch.Tensor] | None = None,
-        counts: dict[str, list[int]] | None = None,
-        sizes: list[int] | None = None,
-        hits: list[int] | None = None,
-        dropped: list[int] | None = None,
-    ) -> None:
-        self.slots, self.errors = slots, errors
-        self._results = results
-        self.flat, self.counts = flat, counts
-        self.sizes, self.hits = sizes, hits  # with flat: per table, IDs looked up and hits (0 if failed)
-        # per table, how many of its IDs got no slot (-1: not admitted), where the host knows it
-        # without reading the slots (the triton pass counts them into its one copy); else None
-        self.dropped = dropped
-
-    def flat_parts(self) -> tuple[dict[str, torch.Tensor], dict[str, list[int]], list[int], list[int]]:
-        """(flat, counts, sizes, hits): every table's share as the kernel gave it, whole.
-        Raises ValueError for a result made of per-table results (it has none of them)."""
-        flat, counts, sizes, hits = self.flat, self.counts, self.sizes, self.hits
-        if flat is None or counts is None or sizes is None or hits is None:
-            raise ValueError("this ManyResult holds per-table results, not the kernel's flat tensors")
-        return flat, counts, sizes, hits
-
-    @property
-    def results(self) -> list[TransformResult | None]:
-        """Per table, its TransformResult or None where it failed (cut from the flat tensors when first asked for)."""
-        if self._results is None:  # made with the kernel's flat tensors instead
-            flat, counts, sizes, hits = self.flat_parts()
-            parts = {f: torch.split(flat[f], counts[f]) for f in self.FIELDS}
-            rejected = torch.split(flat["rejected_ids"], counts["rejected_ids"]) if "rejected_ids" in flat else None
-            no_ids = self.slots[:0]
-            self._results = [
-                None
-                if e is not None
-                else TransformResult(
-                    slots=slots,
-                    rejected_ids=no_ids if rejected is None else rejected[k],
-                    hits=hits[k],
-                    **{f: parts[f][k] for f in self.FIELDS},
-                )
-                for k, (slots, e) in enumerate(zip(torch.split(self.slots, sizes), self.errors))
-            ]
-        return self._results
-
-    @property
-    def error(self) -> Exception | None:
-        """The first table's error, if any failed."""
-        return next((e for e in self.errors if e is not None), None)
+from dynemb.idtransformer.results import ManyResult
+from dynemb.idtransformer.transformer import _PINS_FULL, IDTransformer, _no_room, too_many_ids
 
 
 def transform_many(

@@ -35,7 +35,6 @@ bench/idtransformer_bench.py --device cuda measures them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -44,6 +43,7 @@ from dynemb.idtransformer.admission import CountMinSketch
 from dynemb.idtransformer.backend import BACKENDS, DEFAULT_BUCKET, check_triton_device, triton_available
 from dynemb.idtransformer.ids import as_int64_ids
 from dynemb.idtransformer.policy import DEFAULT_POLICY, EvictionPolicy
+from dynemb.idtransformer.results import TransformResult
 from dynemb.idtransformer.slot_map import COIN_SEED, MAP_SEED, KernelSlotMap, SortedSlotMap, coin, make_slot_map
 
 if TYPE_CHECKING:
@@ -54,29 +54,6 @@ _MAX_PINS = 255
 _MAX_HITS = 0xFFFF  # the kernel counts a batch's sightings of an ID in 16 bits
 _PINS_FULL = f"a slot is pinned by {_MAX_PINS} batches in flight, the most it can be (keep fewer in flight)"
 _NOT_PINNED = "release of slots that are not pinned (released twice?)"
-
-
-@dataclass
-class TransformResult:
-    """What IDTransformer.transform gives for a batch.
-
-    Attributes:
-        slots: the slot of each id (the batch's shape); -1 where not admitted.
-        admitted_ids, admitted_slots: IDs given a slot by this call, and their slots.
-        evicted_ids, evicted_slots: IDs evicted to make room, and the slots they left.
-    """
-
-    slots: torch.Tensor
-    admitted_ids: torch.Tensor
-    admitted_slots: torch.Tensor
-    evicted_ids: torch.Tensor
-    evicted_slots: torch.Tensor
-    rejected_ids: torch.Tensor  # seen, but below the admission threshold: no slot yet
-    # how many of the batch's IDs (sightings) were resident before the call: a 0-dim tensor
-    # on the transformer's device (int() it when needed; on CUDA that is a sync)
-    hits: torch.Tensor | int = 0
-    # every slot the batch uses, once (resident ones seen, then the admitted): what pin holds
-    distinct_slots: torch.Tensor | None = None
 
 
 class Lookup(NamedTuple):
