@@ -11,7 +11,7 @@
 #   profile-idtransformer bench/idtransformer_profile.py: the triton pass's device and wall time a
 #                   batch, 1 table and 26, and its costliest operators (the trace into $OUT)
 #   tests-torchrec  the CUDA tests that need them (-m "cuda and torchrec")
-#   bench-train     bench/train_bench.py --device cuda
+#   bench-train     bench/train_bench.py --device cuda --dlrm-sizes --batch-size 8192, then at 512 a step
 # Each step runs under its own time cap and the whole run under GPU_CHECK_BUDGET; a step that
 # would start with less time left than it needs is skipped with a row saying so. After every
 # step $OUT holds results.json and table.txt as they stand (a run killed from outside leaves the
@@ -391,12 +391,16 @@ step_bench_train() {
     if [ -n "$why" ]; then skip "$why"; return 0; fi
     if [ -z "$HAVE_GPU" ]; then skip "no GPU: skipped"; return 0; fi
   fi
-  local out=$WORK/bench-train.out rc=0
+  local out=$WORK/bench-train.out small=$WORK/bench-train-512.out rc=0
+  # a DLRM's sizes (issue 43's figure), then the old 512-sample step: what launches cost
   # shellcheck disable=SC2086
-  sh_ "$PY" bench/train_bench.py --device cuda ${GPU_CHECK_TRAIN_ARGS:-} >"$out" 2>&1 || rc=$?
+  sh_ "$PY" bench/train_bench.py --device cuda ${GPU_CHECK_TRAIN_ARGS:---dlrm-sizes --batch-size 8192} >"$out" 2>&1 ||
+    rc=$?
   cat "$out"
+  sh_ "$PY" bench/train_bench.py --device cuda --steps 100 >"$small" 2>&1 || true
+  cat "$small"
   [ -z "$DRY" ] || return 0
-  STEP_FIGURE=$(figure_from "$out" 'dynamic tables' 'ratio dynamic / full')
+  STEP_FIGURE="$(figure_from "$out" 'dynamic tables' 'ratio dynamic / full'); 512 a step: $(figure_from "$small" 'dynamic tables' 'ratio dynamic / full')"
   return "$rc"
 }
 

@@ -208,7 +208,8 @@ def test_on_a_gpu_what_needs_no_fbgemm_runs_first_and_every_step_leaves_its_row(
         f"bench/idtransformer_profile.py --trace {env['OUT']}/profile-trace.json",
         "bench/idtransformer_profile.py --tables 26 --batch 65536 --warmup 8 --batches 3",
         "pytest cuda and torchrec",
-        "bench/train_bench.py --device cuda",
+        "bench/train_bench.py --device cuda --dlrm-sizes --batch-size 8192",
+        "bench/train_bench.py --device cuda --steps 100",
     ]
     table = _table(proc.stdout)
     assert list(table) == STEPS
@@ -220,7 +221,8 @@ def test_on_a_gpu_what_needs_no_fbgemm_runs_first_and_every_step_leaves_its_row(
         "pass",
         "device busy of wall a batch, 1 and 26 tables: 3.38 of 6.50 ms; 12.98 of 20.10 ms",
     )
-    assert table["bench-train"] == ("pass", "dynamic tables: 5,165; ratio dynamic / full: 0.11")
+    train = "dynamic tables: 5,165; ratio dynamic / full: 0.11"
+    assert table["bench-train"] == ("pass", f"{train}; 512 a step: {train}")
     # the table is printed last; table.txt and results.json hold the same rows, finished
     out = Path(env["OUT"])
     printed = proc.stdout[proc.stdout.rindex("\nstep ") :]
