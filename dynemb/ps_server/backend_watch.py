@@ -127,6 +127,9 @@ class LossWatch:
                 reason = self.store.lost_data()
             except PSError:
                 return ""
+            except Exception:  # a bug here must not stop the pings that health follows
+                log.exception("checking whether backend %s lost its data failed", self.store.kind)
+                return ""
             if reason:
                 self.reason = reason
                 log.error(

@@ -15,7 +15,7 @@ from helpers import wait_until
 from dynemb.ps_server.client import PSClient
 from dynemb.ps_server.client.retry import RetryPolicy
 from dynemb.ps_server.errors import DataLoss
-from dynemb.testing.local_redis import RedisProcess
+from dynemb.testing.local_redis import RedisClusterProcesses, RedisProcess
 
 LOST = "dynemb_ps_backend_lost_data"
 ONCE = RetryPolicy(attempts=1)
@@ -57,6 +57,39 @@ def test_a_redis_restarted_empty_under_a_ps_is_named_and_not_served(redis, make_
         with pytest.raises(DataLoss):
             client.list_tables()
     assert ps.log().count("LOST ITS DATA") == 1  # one line, not one per check or call
+
+
+def test_a_cluster_master_restarted_empty_is_named(redis_binaries, make_ps):
+    """On Cluster a master restarted without persistence comes back with its slots and none of
+    their rows; the tables' metadata, on another master, still says they exist: only a marker on
+    each master tells (pulls would answer the rows as never pushed)."""
+    cluster = RedisClusterProcesses(masters=3).start()
+    try:
+        ps = make_ps("--backend", cluster.url, "--namespace", "clu")
+        with PSClient(ps.address, timeout=30) as client:
+            client.create_table("t", dim=4)
+            client.push("t", np.arange(3000), np.ones((3000, 4), np.float32))
+        time.sleep(2.5)
+        meta = "dn:clu:tables"
+        rows_only = [n for n in cluster.nodes if not _holds(n, meta)]  # masters without the metadata
+        rows_only[0].stop()
+        rows_only[0].start()  # its nodes.conf kept: back with its slots, empty
+        restarted = time.monotonic()
+        wait_until(lambda: metric(ps, LOST) == 1, timeout=30, what="the lost-data metric")
+        print(f"named {time.monotonic() - restarted:.1f} s after the master's restart")
+        assert "LOST ITS DATA" in ps.log() and "marker {dn:clu:marker." in ps.log()
+    finally:
+        cluster.close()
+
+
+def _holds(node: RedisProcess, key: str) -> bool:
+    """Whether this Cluster node serves the key's slot (others answer MOVED)."""
+    import redis as redis_py
+
+    try:
+        return bool(node.client().exists(key))
+    except redis_py.ResponseError:
+        return False
 
 
 def test_a_redis_restarted_with_its_data_is_served_on(redis, make_ps):

@@ -12,6 +12,8 @@ Layout (namespace <ns>, table <t>, bucket number <b>; the braces are literal):
     {dn:<ns>:tables}:drops        STREAM  the log of drops: entries {"table", "t"} numbered "<n>-0"
     {dn:<ns>:tables}:marker       STRING  a random token, written once the namespace holds tables
                                         (Store.lost_data: a Redis that lost its data has none)
+    {dn:<ns>:marker.<n>}          STRING  on Cluster the same token on each master, <n> picked so that
+                                        the key falls in one of the master's slots
     dn:<ns>:<t>:<c>:r:{<t>.<b>}   HASH  id as 8 little-endian bytes -> the row's raw bytes, then
                                         its stamp (format 3 on: 4 bytes, lifecycle.py)
     dn:<ns>:<t>:<c>:deleted       STREAM  the table's deletion log: entries {"ids": 8-byte ids, "t"}

@@ -143,6 +143,10 @@ def _split_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, dict, dic
     return nodes, unquote(name), kwargs, {**shared, **sentinel_kw}
 
 
+# how long a marker's write waits for its master's replicas at one check (lost_data)
+MARKER_WAIT_MS = 1000
+
+
 class RedisStore(RedisClusterRows, Store):
     """Tables in Redis or Redis Cluster (layout: redis_keys.py). Usually built by from_url()."""
 
@@ -185,7 +189,7 @@ class RedisStore(RedisClusterRows, Store):
         self._rows_key = rows_key(namespace)
         self._dropped_key = dropped_key(namespace)
         self._marker_key = marker_key(namespace)
-        self._marker: bytes | str | None = None  # the namespace's marker as this store last saw it
+        self._markers: dict[bytes, bytes | str | None] | None = None  # the namespace's markers as this store saw them
         self._cache: OrderedDict[str, _TableMeta] = OrderedDict()  # least recently used first
         self._cache_lock = threading.Lock()
         self._fresh = threading.local()  # metadata a thread just read, for its next row call
@@ -474,23 +478,67 @@ class RedisStore(RedisClusterRows, Store):
 
     def lost_data(self) -> str:
         """See Store.lost_data: the namespace's marker (redis_keys.marker_key), written once it
-        holds a table, read back at each check; one GET once written."""
-        key = self._marker_key.decode()
+        holds a table, and on Cluster one more on each master (a master restarted empty loses its
+        slots' rows, the tables' metadata being elsewhere); each read back at every check."""
         with self._redis():
-            there = self.client.get(self._marker_key)
-            if self._marker is None:
-                if there is None and self.client.hlen(self._meta_key):  # tables, no marker yet: write it
-                    self.client.set(self._marker_key, secrets.token_hex(8), nx=True)
-                    there = self.client.get(self._marker_key)
-                self._marker = there
+            if self._markers is None:
+                if self.client.get(self._marker_key) is None and not self.client.hlen(self._meta_key):
+                    return ""  # nothing held yet: nothing to lose
+                self._markers = self._write_markers()  # None until its replicas have them: again next time
                 return ""
-        if there == self._marker:
-            return ""
+            for key, token in self._markers.items():
+                there = self.client.get(key)
+                if there != token:
+                    break
+            else:
+                return ""
         now = "is gone" if there is None else "holds another token (written since by a PS that found it gone)"
         return (
-            f"Redis at {self.address} lost namespace {self.namespace!r}'s data: its marker {key}, written beside "
-            f"the tables, {now}. It restarted without persistence, or an empty replica was promoted"
+            f"Redis at {self.address} lost namespace {self.namespace!r}'s data: its marker {key.decode()}, written "
+            f"beside the tables, {now}. It restarted without persistence, or an empty replica was promoted"
         )
+
+    def _write_markers(self) -> dict[bytes, bytes | str | None] | None:
+        """Each marker key written unless there (SET NX): what each holds, once the replicas of
+        its master have it; None while one has not acknowledged it yet."""
+        token = secrets.token_hex(8)
+        markers: dict[bytes, bytes | str | None] = {}
+        for key in [self._marker_key, *(self._master_marker_keys() if self.cluster else [])]:
+            held = self._replicated_marker(key, token)
+            if held is None:
+                return None
+            markers[key] = held
+        return markers
+
+    def _replicated_marker(self, key: bytes, token: str) -> bytes | str | None:
+        """SET NX of a marker, GET and WAIT on one connection to its master: what it holds, or
+        None while an online replica has not acknowledged it. A marker only its master had would
+        be missed after a failover that lost nothing acknowledged (the replica lagging behind a
+        busy master), and taken for a store that lost its data."""
+        node = self._master_of(key)
+        replicas = self._connected_replicas(node.connection_pool)
+        pipe = node.pipeline(transaction=False)
+        pipe.set(key, token, nx=True)
+        pipe.get(key)
+        if replicas:
+            pipe.execute_command("WAIT", replicas, MARKER_WAIT_MS)
+        replies = pipe.execute()
+        return None if replicas and int(replies[2]) < replicas else replies[1]
+
+    def _master_of(self, key: bytes) -> redis.Redis:
+        """A client of the master that holds key (on standalone Redis: the store's own)."""
+        if isinstance(self.client, redis.cluster.RedisCluster):
+            return self.client.get_node_from_key(key).redis_connection
+        return self.client
+
+    def _master_marker_keys(self) -> list[bytes]:
+        """A marker key in a slot of each Cluster master (as the slot map says now)."""
+        assert isinstance(self.client, redis.cluster.RedisCluster)  # only called on Cluster
+        first_slot: dict[str, int] = {}
+        for slot, nodes in sorted(self.client.nodes_manager.slots_cache.items()):
+            first_slot.setdefault(nodes[0].name, slot)
+        base = f"dn:{self.namespace}:marker".encode()
+        return [_key_in_slot(base, slot, self.client.keyslot) for slot in first_slot.values()]
 
     def close(self) -> None:
         """See Store.close; errors while closing are ignored. A sweep still running stops at its
@@ -570,3 +618,12 @@ def _translate(exc: Exception, where: str, password: str | None) -> PSError:
     if isinstance(exc, redis.ResponseError) and not isinstance(exc, _PASSING_REPLIES):
         return PSError(f"{where} answered with an error: {text}")
     return BackendUnavailable(f"{where} is unavailable: {type(exc).__name__}: {text}{untrusted_hint(text)}")
+
+
+def _key_in_slot(base: bytes, slot: int, keyslot: Callable[[bytes], int]) -> bytes:
+    """`{base.N}` for the first N that puts it in this Cluster slot (of 16384: ~16k tries, in C)."""
+    for n in range(1 << 20):
+        key = b"{%s.%d}" % (base, n)
+        if keyslot(key) == slot:
+            return key
+    raise PSError(f"no key {base.decode()}.N for Cluster slot {slot} in 2^20 tries")
