@@ -16,6 +16,11 @@ makes them (any EmbeddingBagCollection or EmbeddingCollection, any optimizer Tor
 TorchRec release), and the one thing dynemb changes, which ID a row holds, happens between the
 data and the model, where a user can see it: a KJT of IDs in, a KJT of slots out.
 
+Evaluation inside training: a `wrap(..., train=False)` while a training loop's wrap is under way
+(every N steps, as most jobs evaluate) looks its batches up beside the training batches in
+flight, whose pins and rows it leaves alone; the training loop then goes on where it was. With
+a TorchRec pipeline, evaluate the model `pipeline.detach()` gives back and `attach` it after.
+
 Pins: a batch's slots are pinned (never evicted, never given to another ID) from its transform
 until the loop is through its backward and optimizer step. wrap() knows that from the loop
 itself: when the loop asks for batch j + 1, batch j + 1 - in_flight is done. A plain loop
@@ -26,11 +31,12 @@ TrainPipelineSparseDist fetches two ahead (in_flight=3).
 from __future__ import annotations
 
 import atexit
+import inspect
 import logging
 import os
 import sys
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -172,7 +178,10 @@ class DynamicEmbeddings:
                 self.store.close()
             raise
         self.names = names
-        self._wrapping: Iterator[Any] | None = None
+        # the wraps under way, weakly: a loop left early (break) drops its generator, which
+        # then ends (and releases its batches) at once; one still referenced is a loop that goes on
+        self._training: weakref.ref[Generator[Any, None, None]] | None = None
+        self._evaluating: weakref.ref[Generator[Any, None, None]] | None = None
         _open.add(self)
 
     # -- the loop ------------------------------------------------------------------------
@@ -214,14 +223,39 @@ class DynamicEmbeddings:
             raise ValueError(f"in_flight must be >= 1 and prefetch >= 0, got {in_flight} and {prefetch}")
         if priority not in PRIORITIES:
             raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, got {priority!r}")
-        if self._wrapping is not None:
-            self._wrapping.close()  # type: ignore[attr-defined]  # a generator
+        training, evaluating = _under_way(self._training), _under_way(self._evaluating)
+        if evaluating is not None:
+            raise SetupError(
+                "wrap() while an evaluation wrap's loop has not ended: finish that loop, break out of it, "
+                "or close() its iterator first"
+            )
+        if training is not None and train:
+            raise SetupError(
+                "wrap() for training while another training wrap's loop has not ended: two training loops cannot "
+                "share the tables; finish or break out of the first, or close() its iterator (an evaluation "
+                "wrap, train=False, may run inside a training loop)"
+            )
+        if training is not None:  # evaluation inside a training loop: its batches stay in flight
+            if self.tables.transforming_ahead:
+                raise SetupError(
+                    "wrap(train=False) inside a training wrap with prefetch: its thread moves rows while the "
+                    "look-up would lend slots; evaluate between training wraps, or train with prefetch=0"
+                )
+            out = self._look_up(iter(batches))
+            self._evaluating = weakref.ref(out)
+            return out
         self._release_all()  # a new pass: the loop is done with the last one's batches
-        out = self._train(iter(batches), in_flight, prefetch, priority) if train else self._look_up(iter(batches))
-        self._wrapping = out
+        if train:
+            out = self._train(iter(batches), in_flight, prefetch, priority)
+            self._training = weakref.ref(out)
+        else:
+            out = self._look_up(iter(batches))
+            self._evaluating = weakref.ref(out)
         return out
 
-    def _train(self, batches: Iterator[Any], in_flight: int, prefetch: int, priority: str) -> Iterator[Any]:
+    def _train(
+        self, batches: Iterator[Any], in_flight: int, prefetch: int, priority: str
+    ) -> Generator[Any, None, None]:
         tables = self.tables
         yielded = released = 0
         source: Iterator[Any]
@@ -252,13 +286,13 @@ class DynamicEmbeddings:
                 transformer.close()
             else:
                 source.close()  # type: ignore[attr-defined]  # the generator of DynamicTables.wrap
-            self._wrapping = None
+            self._training = None
             # No batch is transformed until the next wrap, so every batch yielded may be released
             # now (a pipeline still training its last two holds no slot anyone else can take),
             # and a checkpoint taken here holds no pinned slot.
             self._release_all()
 
-    def _look_up(self, batches: Iterator[Any]) -> Iterator[Any]:
+    def _look_up(self, batches: Iterator[Any]) -> Generator[Any, None, None]:
         from dynemb.tables.batches import find_kjt, get_kjt, with_kjt
 
         try:
@@ -267,7 +301,7 @@ class DynamicEmbeddings:
                 yield with_kjt(batch, where, self.tables.look_up_in_place(get_kjt(batch, where)))
         finally:
             self.tables.give_back_lent()  # the last batch's forward is done once the loop asks again
-            self._wrapping = None
+            self._evaluating = None
 
     def _release_all(self) -> None:
         """Every batch still pinned released (no wrapped iterator runs: wrap and close stop it
@@ -327,8 +361,10 @@ class DynamicEmbeddings:
         if self.closed:
             return
         try:
-            if self._wrapping is not None:
-                self._wrapping.close()  # type: ignore[attr-defined]
+            for wrapping in (self._evaluating, self._training):
+                gen = wrapping() if wrapping is not None else None
+                if gen is not None:
+                    gen.close()
             self._release_all()
             self.tables.flush()
             self.tables.toucher.close()
@@ -427,3 +463,16 @@ def _features(model: nn.Module, table: str) -> list[str]:
 
 
 __all__ = ["DynamicEmbeddings", "SetupError", "init_distributed"]
+
+
+def _under_way(wrapping: weakref.ref[Generator[Any, None, None]] | None) -> Generator[Any, None, None] | None:
+    """The generator of a wrap whose loop has started and not ended, else None; one made but
+    never started is closed here (it holds nothing yet)."""
+    gen = wrapping() if wrapping is not None else None
+    if gen is None:
+        return None
+    state = inspect.getgeneratorstate(gen)
+    if state == inspect.GEN_CREATED:
+        gen.close()
+        return None
+    return gen if state != inspect.GEN_CLOSED else None

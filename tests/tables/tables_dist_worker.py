@@ -1,8 +1,9 @@
 """Run by torchrun from tests/tables/test_tables_dist.py: an own model on every rank, with full
 tables, then with DynamicEmbeddings in each way a loop can take its batches (plain, a thread
-transforming ahead, TorchRec's TrainPipelineSparseDist with and without it), the user making no
-process group; each rank saves its losses to OUT/rank{r}.npz. Argument 2: PS addresses or
-"embedded"."""
+transforming ahead, TorchRec's TrainPipelineSparseDist with and without it; "_eval": with an
+evaluation pass every EVAL_EVERY steps inside the training loop), the user making no process
+group; each rank saves its losses to OUT/rank{r}.npz. Argument 2: PS addresses or "embedded".
+tests/tables/test_eval_in_training.py runs `run` in one process too."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from dynemb import tables as dt  # noqa: E402
 
 STEPS = 24
 CAPACITY = 160  # 80 rows a rank, of the 400 IDs a table sees
+EVAL_EVERY = 8
 
 
 def batches(rank: int, steps: int = STEPS, size: int = 12):
@@ -56,13 +58,18 @@ def run(mode: str, store: str | None, rank: int) -> list[float]:
     if mode == "full":
         return [train_step(model, dense, b.sparse_features, b.labels) for b in batches(rank)]
     prefix = f"{mode}_"
+    evaluating = mode.endswith("_eval")
+    mode = mode.removesuffix("_eval")
     pipelined = mode.startswith("pipeline")
     prefetch = 1 if mode.endswith("prefetch") else 0
-    losses = []
+    losses: list[float] = []
     with dt.DynamicEmbeddings(model, CONFIGS, store=store, table_prefix=prefix) as dyn:
         data = dyn.wrap(batches(rank), in_flight=3 if pipelined else 1, prefetch=prefetch)
         if not pipelined:
-            losses = [train_step(model, dense, b.sparse_features, b.labels) for b in data]
+            for b in data:
+                losses.append(train_step(model, dense, b.sparse_features, b.labels))
+                if evaluating and len(losses) % EVAL_EVERY == 0:
+                    evaluate(dyn, model, rank)
         else:
             from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
             from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
@@ -76,7 +83,18 @@ def run(mode: str, store: str | None, rank: int) -> list[float]:
                 except StopIteration:
                     break
                 losses.append(float(loss))
+                if evaluating and len(losses) % EVAL_EVERY == 0:
+                    trained = pipeline.detach()  # the model's own forward, the batches in flight kept
+                    evaluate(dyn, model, rank)
+                    pipeline.attach(trained)
     return losses
+
+
+def evaluate(dyn: dt.DynamicEmbeddings, model: nn.Module, rank: int) -> None:
+    """A pass over held-out batches (IDs training has not seen among them) inside the loop."""
+    with torch.no_grad():
+        for b in dyn.wrap(batches(rank + 100, steps=3), train=False):
+            model(b.sparse_features)
 
 
 def main() -> None:

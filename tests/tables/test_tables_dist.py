@@ -1,7 +1,7 @@
 """The public API on 2 torchrun ranks: an own model trains exactly like full tables whichever way
 the loop takes its batches (plain, a thread transforming ahead, TorchRec's
-TrainPipelineSparseDist with and without it), with no process group made by the user, over the
-ranks' embedded stores and over a PS on Redis."""
+TrainPipelineSparseDist with and without it, with evaluation passes inside the loop), with no
+process group made by the user, over the ranks' embedded stores and over a PS on Redis."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from helpers import torchrun
 
 WORKER = Path(__file__).parent / "tables_dist_worker.py"
 MODES = ["plain", "prefetch", "pipeline", "pipeline_prefetch"]
+EVAL_MODES = ["plain_eval", "pipeline_eval"]  # evaluation inside the loop: over the embedded stores only
 
 
 @pytest.mark.dist
@@ -22,12 +23,13 @@ def test_two_ranks_train_exactly_like_full_tables_in_every_loop(store, tmp_path,
     where = "embedded"
     if store == "redis":
         where = make_ps("--backend", redis_url, "--namespace", redis_namespace).address
-    done = torchrun(2, WORKER, str(tmp_path), where, ",".join(["full", *MODES]))
+    modes = MODES + (EVAL_MODES if store == "embedded" else [])
+    done = torchrun(2, WORKER, str(tmp_path), where, ",".join(["full", *modes]))
     assert done.returncode == 0, done.stderr[-4000:]
     for rank in range(2):
         got = np.load(tmp_path / f"rank{rank}.npz")
         assert len(got["full"]) == 24
-        for mode in MODES:
+        for mode in modes:
             diff = np.abs(got[mode] - got["full"])
             assert diff.max() <= 1e-6, f"rank {rank}, {mode}: losses part at step {int(diff.argmax())}"
 
