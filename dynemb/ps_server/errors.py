@@ -73,6 +73,12 @@ class ReadOnly(PSError, code=grpc.StatusCode.PERMISSION_DENIED):
     """A write to a PS that serves published tables read only (`dynemb ps serve --read-only`)."""
 
 
+class Contended(PSError, code=grpc.StatusCode.UNAVAILABLE):
+    """The store kept changing under a call (other PSes creating, dropping or publishing the same
+    table) for the few tries the PS makes itself: UNAVAILABLE, so that the client tries again
+    until its own deadline rather than give up at once."""
+
+
 class DataLoss(PSError, code=grpc.StatusCode.DATA_LOSS):
     """The store lost what this PS saw it hold (a Redis restarted empty, an empty replica
     promoted): the PS refuses to serve it, or to create tables anew in it, until restarted."""

@@ -11,6 +11,7 @@ import threading
 import time
 from contextlib import nullcontext
 
+import grpc
 import numpy as np
 import pytest
 import redis
@@ -1274,3 +1275,17 @@ def test_a_schema_lookup_and_the_row_call_after_it_share_one_metadata_read(store
     monkeypatch.setattr(redis_keys, "FRESH_METADATA_S", 0.0)
     assert hgets(lambda: (store.schema("fresh"), store.pull("fresh", ids))) == 2
     r.close()
+
+
+def test_a_store_that_keeps_changing_under_a_call_is_retried_by_clients(redis_url, redis_namespace, monkeypatch):
+    """A create or metadata change that lost its race with other PSes CREATE_TRIES times answers
+    UNAVAILABLE, which clients retry until their deadline, not INTERNAL, which they give up on
+    at once (issue 44's sweep: a loop bounded by a count, not by the caller's deadline)."""
+    store = RedisStore.from_url(redis_url, namespace=redis_namespace)
+    try:
+        monkeypatch.setattr(redis_keys, "CREATE_TRIES", 0)  # as if every try lost its race
+        with pytest.raises(PSError, match="try again") as info:
+            store.create_table(TableSchema("t", 4))
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    finally:
+        store.close()

@@ -62,6 +62,7 @@ from dynemb.ps_server.backends.redis_keys import (
 )
 from dynemb.ps_server.change_log import Changes, checked_max_ids, no_change_log
 from dynemb.ps_server.errors import (
+    Contended,
     InvalidArgument,
     PSError,
     TableNotFound,
@@ -271,7 +272,7 @@ class RedisTables(StoreParts):
                 check_same_schema(have.schema, schema, f" in Redis namespace {self.namespace!r}")
                 return False
             self.drop_table(schema.name)  # a drop under way or cut short: finish it first
-        raise PSError(
+        raise Contended(
             f"table {schema.name!r} in Redis namespace {self.namespace!r} was dropped or created by others "
             f"{layout.CREATE_TRIES} times while this PS created it; try again"
         )
@@ -635,7 +636,7 @@ class RedisTables(StoreParts):
                 meta = self._parse_any_meta(table, mark)
                 break
         else:
-            raise PSError(
+            raise Contended(
                 f"table {table!r} in Redis namespace {self.namespace!r} kept changing while this PS "
                 "dropped it; try again"
             )
@@ -743,7 +744,7 @@ class RedisTables(StoreParts):
             if self._run_scripted(functools.partial(self._mark, [table, meta.raw, raw]))[0]:
                 self._tables_changed += 1  # threads' kept metadata is void
                 return lifecycle if lifecycle.active else Lifecycle()
-        raise PSError(f"table {table!r} in Redis namespace {self.namespace!r} kept changing; try again")
+        raise Contended(f"table {table!r} in Redis namespace {self.namespace!r} kept changing; try again")
 
     # -- the change log (change_log.py) --------------------------------------------------
 
@@ -771,7 +772,7 @@ class RedisTables(StoreParts):
                     # past that, every push logs (a publisher reads its first cursor after this)
                     time.sleep(layout.FRESH_METADATA_S)
                 return max_ids
-        raise PSError(f"table {table!r} in Redis namespace {self.namespace!r} kept changing; try again")
+        raise Contended(f"table {table!r} in Redis namespace {self.namespace!r} kept changing; try again")
 
     def changes(self, table: str, after: str = "", limit: int = 65536) -> Changes:
         """See Store.changes: cursors as the deletion log's (deletions)."""

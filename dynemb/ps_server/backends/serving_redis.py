@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from dynemb.ps_server.backends.redis_keys import _raw, id_fields
-from dynemb.ps_server.errors import PSError, TableNotFound
+from dynemb.ps_server.errors import Contended, TableNotFound
 from dynemb.ps_server.hashing import bucket_of
 
 # Rows a bucket of a published table is sized for when a full version is applied (and room for
@@ -196,7 +196,7 @@ class ServingRedis:
                 rows[found] = got
                 return rows, found, head.version
             head = self._heads[table] = before if before.gen == after else self.head(table)
-        raise PSError(f"table {table!r}: its published version kept switching during {READ_TRIES} reads; try again")
+        raise Contended(f"table {table!r}: its published version kept switching during {READ_TRIES} reads; try again")
 
     def _read(self, table: str, head: ServingHead, ids: np.ndarray) -> tuple[list, ServingHead, int]:
         """(each id's stored value or None, the head before, its gen after) read under `head`."""
