@@ -84,6 +84,7 @@ class ShardedIDTransformer:
         admit_threshold: sightings an ID needs before it gets a slot.
         group: the process group; None is the default group.
         device: where this rank's transformer lives.
+        name: the table's name, for errors (default: its number in the call).
         **kwargs: passed to IDTransformer.
     """
 
@@ -94,8 +95,10 @@ class ShardedIDTransformer:
         admit_threshold: int = 1,
         group: dist.ProcessGroup | None = None,
         device: torch.device | str = "cpu",
+        name: str | None = None,
         **kwargs,
     ) -> None:
+        self.name = name
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -303,7 +306,7 @@ def transform_blocks(
                 if error is not None:
                     out.slots.fill_(-2)
             refused_by = [[0] if e is not None else [] for e in many.errors]
-            raise _refused(results, many.errors, refused_by, 0) from many.error
+            raise _refused(results, many.errors, refused_by, 0, tables) from many.error
         return many.slots, results
 
     kernel = all(t.local.backend == "kernel" for t in tables)  # else torch ops (CUDA)
@@ -314,7 +317,7 @@ def transform_blocks(
     results = ShareResults(flat_slots, sizes, many, pin)
     if bool(refusals.any()):
         refused_by = [torch.nonzero(column).squeeze(1).tolist() for column in refusals.t().cpu()]
-        raise _refused(results, many.errors, refused_by, first.rank) from many.error
+        raise _refused(results, many.errors, refused_by, first.rank, tables) from many.error
     return flat_slots, results
 
 
@@ -390,11 +393,16 @@ def _nothing(device: torch.device) -> TransformResult:
 
 
 def _refused(
-    results: Sequence[ShardedTransformResult], errors: list[Exception | None], refused_by: list[list[int]], rank: int
+    results: Sequence[ShardedTransformResult],
+    errors: list[Exception | None],
+    refused_by: list[list[int]],
+    rank: int,
+    tables: Sequence[ShardedIDTransformer],
 ) -> BatchRefused:
-    parts = [f"rank {rank} refused its share of table {t}: {e}" for t, e in enumerate(errors) if e is not None]
+    names = [f"table {t.name}" if t.name else f"table {k}" for k, t in enumerate(tables)]
+    parts = [f"rank {rank} refused its share of {names[t]}: {e}" for t, e in enumerate(errors) if e is not None]
     parts += [
-        f"rank {r} refused its share of table {t} (that rank's error says why)"
+        f"rank {r} refused its share of {names[t]} (that rank's error says why)"
         for t, ranks in enumerate(refused_by)
         for r in ranks
         if r != rank

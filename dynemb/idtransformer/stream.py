@@ -208,7 +208,7 @@ class TransformStream:
             self.received = None  # the next batch's IDs: not transformed, the stream is over
             refused_by = [torch.nonzero(column).squeeze(1).tolist() for column in refusals.t().cpu()]
             error = next((e for e in self._errors if e is not None), None)
-            raise _refused(done.results, self._errors, refused_by, self.tables[0].rank) from error
+            raise _refused(done.results, self._errors, refused_by, self.tables[0].rank, self.tables) from error
         return Answered(done.tag, flat_slots, done.results)
 
     @property

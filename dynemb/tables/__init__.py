@@ -31,7 +31,7 @@ _PUBLIC = {
     # an own TorchRec model (docs/library.md)
     "TableConfig": "dynemb.tables.config",
     "DynamicEmbeddings": "dynemb.tables.embeddings",
-    "SetupError": "dynemb.tables.embeddings",
+    "SetupError": "dynemb.tables.errors",
     "init_distributed": "dynemb.tables.embeddings",
     "StartRefused": "dynemb.tables.startup",
     "StartWords": "dynemb.tables.startup",

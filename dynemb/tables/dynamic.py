@@ -68,6 +68,7 @@ from dynemb.ps_server.lifecycle import Lifecycle
 from dynemb.ps_server.schema import TableSchema
 from dynemb.tables.batches import find_kjt, get_kjt, with_kjt
 from dynemb.tables.device import collective_device
+from dynemb.tables.errors import SetupError
 from dynemb.tables.jagged import Batch, KeyedJaggedTensor
 from dynemb.tables.metrics import TABLE_COUNTERS, TrainerMetrics
 from dynemb.tables.prefetch import TransformAhead
@@ -229,7 +230,13 @@ class DynamicTables:
                     f"its PS table {spec.ps_schema.name} {spec.ps_schema.dim} and {spec.ps_schema.state_width}"
                 )
             t = ShardedIDTransformer(
-                r.local_rows, spec.policy, spec.admit_threshold, group=group, device=self.device, backend="auto"
+                r.local_rows,
+                spec.policy,
+                spec.admit_threshold,
+                group=group,
+                device=self.device,
+                name=spec.name,
+                backend="auto",
             )
             if t.offset != r.row_offset:
                 raise ValueError(
@@ -295,7 +302,6 @@ class DynamicTables:
         try:
             slots, results = transform_blocks(tables, layout.ids, layout.sizes, pin=True)
         except BatchRefused as refused:
-            refused.add_note(f"the tables by number, from table 0: {', '.join(self.names)}")
             self._finish_refused(refused)
             raise
         self._took(results, keep=self.ahead)
@@ -325,8 +331,7 @@ class DynamicTables:
         while stream.open:
             try:
                 answered = stream.exchange(*upcoming())
-            except BatchRefused as refused:  # the batch this rank took its share of last
-                refused.add_note(f"the tables by number, from table 0: {', '.join(self.names)}")
+            except BatchRefused:  # the batch this rank took its share of last
                 release_tables([self.transformers[n] for n in self.names], self.in_flight.pop())
                 raise
             if answered is not None:
@@ -444,6 +449,14 @@ class DynamicTables:
         whether those come in non-decreasing order (the values already grouped by table)."""
         key = tuple(keys)
         if key != self._keys_seen:
+            missing = [f for f in self.feature_table if f not in key]
+            if missing:  # (TorchRec would fail later on it with "'f' is not in list")
+                have = ", ".join(keys) or "none"
+                raise SetupError(
+                    f"the batch's KJT has no feature {', '.join(map(repr, missing))} (of dynamic table "
+                    f"{self.feature_table[missing[0]]}); its keys: {have}. Give every feature the model's tables "
+                    f"read, with lengths 0 where a batch has no IDs for one"
+                )
             # (keyed by str | None: a key of no dynamic table has no table name, and gets len(index))
             index: dict[str | None, int] = {name: i for i, name in enumerate(self.transformers)}
             table = [index.get(self.feature_table.get(k), len(index)) for k in keys]

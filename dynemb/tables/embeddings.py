@@ -43,10 +43,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dynemb.common.errors import UserError
 from dynemb.tables.config import STARTS, TableConfig
 from dynemb.tables.device import ensure_control_group
 from dynemb.tables.dynamic import DynamicTables, DynamicTableSpec
+from dynemb.tables.errors import SetupError
 from dynemb.tables.metrics import TrainerMetrics
 from dynemb.tables.prefetch import PRIORITIES, TransformAhead
 from dynemb.tables.row_store import RowStore, open_store
@@ -55,10 +55,6 @@ from dynemb.tables.table_rows import TableRows, find_tables, table_configs
 
 log = logging.getLogger("dynemb.tables")
 B = TypeVar("B")
-
-
-class SetupError(UserError):
-    """Dynamic tables that cannot be put in front of the model as given: what is wrong and the fix."""
 
 
 _open: weakref.WeakSet[DynamicEmbeddings] = weakref.WeakSet()

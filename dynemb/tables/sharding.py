@@ -16,6 +16,7 @@ docs/design.md), so the sharders here add it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 import torch
@@ -29,6 +30,7 @@ from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterCons
 from torchrec.distributed.types import ModuleSharder, ShardingType
 
 from dynemb.tables.config import TableConfig
+from dynemb.tables.errors import SetupError
 
 
 class RowWiseSharder(EmbeddingBagCollectionSharder):
@@ -90,15 +92,46 @@ def shard_model(
         model: the unsharded model.
         tables: its dynamic tables (configs or TorchRec table names).
         device: this rank's device.
-        other_constraints: planner constraints of the model's other tables.
+        other_constraints: planner constraints of the model's other tables; one given for a
+            dynamic table keeps what it says beside its sharding and kernel, which must allow
+            row_wise and fused.
 
     Returns:
         The sharded model.
+
+    Raises:
+        SetupError: other_constraints asks a dynamic table for another sharding or kernel.
     """
     device = torch.device(device)
-    wanted = {**(other_constraints or {}), **constraints(tables)}
+    wanted = _merged(other_constraints or {}, constraints(tables))
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=dist.get_world_size(), compute_device=device.type), constraints=wanted
     )
     plan = planner.collective_plan(model, sharders(), dist.GroupMember.WORLD)
     return DistributedModelParallel(model, device=device, plan=plan, sharders=sharders())
+
+
+def _merged(
+    other: dict[str, ParameterConstraints], dynamic: dict[str, ParameterConstraints]
+) -> dict[str, ParameterConstraints]:
+    """The planner's constraints: the other tables' as given; a dynamic table's own sharding and
+    kernel, beside whatever else a constraint given for it says (refused where it asks for a
+    sharding or kernel dynamic tables cannot have, rather than overridden unseen)."""
+    merged = dict(other)
+    for name, forced in dynamic.items():
+        given = merged.get(name)
+        if given is None:
+            merged[name] = forced
+            continue
+        types, kernels = given.sharding_types, given.compute_kernels
+        row_wise, fused = ShardingType.ROW_WISE.value, EmbeddingComputeKernel.FUSED.value
+        if (types and row_wise not in types) or (kernels and fused not in kernels):
+            raise SetupError(
+                f"other_constraints[{name!r}] asks for sharding types {types} and compute kernels {kernels}, but "
+                f"{name} is a dynamic table: they are sharded {row_wise} with the {fused} kernel; leave "
+                f"sharding_types and compute_kernels out of its constraints"
+            )
+        merged[name] = dataclasses.replace(
+            given, sharding_types=forced.sharding_types, compute_kernels=forced.compute_kernels
+        )
+    return merged

@@ -157,7 +157,7 @@ class Scenario:
                 assert f"{TABLES['a'] + 4} distinct IDs but the table holds {TABLES['a']}" in str(e), str(e)
             else:
                 assert e.__cause__ is None and e.errors == [None] * 3, e.errors
-                assert "rank 0 refused its share of table 0" in str(e), str(e)
+                assert "rank 0 refused its share of table a" in str(e), str(e)  # named, not numbered
             moved = {name: (len(out.owned.evicted_ids), len(out.owned.admitted_ids))
                      for name, out in zip(TABLES, e.results)}
             evicted = {name: out.owned.evicted_ids.tolist() for name, out in zip(TABLES, e.results)}

@@ -169,6 +169,31 @@ def test_set_up_mistakes_name_the_fix():
         dt.DynamicEmbeddings(table_wise, CONFIGS)
 
 
+def test_more_set_up_mistakes_are_one_line_from_dynemb():
+    """What an own model met (issue 45): a constraint that would override a dynamic table's
+    sharding or kernel, a batch without a feature of a dynamic table."""
+    from tables_models import Tiny
+    from torchrec.distributed.planner import ParameterConstraints
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    def tiny():
+        m = Tiny(CAPACITY)
+        apply_optimizer_in_backward(RowWiseAdagrad, m.ebc.parameters(), {"lr": 0.1})
+        return m
+
+    for asked in (ParameterConstraints(compute_kernels=["dense"]), ParameterConstraints(sharding_types=["table_wise"])):
+        with pytest.raises(dt.SetupError, match=r"other_constraints\['user'\] asks for .* user is a dynamic table"):
+            dt.shard_model(tiny(), CONFIGS, other_constraints={"user": asked})
+    kept = ParameterConstraints(compute_kernels=["fused", "dense"], pooling_factors=[3.0])  # allows fused: merged
+    dt.shard_model(tiny(), CONFIGS, other_constraints={"user": kept})
+    model, _ = build(CAPACITY)
+    with dt.DynamicEmbeddings(model, CONFIGS, table_prefix="mistakes_") as dyn:
+        only_user = KeyedJaggedTensor.from_lengths_sync(["user_id"], torch.tensor([1, 2]), torch.tensor([1, 1]))
+        with pytest.raises(dt.SetupError, match=r"no feature 'item_id' \(of dynamic table item\); its keys: user_id"):
+            next(dyn.wrap([only_user]))
+
+
 @pytest.mark.parametrize(
     "shape",
     ["kjt", "tuple", "dict", "namedtuple", "dataclass"],
