@@ -14,26 +14,13 @@ from __future__ import annotations
 import socket
 
 from dynemb.common.errors import shown
+from dynemb.ps_server.addresses import REPLICAS, split_hostport
 from dynemb.ps_server.errors import InvalidArgument
-
-SEPARATOR = "|"
-
-
-def split_hostport(address: str) -> tuple[str, int]:
-    """(host, port) of "host:port" ("[v6]:port" too).
-
-    Raises:
-        InvalidArgument: not host:port with a numeric port.
-    """
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise InvalidArgument(f"PS address {shown(address)} is not host:port")
-    return host.strip("[]"), int(port)
 
 
 def channel_target(address: str) -> tuple[str, str | None]:
     """(gRPC target, authority to present for TLS or None) of one shard's address."""
-    replicas = [a.strip() for a in address.split(SEPARATOR) if a.strip()]
+    replicas = [a.strip() for a in address.split(REPLICAS) if a.strip()]
     if len(replicas) <= 1:
         return (replicas[0] if replicas else address), None
     ipv4: list[str] = []

@@ -32,6 +32,8 @@ from dynemb.ps_server.schema import TableSchema
 if TYPE_CHECKING:
     from dynemb.ps_server.sweeper import Sweeper
 
+EMBEDDED = ("embedded", "embedded://")  # what open_store takes for the embedded store, beside None
+
 
 class RowStore:
     """Where the trainer's tables keep their rows; the methods below are the contract.
@@ -227,16 +229,25 @@ class LocalRowStore(RowStore):
 
 
 class RemoteRowStore(RowStore):
-    """The PS over gRPC, through a PSClient; waits until the PSes are ready.
+    """The PS over gRPC, through a PSClient; waits until the PSes are ready, for as long as one
+    of its calls would retry them (the client's timeout).
 
     Args:
-        addresses: the PSes' addresses, comma-separated (one per shard).
+        addresses: the PSes' addresses, comma-separated (one per shard; the forms: ps_server/addresses.py).
         **client_args: passed to PSClient.
+
+    Raises:
+        InvalidArgument: a malformed address, at once.
+        Unavailable: a PS not ready within the client's timeout.
     """
 
     def __init__(self, addresses: str, **client_args) -> None:
-        self.client = PSClient([a.strip() for a in addresses.split(",") if a.strip()], **client_args)
-        self.client.wait_ready()
+        self.client = PSClient(addresses, **client_args)
+        try:
+            self.client.wait_ready(self.client.timeout)
+        except BaseException:
+            self.client.close()
+            raise
 
     def create_table(self, schema: TableSchema) -> None:
         """See RowStore.create_table."""
@@ -318,16 +329,16 @@ def open_store(
     """Where a job's rows live.
 
     Args:
-        where: None or "embedded": the embedded store in this process (under torchrun one per
-            rank, holding the rows of the IDs that rank owns); else the PS addresses,
-            "host:port" comma-separated.
-        timeout: how long one PS call keeps retrying a PS that is down or hangs (every call is
-            idempotent, so it is simply tried again).
+        where: None, "embedded" or "embedded://": the embedded store in this process (under
+            torchrun one per rank, holding the rows of the IDs that rank owns); else the PS
+            addresses, "host:port" comma-separated ('a|b': replicas of one shard), checked at once.
+        timeout: how long opening waits for the PSes to be ready, and one PS call keeps retrying
+            a PS that is down or hangs (every call is idempotent, so it is simply tried again).
         attempt_timeout: how long one try may take before it is abandoned and retried.
         tls_ca, tls_cert, tls_key: PEM files for a TLS PS (the auth token comes from
             DYNEMB_PS_AUTH_TOKEN).
     """
-    if where is None or where == "embedded":
+    if where is None or where.strip() in EMBEDDED:
         return LocalRowStore(per_rank=dist.get_world_size() > 1)
     return RemoteRowStore(
         where,

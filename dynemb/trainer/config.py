@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dynemb.ps_server.addresses import ps_addresses
 from dynemb.ps_server.lifecycle import Lifecycle
 from dynemb.ps_server.schema import OPTIMIZERS
 from dynemb.publish import DEFAULT_FULL_EVERY, DTYPES
@@ -172,6 +173,8 @@ class TrainConfig:
             raise ValueError("checkpoint_every must be >= 0, checkpoint_full_every and checkpoint_keep >= 1")
         if self.ps_timeout_seconds <= 0 or self.ps_attempt_seconds <= 0:
             raise ValueError("ps_timeout_seconds and ps_attempt_seconds must be > 0")
+        if self.ps:
+            ps_addresses(self.ps)  # a mistyped one refused now, not after the job's set-up (InvalidArgument)
         if not JOB_NAME.fullmatch(self.job_name):
             raise ValueError(
                 f"job_name {self.job_name!r} must be 1 to 128 letters, digits and . _ : - (starting with a letter "

@@ -15,6 +15,7 @@ streams (streaming.py).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -22,6 +23,7 @@ from concurrent.futures import Future
 import numpy as np
 
 from dynemb.protos import ps_pb2
+from dynemb.ps_server.addresses import ps_addresses
 from dynemb.ps_server.change_log import Changes
 from dynemb.ps_server.client import streaming
 from dynemb.ps_server.client.ordering import TableLanes
@@ -32,11 +34,12 @@ from dynemb.ps_server.client.schema_cache import SchemaCache
 from dynemb.ps_server.client.sharding import Sharding
 from dynemb.ps_server.client.shared_memory import segment_pools
 from dynemb.ps_server.client.transport import Transport
-from dynemb.ps_server.errors import InvalidArgument, PSError, Unauthenticated
+from dynemb.ps_server.errors import InvalidArgument, Unauthenticated, Unavailable
 from dynemb.ps_server.lifecycle import Deletions, Drop, Drops, Lifecycle
 from dynemb.ps_server.schema import MAX_EXPECTED_ROWS, Initializer, TableSchema
 
 DEFAULT_RETRY = RetryPolicy()
+log = logging.getLogger("dynemb.ps.client")
 
 
 class PSClient:
@@ -60,7 +63,7 @@ class PSClient:
             metrics export), so a call blocked on a PS that is away shows while it waits.
 
     Raises:
-        InvalidArgument: no address, an address or TLS setting that cannot be used.
+        InvalidArgument: no address, a malformed one (addresses.py: the forms), or a TLS setting that cannot be used.
     """
 
     def __init__(
@@ -81,11 +84,7 @@ class PSClient:
         shared_memory: bool | None = None,
         watch: CallWatch | None = None,
     ) -> None:
-        if isinstance(addresses, str):
-            addresses = [a.strip() for a in addresses.split(",") if a.strip()]
-        if not addresses:
-            raise InvalidArgument("PSClient needs at least one PS address (host:port)")
-        self.addresses = list(addresses)
+        self.addresses = ps_addresses(addresses)  # a mistyped one refused now, not waited on as a PS that is down
         self.timeout = timeout
         self.max_message_bytes = max_message_bytes
         # Fewer, bigger messages won on 2 cores once replies were built with one copy (bench/RESULTS.md).
@@ -521,13 +520,14 @@ class PSClient:
         return self._transport.health(timeout, service)
 
     def wait_ready(self, timeout: float = 30.0) -> None:
-        """Block until every PS answers health checks with SERVING.
+        """Block until every PS answers health checks with SERVING; says once in the log that it waits.
 
         Raises:
             Unauthenticated: a PS refuses this client's health checks (waiting will not help).
-            PSError: not every PS was SERVING within timeout seconds.
+            Unavailable: not every PS was SERVING within timeout seconds.
         """
         deadline = time.monotonic() + timeout
+        waiting = False
         while True:
             status = self.health(timeout=max(0.1, min(2.0, deadline - time.monotonic())))
             if all(s == "SERVING" for s in status):
@@ -535,8 +535,12 @@ class PSClient:
             refused = [f"{a}: {s}" for a, s in zip(self.addresses, status) if s.startswith("UNAUTHENTICATED")]
             if refused:  # waiting will not bring the token: say so now
                 raise Unauthenticated(f"PS refuses this client's health checks: {'; '.join(refused)}")
+            not_ready = "; ".join(f"{a}: {s}" for a, s in zip(self.addresses, status) if s != "SERVING")
             if time.monotonic() > deadline:
-                raise PSError(f"PS not ready after {timeout}s: {dict(zip(self.addresses, status))}")
+                raise Unavailable(f"PS not ready after {timeout:g} s: {not_ready}")
+            if not waiting:  # a PS still starting is normal; one mistyped or down should not wait in silence
+                log.warning("waiting up to %.0f s for the PS to be ready: %s", timeout, not_ready)
+                waiting = True
             time.sleep(0.1)
 
     def close(self) -> None:

@@ -14,9 +14,9 @@ import numpy as np
 
 from dynemb.protos import ps_pb2
 from dynemb.ps_server import shm
+from dynemb.ps_server.addresses import REPLICAS, split_hostport
 from dynemb.ps_server.client.transport import Transport
 from dynemb.ps_server.errors import InvalidArgument
-from dynemb.ps_server.replicas import SEPARATOR, split_hostport
 from dynemb.ps_server.schema import TableSchema
 from dynemb.ps_server.wire import push_request_parts
 
@@ -26,7 +26,7 @@ Place = tuple[shm.Segment, int]  # a segment, and the offset of a piece's rows i
 def on_loopback(address: str) -> bool:
     """Whether every replica of a shard's address is this host by a loopback name."""
     try:
-        hosts = [split_hostport(a.strip())[0] for a in address.split(SEPARATOR) if a.strip()]
+        hosts = [split_hostport(a.strip())[0] for a in address.split(REPLICAS) if a.strip()]
     except InvalidArgument:
         return address.startswith("unix:")
     return bool(hosts) and all(h == "localhost" or h == "::1" or h.startswith("127.") for h in hosts)
