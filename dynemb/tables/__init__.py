@@ -40,6 +40,7 @@ _PUBLIC = {
     "shard_model": "dynemb.tables.sharding",
     "constraints": "dynemb.tables.sharding",
     "sharders": "dynemb.tables.sharding",
+    "start_full_tables": "dynemb.tables.baseline",
     "Initializer": "dynemb.ps_server.schema",
     "TableSchema": "dynemb.ps_server.schema",
     "TrainerMetrics": "dynemb.tables.metrics",
@@ -103,15 +104,18 @@ __all__ = [  # _PUBLIC's names (tests/tables/test_public_api.py holds the two eq
     "resolve_device",
     "shard_model",
     "sharders",
+    "start_full_tables",
 ]
 
 if TYPE_CHECKING:
     from dynemb.ps_server.schema import Initializer, TableSchema
+    from dynemb.tables.baseline import start_full_tables
     from dynemb.tables.config import TableConfig
     from dynemb.tables.dense import dense_parameters
     from dynemb.tables.device import DeviceUnavailable, collective_device, control_group, resolve_device
     from dynemb.tables.dynamic import DynamicTables, DynamicTableSpec
-    from dynemb.tables.embeddings import DynamicEmbeddings, SetupError, init_distributed
+    from dynemb.tables.embeddings import DynamicEmbeddings, init_distributed
+    from dynemb.tables.errors import SetupError
     from dynemb.tables.jagged import TORCHREC_ERROR, Batch, KeyedJaggedTensor
     from dynemb.tables.metrics import TrainerMetrics
     from dynemb.tables.row_store import LocalRowStore, RemoteRowStore, RowStore, open_store

@@ -13,7 +13,6 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from dynemb import tables as dt
-from dynemb.ps_server.initializer import initial_rows
 
 UNIVERSE, DIM, FEATURES, TABLES = 400, 4, ["user_id", "item_id"], ["user", "item"]
 CONFIGS = [dt.TableConfig("user", policy="lru", evict_fraction=0.2), dt.TableConfig("item", policy="hybrid")]
@@ -44,13 +43,7 @@ def build(rows: int, optimizer=RowWiseAdagrad, configs=CONFIGS, device: str = "c
     dmp = dt.shard_model(model, configs, device)
     dense = torch.optim.SGD(dict(in_backward_optimizer_filter(dmp.named_parameters())).values(), lr=0.1)
     if rows == UNIVERSE:
-        from dynemb.tables.table_rows import find_tables
-
-        for name, r in find_tables(dmp).items():
-            config = next(c for c in configs if c.name == name)
-            schema = config.schema(r.dim, r.state_width)
-            ids = torch.arange(r.row_offset, r.row_offset + r.local_rows)
-            r.write(torch.arange(r.local_rows), torch.from_numpy(initial_rows(schema, ids.numpy())))
+        dt.start_full_tables(dmp, configs)
     return dmp, dense
 
 
