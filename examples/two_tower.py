@@ -6,6 +6,7 @@ torchrun, with the embedded store (default) or a PS, then prints the final loss 
     python examples/two_tower.py                         # one process, embedded store
     torchrun --nproc_per_node 2 examples/two_tower.py    # 2 ranks (gloo on CPU)
     python examples/two_tower.py --store localhost:50051 # rows on a running PS (dynemb ps serve)
+    torchrun --nproc_per_node 2 examples/two_tower.py --store localhost:50051 --warm-start  # on from the rows left
     torchrun --nproc_per_node <GPUs> examples/two_tower.py --device cuda   # one rank per GPU
     python examples/two_tower.py --checkpoint-dir ckpt --steps 150       # then:
     python examples/two_tower.py --checkpoint-dir ckpt --resume          # on from step 150
@@ -81,20 +82,26 @@ def batches(seed: int, batch_size: int, rank: int, world: int):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # Whole flags only (allow_abbrev=False): under torchrun, its parser reads them too and refuses one that could
+    # abbreviate its own (--start for --start-method); none here can (tests/test_examples.py checks).
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"], help="cuda: one rank per GPU (NCCL)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--capacity", type=int, default=1024, help="rows per table on the devices, all ranks together")
     p.add_argument("--store", default=None, help="PS addresses host:port[,host:port]; default: the embedded store")
-    p.add_argument("--start", default="new", choices=["new", "warm", "fresh"], help="rows an earlier run left")
     p.add_argument("--table-prefix", default="two_tower_")
     p.add_argument("--eval-batches", type=int, default=20)
     p.add_argument(
         "--checkpoint-dir", default="", help="save a checkpoint here at the end (and every --checkpoint-every)"
     )
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end only)")
-    p.add_argument("--resume", action="store_true", help="go on from the newest checkpoint in --checkpoint-dir")
+    rows_left = p.add_mutually_exclusive_group()  # what to do with the rows an earlier run left in the store
+    rows_left.add_argument("--warm-start", action="store_true", help="train on from the rows an earlier run left")
+    rows_left.add_argument("--fresh", action="store_true", help="drop the rows an earlier run left first")
+    rows_left.add_argument("--resume", action="store_true", help="go on from the newest checkpoint in --checkpoint-dir")
     p.add_argument("--export", default="", help="write every table's rows here as table folders at the end")
     p.add_argument("--result-json", default="", help="write the losses, AUC and hit rate here (rank 0)")
     args = p.parse_args(argv)
@@ -113,7 +120,8 @@ def main(argv: list[str] | None = None) -> dict:
     dense = torch.optim.Adam(dict(in_backward_optimizer_filter(model.named_parameters())).values(), lr=0.01)
     loss_fn = nn.BCEWithLogitsLoss()
     losses = []
-    start = "resume" if args.resume else args.start  # a checkpoint's restore replaces the rows
+    # rows an earlier run left: refused ("new") unless told; a checkpoint's restore replaces them ("resume")
+    start = "resume" if args.resume else "warm" if args.warm_start else "fresh" if args.fresh else "new"
     with dt.DynamicEmbeddings(  # dynemb
         model, configs, store=args.store, start=start, table_prefix=args.table_prefix
     ) as dyn:

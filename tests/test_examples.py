@@ -4,8 +4,10 @@ with the embedded store and on 2 torchrun ranks over a PS on Redis."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -73,8 +75,54 @@ def test_an_example_on_two_ranks_over_redis_resumes_exactly_and_exports(
 
 @pytest.mark.dist
 def test_an_example_on_two_ranks_with_the_embedded_store(tmp_path):
-    done = _run("two_tower.py", 2, "--steps", "30", "--export", str(tmp_path / "tables"))
+    # --warm-start: a flag torchrun passes on (`--start warm` was refused: "ambiguous option: --start could
+    # match --start-method"); on an empty store, a start like any other
+    done = _run("two_tower.py", 2, "--steps", "30", "--warm-start", "--export", str(tmp_path / "tables"))
     assert "steps 30  final loss" in done.stdout and "exported user" in done.stdout
+
+
+def _flags(script: str) -> list[str]:
+    """The flags an example's parser takes, read from its add_argument calls."""
+    tree = ast.parse((EXAMPLES / script).read_text())
+    return [
+        arg.value
+        for call in ast.walk(tree)
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "add_argument"
+        for arg in call.args
+        if isinstance(arg, ast.Constant) and str(arg.value).startswith("--")
+    ]
+
+
+def test_the_example_commands_of_the_docs_use_flags_the_examples_take():
+    """Every `examples/NAME.py --flag ...` of README.md, docs/ and the examples' own docstrings."""
+    pages = [EXAMPLES.parent / "README.md", *(EXAMPLES.parent / "docs").glob("*.md"), *EXAMPLES.glob("*.py")]
+    command = re.compile(r"examples/(\w+\.py)((?:[ \t]+[^\s#`]+)*)")
+    unknown, seen = [], 0
+    for page in pages:
+        for script, args in command.findall(page.read_text()):
+            flags = re.findall(r"(?<!\S)(--[\w-]+)", args)
+            seen += len(flags)
+            unknown += [f"{page.name}: examples/{script} {flag}" for flag in flags if flag not in _flags(script)]
+    assert seen and not unknown, unknown
+
+
+@pytest.mark.parametrize("script", ["two_tower.py", "sequence.py"])
+def test_every_example_flag_passes_through_torchrun_as_given(script, capsys):
+    """torchrun's parser reads the flags after the script too, and refuses one that could abbreviate
+    one of its own (argparse's prefix matching); each flag, alone and as --flag=value, reaches the script."""
+    from torch.distributed.run import get_args_parser
+
+    flags = _flags(script)
+    assert "--steps" in flags and "--warm-start" in flags, flags
+    refused = []
+    for given in [form for flag in flags for form in ([flag, "1"], [f"{flag}=1"])]:
+        try:
+            passed = get_args_parser().parse_args([script, *given]).training_script_args
+        except SystemExit:
+            passed = capsys.readouterr().err.strip().splitlines()[-1:]
+        if passed != given:
+            refused.append(f"{' '.join(given)}: {passed}")
+    assert not refused, refused
 
 
 @pytest.mark.dist
