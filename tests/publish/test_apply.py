@@ -30,15 +30,6 @@ def write_version(root, number, kind, rows: dict[int, float], deleted=(), dtype=
         w.write_deleted(np.asarray(deleted, dtype=np.int64))
 
 
-@pytest.fixture(params=["redis", "redis-cluster", "files"])
-def target(request, redis_namespace, tmp_path):
-    if request.param == "files":
-        return f"embedded://{tmp_path / 'serving'}"
-    if request.param == "redis-cluster":
-        return request.getfixturevalue("redis_cluster").url
-    return request.getfixturevalue("redis_url")
-
-
 def read(target: str, namespace: str, ids) -> dict[int, float]:
     """What a reader of the serving store finds: id -> the row's first value."""
     ids = np.asarray(ids, dtype=np.int64)

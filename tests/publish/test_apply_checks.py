@@ -88,15 +88,6 @@ MALFORMED: dict[str, tuple[Callable | None, dict]] = {
 }
 
 
-@pytest.fixture(params=["redis", "redis-cluster", "files"])
-def target(request, redis_namespace, tmp_path):
-    if request.param == "files":
-        return f"embedded://{tmp_path / 'serving'}"
-    if request.param == "redis-cluster":
-        return request.getfixturevalue("redis_cluster").url
-    return request.getfixturevalue("redis_url")
-
-
 def state(target: str, namespace: str) -> tuple:
     """What a reader of the store sees of the table: (the version held, id -> first value)."""
     store = serving_store(target, namespace)
