@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -162,6 +163,33 @@ def checkpointed_config(folder: Path) -> TrainConfig:
         checkpoint_full_every=2,
         checkpoint_at_end=True,
     )
+
+
+def readme_output(command: str) -> list[str]:
+    """The lines README.md quotes as the output of `$ command` (a console block's prompt line), up to
+    the block's next prompt or end; a test fails when the README quotes no such command."""
+    quoted, block = None, False
+    for line in (REPO / "README.md").read_text().splitlines():
+        if line.startswith("```"):
+            if quoted is not None:
+                break
+            block = line.strip() == "```console"
+        elif block and line.startswith("$ "):
+            if quoted is not None:
+                break
+            quoted = [] if line[2:].strip() == command else None
+        elif block and quoted is not None:
+            quoted.append(line)
+    assert quoted, f"README.md quotes no output of `$ {command}` in a console block"
+    return quoted
+
+
+def steady(line: str) -> str:
+    """An output line without what the machine and the terminal decide: a progress bar's drawing and
+    times, and samples per second. What is left (steps, losses, AUC, hit rates) a deterministic job repeats."""
+    line = re.sub(r"\|[^|]*\|", "|bar|", line, count=1)
+    line = re.sub(r"\[\d+:\d+<\d+:\d+, *[\d.]+step/s", "[time", line)
+    return re.sub(r"samples/s=[\d,]*\d|[\d,]*\d samples/s", "samples/s", line)
 
 
 def unique(prefix: str) -> str:

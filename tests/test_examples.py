@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import dynemb, torchrun
+from helpers import dynemb, readme_output, torchrun
 
 pytestmark = pytest.mark.torchrec  # TorchRec and fbgemm-gpu: needed by every test here
 
@@ -73,12 +73,24 @@ def test_an_example_on_two_ranks_over_redis_resumes_exactly_and_exports(
     _resumes_exactly(script, 2, tmp_path, "--store", ps.address)
 
 
+def _final_line(done: subprocess.CompletedProcess) -> list[str]:
+    """An example's line of figures (steps, loss, AUC, hit rate), as README.md quotes it."""
+    return [line for line in done.stdout.splitlines() if line.startswith("steps ")]
+
+
 @pytest.mark.dist
 def test_an_example_on_two_ranks_with_the_embedded_store(tmp_path):
+    """README.md's 2-rank run, with a flag after the script: its figures are the README's."""
     # --warm-start: a flag torchrun passes on (`--start warm` was refused: "ambiguous option: --start could
-    # match --start-method"); on an empty store, a start like any other
-    done = _run("two_tower.py", 2, "--steps", "30", "--warm-start", "--export", str(tmp_path / "tables"))
-    assert "steps 30  final loss" in done.stdout and "exported user" in done.stdout
+    # match --start-method"); on an empty store, a start like any other. --export: after the figures are made
+    done = _run("two_tower.py", 2, "--warm-start", "--export", str(tmp_path / "tables"))
+    assert "exported user" in done.stdout
+    assert _final_line(done) == readme_output(".venv/bin/torchrun --nproc_per_node 2 examples/two_tower.py")
+
+
+def test_an_example_on_one_process_prints_what_the_readme_quotes():
+    done = _run("two_tower.py", 1)
+    assert _final_line(done) == readme_output(".venv/bin/python examples/two_tower.py")
 
 
 def _flags(script: str) -> list[str]:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import urllib.request
 
 import numpy as np
 import pytest
 import torch
-from helpers import TESTS
+from helpers import TESTS, readme_output, steady
 
 from dynemb.trainer.config import DataConfig, TableConfig, TrainConfig, add_arguments, from_args
 from dynemb.trainer.data import SyntheticCriteo, criteo_tsv_batches, parse_criteo_line
@@ -119,16 +120,21 @@ def test_synthetic_batches_are_reproducible_and_learnable():
     assert int(a.sparse_features.values().max()) < 1000
 
 
-@pytest.mark.slow
-def test_the_synthetic_data_is_learned():
-    """The README's main job, shortened and with full tables: the held-out AUC says the model
-    learned the labels' dependence on the dense features and on each ID's hidden score."""
-    from dynemb.trainer.train import train
+def test_the_main_job_prints_what_the_readme_quotes_and_learns(capsys):
+    """`dynemb train` as scripts/train.sh runs it (its set-up aside), in this process: it prints
+    the losses, AUC and hit rates README.md quotes (the job is deterministic; what the machine
+    decides, times and samples/s, left out), and its held-out AUC says the model learned the
+    labels' dependence on the dense features and on each ID's hidden score."""
+    from dynemb.cli import main
 
-    cfg = TrainConfig(table=TableConfig(dynamic=False), steps=150, eval_batches=8, progress=False)
-    result = train(cfg)
-    assert result.auc > 0.65, result.auc
-    assert sum(result.losses[-20:]) < sum(result.losses[:20])
+    assert main(["train"]) == 0
+    out, err = capsys.readouterr()
+    bar = err.split("\r")[-1].strip()  # the progress bar as it ends
+    printed = [bar, *out.strip().splitlines()[-2:]]
+    quoted = readme_output("scripts/train.sh")
+    assert [steady(line) for line in quoted] == [steady(line) for line in printed], printed
+    auc = float(re.search(r"eval AUC ([\d.]+)", printed[1]).group(1))
+    assert auc > 0.65, printed[1]
 
 
 def test_training_serves_metrics_per_rank():
