@@ -86,12 +86,13 @@ class DynamicEmbeddings:
         tables: one config per dynamic table.
         store: where every row lives: None (the embedded store in this process; per rank
             under torchrun, each holding the rows of the IDs it owns), PS addresses
-            ("host:port", comma-separated for several PS), or a RowStore.
+            ("host:port", comma-separated for several PS; checked at once), or a RowStore.
         start: what to do with rows an earlier run left in the store: "new" refuses to start
             over them, "warm" trains on from them, "fresh" drops them first, "resume" leaves them
             for restore() to replace.
         table_prefix: put in front of every PS table name.
-        ps_timeout_seconds: how long one pull or push keeps retrying an unreachable PS.
+        ps_timeout_seconds: how long the start waits for the PS to be ready, and one pull or
+            push keeps retrying an unreachable PS.
         metrics: this rank's metrics to count in (TrainerMetrics; None: new ones, labelled `job`).
         metrics_port: serve this rank's Prometheus metrics on this port + LOCAL_RANK (0: off).
         job: the metrics' train_job label.
