@@ -23,7 +23,8 @@ UNIX = "unix:"
 FORM = "host:port, comma-separated for shards, 'a:port|b:port' for replicas of one shard, or unix:/path"
 MAX_PORT = 65535
 
-_HOST_NAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9._-]*[A-Za-z0-9_])?")  # a name or an IPv4 address
+# a name (a fully qualified one may end in a dot) or an IPv4 address
+_HOST_NAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9._-]*[A-Za-z0-9_])?\.?")
 _IPV6 = re.compile(r"[0-9A-Fa-f:.]+(%[A-Za-z0-9._-]+)?")  # inside brackets, with an optional zone
 
 

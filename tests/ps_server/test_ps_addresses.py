@@ -21,6 +21,7 @@ from dynemb.ps_server.errors import InvalidArgument
         ("[::1]:50051", ["[::1]:50051"]),
         ("[fe80::1%eth0]:50051", ["[fe80::1%eth0]:50051"]),
         ("ps_0:50051", ["ps_0:50051"]),
+        ("dynemb-ps.ml.svc.cluster.local.:50051", ["dynemb-ps.ml.svc.cluster.local.:50051"]),
         ("unix:/tmp/ps.sock", ["unix:/tmp/ps.sock"]),
         (["a:1", "b:2"], ["a:1", "b:2"]),
     ],
