@@ -308,3 +308,26 @@ class DeviceWork:
             finally:
                 self.on = False
         return self.launches, self.ops, self.copies
+
+
+def pause(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP a process and wait until every thread of it has stopped. A process with threads
+    stops once the thread that takes the signal runs; on a busy machine another of its threads
+    (a PS's gRPC poller) can still answer a request meanwhile (seen: a "hung" PS that answered
+    in 1 ms). SIGCONT resumes it."""
+    import signal
+
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that ended meanwhile
+                continue
+        if all(s in ("T", "t") for s in states):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {pid} not stopped {timeout}s after SIGSTOP: its threads are {states}")
+        time.sleep(0.002)

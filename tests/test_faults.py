@@ -18,7 +18,7 @@ import uuid
 
 import numpy as np
 import pytest
-from helpers import job_tables, wait_until
+from helpers import job_tables, pause, wait_until
 from ps_procs import wait_for_health
 
 from dynemb.ps_server.client import PSClient
@@ -160,7 +160,7 @@ def test_a_paused_ps_past_the_try_deadline_loses_nothing(redis_ps, tmp_path):
     ps = redis_ps()
     job = start_training(ps, tmp_path, "paused_")
     wait_for_rows(ps, job, at_least=200)
-    os.kill(ps.proc.pid, signal.SIGSTOP)
+    pause(ps.proc.pid)
     try:  # past --ps-attempt-seconds 1: a try is abandoned and sent again
         wait_for_log(job, "DEADLINE_EXCEEDED; retrying")
     finally:

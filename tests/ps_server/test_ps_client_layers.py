@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
+from helpers import pause
 
 from dynemb.protos import ps_pb2
 from dynemb.ps_server import shm
@@ -218,7 +219,7 @@ def test_a_hung_try_is_abandoned_and_sent_again(make_ps, transports, caplog):
     proc = make_ps()
     transport = transports([proc.address], attempts=None, attempt_timeout=0.3, max_backoff=0.1)
     transport.call(0, "ListTables", LIST, time.monotonic() + 30)
-    os.kill(proc.proc.pid, signal.SIGSTOP)
+    pause(proc.proc.pid)
     try:
         start = time.monotonic()
         with caplog.at_level(logging.WARNING, "dynemb.ps.client"), pytest.raises(DeadlineExceeded):

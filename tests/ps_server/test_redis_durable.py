@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import wait_until
+from helpers import pause, wait_until
 
 from dynemb.ps_server.backends import open_store
 from dynemb.ps_server.backends.redis_durable import Durability, last_integer, wait_command
@@ -83,7 +83,7 @@ def test_writes_wait_for_the_replica_and_fail_without_it(replicated):
         assert store.replica_waits() == {"acked": 2, "short": 0, "unreplicated": 0}
         assert replica.client().hlen(next(iter(replica.client().scan_iter(b"dn:durable:t:*")))) > 0
         assert replica.proc is not None
-        replica.proc.send_signal(signal.SIGSTOP)  # connected, but it acknowledges nothing
+        pause(replica.proc.pid)  # connected, but it acknowledges nothing
         try:
             start = time.monotonic()
             with pytest.raises(BackendUnavailable, match=r"0 of 1 replicas had the write after 1500 ms"):

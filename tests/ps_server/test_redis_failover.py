@@ -26,7 +26,7 @@ import time
 import numpy as np
 import pytest
 import redis
-from helpers import wait_until
+from helpers import pause, wait_until
 
 from dynemb.ps_server.client import PSClient
 from dynemb.ps_server.client.retry import RetryPolicy
@@ -139,7 +139,7 @@ def check_failover(make_ps, url: str, durable: str, master, replica, promoted) -
                 break
         assert client.execute_command("WAIT", 1, 5000) == 1, "the replica did not catch up"
         client.close()
-        replica.proc.send_signal(signal.SIGSTOP)
+        pause(replica.proc.pid)
 
     def kill_master() -> None:
         master.proc.send_signal(signal.SIGKILL)

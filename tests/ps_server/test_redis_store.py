@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import redis
 import xxhash
+from helpers import pause
 
 from dynemb.ps_server.backends import open_store, redis_keys, redis_store, redis_tables
 from dynemb.ps_server.backends.redis_store import RedisStore, _split_cluster_url
@@ -911,7 +912,7 @@ def test_redis_hung_times_out(redis_process, redis_namespace):
     proc = redis_process()
     s = RedisStore.from_url(proc.url, namespace=redis_namespace, socket_timeout=0.3, retries=0)
     s.create_table(TableSchema("h", dim=2))
-    os.kill(proc.proc.pid, signal.SIGSTOP)
+    pause(proc.proc.pid)
     try:
         with pytest.raises(BackendUnavailable, match="Timeout") as err:
             s.pull("h", np.arange(10))

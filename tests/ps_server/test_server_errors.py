@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
-from helpers import wait_until
+from helpers import pause, wait_until
 from ps_procs import wait_for_health
 
 from dynemb.protos import ps_pb2, ps_pb2_grpc
@@ -332,7 +332,7 @@ def test_a_push_the_client_gave_up_on_is_not_applied_late(redis_process, make_ps
         ps.create_table("late", dim=2)
         ps.push("late", ids, np.zeros((20, 2), np.float32))
         stale = ps_pb2.PushRequest(table="late", ids=ids.tobytes(), rows=np.ones((20, 2), np.float32).tobytes())
-        os.kill(redis_proc.proc.pid, signal.SIGSTOP)
+        pause(redis_proc.proc.pid)
         try:
             call = ps_pb2_grpc.ParameterServerStub(channel).Push.future(stale, timeout=2)
             # its handler runs, waiting on the store, before the deadline
@@ -527,7 +527,7 @@ def test_a_call_past_its_deadline_says_so_by_its_code(make_ps):
     proc = make_ps()
     with PSClient(proc.address, timeout=30) as ps:
         ps.create_table("slow", dim=2)
-        os.kill(proc.proc.pid, signal.SIGSTOP)
+        pause(proc.proc.pid)
         try:
             with pytest.raises(DeadlineExceeded) as info:
                 ps.pull("slow", [1, 2], timeout=0.5)
