@@ -87,10 +87,10 @@ class _Reads:
 @pytest.mark.slow
 @pytest.mark.parametrize("threshold", [1, 2], ids=["admit-at-once", "admit-at-2"])
 def test_triton_tables_train_as_the_kernels_and_read_nothing_back(threshold, monkeypatch):
-    """Twenty steps of the DLRM job (6 dynamic tables of 600 rows, evicting; with a threshold,
-    IDs left out of their bags every batch): the same losses and rows as on the kernel's
+    """Twelve steps of the DLRM job (6 dynamic tables of 600 rows, hit rate ~0.56; with a
+    threshold, IDs left out of their bags every batch): the same losses and rows as on the kernel's
     tables, hit rates within a few points, and on triton no scalar read in the batch's path."""
-    cfg = config("rowwise_adagrad", dynamic=True, steps=20)
+    cfg = config("rowwise_adagrad", dynamic=True, steps=12)
     cfg = dataclasses.replace(cfg, table=dataclasses.replace(cfg.table, admit_threshold=threshold))
     runs = {}
     reads = {}
@@ -101,7 +101,7 @@ def test_triton_tables_train_as_the_kernels_and_read_nothing_back(threshold, mon
             runs[backend] = train(cfg, collect_tables=True)
             reads[backend] = watch.reads
     kernel, triton = runs["kernel"], runs["triton"]
-    assert triton.losses == kernel.losses and len(triton.losses) == 20
+    assert triton.losses == kernel.losses and len(triton.losses) == 12
     assert abs(triton.hit_rate - kernel.hit_rate) < 0.05 and triton.hit_rate < 1.0, (triton.hit_rate, kernel.hit_rate)
     for name, (_, rows) in kernel.tables.items():
         np.testing.assert_array_equal(triton.tables[name][1], rows, err_msg=f"table {name}")
