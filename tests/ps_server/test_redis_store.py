@@ -696,6 +696,17 @@ def test_clear_and_drop(own_redis_url, redis_namespace):
     store.close()
 
 
+def test_a_malformed_redis_url_is_refused_naming_it_and_the_forms_not_its_password():
+    for url, bad in (
+        ("redis://localhost:63x79/0", "redis://localhost:63x79/0"),
+        ("redis://bob:s3cret@h:6x/0", "bob:***@h:6x"),
+    ):
+        with pytest.raises(InvalidArgument) as err:
+            RedisStore.from_url(url, namespace="t")
+        msg = str(err.value)
+        assert bad in msg and "expected redis://[user:password@]host:port" in msg and "s3cret" not in msg, msg
+
+
 def test_table_errors_name_what_is_wrong(store, redis_namespace):
     schema = TableSchema("t1", dim=4, state_width=2, dtype="fp16", initializer=Initializer("uniform", -0.1, 0.1, 9))
     assert store.create_table(schema) is True

@@ -285,7 +285,9 @@ class RedisStore(RedisClusterRows, Store):
         except TypeError as exc:
             raise InvalidArgument(f"bad Redis option for {scheme}:// backend: {exc}") from None
         except ValueError as exc:
-            raise InvalidArgument(f"bad Redis URL: {exc}") from None
+            raise InvalidArgument(
+                f"bad Redis URL {shown(_without_password(url))}: {exc}; expected {REDIS_URL_FORMS}"
+            ) from None
         return cls(
             client,
             namespace=namespace,
@@ -627,3 +629,19 @@ def _key_in_slot(base: bytes, slot: int, keyslot: Callable[[bytes], int]) -> byt
         if keyslot(key) == slot:
             return key
     raise PSError(f"no key {base.decode()}.N for Cluster slot {slot} in 2^20 tries")
+
+
+REDIS_URL_FORMS = (
+    "redis://[user:password@]host:port[/db], rediss:// (TLS), unix:///path/to/socket, "
+    "redis+cluster://host:port[,host:port...] or redis+sentinel://host:port[,host:port...]/master-name"
+)
+
+
+def _without_password(url: str) -> str:
+    """The URL with the password of its user part replaced by ***, for messages."""
+    scheme, sep, rest = url.partition("://")
+    credentials, at, hosts = rest.rpartition("@")
+    if not sep or not at or ":" not in credentials:
+        return url
+    user = credentials.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{hosts}"
