@@ -39,6 +39,14 @@ def multipliers(depth: int, device: torch.device | str) -> torch.Tensor:
     return torch.tensor([_signed(a) for a in _MULTIPLIERS[:depth]], dtype=torch.int64, device=device)
 
 
+def check_size(width: int, depth: int) -> None:
+    """Raise ValueError unless width is a power of two >= 2 and depth in [1, MAX_DEPTH]."""
+    if width < 2 or width & (width - 1):
+        raise ValueError(f"sketch width must be a power of two >= 2, got {width}")
+    if not 1 <= depth <= MAX_DEPTH:
+        raise ValueError(f"sketch depth must be in [1, {MAX_DEPTH}], got {depth}")
+
+
 class CountMinSketch:
     """Sightings per ID, estimated in depth x width int32 counters (see the module doc).
 
@@ -46,16 +54,26 @@ class CountMinSketch:
         width: counters per row, a power of two >= 2.
         depth: rows, each with its own hash, 1 to 8.
         device: where the counters live.
+        counts: the (depth, width) int32 counters to count in, e.g. a view of an allocation
+            many sketches share (bucket_map.py); default: zeros of their own.
     """
 
-    def __init__(self, width: int = 1 << 20, depth: int = 4, device: torch.device | str = "cpu") -> None:
-        if width < 2 or width & (width - 1):
-            raise ValueError(f"sketch width must be a power of two >= 2, got {width}")
-        if not 1 <= depth <= MAX_DEPTH:
-            raise ValueError(f"sketch depth must be in [1, {MAX_DEPTH}], got {depth}")
+    def __init__(
+        self,
+        width: int = 1 << 20,
+        depth: int = 4,
+        device: torch.device | str = "cpu",
+        counts: torch.Tensor | None = None,
+    ) -> None:
+        check_size(width, depth)
         self.width, self.depth = width, depth
         self.device = torch.device(device)
-        self.counts = torch.zeros(depth, width, dtype=torch.int32, device=self.device)
+        if counts is None:
+            counts = torch.zeros(depth, width, dtype=torch.int32, device=self.device)
+        elif counts.shape != (depth, width) or counts.dtype != torch.int32:
+            got = f"{tuple(counts.shape)} {counts.dtype}"
+            raise ValueError(f"sketch counters must be ({depth}, {width}) int32, got {got}")
+        self.counts = counts
         self._shift = 64 - (width.bit_length() - 1)
         self._mult = multipliers(depth, self.device)
         # flat index offset of each row, so one index_add_ serves every row

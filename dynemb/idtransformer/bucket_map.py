@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dynemb.idtransformer.admission import MAX_COUNT, CountMinSketch, multipliers
+from dynemb.idtransformer.admission import MAX_COUNT, CountMinSketch, check_size, multipliers
 from dynemb.idtransformer.admission import MAX_DEPTH as _MAX_SKETCH_DEPTH
 from dynemb.idtransformer.backend import DEFAULT_BUCKET
 from dynemb.idtransformer.ids import as_int64_ids
@@ -506,7 +506,7 @@ class BucketSlotMap:
         places, at = [], 0
         for spec in tables:
             if spec.admit_threshold > 1:
-                CountMinSketch(spec.sketch_width, spec.sketch_depth, "meta")  # checks the size, allocates nothing
+                check_size(spec.sketch_width, spec.sketch_depth)
                 places.append((at, spec.sketch_width.bit_length() - 1, spec.sketch_depth))
                 at += spec.sketch_width * spec.sketch_depth
             else:
@@ -516,9 +516,8 @@ class BucketSlotMap:
             if depth == 0:
                 self.sketches.append(None)
                 continue
-            sketch = CountMinSketch(spec.sketch_width, depth, dev)
-            sketch.counts = self._sketch[start : start + depth * spec.sketch_width].view(depth, spec.sketch_width)
-            self.sketches.append(sketch)
+            counts = self._sketch[start : start + depth * spec.sketch_width].view(depth, spec.sketch_width)
+            self.sketches.append(CountMinSketch(spec.sketch_width, depth, dev, counts))
         params = []
         for spec, first, (start, bits, depth) in zip(tables, self.first_rows, places):
             p = spec.policy
