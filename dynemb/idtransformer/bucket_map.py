@@ -323,7 +323,7 @@ def _find_or_insert_kernel(
                 f = tl.load(freq_ptr + row).to(tl.int64)
                 if kind == 2:
                     f = tl.maximum(f - (step - tl.load(last_ptr + row).to(tl.int64)) // decay, 0)
-                # policy.bump_with, drawn as slot_map.coin(key, step) draws: fmix64 of both
+                # EvictionPolicy.bump, drawn as slot_map.coin(key, step) draws: fmix64 of both
                 r = key * _COIN_MULT ^ ((step << 32) ^ _COIN_SEED)
                 r = r ^ (r.to(tl.uint64, bitcast=True) >> 33).to(tl.int64, bitcast=True)
                 r = r * _FMIX1

@@ -1,6 +1,6 @@
-"""Compaction on the device without a host sync, into a fixed-shape tensor: what the triton
-backend's batched pass (device_transform.py) needs where a count is known only on the device
-(the k lowest scores are triton_select.py's).
+"""Compaction on the device without a host sync, into a fixed-shape tensor: what the dynamic
+tables need where a count is known only on the device (dynemb/tables/dynamic.py: the IDs a
+batch left out of their bags).
 """
 
 from __future__ import annotations

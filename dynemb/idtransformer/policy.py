@@ -78,24 +78,12 @@ class EvictionPolicy:
         """freq after a batch that saw each ID `hits` times: +1 if draw (uniform [0, 1), one
         per ID) < 1 - (1 - p)^hits, p = 1 / ((freq - initial_freq) * log_factor + 1).
         (The CPU kernel flips a coin per sighting instead, as Redis does per access.)"""
-        return bump_with(freq, hits, draw, self.initial_freq, self.log_factor)
-
-
-def bump_with(
-    freq: torch.Tensor,
-    hits: torch.Tensor,
-    draw: torch.Tensor,
-    initial_freq: int | torch.Tensor,
-    log_factor: float | torch.Tensor,
-) -> torch.Tensor:
-    """EvictionPolicy.bump with the policy's settings given, per ID where they are tensors (the
-    triton pass's tables each have their own)."""
-    f = freq.to(torch.float64)
-    p = 1.0 / ((f - initial_freq).clamp(min=0) * log_factor + 1.0)
-    h = hits.to(torch.float64)
-    # (1 - p)^h as the kernel computes it (exactly so for h == 1)
-    p_batch = torch.where(h == 1, 1.0 - (1.0 - p), 1.0 - torch.exp(h * torch.log1p(-p)))
-    return torch.where((draw < p_batch) & (freq < MAX_FREQ), freq + 1, freq)
+        f = freq.to(torch.float64)
+        p = 1.0 / ((f - self.initial_freq).clamp(min=0) * self.log_factor + 1.0)
+        h = hits.to(torch.float64)
+        # (1 - p)^h as the kernel computes it (exactly so for h == 1)
+        p_batch = torch.where(h == 1, 1.0 - (1.0 - p), 1.0 - torch.exp(h * torch.log1p(-p)))
+        return torch.where((draw < p_batch) & (freq < MAX_FREQ), freq + 1, freq)
 
 
 DEFAULT_POLICY = EvictionPolicy()

@@ -398,7 +398,7 @@ class DynamicTables:
         """The KJT with its dynamic tables' IDs replaced by their slots, where the KJT is.
 
         dropped: how many slots are -1 (IDs not admitted yet, left out of their bags), if the
-        host knows it (the triton pass counts them into its one copy); else they are counted
+        host knows it (the triton backend counts them into its one copy); else they are counted
         here (a read of the device on a GPU). With none, the KJT keeps its per-key lengths on
         the host; with some, the lengths per key are the device's, read by whoever asks."""
         values, lengths, weights = kjt.values(), kjt.lengths(), kjt.weights_or_none()
