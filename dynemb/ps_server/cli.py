@@ -30,6 +30,7 @@ examples:
   dynemb ps serve                                    # embedded store, port 50051, /metrics on 9090
   dynemb ps serve --backend redis://localhost:6379/0 --namespace ctr_model
   dynemb ps serve --backend redis+cluster://10.0.0.1:7000,10.0.0.2:7000 --auth-token s3cret
+  dynemb ps serve --backend "disk:///var/lib/dynemb/rows?cache_bytes=8GiB&sync=ack"   # rows on local SSD
   dynemb ps serve --tls-cert server.pem --tls-key server.key
 
 The PS drains on SIGTERM or SIGINT: health turns NOT_SERVING; after --not-serving-seconds
@@ -147,7 +148,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "DYNEMB_PS_BACKEND",
         "",
         "where rows live: embedded:// (the default: in this process, lost on exit), embedded:///DIR (saved to "
-        "DIR on shutdown, loaded at start), redis://[user:pass@]host:port/db, rediss://... (TLS), "
+        "DIR on shutdown, loaded at start), disk:///DIR[?cache_bytes=256MiB&sync=ack|MS&compression=none|lz4] "
+        "(RocksDB in DIR: rows beyond RAM, each write in its log; docs/ps.md), redis://[user:pass@]host:port/db, "
+        "rediss://... (TLS), "
         "redis+cluster://host:port[,host:port], redis+sentinel://host:port[,host:port]/MASTER_NAME (Sentinels)",
         shown=False,
     )

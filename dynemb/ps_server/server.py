@@ -32,7 +32,7 @@ from dynemb.ps_server.backend_watch import BackendWatch, LossWatch
 from dynemb.ps_server.backends import Store, open_store
 from dynemb.ps_server.backends.redis_durable import DEFAULT_TIMEOUT_MS, Durability
 from dynemb.ps_server.entries import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_IDS
-from dynemb.ps_server.errors import PSError, TableNotFound
+from dynemb.ps_server.errors import InvalidArgument, PSError, TableNotFound
 from dynemb.ps_server.metrics import DEFAULT_MAX_TABLE_LABELS, PSMetrics
 from dynemb.ps_server.schema import MAX_ROW_WIDTH
 from dynemb.ps_server.service import DEFAULT_MAX_ROW_WIDTH, ParameterServerService, add_to_server
@@ -150,7 +150,7 @@ class PSServer:
         self.metrics = PSMetrics(max_table_labels=config.max_table_labels)
         if store is None:
             options = dict(config.backend_options)
-            if config.backend and not config.backend.startswith(("embedded", "memory")):
+            if config.backend and not config.backend.startswith(("embedded", "memory", "disk")):
                 options.setdefault("num_buckets", config.redis_buckets)
                 options.setdefault("rows_per_bucket", config.redis_rows_per_bucket)
                 options.setdefault("listpack", config.redis_listpack)
@@ -412,6 +412,12 @@ def _read_only(store: Store, namespace: str) -> Store:
     (never saved back, reloaded when an applier saved a newer generation)."""
     from dynemb.ps_server.backends.embedded import EmbeddedStore
 
+    if store.kind == "disk":
+        store.close()
+        raise InvalidArgument(
+            "--read-only serves published tables (from Redis, or an embedded store's folder); a disk:// backend "
+            "holds a training PS's rows: serve it without --read-only"
+        )
     if isinstance(store, EmbeddedStore):
         store.read_only = True
         return store

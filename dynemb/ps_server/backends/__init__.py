@@ -2,6 +2,8 @@
 
 embedded:// (or empty)        in-process numpy store (the default); rows gone when the PS exits
 embedded:///path/to/dir       the same, saved to dir on shutdown and loaded from it at start
+disk:///path/to/dir[?cache_bytes=256MiB&sync=ack|<ms>&compression=none|lz4]
+                              RocksDB in dir (disk.py): rows beyond RAM, every write in its WAL
 redis://[user:pass@]host:port/db    standalone Redis
 rediss://...                  the same over TLS
 redis+cluster://host:port[,host:port...]  Redis Cluster (rediss+cluster:// for TLS)
@@ -32,6 +34,10 @@ def open_store(url: str = "", *, namespace: str = "dynemb", **options) -> Store:
 
         path = url.split("://", 1)[1] if "://" in url else ""
         return EmbeddedStore(path or None)
+    if scheme == "disk":
+        from dynemb.ps_server.backends.disk import DiskStore
+
+        return DiskStore(url)
     if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster", "redis+sentinel", "rediss+sentinel", "unix"):
         from dynemb.ps_server.backends.redis_store import RedisStore
 
@@ -40,8 +46,8 @@ def open_store(url: str = "", *, namespace: str = "dynemb", **options) -> Store:
     from dynemb.ps_server.errors import InvalidArgument
 
     raise InvalidArgument(
-        f"backend URL {shown(_without_password(url))}: scheme {shown(scheme)} is not one of embedded://, redis://, "
-        f"rediss://, redis+cluster://, rediss+cluster://, redis+sentinel://, rediss+sentinel://"
+        f"backend URL {shown(_without_password(url))}: scheme {shown(scheme)} is not one of embedded://, disk://, "
+        f"redis://, rediss://, redis+cluster://, rediss+cluster://, redis+sentinel://, rediss+sentinel://"
     )
 
 

@@ -1,0 +1,142 @@
+"""What only the disk store has: its URL's settings, a reopen that finds every table as it was
+(rows, counts, logs and settings: no load step), drops purged in the background, one process per
+directory. What every store does is tested on it too (every_store in conftest.py, the dict model
+in test_embedded_store.py, kill -9 under pushes in test_ps_drain.py)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from helpers import wait_until
+
+from dynemb.ps_server.backends import open_store
+from dynemb.ps_server.backends.disk import DiskStore
+from dynemb.ps_server.backends.disk_config import DEFAULT_CACHE_BYTES, parse_disk_url
+from dynemb.ps_server.backends.disk_layout import ids_of_keys, row_keys
+from dynemb.ps_server.errors import BackendUnavailable, InvalidArgument
+from dynemb.ps_server.lifecycle import Cutoff, Lifecycle
+from dynemb.ps_server.schema import TableSchema
+
+SCHEMA = TableSchema("t", 3, 1, "fp32", expected_rows=1000)
+
+
+def test_settings_parse_and_bad_ones_are_named_with_their_limits():
+    c = parse_disk_url("disk:///var/rows?cache_bytes=64MiB&sync=20&compression=lz4")
+    assert (c.path, c.cache_bytes, c.sync_ms, c.compression) == ("/var/rows", 64 << 20, 20, "lz4")
+    c = parse_disk_url("disk://rel/dir")
+    assert (c.path, c.cache_bytes, c.sync, c.compression) == ("rel/dir", DEFAULT_CACHE_BYTES, "ack", "none")
+    for url, words in [
+        ("disk://", "needs a directory"),
+        ("disk:///d?cache_bytes=12", "1 MiB (1048576) to 1 TiB"),
+        ("disk:///d?cache_bytes=lots", "not a size"),
+        ("disk:///d?sync=0", "ack or a whole number of ms from 1 to 60000"),
+        ("disk:///d?compression=zstd", "not one of none, lz4"),
+        ("disk:///d?cache=1", "'cache' is not one of cache_bytes, sync, compression"),
+    ]:
+        with pytest.raises(InvalidArgument, match=re.escape(words)) as err:
+            open_store(url)
+        assert "\n" not in str(err.value)
+
+
+def test_keys_keep_the_ids_signed_order_and_give_them_back():
+    ids = np.array([5, -1, 0, -(1 << 63), (1 << 63) - 1, 255], dtype=np.int64)
+    keys = row_keys(7, ids)
+    assert all(len(k) == 12 and k[:4] == b"\x00\x00\x00\x07" for k in keys)
+    assert sorted(keys) == [keys[i] for i in np.argsort(ids)]
+    assert np.array_equal(ids_of_keys(keys), ids)
+
+
+def test_a_reopened_store_has_every_table_as_it_was(tmp_path):
+    url = f"disk://{tmp_path}/db?cache_bytes=4MiB"
+    store = DiskStore(url)
+    store.create_table(SCHEMA)
+    store.create_table(TableSchema("gone", 2))
+    store.set_change_log("t", 4096)
+    rows = np.arange(400, dtype=np.float32).reshape(100, 4)
+    store.push("t", np.arange(100), rows)
+    store.delete("t", np.array([3, 4, 1000]))
+    lifecycle = store.set_lifecycle("t", Lifecycle(ttl_s=3600))
+    store.record_sweep("t", {"deleted": 0})
+    store.drop_table("gone")
+    changes, deletions = store.changes("t"), store.deletions("t")
+    store.close()
+
+    store = DiskStore(url)
+    try:
+        assert store.list_tables() == [SCHEMA] and store.schema("t").expected_rows == 1000
+        assert store.num_rows("t") == 98
+        got, found = store.pull("t", np.arange(100))
+        assert found.sum() == 98 and not found[3] and not found[4]
+        assert np.array_equal(got[found], rows[found])
+        assert store.lifecycle("t") == lifecycle and store.change_log("t") == 4096
+        assert store.last_sweep("t") == {"deleted": 0}
+        for before, after in [(changes, store.changes("t")), (deletions, store.deletions("t"))]:
+            assert np.array_equal(before.ids, after.ids) and before.cursor == after.cursor
+        assert [d.table for d in store.drops().drops] == ["gone"]
+        store.push("t", np.array([7]), rows[:1])  # the logs go on from their cursors
+        assert store.changes("t", changes.cursor).ids.tolist() == [7]
+    finally:
+        store.close()
+
+
+def test_a_dropped_table_is_purged_and_its_name_starts_empty(tmp_path):
+    store = DiskStore(f"disk://{tmp_path}/db?cache_bytes=4MiB&sync=100")
+    try:
+        store.create_table(SCHEMA)
+        store.push("t", np.arange(5000), np.ones((5000, 4), np.float32))
+        old = store._tables["t"].number
+        assert store.drop_table("t") == 5000 and store.drop_table("t") is None
+        store.create_table(SCHEMA)
+        assert store._tables["t"].number != old  # a number is never reused
+        assert store.num_rows("t") == 0 and not store.pull("t", np.arange(5000))[1].any()
+        wait_until(
+            lambda: all(v is None for v in store._rows.get(row_keys(old, np.arange(5000)))),
+            timeout=30,
+            what="the purge of the dropped table's rows",
+        )
+    finally:
+        store.close()
+
+
+def test_a_sweep_deletes_what_is_due_and_logs_it(tmp_path):
+    store = DiskStore(f"disk://{tmp_path}/db?cache_bytes=4MiB&sync=100")
+    try:
+        store.create_table(SCHEMA)
+        store.set_lifecycle("t", Lifecycle(max_rows=10))
+        store.push("t", np.arange(-50, 50), np.ones((100, 4), np.float32))
+        stamp = int(store.stamps_slice("t", 0, 1)[2][0])  # one push: one stamp
+        cursor, deleted = 0, []
+        while True:  # slices of 30 rows: the cursor resumes at the next id, across the sign
+            part = store.sweep_slice("t", cursor, Cutoff(stamp, 0), 30)
+            deleted.append(part.deleted)
+            if not (cursor := part.cursor):
+                break
+        assert np.concatenate(deleted).tolist() == list(range(-50, 0))
+        assert store.num_rows("t") == 50 and store.deletions("t").ids.tolist() == list(range(-50, 0))
+    finally:
+        store.close()
+
+
+def test_one_process_per_directory_and_no_foreign_database(tmp_path):
+    store = DiskStore(f"disk://{tmp_path}/db")
+    try:
+        with pytest.raises(BackendUnavailable, match="another process holds its database"):
+            DiskStore(f"disk://{tmp_path}/db")
+    finally:
+        store.close()
+    import rocksdict
+
+    other = rocksdict.Rdict(str(tmp_path / "other"), rocksdict.Options(raw_mode=True))
+    other[b"k"] = b"v"
+    other.close()
+    with pytest.raises(InvalidArgument, match="not a dynemb disk store"):
+        DiskStore(f"disk://{tmp_path}/other")
+
+
+def test_a_read_only_ps_refuses_a_disk_backend(tmp_path):
+    from dynemb.ps_server.server import _read_only
+
+    with pytest.raises(InvalidArgument, match="serve it without --read-only"):
+        _read_only(DiskStore(f"disk://{tmp_path}/db"), "ns")
