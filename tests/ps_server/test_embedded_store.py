@@ -1,4 +1,4 @@
-"""The embedded store against a dict: pushes with repeated ids (the last row wins), pulls into
+"""The embedded store (and the disk store) against a dict: pushes with repeated ids (the last row wins), pulls into
 a given array, deletes that free rows for reuse."""
 
 import numpy as np
@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dynemb.ps_server.backends.disk import DiskStore
 from dynemb.ps_server.backends.embedded import EmbeddedStore, SnapshotError
 from dynemb.ps_server.schema import TableSchema
 
@@ -14,10 +15,21 @@ ids_st = st.lists(st.integers(-20, 20), max_size=40)
 ops = st.lists(st.tuples(st.sampled_from(["push", "pull", "pull_into", "delete"]), ids_st), max_size=30)
 
 
+@pytest.fixture(scope="module", params=["embedded", "disk"])
+def any_store(request, tmp_path_factory):
+    """One store of each kind for the module (the disk one's WAL synced in the background: what
+    it keeps through a crash is tests/ps_server/test_ps_drain.py's)."""
+    folder = tmp_path_factory.mktemp("disk")
+    store = EmbeddedStore() if request.param == "embedded" else DiskStore(f"disk://{folder}?cache_bytes=1MiB&sync=100")
+    yield store
+    store.close()
+
+
 @settings(max_examples=150, deadline=None)
 @given(ops)
-def test_behaves_like_a_dict(sequence):
-    store, model, stamp = EmbeddedStore(), {}, 0.0
+def test_behaves_like_a_dict(any_store, sequence):
+    store, model, stamp = any_store, {}, 0.0
+    store.drop_table(SCHEMA.name)  # the last example's
     store.create_table(SCHEMA)
     for op, ks in sequence:
         ids = np.array(ks, dtype=np.int64)

@@ -30,9 +30,11 @@ def push(client: PSClient, table: str, ids: np.ndarray, rng) -> None:
     client.push(table, ids, rng.standard_normal((len(ids), DIM + STATE)).astype(np.float32))
 
 
-@pytest.fixture(params=["embedded", "redis", "two-ps"])
-def client(request, make_ps, redis_namespace):
-    if request.param == "redis":
+@pytest.fixture(params=["embedded", "disk", "redis", "two-ps"])
+def client(request, make_ps, redis_namespace, tmp_path):
+    if request.param == "disk":
+        addresses = [make_ps("--backend", f"disk://{tmp_path}/disk").address]
+    elif request.param == "redis":
         url = request.getfixturevalue("redis_url")
         addresses = [make_ps("--backend", url, "--namespace", redis_namespace).address]
     elif request.param == "two-ps":
@@ -130,12 +132,14 @@ def test_a_publisher_fallen_behind_its_change_log_cuts_a_full_version(embedded_c
     assert same(replay(tmp_path, "fast"), ps_rows(client, "fast"))
 
 
-@pytest.mark.parametrize("backend", ["embedded", "redis"])
+@pytest.mark.parametrize("backend", ["embedded", "disk", "redis"])
 def test_rows_that_expire_between_versions_are_tombstones(make_ps, tmp_path, request, backend):
     from dynemb.ps_server.lifecycle import Lifecycle
 
-    flags = ()
-    if backend == "redis":
+    flags: tuple[str, ...] = ()
+    if backend == "disk":
+        flags = ("--backend", f"disk://{tmp_path}/disk")
+    elif backend == "redis":
         url, namespace = request.getfixturevalue("redis_url"), request.getfixturevalue("redis_namespace")
         flags = ("--backend", url, "--namespace", namespace)
     ps = make_ps("--sweep-every", "0.5", *flags)
