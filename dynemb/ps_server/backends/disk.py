@@ -52,7 +52,7 @@ from dynemb.ps_server.backends.disk_layout import (
 from dynemb.ps_server.backends.disk_log import CHANGES, DELETIONS, DiskIdLog, DropLog
 from dynemb.ps_server.backends.id_log import LOG_MAX_IDS, parse_cursor
 from dynemb.ps_server.change_log import Changes, checked_max_ids, no_change_log
-from dynemb.ps_server.codec import rows_for_table
+from dynemb.ps_server.codec import last_occurrence, rows_for_table
 from dynemb.ps_server.errors import BackendUnavailable, InvalidArgument, PSError, TableNotFound
 from dynemb.ps_server.lifecycle import STAMP_DTYPE, Cutoff, Deletions, Drops, Lifecycle, SweepSlice, now_stamp
 from dynemb.ps_server.schema import TableSchema
@@ -338,9 +338,18 @@ class DiskStore(Store):
             expired = stamps < lifecycle.expired_before()
             stale = ~expired & (stamps < lifecycle.refresh_before())
             if stale.any():
-                self._restamp(t, ids[at[stale]])
+                # A row a sweep may delete is stale: read again under the lock, stamped, and
+                # taken as it is then (deleted by a sweep in between: absent; pushed: the new row)
+                where = np.flatnonzero(stale)
+                still, now_rows = self._restamp(t, ids[at[where]])
+                raw = np.array(raw)
+                raw[where[still]] = now_rows
+                gone = np.zeros(len(at), dtype=bool)
+                gone[where[~still]] = True
+                found[at[gone]] = False
+                expired |= gone
             if expired.any():
-                t.expired_reads += int(expired.sum())
+                t.expired_reads += int((expired & ~stale).sum())
                 found[at[expired]] = False
                 at, raw = at[~expired], raw[~expired]
         if len(at) == len(ids):
@@ -349,48 +358,52 @@ class DiskStore(Store):
             out[at] = np.ascontiguousarray(raw).view(t.schema.np_dtype)
         return np.flatnonzero(~found)
 
-    def _restamp(self, t: _DiskTable, ids: np.ndarray) -> np.ndarray:
+    def _restamp(self, t: _DiskTable, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Stamp the stored ones of ids as used now (their rows read under the lock, so a write
-        meanwhile is kept); returns which of ids are stored."""
+        meanwhile is kept); returns (which of ids are stored, their rows' bytes)."""
         with t.lock:
-            if t.dropped:
-                return np.zeros(len(ids), dtype=bool)
             keys = row_keys(t.number, ids)
             found, raw, _ = decode_values(self._get(keys), t.schema.row_bytes)
-            if not found.any():
-                return found
+            if t.dropped or not found.any():
+                return found, raw
             batch = self._batch()
             kept = [k for k, f in zip(keys, found.tolist()) if f]
             for key, value in zip(kept, row_values(raw, t.schema.row_bytes, now_stamp())):
                 batch.put(key, value, self._rows_h)
             self._write(batch)
-        return found
+        return found, raw
 
     def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> int:
-        """See Store.push: the ids read first (the count needs the new ones; a bloom filter
-        answers most new ids without a disk read), then one WriteBatch."""
+        """See Store.push: the distinct ids (a repeated one's last row), in key order, read first
+        (the count needs the new ones; bloom filters answer most new ids without a read), then
+        written in one WriteBatch. Key order: each memtable insert starts where the last ended
+        (profiled: random-order inserts were ~30% of a push's time in skip-list walks)."""
         t = self._table(table)
-        if len(ids) == 0:
+        n = len(ids)
+        if n == 0:
             return 0
-        rows = rows_for_table(rows, t.schema, len(ids))
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        rows = rows_for_table(rows, t.schema, n)
+        pushed = ids = np.ascontiguousarray(ids, dtype=np.int64)
+        uniq, last = last_occurrence(ids)
+        if len(uniq) < n or not np.array_equal(uniq, ids):
+            ids, rows = uniq, rows[last]
         keys = row_keys(t.number, ids)
         with t.lock:
             self._live(t)
             values = row_values(rows, t.schema.row_bytes, t.stamp())
             stored = np.fromiter((v is not None for v in self._get(keys)), dtype=bool, count=len(keys))
-            new = 0 if stored.all() else len(unique(ids[~stored]))
+            new = len(keys) - int(stored.sum())
             batch = self._batch()
             if t.change_log:
-                t.changes.append(batch, ids)
+                t.changes.append(batch, pushed)  # as pushed, repeats and all (as every store logs them)
             h = self._rows_h
-            for key, value in zip(keys, values):  # in order: a repeated id's last row stays
+            for key, value in zip(keys, values):
                 batch.put(key, value, h)
             batch.put(t.count_key(), (t.count + new).to_bytes(8, "little", signed=True))
             self._write(batch)
             t.count += new
         self._durable()
-        return len(ids)
+        return n
 
     def _remove(self, t: _DiskTable, ids: np.ndarray) -> np.ndarray:
         """Under t.lock: delete the stored ones of ids (distinct), logged; returns them."""
@@ -524,7 +537,7 @@ class DiskStore(Store):
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         if not t.lifecycle.active:
             return int(sum(v is not None for v in self._get(row_keys(t.number, ids))))
-        return int(self._restamp(t, ids).sum())
+        return int(self._restamp(t, ids)[0].sum())
 
     def _stamped_slice(self, t: _DiskTable, cursor: int, max_rows: int) -> tuple[int, np.ndarray, np.ndarray]:
         """(next cursor or 0, ids, stamps with `since` applied) of up to max_rows rows from cursor."""
@@ -631,8 +644,8 @@ class DiskStore(Store):
 
     def compact(self) -> None:
         """Flush the memtables and compact every column family (benches: the settled size)."""
-        self._db.flush()
-        self._rows.flush()
+        for family in (self._db, self._rows, self._logs):
+            family.flush()
         self._rows.compact_range(None, None)
 
     def close(self) -> None:

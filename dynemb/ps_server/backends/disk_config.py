@@ -122,6 +122,7 @@ def parse_disk_url(url: str) -> DiskConfig:
     return DiskConfig(path=path, cache_bytes=cache, sync_ms=sync_ms, compression=compression)
 
 
+MAX_WAL_BYTES = 256 << 20
 # The column families: table records, counts and the drops log (default); rows; the id logs.
 ROWS_CF = "rows"
 LOGS_CF = "logs"
@@ -151,11 +152,17 @@ def rocksdb_options(config: DiskConfig) -> tuple[Any, dict[str, Any], list[Any]]
     db.set_row_cache(row_cache)  # a DB-wide setting in RocksDB; only the rows are read by key
     db.enable_statistics()  # what the bench reads (block reads, cache hits); a few % of CPU
     db.set_keep_log_file_num(5)
+    # every write's batch touches the default family (row counts): without a bound its memtable
+    # would pin every WAL file since its last flush; past this, RocksDB flushes what pins the oldest
+    db.set_max_total_wal_size(MAX_WAL_BYTES)
     rows = base()
     table = rd.BlockBasedOptions()
     table.set_block_cache(block_cache)
     table.set_bloom_filter(BLOOM_BITS_PER_KEY, False)
     rows.set_block_based_table_factory(table)
+    # a bloom filter over the memtable's keys too: a new id's lookup skips its skip list
+    rows.set_memtable_whole_key_filtering(True)
+    rows.set_memtable_prefix_bloom_ratio(0.02)
     rows.set_compression_type(
         rd.DBCompressionType.lz4() if config.compression == "lz4" else rd.DBCompressionType.none()
     )
