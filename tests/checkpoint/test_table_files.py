@@ -36,8 +36,19 @@ def redis_client(redis_url):
             yield client
 
 
+@pytest.fixture(scope="module")
+def disk_client(tmp_path_factory):
+    """A client of one disk-backed PS (RocksDB) that the module's tests share."""
+    folder = tmp_path_factory.mktemp("disk")
+    with LocalPS("--backend", f"disk://{folder}/rows", "--not-serving-seconds", "0") as ps:
+        with PSClient(ps.address, timeout=30) as client:
+            yield client
+
+
+@pytest.mark.parametrize("target", ["redis", "disk"])
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
-def test_embedded_to_files_to_redis_bit_for_bit(embedded_client, redis_client, tmp_path, dtype):
+def test_embedded_to_files_to_another_store_bit_for_bit(embedded_client, tmp_path, dtype, target, request):
+    target_client = request.getfixturevalue(f"{target}_client")  # the PS the files are imported into
     name = unique(f"rt_{dtype}")
     schema, ids, rows = fill(embedded_client, name, dtype, n=1000, seed=len(dtype))
     manifest = export_table(embedded_client, name, tmp_path / name, rows_per_shard=300, progress=False)
@@ -54,10 +65,10 @@ def test_embedded_to_files_to_redis_bit_for_bit(embedded_client, redis_client, t
     assert np.array_equal(got[0][order], ids[expect])
     assert same_bits(np.concatenate([got[1], got[2]], axis=1)[order], rows[expect])
 
-    assert import_table(redis_client, tmp_path / name, progress=False) == 1000
-    assert redis_client.describe_table(name).schema == schema
-    assert redis_client.describe_table(name).num_rows == 1000
-    pulled = redis_client.pull(name, ids)
+    assert import_table(target_client, tmp_path / name, progress=False) == 1000
+    assert target_client.describe_table(name).schema == schema
+    assert target_client.describe_table(name).num_rows == 1000
+    pulled = target_client.pull(name, ids)
     assert not pulled.missing.any()
     assert same_bits(pulled.rows, rows)
 
