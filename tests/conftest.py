@@ -12,10 +12,19 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-import torch
+# One intra-op thread in every test process and in what it starts (the variable is inherited):
+# the suite runs 2 workers a core, each starting trainers, ranks and servers, and torch's
+# OpenMP threads, two a process, then spin against each other. Set before torch is imported
+# (it reads the variable then); a 100-step test job took 10-20 s with them on the loaded box,
+# 0.5 s without.
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 from ps_procs import embedded_client, embedded_ps, make_ps  # noqa: F401  (fixtures, for every module)
 from redis_procs import RedisClusterProcesses, RedisProcess, find_binary, make_tls_files
+
+torch.set_num_threads(1)  # (should torch have been imported before this file, by a plugin)
 
 if not torch.cuda.is_available():
     # Without a GPU the triton backend's kernels run under Triton's interpreter. Triton fixes the
