@@ -1,16 +1,16 @@
-"""PullMany and PushMany requests read, and PullMany replies written, in passes over arrays, not
+"""PullMany and PushMany requests read, and their replies written, in passes over arrays, not
 a Python step per entry.
 
 A request of many small entries (200,000 one-id pulls of one table) cost a parsed message, a
 plan, a store call (two Redis round trips) and a reply built per entry: 75 s on a read-only
 Redis PS, where one entry of the same 200,000 ids took well under a second (issue 44). Here the
-entries are read in one native pass (csrc/id_index_module.cpp parse_row_entries) into columns:
-each entry's table (an index into the distinct names), where its ids and rows lie in the
-message, its segment ref. The service then makes one store call per table, and the reply's
-fields are laid out with numpy (their varints written for all entries at once) and its rows
-and missing masks copied in by ranges (copy_ranges). The message is read where it lies: no
-entry's bytes become a Python object. Without a compiler the same columns come from
-wire.py's reader, slower but as linear.
+entries are read in one native pass (csrc/id_index_module.cpp parse_row_entries) into columns
+(each entry's table, an index into the distinct names, its ids' and rows' lengths, its segment
+ref) and their ids and rows joined; the service then makes one store call per table, and the
+reply is written in one native pass too (pull_many_reply, push_many_reply). No entry's bytes
+become a Python object, and few arrays are made per entry: at 200,000 entries each fresh
+array's pages cost about as much as the work on it. Without a compiler the same columns come
+from wire.py's reader and the replies from numpy, slower but as linear.
 """
 
 from __future__ import annotations
@@ -54,56 +54,65 @@ class TooManyEntries(Exception):
 
 @dataclass(slots=True)
 class RowEntries:
-    """A PullManyRequest's or PushManyRequest's entries, as columns over its bytes.
+    """A PullManyRequest's or PushManyRequest's entries, as columns.
 
     Attributes:
         data: the request's bytes.
         names: the distinct table names, in order of first use.
         table: each entry's table, an index into names.
-        ids_at, ids_len: where each entry's ids lie in data (bytes).
-        rows_at, rows_len: where each push's rows lie in data (0, 0 for pulls).
+        ids_len: each entry's ids bytes.
+        rows_len: each push's rows bytes in the message (0 for pulls).
         has_ref: whether the entry names a segment (rows_to, rows_from).
         refs: (segment, offset, size) of each entry (zeros without one).
+        joined_ids: every entry's ids bytes, in entry order (uint8).
+        joined_rows: every push's rows bytes in the message, in entry order (uint8; empty for pulls).
     """
 
     data: bytes
     names: list[str]
     table: np.ndarray
-    ids_at: np.ndarray
     ids_len: np.ndarray
-    rows_at: np.ndarray
     rows_len: np.ndarray
     has_ref: np.ndarray
     refs: np.ndarray
+    joined_ids: np.ndarray
+    joined_rows: np.ndarray
 
     def __len__(self) -> int:
         return len(self.table)
 
 
-def _from_columns(data: bytes, cols: np.ndarray, raw_names: list) -> RowEntries:
+def _from_columns(data: bytes, cols: np.ndarray, raw_names: list, refs: np.ndarray, ids, rows) -> RowEntries:
+    """RowEntries over parse_row_entries' columns, (2 or 3, entries), each contiguous: table,
+    ids_len (and rows_len of a push); refs: (entry, segment, offset, size) of the entries that
+    name a segment; ids, rows: their bytes joined."""
     try:
         names = [bytes(n).decode("utf-8") for n in raw_names]
     except UnicodeDecodeError:
         raise MalformedMessage("a table name is not valid UTF-8") from None
-    return RowEntries(
-        data,
-        names,
-        cols[:, 0],
-        cols[:, 1],
-        cols[:, 2],
-        cols[:, 3],
-        cols[:, 4],
-        cols[:, 5].astype(bool),
-        cols[:, 6:9],
-    )
+    n = cols.shape[1]
+    # a pull's rows lengths and a batch's refs without a segment: read-only zeros, no memory
+    rows_len = cols[2] if len(cols) == 3 else np.broadcast_to(np.int64(0), (n,))
+    has_ref = np.zeros(n, dtype=bool)
+    has_ref[refs[:, 0]] = True
+    if len(refs):
+        entry_refs = np.zeros((n, 3), dtype=np.int64)
+        entry_refs[refs[:, 0]] = refs[:, 1:]
+    else:
+        entry_refs = np.broadcast_to(np.int64(0), (n, 3))
+    ids, rows = (np.frombuffer(b, dtype=np.uint8) for b in (ids, rows))
+    return RowEntries(data, names, cols[0], cols[1], rows_len, has_ref, entry_refs, ids, rows)
 
 
-def _read_in_python(data, ref_field: int, rows_field: int, max_entries: int) -> tuple[int, np.ndarray, list]:
-    """parse_row_entries' columns through wire.py's reader (no compiler here)."""
+def _read_in_python(data, ref_field: int, rows_field: int, max_entries: int) -> tuple:
+    """parse_row_entries' answer through wire.py's reader (no compiler here)."""
     buf = memoryview(data).cast("B")
-    rows: list[list[int]] = []
+    cols: list[list[int]] = []
+    refs: list[list[int]] = []
     names: list[bytes] = []
     index: dict[bytes, int] = {}
+    ids: list[memoryview] = []
+    rows: list[memoryview] = []
     count = 0
     for number, wire_type, value in _fields(buf, 0, len(buf)):
         if number != 1:
@@ -114,7 +123,7 @@ def _read_in_python(data, ref_field: int, rows_field: int, max_entries: int) -> 
         if count > max_entries:
             continue
         assert isinstance(value, memoryview)
-        row, name = [0] * 9, b""
+        name, entry_ids, entry_rows, ref = b"", memoryview(b""), memoryview(b""), None
         for n, w, v in _fields(value, 0, len(value)):
             if n not in (1, 2, rows_field, ref_field):
                 continue
@@ -124,25 +133,21 @@ def _read_in_python(data, ref_field: int, rows_field: int, max_entries: int) -> 
             if n == 1:
                 name = bytes(v)
             elif n == 2:
-                row[1], row[2] = _offset(buf, v), len(v)
+                entry_ids = v
             elif n == rows_field:
-                row[3], row[4] = _offset(buf, v), len(v)
+                entry_rows = v
             else:
-                row[5] = 1
-                row[6:9] = _segment_ref(v)
-        row[0] = index.setdefault(name, len(names))
-        if row[0] == len(names):
+                ref = _segment_ref(v)
+        table = index.setdefault(name, len(names))
+        if table == len(names):
             names.append(name)
-        rows.append(row)
-    return count, np.array(rows, dtype=np.int64).reshape(-1, 9), names
-
-
-def _offset(outer: memoryview, inner: memoryview) -> int:
-    """Where the view inner (a slice of outer) starts in outer; 0 for an empty one."""
-    if not len(inner):
-        return 0
-    address = np.frombuffer(inner, np.uint8).__array_interface__["data"][0]
-    return address - np.frombuffer(outer, np.uint8).__array_interface__["data"][0]
+        if ref is not None:
+            refs.append([len(cols), *ref])
+        cols.append([table, len(entry_ids), len(entry_rows)])
+        ids.append(entry_ids)
+        rows.append(entry_rows)
+    columns = np.array(cols, dtype=np.int64).reshape(-1, 3).T[: 3 if rows_field else 2].copy()
+    return count, columns, names, np.array(refs, dtype=np.int64).reshape(-1, 4), b"".join(ids), b"".join(rows)
 
 
 def parse_row_entries(data, ref_field: int, rows_field: int, max_entries: int) -> RowEntries:
@@ -155,17 +160,18 @@ def parse_row_entries(data, ref_field: int, rows_field: int, max_entries: int) -
     module = _module()
     if module:
         try:
-            count, cols, names = module.parse_row_entries(data, ref_field, rows_field, max_entries)
+            count, raw, names, raw_refs, ids, rows = module.parse_row_entries(data, ref_field, rows_field, max_entries)
         except ValueError as exc:
             raise MalformedMessage(str(exc)) from None
-        if cols is None:
+        if raw is None:
             raise TooManyEntries(count)
-        table = np.frombuffer(cols, dtype=np.int64).reshape(-1, 9)
+        cols = np.frombuffer(raw, dtype=np.int64).reshape(3 if rows_field else 2, count)
+        refs = np.frombuffer(raw_refs, dtype=np.int64).reshape(-1, 4)
     else:
-        count, table, names = _read_in_python(data, ref_field, rows_field, max_entries)
+        count, cols, names, refs, ids, rows = _read_in_python(data, ref_field, rows_field, max_entries)
         if count > max_entries:
             raise TooManyEntries(count)
-    return _from_columns(data, table, names)
+    return _from_columns(data, cols, names, refs, ids, rows)
 
 
 def copy_ranges(dest, dest_at: np.ndarray, src, src_at: np.ndarray, lengths: np.ndarray) -> None:
@@ -180,83 +186,109 @@ def copy_ranges(dest, dest_at: np.ndarray, src, src_at: np.ndarray, lengths: np.
         to[d : d + n] = frm[s : s + n]
 
 
-def gather(data, at: np.ndarray, lengths: np.ndarray, dtype, width: int = 1) -> np.ndarray:
-    """The ranges of data at `at` joined into one array of dtype, `width` values a row."""
-    total = int(lengths.sum())
-    out = np.empty(total // np.dtype(dtype).itemsize, dtype=dtype)
-    dest = np.cumsum(lengths) - lengths
-    copy_ranges(out, dest, data, at, lengths)
-    return out.reshape(-1, width) if width > 1 else out
-
-
 # -- a PullManyResponse laid out for all entries at once -----------------------------------
 
 
-# the smallest value of each varint width past one byte
-_VARINT_STEPS = np.array([1 << bits for bits in range(7, 64, 7)], dtype=np.uint64)
-
-
 def varint_lengths(values: np.ndarray) -> np.ndarray:
-    """Bytes of each value's varint."""
-    return np.searchsorted(_VARINT_STEPS, values.astype(np.uint64), side="right") + 1
+    """Bytes of each value's varint (values >= 0): a comparison per width up to the largest's, so
+    one pass for a batch of small values (a search over all ten widths cost 1 ms per 200,000)."""
+    lengths = np.ones(len(values), dtype=np.int64)
+    top = int(values.max()) if len(values) else 0
+    step = 1 << 7
+    while step <= top:
+        lengths += values >= step
+        step <<= 7
+    return lengths
 
 
 def write_varints(buf: np.ndarray, at: np.ndarray, values: np.ndarray) -> None:
-    """Each value's varint into buf (uint8) at its position."""
-    v, at = values.astype(np.uint64), at.astype(np.int64)
+    """Each value's varint (values >= 0) into buf (uint8) at its position."""
+    v = np.asarray(values, dtype=np.int64)
     while len(v):
         more = v >= 0x80
-        buf[at] = (v & np.uint64(0x7F)) | (more.astype(np.uint64) << np.uint64(7))
-        v, at = v[more] >> np.uint64(7), at[more] + 1
+        if not more.any():  # the last byte of every varint left
+            buf[at] = v
+            return
+        buf[at] = (v & 0x7F) | (more * 0x80)
+        v, at = v[more] >> 7, at[more] + 1
 
 
 @dataclass(slots=True)
 class PulledTable:
     """One table's part of a PullMany: its rows pulled (in entry order), which of them are missing."""
 
-    rows: np.ndarray  # (n, width) of the table's dtype
+    rows: np.ndarray  # (n, width) of the table's dtype: its entries' rows, in their order
     entries: np.ndarray  # the entries of this table, ascending
-    first: np.ndarray  # each of those entries' first row in rows
 
 
-def pull_many_reply_size(counts: np.ndarray, row_bytes: np.ndarray, in_message: np.ndarray) -> int:
+def pull_many_reply_size(counts: np.ndarray, table: np.ndarray, in_message: np.ndarray, row_bytes: np.ndarray) -> int:
     """The largest PullManyResponse for these entries (every mask present): what to check
-    against the message limit before any row is read."""
-    rb = np.where(in_message, counts * row_bytes, 0)
+    against the message limit before any row is read. table: each entry's table, an index
+    into row_bytes, each table's row bytes."""
+    module = _module()
+    if module:
+        counts, table, row_bytes = (np.ascontiguousarray(a, dtype=np.int64) for a in (counts, table, row_bytes))
+        return module.pull_many_reply_size(counts, table, np.ascontiguousarray(in_message, dtype=bool), row_bytes)
+    rb = np.where(in_message, counts * row_bytes[table], 0)
     mb = (counts + 7) // 8
     sub = np.where(rb > 0, 1 + varint_lengths(rb) + rb, 0) + 1 + varint_lengths(mb) + mb + 1 + varint_lengths(counts)
     return int((1 + varint_lengths(sub) + sub).sum())
 
 
 def pull_many_reply(
-    counts: np.ndarray, row_bytes: np.ndarray, in_message: np.ndarray, missing: np.ndarray, tables: list[PulledTable]
+    counts: np.ndarray,
+    table: np.ndarray,
+    in_message: np.ndarray,
+    missing: np.ndarray,
+    row_bytes: np.ndarray,
+    tables: list[PulledTable],
 ) -> bytes:
     """PullManyResponse bytes: per entry PullResponse{rows=1, missing=2, num_missing=3}, empty
-    fields left out as protobuf does.
+    fields left out as protobuf does. Written in one native pass (csrc/id_index_module.cpp
+    pull_many_reply): laid out with numpy, a batch of 200,000 one-id entries spent more on
+    its temporary arrays' fresh pages than on its rows.
 
     Args:
         counts: each entry's ids.
-        row_bytes: each entry's table's row bytes.
+        table: each entry's table, an index into row_bytes and tables.
         in_message: whether the entry's rows go in the reply (not into a segment).
         missing: a bool per id of all entries, in entry order: never pushed.
+        row_bytes: each table's row bytes.
         tables: each table's rows pulled.
     """
-    ends = np.cumsum(counts)
-    firsts = ends - counts
-    missed = np.concatenate([[0], np.cumsum(missing, dtype=np.int64)])
-    nm = missed[ends] - missed[firsts]
+    module = _module()
+    if module:
+        counts, table, row_bytes = (np.ascontiguousarray(a, dtype=np.int64) for a in (counts, table, row_bytes))
+        in_message, missing = (np.ascontiguousarray(a, dtype=bool) for a in (in_message, missing))
+        return module.pull_many_reply(counts, table, in_message, missing, row_bytes, [t.rows for t in tables])
+    return _pull_many_reply(counts, row_bytes[table], in_message, missing, tables)
+
+
+def _pull_many_reply(
+    counts: np.ndarray, row_bytes: np.ndarray, in_message: np.ndarray, missing: np.ndarray, tables: list[PulledTable]
+) -> bytes:
+    """pull_many_reply laid out with numpy (no compiler here); row_bytes: each entry's table's.
+    The missing fields are laid out only for the entries that have some."""
     rb = np.where(in_message, counts * row_bytes, 0)
-    mb = np.where(nm > 0, (counts + 7) // 8, 0)
-    rows_field = np.where(rb > 0, 1 + varint_lengths(rb) + rb, 0)
-    sub = rows_field + np.where(nm > 0, 1 + varint_lengths(mb) + mb + 1 + varint_lengths(nm), 0)
-    size = 1 + varint_lengths(sub) + sub
+    rows_head = np.where(rb > 0, 1 + varint_lengths(rb), 0)  # tag and length of the rows field
+    sub = rows_head + rb
+    firsts = np.cumsum(counts) - counts
+    missed = np.concatenate([[0], np.cumsum(missing, dtype=np.int64)])
+    nm = missed[firsts + counts] - missed[firsts]
+    has_mask = np.flatnonzero(nm)
+    mb = (counts[has_mask] + 7) // 8  # of the entries in has_mask, as what follows
+    nm_masked = nm[has_mask]
+    mb_head = 1 + varint_lengths(mb)
+    sub[has_mask] += mb_head + mb + 1 + varint_lengths(nm_masked)
+    sub_head = 1 + varint_lengths(sub)
+    size = sub_head + sub
     start = np.cumsum(size) - size
-    body = start + 1 + varint_lengths(sub)
-    has_rows = rb > 0
-    rows_at = body + 1 + varint_lengths(rb)
-    has_mask = np.flatnonzero(nm > 0)
-    mask_at = body + rows_field + 1 + varint_lengths(mb)
-    masks, mask_start = _masks(counts, firsts, mb, missing), np.cumsum(mb) - mb
+    body = start + sub_head
+    has_rows = np.flatnonzero(rb)
+    rows_at = body + rows_head
+    mask_at = body[has_mask] + rows_head[has_mask] + rb[has_mask] + mb_head
+    masks, mask_start = _masks(counts, firsts, has_mask, mb, missing)
+    total = int(size.sum())
 
     def fill(view: memoryview) -> int:
         buf = np.frombuffer(view, dtype=np.uint8)
@@ -265,23 +297,28 @@ def pull_many_reply(
         buf[body[has_rows]] = 0x0A  # rows=1
         write_varints(buf, body[has_rows] + 1, rb[has_rows])
         for t in tables:
-            sel = has_rows[t.entries]
+            n = counts[t.entries]
+            sel = rb[t.entries] > 0
             per_row = t.rows.shape[1] * t.rows.dtype.itemsize
-            copy_ranges(view, rows_at[t.entries[sel]], t.rows, t.first[sel] * per_row, rb[t.entries[sel]])
-        buf[body[has_mask] + rows_field[has_mask]] = 0x12  # missing=2
-        write_varints(buf, body[has_mask] + rows_field[has_mask] + 1, mb[has_mask])
-        copy_ranges(view, mask_at[has_mask], masks, mask_start[has_mask], mb[has_mask])
-        count_at = mask_at[has_mask] + mb[has_mask]
+            first = (np.cumsum(n) - n)[sel]
+            copy_ranges(view, rows_at[t.entries[sel]], t.rows, first * per_row, rb[t.entries[sel]])
+        buf[mask_at - mb_head] = 0x12  # missing=2
+        write_varints(buf, mask_at - mb_head + 1, mb)
+        copy_ranges(view, mask_at, masks, mask_start, mb)
+        count_at = mask_at + mb
         buf[count_at] = 0x18  # num_missing=3, a varint
-        write_varints(buf, count_at + 1, nm[has_mask])
+        write_varints(buf, count_at + 1, nm_masked)
         del buf  # no array over the message may outlive the fill (wire.filled_bytes)
-        return int(size.sum())
+        return total
 
-    return filled_bytes(int(size.sum()), fill)
+    return filled_bytes(total, fill)
 
 
 def push_many_reply(counts: np.ndarray) -> bytes:
     """PushManyResponse bytes: per entry PushResponse{rows_written=1} of its count (none for 0)."""
+    module = _module()
+    if module:
+        return module.push_many_reply(np.ascontiguousarray(counts, dtype=np.int64))
     field = np.where(counts > 0, 1 + varint_lengths(counts), 0)  # at most 11 bytes: a one-byte length
     size = 2 + field
     start = np.cumsum(size) - size
@@ -294,11 +331,15 @@ def push_many_reply(counts: np.ndarray) -> bytes:
     return buf.tobytes()
 
 
-def _masks(counts: np.ndarray, firsts: np.ndarray, mask_bytes: np.ndarray, missing: np.ndarray) -> np.ndarray:
-    """Each entry's missing bitmap (bit i, little bit order: its id i), of mask_bytes[e] bytes
-    (0 for an entry with none missing), all joined."""
+def _masks(counts: np.ndarray, firsts: np.ndarray, has_mask: np.ndarray, mb: np.ndarray, missing: np.ndarray):
+    """The missing bitmaps (bit i, little bit order: the entry's id i) of the entries has_mask,
+    mb[k] bytes for has_mask[k], joined, and where each starts."""
+    mask_start = np.cumsum(mb) - mb
     ids = np.flatnonzero(missing)
+    if not len(ids):
+        return np.zeros(0, dtype=np.uint8), mask_start
     entry = np.searchsorted(firsts + counts, ids, side="right")
-    bits = np.zeros(8 * int(mask_bytes.sum()), dtype=bool)
-    bits[8 * (np.cumsum(mask_bytes) - mask_bytes)[entry] + ids - firsts[entry]] = True
-    return np.packbits(bits, bitorder="little")
+    k = np.searchsorted(has_mask, entry)  # the entry's place among those with a mask
+    bits = np.zeros(8 * int(mb.sum()), dtype=bool)
+    bits[8 * mask_start[k] + ids - firsts[entry]] = True
+    return np.packbits(bits, bitorder="little"), mask_start

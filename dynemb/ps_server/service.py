@@ -34,7 +34,6 @@ from dynemb.ps_server.entries import (
     RowEntries,
     TooManyEntries,
     copy_ranges,
-    gather,
     parse_row_entries,
     pull_many_reply,
     pull_many_reply_size,
@@ -624,14 +623,14 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             in_message = ~request.has_ref
             self._check_pull_many_reply(request, counts, row_bytes, in_message)
             into = self._entry_segments(request, schemas, counts)
-            ids = gather(request.data, request.ids_at, request.ids_len, np.int64)
+            ids = request.joined_ids.view(np.int64)
             missing = np.zeros(len(ids), dtype=bool)
             tally.bytes_in += ids.nbytes
             pulled = [
                 self._pull_entries(schemas[t], ids, counts, entries, into, missing, tally)
                 for t, entries in _entries_by_table(request)
             ]
-            return pull_many_reply(counts, row_bytes, in_message, missing, pulled)
+            return pull_many_reply(counts, request.table, in_message, missing, row_bytes, pulled)
 
     def _check_entries(
         self, what: str, request: RowEntries, tally: _Tally
@@ -641,28 +640,34 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         ids packed int64, and the request's ids and rows within this PS's limits.
 
         Returns:
-            (each name's schema, each entry's id count, each entry's row bytes).
+            (each name's schema, each entry's id count, each name's row bytes).
         """
         known = self._schemas(request.names, tally)
         schemas = [known[name] for name in request.names]
-        odd = np.flatnonzero(request.ids_len % ID_BYTES)
-        if len(odd):
-            e = odd[0]  # its error, as a Pull's
-            codec.decode_ids(_span(request.data, request.ids_at[e], request.ids_len[e]), schemas[request.table[e]].name)
-        counts = request.ids_len // ID_BYTES
-        self._check_ids(what, int(counts.sum()))
-        per_table = np.bincount(request.table, weights=counts, minlength=len(schemas)).astype(np.int64)
+        counts = np.bitwise_and(request.ids_len, ID_BYTES - 1)  # one array for the check and the counts
+        if counts.any():
+            e = np.flatnonzero(counts)[0]  # its error, as a Pull's
+            ids = _entry_bytes(request.joined_ids, request.ids_len, e)
+            codec.decode_ids(ids, schemas[request.table[e]].name)
+        np.right_shift(request.ids_len, 3, out=counts)  # // ID_BYTES
+        total = int(counts.sum())
+        self._check_ids(what, total)
+        if len(schemas) == 1:
+            per_table = np.array([total])
+        else:
+            per_table = np.bincount(request.table, weights=counts, minlength=len(schemas)).astype(np.int64)
         self._check_request_rows(what, [(s, int(n)) for s, n in zip(schemas, per_table) if n])
-        row_bytes = np.array([s.row_bytes for s in schemas], dtype=np.int64)[request.table]
-        return schemas, counts, row_bytes
+        return schemas, counts, np.array([s.row_bytes for s in schemas], dtype=np.int64)
 
     def _check_pull_many_reply(
         self, request: RowEntries, counts: np.ndarray, row_bytes: np.ndarray, in_message: np.ndarray
     ) -> None:
-        """Refuse a PullMany whose reply could be over the message limit (rows in a segment take no room)."""
-        reply_bytes = MESSAGE_OVERHEAD + pull_many_reply_size(counts, row_bytes, in_message)
+        """Refuse a PullMany whose reply could be over the message limit (rows in a segment take no room);
+        row_bytes: each table's."""
+        reply_bytes = MESSAGE_OVERHEAD + pull_many_reply_size(counts, request.table, in_message, row_bytes)
         if reply_bytes <= self.max_message_bytes:
             return
+        row_bytes = row_bytes[request.table]
         names = [request.names[t] for t in dict.fromkeys(request.table[in_message].tolist())]
         tables = ", ".join(map(repr, names[:3])) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         most = (self.max_message_bytes - MESSAGE_OVERHEAD) // (int(row_bytes[in_message].max()) + 1)
@@ -694,17 +699,20 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     ) -> PulledTable:
         """One table's entries of a PullMany in one store call: their rows, into its segment where
         the table's only entry has one; the ids missing marked in `missing`."""
-        where = _id_positions(counts, entries)
+        every = len(entries) == len(counts)  # the table's are all ids: no gather
+        where = None if every else _id_positions(counts, entries)
+        table_ids = ids if where is None else ids[where]
         own = into.get(int(entries[0])) if len(entries) == 1 else None
-        rows = own if own is not None else np.empty((len(where), schema.width), dtype=schema.np_dtype)
-        positions = self._pull_into(schema, ids[where], rows, tally)
-        missing[where[positions]] = True
-        first = np.cumsum(counts[entries]) - counts[entries]
+        rows = own if own is not None else np.empty((len(table_ids), schema.width), dtype=schema.np_dtype)
+        positions = self._pull_into(schema, table_ids, rows, tally)
+        missing[positions if where is None else where[positions]] = True
         if own is None and into:
+            n = counts[entries]
+            first = np.cumsum(n) - n
             for k in np.flatnonzero(np.isin(entries, list(into))).tolist():
                 e = int(entries[k])
                 into[e][...] = rows[first[k] : first[k] + counts[e]]
-        return PulledTable(rows, entries, first)
+        return PulledTable(rows, entries)
 
     def _check_ids(self, what: str, n: int) -> None:
         """Refuse a request of more ids than --max-request-ids."""
@@ -833,14 +841,15 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         per table, whatever the entries (entries.py)."""
         with self._call("PushMany", context), self._tallied("Push") as tally:
             schemas, counts, row_bytes = self._check_entries("push to several tables", request, tally)
-            self._check_push_rows(request, schemas, counts, row_bytes)
+            self._check_push_rows(request, schemas, counts, _per_entry(row_bytes, request))
             into = self._entry_segments(request, schemas, counts)
-            ids = gather(request.data, request.ids_at, request.ids_len, np.int64)
+            ids = request.joined_ids.view(np.int64)
             tables = [(schemas[t], entries) for t, entries in _entries_by_table(request)]
             rows = [self._push_many_rows(schema, request, counts, entries, into) for schema, entries in tables]
             self._still_wanted(context, "push")
             for (schema, entries), table_rows in zip(tables, rows):
-                self._push_rows(schema, ids[_id_positions(counts, entries)], table_rows, tally)
+                table_ids = ids if len(entries) == len(counts) else ids[_id_positions(counts, entries)]
+                self._push_rows(schema, table_ids, table_rows, tally)
             return push_many_reply(counts)  # every row given is written (a repeated id's last)
 
     def _check_push_rows(
@@ -854,22 +863,25 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         wrong = np.flatnonzero(~request.has_ref & (request.rows_len != counts * row_bytes))
         if len(wrong):
             e = wrong[0]  # its error, as a Push's
-            rows = _span(request.data, request.rows_at[e], request.rows_len[e])
+            rows = _entry_bytes(request.joined_rows, request.rows_len, e)
             codec.decode_rows(rows, schemas[request.table[e]], int(counts[e]))
 
     def _push_many_rows(
         self, schema: TableSchema, request: RowEntries, counts: np.ndarray, entries: np.ndarray, into: dict
     ) -> np.ndarray:
         """One table's rows of a PushMany, its entries' in their order: from the message or segments."""
+        if len(entries) == len(counts) and not into:  # every entry's rows, all in the message
+            return request.joined_rows.view(schema.np_dtype).reshape(-1, schema.width)
         n = counts[entries]
         first = np.cumsum(n) - n
         rows = np.empty((int(n.sum()), schema.width), dtype=schema.np_dtype)
         inline = ~request.has_ref[entries]
+        joined_at = np.cumsum(request.rows_len) - request.rows_len  # each entry's rows in joined_rows
         copy_ranges(
             rows,
             first[inline] * schema.row_bytes,
-            request.data,
-            request.rows_at[entries[inline]],
+            request.joined_rows,
+            joined_at[entries[inline]],
             request.rows_len[entries[inline]],
         )
         for k in np.flatnonzero(~inline).tolist():
@@ -1019,9 +1031,10 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             )
 
 
-def _span(data: bytes, at, length) -> bytes:
-    """data[at:at + length] (the bytes of one refused entry, for its error)."""
-    return data[int(at) : int(at) + int(length)]
+def _entry_bytes(joined: np.ndarray, lengths: np.ndarray, entry) -> bytes:
+    """Entry `entry`'s part of joined, its entries' bytes of these lengths (one refused entry's, for its error)."""
+    at = int(lengths[:entry].sum())
+    return joined[at : at + int(lengths[entry])].tobytes()
 
 
 def _entries_by_table(request: RowEntries) -> Iterator[tuple[int, np.ndarray]]:
@@ -1033,6 +1046,13 @@ def _entries_by_table(request: RowEntries) -> Iterator[tuple[int, np.ndarray]]:
     bounds = np.searchsorted(request.table[order], np.arange(len(request.names) + 1))
     for t in range(len(request.names)):
         yield t, order[bounds[t] : bounds[t + 1]]
+
+
+def _per_entry(per_table: np.ndarray, request: RowEntries) -> np.ndarray:
+    """Each entry's value of its table (a read-only view, not a gather, for one table)."""
+    if len(per_table) == 1:
+        return np.broadcast_to(per_table[0], len(request))
+    return per_table[request.table]
 
 
 def _id_positions(counts: np.ndarray, entries: np.ndarray) -> np.ndarray:

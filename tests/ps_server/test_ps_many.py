@@ -242,11 +242,16 @@ def test_entries_read_as_protobuf_reads_them_and_damage_is_malformed(native, mon
     data = ps_pb2.PushManyRequest(pushes=pushes).SerializeToString()
     got = entries.parse_row_entries(data, 4, 3, 10)
     assert got.names == ["t", "ü"] and got.table.tolist() == [0, 1, 0]
+    assert got.joined_ids.tobytes() == b"".join(p.ids for p in pushes)
+    assert got.joined_rows.tobytes() == b"".join(p.rows for p in pushes)
     for k, p in enumerate(pushes):
-        assert data[got.ids_at[k] : got.ids_at[k] + got.ids_len[k]] == p.ids
-        assert data[got.rows_at[k] : got.rows_at[k] + got.rows_len[k]] == p.rows
+        assert (got.ids_len[k], got.rows_len[k]) == (len(p.ids), len(p.rows))
         assert bool(got.has_ref[k]) == p.HasField("rows_from")
     assert got.refs[1].tolist() == [3, 1 << 40, 24]
+    pulls = [ps_pb2.PullRequest(table="u", ids=b"i" * 16), ps_pb2.PullRequest(table="t", rows_to=ref)]
+    pulled = entries.parse_row_entries(ps_pb2.PullManyRequest(pulls=pulls).SerializeToString(), 3, 0, 10)
+    assert pulled.names == ["u", "t"] and pulled.ids_len.tolist() == [16, 0] and pulled.rows_len.tolist() == [0, 0]
+    assert pulled.has_ref.tolist() == [False, True] and pulled.refs.tolist() == [[0, 0, 0], [3, 1 << 40, 24]]
     with pytest.raises(entries.TooManyEntries) as info:
         entries.parse_row_entries(data, 4, 3, 2)
     assert info.value.count == 3
@@ -259,3 +264,56 @@ def test_entries_read_as_protobuf_reads_them_and_damage_is_malformed(native, mon
             assert len(entries.parse_row_entries(data[:cut], 4, 3, 10)) == expected
         except MalformedMessage:
             pass
+
+
+def test_batch_replies_written_natively_equal_numpy_and_protobuf(monkeypatch):
+    """pull_many_reply and push_many_reply of the compiled module, byte for byte those of the
+    numpy layout and of the generated code: tables of other row sizes interleaved, entries of
+    no ids, rows into segments (none in the message), missing ids, varints past one byte."""
+    from dynemb.ps_server import entries
+
+    module = entries._module()
+    if not module:
+        pytest.skip("no compiler: only the numpy layout runs here")
+    rng = np.random.default_rng(3)
+    row_bytes = np.array([16, 8, 96], dtype=np.int64)
+    n = 300
+    counts = rng.choice([0, 1, 2, 9, 200], size=n).astype(np.int64)
+    table = rng.integers(0, 3, size=n).astype(np.int64)
+    in_message = rng.random(n) > 0.1
+    missing = rng.random(int(counts.sum())) < 0.05
+    starts = np.cumsum(counts) - counts
+    tables, expected = [], []
+    for t in range(3):
+        own = np.flatnonzero(table == t)
+        rows = rng.integers(0, 256, size=int(counts[own].sum()) * int(row_bytes[t]), dtype=np.uint8)
+        tables.append(entries.PulledTable(rows.reshape(-1, int(row_bytes[t])), own))
+    for e in range(n):
+        own = tables[table[e]].entries
+        first = int(counts[own[own < e]].sum())
+        rows = tables[table[e]].rows[first : first + counts[e]].tobytes() if in_message[e] else b""
+        gone = missing[starts[e] : starts[e] + counts[e]]
+        mask = np.packbits(gone, bitorder="little").tobytes() if gone.any() else b""
+        expected.append(ps_pb2.PullResponse(rows=rows, missing=mask, num_missing=int(gone.sum())))
+    want = ps_pb2.PullManyResponse(pulls=expected).SerializeToString()
+    assert module.pull_many_reply(counts, table, in_message, missing, row_bytes, [t.rows for t in tables]) == want
+    assert entries._pull_many_reply(counts, row_bytes[table], in_message, missing, tables) == want
+    assert max(len(p.rows) for p in expected) >= 128 * 96  # a rows length of two varint bytes
+    most = entries.pull_many_reply_size(counts, table, in_message, row_bytes)
+    monkeypatch.setattr(entries, "_native", False)
+    assert len(want) <= most <= entries.pull_many_reply_size(counts, table, in_message, row_bytes)
+    monkeypatch.undo()
+
+    pushed = np.array([0, 1, 127, 128, 300, 1 << 40], dtype=np.int64)
+    want = ps_pb2.PushManyResponse(pushes=[ps_pb2.PushResponse(rows_written=int(c)) for c in pushed])
+    assert module.push_many_reply(pushed) == want.SerializeToString()
+    # arguments that disagree are refused before a byte is written, never read past
+    all_rows = [t.rows for t in tables]
+    with pytest.raises(ValueError, match="out of its buffers"):
+        module.pull_many_reply(counts, np.full(n, 3), in_message, missing, row_bytes, all_rows)
+    with pytest.raises(ValueError, match="out of its buffers"):
+        module.pull_many_reply(counts, table, in_message, missing[:-1], row_bytes, all_rows)
+    with pytest.raises(ValueError, match="another length"):
+        module.pull_many_reply(counts, table, in_message, np.append(missing, False), row_bytes, all_rows)
+    with pytest.raises(ValueError, match="past the end"):
+        module.pull_many_reply(counts, table, in_message, missing, row_bytes, [t.rows[:1] for t in tables])
