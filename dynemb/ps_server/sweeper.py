@@ -309,6 +309,10 @@ class Sweeper:
                 continue
             if not result.complete:  # the PS is stopping: the next PS's pass is due at once
                 log.info("sweeper: the pass over table %r was stopped midway; not recorded", table)
+                try:  # and another PS may take it up now, not once the lease runs out
+                    self.store.release_sweep_lease(table, self.owner)
+                except PSError as exc:
+                    log.warning("sweeper: could not give up the lease on table %r: %s", table, exc)
                 break
             try:  # for every PS of the store: when the next pass is due, and DescribeTable
                 self.store.record_sweep(table, result._asdict())

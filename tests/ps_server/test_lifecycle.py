@@ -209,7 +209,9 @@ def test_row_cap_counts_rows_not_the_kept_count(redis_url, redis_namespace, cloc
 
 def test_a_pass_stopped_midway_deletes_nothing_and_is_not_recorded(store, clock, monkeypatch):
     """A PS stopping while its sweeper counts a capped table's rows: a count of part of the
-    table deletes nothing, and the pass is not recorded, so the next PS's pass is due at once."""
+    table deletes nothing, and the pass is not recorded, so the next PS's pass is due at once;
+    its lease is given up, so that another PS (on Redis) takes the pass up now, not when the
+    lease runs out."""
     import time
 
     from dynemb.ps_server.sweeper import Sweeper
@@ -229,6 +231,7 @@ def test_a_pass_stopped_midway_deletes_nothing_and_is_not_recorded(store, clock,
     monkeypatch.setattr(store, "stamps_slice", stop_while_counting)
     assert sweeper.sweep_due() == []
     assert store.num_rows(t) == 3000 and store.last_sweep(t) is None
+    assert store.take_sweep_lease(t, "another PS", 60)
 
 
 def test_delete_and_clear_are_logged_and_the_cursor_reads_on(store, clock):

@@ -230,6 +230,10 @@ class Store(abc.ABC):
         sweeper per table among every PS of a store. A store of one process always grants it."""
         return True
 
+    def release_sweep_lease(self, table: str, owner: str) -> None:  # noqa: B027 - a store of one process has none
+        """Give up `owner`'s lease on the table's sweep, if it still holds it (a PS that stops
+        mid-pass), so that another PS may sweep it at once rather than when the lease runs out."""
+
     def check_config(self) -> None:  # noqa: B027 - not abstract: most stores have no settings to check
         """Check (and where it may, adjust) the backend's settings for the tables there are; the
         PS calls it once at start. Problems are logged, not raised."""

@@ -63,6 +63,11 @@ class RedisLogs(StoreParts):
         got = self._run_scripted(lambda pipe: self._script(pipe, _LEASE_LUA, [meta.lease_key], [owner, ms]))[0]
         return bool(int(got))
 
+    def release_sweep_lease(self, table: str, owner: str) -> None:
+        """See Store.release_sweep_lease: the key removed if it is still this owner's."""
+        meta = self._meta(table)
+        self._run_scripted(lambda pipe: self._script(pipe, _RELEASE_LUA, [meta.lease_key], [owner]))
+
     def drops(self, after: str = "", limit: int = 1000) -> Drops:
         """See Store.drops: entries of the namespace's log of drops, numbered as the drops are
         (_DROP_LUA), so a cursor is a count, as on the embedded store."""
@@ -237,3 +242,7 @@ _LEASE_LUA = (
     "local v = redis.call('GET', KEYS[1]) "
     "if v == false or v == ARGV[1] then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 1 end return 0"
 )
+
+
+# KEYS[1] the lease: removed if it is ARGV[1]'s (1), else left to its holder (0).
+_RELEASE_LUA = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
