@@ -21,7 +21,7 @@ from helpers import pause
 
 from dynemb.protos import ps_pb2
 from dynemb.ps_server import shm
-from dynemb.ps_server.client import PSClient
+from dynemb.ps_server.client import PSClient, streaming
 from dynemb.ps_server.client.ordering import TableLanes
 from dynemb.ps_server.client.retry import RetryPolicy
 from dynemb.ps_server.client.sharding import Sharding
@@ -145,6 +145,81 @@ def test_a_default_client_outlasts_a_restart_slower_than_its_backoffs(
             got = call.result(timeout=60)
     assert not got.missing.any() and (got.rows == 1).all()
     assert time.monotonic() - start > 9.0
+
+
+def test_export_and_import_streams_outlast_a_ps_restart(make_ps, transports, redis_url, redis_namespace, caplog):
+    """An Export or Import stream that meets a PS away (UNAVAILABLE) before it could give or take much is opened
+    again until its retry time, as unary calls are tried again: the export gives every row once, the import writes
+    every row (the chunks the failed stream took are sent again). PSClient's own calls before a stream (its
+    DescribeTable, CreateTable) would wait for the PS first, so the streams are started through the transport."""
+    backend = ("--backend", redis_url, "--namespace", redis_namespace)
+    first = make_ps(*backend)
+    address = first.address
+    transport = transports([address], max_backoff=0.2)
+    schema = TableSchema("t", dim=4)
+    ids = np.arange(3000, dtype=np.int64)
+    rows = np.random.default_rng(5).random((3000, 4), dtype=np.float32)
+    with PSClient(address, timeout=30) as client:
+        client.create_table("t", dim=4)
+        client.push("t", ids, rows)
+    sharding = Sharding(1, chunk_bytes=64 << 10)
+    ps = first
+    for what in ("export", "import"):
+        assert (code := ps.stop()) == 0, f"the PS exited {code}; its log:\n{ps.log()[-4000:]}"
+        with ThreadPoolExecutor(1) as pool, caplog.at_level(logging.WARNING, "dynemb.ps.client"):
+            if what == "export":
+                call = pool.submit(lambda: list(streaming.export_rows(transport, schema, 500, None, 60)))
+            else:  # 3 chunks of 1000 rows: fewer than the stream keeps to send again
+                source = ((ids[k : k + 1000], rows[k : k + 1000] + 1) for k in range(0, 3000, 1000))
+                call = pool.submit(streaming.import_rows, transport, sharding, schema, source, True, None, 60)
+            time.sleep(1.5)
+            assert not call.done(), call.exception()
+            ps = make_ps(*backend, "--address", address)  # from this thread: the PS ends with it
+            got = call.result(timeout=60)
+        assert f"{what.title()} stream" in caplog.text and "UNAVAILABLE" in caplog.text
+        caplog.clear()
+        if what == "export":
+            got_ids = np.concatenate([i for i, _ in got])
+            assert np.array_equal(np.sort(got_ids), ids)  # each row once
+            assert np.array_equal(np.concatenate([r for _, r in got])[np.argsort(got_ids)], rows)
+        else:
+            assert got == 3000
+            with PSClient(address, timeout=30) as client:
+                assert np.array_equal(client.pull("t", ids).rows, rows + 1)
+
+
+def test_streams_that_failed_part_way_are_not_opened_again_and_say_so(make_ps, transports):
+    """A stream cut off after it gave rows (export) or took more chunks than the client keeps (import) is not
+    opened again: the export would give its rows twice, the import lacks the chunks to send again. The error
+    says what to do."""
+    proc = make_ps()
+    transport = transports([proc.address], max_backoff=0.2)
+    schema = TableSchema("t", dim=4)
+    with PSClient(proc.address, timeout=30) as client:
+        client.create_table("t", dim=4)
+        client.push("t", np.arange(5000, dtype=np.int64), np.ones((5000, 4), np.float32))
+    exported = streaming.export_rows(transport, schema, 100, None, 60)
+    next(exported)  # rows given: the stream is no longer to be repeated
+    proc.stop(signal.SIGKILL)
+    with pytest.raises(Unavailable, match="is not opened again .*call it again"):
+        list(exported)
+
+    proc = make_ps()
+    transport = transports([proc.address], max_backoff=0.2)
+    with PSClient(proc.address, timeout=30) as client:
+        client.create_table("t", dim=4)
+    drawn = []
+
+    def source():
+        for k in range(1000):
+            drawn.append(k)
+            if k == 20:  # 20 chunks taken (at most 4 queued): more than are kept to send again
+                proc.stop(signal.SIGKILL)
+            yield np.arange(100, dtype=np.int64) + 100 * k, np.ones((100, 4), np.float32)
+
+    with pytest.raises(Unavailable, match=r"had taken \d+ rows, more than the client keeps.*run it again"):
+        streaming.import_rows(transport, Sharding(1, chunk_bytes=64 << 10), schema, source(), False, None, 60)
+    assert len(drawn) < 100  # reading stopped soon after the stream failed
 
 
 def test_a_ps_that_stays_away_fails_the_call_by_its_deadline(transports):

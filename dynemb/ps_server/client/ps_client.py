@@ -479,7 +479,7 @@ class PSClient:
     ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Every (ids, rows) of the table, PS by PS, in chunks."""
         schema = self.schema(table, refresh=True)
-        yield from streaming.export_rows(self._transport, schema, rows_per_chunk, timeout)
+        yield from streaming.export_rows(self._transport, schema, rows_per_chunk, timeout, self.timeout)
 
     def import_rows(
         self,
@@ -499,7 +499,7 @@ class PSClient:
         # for a message is refused before a chunk of the source is read, whatever the timing of the streams'
         # first replies.
         self.create_table_from_schema(schema, timeout)
-        written = streaming.import_rows(self._transport, self._sharding, schema, chunks, replace, timeout)
+        written = streaming.import_rows(self._transport, self._sharding, schema, chunks, replace, timeout, self.timeout)
         self._remember(schema)
         return written
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Future
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -312,33 +311,61 @@ class Transport:
         return getattr(self.stubs[shard], method).future(request, timeout=timeout, metadata=self.metadata)
 
     def stream_to(self, shard: int, method: str, requests: Iterable, timeout: float | None) -> grpc.Future:
-        """A client-streaming RPC fed from requests, not retried (an iterator cannot be replayed); its future.
+        """A client-streaming RPC fed from requests, sent once (an iterator cannot be replayed: streaming.py
+        reopens an Import itself); its future.
 
         Its outcome is read with `result`.
         """
         return getattr(self.stubs[shard], method).future(requests, timeout=timeout or None, metadata=self.metadata)
 
-    def stream_from(self, shard: int, method: str, request, timeout: float | None) -> Iterator:
-        """The responses of a server-streaming RPC, not retried.
+    def stream_from(
+        self, shard: int, method: str, request, timeout: float | None, retry_seconds: float = 0.0
+    ) -> Iterator:
+        """The responses of a server-streaming RPC. A stream that fails as a unary call is retried (UNAVAILABLE)
+        before its first response is opened again, after the same backoffs, until its deadline, or for
+        retry_seconds where it has none; one that fails later is not: what it gave cannot be taken back, and a new
+        stream (no resume point in the protocol) would give it again.
 
         Raises:
-            PSError: the call failed, at the start or part way through.
+            PSError: the call failed, at the start (after its retries) or part way through.
         """
-        try:
-            yield from getattr(self.stubs[shard], method)(request, timeout=timeout or None, metadata=self.metadata)
-        except grpc.RpcError as err:
-            raise self.error(err, shard) from None
-
-    def result(self, shard: int, future: Future | grpc.Future):
-        """The response of a call sent earlier to a shard's PS.
-
-        Raises:
-            PSError: the call failed.
-        """
-        try:
-            return future.result()
-        except grpc.RpcError as err:
-            raise self.error(err, shard) from None
+        deadline = time.monotonic() + timeout if timeout else None
+        tries: Attempts | None = None
+        while True:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.001)
+            call = getattr(self.stubs[shard], method)(request, timeout=left, metadata=self.metadata)
+            given = 0
+            try:
+                for response in call:
+                    given += 1
+                    yield response
+                return
+            except grpc.RpcError as err:
+                if given:
+                    exc = self.error(err, shard)
+                    exc.args = (
+                        f"{exc.args[0]}; the {method} stream failed after {given} responses and is not opened again "
+                        f"(a new one would repeat them): call it again",
+                    )
+                    raise exc from None
+                if tries is None:
+                    tries = self.retry.start(deadline if deadline is not None else time.monotonic() + retry_seconds)
+                delay = tries.next_delay(err.code())
+                if delay is None:
+                    raise self._final(err, err, shard, tries) from None
+                if self.watch is not None:
+                    self.watch.retried()
+                if tries.retries == 1:
+                    log.warning(
+                        "%s stream from PS %s: %s; opening it again %s",
+                        method,
+                        self.addresses[shard],
+                        err.code().name,
+                        _how_long_retried(tries),
+                    )
+                time.sleep(delay)
+            finally:
+                call.cancel()  # a no-op once it ended; a reader that stopped early ends it here
 
     def health(self, timeout: float, service: str = "") -> list[str]:
         """Each PS's health status name (SERVING, NOT_SERVING...) for `service`, or the error reaching it."""
