@@ -155,7 +155,7 @@ class DiskStore(Store):
         self._tables: dict[str, _DiskTable] = {}
         self._load_tables()
         self._drop_log = DropLog(self._db)
-        self._stop_sync = threading.Event()
+        self._stopping = threading.Event()
         self._purge_wake = threading.Event()
         self._purge_thread = threading.Thread(target=self._purge_loop, name="disk-purge", daemon=True)
         self._purge_thread.start()
@@ -223,7 +223,7 @@ class DiskStore(Store):
                 raise BackendUnavailable(f"disk backend {self.path}: WAL sync failed ({str(exc)[:300]})") from None
 
     def _sync_loop(self) -> None:
-        while not self._stop_sync.wait(self.config.sync_ms / 1000):
+        while not self._stopping.wait(self.config.sync_ms / 1000):
             try:
                 self._db.flush_wal(True)
             except Exception:  # noqa: BLE001 - logged; the next tick tries again
@@ -470,7 +470,7 @@ class DiskStore(Store):
 
     def _purge_loop(self) -> None:
         """Delete the rows and logs of dropped tables (their numbers under _DEAD), a step at a time."""
-        while not self._stop_sync.is_set():
+        while not self._stopping.is_set():
             dead = [k for k, _ in islice(self._db.items(from_key=_DEAD), 1000) if k.startswith(_DEAD)]
             if not dead:
                 self._purge_wake.wait(60)
@@ -479,7 +479,7 @@ class DiskStore(Store):
             for key in dead:
                 number = int.from_bytes(key[len(_DEAD) :], "big")
                 for family, handle in ((self._rows, self._rows_h), (self._logs, self._logs_h)):
-                    while not self._stop_sync.is_set():
+                    while not self._stopping.is_set():
                         ro = self._rd.ReadOptions()
                         ro.set_iterate_upper_bound(table_range(number)[1])
                         ro.fill_cache(False)  # type: ignore[call-arg]  # as in _scan
@@ -490,7 +490,7 @@ class DiskStore(Store):
                         for k in keys:
                             batch.delete(k, handle)
                         self._write(batch)
-                if self._stop_sync.is_set():
+                if self._stopping.is_set():
                     return
                 self._db.delete(key)
 
@@ -652,7 +652,7 @@ class DiskStore(Store):
         """Sync the WAL and close the database (idempotent)."""
         if self._closed:
             return
-        self._stop_sync.set()
+        self._stopping.set()
         self._purge_wake.set()
         for thread in (self._sync_thread, self._purge_thread):
             if thread is not None:

@@ -123,6 +123,7 @@ def parse_disk_url(url: str) -> DiskConfig:
 
 
 MAX_WAL_BYTES = 256 << 20
+
 # The column families: table records, counts and the drops log (default); rows; the id logs.
 ROWS_CF = "rows"
 LOGS_CF = "logs"
@@ -160,6 +161,9 @@ def rocksdb_options(config: DiskConfig) -> tuple[Any, dict[str, Any], list[Any]]
     table.set_block_cache(block_cache)
     table.set_bloom_filter(BLOOM_BITS_PER_KEY, False)
     rows.set_block_based_table_factory(table)
+    # memtables: RocksDB's 64 MiB, two at most (16 MiB ones loaded 2M rows at 148k rows/s here
+    # against 222k: more flushes and compactions on 2 cores)
+    rows.set_max_write_buffer_number(2)
     # a bloom filter over the memtable's keys too: a new id's lookup skips its skip list
     rows.set_memtable_whole_key_filtering(True)
     rows.set_memtable_prefix_bloom_ratio(0.02)
