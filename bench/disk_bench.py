@@ -1,0 +1,213 @@
+"""The disk store (RocksDB) against the embedded RAM store on the same batches (issue 46's
+goals): load, pull of Zipf(1.05) batches with a cache of 10% of the rows' bytes, pull of
+uniformly random batches (rows/s and block reads a row, from RocksDB's statistics), push of
+stored rows, bytes on disk against the raw rows, and memory. First the stores in this process
+(the stores' own cost), then through a PS each (what a trainer sees: the disk PS reopens the
+database the first part wrote, and its resident memory is read from /proc).
+
+    .venv/bin/python bench/disk_bench.py --rows 10000000          # a few minutes on 2 cores
+    .venv/bin/python bench/disk_bench.py --rows 1000000 --compression lz4
+
+Ids are random 64-bit values (hashes, as a trainer's are), Zipf ranks mapped onto them, so hot
+rows are scattered over the key space as they are in production, not packed into a few blocks.
+Tables are dim 16 with row-wise Adagrad: 17 fp32 values, 68 bytes a row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dynemb.ps_server.backends.disk import DiskStore  # noqa: E402
+from dynemb.ps_server.backends.embedded import EmbeddedStore  # noqa: E402
+from dynemb.ps_server.client import PSClient  # noqa: E402
+from dynemb.ps_server.schema import TableSchema, optimizer_state_width  # noqa: E402
+from dynemb.testing.local_ps import LocalPS  # noqa: E402
+
+DIM = 16
+SCHEMA = TableSchema("t", DIM, optimizer_state_width("rowwise_adagrad", DIM))
+
+
+def rss_mib(pid: int | str = "self") -> float:
+    """A process's resident memory, MiB (from /proc: no psutil needed)."""
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def rows_for(ids: np.ndarray) -> np.ndarray:
+    """Random rows (random floats: the worst case for compression)."""
+    return np.random.default_rng(int(ids[0]) & 0xFFFF).standard_normal((len(ids), SCHEMA.width)).astype(np.float32)
+
+
+def timed(fn, batches) -> float:
+    """Seconds fn takes over every batch."""
+    start = time.perf_counter()
+    for b in batches:
+        fn(b)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=10_000_000)
+    p.add_argument("--batch", type=int, default=16_384, help="ids a pull or push")
+    p.add_argument("--batches", type=int, default=40, help="timed batches per case")
+    p.add_argument("--cache-share", type=float, default=0.10, help="cache_bytes as a share of the rows' raw bytes")
+    p.add_argument("--compression", default="none", choices=["none", "lz4"])
+    p.add_argument("--sync", default="ack", help="the disk store's sync setting")
+    p.add_argument("--no-ps", action="store_true", help="the stores in this process only")
+    p.add_argument("--dir", default="", help="where the database goes (default: a temporary folder on /tmp)")
+    args = p.parse_args()
+
+    n, rb = args.rows, SCHEMA.row_bytes
+    raw_bytes = n * (8 + rb)  # what an export carries: the id and the row
+    cache = max(1 << 20, int(args.cache_share * n * rb))
+    folder = Path(args.dir or tempfile.mkdtemp(prefix="disk_bench_"))
+    shutil.rmtree(folder / "db", ignore_errors=True)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(-(1 << 63), (1 << 63) - 1, n, dtype=np.int64)
+    print(
+        f"{n:,} rows of {rb} B (dim {DIM}, row-wise Adagrad), cache_bytes {cache >> 20} MiB "
+        f"({args.cache_share:.0%} of the rows' bytes), sync={args.sync}, compression={args.compression}, "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
+    base_rss = rss_mib()
+
+    disk = DiskStore(f"disk://{folder}/db?cache_bytes={cache}&sync={args.sync}&compression={args.compression}")
+    disk.create_table(SCHEMA)
+    start = time.perf_counter()
+    for s in range(0, n, args.batch):
+        disk.push("t", ids[s : s + args.batch], rows_for(ids[s : s + args.batch]))
+        if s and s % (n // 10 // args.batch * args.batch or args.batch) == 0:
+            print(f"  disk load {s / n:.0%}: {s / (time.perf_counter() - start):,.0f} rows/s", flush=True)
+    disk_load_s = time.perf_counter() - start
+    start = time.perf_counter()
+    disk.compact()
+    compact_s = time.perf_counter() - start
+    on_disk = disk.disk_bytes()
+    disk_rss = rss_mib() - base_rss
+    print(f"disk load: {n / disk_load_s:,.0f} rows/s; flush + compaction {compact_s:.1f} s; RSS +{disk_rss:.0f} MiB")
+    print(
+        f"bytes on disk: {on_disk / n:.1f} B a row = {on_disk / raw_bytes:.2f}x the raw id + row bytes "
+        f"({on_disk / (n * rb):.2f}x the row bytes alone)"
+    )
+
+    emb = EmbeddedStore()
+    emb.create_table(SCHEMA)
+    start = time.perf_counter()
+    for s in range(0, n, args.batch):
+        emb.push("t", ids[s : s + args.batch], rows_for(ids[s : s + args.batch]))
+    emb_load_s = time.perf_counter() - start
+    print(f"embedded load: {n / emb_load_s:,.0f} rows/s (disk / embedded {emb_load_s / disk_load_s:.2f})")
+
+    out = np.empty((args.batch, SCHEMA.width), np.float32)
+    rank_to_id = ids[rng.permutation(n)]  # Zipf rank r is a random id: hot rows scattered
+
+    def zipf_batch() -> np.ndarray:
+        return rank_to_id[np.minimum(rng.zipf(1.05, args.batch) - 1, n - 1)]
+
+    zipf = [zipf_batch() for _ in range(args.batches)]
+    uniform = [ids[rng.integers(0, n, args.batch)] for _ in range(args.batches)]
+    for b in [zipf_batch() for _ in range(args.batches)]:  # warm the cache with other Zipf batches
+        disk.pull_into("t", b, out)
+    got = np.empty_like(out)
+    for b in zipf[:3] + uniform[:3]:  # the same rows from both
+        disk.pull_into("t", b, out)
+        emb.pull_into("t", b, got)
+        assert np.array_equal(out, got), "the disk store's rows differ from the embedded store's"
+
+    results = {}
+    for name, batches in (("zipf", zipf), ("uniform", uniform)):
+        before = disk.statistics()
+        t_disk = timed(lambda b: disk.pull_into("t", b, out), batches)
+        after = disk.statistics()
+        t_emb = timed(lambda b: emb.pull_into("t", b, got), batches)
+        rows = len(batches) * args.batch
+
+        def delta(key: str, a=after, b=before) -> int:
+            return a.get(key, 0) - b.get(key, 0)
+
+        hits, misses = delta("rocksdb.row.cache.hit"), delta("rocksdb.row.cache.miss")
+        reads = delta("rocksdb.block.cache.data.miss")
+        results[name] = (rows / t_disk, rows / t_emb)
+        print(
+            f"pull {name}: disk {rows / t_disk:,.0f} rows/s, embedded {rows / t_emb:,.0f} rows/s, "
+            f"ratio {t_emb / t_disk:.2f}; row cache hit rate {hits / max(1, hits + misses):.3f}, "
+            f"data block reads {reads / rows:.3f} a row"
+        )
+
+    updates = [ids[rng.integers(0, n, args.batch)] for _ in range(args.batches)]
+    upd_rows = [rows_for(b) for b in updates]
+    t_disk = timed(lambda k: disk.push("t", updates[k], upd_rows[k]), range(len(updates)))
+    t_emb = timed(lambda k: emb.push("t", updates[k], upd_rows[k]), range(len(updates)))
+    rows = len(updates) * args.batch
+    print(
+        f"push of stored rows: disk {rows / t_disk:,.0f} rows/s, embedded {rows / t_emb:,.0f} rows/s, "
+        f"ratio {t_emb / t_disk:.2f}"
+    )
+    memtables = disk._rows.property_int_value("rocksdb.cur-size-all-mem-tables") or 0
+    readers = disk._rows.property_int_value("rocksdb.estimate-table-readers-mem") or 0
+    cache_use = sum(c.get_usage() for c in disk._caches)
+    print(
+        f"RocksDB memory: caches {cache_use >> 20} MiB of {cache >> 20}, memtables {memtables >> 20} MiB, "
+        f"index and filters {readers >> 20} MiB; process RSS {rss_mib():.0f} MiB with the embedded store's "
+        f"{emb.nbytes() >> 20} MiB beside it"
+    )
+    url = disk.config
+    disk.close()
+    if not args.no_ps:
+        through_ps(args, f"disk://{url.path}?cache_bytes={url.cache_bytes}&sync={url.sync}", ids, zipf, uniform)
+    if not args.dir:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def through_ps(args, backend: str, ids: np.ndarray, zipf: list, uniform: list) -> None:
+    """The same pulls through a disk PS (reopening the database) and an embedded PS (loaded by pushes)."""
+    start = time.perf_counter()
+    with (
+        LocalPS("--backend", backend, "--log-level", "WARNING") as disk_ps,
+        LocalPS("--log-level", "WARNING") as emb_ps,
+    ):
+        with PSClient(disk_ps.address, timeout=600) as dc, PSClient(emb_ps.address, timeout=600) as ec:
+            rows = dc.describe_table("t").num_rows
+            print(
+                f"disk PS and embedded PS up in {time.perf_counter() - start:.1f} s; the disk PS serves "
+                f"{rows:,} rows at once (RSS {rss_mib(disk_ps.proc.pid):.0f} MiB)"
+            )
+            ec.create_table_from_schema(SCHEMA)
+            for s in range(0, len(ids), 1 << 18):
+                ec.push("t", ids[s : s + (1 << 18)], rows_for(ids[s : s + (1 << 18)]))
+            for b in zipf[:5]:  # a warm-up (connections, the cache as the first part left it)
+                dc.pull("t", b)
+            for name, batches in (("zipf", zipf), ("uniform", uniform)):
+                t_disk = timed(lambda b: dc.pull("t", b), batches)
+                t_emb = timed(lambda b: ec.pull("t", b), batches)
+                n = len(batches) * args.batch
+                print(
+                    f"PS pull {name}: disk PS {n / t_disk:,.0f} rows/s, embedded PS {n / t_emb:,.0f} rows/s, "
+                    f"ratio {t_emb / t_disk:.2f}"
+                )
+            pushes = [ids[np.random.default_rng(k).integers(0, len(ids), args.batch)] for k in range(args.batches)]
+            t_disk = timed(lambda b: dc.push("t", b, rows_for(b)), pushes)
+            t_emb = timed(lambda b: ec.push("t", b, rows_for(b)), pushes)
+            n = len(pushes) * args.batch
+            print(
+                f"PS push of stored rows: disk PS {n / t_disk:,.0f} rows/s, embedded PS {n / t_emb:,.0f} rows/s, "
+                f"ratio {t_emb / t_disk:.2f}"
+            )
+            print(
+                f"disk PS RSS {rss_mib(disk_ps.proc.pid):.0f} MiB, embedded PS RSS {rss_mib(emb_ps.proc.pid):.0f} MiB"
+            )
+
+
+if __name__ == "__main__":
+    main()
