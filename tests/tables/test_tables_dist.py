@@ -1,7 +1,8 @@
 """The public API on 2 torchrun ranks: an own model trains exactly like full tables whichever way
 the loop takes its batches (plain, a thread transforming ahead, TorchRec's
 TrainPipelineSparseDist with and without it, with evaluation passes inside the loop), with no
-process group made by the user, over the ranks' embedded stores and over a PS on Redis."""
+process group made by the user, over the ranks' embedded stores and over a PS on Redis (and,
+in the plain loop, over a PS on the disk store)."""
 
 from __future__ import annotations
 
@@ -17,13 +18,17 @@ EVAL_MODES = ["plain_eval", "pipeline_eval"]  # evaluation inside the loop: over
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("store", ["embedded", "redis"])
+@pytest.mark.parametrize("store", ["embedded", "redis", "disk"])
 @pytest.mark.torchrec
 def test_two_ranks_train_exactly_like_full_tables_in_every_loop(store, tmp_path, make_ps, redis_url, redis_namespace):
     where = "embedded"
     if store == "redis":
         where = make_ps("--backend", redis_url, "--namespace", redis_namespace).address
+    elif store == "disk":  # a PS on RocksDB: the plain loop only (the loops are the same over any PS)
+        where = make_ps("--backend", f"disk://{tmp_path}/disk").address
     modes = MODES + (EVAL_MODES if store == "embedded" else [])
+    if store == "disk":
+        modes = ["plain"]
     done = torchrun(2, WORKER, str(tmp_path), where, ",".join(["full", *modes]))
     assert done.returncode == 0, done.stderr[-4000:]
     for rank in range(2):
