@@ -100,6 +100,29 @@ def test_a_dropped_table_is_purged_and_its_name_starts_empty(tmp_path):
         store.close()
 
 
+def test_a_purge_cut_short_by_a_restart_is_finished_after_it(tmp_path, monkeypatch):
+    url = f"disk://{tmp_path}/db?cache_bytes=4MiB&sync=100"
+    with monkeypatch.context() as m:
+        m.setattr(DiskStore, "_purge_loop", lambda self: None)  # the PS stops before its purge runs
+        store = DiskStore(url)
+        store.create_table(SCHEMA)
+        store.push("t", np.arange(3000), np.ones((3000, 4), np.float32))
+        number = store._tables["t"].number
+        store.drop_table("t")
+        assert None not in store._rows.get(row_keys(number, np.arange(3000)))  # still on disk
+        store.close()
+    store = DiskStore(url)
+    try:
+        assert store.list_tables() == []
+        wait_until(
+            lambda: all(v is None for v in store._rows.get(row_keys(number, np.arange(3000)))),
+            timeout=30,
+            what="the purge of the table dropped before the restart",
+        )
+    finally:
+        store.close()
+
+
 def test_a_sweep_deletes_what_is_due_and_logs_it(tmp_path):
     store = DiskStore(f"disk://{tmp_path}/db?cache_bytes=4MiB&sync=100")
     try:
