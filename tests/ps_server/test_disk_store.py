@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from helpers import wait_until
 
-from dynemb.ps_server.backends import open_store
+from dynemb.ps_server.backends import disk, open_store
 from dynemb.ps_server.backends.disk import DiskStore
 from dynemb.ps_server.backends.disk_config import DEFAULT_CACHE_BYTES, parse_disk_url
 from dynemb.ps_server.backends.disk_layout import ids_of_keys, row_keys
@@ -77,6 +77,25 @@ def test_a_reopened_store_has_every_table_as_it_was(tmp_path):
         assert [d.table for d in store.drops().drops] == ["gone"]
         store.push("t", np.array([7]), rows[:1])  # the logs go on from their cursors
         assert store.changes("t", changes.cursor).ids.tolist() == [7]
+    finally:
+        store.close()
+
+
+def test_calls_bigger_than_a_batch_go_in_parts_and_agree(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk, "_CHUNK", 5)  # a multi-get or WriteBatch takes 5 ids
+    store = DiskStore(f"disk://{tmp_path}/db?cache_bytes=4MiB")
+    try:
+        store.create_table(SCHEMA)
+        store.set_change_log("t", 4096)
+        ids = np.array([9, 3, 3, 12, -4, 7, 0, 9, 21, 5, 6, 8, 30], dtype=np.int64)
+        rows = np.arange(len(ids) * 4, dtype=np.float32).reshape(-1, 4)
+        assert store.push("t", ids, rows) == 13 and store.num_rows("t") == 11
+        got, found = store.pull("t", np.array([9, 3, 1, 30, -4, 2, 21], dtype=np.int64))
+        assert found.tolist() == [True, True, False, True, True, False, True]
+        assert np.array_equal(got[[0, 1, 3]], rows[[7, 2, 12]])  # a repeated id: its last row
+        assert store.changes("t").ids.tolist() == ids.tolist()  # logged once, as pushed
+        assert store.delete("t", np.array([3, 9, 1, 12, 0, 5, 6, 8], dtype=np.int64)) == 7
+        assert store.num_rows("t") == 4 and store.deletions("t").ids.tolist() == [0, 3, 5, 6, 8, 9, 12]
     finally:
         store.close()
 

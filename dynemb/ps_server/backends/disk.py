@@ -6,9 +6,9 @@ near its cache setting rather than the rows' size (docs/ps.md, "The disk backend
 row's bytes and, where rows expire, their stamp. Settings (disk_config.py): `disk:///dir?
 cache_bytes=...&sync=ack|<ms>&compression=none|lz4`.
 
-Every write is one WriteBatch through RocksDB's write-ahead log: rows, the table's row count
-and its log entries (deletion and change logs, disk_log.py) together, so a crash leaves them in
-agreement. A table's writes hold its lock (the count needs to know which ids are new, and a
+Every write is a WriteBatch (one per 65,536 rows) through RocksDB's write-ahead log: rows, the
+table's row count and its log entries (deletion and change logs, disk_log.py) together, so a
+crash leaves them in agreement. A table's writes hold its lock (the count needs to know which ids are new, and a
 drop must not let a write land after it), reads hold none. Durability: sync=ack fsyncs the WAL
 before a write is acknowledged (outside the lock, so concurrent writers share fsyncs);
 sync=<ms> has a thread fsync it every that many ms. Either way every write is in the WAL file
@@ -68,6 +68,9 @@ _SWEEP = b"sweep/"
 _DEAD = b"dead/"  # numbers of tables dropped whose rows are still being deleted
 # rows a scan step (clear, export) reads at once
 _SCAN_ROWS = 65_536
+# ids one multi-get or WriteBatch takes: bounds the Python lists of keys and values a call makes
+# (~150 B a row) whatever the request's size; a push of more is several batches, one ack
+_CHUNK = 65_536
 
 
 class _DiskTable:
@@ -323,13 +326,19 @@ class DiskStore(Store):
         return rows, found
 
     def pull_into(self, table: str, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """See Store.pull_into: one multi-get. In a table whose rows expire, expired rows count as
-        absent, and rows whose stamp is older than the touch interval are stamped again."""
+        """See Store.pull_into: a multi-get per _CHUNK ids. In a table whose rows expire, expired
+        rows count as absent, and rows whose stamp is older than the touch interval are stamped
+        again."""
         t = self._table(table)
         out = rows_out(out, len(ids), t.schema)
-        if len(ids) == 0:
-            return np.zeros(0, dtype=np.int64)
         ids = np.ascontiguousarray(ids, dtype=np.int64)
+        missing = [
+            s + self._pull_chunk(t, ids[s : s + _CHUNK], out[s : s + _CHUNK]) for s in range(0, len(ids), _CHUNK)
+        ]
+        return np.concatenate(missing) if missing else np.zeros(0, dtype=np.int64)
+
+    def _pull_chunk(self, t: _DiskTable, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """pull_into for one chunk of ids; the positions of those not found."""
         found, raw, stamps = decode_values(self._get(row_keys(t.number, ids)), t.schema.row_bytes)
         at = np.flatnonzero(found)
         lifecycle = t.lifecycle
@@ -376,8 +385,10 @@ class DiskStore(Store):
     def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> int:
         """See Store.push: the distinct ids (a repeated one's last row), in key order, read first
         (the count needs the new ones; bloom filters answer most new ids without a read), then
-        written in one WriteBatch. Key order: each memtable insert starts where the last ended
-        (profiled: random-order inserts were ~30% of a push's time in skip-list walks)."""
+        written in a WriteBatch per _CHUNK (a PS killed between two has written some of an
+        unacknowledged push, which its client sends again). Key order: each memtable insert
+        starts where the last ended (profiled: random-order inserts were ~30% of a push's time
+        in skip-list walks)."""
         t = self._table(table)
         n = len(ids)
         if n == 0:
@@ -387,21 +398,23 @@ class DiskStore(Store):
         uniq, last = last_occurrence(ids)
         if len(uniq) < n or not np.array_equal(uniq, ids):
             ids, rows = uniq, rows[last]
-        keys = row_keys(t.number, ids)
         with t.lock:
             self._live(t)
-            values = row_values(rows, t.schema.row_bytes, t.stamp())
-            stored = np.fromiter((v is not None for v in self._get(keys)), dtype=bool, count=len(keys))
-            new = len(keys) - int(stored.sum())
-            batch = self._batch()
-            if t.change_log:
-                t.changes.append(batch, pushed)  # as pushed, repeats and all (as every store logs them)
-            h = self._rows_h
-            for key, value in zip(keys, values):
-                batch.put(key, value, h)
-            batch.put(t.count_key(), (t.count + new).to_bytes(8, "little", signed=True))
-            self._write(batch)
-            t.count += new
+            for start in range(0, len(ids), _CHUNK):
+                batch = self._batch()
+                if t.change_log and start == 0:  # logged with the first part, before any row
+                    t.changes.append(batch, pushed)  # as pushed, repeats and all (as every store logs them)
+                part = slice(start, start + _CHUNK)
+                keys = row_keys(t.number, ids[part])
+                values = row_values(rows[part], t.schema.row_bytes, t.stamp())
+                stored = np.fromiter((v is not None for v in self._get(keys)), dtype=bool, count=len(keys))
+                new = len(keys) - int(stored.sum())
+                h = self._rows_h
+                for key, value in zip(keys, values):
+                    batch.put(key, value, h)
+                batch.put(t.count_key(), (t.count + new).to_bytes(8, "little", signed=True))
+                self._write(batch)
+                t.count += new
         self._durable()
         return n
 
@@ -425,10 +438,13 @@ class DiskStore(Store):
         """See Store.delete."""
         ids = unique(np.ascontiguousarray(ids, dtype=np.int64))
         t = self._table(table)
+        gone = 0
         with t.lock:
-            gone = self._remove(self._live(t), ids)
+            self._live(t)
+            for start in range(0, len(ids), _CHUNK):
+                gone += len(self._remove(t, ids[start : start + _CHUNK]))
         self._durable()
-        return len(gone)
+        return gone
 
     def _scan(self, t: _DiskTable, start: bytes, max_rows: int) -> tuple[list[bytes], list[bytes], bytes | None]:
         """(keys, values, the key after them or None) of up to max_rows rows of t from key start,
