@@ -8,9 +8,10 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
-from prometheus_client.metrics_core import CounterMetricFamily
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
 
 from dynemb.protos import ps_pb2
 from dynemb.ps_server.schema import TableSchema
@@ -211,6 +212,9 @@ class PSMetrics:
         # durable writes (redis_durable.py), counted by the store and read at each scrape
         self.replica_waits = _ReplicaWaits()
         r.register(self.replica_waits)
+        # the disk store's RocksDB (Store.engine_stats), read at each scrape
+        self.disk_engine = _DiskEngine()
+        r.register(self.disk_engine)
 
     def swept(self, result, expired_reads: int) -> None:
         """Record a sweeper pass (sweeper.SweepResult) and the expired rows pulls found so far."""
@@ -280,6 +284,10 @@ class PSMetrics:
         """Have dynemb_ps_replica_waits_total{outcome} read at each scrape (Store.replica_waits:
         the store counts its durable writes by what WAIT said)."""
         self.replica_waits.read = read
+
+    def watch_engine(self, read: Callable[[], dict[str, float]]) -> None:
+        """Have the dynemb_ps_disk_* families read at each scrape (Store.engine_stats)."""
+        self.disk_engine.read = read
 
     def published(self, versions: dict[str, tuple[int, float]]) -> None:
         """Each served table's (version, cut time), from a read-only PS's store."""
@@ -364,3 +372,80 @@ class _ReplicaWaits:
         for outcome, n in sorted(self.read().items()):
             family.add_metric([outcome], n)
         yield family
+
+
+class _DiskFamily(NamedTuple):
+    """One dynemb_ps_disk_* family: its name, type, help, {label values: engine_stats key}, labels."""
+
+    name: str
+    kind: str
+    doc: str
+    keys: dict[tuple[str, ...], str]
+    labels: list[str]
+
+
+_DISK_FAMILIES = (
+    _DiskFamily(
+        "dynemb_ps_disk_cache_lookups",
+        "counter",
+        "Lookups in the disk store's DRAM caches by cache (row, block) and result (hit, miss): "
+        "hit rate = hits / lookups",
+        {
+            ("row", "hit"): "row_cache_hit",
+            ("row", "miss"): "row_cache_miss",
+            ("block", "hit"): "block_cache_hit",
+            ("block", "miss"): "block_cache_miss",
+        },
+        ["cache", "result"],
+    ),
+    _DiskFamily("dynemb_ps_disk_bytes", "gauge", "Bytes of the disk store's files", {(): "disk_bytes"}, []),
+    _DiskFamily(
+        "dynemb_ps_disk_pending_compaction_bytes",
+        "gauge",
+        "Bytes RocksDB estimates its compactions still have to rewrite (writes stall past a limit)",
+        {(): "pending_compaction_bytes"},
+        [],
+    ),
+    _DiskFamily(
+        "dynemb_ps_disk_running_compactions",
+        "gauge",
+        "RocksDB compactions running now",
+        {(): "running_compactions"},
+        [],
+    ),
+    _DiskFamily(
+        "dynemb_ps_disk_compaction_bytes",
+        "counter",
+        "Bytes RocksDB's compactions read and wrote, by direction (read, write)",
+        {("read",): "compaction_read_bytes", ("write",): "compaction_write_bytes"},
+        ["direction"],
+    ),
+    _DiskFamily(
+        "dynemb_ps_disk_write_stall_seconds",
+        "counter",
+        "Time writes to the disk store waited on RocksDB's stalls (L0 files, memtables, pending compaction)",
+        {(): "write_stall_seconds"},
+        [],
+    ),
+)
+
+
+class _DiskEngine:
+    """The disk store's RocksDB figures (Store.engine_stats), read at scrape time; no samples for
+    another store."""
+
+    def __init__(self) -> None:
+        self.read: Callable[[], dict[str, float]] = dict
+
+    def label_names(self) -> dict[str, list[str]]:
+        """{each family's name as documented: its labels} (tests/deploy_files.py)."""
+        return {f.name + ("_total" if f.kind == "counter" else ""): f.labels for f in _DISK_FAMILIES}
+
+    def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+        stats = self.read()
+        for f in _DISK_FAMILIES:
+            family = (CounterMetricFamily if f.kind == "counter" else GaugeMetricFamily)(f.name, f.doc, labels=f.labels)
+            for label_values, key in f.keys.items():
+                if key in stats:
+                    family.add_metric(list(label_values), stats[key])
+            yield family

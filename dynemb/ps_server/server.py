@@ -160,6 +160,7 @@ class PSServer:
                 store = _read_only(store, config.namespace)
         self.store = store
         self.metrics.watch_replica_waits(store.replica_waits)
+        self.metrics.watch_engine(store.engine_stats)
         self.health = health.HealthServicer()
         self.loss = LossWatch(store, self._store_lost)
         self.backend_watch = BackendWatch(store, config.backend_check_seconds, self._backend_changed, self.loss)

@@ -10,11 +10,13 @@ import re
 import numpy as np
 import pytest
 from helpers import wait_until
+from prometheus_client.parser import text_string_to_metric_families
 
 from dynemb.ps_server.backends import disk, open_store
 from dynemb.ps_server.backends.disk import DiskStore
 from dynemb.ps_server.backends.disk_config import DEFAULT_CACHE_BYTES, parse_disk_url
 from dynemb.ps_server.backends.disk_layout import ids_of_keys, row_keys
+from dynemb.ps_server.client import PSClient
 from dynemb.ps_server.errors import BackendUnavailable, InvalidArgument
 from dynemb.ps_server.lifecycle import Cutoff, Lifecycle
 from dynemb.ps_server.schema import TableSchema
@@ -182,3 +184,33 @@ def test_a_read_only_ps_refuses_a_disk_backend(tmp_path):
 
     with pytest.raises(InvalidArgument, match="serve it without --read-only"):
         _read_only(DiskStore(f"disk://{tmp_path}/db"), "ns")
+
+
+def test_a_disk_ps_exports_its_caches_bytes_and_compactions(make_ps, tmp_path):
+    ps = make_ps("--backend", f"disk://{tmp_path}/ps?cache_bytes=4MiB")
+    with PSClient(ps.address) as client:
+        client.create_table("t", dim=3, state_width=1)
+        client.push("t", np.arange(1000), np.ones((1000, 4), np.float32))
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(ps.metrics_text())
+        for s in family.samples
+        if s.name.startswith("dynemb_ps_disk_")
+    }
+    lookups = {labels for name, labels in samples if name == "dynemb_ps_disk_cache_lookups_total"}
+    assert lookups == {(("cache", c), ("result", r)) for c in ("row", "block") for r in ("hit", "miss")}
+    assert samples[("dynemb_ps_disk_bytes", ())] > 1000 * 16  # the rows, in the WAL so far
+    for name in ("dynemb_ps_disk_running_compactions", "dynemb_ps_disk_write_stall_seconds_total"):
+        assert samples[(name, ())] >= 0
+    # the row cache, once rows are in table files (a PS flushes its memtables as they fill)
+    store = DiskStore(f"disk://{tmp_path}/db?cache_bytes=4MiB")
+    try:
+        store.create_table(SCHEMA)
+        store.push("t", np.arange(1000), np.ones((1000, 4), np.float32))
+        store.compact()
+        for _ in range(3):
+            store.pull("t", np.arange(1000))
+        stats = store.engine_stats()
+        assert stats["row_cache_miss"] >= 1000 and stats["row_cache_hit"] >= 2000
+    finally:
+        store.close()

@@ -225,6 +225,12 @@ class Store(abc.ABC):
         store without replicas."""
         return {}
 
+    def engine_stats(self) -> dict[str, float]:
+        """What the store's engine says of itself, for the PS's metrics (metrics.py, _DiskEngine):
+        the disk store's cache lookups, bytes on disk, compactions and write stalls; {} for a
+        store without such an engine."""
+        return {}
+
     def take_sweep_lease(self, table: str, owner: str, seconds: float) -> bool:
         """Whether `owner` holds (now, or renewed) the right to sweep the table for `seconds`: one
         sweeper per table among every PS of a store. A store of one process always grants it."""

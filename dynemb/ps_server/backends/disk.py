@@ -23,9 +23,11 @@ memtables (64 MiB each, up to two per column family).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -654,9 +656,32 @@ class DiskStore(Store):
                 counts[name.strip()] = int(rest)
         return counts
 
+    def engine_stats(self) -> dict[str, float]:
+        """See Store.engine_stats: RocksDB's counts since the store opened, and its state now."""
+        if self._closed:
+            return {}
+        counts = self.statistics()
+        rows = self._rows
+        return {
+            "row_cache_hit": counts.get("rocksdb.row.cache.hit", 0),
+            "row_cache_miss": counts.get("rocksdb.row.cache.miss", 0),
+            "block_cache_hit": counts.get("rocksdb.block.cache.hit", 0),
+            "block_cache_miss": counts.get("rocksdb.block.cache.miss", 0),
+            "disk_bytes": self.disk_bytes(),
+            "pending_compaction_bytes": rows.property_int_value("rocksdb.estimate-pending-compaction-bytes") or 0,
+            "running_compactions": self._db.property_int_value("rocksdb.num-running-compactions") or 0,
+            "compaction_read_bytes": counts.get("rocksdb.compact.read.bytes", 0),
+            "compaction_write_bytes": counts.get("rocksdb.compact.write.bytes", 0),
+            "write_stall_seconds": counts.get("rocksdb.stall.micros", 0) / 1e6,
+        }
+
     def disk_bytes(self) -> int:
         """Bytes of the database's files (tables, WAL, manifests) on disk."""
-        return sum(p.stat().st_size for p in self.path.iterdir() if p.is_file())
+        total = 0
+        for entry in os.scandir(self.path):
+            with contextlib.suppress(FileNotFoundError):  # a file compaction deleted meanwhile
+                total += entry.stat().st_size if entry.is_file() else 0
+        return total
 
     def compact(self) -> None:
         """Flush the memtables and compact every column family (benches: the settled size)."""
