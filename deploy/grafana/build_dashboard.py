@@ -287,6 +287,42 @@ ROWS = [
         ],
     ),
     (
+        # the disk backend (docs/ps.md, "The disk backend"): RocksDB under each disk PS
+        "Disk store",
+        [
+            (
+                "Disk cache hit rate by cache",
+                "percentunit",
+                [
+                    (
+                        "sum by (instance, cache) "
+                        f'(rate(dynemb_ps_disk_cache_lookups_total{{{P}, result="hit"}}[{RATE}])) / '
+                        f"sum by (instance, cache) (rate(dynemb_ps_disk_cache_lookups_total{{{P}}}[{RATE}]))",
+                        "{{cache}} {{instance}}",
+                    )
+                ],
+            ),
+            ("Bytes on disk", "bytes", [(f"dynemb_ps_disk_bytes{{{P}}}", "{{instance}}")]),
+            (
+                "Compaction: bytes /s and pending",
+                "bytes",
+                [
+                    (
+                        f"sum by (instance, direction) (rate(dynemb_ps_disk_compaction_bytes_total{{{P}}}[{RATE}]))",
+                        "{{direction}} /s {{instance}}",
+                    ),
+                    (f"dynemb_ps_disk_pending_compaction_bytes{{{P}}}", "pending {{instance}}"),
+                ],
+            ),
+            (
+                # seconds a second that writes waited: a disk that cannot keep up with the pushes
+                "Write stalls (s /s)",
+                "percentunit",
+                [(f"rate(dynemb_ps_disk_write_stall_seconds_total{{{P}}}[{RATE}])", "{{instance}}")],
+            ),
+        ],
+    ),
+    (
         "Redis",
         [
             (
