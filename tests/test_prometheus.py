@@ -342,13 +342,13 @@ def test_redis_exporter_reports_the_deployed_maxmemory(stack):
 
 def test_every_dashboard_query_runs_and_shows_data(stack):
     """Each panel's PromQL, its variables set to 'All', parses and (but for PS errors, of which
-    there were none) returns series."""
+    there were none, and the disk store's, which this stack's Redis PS has not) returns series."""
     prom, _ = stack
     empty = []
     for title, expr in dashboard_exprs():
         promql = expr.replace("$__rate_interval", "1m")
         for variable in ("$train_job", "$table", "$rank", "$ps"):
             promql = promql.replace(variable, ".*")
-        if not prom.query(promql):
+        if not prom.query(promql) and "dynemb_ps_disk_" not in promql:
             empty.append(title)
     assert set(empty) <= {"PS errors /s"}, empty
