@@ -160,6 +160,8 @@ def rocksdb_options(config: DiskConfig) -> tuple[Any, dict[str, Any], list[Any]]
     table = rd.BlockBasedOptions()
     table.set_block_cache(block_cache)
     table.set_bloom_filter(BLOOM_BITS_PER_KEY, False)
+    # not the data blocks' hash index: tried on 2M rows, pulls were no faster (Zipf 520-584k
+    # against 538-548k rows/s, uniform 174-180k against 188-196k) and files 1.6% bigger
     rows.set_block_based_table_factory(table)
     # memtables: RocksDB's 64 MiB, two at most (16 MiB ones loaded 2M rows at 148k rows/s here
     # against 222k: more flushes and compactions on 2 cores)
