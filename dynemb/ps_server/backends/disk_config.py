@@ -151,7 +151,9 @@ def rocksdb_options(config: DiskConfig) -> tuple[Any, dict[str, Any], list[Any]]
 
     db = base()
     db.set_row_cache(row_cache)  # a DB-wide setting in RocksDB; only the rows are read by key
-    db.enable_statistics()  # what the bench reads (block reads, cache hits); a few % of CPU
+    # what the metrics and the bench read (cache hits, block reads, stalls); no cost seen: 2M rows,
+    # alternated twice, pulls and pushes within 5% with and without
+    db.enable_statistics()
     db.set_keep_log_file_num(5)
     # every write's batch touches the default family (row counts): without a bound its memtable
     # would pin every WAL file since its last flush; past this, RocksDB flushes what pins the oldest
