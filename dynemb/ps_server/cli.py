@@ -67,6 +67,10 @@ What it computes (docs/scale.md explains each step and worked examples):
   masters = enough for the memory at --redis-gib-per-master each, and for the rows/s at
   --utilisation of one core each.
   PS processes = rows/s over --utilisation x the rows/s one PS process was measured to move.
+  The disk tier, the same rows on disk PSes with no Redis: bytes on disk = rows x 1.15 x (the
+  row and its id), as measured; disk PSes = enough for the bytes at --disk-tib-per-ps each and
+  for the rows/s at --utilisation of one disk PS's measured rate; a DRAM cache of
+  --disk-cache-fraction of the rows' bytes; then which tier to pick, by RAM and processes.
 The measured constants (and the benchmark each comes from) are in dynemb/ps_server/sizing.py.
 Numbers may be written 1e10, 10000000000 or 10_000_000_000.
 """
@@ -74,10 +78,11 @@ Numbers may be written 1e10, 10000000000 or 10_000_000_000.
 # subcommand: (its line in `dynemb ps --help`, the start of its own --help)
 HELP = {
     "plan": (
-        "size Redis and the PS processes for a model and a training rate (no PS needed)",
+        "size Redis and the PS processes for a model and a training rate, and a disk tier (no PS needed)",
         "Print what a model needs: Redis memory, Redis Cluster masters, PS processes, the rows/s\n"
         "the PS must move, CPU and network, from the model's size, the training rate and\n"
-        "measured constants.",
+        "measured constants; then the same rows on disk PSes (bytes on disk, disk PSes, their\n"
+        "DRAM cache and memory), and which of the two to pick.",
     ),
     "serve": (
         "run a parameter server",
@@ -546,6 +551,24 @@ def add_plan_parser(ps_sub: argparse._SubParsersAction) -> None:
     fleet.add_argument(
         "--replicas", type=_number("whole"), default=1, help="replicas per Redis master [default %(default)s]"
     )
+    disk = p.add_argument_group("the disk tier (disk:// PSes instead of Redis, priced beside it)")
+    disk.add_argument(
+        "--disk-tib-per-ps",
+        type=_number("real"),
+        default=2.5,
+        help="TiB of rows (after compaction) one disk PS's own disk holds. The default fills ~70%% of a "
+        "3.84 TB NVMe drive (3.49 TiB): RocksDB writes a compaction's new files before it deletes the old "
+        "ones, keeps deleted rows until compacted and its log besides, and SSDs slow down when nearly "
+        "full [default %(default)s]",
+    )
+    disk.add_argument(
+        "--disk-cache-fraction",
+        type=_number("real"),
+        default=0.1,
+        help="each disk PS's DRAM cache (its cache_bytes) as a share of the bytes of the rows it holds, "
+        "above 0, at most 1. Only 0.1 was measured: a row cache hit rate of 0.87 on Zipf(1.05) batches "
+        "[default %(default)s]",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(func=cmd_plan)
 
@@ -567,6 +590,8 @@ def cmd_plan(args) -> int:
         new_ids_per_day=args.new_ids_per_day,
         ttl=args.ttl,
         max_rows=args.max_rows,
+        disk_tib_per_ps=args.disk_tib_per_ps,
+        disk_cache_fraction=args.disk_cache_fraction,
     )
     print(json.dumps(result.as_dict(), sort_keys=True) if args.json else format_plan(result))
     return 0

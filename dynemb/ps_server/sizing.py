@@ -1,4 +1,5 @@
-"""How big a PS fleet over Redis Cluster a model needs (`dynemb ps plan`, docs/scale.md).
+"""How big a PS fleet over Redis Cluster a model needs, and a fleet of disk PSes beside it
+(`dynemb ps plan`, docs/scale.md).
 
 Every figure comes from the model (rows, dim, optimizer), the training rate (samples/s, IDs per
 sample, hit rate of the trainers' device tables) and the measured constants below. The rows
@@ -14,6 +15,7 @@ import math
 import textwrap
 from dataclasses import asdict, dataclass
 
+from dynemb.ps_server.backends.disk_config import MAX_CACHE_BYTES
 from dynemb.ps_server.backends.redis_config import MAX_LISTPACK_VALUE, ROWS_PER_BUCKET
 from dynemb.ps_server.errors import InvalidArgument
 from dynemb.ps_server.lifecycle import STAMP_BYTES
@@ -52,6 +54,41 @@ PS_CPU_SECONDS_PER_ROW = 1.17e-6
 # Resident memory of one PS process (it holds no rows over Redis): the same run, peak RSS.
 PS_RSS_BYTES = int(151.4 * 2**20)
 
+# -- the disk tier (disk:// backend: RocksDB on each PS's own local SSD), measured ---------------
+# All from bench/RESULTS.md, disk_bench, 2026-11-29 (issue 46, first version; recorded in commit
+# 0743632): `bench/disk_bench.py --rows 10000000`, 10^7 rows of dim 16 with row-wise Adagrad
+# (68 B), random 64-bit ids, cache_bytes 64 MiB (10% of the rows' bytes), sync=ack, no
+# compression, batches of 16,384 ids, two runs on a quiet 2-core box shared with the clients.
+# The database (870 MB) fitted in the box's page cache: the disk's own read rate was not measured.
+
+# Bytes on disk a row after the load's flush and full compaction: 87.3 B for a 68-byte row and
+# its 8-byte id (1.15x, both runs). Taken as a ratio for every row size: RocksDB's overhead is
+# mostly per key (12-byte key, sequence number, lengths), so bigger rows likely take less than
+# 1.15x; not measured.
+DISK_MEASURED_BYTES_PER_ROW = 87.3
+DISK_MEASURED_ROW_BYTES = 68
+DISK_BYTES_PER_RAW_BYTE = DISK_MEASURED_BYTES_PER_ROW / (DISK_MEASURED_ROW_BYTES + 8)
+# Rows/s through one disk PS (the lower of the two runs): pulls of uniformly random ids (cold:
+# ~10% found in the row cache) 116,108 (134,290 in the other run); pulls of Zipf(1.05) batches
+# (row cache hit rate 0.87) 397,229; pushes of stored rows 98,850. A lookup through the
+# binding costs ~2 us a key, cached or not: the PS's CPU, not the disk, set these rates.
+DISK_PS_COLD_PULL_ROWS_PER_SECOND = 116_108
+DISK_PS_HOT_PULL_ROWS_PER_SECOND = 397_229
+DISK_PS_PUSH_ROWS_PER_SECOND = 98_850
+# The one measured point of the DRAM cache: 10% of the rows' bytes gave a row cache hit rate of
+# 0.87 on the Zipf(1.05) batches (~0.1 on uniform ones).
+DISK_MEASURED_CACHE_FRACTION = 0.1
+DISK_MEASURED_CACHE_HIT_RATE = 0.87
+# Data block reads (4 KiB) a row of the uniform pulls, from RocksDB's statistics: 0.866.
+DISK_BLOCK_READS_PER_COLD_ROW = 0.866
+# RocksDB's index and bloom filter blocks, held in memory: 16 MiB at 10^7 rows of 68 B (one
+# index entry per 4 KiB block, so rows of more bytes take more a row: not measured).
+DISK_INDEX_BYTES_PER_ROW = 16 * 2**20 / 10**7
+# A disk PS's resident memory beyond its cache and its index and filters: 399 MiB peak RSS (the
+# higher run) less the 64 MiB cache and 16 MiB of index and filters. The rest is the process
+# (~92 MiB at start), memtables (up to 2 x 64 MiB under pushes) and freed memory glibc holds.
+DISK_PS_RSS_BYTES_BEYOND_CACHE = (399 - 64 - 16) * 2**20
+
 # -- fixed by the design, not measured ------------------------------------------------------
 
 # Optimizer state per row: the PS schema's rule (schema.optimizer_state_width), the trainer's too.
@@ -64,6 +101,9 @@ LIFECYCLE_STAMP_BYTES = STAMP_BYTES
 SECONDS_PER_DAY = 86_400
 # Redis Cluster needs at least three masters to elect a failover.
 MIN_MASTERS = 3
+# The disk backend's largest cache_bytes (backends/disk_config.py): more cache needs more PSes.
+DISK_MAX_CACHE_BYTES = MAX_CACHE_BYTES
+TIB = 2**40
 
 
 def _jemalloc_size_class(n: int) -> int:
@@ -146,6 +186,40 @@ def format_duration(seconds: float) -> str:
     return f"{seconds:g}s"
 
 
+def disk_ps_rows_per_second(pull_rows_per_s: float = DISK_PS_COLD_PULL_ROWS_PER_SECOND) -> float:
+    """Rows/s one disk PS moves when half are pulls at pull_rows_per_s and half pushes (as in
+    training: a row missed is pulled, and about as many evicted rows pushed): a row's time is
+    the mean of a pull's and a push's."""
+    return 2 / (1 / pull_rows_per_s + 1 / DISK_PS_PUSH_ROWS_PER_SECOND)
+
+
+@dataclass(frozen=True)
+class DiskTier:
+    """The same model on disk PSes (disk:// backend), no Redis: see plan()."""
+
+    disk_tib_per_ps: float  # --disk-tib-per-ps: rows' bytes one PS's disk holds
+    cache_fraction: float  # --disk-cache-fraction: the DRAM cache over the rows' bytes
+    value_bytes: int  # the row, and its stamp where rows expire (a TTL or a cap given)
+    bytes_per_row: float  # on disk: DISK_BYTES_PER_RAW_BYTE x (id + value)
+    disk_bytes: int  # over all disks, after compaction
+    rows_per_tb: float  # rows one TB (10^12 B) of disk holds
+    ps_rows_per_s: float  # one disk PS: cold pulls and pushes, half each, at full capacity
+    processes_for_size: int
+    processes_for_rate: int
+    processes_for_cache: int  # the backend's cache_bytes is at most DISK_MAX_CACHE_BYTES a PS
+    processes: int  # disk PSes, each with its own disk
+    processes_at_hot_pulls: int  # as many, were every pull as fast as the Zipf batches' (cache hit 0.87)
+    cache_bytes: int  # all PSes together
+    cache_bytes_per_ps: int
+    ps_memory_bytes: int  # one PS: its cache, index and filters, and the rest as measured
+    memory_bytes: int  # all PSes together
+    block_reads_per_s_per_disk: float  # by the pulls, at the cold pulls' measured reads a row
+    redis_memory_bytes: int  # the Redis tier's RAM to compare: masters, replicas, PS processes
+    redis_processes: int  # the Redis tier's: masters, replicas and PS processes
+    pick: str  # "disk" or "redis"
+    why: str  # the reason, in one sentence
+
+
 @dataclass(frozen=True)
 class Plan:
     """What a model needs, for the inputs given (see plan())."""
@@ -180,6 +254,7 @@ class Plan:
     ps_cores: float
     redis_cores: float
     network_bytes_per_s: float  # each way of trainers <-> PS, and again PS <-> Redis
+    disk: DiskTier  # the same model on disk PSes instead
 
     @property
     def rows_per_s(self) -> float:
@@ -230,8 +305,10 @@ def plan(
     new_ids_per_day: float | None = None,
     ttl: float | None = None,
     max_rows: int | None = None,
+    disk_tib_per_ps: float = 2.5,
+    disk_cache_fraction: float = DISK_MEASURED_CACHE_FRACTION,
 ) -> Plan:
-    """Size the Redis Cluster and the PS processes for one model.
+    """Size the Redis Cluster and the PS processes for one model, and a disk tier beside it.
 
     The rows stored are `rows`, or, for tables whose rows expire, their steady state:
 
@@ -247,6 +324,13 @@ def plan(
     whatever the rest. New IDs with neither a TTL nor a cap would grow the rows without end, so
     they are refused. The steady state comes `ttl` after the first new ID, or when the cap is
     reached if that is sooner: Plan.days_to_steady, Plan.growth_bytes_per_day until then.
+
+    The disk tier (Plan.disk) is the same rows and rows/s on disk PSes, each with its own disk
+    and no Redis: bytes on disk at the measured 1.15x of each row and its id; PSes for the
+    bytes at disk_tib_per_ps a disk, for the rows/s at `utilisation` of one disk PS's measured
+    rate (pulls of cold rows and pushes, half each: the rows the trainers miss are their
+    coldest), and for the cache at the backend's 1 TiB a PS; a DRAM cache of
+    disk_cache_fraction of the rows' bytes (only 0.1 was measured).
 
     Args:
         rows: rows stored over all tables (every ID ever admitted, until evicted from the PS);
@@ -266,6 +350,9 @@ def plan(
             are `rows`, no new ones).
         ttl: seconds a row lives unread and unwritten (None: rows never expire).
         max_rows: the row cap: the most rows stored (None: no cap).
+        disk_tib_per_ps: rows' bytes (after compaction) one disk PS's disk holds, in TiB; the
+            default is ~70% of a 3.84 TB (3.49 TiB) NVMe drive, room for compactions and the log.
+        disk_cache_fraction: each disk PS's DRAM cache over the bytes of the rows it holds.
 
     Returns:
         The Plan.
@@ -325,6 +412,16 @@ def plan(
         f"replicas (--replicas) must be a whole number >= 0, got {replicas!r}",
     )
 
+    _check(
+        math.isfinite(disk_tib_per_ps) and disk_tib_per_ps > 0,
+        f"TiB per disk PS (--disk-tib-per-ps) must be > 0, got {disk_tib_per_ps!r}",
+    )
+    _check(
+        math.isfinite(disk_cache_fraction) and 0 < disk_cache_fraction <= 1,
+        f"disk cache fraction (--disk-cache-fraction) must be > 0 and <= 1 (0.1: a cache of 10% of the "
+        f"rows' bytes), got {disk_cache_fraction!r}",
+    )
+
     row_bytes = (dim + state_width) * VALUE_BYTES
     value_bytes = row_bytes + LIFECYCLE_STAMP_BYTES
     per_row = redis_bytes_per_row(value_bytes)
@@ -359,6 +456,18 @@ def plan(
     for_memory = math.ceil(redis_bytes / (redis_gib_per_master * 2**30))
     # a master runs its commands on one core
     for_rate = math.ceil(redis_cores / utilisation)
+    masters = max(MIN_MASTERS, for_memory, for_rate)
+    ps_processes = max(1, math.ceil(rows_per_s / (PS_ROWS_PER_SECOND * utilisation)))
+    disk = _disk_tier(
+        steady_rows,
+        row_bytes + (LIFECYCLE_STAMP_BYTES if ttl is not None or max_rows is not None else 0),
+        misses,
+        utilisation,
+        disk_tib_per_ps,
+        disk_cache_fraction,
+        redis_memory_bytes=redis_bytes * (1 + replicas) + ps_processes * PS_RSS_BYTES,
+        redis_processes=masters * (1 + replicas) + ps_processes,
+    )
     return Plan(
         rows=steady_rows,
         long_lived_rows=long_lived,
@@ -385,11 +494,82 @@ def plan(
         pushes_per_s=misses,
         masters_for_memory=for_memory,
         masters_for_rate=for_rate,
-        masters=max(MIN_MASTERS, for_memory, for_rate),
-        ps_processes=max(1, math.ceil(rows_per_s / (PS_ROWS_PER_SECOND * utilisation))),
+        masters=masters,
+        ps_processes=ps_processes,
         ps_cores=rows_per_s * PS_CPU_SECONDS_PER_ROW,
         redis_cores=redis_cores,
         network_bytes_per_s=rows_per_s * (row_bytes + ID_BYTES),
+        disk=disk,
+    )
+
+
+def _disk_tier(
+    rows: int,
+    value_bytes: int,
+    misses: float,
+    utilisation: float,
+    disk_tib_per_ps: float,
+    cache_fraction: float,
+    *,
+    redis_memory_bytes: int,
+    redis_processes: int,
+) -> DiskTier:
+    """The disk tier of plan(): `misses` rows/s pulled and as many pushed."""
+    per_row = DISK_BYTES_PER_RAW_BYTE * (ID_BYTES + value_bytes)
+    disk_bytes = math.ceil(rows * per_row)
+    rows_per_s = 2 * misses
+    cache_bytes = math.ceil(cache_fraction * rows * value_bytes)
+    for_size = math.ceil(disk_bytes / (disk_tib_per_ps * TIB))
+    for_rate = math.ceil(rows_per_s / (utilisation * disk_ps_rows_per_second()))
+    for_cache = math.ceil(cache_bytes / DISK_MAX_CACHE_BYTES)
+    processes = max(1, for_size, for_rate, for_cache)
+    hot_rate = utilisation * disk_ps_rows_per_second(DISK_PS_HOT_PULL_ROWS_PER_SECOND)
+    hot = max(1, for_size, for_cache, math.ceil(rows_per_s / hot_rate))
+    cache_per_ps = math.ceil(cache_bytes / processes)
+    ps_memory = math.ceil(cache_per_ps + DISK_INDEX_BYTES_PER_ROW * rows / processes + DISK_PS_RSS_BYTES_BEYOND_CACHE)
+    memory = processes * ps_memory
+    if processes > redis_processes:
+        pick, why = (
+            "redis",
+            f"the rate sets the disk PSes: {processes:,} against the Redis tier's {redis_processes:,} "
+            f"processes (a disk PS moves {_count(disk_ps_rows_per_second())} rows/s, measured, "
+            f"{_count(PS_ROWS_PER_SECOND)} over Redis), "
+            + (
+                f"to save {_bytes(redis_memory_bytes - memory)} of RAM"
+                if memory < redis_memory_bytes
+                else "and it would save no RAM"
+            ),
+        )
+    elif memory >= redis_memory_bytes:
+        pick, why = "redis", "the rows fit in RAM: the disk tier would save no RAM"
+    else:
+        pick, why = (
+            "disk",
+            f"{_bytes(memory)} of RAM against {_bytes(redis_memory_bytes)}, on {processes:,} processes "
+            f"against {redis_processes:,} (Redis masters, replicas and PS processes)",
+        )
+    return DiskTier(
+        disk_tib_per_ps=disk_tib_per_ps,
+        cache_fraction=cache_fraction,
+        value_bytes=value_bytes,
+        bytes_per_row=per_row,
+        disk_bytes=disk_bytes,
+        rows_per_tb=1e12 / per_row,
+        ps_rows_per_s=disk_ps_rows_per_second(),
+        processes_for_size=for_size,
+        processes_for_rate=for_rate,
+        processes_for_cache=for_cache,
+        processes=processes,
+        processes_at_hot_pulls=hot,
+        cache_bytes=cache_bytes,
+        cache_bytes_per_ps=cache_per_ps,
+        ps_memory_bytes=ps_memory,
+        memory_bytes=memory,
+        block_reads_per_s_per_disk=misses / processes * DISK_BLOCK_READS_PER_COLD_ROW,
+        redis_memory_bytes=redis_memory_bytes,
+        redis_processes=redis_processes,
+        pick=pick,
+        why=why,
     )
 
 
@@ -457,5 +637,51 @@ def format_plan(p: Plan) -> str:
         "",
         f"planned at {p.utilisation:g} of measured capacity: {PS_ROWS_PER_SECOND:,} rows/s a PS process,",
         f"{_count(1 / REDIS_CPU_SECONDS_PER_ROW)} rows/s a Redis master (docs/scale.md says where each comes from)",
+        "",
+        *format_disk_tier(p),
     ]
     return "\n".join(lines)
+
+
+def format_disk_tier(p: Plan) -> list[str]:
+    """The disk tier's lines of format_plan."""
+    d = p.disk
+    sizes = [
+        f"size: {d.processes_for_size:,} at {d.disk_tib_per_ps:g} TiB a disk",
+        f"rate: {d.processes_for_rate:,} at {_count(p.utilisation * d.ps_rows_per_s)} rows/s each",
+    ]
+    if d.processes_for_cache > 1:
+        sizes.append(f"cache: {d.processes_for_cache:,} at most {_bytes(DISK_MAX_CACHE_BYTES)} each")
+    stamp = f" + {LIFECYCLE_STAMP_BYTES} B stamp" if d.value_bytes > p.row_bytes else ""
+    pick = "disk" if d.pick == "disk" else "Redis"
+    lines = [
+        "disk tier (the same rows on disk:// PSes, RocksDB on each one's own local SSD, no Redis):",
+        f"row on disk:    {d.bytes_per_row:,.0f} B ({DISK_BYTES_PER_RAW_BYTE:.2f}x the row{stamp} and its id, "
+        f"as measured at {DISK_MEASURED_ROW_BYTES} B rows); {_count(float(f'{d.rows_per_tb:.3g}'))} rows a TB",
+        f"bytes on disk:  {_bytes(d.disk_bytes)} after compaction",
+        f"disk PSes:      {d.processes:,}, each with its own disk ({'; '.join(sizes)})",
+        f"                ({d.processes_at_hot_pulls:,} if every pull were as fast as the Zipf batches', row cache "
+        f"hit rate {DISK_MEASURED_CACHE_HIT_RATE:g})",
+        f"DRAM cache:     {_bytes(d.cache_bytes)} in all, {_bytes(d.cache_bytes_per_ps)} a PS: "
+        f"{d.cache_fraction:g} of the rows' bytes (--disk-cache-fraction)",
+        f"                (measured: {DISK_MEASURED_CACHE_FRACTION:g} gave a row cache hit rate of "
+        f"{DISK_MEASURED_CACHE_HIT_RATE:g} on Zipf(1.05) batches,",
+        "                ~0.1 on uniform ones; other fractions, and the trainers' misses, were not measured)",
+        f"PS memory:      {_bytes(d.memory_bytes)} ({_bytes(d.ps_memory_bytes)} a process: its cache, index and "
+        f"filters, {_bytes(DISK_PS_RSS_BYTES_BEYOND_CACHE)} more as measured)",
+        f"disk reads:     {_count(d.block_reads_per_s_per_disk)} blocks/s a disk for the pulls "
+        f"({DISK_BLOCK_READS_PER_COLD_ROW:g} a cold row, measured; the disk's own rate was not)",
+    ]
+    lines += textwrap.wrap(
+        f"{pick}: {d.why}. A disk PS has no replica: a lost disk loses its rows since the last checkpoint.",
+        100,
+        initial_indent="pick:           ",
+        subsequent_indent=" " * 16,
+    )
+    lines += [
+        "",
+        f"planned at {p.utilisation:g} of measured capacity: {_count(d.ps_rows_per_s)} rows/s a disk PS (pulls of cold",
+        f"rows at {DISK_PS_COLD_PULL_ROWS_PER_SECOND:,}, pushes at {DISK_PS_PUSH_ROWS_PER_SECOND:,}, half each: "
+        "bench/RESULTS.md, disk_bench)",
+    ]
+    return lines

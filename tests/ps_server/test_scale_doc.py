@@ -1,5 +1,5 @@
-"""`dynemb ps plan` (dynemb/ps_server/sizing.py): its figures, its errors, and docs/scale.md's
-worked examples, which must equal what the command prints.
+"""`dynemb ps plan` (dynemb/ps_server/sizing.py): its figures, its errors, and the worked
+examples of docs/scale.md and docs/ps.md, which must equal what the command prints.
 
 After changing a constant or the output, regenerate the examples:
     PYTHONPATH=. .venv/bin/python tests/ps_server/test_scale_doc.py
@@ -24,6 +24,7 @@ from dynemb.ps_server import sizing
 from dynemb.ps_server.schema import OPTIMIZERS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "scale.md"  # also run as a script: no helpers
+PS_DOC = DOC.with_name("ps.md")  # its sizing section: one example with the disk tier
 # a fenced example: the command on its `$ ` line, then what it prints
 EXAMPLE = re.compile(r"```console\n\$ (dynemb ps plan [^\n]*)\n(.*?)```", re.S)
 BASE = ["ps", "plan", "--rows", "1e9", "--dim", "64", "--optimizer", "adam"]
@@ -57,6 +58,9 @@ def test_the_docs_examples_are_what_the_command_prints():
     refused = [shlex.split(command) for command, shown in examples if shown.startswith("dynemb: error: ")]
     assert len(refused) == 1 and "--new-ids-per-day" in refused[0]
     assert "--ttl" not in refused[0] and "--max-rows" not in refused[0]
+    # docs/ps.md's sizing section shows one, with its disk tier
+    (shown_in_ps_doc,) = [shown for command, shown in EXAMPLE.findall(PS_DOC.read_text()) if shown == printed(command)]
+    assert "\ndisk tier (" in shown_in_ps_doc and "\npick:           disk: " in shown_in_ps_doc
 
 
 def test_the_worked_examples_cover_1e9_and_1e10_rows_at_dim_64_and_128():
@@ -140,6 +144,9 @@ def test_redis_bytes_per_row_match_a_real_redis(redis_process, redis_namespace):
         (["--utilisation", "1.5"], "utilisation (--utilisation) must be > 0 and <= 1"),
         (["--replicas", "-1"], "replicas (--replicas) must be a whole number >= 0"),
         (["--redis-gib-per-master", "0"], "GiB per Redis master (--redis-gib-per-master) must be > 0"),
+        (["--disk-tib-per-ps", "0"], "TiB per disk PS (--disk-tib-per-ps) must be > 0, got 0.0"),
+        (["--disk-cache-fraction", "0"], "disk cache fraction (--disk-cache-fraction) must be > 0 and <= 1"),
+        (["--disk-cache-fraction", "1.5"], "disk cache fraction (--disk-cache-fraction) must be > 0 and <= 1"),
     ],
 )
 def test_bad_values_get_an_error_naming_the_flag_and_the_limit(flags, says):
@@ -158,6 +165,8 @@ def test_json_output_has_the_same_figures():
     p = sizing.plan(10**9, 64, "adam", 1e6, 40, 0.9)
     assert code == 0 and d["masters"] == p.masters and d["ps_processes"] == p.ps_processes
     assert d["rows_per_s"] == 8e6 and d["redis_bytes"] == p.redis_bytes
+    assert d["disk"]["processes"] == p.disk.processes == 150 and d["disk"]["disk_bytes"] == p.disk.disk_bytes
+    assert d["disk"]["pick"] == "disk"
 
 
 def test_rows_written_in_full_stay_exact():
@@ -338,9 +347,77 @@ def test_help_names_the_expiry_flags_and_an_example():
     assert "min(--max-rows, --rows +" in out
 
 
+# -- the disk tier: the same rows on disk PSes --------------------------------------------------
+
+
+def test_the_disk_tier_follows_from_the_measured_constants():
+    p = sizing.plan(10**10, 64, "adam", 1e6, 40, 0.9)
+    d = p.disk
+    # 1.15x the row and its id, as measured (87.3 B for a 68-byte row and its 8-byte id); no stamp
+    # on disk for rows that never expire
+    assert sizing.DISK_BYTES_PER_RAW_BYTE == pytest.approx(1.149, abs=5e-4)
+    assert d.value_bytes == 768 and d.bytes_per_row == pytest.approx(87.3 / 76 * 776) == pytest.approx(891.38, abs=0.01)
+    assert d.disk_bytes == math.ceil(10**10 * d.bytes_per_row) and d.rows_per_tb == pytest.approx(
+        1e12 / d.bytes_per_row
+    )
+    # size: 8.11 TiB at 2.5 TiB a disk; rate: 8M rows/s at 0.5 of one PS's cold pulls and pushes, half each
+    assert d.processes_for_size == 4 == math.ceil(d.disk_bytes / (2.5 * 2**40))
+    assert d.ps_rows_per_s == pytest.approx(2 / (1 / 116_108 + 1 / 98_850)) == pytest.approx(106_786, abs=1)
+    assert d.processes_for_rate == 150 == math.ceil(8e6 / (0.5 * d.ps_rows_per_s))
+    assert d.processes == 150 and d.processes_at_hot_pulls == math.ceil(8e6 / (0.5 * 2 / (1 / 397_229 + 1 / 98_850)))
+    # the cache: 0.1 of the rows' bytes, spread over the PSes; a PS's memory adds its index and the rest measured
+    assert d.cache_bytes == 768 * 10**9 and d.cache_bytes_per_ps == math.ceil(768 * 10**9 / 150)
+    assert d.ps_memory_bytes == math.ceil(d.cache_bytes_per_ps + 16 * 2**20 / 10**7 * 10**10 / 150 + 319 * 2**20)
+    assert d.memory_bytes == 150 * d.ps_memory_bytes
+    assert d.block_reads_per_s_per_disk == pytest.approx(4e6 / 150 * 0.866)
+    # against Redis: masters and replicas hold the rows in RAM, the PS processes beside them
+    assert d.redis_memory_bytes == 2 * p.redis_bytes + 68 * sizing.PS_RSS_BYTES
+    assert d.redis_processes == 2 * 251 + 68 and d.pick == "disk"
+
+
+def test_the_disk_tier_scales_with_its_settings_and_stamps_rows_that_expire():
+    base = sizing.plan(10**10, 64, "adam", 1e3, 1, 0.9).disk  # a slow rate: the bytes set the PSes
+    assert base.processes == base.processes_for_size == 4
+    assert sizing.plan(10**10, 64, "adam", 1e3, 1, 0.9, disk_tib_per_ps=0.5).disk.processes == 17  # 8.11 / 0.5
+    # a cache of all the rows' bytes (6.98 TiB) needs 7 PSes at the backend's 1 TiB a PS
+    whole = sizing.plan(10**10, 64, "adam", 1e3, 1, 0.9, disk_cache_fraction=1.0).disk
+    assert whole.processes_for_cache == whole.processes == 7 and whole.cache_bytes == 768 * 10**10
+    # a TTL or a cap: the rows carry their 4-byte stamp on disk too
+    expiring_rows = sizing.plan(10**10, 64, "adam", 1e3, 1, 0.9, ttl=30 * DAY).disk
+    assert expiring_rows.value_bytes == 772 and expiring_rows.bytes_per_row == pytest.approx(87.3 / 76 * 780)
+
+
+def test_the_disk_tier_is_picked_only_where_it_needs_less_ram_on_no_more_processes():
+    # the rate sets 150 disk PSes against 64 masters and 68 PS processes, no replicas
+    by_rate = sizing.plan(10**6, 64, "adam", 1e6, 40, 0.9, replicas=0).disk
+    assert by_rate.pick == "redis" and by_rate.redis_processes == 132 and by_rate.processes == 150
+    assert by_rate.why.startswith("the rate sets the disk PSes: 150 against the Redis tier's 132 processes")
+    # few rows: Redis holds them in less RAM than a disk PS process takes
+    small = sizing.plan(1000, 8, "sgd", 10, 1, 0.5).disk
+    assert small.pick == "redis" and small.why == "the rows fit in RAM: the disk tier would save no RAM"
+    assert small.memory_bytes >= small.redis_memory_bytes
+
+
+def test_the_plan_prints_the_disk_tier_with_its_measured_point():
+    code, out, _ = run([*BASE, *RATE])
+    assert code == 0
+    tier = out[out.index("\ndisk tier (") :]
+    for line in (
+        "bytes on disk:  830.16 GiB after compaction",  # 1e9 x 891.38 B
+        "disk PSes:      150, each with its own disk (size: 1 at 2.5 TiB a disk; rate: 150 at 53,393 rows/s each)",
+        "DRAM cache:     71.53 GiB in all, 488.28 MiB a PS: 0.1 of the rows' bytes (--disk-cache-fraction)",
+        "(measured: 0.1 gave a row cache hit rate of 0.87 on Zipf(1.05) batches,",
+        "other fractions, and the trainers' misses, were not measured",
+        "planned at 0.5 of measured capacity: 106,786 rows/s a disk PS",
+    ):
+        assert line in tier, line
+    assert "--disk-tib-per-ps" in run(["ps", "plan", "--help"])[1]
+
+
 def _regenerate() -> None:
-    text = DOC.read_text()
-    DOC.write_text(EXAMPLE.sub(lambda m: f"```console\n$ {m.group(1)}\n{printed(m.group(1))}```", text))
+    for doc in (DOC, PS_DOC):
+        text = doc.read_text()
+        doc.write_text(EXAMPLE.sub(lambda m: f"```console\n$ {m.group(1)}\n{printed(m.group(1))}```", text))
 
 
 if __name__ == "__main__":
