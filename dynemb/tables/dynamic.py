@@ -496,8 +496,13 @@ class DynamicTables:
                 pulling.append(k)
             at += n
         start = time.perf_counter()
-        push = self._timed(self.store.push_many_async(evicted), evicting, "push", start) if evicted else None
-        pull = self._timed(self.store.pull_many_async(wanted), pulling, "pull", start) if pulling else None
+        # in one call: over a PS, one hand-off to the client's thread, not one each (the rows read
+        # out are not changed before the push is done: _finish_moves gives their buffer back after)
+        push, pull = self.store.push_then_pull_many_async(evicted, wanted)
+        if push is not None:
+            push = self._timed(push, evicting, "push", start)
+        if pull is not None:
+            pull = self._timed(pull, pulling, "pull", start)
         return _Moves(push, pull, share.admitted_slots, share.admitted, held)
 
     def _finish_moves(self, moves: _Moves) -> None:

@@ -115,6 +115,16 @@ class RowStore:
         """{table: rows} of several tables' pulls at once."""
         return _done(lambda: {t: self.pull(t, ids) for t, ids in ids_by_table.items()})
 
+    def push_then_pull_many_async(
+        self, rows_by_table: dict[str, tuple[np.ndarray, np.ndarray]], ids_by_table: dict[str, np.ndarray]
+    ) -> tuple[Future | None, Future | None]:
+        """push_many_async(rows_by_table), then pull_many_async(ids_by_table): a step's row moves.
+        The pull sees the push. Each future is None where it has no tables; the rows are read
+        while the push runs: leave them unchanged until its future is done."""
+        push = self.push_many_async(rows_by_table) if rows_by_table else None
+        pull = self.pull_many_async(ids_by_table) if ids_by_table else None
+        return push, pull
+
     def watch_calls(self, watch: CallWatch) -> None:
         """Tell `watch` of the store's calls from now on: their retries, failures and waits (a
         trainer's metrics export them). A store in this process makes no calls to watch."""
@@ -307,6 +317,19 @@ class RemoteRowStore(RowStore):
     def pull_many_async(self, ids_by_table: dict[str, np.ndarray]) -> Future:
         """See RowStore.pull_many_async: one call per PS."""
         return _then(self.client.pull_many_async(ids_by_table), lambda got: {t: r.rows for t, r in got.items()})
+
+    def push_then_pull_many_async(
+        self, rows_by_table: dict[str, tuple[np.ndarray, np.ndarray]], ids_by_table: dict[str, np.ndarray]
+    ) -> tuple[Future | None, Future | None]:
+        """See RowStore.push_then_pull_many_async: both calls in one hand-off to the client's thread
+        (PSClient.push_then_pull_many_async), the rows not copied."""
+        if not rows_by_table or not ids_by_table:
+            return super().push_then_pull_many_async(rows_by_table, ids_by_table)
+        pushed, pulled = self.client.push_then_pull_many_async(
+            {t: (ids, np.ascontiguousarray(rows, dtype=np.float32)) for t, (ids, rows) in rows_by_table.items()},
+            ids_by_table,
+        )
+        return pushed, _then(pulled, lambda got: {t: r.rows for t, r in got.items()})
 
     def watch_calls(self, watch: CallWatch) -> None:
         """See RowStore.watch_calls: every call of the PS client."""

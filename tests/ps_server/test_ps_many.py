@@ -10,6 +10,7 @@ import pytest
 
 from dynemb.protos import ps_pb2, ps_pb2_grpc
 from dynemb.ps_server.client import PSClient
+from dynemb.ps_server.errors import TableNotFound
 
 SCHEMAS = {"user": (8, 8, "fp32"), "item": (4, 0, "fp16"), "ad": (16, 16, "bf16")}
 
@@ -78,6 +79,24 @@ def test_many_calls_keep_call_order_with_single_table_calls(make_ps):
             got = f_many.result()
             np.testing.assert_array_equal(got["user"].rows, b)
             np.testing.assert_array_equal(got["item"].rows, a["item"][1].astype(np.float16))
+
+
+def test_a_push_then_pull_in_one_hand_off_pulls_after_the_push_whatever_it_did(make_ps):
+    rng = np.random.default_rng(2)
+    with PSClient(make_ps().address) as ps:
+        create(ps)
+        ids = np.arange(100)
+        given = {name: (ids, random_rows(rng, name, 100)) for name in SCHEMAS}
+        pushed, pulled = ps.push_then_pull_many_async(given, {name: ids for name in SCHEMAS})
+        assert pushed.result() == 100 * len(SCHEMAS)
+        got = pulled.result()
+        for name, (_, rows) in given.items():
+            np.testing.assert_array_equal(got[name].rows, rows.astype(ps.schema(name).np_dtype), err_msg=name)
+        # a failed push fails its own future; the pull still runs, after it, as two calls would
+        pushed, pulled = ps.push_then_pull_many_async({"no_such_table": given["user"]}, {"user": ids})
+        with pytest.raises(TableNotFound):
+            pushed.result()
+        np.testing.assert_array_equal(pulled.result()["user"].rows, given["user"][1])
 
 
 def test_a_bad_entry_writes_nothing_of_any_entry(make_ps):

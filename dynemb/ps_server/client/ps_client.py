@@ -463,6 +463,37 @@ class PSClient:
         """push_many() without waiting: a Future of the rows written."""
         return self._submit_push_many(rows_by_table, timeout, copy=True)  # the caller may reuse its buffers
 
+    def push_then_pull_many_async(
+        self,
+        rows_by_table: Mapping[str, tuple[object, object]],
+        ids_by_table: Mapping[str, object],
+        timeout: float | None = None,
+    ) -> tuple[Future[int], Future[dict[str, PullResult]]]:
+        """push_many_async, then pull_many_async, in one hand-off to the lanes' thread: the pull runs
+        once the push is done (whatever its outcome), as the two calls made in that order would.
+        A trainer's step moves its rows so: a hand-off less saves ~0.2 ms of its CPU a step on 2
+        cores (bench/RESULTS.md). The rows are not copied: leave them unchanged until the push's
+        future is done.
+
+        Returns:
+            The push's future (rows written) and the pull's ({table: PullResult}).
+        """
+        given = {}
+        for table, (ids, rows) in rows_by_table.items():
+            ids = as_ids(ids)
+            given[table] = (ids, as_rows(table, ids, rows, copy=False))
+        wanted = {table: as_ids(ids) for table, ids in ids_by_table.items()}
+        deadline = self._deadline(timeout)
+        pushed: Future[int] = Future()
+        pulled: Future[dict[str, PullResult]] = Future()
+
+        def push_then_pull() -> None:
+            _outcome_into(pushed, self._rows.push_many, given, deadline)
+            _outcome_into(pulled, self._rows.pull_many, wanted, deadline)
+
+        self._lanes.submit_many([*given, *wanted], push_then_pull)
+        return pushed, pulled
+
     def _submit_push_many(
         self, rows_by_table: Mapping[str, tuple[object, object]], timeout: float | None, copy: bool
     ) -> Future[int]:
@@ -556,3 +587,11 @@ class PSClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _outcome_into(future: Future, fn, *args) -> None:
+    """fn(*args)'s result or exception into future."""
+    try:
+        future.set_result(fn(*args))
+    except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+        future.set_exception(e)
