@@ -17,7 +17,7 @@ from dynemb.testing.local_ps import REPO
 
 DEPLOY = REPO / "deploy"
 BIN = REPO / ".bin"
-OVERLAYS = ("standalone", "cluster", "standalone-tls")
+OVERLAYS = ("standalone", "cluster", "standalone-tls", "disk")
 
 
 def tool(name: str) -> str:
@@ -112,6 +112,14 @@ def named(docs: list[dict], kind: str, prefix: str) -> dict:
         if d["kind"] == kind and re.fullmatch(re.escape(prefix) + r"-[a-z0-9]{10}", d["metadata"]["name"])
     ]
     assert len(hits) == 1, f"{kind}/{prefix}-*: {len(hits)} found"
+    return hits[0]
+
+
+def ps_workload(docs: list[dict]) -> dict:
+    """The PS's pods' owner: the Deployment dynemb-ps (PSes over Redis), or the StatefulSet of
+    that name (disk PSes, each with its own volume)."""
+    hits = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet") and d["metadata"]["name"] == "dynemb-ps"]
+    assert len(hits) == 1, f"Deployment or StatefulSet dynemb-ps: {len(hits)} found"
     return hits[0]
 
 

@@ -30,6 +30,7 @@ from deploy_files import (
     metric_labels,
     named,
     ports,
+    ps_workload,
     redis_conf_lines,
     rendered,
     rule_groups,
@@ -290,7 +291,8 @@ def test_k8s_overlays_render_and_validate_against_kubernetes_schemas(overlay, k8
 
     docs = rendered(overlay, k8s_dir)
     kinds = {d["kind"] for d in docs}
-    assert {"Namespace", "Deployment", "Service", "StatefulSet", "Job", "ConfigMap", "Secret"} <= kinds
+    assert {"Namespace", "Service", "StatefulSet", "Job", "ConfigMap", "Secret"} <= kinds
+    ps_workload(docs)  # the PS: a Deployment over Redis, a StatefulSet of disk PSes
     for doc in docs:
         assert doc["metadata"].get("namespace", "dynemb") == "dynemb" or doc["kind"] == "Namespace"
         for version in ("1.29.0", "1.33.0"):
@@ -304,7 +306,7 @@ def _ps_args(docs: list[dict], monkeypatch) -> tuple[argparse.Namespace, dict]:
     """The PS container's command line and environment, parsed by the real `dynemb` CLI."""
     from dynemb.cli import build_parser
 
-    ps = container(find(docs, "Deployment", "dynemb-ps"), "ps")
+    ps = container(ps_workload(docs), "ps")
     env = dict(named(docs, "ConfigMap", "dynemb-ps")["data"])
     for e in ps["env"]:
         env[e["name"]] = e.get("value", "<from a secret>")
@@ -318,7 +320,7 @@ def _ps_args(docs: list[dict], monkeypatch) -> tuple[argparse.Namespace, dict]:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_k8s_ps_agrees_with_its_cli(overlay, k8s_dir, monkeypatch):
     docs = rendered(overlay, k8s_dir)
-    deployment = find(docs, "Deployment", "dynemb-ps")
+    deployment = ps_workload(docs)
     ps = container(deployment, "ps")
     args, env = _ps_args(docs, monkeypatch)
     assert args.ps_command == "serve"
@@ -328,10 +330,14 @@ def test_k8s_ps_agrees_with_its_cli(overlay, k8s_dir, monkeypatch):
     host, port = args.address.rsplit(":", 1)
     assert host == "0.0.0.0" and args.metrics_address == "0.0.0.0", "a pod must listen on all interfaces"
     assert ports(ps) == {"grpc": int(port), "metrics": args.metrics_port}
-    service = find(docs, "Service", "dynemb-ps")
-    assert [(p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == [(int(port), "grpc")]
     pods = find(docs, "Service", "dynemb-ps-pods")
     assert pods["spec"]["clusterIP"] == "None" and pods["spec"]["ports"][0]["name"] == "metrics"
+    if deployment["kind"] == "StatefulSet":  # disk PSes, each with other rows: no Service spreads calls over them
+        assert deployment["spec"]["serviceName"] == "dynemb-ps-pods"
+        assert not [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "dynemb-ps"]
+    else:
+        service = find(docs, "Service", "dynemb-ps")
+        assert [(p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == [(int(port), "grpc")]
     spec = deployment["spec"]["template"]["spec"]
     assert spec["terminationGracePeriodSeconds"] > args.drain_seconds + args.not_serving_seconds
     assert env["DYNEMB_PS_AUTH_TOKEN"] == "<from a secret>"
@@ -365,6 +371,17 @@ def test_k8s_ps_agrees_with_its_cli(overlay, k8s_dir, monkeypatch):
         names = {f"dynemb-redis-cluster-{i}.dynemb-redis-cluster" for i in range(sts["spec"]["replicas"])}
         assert nodes and all(h in names and p == 6379 for h, p in nodes)
         assert options.get("password") == "<from a secret>"
+    elif overlay == "disk":
+        from dynemb.ps_server.backends.disk_config import parse_disk_url
+
+        config = parse_disk_url(backend)
+        mounts = {m["name"]: m["mountPath"] for m in ps["volumeMounts"]}
+        (claim,) = deployment["spec"]["volumeClaimTemplates"]
+        assert config.path.startswith(mounts[claim["metadata"]["name"]] + "/") and config.sync == "ack"
+        assert claim["spec"]["accessModes"] == ["ReadWriteOnce"], "one pod on a volume: RocksDB's directory is one PS's"
+        assert "storageClassName" not in claim["spec"], "the cluster's default class, as the comment says"
+        assert _bytes(ps["resources"]["limits"]["memory"]) > config.cache_bytes
+        assert not [d for d in docs if "redis" in d["metadata"]["name"]], "no Redis in the disk overlay"
     else:
         assert re.fullmatch(r"redis://:<from a secret>@dynemb-redis:6379/0", backend)
         find(docs, "StatefulSet", "dynemb-redis")
@@ -433,7 +450,7 @@ def test_k8s_prometheus_discovers_pods_that_are_not_ready(overlay, k8s_dir):
                 assert spec.get("publishNotReadyAddresses") is True, f"{service} hides pods that are not ready"
                 assert port in {p["name"] for p in spec["ports"]}, f"{service} has no port {port}"
                 checked.add(job["job_name"])
-    assert checked == {"dynemb-ps", "dynemb-trainer", "redis"}
+    assert checked == {"dynemb-ps", "dynemb-trainer"} | ({"redis"} if overlay != "disk" else set())
 
 
 @lru_cache(maxsize=1)
@@ -500,17 +517,41 @@ def test_k8s_trainer_job_agrees_with_torchrun_and_dynemb_train(overlay, k8s_dir,
     k8s_prom = (DEPLOY / "prometheus" / "prometheus-k8s.yml").read_text()
     for i in range(nproc):
         assert f"_metrics-{i}._tcp.{service['metadata']['name']}.dynemb.svc" in k8s_prom
-    host, port = cfg.ps.split(":")
-    ps_service = find(docs, "Service", host)
-    assert ps_service["spec"]["ports"][0]["port"] == int(port)
+    if overlay == "disk":  # one address a disk PS pod: test_k8s_trainers_list_every_disk_ps_pod
+        assert cfg.ps == _trainer_ps_flag(docs)
+    else:
+        host, port = cfg.ps.split(":")
+        ps_service = find(docs, "Service", host)
+        assert ps_service["spec"]["ports"][0]["port"] == int(port)
     token = next(e for e in trainer["env"] if e["name"] == "DYNEMB_PS_AUTH_TOKEN")
-    ps_token = next(
-        e for e in container(find(docs, "Deployment", "dynemb-ps"), "ps")["env"] if e["name"] == "DYNEMB_PS_AUTH_TOKEN"
-    )
+    ps_token = next(e for e in container(ps_workload(docs), "ps")["env"] if e["name"] == "DYNEMB_PS_AUTH_TOKEN")
     assert token["valueFrom"] == ps_token["valueFrom"]
     # the trainer opens the PS through dynemb.tables.open_store
     assert "DYNEMB_PS_AUTH_TOKEN" in (REPO / "dynemb" / "tables" / "row_store.py").read_text()
     assert bool(cfg.ps_tls_ca) == overlay.endswith("tls")
+
+
+def _trainer_ps_flag(docs: list[dict]) -> str:
+    """The trainer Job's --ps, as `dynemb train` parses it."""
+    from dynemb.cli import build_parser
+
+    args = container(find(docs, "Job", "dynemb-trainer"), "trainer")["args"]
+    return getattr(build_parser().parse_args(["train", *args[args.index("-m") + 2 :]]), "training.ps")
+
+
+def test_k8s_trainers_list_every_disk_ps_pod(k8s_dir):
+    """The trainers' --ps names each pod of the disk PSes' StatefulSet once, in order, by the
+    stable name its headless Service gives it: the client shards ids over these addresses."""
+    from dynemb.ps_server.addresses import ps_addresses
+
+    docs = rendered("disk", k8s_dir)
+    sts = find(docs, "StatefulSet", "dynemb-ps")
+    service = find(docs, "Service", sts["spec"]["serviceName"])
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    port = ports(container(sts, "ps"))["grpc"]
+    pods = [f"dynemb-ps-{i}.{service['metadata']['name']}:{port}" for i in range(sts["spec"]["replicas"])]
+    assert ps_addresses(_trainer_ps_flag(docs)) == pods and len(pods) == 3
+    assert service["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
 
 
 @pytest.mark.parametrize("overlay", ["standalone", "cluster"])
@@ -566,15 +607,19 @@ def test_k8s_redis_maxmemory_leaves_room_for_the_fork(overlay, k8s_dir):
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_k8s_ps_survives_drains_and_a_lost_node(overlay, k8s_dir):
-    """A PodDisruptionBudget keeps a PS serving through voluntary disruptions, and anti-affinity
-    spreads the replicas over nodes; both select the Deployment's own pods."""
+    """A PodDisruptionBudget keeps a PS serving through voluntary disruptions (disk PSes: all but
+    one, each serving its own shard), and anti-affinity spreads the replicas over nodes; both
+    select the PS's own pods."""
     docs = rendered(overlay, k8s_dir)
-    deployment = find(docs, "Deployment", "dynemb-ps")
+    deployment = ps_workload(docs)
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
     replicas = deployment["spec"]["replicas"]
     pdb = find(docs, "PodDisruptionBudget", "dynemb-ps")["spec"]
     assert pdb["selector"]["matchLabels"].items() <= pod_labels.items()
-    assert 1 <= pdb["minAvailable"] < replicas, "one PS always serves; a drain can still take one"
+    if deployment["kind"] == "StatefulSet":
+        assert pdb["maxUnavailable"] == 1 and "minAvailable" not in pdb, "one shard at a time"
+    else:
+        assert 1 <= pdb["minAvailable"] < replicas, "one PS always serves; a drain can still take one"
     terms = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
         "preferredDuringSchedulingIgnoredDuringExecution"
     ]
