@@ -11,11 +11,20 @@ Zipf-like, a small MLP over them and 13 dense features. The full run holds every
 tables, started by dt.start_full_tables as the store starts them, so all runs see the same
 batches and their losses agree (printed). Timed after --warmup steps; the trainer's CPU is its
 process's (every thread), from time.process_time.
+
+The trainer's OpenMP threads (torch's intra-op ones, printed) spin after each parallel region
+by default (libgomp: for ~300,000 pauses, milliseconds) before they sleep: while the trainer
+waits on a PS and a redis-server that share its cores, the spinning takes the cores they need,
+and on 2 cores that was most of the Redis run's trainer CPU (bench/RESULTS.md). Set
+OMP_WAIT_POLICY=passive (before Python starts) to measure without it:
+
+    OMP_WAIT_POLICY=passive .venv/bin/python bench/own_model_bench.py --steps 1000
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -122,7 +131,8 @@ def main(argv=None) -> int:
     created = dt.init_distributed("cpu")
     print(
         f"own_model_bench: 1 process, {len(TABLES)} tables of {args.universe:,} IDs (dim {DIM}), batches of "
-        f"{args.batch_size}, {args.steps} timed steps, dynamic capacity {args.capacity_fraction:.0%}"
+        f"{args.batch_size}, {args.steps} timed steps, dynamic capacity {args.capacity_fraction:.0%}; "
+        f"{torch.get_num_threads()} intra-op threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
     )
     results = {"full": run("full", args, None), "embedded": run("embedded", args, None)}
     ps_cpu = None
@@ -155,8 +165,6 @@ def main(argv=None) -> int:
 
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU seconds a live process has used (Linux /proc)."""
-    import os
-
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
