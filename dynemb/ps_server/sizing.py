@@ -56,7 +56,7 @@ PS_RSS_BYTES = int(151.4 * 2**20)
 
 # -- the disk tier (disk:// backend: RocksDB on each PS's own local SSD), measured ---------------
 # All from bench/RESULTS.md, disk_bench, 2026-11-29 (issue 46, first version; recorded in commit
-# 0743632): `bench/disk_bench.py --rows 10000000`, 10^7 rows of dim 16 with row-wise Adagrad
+# c1a0862): `bench/disk_bench.py --rows 10000000`, 10^7 rows of dim 16 with row-wise Adagrad
 # (68 B), random 64-bit ids, cache_bytes 64 MiB (10% of the rows' bytes), sync=ack, no
 # compression, batches of 16,384 ids, two runs on a quiet 2-core box shared with the clients.
 # The database (870 MB) fitted in the box's page cache: the disk's own read rate was not measured.
