@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from dynemb.ps_server.backends.disk_layout import table_prefix
-from dynemb.ps_server.backends.id_log import END
+from dynemb.ps_server.backends.id_log import END, read_to
 from dynemb.ps_server.lifecycle import DROP_LOG_ENTRIES, Deletions, Drop, Drops
 
 DELETIONS = b"d"
@@ -142,16 +142,7 @@ class DiskIdLog:
             got += len(take)
             it.next()
         del it
-        if got < limit:  # read to the end: a count skipped there is a gap too
-            gap |= at < end
-            at = end
-        at = min(at, end)
-        return Deletions(
-            np.concatenate(ids) if ids else np.zeros(0, np.int64),
-            np.concatenate(times) if times else np.zeros(0, np.float64),
-            str(at),
-            gap,
-        )
+        return read_to(ids, times, at, end, got < limit, gap)
 
 
 class DropLog:

@@ -99,16 +99,7 @@ class IdLog:
             times.append(np.full(len(take), when))
             at += len(take)
             got += len(take)
-        if got < limit:  # read to the end: a count skipped there is a gap too
-            gap |= at < end
-            at = end
-        at = min(at, end)
-        return Deletions(
-            np.concatenate(ids) if ids else np.zeros(0, np.int64),
-            np.concatenate(times) if times else np.zeros(0, np.float64),
-            str(at),
-            gap,
-        )
+        return read_to(ids, times, at, end, got < limit, gap)
 
     def snapshot(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """(ids, times, runs, end) of everything kept, for a save: runs (k, 2) int64 holds each
@@ -143,3 +134,18 @@ class IdLog:
             self._entries = entries
             self._kept = len(ids)
             self.end = end
+
+
+def read_to(ids: list[np.ndarray], times: list[np.ndarray], at: int, end: int, to_end: bool, gap: bool) -> Deletions:
+    """A read of a log (this one's or the disk store's) ended at count `at` of its `end`: the
+    ids and times read, and the cursor. to_end: it read all there was (under its limit), so a
+    count skipped past `at` is a gap too, and the cursor is the end."""
+    if to_end:
+        gap |= at < end
+        at = end
+    return Deletions(
+        np.concatenate(ids) if ids else np.zeros(0, np.int64),
+        np.concatenate(times) if times else np.zeros(0, np.float64),
+        str(min(at, end)),
+        gap,
+    )
