@@ -288,7 +288,8 @@ class DiskStore(Store):
         return self._table(table).count
 
     def drop_table(self, table: str) -> int | None:
-        """See Store.drop_table: one range delete of its rows and logs; the drop is logged (drops())."""
+        """See Store.drop_table: the table's number marked dead, its rows and logs deleted by the
+        purge thread (RocksDB refuses a range delete beside a row cache); the drop is logged (drops())."""
         with self._lock:
             t = self._tables.pop(table, None)
             if t is None:
@@ -319,6 +320,10 @@ class DiskStore(Store):
             return self._rows.get(keys)  # one multi-get
         except Exception as exc:
             raise BackendUnavailable(f"disk backend {self.path}: read failed ({str(exc)[:300]})") from None
+
+    def _stored(self, keys: list[bytes]) -> np.ndarray:
+        """Which of keys hold a row (one multi-get)."""
+        return np.fromiter((v is not None for v in self._get(keys)), dtype=bool, count=len(keys))
 
     def pull(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """See Store.pull; rows of ids not found are left as they were in out."""
@@ -409,8 +414,7 @@ class DiskStore(Store):
                 part = slice(start, start + _CHUNK)
                 keys = row_keys(t.number, ids[part])
                 values = row_values(rows[part], t.schema.row_bytes, t.stamp())
-                stored = np.fromiter((v is not None for v in self._get(keys)), dtype=bool, count=len(keys))
-                new = len(keys) - int(stored.sum())
+                new = len(keys) - int(self._stored(keys).sum())
                 h = self._rows_h
                 for key, value in zip(keys, values):
                     batch.put(key, value, h)
@@ -423,7 +427,7 @@ class DiskStore(Store):
     def _remove(self, t: _DiskTable, ids: np.ndarray) -> np.ndarray:
         """Under t.lock: delete the stored ones of ids (distinct), logged; returns them."""
         keys = row_keys(t.number, ids)
-        stored = np.fromiter((v is not None for v in self._get(keys)), dtype=bool, count=len(keys))
+        stored = self._stored(keys)
         gone = ids[stored]
         if len(gone):
             batch = self._batch()
@@ -448,12 +452,18 @@ class DiskStore(Store):
         self._durable()
         return gone
 
+    def _scan_options(self, number: int) -> Any:
+        """Read options for a scan of table `number`'s keys: bounded by its range, and around the
+        cache (a scan would evict the hot rows)."""
+        ro = self._rd.ReadOptions()
+        ro.set_iterate_upper_bound(table_range(number)[1])
+        ro.fill_cache(False)  # type: ignore[call-arg]  # the stub lacks the flag the binding takes
+        return ro
+
     def _scan(self, t: _DiskTable, start: bytes, max_rows: int) -> tuple[list[bytes], list[bytes], bytes | None]:
         """(keys, values, the key after them or None) of up to max_rows rows of t from key start,
         in key order, read around the cache (a scan would evict the hot rows)."""
-        ro = self._rd.ReadOptions()
-        ro.set_iterate_upper_bound(table_range(t.number)[1])
-        ro.fill_cache(False)  # type: ignore[call-arg]  # the stub lacks the flag the binding takes
+        ro = self._scan_options(t.number)
         got = list(islice(self._rows.items(from_key=start, read_opt=ro), max_rows + 1))
         after = got.pop()[0] if len(got) > max_rows else None
         keys = [k for k, _ in got]
@@ -498,9 +508,7 @@ class DiskStore(Store):
                 number = int.from_bytes(key[len(_DEAD) :], "big")
                 for family, handle in ((self._rows, self._rows_h), (self._logs, self._logs_h)):
                     while not self._stopping.is_set():
-                        ro = self._rd.ReadOptions()
-                        ro.set_iterate_upper_bound(table_range(number)[1])
-                        ro.fill_cache(False)  # type: ignore[call-arg]  # as in _scan
+                        ro = self._scan_options(number)
                         keys = list(islice(family.keys(from_key=table_prefix(number), read_opt=ro), _SCAN_ROWS))
                         if not keys:
                             break
@@ -554,7 +562,7 @@ class DiskStore(Store):
         t = self._table(table)
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         if not t.lifecycle.active:
-            return int(sum(v is not None for v in self._get(row_keys(t.number, ids))))
+            return int(self._stored(row_keys(t.number, ids)).sum())
         return int(self._restamp(t, ids)[0].sum())
 
     def _stamped_slice(self, t: _DiskTable, cursor: int, max_rows: int) -> tuple[int, np.ndarray, np.ndarray]:
