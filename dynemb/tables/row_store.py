@@ -310,13 +310,11 @@ class RemoteRowStore(RowStore):
 
     def push_many_async(self, rows_by_table: dict[str, tuple[np.ndarray, np.ndarray]]) -> Future:
         """See RowStore.push_many_async: one call per PS; the future's result is the rows written."""
-        return self.client.push_many_async(
-            {t: (ids, np.ascontiguousarray(rows, dtype=np.float32)) for t, (ids, rows) in rows_by_table.items()}
-        )
+        return self.client.push_many_async(_float32_rows(rows_by_table))
 
     def pull_many_async(self, ids_by_table: dict[str, np.ndarray]) -> Future:
         """See RowStore.pull_many_async: one call per PS."""
-        return _then(self.client.pull_many_async(ids_by_table), lambda got: {t: r.rows for t, r in got.items()})
+        return _then(self.client.pull_many_async(ids_by_table), _rows_of)
 
     def push_then_pull_many_async(
         self, rows_by_table: dict[str, tuple[np.ndarray, np.ndarray]], ids_by_table: dict[str, np.ndarray]
@@ -325,11 +323,8 @@ class RemoteRowStore(RowStore):
         (PSClient.push_then_pull_many_async), the rows not copied."""
         if not rows_by_table or not ids_by_table:
             return super().push_then_pull_many_async(rows_by_table, ids_by_table)
-        pushed, pulled = self.client.push_then_pull_many_async(
-            {t: (ids, np.ascontiguousarray(rows, dtype=np.float32)) for t, (ids, rows) in rows_by_table.items()},
-            ids_by_table,
-        )
-        return pushed, _then(pulled, lambda got: {t: r.rows for t, r in got.items()})
+        pushed, pulled = self.client.push_then_pull_many_async(_float32_rows(rows_by_table), ids_by_table)
+        return pushed, _then(pulled, _rows_of)
 
     def watch_calls(self, watch: CallWatch) -> None:
         """See RowStore.watch_calls: every call of the PS client."""
@@ -374,3 +369,13 @@ def open_store(
         tls_cert=tls_cert,
         tls_key=tls_key,
     )
+
+
+def _float32_rows(rows_by_table: dict[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{table: (ids, rows)} with the rows as the PS's float32, contiguous (copied only if not already)."""
+    return {t: (ids, np.ascontiguousarray(rows, dtype=np.float32)) for t, (ids, rows) in rows_by_table.items()}
+
+
+def _rows_of(got: dict) -> dict[str, np.ndarray]:
+    """{table: rows} of a pull_many's {table: PullResult}."""
+    return {t: r.rows for t, r in got.items()}
