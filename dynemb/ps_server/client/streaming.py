@@ -14,7 +14,6 @@ A table of any size is imported without holding it in memory: each stream is fed
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import deque
@@ -31,8 +30,6 @@ from dynemb.ps_server.client.sharding import Sharding
 from dynemb.ps_server.client.transport import Transport
 from dynemb.ps_server.errors import PSError
 from dynemb.ps_server.schema import TableSchema
-
-log = logging.getLogger("dynemb.ps.client")
 
 _QUEUED_CHUNKS = 4  # per stream: chunks read from the source ahead of what the PS has taken
 _RESENT_CHUNKS = 4  # per stream: chunks it took that are kept to send again if it must be reopened
@@ -143,16 +140,9 @@ class _ImportStream:
         if self._tries is None:
             retry_until = self.deadline if self.deadline is not None else time.monotonic() + self.retry_seconds
             self._tries = self.transport.retry.start(retry_until)
-        delay = self._tries.next_delay(err.code())
-        if delay is None:
+        doing = "opening it again, the chunks it took sent again"
+        if not self.transport.back_off(self._tries, err, "Import stream to", self.shard, doing):
             return False
-        if self._tries.retries == 1:
-            log.warning(
-                "Import stream to PS %s: %s; opening it again, the chunks it took sent again",
-                self.transport.addresses[self.shard],
-                err.code().name,
-            )
-        time.sleep(delay)
         self.call = self._open()
         return True
 

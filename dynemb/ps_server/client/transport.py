@@ -195,6 +195,22 @@ class Transport:
             exc.args = (f"{exc.args[0]}; {_what_was_tried(tries)}",)
         return exc
 
+    def back_off(self, tries: Attempts, err: grpc.RpcError, what: str, shard: int, doing: str) -> bool:
+        """After a try that failed with err: False if the retry policy says to stop; else the retry
+        counted (watch), its first logged (one line per call, not per try: "<what> PS <address>:
+        <code>; <doing> <until when>"), and the backoff slept, then True."""
+        delay = tries.next_delay(err.code())
+        if delay is None:
+            return False
+        if self.watch is not None:
+            self.watch.retried()
+        if tries.retries == 1:
+            log.warning(
+                "%s PS %s: %s; %s %s", what, self.addresses[shard], err.code().name, doing, _how_long_retried(tries)
+            )
+        time.sleep(delay)
+        return True
+
     def call(
         self,
         shard: int,
@@ -260,20 +276,8 @@ class Transport:
                 last = err
                 if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                     cause = err
-                delay = tries.next_delay(err.code())
-                if delay is None:
+                if not self.back_off(tries, err, f"{method} to", shard, "retrying"):
                     raise self._final(err, cause, shard, tries) from None
-                if self.watch is not None:
-                    self.watch.retried()
-                if tries.retries == 1:  # once per call: an outage is one line per call, not per try
-                    log.warning(
-                        "%s to PS %s: %s; retrying %s",
-                        method,
-                        self.addresses[shard],
-                        err.code().name,
-                        _how_long_retried(tries),
-                    )
-                time.sleep(delay)
 
     def fanout(self, method: str, calls: Sequence[tuple[int, object]], deadline: float) -> list:
         """Several unary RPCs of one method, all sent at once, each retried as `call` does.
@@ -350,20 +354,8 @@ class Transport:
                     raise exc from None
                 if tries is None:
                     tries = self.retry.start(deadline if deadline is not None else time.monotonic() + retry_seconds)
-                delay = tries.next_delay(err.code())
-                if delay is None:
+                if not self.back_off(tries, err, f"{method} stream from", shard, "opening it again"):
                     raise self._final(err, err, shard, tries) from None
-                if self.watch is not None:
-                    self.watch.retried()
-                if tries.retries == 1:
-                    log.warning(
-                        "%s stream from PS %s: %s; opening it again %s",
-                        method,
-                        self.addresses[shard],
-                        err.code().name,
-                        _how_long_retried(tries),
-                    )
-                time.sleep(delay)
             finally:
                 call.cancel()  # a no-op once it ended; a reader that stopped early ends it here
 
