@@ -62,13 +62,11 @@ class DiskIdLog:
         end = int.from_bytes(stored, "little") if stored else 0
         it = self._logs.iter()
         it.seek(self.prefix)
-        first = None
-        if it.valid() and it.key().startswith(self.prefix):
-            first = int.from_bytes(it.key()[len(self.prefix) :], "big")
+        first = self._seq(it)
         it.seek_for_prev(self.prefix + b"\xff" * _SEQ_BYTES)
-        if it.valid() and it.key().startswith(self.prefix):
-            last_len = (len(it.value()) - _TIME.itemsize) // 8
-            end = max(end, int.from_bytes(it.key()[len(self.prefix) :], "big") + last_len)
+        last = self._seq(it)
+        if last is not None:
+            end = max(end, last + (len(it.value()) - _TIME.itemsize) // 8)
         del it
         return (end if first is None else first), end
 
