@@ -49,6 +49,11 @@ def rows_for(ids: np.ndarray) -> np.ndarray:
     return np.random.default_rng(int(ids[0]) & 0xFFFF).standard_normal((len(ids), SCHEMA.width)).astype(np.float32)
 
 
+def cache_bytes(url: str) -> str:
+    """The cache_bytes setting of a disk:// URL."""
+    return url.split("cache_bytes=", 1)[1].split("&", 1)[0]
+
+
 def timed(fn, batches) -> float:
     """Seconds fn takes over every batch."""
     start = time.perf_counter()
@@ -132,21 +137,21 @@ def main() -> None:
 
     results = {}
     for name, batches in (("zipf", zipf), ("uniform", uniform)):
-        before = disk.statistics()
+        before = {**disk.statistics(), **disk.engine_stats()}
         t_disk = timed(lambda b: disk.pull_into("t", b, out), batches)
-        after = disk.statistics()
+        after = {**disk.statistics(), **disk.engine_stats()}
         t_emb = timed(lambda b: emb.pull_into("t", b, got), batches)
         rows = len(batches) * args.batch
 
         def delta(key: str, a=after, b=before) -> int:
             return a.get(key, 0) - b.get(key, 0)
 
-        hits, misses = delta("rocksdb.row.cache.hit"), delta("rocksdb.row.cache.miss")
+        hits, misses = delta("row_cache_hit"), delta("row_cache_miss")  # the store's pool of rows
         reads = delta("rocksdb.block.cache.data.miss")
         results[name] = (rows / t_disk, rows / t_emb)
         print(
             f"pull {name}: disk {rows / t_disk:,.0f} rows/s, embedded {rows / t_emb:,.0f} rows/s, "
-            f"ratio {t_emb / t_disk:.2f}; row cache hit rate {hits / max(1, hits + misses):.3f}, "
+            f"ratio {t_emb / t_disk:.2f}; pool hit rate {hits / max(1, hits + misses):.3f}, "
             f"data block reads {reads / rows:.3f} a row"
         )
 
@@ -162,8 +167,10 @@ def main() -> None:
     memtables = disk._rows.property_int_value("rocksdb.cur-size-all-mem-tables") or 0
     readers = disk._rows.property_int_value("rocksdb.estimate-table-readers-mem") or 0
     cache_use = sum(c.get_usage() for c in disk._caches)
+    pools = sum(t.pool.nbytes() for t in disk._tables.values())
     print(
-        f"RocksDB memory: caches {cache_use >> 20} MiB of {cache >> 20}, memtables {memtables >> 20} MiB, "
+        f"pools of rows {pools >> 20} MiB ({sum(len(t.pool) for t in disk._tables.values()):,} rows); "
+        f"RocksDB memory: block cache {cache_use >> 20} MiB, memtables {memtables >> 20} MiB, "
         f"index and filters {readers >> 20} MiB; process RSS {rss_mib():.0f} MiB with the embedded store's "
         f"{emb.nbytes() >> 20} MiB beside it"
     )
@@ -177,6 +184,14 @@ def main() -> None:
 
 def through_ps(args, backend: str, ids: np.ndarray, zipf: list, uniform: list) -> None:
     """The same pulls through a disk PS (reopening the database) and an embedded PS (loaded by pushes)."""
+    with tempfile.TemporaryDirectory(prefix="disk_bench_empty_") as empty:
+        with LocalPS(
+            "--backend", f"disk://{empty}/db?cache_bytes={cache_bytes(backend)}", "--log-level", "WARNING"
+        ) as ps:
+            with PSClient(ps.address) as c:
+                c.create_table_from_schema(SCHEMA)
+            time.sleep(1)
+            print(f"an idle disk PS with an empty table: RSS {rss_mib(ps.proc.pid):.0f} MiB")
     start = time.perf_counter()
     with (
         LocalPS("--backend", backend, "--log-level", "WARNING") as disk_ps,

@@ -388,8 +388,8 @@ _DISK_FAMILIES = (
     _DiskFamily(
         "dynemb_ps_disk_cache_lookups",
         "counter",
-        "Lookups in the disk store's DRAM caches by cache (row, block) and result (hit, miss): "
-        "hit rate = hits / lookups",
+        "Lookups in the disk store's DRAM caches by cache (row: its pools of hot rows; block: RocksDB's "
+        "block cache) and result (hit, miss): hit rate = hits / lookups",
         {
             ("row", "hit"): "row_cache_hit",
             ("row", "miss"): "row_cache_miss",

@@ -17,8 +17,9 @@ ack, and up to the last <ms> of acknowledged writes otherwise. A restart replays
 serves at once: no load step.
 
 What stays in memory: each table's record (schema, lifecycle, count, its logs' two cursors) and
-the cache (cache_bytes), plus RocksDB's index and bloom filter blocks (~1.5 bytes a row) and its
-memtables (64 MiB each, up to two per column family).
+the cache (cache_bytes): each table's pool of hot rows (disk_cache.py, write-through, so a pooled
+row needs no read of RocksDB at all) and a small block cache; plus RocksDB's index and bloom
+filter blocks (~1.5 bytes a row) and its memtables (64 MiB each, up to two per column family).
 """
 
 from __future__ import annotations
@@ -38,8 +39,17 @@ from typing import Any
 import numpy as np
 
 from dynemb.common.arrays import unique
+from dynemb.ps_server import native
 from dynemb.ps_server.backends.base import Store, check_same_schema, rows_out
-from dynemb.ps_server.backends.disk_config import LOGS_CF, ROWS_CF, DiskConfig, parse_disk_url, rocksdb_options
+from dynemb.ps_server.backends.disk_cache import PoolBudget, RowPool
+from dynemb.ps_server.backends.disk_config import (
+    LOGS_CF,
+    POOL_SHARE,
+    ROWS_CF,
+    DiskConfig,
+    parse_disk_url,
+    rocksdb_options,
+)
 from dynemb.ps_server.backends.disk_layout import (
     MAX_TABLE_NUMBER,
     cursor_of_key,
@@ -88,6 +98,7 @@ class _DiskTable:
         self.dropped = False
         self.expired_reads = 0
         db, logs, handle = store._db, store._logs, store._logs_h
+        self.pool = RowPool(schema.row_bytes, store._budget)
         self.deletions = DiskIdLog(db, logs, handle, number, DELETIONS, LOG_MAX_IDS)
         self.changes = DiskIdLog(db, logs, handle, number, CHANGES, self.change_log or LOG_MAX_IDS)
 
@@ -109,6 +120,14 @@ class _DiskTable:
     def stamp(self) -> int | None:
         """The stamp a row written now carries (None: rows of this table carry none)."""
         return now_stamp() if self.lifecycle.active else None
+
+    def pooled_or_stored(self, store: DiskStore, ids: np.ndarray) -> np.ndarray:
+        """Which of ids hold a row: the pooled ones without a read, the rest by one multi-get."""
+        found = self.pool.pooled(ids)
+        rest = np.flatnonzero(~found)
+        if len(rest):
+            found[rest] = store._stored(row_keys(self.number, ids[rest]))
+        return found
 
 
 class DiskStore(Store):
@@ -135,6 +154,8 @@ class DiskStore(Store):
         except OSError as exc:
             raise BackendUnavailable(f"disk backend {self.path}: cannot make the directory ({exc})") from None
         self._options, families, self._caches = rocksdb_options(self.config)
+        self._budget = PoolBudget(int(self.config.cache_bytes * POOL_SHARE))
+        self._dropped_lookups = [0, 0]  # pool hits and misses of tables dropped since the store opened
         try:
             # Any: rocksdict's stubs type keys and values as any of str/int/float/bytes (raw mode: bytes)
             self._db: Any = rd.Rdict(str(self.path), self._options, column_families=families)
@@ -152,6 +173,7 @@ class DiskStore(Store):
         self._logs_h: Any = self._db.get_column_family_handle(LOGS_CF)
         self._wo = rd.WriteOptions()  # the WAL sync is separate (_durable): concurrent writers share it
         self._rd = rd
+        self._scatter = native.id_index().scatter
         self._lock = threading.Lock()  # creates and drops
         self._closed = False
         self._check_format()
@@ -296,6 +318,9 @@ class DiskStore(Store):
                 return None
             with t.lock:
                 t.dropped = True
+                t.pool.close()
+                self._dropped_lookups[0] += t.pool.hits
+                self._dropped_lookups[1] += t.pool.misses
                 batch = self._batch()
                 for key in (_TABLE + table.encode(), t.count_key(), _SWEEP + table.encode()):
                     batch.delete(key)
@@ -333,9 +358,9 @@ class DiskStore(Store):
         return rows, found
 
     def pull_into(self, table: str, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """See Store.pull_into: a multi-get per _CHUNK ids. In a table whose rows expire, expired
-        rows count as absent, and rows whose stamp is older than the touch interval are stamped
-        again."""
+        """See Store.pull_into: pooled rows from memory, the rest by a multi-get per _CHUNK ids.
+        In a table whose rows expire, expired rows count as absent, and rows whose stamp is older
+        than the touch interval are stamped again."""
         t = self._table(table)
         out = rows_out(out, len(ids), t.schema)
         ids = np.ascontiguousarray(ids, dtype=np.int64)
@@ -344,12 +369,56 @@ class DiskStore(Store):
         ]
         return np.concatenate(missing) if missing else np.zeros(0, dtype=np.int64)
 
+    def _read_rows(self, t: _DiskTable, ids: np.ndarray, buf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The stored rows of ids into buf at their positions: the pooled ones copied in one
+        compiled call, the rest read by one multi-get of their distinct ids and admitted.
+
+        Args:
+            t: the table.
+            ids: int64, contiguous (may repeat).
+            buf: len(ids) rows of the table's row bytes (any dtype); rows of ids not found are
+                left as they were.
+
+        Returns:
+            (found: bool per id, stamps: uint32 per id, 0 where a row carries none or is absent).
+        """
+        rb = t.schema.row_bytes
+        n = len(ids)
+        found = np.zeros(n, dtype=bool)
+        stamps = np.zeros(n, dtype=STAMP_DTYPE)
+        hit_at, hit_stamps, since = t.pool.gather(ids, buf)
+        found[hit_at] = True
+        stamps[hit_at] = hit_stamps
+        miss_at = np.flatnonzero(~found)
+        if not len(miss_at):
+            return found, stamps
+        # a Zipf batch repeats its ids: each is read once
+        wanted, inverse = np.unique(ids[miss_at], return_inverse=True)
+        got, raw, got_stamps = decode_values(self._get(row_keys(t.number, wanted)), rb)
+        if not got.any():
+            return found, stamps
+        raw = np.ascontiguousarray(raw)
+        t.pool.admit(wanted[got], raw, got_stamps, since)
+        row_of = np.cumsum(got) - 1  # a wanted id's row in raw
+        sel = got[inverse]
+        at = miss_at[sel]
+        take = row_of[inverse[sel]]
+        self._scatter(buf, rb, at, raw, take)
+        found[at] = True
+        stamps[at] = got_stamps[take]
+        return found, stamps
+
     def _pull_chunk(self, t: _DiskTable, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
         """pull_into for one chunk of ids; the positions of those not found."""
-        found, raw, stamps = decode_values(self._get(row_keys(t.number, ids)), t.schema.row_bytes)
-        at = np.flatnonzero(found)
         lifecycle = t.lifecycle
-        if lifecycle.active and len(at):
+        if not lifecycle.active:  # every row found is served as it is: straight into out
+            found, _ = self._read_rows(t, ids, out)
+            return np.flatnonzero(~found)
+        buf = np.empty((len(ids), t.schema.row_bytes), dtype=np.uint8)
+        found, stamps = self._read_rows(t, ids, buf)
+        at = np.flatnonzero(found)
+        raw, stamps = buf[at], stamps[at]
+        if len(at):
             stamps = np.maximum(stamps, lifecycle.since)
             expired = stamps < lifecycle.expired_before()
             stale = ~expired & (stamps < lifecycle.refresh_before())
@@ -358,7 +427,6 @@ class DiskStore(Store):
                 # taken as it is then (deleted by a sweep in between: absent; pushed: the new row)
                 where = np.flatnonzero(stale)
                 still, now_rows = self._restamp(t, ids[at[where]])
-                raw = np.array(raw)
                 raw[where[still]] = now_rows
                 gone = np.zeros(len(at), dtype=bool)
                 gone[where[~still]] = True
@@ -369,24 +437,29 @@ class DiskStore(Store):
                 found[at[expired]] = False
                 at, raw = at[~expired], raw[~expired]
         if len(at) == len(ids):
-            out[:] = np.ascontiguousarray(raw).view(t.schema.np_dtype)
+            out[:] = raw.view(t.schema.np_dtype).reshape(out.shape)
         elif len(at):
-            out[at] = np.ascontiguousarray(raw).view(t.schema.np_dtype)
+            out[at] = raw.view(t.schema.np_dtype).reshape(len(at), -1)
         return np.flatnonzero(~found)
 
     def _restamp(self, t: _DiskTable, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Stamp the stored ones of ids as used now (their rows read under the lock, so a write
         meanwhile is kept); returns (which of ids are stored, their rows' bytes)."""
+        rb = t.schema.row_bytes
         with t.lock:
-            keys = row_keys(t.number, ids)
-            found, raw, _ = decode_values(self._get(keys), t.schema.row_bytes)
+            buf = np.empty((len(ids), rb), dtype=np.uint8)
+            found, _ = self._read_rows(t, ids, buf)
+            raw = buf[found]
             if t.dropped or not found.any():
                 return found, raw
             batch = self._batch()
-            kept = [k for k, f in zip(keys, found.tolist()) if f]
-            for key, value in zip(kept, row_values(raw, t.schema.row_bytes, now_stamp())):
+            kept = ids[found]
+            stamp = now_stamp()
+            for key, value in zip(row_keys(t.number, kept), row_values(raw, rb, stamp)):
                 batch.put(key, value, self._rows_h)
             self._write(batch)
+            distinct, first = np.unique(kept, return_index=True)
+            t.pool.write(distinct, raw[first], stamp)
         return found, raw
 
     def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> int:
@@ -413,21 +486,24 @@ class DiskStore(Store):
                     t.changes.append(batch, pushed)  # as pushed, repeats and all (as every store logs them)
                 part = slice(start, start + _CHUNK)
                 keys = row_keys(t.number, ids[part])
-                values = row_values(rows[part], t.schema.row_bytes, t.stamp())
-                new = len(keys) - int(self._stored(keys).sum())
+                stamp = t.stamp()
+                values = row_values(rows[part], t.schema.row_bytes, stamp)
+                new = len(keys) - int(t.pooled_or_stored(self, ids[part]).sum())
                 h = self._rows_h
                 for key, value in zip(keys, values):
                     batch.put(key, value, h)
                 batch.put(t.count_key(), (t.count + new).to_bytes(8, "little", signed=True))
                 self._write(batch)
                 t.count += new
+                raw = np.ascontiguousarray(rows[part]).view(np.uint8).reshape(len(keys), t.schema.row_bytes)
+                t.pool.write(ids[part], raw, stamp or 0)
         self._durable()
         return n
 
     def _remove(self, t: _DiskTable, ids: np.ndarray) -> np.ndarray:
         """Under t.lock: delete the stored ones of ids (distinct), logged; returns them."""
         keys = row_keys(t.number, ids)
-        stored = self._stored(keys)
+        stored = t.pooled_or_stored(self, ids)
         gone = ids[stored]
         if len(gone):
             batch = self._batch()
@@ -438,6 +514,7 @@ class DiskStore(Store):
             batch.put(t.count_key(), (t.count - len(gone)).to_bytes(8, "little", signed=True))
             self._write(batch)
             t.count -= len(gone)
+            t.pool.forget(gone)
         return gone
 
     def delete(self, table: str, ids: np.ndarray) -> int:
@@ -493,6 +570,7 @@ class DiskStore(Store):
                 batch.put(t.count_key(), (0).to_bytes(8, "little"))
                 self._write(batch)
                 t.count = 0
+            t.pool.clear()
         self._durable()
         return n
 
@@ -562,7 +640,7 @@ class DiskStore(Store):
         t = self._table(table)
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         if not t.lifecycle.active:
-            return int(self._stored(row_keys(t.number, ids)).sum())
+            return int(t.pooled_or_stored(self, ids).sum())
         return int(self._restamp(t, ids)[0].sum())
 
     def _stamped_slice(self, t: _DiskTable, cursor: int, max_rows: int) -> tuple[int, np.ndarray, np.ndarray]:
@@ -670,9 +748,11 @@ class DiskStore(Store):
             return {}
         counts = self.statistics()
         rows = self._rows
+        tables = list(self._tables.values())
         return {
-            "row_cache_hit": counts.get("rocksdb.row.cache.hit", 0),
-            "row_cache_miss": counts.get("rocksdb.row.cache.miss", 0),
+            # the pool of hot rows (disk_cache.py) is the row cache now
+            "row_cache_hit": self._dropped_lookups[0] + sum(t.pool.hits for t in tables),
+            "row_cache_miss": self._dropped_lookups[1] + sum(t.pool.misses for t in tables),
             "block_cache_hit": counts.get("rocksdb.block.cache.hit", 0),
             "block_cache_miss": counts.get("rocksdb.block.cache.miss", 0),
             "disk_bytes": self.disk_bytes(),

@@ -21,12 +21,11 @@ from dynemb.ps_server.errors import InvalidArgument
 DEFAULT_CACHE_BYTES = 256 << 20
 MIN_CACHE_BYTES = 1 << 20
 MAX_CACHE_BYTES = 1 << 40
-# Of the cache, the share that holds single rows (RocksDB's row cache); the rest holds blocks.
-# Why rows: ids are hashes, so a 4 KiB block holds ~50 rows of which few are hot. Measured on
-# 2M rows, Zipf(1.05) batches, a cache of 10% of the rows' bytes (bench/disk_bench.py, twice
-# each): 0.129 data block reads a row against 0.211 with the block cache alone (0.5 MiB of
-# rows), 532-569k rows/s against 481-529k; uniform batches 191k against 206-217k.
-ROW_CACHE_SHARE = 0.75
+# Of the cache, the share that holds single rows in the store's own pools (disk_cache.py); the
+# rest is RocksDB's block cache. Why rows, and in the store: ids are hashes, so a 4 KiB block
+# holds ~50 rows of which few are hot, and a row read through RocksDB costs 1-3 us even from its
+# row cache. The blocks a miss reads come from the OS's page cache as well.
+POOL_SHARE = 0.9
 # sync=<ms>: a background WAL fsync every 1 ms to 60 s.
 MIN_SYNC_MS = 1
 MAX_SYNC_MS = 60_000
@@ -45,7 +44,7 @@ class DiskConfig:
 
     Attributes:
         path: the RocksDB directory (made if missing).
-        cache_bytes: DRAM for hot rows and blocks (ROW_CACHE_SHARE of it rows).
+        cache_bytes: DRAM for hot rows and blocks (POOL_SHARE of it the store's pools of rows).
         sync_ms: 0: every write's WAL is fsynced before it is acknowledged (sync=ack); N > 0: a
             background thread fsyncs the WAL every N ms (a power loss may lose the last N ms of
             acknowledged writes; a killed process loses nothing: each write reached the OS).
@@ -134,13 +133,11 @@ LOGS_CF = "logs"
 def rocksdb_options(config: DiskConfig) -> tuple[Any, dict[str, Any], list[Any]]:
     """(the DB's options, {column family: its options}, the caches they use) for config.
 
-    The caches are returned so the store keeps them alive as long as the DB (rocksdict's
-    Options.set_row_cache requires it).
+    The caches are returned so the store keeps them alive as long as the DB.
     """
     import rocksdict as rd
 
-    row_cache = rd.Cache(max(MIN_CACHE_BYTES // 2, int(config.cache_bytes * ROW_CACHE_SHARE)))
-    block_cache = rd.Cache(max(MIN_CACHE_BYTES // 2, config.cache_bytes - int(config.cache_bytes * ROW_CACHE_SHARE)))
+    block_cache = rd.Cache(max(MIN_CACHE_BYTES // 2, config.cache_bytes - int(config.cache_bytes * POOL_SHARE)))
 
     def base() -> rd.Options:
         o = rd.Options(raw_mode=True)
@@ -152,7 +149,6 @@ def rocksdb_options(config: DiskConfig) -> tuple[Any, dict[str, Any], list[Any]]
         return o
 
     db = base()
-    db.set_row_cache(row_cache)  # a DB-wide setting in RocksDB; only the rows are read by key
     # what the metrics and the bench read (cache hits, block reads, stalls); no cost seen: 2M rows,
     # alternated twice, pulls and pushes within 5% with and without
     db.enable_statistics()
@@ -178,4 +174,4 @@ def rocksdb_options(config: DiskConfig) -> tuple[Any, dict[str, Any], list[Any]]
     )
     logs = base()
     logs.set_compression_type(rd.DBCompressionType.lz4())  # ids of a log share their high bytes
-    return db, {ROWS_CF: rows, LOGS_CF: logs}, [row_cache, block_cache]
+    return db, {ROWS_CF: rows, LOGS_CF: logs}, [block_cache]
