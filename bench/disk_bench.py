@@ -72,7 +72,16 @@ def main() -> None:
     p.add_argument("--sync", default="ack", help="the disk store's sync setting")
     p.add_argument("--no-ps", action="store_true", help="the stores in this process only")
     p.add_argument("--dir", default="", help="where the database goes (default: a temporary folder on /tmp)")
+    p.add_argument(
+        "--disk-ps-only",
+        action="store_true",
+        help="load the disk store with load_sorted (table files ingested) and measure a disk PS alone: "
+        "for 10^8 rows, where the embedded store would not fit beside it (ratios come from 10^7)",
+    )
     args = p.parse_args()
+    if args.disk_ps_only:
+        disk_ps_only(args)
+        return
 
     n, rb = args.rows, SCHEMA.row_bytes
     raw_bytes = n * (8 + rb)  # what an export carries: the id and the row
@@ -164,6 +173,14 @@ def main() -> None:
         f"push of stored rows: disk {rows / t_disk:,.0f} rows/s, embedded {rows / t_emb:,.0f} rows/s, "
         f"ratio {t_emb / t_disk:.2f}"
     )
+    # rows a trainer pushes back are mostly ones it pulled: the Zipf batches, pooled or not
+    zipf_rows = [rows_for(b) for b in zipf]
+    t_disk = timed(lambda k: disk.push("t", zipf[k], zipf_rows[k]), range(len(zipf)))
+    t_emb = timed(lambda k: emb.push("t", zipf[k], zipf_rows[k]), range(len(zipf)))
+    print(
+        f"push of the Zipf batches: disk {rows / t_disk:,.0f} rows/s, embedded {rows / t_emb:,.0f} rows/s, "
+        f"ratio {t_emb / t_disk:.2f}"
+    )
     memtables = disk._rows.property_int_value("rocksdb.cur-size-all-mem-tables") or 0
     readers = disk._rows.property_int_value("rocksdb.estimate-table-readers-mem") or 0
     cache_use = sum(c.get_usage() for c in disk._caches)
@@ -178,6 +195,71 @@ def main() -> None:
     disk.close()
     if not args.no_ps:
         through_ps(args, f"disk://{url.path}?cache_bytes={url.cache_bytes}&sync={url.sync}", ids, zipf, uniform)
+    if not args.dir:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def disk_ps_only(args) -> None:
+    """Load with load_sorted, then a disk PS alone: its RSS idle and empty, after reopening the
+    rows, and after Zipf and uniform pulls."""
+    n = args.rows
+    cache = max(1 << 20, int(args.cache_share * n * SCHEMA.row_bytes))
+    folder = Path(args.dir or tempfile.mkdtemp(prefix="disk_bench_"))
+    shutil.rmtree(folder / "db", ignore_errors=True)
+    rng = np.random.default_rng(0)
+    ids = np.unique(rng.integers(-(1 << 63), (1 << 63) - 1, n, dtype=np.int64))
+    n = len(ids)
+    url = f"disk://{folder}/db?cache_bytes={cache}&sync={args.sync}&compression={args.compression}"
+    print(f"{n:,} rows, cache_bytes {cache >> 20} MiB, load average {os.getloadavg()[0]:.1f}", flush=True)
+    step = 1 << 20
+
+    def chunks():
+        for s in range(0, n, step):
+            if s and s % (step * 8) == 0:
+                print(f"  load {s / n:.0%}: {s / (time.perf_counter() - start):,.0f} rows/s", flush=True)
+            yield ids[s : s + step], rng.standard_normal((len(ids[s : s + step]), SCHEMA.width)).astype(np.float32)
+
+    disk = DiskStore(url)
+    disk.create_table(SCHEMA)
+    start = time.perf_counter()
+    disk.load_sorted("t", chunks())
+    load_s = time.perf_counter() - start
+    on_disk = disk.disk_bytes()
+    disk.close()
+    print(
+        f"load_sorted: {n / load_s:,.0f} rows/s ({load_s:.0f} s); bytes on disk {on_disk / n:.1f} B a row "
+        f"= {on_disk / (n * (8 + SCHEMA.row_bytes)):.2f}x the raw id + row bytes; load average "
+        f"{os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
+    rank_to_id = ids[rng.permutation(n)]
+    draw_rank = BoundedZipf(1.05, n)
+    warm = [rank_to_id[draw_rank(rng, args.batch) - 1] for _ in range(args.batches)]
+    zipf = [rank_to_id[draw_rank(rng, args.batch) - 1] for _ in range(args.batches)]
+    uniform = [ids[rng.integers(0, n, args.batch)] for _ in range(args.batches)]
+    with tempfile.TemporaryDirectory(prefix="disk_bench_empty_") as empty:
+        with LocalPS("--backend", f"disk://{empty}/db?cache_bytes={cache}", "--log-level", "WARNING") as ps:
+            with PSClient(ps.address) as c:
+                c.create_table_from_schema(SCHEMA)
+            time.sleep(1)
+            print(f"an idle disk PS with an empty table: RSS {rss_mib(ps.proc.pid):.0f} MiB")
+    start = time.perf_counter()
+    with LocalPS("--backend", url, "--log-level", "WARNING") as ps, PSClient(ps.address, timeout=600) as c:
+        print(
+            f"disk PS up in {time.perf_counter() - start:.1f} s serving {c.describe_table('t').num_rows:,} rows "
+            f"(RSS {rss_mib(ps.proc.pid):.0f} MiB)",
+            flush=True,
+        )
+        for b in warm:
+            c.pull("t", b)
+        print(f"  after {len(warm)} Zipf batches to warm its pool: RSS {rss_mib(ps.proc.pid):.0f} MiB", flush=True)
+        for name, batches in (("zipf", zipf), ("uniform", uniform)):
+            t = timed(lambda b: c.pull("t", b), batches)
+            print(
+                f"PS pull {name}: {len(batches) * args.batch / t:,.0f} rows/s; RSS {rss_mib(ps.proc.pid):.0f} MiB; "
+                f"load average {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
     if not args.dir:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -217,13 +299,14 @@ def through_ps(args, backend: str, ids: np.ndarray, zipf: list, uniform: list) -
                     f"ratio {t_emb / t_disk:.2f}"
                 )
             pushes = [ids[np.random.default_rng(k).integers(0, len(ids), args.batch)] for k in range(args.batches)]
-            t_disk = timed(lambda b: dc.push("t", b, rows_for(b)), pushes)
-            t_emb = timed(lambda b: ec.push("t", b, rows_for(b)), pushes)
-            n = len(pushes) * args.batch
-            print(
-                f"PS push of stored rows: disk PS {n / t_disk:,.0f} rows/s, embedded PS {n / t_emb:,.0f} rows/s, "
-                f"ratio {t_emb / t_disk:.2f}"
-            )
+            for name, batches in (("stored rows", pushes), ("the Zipf batches", zipf)):
+                t_disk = timed(lambda b: dc.push("t", b, rows_for(b)), batches)
+                t_emb = timed(lambda b: ec.push("t", b, rows_for(b)), batches)
+                n = len(batches) * args.batch
+                print(
+                    f"PS push of {name}: disk PS {n / t_disk:,.0f} rows/s, embedded PS {n / t_emb:,.0f} rows/s, "
+                    f"ratio {t_emb / t_disk:.2f}"
+                )
             print(
                 f"disk PS RSS {rss_mib(disk_ps.proc.pid):.0f} MiB, embedded PS RSS {rss_mib(emb_ps.proc.pid):.0f} MiB"
             )
