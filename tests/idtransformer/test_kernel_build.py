@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from helpers import REPO
 
+from dynemb.common.native_build import digest
+
 pytestmark = pytest.mark.slow  # each builds or loads the kernel in a new process
 
 LOAD = """
@@ -20,12 +22,15 @@ LOAD_OPS = "from dynemb.idtransformer.kernel import ops; ops(); print('loaded')"
 
 
 @pytest.fixture(scope="module")
-def own_build(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+def own_build() -> tuple[Path, dict[str, str]]:
     """The kernel built in a folder of these tests' own (TORCH_EXTENSIONS_DIR), and the
     environment that loads it from there: what they plant or time must not be met (a lock
     removed, a build redone) by the other processes of a parallel run, which load the kernel
-    from the shared folder all the while. One build (seconds), shared by the module's tests."""
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path_factory.mktemp("extensions"))}
+    from the shared folder all the while. The folder is this checkout's and outlives the run,
+    as the shared one does: a build from nothing (~15 s of a core at -O3, a minute on a
+    loaded machine) happens once per version of the sources, not once per run."""
+    folder = Path.home() / ".cache" / "dynemb" / "tests" / f"kernel-build-{digest(str(REPO).encode())}"
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(folder)}
     subprocess.run([sys.executable, "-c", LOAD_OPS], cwd=REPO, env=env, check=True, capture_output=True, timeout=600)
     build = subprocess.run([sys.executable, "-c", LOAD], cwd=REPO, env=env, check=True, capture_output=True, text=True)
     return Path(build.stdout.strip()), env
