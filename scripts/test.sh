@@ -14,6 +14,9 @@ echo "[test] ruff check, ruff format --check, mypy"
 .venv/bin/ruff format --check --quiet .
 .venv/bin/mypy
 workers=${DYNEMB_TEST_WORKERS:-$(( $(nproc) * 2 ))}
+# pytest keeps each test module's rewritten asserts in __pycache__ only where Python may write
+# bytecode: without it every worker rewrites all ~190 modules again (~6 s of a core each)
+unset PYTHONDONTWRITEBYTECODE
 # tests handed out one at a time, in the order tests/conftest.py puts them (the longest first),
 # the tests of a few modules that share a costly fixture as one: tests/conftest.py's scheduler
 # for --dist load (xdist's own hands out chunks of consecutive tests: one would hold every long one)
