@@ -8,6 +8,7 @@ import ast
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import dynemb, readme_output, torchrun
+
+from dynemb.checkpoint.format import checkpoints
 
 pytestmark = pytest.mark.torchrec  # TorchRec and fbgemm-gpu: needed by every test here
 
@@ -36,13 +39,18 @@ def _run(script: str, ranks: int, *args: str) -> subprocess.CompletedProcess:
 
 
 def _resumes_exactly(script: str, ranks: int, tmp_path: Path, *store: str) -> None:
-    """An uninterrupted run of STEPS, then HALF steps and a resume to STEPS: the same losses
-    after the checkpoint, the same AUC; and the export holds every row the store has."""
+    """A run of STEPS that saves a checkpoint at HALF and at the end; its last checkpoint
+    removed, a resume from HALF to STEPS: the same losses after HALF, the same AUC (on a PS the
+    restore replaces the rows the run left at STEPS); and the export holds every row the store has."""
     ck, full, resumed = tmp_path / "ck", tmp_path / "full.json", tmp_path / "resumed.json"
-    _run(script, ranks, "--steps", str(STEPS), "--result-json", str(full), "--table-prefix", "a_", *store)
-    _run(script, ranks, "--steps", str(HALF), "--checkpoint-dir", str(ck), "--table-prefix", "b_", *store)
+    _run(
+        script, ranks, "--steps", str(STEPS), "--checkpoint-dir", str(ck), "--checkpoint-every", str(HALF),
+        "--result-json", str(full), *store,
+    )  # fmt: skip
+    assert [p.name for p in checkpoints(ck)] == [f"step-{HALF:08d}", f"step-{STEPS:08d}"]
+    shutil.rmtree(ck / f"step-{STEPS:08d}")
     done = _run(
-        script, ranks, "--steps", str(STEPS), "--checkpoint-dir", str(ck), "--resume", "--table-prefix", "b_",
+        script, ranks, "--steps", str(STEPS), "--checkpoint-dir", str(ck), "--resume",
         "--result-json", str(resumed), "--export", str(tmp_path / "tables"), *store,
     )  # fmt: skip
     a, b = json.loads(full.read_text()), json.loads(resumed.read_text())
