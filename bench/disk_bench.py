@@ -28,6 +28,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dynemb.ps_server.backends.disk import DiskStore  # noqa: E402
+from dynemb.ps_server.backends.disk_cache import SLOT_OVERHEAD  # noqa: E402
+from dynemb.ps_server.backends.disk_config import POOL_SHARE  # noqa: E402
 from dynemb.ps_server.backends.embedded import EmbeddedStore  # noqa: E402
 from dynemb.ps_server.client import PSClient  # noqa: E402
 from dynemb.ps_server.schema import TableSchema, optimizer_state_width  # noqa: E402
@@ -199,6 +201,15 @@ def main() -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def pool_lookups(ps: LocalPS) -> tuple[float, float]:
+    """(hits, misses) of a disk PS's pools so far, from its /metrics."""
+    got = {"hit": 0.0, "miss": 0.0}
+    for line in ps.metrics_text().splitlines():
+        if line.startswith("dynemb_ps_disk_cache_lookups_total") and 'cache="row"' in line:
+            got["hit" if 'result="hit"' in line else "miss"] = float(line.rsplit(" ", 1)[1])
+    return got["hit"], got["miss"]
+
+
 def disk_ps_only(args) -> None:
     """Load with load_sorted, then a disk PS alone: its RSS idle and empty, after reopening the
     rows, and after Zipf and uniform pulls."""
@@ -207,7 +218,8 @@ def disk_ps_only(args) -> None:
     folder = Path(args.dir or tempfile.mkdtemp(prefix="disk_bench_"))
     shutil.rmtree(folder / "db", ignore_errors=True)
     rng = np.random.default_rng(0)
-    ids = np.unique(rng.integers(-(1 << 63), (1 << 63) - 1, n, dtype=np.int64))
+    ids = np.sort(rng.integers(-(1 << 63), (1 << 63) - 1, n, dtype=np.int64))
+    ids = ids[np.concatenate(([True], ids[1:] != ids[:-1]))]  # np.unique's hash table takes minutes at 10^8
     n = len(ids)
     url = f"disk://{folder}/db?cache_bytes={cache}&sync={args.sync}&compression={args.compression}"
     print(f"{n:,} rows, cache_bytes {cache >> 20} MiB, load average {os.getloadavg()[0]:.1f}", flush=True)
@@ -254,12 +266,25 @@ def disk_ps_only(args) -> None:
             c.pull("t", b)
         print(f"  after {len(warm)} Zipf batches to warm its pool: RSS {rss_mib(ps.proc.pid):.0f} MiB", flush=True)
         for name, batches in (("zipf", zipf), ("uniform", uniform)):
+            before = pool_lookups(ps)
             t = timed(lambda b: c.pull("t", b), batches)
+            hits, misses = (a - b for a, b in zip(pool_lookups(ps), before))
             print(
-                f"PS pull {name}: {len(batches) * args.batch / t:,.0f} rows/s; RSS {rss_mib(ps.proc.pid):.0f} MiB; "
+                f"PS pull {name}: {len(batches) * args.batch / t:,.0f} rows/s, pool hit rate "
+                f"{hits / max(1, hits + misses):.3f}; RSS {rss_mib(ps.proc.pid):.0f} MiB; "
                 f"load average {os.getloadavg()[0]:.1f}",
                 flush=True,
             )
+        # the pool's rows at its budget (disk_cache.py's accounting), then the RSS of a full pool
+        pool_rows = int(cache * POOL_SHARE) // (SCHEMA.row_bytes + SLOT_OVERHEAD)
+        start = time.perf_counter()
+        for _ in range(pool_rows // args.batch + 1):
+            c.pull("t", ids[rng.integers(0, n, args.batch)])
+        print(
+            f"after {pool_rows // args.batch + 1} uniform batches more ({pool_rows:,} rows fill its pool; "
+            f"{time.perf_counter() - start:.0f} s): RSS {rss_mib(ps.proc.pid):.0f} MiB",
+            flush=True,
+        )
     if not args.dir:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -12,7 +12,7 @@ import pytest
 from helpers import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from dynemb.ps_server.backends import disk, open_store
+from dynemb.ps_server.backends import disk, disk_load, open_store
 from dynemb.ps_server.backends.disk import DiskStore
 from dynemb.ps_server.backends.disk_config import DEFAULT_CACHE_BYTES, parse_disk_url
 from dynemb.ps_server.backends.disk_layout import ids_of_keys, row_keys
@@ -238,7 +238,7 @@ def test_a_sorted_load_fills_an_empty_table_and_a_cut_short_one_is_recounted(tmp
             store.load_sorted("u", [(np.array([3, 2]), np.ones((2, 4), np.float32))])
         # a crash between the marker and the count: the count is rebuilt at open
         store.load_sorted("u", [(np.arange(50), np.ones((50, 4), np.float32))])
-        store._db.put(disk._LOADING + disk.table_prefix(store._tables["u"].number), b"")
+        store._db.put(disk_load.marker(store._tables["u"].number), b"")
         store._db.put(disk._COUNT + disk.table_prefix(store._tables["u"].number), (0).to_bytes(8, "little"))
     finally:
         store.close()

@@ -29,10 +29,10 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ import numpy as np
 
 from dynemb.common.arrays import unique
 from dynemb.ps_server import native
+from dynemb.ps_server.backends import disk_load
 from dynemb.ps_server.backends.base import Store, check_same_schema, rows_out
 from dynemb.ps_server.backends.disk_cache import PoolBudget, RowPool
 from dynemb.ps_server.backends.disk_config import (
@@ -79,12 +80,14 @@ _TABLE = b"table/"
 _COUNT = b"count/"
 _SWEEP = b"sweep/"
 _DEAD = b"dead/"  # numbers of tables dropped whose rows are still being deleted
-_LOADING = b"loading/"  # numbers of tables a load_sorted began: their counts are recounted at open
 # rows a scan step (clear, export) reads at once
 _SCAN_ROWS = 65_536
 # ids one multi-get or WriteBatch takes: bounds the Python lists of keys and values a call makes
 # (~150 B a row) whatever the request's size; a push of more is several batches, one ack
 _CHUNK = 65_536
+# keys from which a multi-get is split in _GET_PARTS, all but one on reader threads
+_SPLIT_GET = 2048
+_GET_PARTS = 4
 
 
 class _DiskTable:
@@ -177,6 +180,7 @@ class DiskStore(Store):
         self._wo = rd.WriteOptions()  # the WAL sync is separate (_durable): concurrent writers share it
         self._rd = rd
         self._scatter = native.id_index().scatter
+        self._reader = ThreadPoolExecutor(_GET_PARTS - 1, thread_name_prefix="disk-read")
         self._lock = threading.Lock()  # creates and drops
         self._closed = False
         self._check_format()
@@ -232,22 +236,12 @@ class DiskStore(Store):
             number = int(record["number"])
             stored = self._db.get(_COUNT + table_prefix(number))
             count = int.from_bytes(stored, "little", signed=True) if stored else 0
-            if self._db.get(_LOADING + table_prefix(number)) is not None:
-                count = self._recount(number)
+            if self._db.get(disk_load.marker(number)) is not None:
+                count = disk_load.recount(self, number, _COUNT + table_prefix(number))
+                log.warning(
+                    "disk store %s: table %r's load was cut short; %d rows counted", self.path, schema.name, count
+                )
             self._tables[schema.name] = _DiskTable(self, schema, number, record, count)
-
-    def _recount(self, number: int) -> int:
-        """Count table `number`'s rows by a scan and store the count (a load_sorted cut short:
-        its files were ingested all or none)."""
-        ro = self._scan_options(number)
-        count = sum(1 for _ in self._rows.keys(from_key=table_prefix(number), read_opt=ro))
-        batch = self._batch()
-        batch.put(_COUNT + table_prefix(number), count.to_bytes(8, "little", signed=True))
-        batch.delete(_LOADING + table_prefix(number))
-        self._write(batch)
-        self._durable()
-        log.warning("disk store %s: table number %d's load was cut short; %d rows counted", self.path, number, count)
-        return count
 
     def _write(self, batch) -> None:
         """Apply batch (not yet synced: see _durable); BackendUnavailable naming RocksDB's error."""
@@ -359,8 +353,17 @@ class DiskStore(Store):
     # -- rows ---------------------------------------------------------------------------------
 
     def _get(self, keys: list[bytes]) -> list:
+        """The values of keys (None: absent): one multi-get, or two at once for many keys."""
         try:
-            return self._rows.get(keys)  # one multi-get
+            if len(keys) < _SPLIT_GET:
+                return self._rows.get(keys)
+            # the binding lets go of the GIL: the parts' block reads overlap
+            step = -(-len(keys) // _GET_PARTS)
+            rest = [self._reader.submit(self._rows.get, keys[s : s + step]) for s in range(step, len(keys), step)]
+            got = self._rows.get(keys[:step])
+            for part in rest:
+                got += part.result()
+            return got
         except Exception as exc:
             raise BackendUnavailable(f"disk backend {self.path}: read failed ({str(exc)[:300]})") from None
 
@@ -538,13 +541,9 @@ class DiskStore(Store):
     def load_sorted(
         self, table: str, chunks: Iterable[tuple[np.ndarray, np.ndarray]], rows_per_file: int = 1 << 22
     ) -> int:
-        """Fill an empty table from RocksDB table files written here and ingested whole: no WAL, no
-        memtable, no compaction (the files are disjoint and go to the last level). For a first load
-        of many rows; a table that keeps a change log refuses it (the rows would not be logged).
-        Rows of a table whose rows expire are stamped now.
-
-        A marker written (and synced) before the ingest makes a store opened after a crash in
-        between count the table's rows by a scan: the files are ingested all or none.
+        """Fill an empty table from RocksDB table files ingested whole (disk_load.py): for a first
+        load of many rows. A table that keeps a change log refuses it (the rows would go unlogged);
+        rows of a table whose rows expire are stamped now.
 
         Args:
             table: an existing, empty table.
@@ -557,57 +556,7 @@ class DiskStore(Store):
         Raises:
             InvalidArgument: the table has rows or keeps a change log, or ids do not ascend.
         """
-        t = self._table(table)
-        folder = self.path / "load_sorted"
-        with t.lock:
-            self._live(t)
-            if t.count or t.change_log:
-                raise InvalidArgument(
-                    f"table {table!r}: load_sorted fills an empty table that keeps no change log "
-                    f"(it has {t.count} rows, change log {t.change_log})"
-                )
-            marker = _LOADING + table_prefix(t.number)
-            batch = self._batch()
-            batch.put(marker, b"")
-            self._write(batch)
-            self._durable()
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir()
-            files: list[str] = []
-            writer, in_file, total, last = None, 0, 0, None
-            stamp = t.stamp()
-            for ids, rows in chunks:
-                ids = np.ascontiguousarray(ids, dtype=np.int64)
-                if len(ids) and ((last is not None and ids[0] <= last) or (np.diff(ids) <= 0).any()):
-                    shutil.rmtree(folder, ignore_errors=True)
-                    raise InvalidArgument(f"table {table!r}: load_sorted needs ids ascending strictly")
-                rows = rows_for_table(rows, t.schema, len(ids))
-                for key, value in zip(row_keys(t.number, ids), row_values(rows, t.schema.row_bytes, stamp)):
-                    if writer is None:
-                        writer = self._rd.SstFileWriter(self._rows_options)
-                        files.append(str(folder / f"{len(files):06d}.sst"))
-                        writer.open(files[-1])
-                    writer[key] = value
-                    in_file += 1
-                    if in_file == rows_per_file:
-                        writer.finish()
-                        writer, in_file = None, 0
-                total += len(ids)
-                last = int(ids[-1]) if len(ids) else last
-            if writer is not None:
-                writer.finish()
-            if files:
-                options = self._rd.IngestExternalFileOptions()
-                options.set_move_files(True)
-                self._rows.ingest_external_file(files, options)
-            batch = self._batch()
-            batch.put(t.count_key(), total.to_bytes(8, "little", signed=True))
-            batch.delete(marker)
-            self._write(batch)
-            t.count = total
-            shutil.rmtree(folder, ignore_errors=True)
-        self._durable()
-        return total
+        return disk_load.load_sorted(self, self._table(table), chunks, rows_per_file)
 
     def delete(self, table: str, ids: np.ndarray) -> int:
         """See Store.delete."""
@@ -885,6 +834,7 @@ class DiskStore(Store):
         except Exception:  # noqa: BLE001 - closing anyway
             log.exception("disk store %s: WAL sync at close failed", self.path)
         self._closed = True
+        self._reader.shutdown()
         # every object that holds a column family keeps RocksDB open (and its LOCK held): let go of all
         self._tables = {}
         del self._rows, self._logs, self._rows_h, self._logs_h, self._drop_log
