@@ -55,41 +55,45 @@ PS_CPU_SECONDS_PER_ROW = 1.17e-6
 PS_RSS_BYTES = int(151.4 * 2**20)
 
 # -- the disk tier (disk:// backend: RocksDB on each PS's own local SSD), measured ---------------
-# All from bench/RESULTS.md, disk_bench, 2026-11-29 (issue 46, first version; recorded in commit
-# c1a0862): `bench/disk_bench.py --rows 10000000`, 10^7 rows of dim 16 with row-wise Adagrad
+# All from bench/RESULTS.md, disk_bench, 2026-11-29, "a pool of hot rows in the store" (runs 2 and
+# 3, at 579e90b): `bench/disk_bench.py --rows 10000000`, 10^7 rows of dim 16 with row-wise Adagrad
 # (68 B), random 64-bit ids, cache_bytes 64 MiB (10% of the rows' bytes), sync=ack, no
 # compression, batches of 16,384 ids, two runs on a quiet 2-core box shared with the clients.
-# The database (870 MB) fitted in the box's page cache: the disk's own read rate was not measured.
+# The database (870 MB) fitted in the box's page cache: the disk's own read rate was not measured
+# there (at 10^8 rows, partly out of the page cache, a disk PS alone pulled uniform ids at
+# 23-41k rows/s and Zipf batches at 73-100k).
 
 # Bytes on disk a row after the load's flush and full compaction: 87.3 B for a 68-byte row and
-# its 8-byte id (1.15x, both runs). Taken as a ratio for every row size: RocksDB's overhead is
-# mostly per key (12-byte key, sequence number, lengths), so bigger rows likely take less than
-# 1.15x; not measured.
+# its 8-byte id (1.15x, every run; 86.7 B at 10^8 rows loaded from ingested files). Taken as a
+# ratio for every row size: RocksDB's overhead is mostly per key (12-byte key, sequence number,
+# lengths), so bigger rows likely take less than 1.15x; not measured.
 DISK_MEASURED_BYTES_PER_ROW = 87.3
 DISK_MEASURED_ROW_BYTES = 68
 DISK_BYTES_PER_RAW_BYTE = DISK_MEASURED_BYTES_PER_ROW / (DISK_MEASURED_ROW_BYTES + 8)
 # Rows/s through one disk PS (the lower of the two runs): pulls of uniformly random ids (cold:
-# ~10% found in the row cache) 116,108 (134,290 in the other run); pulls of Zipf(1.05) batches
-# (row cache hit rate 0.80) 231,245, from a third run with the ranks drawn from a bounded Zipf
-# law (the first two clipped numpy's unbounded draws, ~39% of a batch on one row: 397,229 and
-# a hit rate of 0.87 that flattered the cache); pushes of stored rows 98,850. A lookup through the
-# binding costs ~2 us a key, cached or not: the PS's CPU, not the disk, set these rates.
-DISK_PS_COLD_PULL_ROWS_PER_SECOND = 116_108
-DISK_PS_HOT_PULL_ROWS_PER_SECOND = 231_245
-DISK_PS_PUSH_ROWS_PER_SECOND = 98_850
-# The one measured point of the DRAM cache: 10% of the rows' bytes gave a row cache hit rate of
-# 0.80 on the Zipf(1.05) batches (~0.1 on uniform ones).
+# ~12% found in the PS's pool of rows) 367,186 (390,699 in the other run); pulls of Zipf(1.05)
+# batches (pool hit rate 0.81) 1,659,121 (1,748,205); pushes of stored rows (uniform ids, mostly
+# not pooled: each read to count the new ones) 213,393 (238,988). A row not in the pool costs a
+# RocksDB lookup of 2-5 us, a pooled one ~0.1 us: the PS's CPU, not the disk, set these rates.
+DISK_PS_COLD_PULL_ROWS_PER_SECOND = 367_186
+DISK_PS_HOT_PULL_ROWS_PER_SECOND = 1_659_121
+DISK_PS_PUSH_ROWS_PER_SECOND = 213_393
+# The one measured point of the DRAM cache: 10% of the rows' bytes (90% of it the pool: 4.7% of
+# the rows, each with ~61 bytes of stamp, id and index besides its own) gave a pool hit rate of
+# 0.81 on the Zipf(1.05) batches (~0.12 on uniform ones).
 DISK_MEASURED_CACHE_FRACTION = 0.1
-DISK_MEASURED_CACHE_HIT_RATE = 0.80
-# Data block reads (4 KiB) a row of the uniform pulls, from RocksDB's statistics: 0.866.
-DISK_BLOCK_READS_PER_COLD_ROW = 0.866
+DISK_MEASURED_CACHE_HIT_RATE = 0.81
+# Data block reads (4 KiB) a row of the uniform pulls, from RocksDB's statistics: 0.849-0.850.
+DISK_BLOCK_READS_PER_COLD_ROW = 0.85
 # RocksDB's index and bloom filter blocks, held in memory: 16 MiB at 10^7 rows of 68 B (one
-# index entry per 4 KiB block, so rows of more bytes take more a row: not measured).
+# index entry per 4 KiB block, so rows of more bytes take more a row: not measured); ~160 MiB at
+# 10^8 (a reopened PS's RSS against an idle one's).
 DISK_INDEX_BYTES_PER_ROW = 16 * 2**20 / 10**7
-# A disk PS's resident memory beyond its cache and its index and filters: 399 MiB peak RSS (the
-# higher run) less the 64 MiB cache and 16 MiB of index and filters. The rest is the process
-# (~92 MiB at start), memtables (up to 2 x 64 MiB under pushes) and freed memory glibc holds.
-DISK_PS_RSS_BYTES_BEYOND_CACHE = (399 - 64 - 16) * 2**20
+# A disk PS's resident memory beyond its cache and its index and filters: 323 MiB peak RSS (the
+# higher run) less the 64 MiB cache and 16 MiB of index and filters; at 10^8 rows with a 648 MiB
+# cache and its pool full, 1,050 less 648 and ~160: the same 242 MiB. It is the process (75 MiB
+# idle), memtables (up to 2 x 64 MiB under pushes) and freed memory glibc holds.
+DISK_PS_RSS_BYTES_BEYOND_CACHE = (323 - 64 - 16) * 2**20
 
 # -- fixed by the design, not measured ------------------------------------------------------
 
@@ -662,13 +666,13 @@ def format_disk_tier(p: Plan) -> list[str]:
         f"as measured at {DISK_MEASURED_ROW_BYTES} B rows); {_count(float(f'{d.rows_per_tb:.3g}'))} rows a TB",
         f"bytes on disk:  {_bytes(d.disk_bytes)} after compaction",
         f"disk PSes:      {d.processes:,}, each with its own disk ({'; '.join(sizes)})",
-        f"                ({d.processes_at_hot_pulls:,} if every pull were as fast as the Zipf batches', row cache "
+        f"                ({d.processes_at_hot_pulls:,} if every pull were as fast as the Zipf batches', pool "
         f"hit rate {DISK_MEASURED_CACHE_HIT_RATE:g})",
         f"DRAM cache:     {_bytes(d.cache_bytes)} in all, {_bytes(d.cache_bytes_per_ps)} a PS: "
         f"{d.cache_fraction:g} of the rows' bytes (--disk-cache-fraction)",
-        f"                (measured: {DISK_MEASURED_CACHE_FRACTION:g} gave a row cache hit rate of "
+        f"                (measured: {DISK_MEASURED_CACHE_FRACTION:g} gave a pool hit rate of "
         f"{DISK_MEASURED_CACHE_HIT_RATE:g} on Zipf(1.05) batches,",
-        "                ~0.1 on uniform ones; other fractions, and the trainers' misses, were not measured)",
+        "                ~0.12 on uniform ones; other fractions, and the trainers' misses, were not measured)",
         f"PS memory:      {_bytes(d.memory_bytes)} ({_bytes(d.ps_memory_bytes)} a process: its cache, index and "
         f"filters, {_bytes(DISK_PS_RSS_BYTES_BEYOND_CACHE)} more as measured)",
         f"disk reads:     {_count(d.block_reads_per_s_per_disk)} blocks/s a disk for the pulls "
