@@ -5,6 +5,9 @@ The disk store as a whole is tested in test_disk_store.py and with every store (
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -201,3 +204,44 @@ def test_random_pushes_pulls_and_deletes_through_a_small_pool_agree_with_a_dict(
         assert 0 < len(pool) < len(model) and pool.capacity * pool.slot_bytes <= store._budget.max_bytes
     finally:
         store.close()
+
+
+def test_a_row_seen_new_is_never_seen_old_again_while_pushes_run(tmp_path):
+    """A pusher writes generation g of every row, one push each; pullers must never see a row
+    go back a generation (the pool serving an old row after RocksDB served the new one)."""
+    store = DiskStore(f"disk://{tmp_path}/db?cache_bytes=1MiB&sync=100")
+    store.create_table(SCHEMA)
+    ids = np.arange(20_000, dtype=np.int64)  # more than the pool holds: reads, admissions, evictions
+    store.push("t", ids, np.zeros((len(ids), 4), np.float32))
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def push() -> None:
+        for g in range(1, 400):
+            if stop.is_set():
+                return
+            store.push("t", ids, np.full((len(ids), 4), g, np.float32))
+        stop.set()
+
+    def pull(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        seen = np.zeros(len(ids), np.float32)
+        while not stop.is_set() and not errors:
+            some = np.unique(rng.integers(0, len(ids), 4000))
+            rows, found = store.pull("t", some)
+            back = rows[:, 0] < seen[some]
+            if not found.all() or back.any():
+                errors.append(
+                    f"id {some[np.argmax(back)]}: generation {rows[np.argmax(back), 0]} after {seen[some][back][:1]}"
+                )
+            seen[some] = rows[:, 0]
+
+    threads = [threading.Thread(target=push)] + [threading.Thread(target=pull, args=(k,)) for k in range(2)]
+    for th in threads:
+        th.start()
+    time.sleep(4)
+    stop.set()
+    for th in threads:
+        th.join()
+    store.close()
+    assert not errors, errors[0]

@@ -509,13 +509,18 @@ class DiskStore(Store):
                 keys = row_keys(t.number, ids[part])
                 stamp = t.stamp()
                 values = row_values(rows[part], t.schema.row_bytes, stamp)
-                new = len(keys) - int(t.pooled_or_stored(self, ids[part]).sum())
-                h = self._rows_h
-                for key, value in zip(keys, values):
-                    batch.put(key, value, h)
-                batch.put(t.count_key(), (t.count + new).to_bytes(8, "little", signed=True))
-                self._write(batch)
-                t.count += new
+                t.pool.hold(ids[part])
+                try:
+                    new = len(keys) - int(t.pooled_or_stored(self, ids[part]).sum())
+                    h = self._rows_h
+                    for key, value in zip(keys, values):
+                        batch.put(key, value, h)
+                    batch.put(t.count_key(), (t.count + new).to_bytes(8, "little", signed=True))
+                    self._write(batch)
+                    t.count += new
+                except BaseException:
+                    t.pool.forget(ids[part])  # RocksDB may or may not hold the new rows: it answers
+                    raise
                 raw = np.ascontiguousarray(rows[part]).view(np.uint8).reshape(len(keys), t.schema.row_bytes)
                 t.pool.write(ids[part], raw, stamp or 0)
         self._durable()
@@ -524,18 +529,21 @@ class DiskStore(Store):
     def _remove(self, t: _DiskTable, ids: np.ndarray) -> np.ndarray:
         """Under t.lock: delete the stored ones of ids (distinct), logged; returns them."""
         keys = row_keys(t.number, ids)
-        stored = t.pooled_or_stored(self, ids)
-        gone = ids[stored]
-        if len(gone):
-            batch = self._batch()
-            t.deletions.append(batch, gone)  # in the batch that deletes them
-            h = self._rows_h
-            for key in (k for k, s in zip(keys, stored.tolist()) if s):
-                batch.delete(key, h)
-            batch.put(t.count_key(), (t.count - len(gone)).to_bytes(8, "little", signed=True))
-            self._write(batch)
-            t.count -= len(gone)
-            t.pool.forget(gone)
+        t.pool.hold(ids)
+        try:
+            stored = t.pooled_or_stored(self, ids)
+            gone = ids[stored]
+            if len(gone):
+                batch = self._batch()
+                t.deletions.append(batch, gone)  # in the batch that deletes them
+                h = self._rows_h
+                for key in (k for k, s in zip(keys, stored.tolist()) if s):
+                    batch.delete(key, h)
+                batch.put(t.count_key(), (t.count - len(gone)).to_bytes(8, "little", signed=True))
+                self._write(batch)
+                t.count -= len(gone)
+        finally:
+            t.pool.forget(ids)
         return gone
 
     def load_sorted(

@@ -15,7 +15,10 @@ is clear, a whole batch of victims in a few numpy steps.
 Concurrency: the store reads RocksDB without its table lock, so a row read before a write may
 come back after it. Each pool counts its writes (`version`) and keeps the ids of the last
 _RECENT of them: a pull notes the version before it reads, and admits only ids no write touched
-since (all of them when none did; none when more than _RECENT did, or a clear did).
+since (all of them when none did; none when more than _RECENT did, or a clear did), nor one
+being written now. A write holds its pooled rows first (hold: served from RocksDB until the
+write lands in the pool), so no pull sees the old row from the pool after another saw the new
+one from RocksDB.
 
 Memory: cache_bytes less RocksDB's share (disk_config.POOL_SHARE) is shared by every table's
 pool, counting each slot's row, stamp, id, bits and its index entry (SLOT_OVERHEAD); a pool grows
@@ -39,6 +42,8 @@ SLOT_OVERHEAD = 4 + 8 + 1 + 3 * SLOT_BYTES
 # writes whose ids a pool keeps for the admission check (a pull outrun by more admits nothing)
 _RECENT = 32
 _FIRST_SLOTS = 1024
+# a slot's state: no row; a row; a row being written (a hit goes to RocksDB until the write lands)
+_FREE, _LIVE, _HELD = 0, 1, 2
 
 
 class PoolBudget:
@@ -87,6 +92,7 @@ class RowPool:
         self.hand = 0
         self.version = 0
         self._recent: deque[tuple[int, np.ndarray | None]] = deque(maxlen=_RECENT)
+        self._writing: np.ndarray | None = None  # ids of the write in flight (one: under the table's lock)
         self.hits = 0
         self.misses = 0
         self._scatter = native.id_index().scatter
@@ -95,7 +101,7 @@ class RowPool:
         self.rows = np.zeros((capacity, self.row_bytes), dtype=np.uint8)
         self.stamps = np.zeros(capacity, dtype=STAMP_DTYPE)
         self.ids = np.full(capacity, -1, dtype=np.int64)  # -1: a free slot (ids may be -1 too: see live)
-        self.live = np.zeros(capacity, dtype=bool)
+        self.live = np.zeros(capacity, dtype=np.uint8)  # _FREE, _LIVE or _HELD
         self.ref = np.zeros(capacity, dtype=np.uint8)
 
     @property
@@ -125,7 +131,9 @@ class RowPool:
         """
         with self.lock:
             slots = self.index.lookup(ids)
-            at = np.flatnonzero(slots >= 0)
+            hit = slots >= 0
+            hit[hit] = self.live[slots[hit]] == _LIVE
+            at = np.flatnonzero(hit)
             found = slots[at]
             if len(at):
                 self._scatter(out, self.row_bytes, at, self.rows, found)
@@ -159,6 +167,9 @@ class RowPool:
                     return  # more writes than kept, or a clear: which rows are current is unknown
                 keep = ~np.isin(ids, np.concatenate(written))  # type: ignore[arg-type]
                 ids, rows, stamps = ids[keep], rows[keep], stamps[keep]
+            if self._writing is not None:  # read before that write landed in RocksDB, maybe
+                keep = ~np.isin(ids, self._writing)
+                ids, rows, stamps = ids[keep], rows[keep], stamps[keep]
             if len(ids) > 1:
                 ids, first = np.unique(ids, return_index=True)
                 rows, stamps = rows[first], stamps[first]
@@ -167,9 +178,18 @@ class RowPool:
                 ids, rows, stamps = ids[absent], rows[absent], stamps[absent]
             self._place(ids, rows, stamps)
 
+    def hold(self, ids: np.ndarray) -> None:
+        """Before RocksDB takes a write or delete of ids (under the table's lock): their pooled
+        rows are served by RocksDB, and no read admits them, until write or forget."""
+        with self.lock:
+            self._wrote(ids)
+            self._writing = self._recent[-1][1]
+            slots = self.index.lookup(ids)
+            self.live[slots[slots >= 0]] = _HELD
+
     def write(self, ids: np.ndarray, rows: np.ndarray, stamp: int) -> None:
         """After RocksDB took a write of rows (distinct ids): the pooled ones overwritten, the
-        rest admitted.
+        rest admitted; the hold ends.
 
         Args:
             ids: distinct int64.
@@ -178,22 +198,25 @@ class RowPool:
         """
         with self.lock:
             self._wrote(ids)
+            self._writing = None
             slots = self.index.lookup(ids)
             hit = slots >= 0
             if hit.any():
                 where = slots[hit]
                 self._scatter(self.rows, self.row_bytes, where, np.ascontiguousarray(rows), np.flatnonzero(hit))
                 self.stamps[where] = stamp
+                self.live[where] = _LIVE
             if not hit.all():
                 new = ~hit
                 self._place(ids[new], rows[new], np.full(int(new.sum()), stamp, dtype=STAMP_DTYPE))
 
     def forget(self, ids: np.ndarray) -> None:
-        """After RocksDB deleted ids' rows: their slots freed."""
+        """After RocksDB deleted ids' rows, or a write failed: their slots freed; the hold ends."""
         with self.lock:
             self._wrote(ids)
+            self._writing = None
             slots = self.index.remove(ids)
-            self.live[slots] = False
+            self.live[slots] = _FREE
             self.ids[slots] = -1
             self.ref[slots] = 0
 
@@ -203,7 +226,7 @@ class RowPool:
             self.version += 1
             self._recent.append((self.version, None))
             self.index.clear()
-            self.live[:] = False
+            self.live[:] = _FREE
             self.ids[:] = -1
             self.ref[:] = 0
             self.hand = 0
@@ -235,14 +258,14 @@ class RowPool:
             ids, rows, stamps = ids[: len(slots)], rows[: len(slots)], stamps[: len(slots)]
             if not len(slots):
                 return
-        gone = self.live[slots]
+        gone = self.live[slots] != _FREE
         if gone.any():
             self.index.remove(self.ids[slots[gone]])
         self.index.insert(ids, slots)
         self._scatter(self.rows, self.row_bytes, slots, np.ascontiguousarray(rows), np.arange(len(slots)))
         self.stamps[slots] = stamps
         self.ids[slots] = ids
-        self.live[slots] = True
+        self.live[slots] = _LIVE
         self.ref[slots] = 0
 
     def _slots(self, k: int) -> np.ndarray:
