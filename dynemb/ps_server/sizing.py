@@ -55,10 +55,11 @@ PS_CPU_SECONDS_PER_ROW = 1.17e-6
 PS_RSS_BYTES = int(151.4 * 2**20)
 
 # -- the disk tier (disk:// backend: RocksDB on each PS's own local SSD), measured ---------------
-# All from bench/RESULTS.md, disk_bench, 2026-11-29, "a pool of hot rows in the store" (runs 2 and
-# 3, at 579e90b): `bench/disk_bench.py --rows 10000000`, 10^7 rows of dim 16 with row-wise Adagrad
-# (68 B), random 64-bit ids, cache_bytes 64 MiB (10% of the rows' bytes), sync=ack, no
-# compression, batches of 16,384 ids, two runs on a quiet 2-core box shared with the clients.
+# All from bench/RESULTS.md, disk_bench, 2026-11-29, "a pool of hot rows in the store" (runs 2
+# and 3 at 579e90b, run 4 at 1b6b029): `bench/disk_bench.py --rows 10000000`, 10^7 rows of dim 16
+# with row-wise Adagrad (68 B), random 64-bit ids, cache_bytes 64 MiB (10% of the rows' bytes),
+# sync=ack, no compression, batches of 16,384 ids, three runs on a quiet 2-core box shared with
+# the clients.
 # The database (870 MB) fitted in the box's page cache: the disk's own read rate was not measured
 # there (at 10^8 rows, partly out of the page cache, a disk PS alone pulled uniform ids at
 # 23-41k rows/s and Zipf batches at 73-100k).
@@ -70,14 +71,15 @@ PS_RSS_BYTES = int(151.4 * 2**20)
 DISK_MEASURED_BYTES_PER_ROW = 87.3
 DISK_MEASURED_ROW_BYTES = 68
 DISK_BYTES_PER_RAW_BYTE = DISK_MEASURED_BYTES_PER_ROW / (DISK_MEASURED_ROW_BYTES + 8)
-# Rows/s through one disk PS (the lower of the two runs): pulls of uniformly random ids (cold:
-# ~12% found in the PS's pool of rows) 367,186 (390,699 in the other run); pulls of Zipf(1.05)
-# batches (pool hit rate 0.81) 1,659,121 (1,748,205); pushes of stored rows (uniform ids, mostly
-# not pooled: each read to count the new ones) 213,393 (238,988). A row not in the pool costs a
+# Rows/s through one disk PS (the lowest of the three runs, each run 4's): pulls of uniformly
+# random ids (cold: ~12% found in the PS's pool of rows) 353,719 (367,186 and 390,699 in the
+# others); pulls of Zipf(1.05) batches (pool hit rate 0.81) 1,620,053 (1,659,121, 1,748,205);
+# pushes of stored rows (uniform ids, mostly not pooled: each read to count the new ones)
+# 194,187 (213,393, 238,988). A row not in the pool costs a
 # RocksDB lookup of 2-5 us, a pooled one ~0.1 us: the PS's CPU, not the disk, set these rates.
-DISK_PS_COLD_PULL_ROWS_PER_SECOND = 367_186
-DISK_PS_HOT_PULL_ROWS_PER_SECOND = 1_659_121
-DISK_PS_PUSH_ROWS_PER_SECOND = 213_393
+DISK_PS_COLD_PULL_ROWS_PER_SECOND = 353_719
+DISK_PS_HOT_PULL_ROWS_PER_SECOND = 1_620_053
+DISK_PS_PUSH_ROWS_PER_SECOND = 194_187
 # The one measured point of the DRAM cache: 10% of the rows' bytes (90% of it the pool: 4.7% of
 # the rows, each with ~61 bytes of stamp, id and index besides its own) gave a pool hit rate of
 # 0.81 on the Zipf(1.05) batches (~0.12 on uniform ones).
@@ -89,11 +91,11 @@ DISK_BLOCK_READS_PER_COLD_ROW = 0.85
 # index entry per 4 KiB block, so rows of more bytes take more a row: not measured); ~160 MiB at
 # 10^8 (a reopened PS's RSS against an idle one's).
 DISK_INDEX_BYTES_PER_ROW = 16 * 2**20 / 10**7
-# A disk PS's resident memory beyond its cache and its index and filters: 323 MiB peak RSS (the
-# higher run) less the 64 MiB cache and 16 MiB of index and filters; at 10^8 rows with a 648 MiB
-# cache and its pool full, 1,050 less 648 and ~160: the same 242 MiB. It is the process (75 MiB
+# A disk PS's resident memory beyond its cache and its index and filters: 325 MiB peak RSS (the
+# highest run) less the 64 MiB cache and 16 MiB of index and filters; at 10^8 rows with a 648 MiB
+# cache and its pool full, 1,050 less 648 and ~160: 242 MiB. It is the process (75 MiB
 # idle), memtables (up to 2 x 64 MiB under pushes) and freed memory glibc holds.
-DISK_PS_RSS_BYTES_BEYOND_CACHE = (323 - 64 - 16) * 2**20
+DISK_PS_RSS_BYTES_BEYOND_CACHE = (325 - 64 - 16) * 2**20
 
 # -- fixed by the design, not measured ------------------------------------------------------
 

@@ -165,7 +165,7 @@ def test_json_output_has_the_same_figures():
     p = sizing.plan(10**9, 64, "adam", 1e6, 40, 0.9)
     assert code == 0 and d["masters"] == p.masters and d["ps_processes"] == p.ps_processes
     assert d["rows_per_s"] == 8e6 and d["redis_bytes"] == p.redis_bytes
-    assert d["disk"]["processes"] == p.disk.processes == 60 and d["disk"]["disk_bytes"] == p.disk.disk_bytes
+    assert d["disk"]["processes"] == p.disk.processes == 64 and d["disk"]["disk_bytes"] == p.disk.disk_bytes
     assert d["disk"]["pick"] == "disk"
 
 
@@ -362,14 +362,14 @@ def test_the_disk_tier_follows_from_the_measured_constants():
     )
     # size: 8.11 TiB at 2.5 TiB a disk; rate: 8M rows/s at 0.5 of one PS's cold pulls and pushes, half each
     assert d.processes_for_size == 4 == math.ceil(d.disk_bytes / (2.5 * 2**40))
-    assert d.ps_rows_per_s == pytest.approx(2 / (1 / 367_186 + 1 / 213_393)) == pytest.approx(269_920, abs=1)
-    assert d.processes_for_rate == 60 == math.ceil(8e6 / (0.5 * d.ps_rows_per_s))
-    assert d.processes == 60 and d.processes_at_hot_pulls == math.ceil(8e6 / (0.5 * 2 / (1 / 1_659_121 + 1 / 213_393)))
+    assert d.ps_rows_per_s == pytest.approx(2 / (1 / 353_719 + 1 / 194_187)) == pytest.approx(250_728, abs=1)
+    assert d.processes_for_rate == 64 == math.ceil(8e6 / (0.5 * d.ps_rows_per_s))
+    assert d.processes == 64 and d.processes_at_hot_pulls == math.ceil(8e6 / (0.5 * 2 / (1 / 1_620_053 + 1 / 194_187)))
     # the cache: 0.1 of the rows' bytes, spread over the PSes; a PS's memory adds its index and the rest measured
-    assert d.cache_bytes == 768 * 10**9 and d.cache_bytes_per_ps == math.ceil(768 * 10**9 / 60)
-    assert d.ps_memory_bytes == math.ceil(d.cache_bytes_per_ps + 16 * 2**20 / 10**7 * 10**10 / 60 + 243 * 2**20)
-    assert d.memory_bytes == 60 * d.ps_memory_bytes
-    assert d.block_reads_per_s_per_disk == pytest.approx(4e6 / 60 * 0.85)
+    assert d.cache_bytes == 768 * 10**9 and d.cache_bytes_per_ps == math.ceil(768 * 10**9 / 64)
+    assert d.ps_memory_bytes == math.ceil(d.cache_bytes_per_ps + 16 * 2**20 / 10**7 * 10**10 / 64 + 245 * 2**20)
+    assert d.memory_bytes == 64 * d.ps_memory_bytes
+    assert d.block_reads_per_s_per_disk == pytest.approx(4e6 / 64 * 0.85)
     # against Redis: masters and replicas hold the rows in RAM, the PS processes beside them
     assert d.redis_memory_bytes == 2 * p.redis_bytes + 68 * sizing.PS_RSS_BYTES
     assert d.redis_processes == 2 * 251 + 68 and d.pick == "disk"
@@ -388,13 +388,13 @@ def test_the_disk_tier_scales_with_its_settings_and_stamps_rows_that_expire():
 
 
 def test_the_disk_tier_is_picked_only_where_it_needs_less_ram_on_no_more_processes(monkeypatch):
-    # at the measured rates 60 disk PSes do what 64 masters and 68 PS processes do (no replicas);
-    # were a disk PS's pushes 50,000 rows/s, the rate would set 182 of them: Redis
-    assert sizing.plan(10**6, 64, "adam", 1e6, 40, 0.9, replicas=0).disk.processes == 60
+    # at the measured rates 64 disk PSes do what 64 masters and 68 PS processes do (no replicas);
+    # were a disk PS's pushes 50,000 rows/s, the rate would set 183 of them: Redis
+    assert sizing.plan(10**6, 64, "adam", 1e6, 40, 0.9, replicas=0).disk.processes == 64
     monkeypatch.setattr(sizing, "DISK_PS_PUSH_ROWS_PER_SECOND", 50_000)
     by_rate = sizing.plan(10**6, 64, "adam", 1e6, 40, 0.9, replicas=0).disk
-    assert by_rate.pick == "redis" and by_rate.redis_processes == 132 and by_rate.processes == 182
-    assert by_rate.why.startswith("the rate sets the disk PSes: 182 against the Redis tier's 132 processes")
+    assert by_rate.pick == "redis" and by_rate.redis_processes == 132 and by_rate.processes == 183
+    assert by_rate.why.startswith("the rate sets the disk PSes: 183 against the Redis tier's 132 processes")
     monkeypatch.undo()
     # few rows: Redis holds them in less RAM than a disk PS process takes
     small = sizing.plan(1000, 8, "sgd", 10, 1, 0.5).disk
@@ -408,11 +408,11 @@ def test_the_plan_prints_the_disk_tier_with_its_measured_point():
     tier = out[out.index("\ndisk tier (") :]
     for line in (
         "bytes on disk:  830.16 GiB after compaction",  # 1e9 x 891.38 B
-        "disk PSes:      60, each with its own disk (size: 1 at 2.5 TiB a disk; rate: 60 at 134,960 rows/s each)",
-        "DRAM cache:     71.53 GiB in all, 1.19 GiB a PS: 0.1 of the rows' bytes (--disk-cache-fraction)",
+        "disk PSes:      64, each with its own disk (size: 1 at 2.5 TiB a disk; rate: 64 at 125,364 rows/s each)",
+        "DRAM cache:     71.53 GiB in all, 1.12 GiB a PS: 0.1 of the rows' bytes (--disk-cache-fraction)",
         "(measured: 0.1 gave a pool hit rate of 0.81 on Zipf(1.05) batches,",
         "other fractions, and the trainers' misses, were not measured",
-        "planned at 0.5 of measured capacity: 269,920 rows/s a disk PS",
+        "planned at 0.5 of measured capacity: 250,728 rows/s a disk PS",
     ):
         assert line in tier, line
     assert "--disk-tib-per-ps" in run(["ps", "plan", "--help"])[1]
