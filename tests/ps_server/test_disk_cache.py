@@ -245,3 +245,13 @@ def test_a_row_seen_new_is_never_seen_old_again_while_pushes_run(tmp_path):
         th.join()
     store.close()
     assert not errors, errors[0]
+
+
+def test_a_pull_into_a_strided_array_gets_the_same_rows(store):
+    ids = np.arange(100, dtype=np.int64)
+    store.push("t", ids, rows_of(ids))
+    wide = np.zeros((100, 8), np.float32)
+    out = wide[:, ::2]  # not contiguous: the rows go there by numpy, not the compiled copy
+    missing = store.pull_into("t", np.concatenate([ids[:50], [10**6], ids[50:99]]), out)
+    assert missing.tolist() == [50] and np.array_equal(out[:50], rows_of(ids[:50]))
+    assert np.array_equal(out[51:], rows_of(ids[50:99])) and not out[50].any()

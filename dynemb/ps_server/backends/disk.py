@@ -353,7 +353,7 @@ class DiskStore(Store):
     # -- rows ---------------------------------------------------------------------------------
 
     def _get(self, keys: list[bytes]) -> list:
-        """The values of keys (None: absent): one multi-get, or two at once for many keys."""
+        """The values of keys (None: absent): one multi-get, or _GET_PARTS at once for many keys."""
         try:
             if len(keys) < _SPLIT_GET:
                 return self._rows.get(keys)
@@ -432,7 +432,7 @@ class DiskStore(Store):
     def _pull_chunk(self, t: _DiskTable, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
         """pull_into for one chunk of ids; the positions of those not found."""
         lifecycle = t.lifecycle
-        if not lifecycle.active:  # every row found is served as it is: straight into out
+        if not lifecycle.active and out.flags.c_contiguous:  # every row found served as it is: into out
             found, _ = self._read_rows(t, ids, out)
             return np.flatnonzero(~found)
         buf = np.empty((len(ids), t.schema.row_bytes), dtype=np.uint8)
