@@ -26,6 +26,8 @@ from redis_procs import RedisClusterProcesses, RedisProcess, find_binary, make_t
 
 torch.set_num_threads(1)  # (should torch have been imported before this file, by a plugin)
 
+pytest_plugins = ["cpu_report"]  # --cpu-report FILE: where the suite's CPU goes
+
 if not torch.cuda.is_available():
     # Without a GPU the triton backend's kernels run under Triton's interpreter. Triton fixes the
     # mode when a kernel is decorated, at import, so it is set here, before any test module (or
