@@ -62,7 +62,7 @@ PS_RSS_BYTES = int(151.4 * 2**20)
 # the clients.
 # The database (870 MB) fitted in the box's page cache: the disk's own read rate was not measured
 # there (at 10^8 rows, partly out of the page cache, a disk PS alone pulled uniform ids at
-# 23-41k rows/s and Zipf batches at 73-100k).
+# 23-41k rows/s and Zipf batches at 73-111k).
 
 # Bytes on disk a row after the load's flush and full compaction: 87.3 B for a 68-byte row and
 # its 8-byte id (1.15x, every run; 86.7 B at 10^8 rows loaded from ingested files). Taken as a
@@ -93,7 +93,7 @@ DISK_BLOCK_READS_PER_COLD_ROW = 0.85
 DISK_INDEX_BYTES_PER_ROW = 16 * 2**20 / 10**7
 # A disk PS's resident memory beyond its cache and its index and filters: 325 MiB peak RSS (the
 # highest run) less the 64 MiB cache and 16 MiB of index and filters; at 10^8 rows with a 648 MiB
-# cache and its pool full, 1,050 less 648 and ~160: 242 MiB. It is the process (75 MiB
+# cache and its pool full, 1,015-1,068 less 648 and ~160: 207-260 MiB. It is the process (75 MiB
 # idle), memtables (up to 2 x 64 MiB under pushes) and freed memory glibc holds.
 DISK_PS_RSS_BYTES_BEYOND_CACHE = (325 - 64 - 16) * 2**20
 

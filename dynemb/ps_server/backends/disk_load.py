@@ -3,7 +3,7 @@ ingested whole (DiskStore.load_sorted), and the recount that keeps a table's row
 a load is cut short.
 
 An ingest skips the WAL, the memtables and compaction (the files are disjoint and go to the last
-level): at 10^8 rows of 68 B it loaded 1.26-1.52M rows/s here against 0.1-0.4M by pushes. It is
+level): at 10^8 rows of 68 B it loaded 1.09-1.52M rows/s here against 0.1-0.4M by pushes. It is
 all or none, but the count is written after it: a marker written and synced first makes the next
 open count the table's rows by a scan (recount) if the count never came.
 """
