@@ -323,7 +323,7 @@ class DiskStore(Store):
 
     def drop_table(self, table: str) -> int | None:
         """See Store.drop_table: the table's number marked dead, its rows and logs deleted by the
-        purge thread (RocksDB refuses a range delete beside a row cache); the drop is logged (drops())."""
+        purge thread by point deletes, a step at a time; the drop is logged (drops())."""
         with self._lock:
             t = self._tables.pop(table, None)
             if t is None:
@@ -598,7 +598,7 @@ class DiskStore(Store):
 
     def clear(self, table: str) -> int:
         """See Store.clear: in steps of _SCAN_ROWS rows, each logged as deleted and deleted in one
-        batch with the count (RocksDB refuses a range delete beside a row cache)."""
+        batch with the count, then the table's pool emptied."""
         t = self._table(table)
         with t.lock:
             self._live(t)

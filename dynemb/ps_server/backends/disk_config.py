@@ -4,7 +4,7 @@ parsed and checked, and the RocksDB options they make.
 The engine is RocksDB through the PyPI binding `rocksdict` (pinned in pyproject.toml): it is
 maintained, ships a manylinux wheel with RocksDB compiled in (no compiler, no system library, the
 same RocksDB on every machine), and exposes what the store needs: column families, WriteBatch,
-multi-get, iterators with bounds, WAL sync, a row cache, bloom filters and statistics.
+multi-get, iterators with bounds, WAL sync, table files to ingest, bloom filters and statistics.
 """
 
 from __future__ import annotations

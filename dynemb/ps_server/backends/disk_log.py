@@ -90,7 +90,7 @@ class DiskIdLog:
                 del it
                 # none starts there: the newest entry (just put) alone is kept
                 keep = self.end - len(ids) if keep is None else keep
-                if keep > self.first:  # point deletes: RocksDB refuses DeleteRange beside a row cache
+                if keep > self.first:  # point deletes of the entries that fall out
                     it = self._logs.iter()
                     it.seek(self._key(self.first))
                     while it.valid() and it.key() < self._key(keep):
@@ -165,7 +165,7 @@ class DropLog:
         with self._lock:
             batch.put(self._key(self.end), json.dumps([table, when]).encode())
             self.end += 1
-            if self.end > DROP_LOG_ENTRIES:  # the one that falls out (no DeleteRange beside a row cache)
+            if self.end > DROP_LOG_ENTRIES:  # the one that falls out
                 batch.delete(self._key(self.end - DROP_LOG_ENTRIES - 1))
 
     def read(self, after: int | None, limit: int) -> Drops:
