@@ -799,7 +799,7 @@ class DiskStore(Store):
         rows = self._rows
         tables = list(self._tables.values())
         return {
-            # the pool of hot rows (disk_cache.py) is the row cache now
+            # the "row" cache: the tables' pools of hot rows (disk_cache.py)
             "row_cache_hit": self._dropped_lookups[0] + sum(t.pool.hits for t in tables),
             "row_cache_miss": self._dropped_lookups[1] + sum(t.pool.misses for t in tables),
             "block_cache_hit": counts.get("rocksdb.block.cache.hit", 0),
