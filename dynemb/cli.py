@@ -8,12 +8,13 @@ import argparse
 import os
 import sys
 
+from dynemb.common.cli_args import Parser
 from dynemb.common.version import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of the `dynemb` command with every subcommand."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="dynemb",
         description="dynemb: dynamic-embedding training. Bounded device tables behind an ID "
         "transformer, with every row kept in a parameter server (PS).",

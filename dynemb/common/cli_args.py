@@ -10,6 +10,16 @@ from collections.abc import Mapping
 from dynemb.common.names import name_arg
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, taking no flag for an abbreviation of a longer one: `dynemb ps serve
+    --port 8000` was read as `--port-file 8000` (a PS on its default port, writing its ports to
+    a file named 8000). Its subcommands' parsers are of this class too (argparse makes them of
+    their parent's)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
+
+
 def add_command(
     sub: argparse._SubParsersAction, name: str, texts: Mapping[str, tuple[str, str]], epilog: str | None = None
 ) -> argparse.ArgumentParser:

@@ -10,6 +10,8 @@ import logging
 import os
 import sys
 
+from dynemb.common.cli_args import Parser
+
 DESCRIPTION = """Train a DLRM (13 dense, 26 sparse features) with dynamic embedding tables: each
 table keeps --capacity-fraction of its IDs on the device and every row in the parameter
 server. One process:   dynemb train --steps 300
@@ -292,7 +294,7 @@ def _finish(args: argparse.Namespace, cfg, rank: int, result) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m dynemb.trainer` (what torchrun runs): parse argv, train; exit status."""
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m dynemb.trainer", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     configure(p)
