@@ -13,7 +13,6 @@ appends a JSON line a test to FILE; the run ends with the 25 costliest and the t
 from __future__ import annotations
 
 import json
-import os
 import resource
 import time
 from pathlib import Path
@@ -51,9 +50,10 @@ def pytest_runtest_protocol(item, nextitem):
         f.write(json.dumps(line) + "\n")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist starts the workers that write to it
 def pytest_sessionstart(session) -> None:
     path = session.config.getoption("--cpu-report")
-    if path and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller, or a run without workers
+    if path and not hasattr(session.config, "workerinput"):  # the controller, or a run without workers
         Path(path).unlink(missing_ok=True)
 
 
