@@ -35,7 +35,9 @@ def test_the_report_counts_a_tests_processes_and_not_its_waits(tmp_path):
     lines = {line["test"].split("::")[-1]: line for line in map(json.loads, report.read_text().splitlines())}
     assert lines.keys() == {"test_burns", "test_sleeps"}  # the earlier run's line is gone
     burns, sleeps = lines["test_burns"], lines["test_sleeps"]
-    assert burns["cpu_s"] > 0.5 and burns["cpu_s"] > 0.5 * burns["wall_s"], burns
-    assert sleeps["wall_s"] >= 1.5 and sleeps["cpu_s"] < 0.5 * sleeps["wall_s"], sleeps
+    # absolute figures, not shares of the wall time: on a loaded machine the busy child gets a
+    # fraction of a core, but its CPU seconds stay what its loop costs (~1-2 s)
+    assert burns["cpu_s"] > 0.5, burns
+    assert sleeps["wall_s"] >= 1.5 and sleeps["cpu_s"] < 0.4, sleeps
     assert "costliest 25 tests in CPU seconds" in done.stdout and "CPU seconds in 2 tests" in done.stdout, done.stdout
     assert done.stdout.index("test_burns") < done.stdout.index("test_sleeps")  # the costlier first
