@@ -24,6 +24,15 @@ from dynemb.ps_server.schema import TableSchema
 SCHEMA = TableSchema("t", 3, 1, "fp32", expected_rows=1000)
 
 
+def wait_until_purged(store: DiskStore, number: int, rows: int, what: str) -> None:
+    """Until table `number`'s rows of ids 0 .. rows - 1 are gone from RocksDB (the purge thread)."""
+    wait_until(
+        lambda: all(v is None for v in store._rows.get(row_keys(number, np.arange(rows)))),
+        timeout=30,
+        what=what,
+    )
+
+
 def test_settings_parse_and_bad_ones_are_named_with_their_limits():
     c = parse_disk_url("disk:///var/rows?cache_bytes=64MiB&sync=20&compression=lz4")
     assert (c.path, c.cache_bytes, c.sync_ms, c.compression) == ("/var/rows", 64 << 20, 20, "lz4")
@@ -112,11 +121,7 @@ def test_a_dropped_table_is_purged_and_its_name_starts_empty(tmp_path):
         store.create_table(SCHEMA)
         assert store._tables["t"].number != old  # a number is never reused
         assert store.num_rows("t") == 0 and not store.pull("t", np.arange(5000))[1].any()
-        wait_until(
-            lambda: all(v is None for v in store._rows.get(row_keys(old, np.arange(5000)))),
-            timeout=30,
-            what="the purge of the dropped table's rows",
-        )
+        wait_until_purged(store, old, 5000, "the purge of the dropped table's rows")
     finally:
         store.close()
 
@@ -135,11 +140,7 @@ def test_a_purge_cut_short_by_a_restart_is_finished_after_it(tmp_path, monkeypat
     store = DiskStore(url)
     try:
         assert store.list_tables() == []
-        wait_until(
-            lambda: all(v is None for v in store._rows.get(row_keys(number, np.arange(3000)))),
-            timeout=30,
-            what="the purge of the table dropped before the restart",
-        )
+        wait_until_purged(store, number, 3000, "the purge of the table dropped before the restart")
     finally:
         store.close()
 
