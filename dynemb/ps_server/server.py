@@ -33,6 +33,7 @@ from dynemb.ps_server.backends import Store, open_store
 from dynemb.ps_server.backends.redis_durable import DEFAULT_TIMEOUT_MS, Durability
 from dynemb.ps_server.entries import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_IDS
 from dynemb.ps_server.errors import InvalidArgument, PSError, TableNotFound
+from dynemb.ps_server.memory_trim import MemoryTrim
 from dynemb.ps_server.metrics import DEFAULT_MAX_TABLE_LABELS, PSMetrics
 from dynemb.ps_server.schema import MAX_ROW_WIDTH
 from dynemb.ps_server.service import DEFAULT_MAX_ROW_WIDTH, ParameterServerService, add_to_server
@@ -165,6 +166,7 @@ class PSServer:
         self.loss = LossWatch(store, self._store_lost)
         self.backend_watch = BackendWatch(store, config.backend_check_seconds, self._backend_changed, self.loss)
         self._table_count = threading.Thread(target=self._count_tables_loop, name="ps-table-count", daemon=True)
+        self.memory_trim = MemoryTrim()  # freed request buffers back to the OS (memory_trim.py)
         self.port: int | None = None
         self.metrics_port: int | None = None
         self._metrics_http: WSGIServer | None = None
@@ -253,6 +255,7 @@ class PSServer:
         if self.sweeper is not None:
             self.sweeper.start()
         self._table_count.start()
+        self.memory_trim.start()
         if self.config.read_only:
             threading.Thread(target=self._follow_loop, name="ps-follow", daemon=True).start()
         # the store's settings for the tables already there, off the start path (it may be away)
@@ -365,6 +368,7 @@ class PSServer:
         self._closed = True
         if self.sweeper is not None:
             self.sweeper.stop()
+        self.memory_trim.stop()
         self.drain(grace)
         if self._table_count.is_alive():
             self._table_count.join(timeout=15)
