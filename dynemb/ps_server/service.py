@@ -953,37 +953,66 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             self.exported.add(schema.name, total)
 
     def Import(self, request_iterator, context):
-        """Write a stream of chunks into a table, creating it (and clearing it first if asked).
+        """Write a stream of chunks into a table, creating it (and clearing it first if asked),
+        through the store's import_rows (the disk store loads an empty table in bulk).
 
         The first chunk must carry the schema; nothing is created or cleared before it checks out.
         """
         with self._call("Import", context):
-            schema = None
-            written = 0
-            for chunk in request_iterator:
-                first = schema is None
-                if first:
-                    if not chunk.HasField("spec"):
-                        raise InvalidArgument("the first chunk of an import must carry the table's spec")
-                    schema = self._fitting(TableSchema.from_proto(chunk.spec))
-                elif chunk.HasField("spec") and TableSchema.from_proto(chunk.spec) != schema:
-                    raise InvalidArgument(f"import into {schema.name!r}: a later chunk carries another spec")
-                ids = self._ids(chunk.ids, "import chunk", schema.name)
-                rows = codec.decode_rows(chunk.rows, schema, len(ids))
-                if first:  # only once the first chunk checked out: a refused import clears nothing
-                    with self._backend("create_table"):
-                        self.store.create_table(schema)
-                    if chunk.replace:
-                        with self._backend("clear"):
-                            self.store.clear(schema.name)
-                if len(ids):
-                    with self._backend("push"):
-                        written += self.store.push(schema.name, ids, rows)
-                self._count("Import", schema.name, len(ids), len(chunk.ids) + len(chunk.rows), 0)
-            if schema is None:
+            requests = iter(request_iterator)
+            first = next(requests, None)
+            if first is None:
                 raise InvalidArgument("import stream was empty: send at least one chunk with the table's spec")
+            if not first.HasField("spec"):
+                raise InvalidArgument("the first chunk of an import must carry the table's spec")
+            schema = self._fitting(TableSchema.from_proto(first.spec))
+            feeding = [0.0]
+            start = time.perf_counter()
+            written = self.store.import_rows(
+                schema.name, self._import_chunks(schema, first, requests, feeding), first.replace
+            )
+            # the store's time only: the stream's waits and checks are not the backend's
+            import_time = time.perf_counter() - start - feeding[0]
+            self.metrics.child(self.metrics.backend_latency, "import").observe(max(import_time, 0.0))
             self.imported.add(schema.name, written)
             return ps_pb2.ImportResponse(table=self._info(schema), rows_written=written)
+
+    def _import_chunks(
+        self, schema: TableSchema, first, requests: Iterator, feeding: list[float]
+    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """The (ids, rows) of an Import's chunks, each checked as the store takes it.
+
+        Args:
+            schema: the table's schema, from the first chunk (checked).
+            first: the first chunk; the table is created once its ids and rows check out, so a
+                refused import creates and clears nothing.
+            requests: the chunks after it.
+            feeding: [seconds]; the time spent here (reading the stream, checking, creating the
+                table: its own backend op) is added to it.
+
+        Returns:
+            An iterator of (ids, rows); each chunk is counted (rows, bytes) once the store asks
+            for the next.
+
+        Raises:
+            InvalidArgument: a chunk's ids or rows are malformed, or a later chunk carries another spec.
+        """
+        chunk = first
+        while chunk is not None:
+            start = time.perf_counter()
+            if chunk is not first and chunk.HasField("spec") and TableSchema.from_proto(chunk.spec) != schema:
+                raise InvalidArgument(f"import into {schema.name!r}: a later chunk carries another spec")
+            ids = self._ids(chunk.ids, "import chunk", schema.name)
+            rows = codec.decode_rows(chunk.rows, schema, len(ids))
+            if chunk is first:
+                with self._backend("create_table"):
+                    self.store.create_table(schema)
+            feeding[0] += time.perf_counter() - start
+            yield ids, rows
+            start = time.perf_counter()
+            self._count("Import", schema.name, len(ids), len(chunk.ids) + len(chunk.rows), 0)
+            chunk = next(requests, None)
+            feeding[0] += time.perf_counter() - start
 
     # -- same-host row transfer (shm.py) ----------------------------------------
 

@@ -8,7 +8,7 @@ finds wrong (unknown table, schema clash, store unreachable).
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -125,6 +125,27 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def push(self, table: str, ids: np.ndarray, rows: np.ndarray) -> int:
         """Write rows (n, width) for ids, overwriting; an id repeated: the last row wins."""
+
+    def import_rows(self, table: str, chunks: Iterable[tuple[np.ndarray, np.ndarray]], replace: bool) -> int:
+        """Write an import's chunks into the table: cleared first if replace, then each chunk pushed.
+
+        Args:
+            table: the table; it exists once the first chunk was taken.
+            chunks: (ids, rows) pairs in any order, ids may repeat (the last row wins), read once.
+                The first is taken before anything is written: the caller checks it (and creates
+                the table) as it is taken, so a refused first chunk changes nothing.
+            replace: delete the table's rows first.
+
+        Returns:
+            The rows written: every chunk's ids, repeats included.
+        """
+        written = 0
+        for i, (ids, rows) in enumerate(chunks):
+            if i == 0 and replace:
+                self.clear(table)
+            if len(ids):
+                written += self.push(table, ids, rows)
+        return written
 
     @abc.abstractmethod
     def delete(self, table: str, ids: np.ndarray) -> int:
