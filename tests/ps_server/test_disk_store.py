@@ -218,7 +218,11 @@ def test_a_disk_ps_exports_its_caches_bytes_and_compactions(make_ps, tmp_path):
         store.close()
 
 
-def test_a_sorted_load_fills_an_empty_table_and_a_cut_short_one_is_recounted(tmp_path):
+class _Killed(BaseException):
+    """The PS dying at a point a test picks."""
+
+
+def test_a_sorted_load_fills_an_empty_table_and_a_cut_short_one_is_recounted(tmp_path, monkeypatch):
     url = f"disk://{tmp_path}/db?cache_bytes=4MiB"
     store = DiskStore(url)
     try:
@@ -226,7 +230,7 @@ def test_a_sorted_load_fills_an_empty_table_and_a_cut_short_one_is_recounted(tmp
         ids = np.arange(-500, 500) * 7
         chunks = [(ids[s : s + 300], np.full((len(ids[s : s + 300]), 4), s, np.float32)) for s in range(0, 1000, 300)]
         assert store.load_sorted("t", chunks, rows_per_file=250) == 1000
-        assert store.num_rows("t") == 1000 and not list((tmp_path / "db").glob("load_sorted*"))
+        assert store.num_rows("t") == 1000 and not list((tmp_path / "db" / disk_load.SPILL).iterdir())
         rows, found = store.pull("t", np.concatenate([ids, [1, 2]]))
         assert found.tolist() == [True] * 1000 + [False, False]
         assert rows[:1000, 0].tolist() == [float(i // 300 * 300) for i in range(1000)]
@@ -241,10 +245,21 @@ def test_a_sorted_load_fills_an_empty_table_and_a_cut_short_one_is_recounted(tmp
         store.load_sorted("u", [(np.arange(50), np.ones((50, 4), np.float32))])
         store._db.put(disk_load.marker(store._tables["u"].number), b"")
         store._db.put(disk._COUNT + disk.table_prefix(store._tables["u"].number), (0).to_bytes(8, "little"))
+        # an import (ids in any order, repeated) killed between its ingest and its count
+        ingest = disk_load._ingest
+
+        def ingest_then_die(*args):
+            ingest(*args)
+            raise _Killed
+
+        monkeypatch.setattr(disk_load, "_ingest", ingest_then_die)
+        store.create_table(TableSchema("v", 3, 1, "fp32"))
+        with pytest.raises(_Killed):
+            store.import_rows("v", [(np.array([5, -3, 9, 5]), np.ones((4, 4), np.float32))], replace=False)
     finally:
         store.close()
     store = DiskStore(url)
     try:
-        assert store.num_rows("u") == 50 and store.num_rows("t") == 1000
+        assert store.num_rows("u") == 50 and store.num_rows("t") == 1000 and store.num_rows("v") == 3
     finally:
         store.close()

@@ -41,7 +41,7 @@ import numpy as np
 
 from dynemb.common.arrays import unique
 from dynemb.ps_server import native
-from dynemb.ps_server.backends import disk_load
+from dynemb.ps_server.backends import disk_import, disk_load
 from dynemb.ps_server.backends.base import Store, check_same_schema, rows_out
 from dynemb.ps_server.backends.disk_cache import PoolBudget, RowPool
 from dynemb.ps_server.backends.disk_config import (
@@ -173,6 +173,7 @@ class DiskStore(Store):
                     "one PS per directory"
                 ) from None
             raise BackendUnavailable(f"disk backend {self.path}: RocksDB cannot open it ({text[:300]})") from None
+        disk_load.remove_spills(self.path)  # of loads cut short: RocksDB's LOCK keeps any other PS out
         self._rows: Any = self._db.get_column_family(ROWS_CF)
         self._rows_h: Any = self._db.get_column_family_handle(ROWS_CF)
         self._logs: Any = self._db.get_column_family(LOGS_CF)
@@ -565,6 +566,15 @@ class DiskStore(Store):
             InvalidArgument: the table has rows or keeps a change log, or ids do not ascend.
         """
         return disk_load.load_sorted(self, self._table(table), chunks, rows_per_file)
+
+    def import_rows(self, table: str, chunks: Iterable[tuple[np.ndarray, np.ndarray]], replace: bool) -> int:
+        """See Store.import_rows: into a table that is empty (once cleared, if replace) and keeps no
+        change log, loaded in bulk whatever order the ids come in (disk_import.py: sorted on this
+        disk, then table files ingested whole); otherwise pushed. In bulk nothing is visible until
+        the last chunk came, then every row at once; a stream that breaks mid-way writes nothing
+        (the client's _ImportStream opens it again and sends every chunk from the first, or, past
+        the chunks it keeps, says to run the import again)."""
+        return disk_import.import_rows(self, table, chunks, replace)
 
     def delete(self, table: str, ids: np.ndarray) -> int:
         """See Store.delete."""
