@@ -52,6 +52,9 @@ class Trained(nn.Module):
         return loss, loss.detach()
 
 
+HERE = "_here"
+
+
 def run(mode: str, store: str | None, rank: int) -> list[float]:
     rows = UNIVERSE if mode == "full" else CAPACITY
     model, dense = build(rows)
@@ -104,7 +107,12 @@ def main() -> None:
     faulthandler.dump_traceback_later(200, exit=True)  # a hung collective prints its stacks
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    got = {m: run(m, None if store == "embedded" else store, rank) for m in sys.argv[3].split(",")}
+    # a mode ending in HERE runs over the ranks' own embedded stores whatever `store` is: the
+    # same loop over two stores, for a bit-for-bit comparison of their losses
+    got = {
+        m: run(m.removesuffix(HERE), None if store == "embedded" or m.endswith(HERE) else store, rank)
+        for m in sys.argv[3].split(",")
+    }
     np.savez(os.path.join(out, f"rank{rank}.npz"), **{m: np.array(v) for m, v in got.items()})
     leave_process_groups()
 

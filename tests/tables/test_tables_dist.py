@@ -2,7 +2,8 @@
 the loop takes its batches (plain, a thread transforming ahead, TorchRec's
 TrainPipelineSparseDist with and without it, with evaluation passes inside the loop), with no
 process group made by the user, over the ranks' embedded stores and over a PS on Redis (and,
-in the plain loop, over a PS on the disk store)."""
+in the plain loop, over a PS on the disk store); over a PS, bit for bit the losses of the same
+loop over the ranks' embedded stores."""
 
 from __future__ import annotations
 
@@ -29,7 +30,10 @@ def test_two_ranks_train_exactly_like_full_tables_in_every_loop(store, tmp_path,
     modes = MODES + (EVAL_MODES if store == "embedded" else [])
     if store == "disk":
         modes = ["plain"]
-    done = torchrun(2, WORKER, str(tmp_path), where, ",".join(["full", *modes]))
+    # over a PS, the plain loop once more over the ranks' embedded stores: its losses must be the
+    # PS run's bit for bit (rows travel as bytes; every store initialises a new row alike)
+    here = [] if store == "embedded" else ["plain_here"]
+    done = torchrun(2, WORKER, str(tmp_path), where, ",".join(["full", *modes, *here]))
     assert done.returncode == 0, done.stderr[-4000:]
     for rank in range(2):
         got = np.load(tmp_path / f"rank{rank}.npz")
@@ -37,6 +41,8 @@ def test_two_ranks_train_exactly_like_full_tables_in_every_loop(store, tmp_path,
         for mode in modes:
             diff = np.abs(got[mode] - got["full"])
             assert diff.max() <= 1e-6, f"rank {rank}, {mode}: losses part at step {int(diff.argmax())}"
+        for mode in here:
+            assert np.array_equal(got["plain"], got[mode]), f"rank {rank}: {store} and embedded losses differ"
 
 
 @pytest.mark.dist
