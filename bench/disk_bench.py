@@ -16,6 +16,7 @@ Tables are dim 16 with row-wise Adagrad: 17 fp32 values, 68 bytes a row.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
@@ -32,8 +33,10 @@ from dynemb.ps_server.backends.disk_cache import SLOT_OVERHEAD  # noqa: E402
 from dynemb.ps_server.backends.disk_config import POOL_SHARE  # noqa: E402
 from dynemb.ps_server.backends.embedded import EmbeddedStore  # noqa: E402
 from dynemb.ps_server.client import PSClient  # noqa: E402
+from dynemb.ps_server.memory_trim import TRIM_SECONDS  # noqa: E402
 from dynemb.ps_server.schema import TableSchema, optimizer_state_width  # noqa: E402
 from dynemb.testing.local_ps import LocalPS  # noqa: E402
+from dynemb.testing.local_redis import RedisProcess  # noqa: E402
 from dynemb.trainer.zipf import BoundedZipf  # noqa: E402
 
 DIM = 16
@@ -69,6 +72,15 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=10_000_000)
     p.add_argument("--batch", type=int, default=16_384, help="ids a pull or push")
     p.add_argument("--batches", type=int, default=40, help="timed batches per case")
+    p.add_argument(
+        "--warm-batches",
+        type=int,
+        default=40,
+        help="Zipf batches pulled before the timed ones, in process and through the PS (the pool's warm-up)",
+    )
+    p.add_argument(
+        "--redis", action="store_true", help="through a PS over redis-server too, on the same batches (its RAM)"
+    )
     p.add_argument("--cache-share", type=float, default=0.10, help="cache_bytes as a share of the rows' raw bytes")
     p.add_argument("--compression", default="none", choices=["none", "lz4"])
     p.add_argument("--sync", default="ack", help="the disk store's sync setting")
@@ -136,9 +148,14 @@ def main() -> None:
     def zipf_batch() -> np.ndarray:
         return rank_to_id[draw_rank(rng, args.batch) - 1]
 
+    warm = [zipf_batch() for _ in range(args.warm_batches)]
     zipf = [zipf_batch() for _ in range(args.batches)]
     uniform = [ids[rng.integers(0, n, args.batch)] for _ in range(args.batches)]
-    for b in [zipf_batch() for _ in range(args.batches)]:  # warm the cache with other Zipf batches
+    print(
+        f"draws of the timed Zipf batches whose id no earlier batch drew: {first_seen(warm, zipf):.3f} "
+        f"(after {len(warm)} batches to warm the pool: no cache of rows seen before can hit them)"
+    )
+    for b in warm:
         disk.pull_into("t", b, out)
     got = np.empty_like(out)
     for b in zipf[:3] + uniform[:3]:  # the same rows from both
@@ -196,9 +213,20 @@ def main() -> None:
     url = disk.config
     disk.close()
     if not args.no_ps:
-        through_ps(args, f"disk://{url.path}?cache_bytes={url.cache_bytes}&sync={url.sync}", ids, zipf, uniform)
+        backend = f"disk://{url.path}?cache_bytes={url.cache_bytes}&sync={url.sync}"
+        through_ps(args, backend, ids, warm, zipf, uniform)
     if not args.dir:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def first_seen(warm: list[np.ndarray], timed: list[np.ndarray]) -> float:
+    """The share of the timed batches' draws whose id no earlier batch (warm or timed) drew."""
+    seen = np.unique(np.concatenate(warm)) if warm else np.zeros(0, np.int64)
+    new = 0
+    for b in timed:
+        new += int((~np.isin(b, seen)).sum())
+        seen = np.union1d(seen, b)
+    return new / sum(len(b) for b in timed)
 
 
 def pool_lookups(ps: LocalPS) -> tuple[float, float]:
@@ -246,7 +274,7 @@ def disk_ps_only(args) -> None:
     )
     rank_to_id = ids[rng.permutation(n)]
     draw_rank = BoundedZipf(1.05, n)
-    warm = [rank_to_id[draw_rank(rng, args.batch) - 1] for _ in range(args.batches)]
+    warm = [rank_to_id[draw_rank(rng, args.batch) - 1] for _ in range(args.warm_batches)]
     zipf = [rank_to_id[draw_rank(rng, args.batch) - 1] for _ in range(args.batches)]
     uniform = [ids[rng.integers(0, n, args.batch)] for _ in range(args.batches)]
     with tempfile.TemporaryDirectory(prefix="disk_bench_empty_") as empty:
@@ -289,8 +317,9 @@ def disk_ps_only(args) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def through_ps(args, backend: str, ids: np.ndarray, zipf: list, uniform: list) -> None:
-    """The same pulls through a disk PS (reopening the database) and an embedded PS (loaded by pushes)."""
+def through_ps(args, backend: str, ids: np.ndarray, warm: list, zipf: list, uniform: list) -> None:
+    """The same pulls and pushes through a disk PS (reopening the database), an embedded PS and,
+    with --redis, a PS over redis-server (both loaded by pushes)."""
     with tempfile.TemporaryDirectory(prefix="disk_bench_empty_") as empty:
         with LocalPS(
             "--backend", f"disk://{empty}/db?cache_bytes={cache_bytes(backend)}", "--log-level", "WARNING"
@@ -300,41 +329,58 @@ def through_ps(args, backend: str, ids: np.ndarray, zipf: list, uniform: list) -
             time.sleep(1)
             print(f"an idle disk PS with an empty table: RSS {rss_mib(ps.proc.pid):.0f} MiB")
     start = time.perf_counter()
-    with (
-        LocalPS("--backend", backend, "--log-level", "WARNING") as disk_ps,
-        LocalPS("--log-level", "WARNING") as emb_ps,
-    ):
-        with PSClient(disk_ps.address, timeout=600) as dc, PSClient(emb_ps.address, timeout=600) as ec:
-            rows = dc.describe_table("t").num_rows
-            print(
-                f"disk PS and embedded PS up in {time.perf_counter() - start:.1f} s; the disk PS serves "
-                f"{rows:,} rows at once (RSS {rss_mib(disk_ps.proc.pid):.0f} MiB)"
-            )
-            ec.create_table_from_schema(SCHEMA)
+    with contextlib.ExitStack() as stack:
+        disk_ps = stack.enter_context(LocalPS("--backend", backend, "--log-level", "WARNING"))
+        emb_ps = stack.enter_context(LocalPS("--log-level", "WARNING"))
+        dc = stack.enter_context(PSClient(disk_ps.address, timeout=600))
+        clients = {"embedded PS": stack.enter_context(PSClient(emb_ps.address, timeout=600))}
+        rows = dc.describe_table("t").num_rows
+        print(
+            f"disk PS and embedded PS up in {time.perf_counter() - start:.1f} s; the disk PS serves "
+            f"{rows:,} rows at once (RSS {rss_mib(disk_ps.proc.pid):.0f} MiB)"
+        )
+        redis_proc = None
+        if args.redis:
+            redis_proc = stack.enter_context(RedisProcess())
+            redis_ps = stack.enter_context(LocalPS("--backend", redis_proc.url, "--log-level", "WARNING"))
+            clients["Redis PS"] = stack.enter_context(PSClient(redis_ps.address, timeout=600))
+        for c in clients.values():
+            c.create_table_from_schema(SCHEMA)
             for s in range(0, len(ids), 1 << 18):
-                ec.push("t", ids[s : s + (1 << 18)], rows_for(ids[s : s + (1 << 18)]))
-            for b in zipf[:5]:  # a warm-up (connections, the cache as the first part left it)
-                dc.pull("t", b)
-            for name, batches in (("zipf", zipf), ("uniform", uniform)):
-                t_disk = timed(lambda b: dc.pull("t", b), batches)
-                t_emb = timed(lambda b: ec.pull("t", b), batches)
-                n = len(batches) * args.batch
-                print(
-                    f"PS pull {name}: disk PS {n / t_disk:,.0f} rows/s, embedded PS {n / t_emb:,.0f} rows/s, "
-                    f"ratio {t_emb / t_disk:.2f}"
-                )
-            pushes = [ids[np.random.default_rng(k).integers(0, len(ids), args.batch)] for k in range(args.batches)]
-            for name, batches in (("stored rows", pushes), ("the Zipf batches", zipf)):
-                t_disk = timed(lambda b: dc.push("t", b, rows_for(b)), batches)
-                t_emb = timed(lambda b: ec.push("t", b, rows_for(b)), batches)
-                n = len(batches) * args.batch
-                print(
-                    f"PS push of {name}: disk PS {n / t_disk:,.0f} rows/s, embedded PS {n / t_emb:,.0f} rows/s, "
-                    f"ratio {t_emb / t_disk:.2f}"
-                )
-            print(
-                f"disk PS RSS {rss_mib(disk_ps.proc.pid):.0f} MiB, embedded PS RSS {rss_mib(emb_ps.proc.pid):.0f} MiB"
-            )
+                c.push("t", ids[s : s + (1 << 18)], rows_for(ids[s : s + (1 << 18)]))
+        for b in warm:  # the batches that warmed the pool in process: the reopened PS's pool is empty
+            dc.pull("t", b)
+        for c in clients.values():
+            for b in zipf[:5]:  # connections and buffers
+                c.pull("t", b)
+
+        def compare(what: str, fn, batches) -> None:
+            before = pool_lookups(disk_ps)
+            t_disk = timed(lambda b: fn(dc, b), batches)
+            hits, misses = (a - b for a, b in zip(pool_lookups(disk_ps), before))
+            n = len(batches) * args.batch
+            line = f"PS {what}: disk PS {n / t_disk:,.0f} rows/s"
+            for name, c in clients.items():
+                t = timed(lambda b, c=c: fn(c, b), batches)
+                line += f", {name} {n / t:,.0f} rows/s (disk / it {t / t_disk:.2f})"
+            if hits + misses:  # pulls (a push's check for stored rows is not counted as a lookup)
+                line += f"; disk PS pool hit rate {hits / (hits + misses):.3f}"
+            print(line, flush=True)
+
+        compare("pull zipf", lambda c, b: c.pull("t", b), zipf)
+        compare("pull uniform", lambda c, b: c.pull("t", b), uniform)
+        pushes = [ids[np.random.default_rng(k).integers(0, len(ids), args.batch)] for k in range(args.batches)]
+        compare("push of stored rows", lambda c, b: c.push("t", b, rows_for(b)), pushes)
+        compare("push of the Zipf batches", lambda c, b: c.push("t", b, rows_for(b)), zipf)
+        line = f"disk PS RSS {rss_mib(disk_ps.proc.pid):.0f} MiB, embedded PS RSS {rss_mib(emb_ps.proc.pid):.0f} MiB"
+        if redis_proc is not None:
+            line += f", redis-server RSS {rss_mib(redis_proc.proc.pid):.0f} MiB"
+        print(line)
+        time.sleep(TRIM_SECONDS + 1)
+        print(
+            f"disk PS RSS after {TRIM_SECONDS + 1:.0f} s idle (a trim of freed memory): "
+            f"{rss_mib(disk_ps.proc.pid):.0f} MiB"
+        )
 
 
 if __name__ == "__main__":
