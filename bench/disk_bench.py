@@ -313,6 +313,8 @@ def disk_ps_only(args) -> None:
             f"{time.perf_counter() - start:.0f} s): RSS {rss_mib(ps.proc.pid):.0f} MiB",
             flush=True,
         )
+        time.sleep(TRIM_SECONDS + 1)
+        print(f"after {TRIM_SECONDS + 1:.0f} s idle (a trim of freed memory): RSS {rss_mib(ps.proc.pid):.0f} MiB")
     if not args.dir:
         shutil.rmtree(folder, ignore_errors=True)
 
