@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import shutil
 import sys
@@ -92,9 +93,18 @@ def main() -> None:
         help="load the disk store with load_sorted (table files ingested) and measure a disk PS alone: "
         "for 10^8 rows, where the embedded store would not fit beside it (ratios come from 10^7)",
     )
+    p.add_argument(
+        "--import-only",
+        action="store_true",
+        help="import --rows rows in shuffled chunks through a disk PS: into an empty table (loaded in bulk) "
+        "and into one holding a row (pushed)",
+    )
     args = p.parse_args()
     if args.disk_ps_only:
         disk_ps_only(args)
+        return
+    if args.import_only:
+        import_through_ps(args)
         return
 
     n, rb = args.rows, SCHEMA.row_bytes
@@ -317,6 +327,35 @@ def disk_ps_only(args) -> None:
         print(f"after {TRIM_SECONDS + 1:.0f} s idle (a trim of freed memory): RSS {rss_mib(ps.proc.pid):.0f} MiB")
     if not args.dir:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def import_through_ps(args) -> None:
+    """An import of args.rows rows in shuffled chunks of 65,536 through a disk PS: into an empty
+    table (DiskStore.import_rows loads it in bulk) and into one that holds a row (pushes), in turn."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(-(1 << 63), (1 << 63) - 1, args.rows, dtype=np.int64)
+    chunk = 65_536
+    starts = rng.permutation(np.arange(0, args.rows, chunk))  # any order: the chunks of a checkpoint's shards
+    cache = max(1 << 20, int(args.cache_share * args.rows * SCHEMA.row_bytes))
+    with tempfile.TemporaryDirectory(prefix="disk_bench_import_", dir=args.dir or None) as folder:
+        with (
+            LocalPS("--backend", f"disk://{folder}/db?cache_bytes={cache}", "--log-level", "WARNING") as ps,
+            PSClient(ps.address, timeout=3600) as c,
+        ):
+            for name in ("bulk", "pushed"):
+                schema = dataclasses.replace(SCHEMA, name=name)
+                c.create_table_from_schema(schema)
+                if name == "pushed":
+                    c.push(name, ids[:1], rows_for(ids[:1]))
+                start = time.perf_counter()
+                c.import_rows(schema, ((ids[s : s + chunk], rows_for(ids[s : s + chunk])) for s in starts))
+                took = time.perf_counter() - start
+                assert c.describe_table(name).num_rows == args.rows, "an import lost or added rows"
+                print(
+                    f"import of {args.rows:,} rows, {name}: {args.rows / took:,.0f} rows/s ({took:.1f} s); "
+                    f"load average {os.getloadavg()[0]:.1f}",
+                    flush=True,
+                )
 
 
 def through_ps(args, backend: str, ids: np.ndarray, warm: list, zipf: list, uniform: list) -> None:
