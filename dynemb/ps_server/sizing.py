@@ -91,11 +91,14 @@ DISK_BLOCK_READS_PER_COLD_ROW = 0.85
 # index entry per 4 KiB block, so rows of more bytes take more a row: not measured); ~160 MiB at
 # 10^8 (a reopened PS's RSS against an idle one's).
 DISK_INDEX_BYTES_PER_ROW = 16 * 2**20 / 10**7
-# A disk PS's resident memory beyond its cache and its index and filters: 325 MiB peak RSS (the
-# highest run) less the 64 MiB cache and 16 MiB of index and filters; at 10^8 rows with a 648 MiB
-# cache and its pool full, 1,015-1,068 less 648 and ~160: 207-260 MiB. It is the process (75 MiB
-# idle), memtables (up to 2 x 64 MiB under pushes) and freed memory glibc holds.
-DISK_PS_RSS_BYTES_BEYOND_CACHE = (325 - 64 - 16) * 2**20
+# A disk PS's resident memory beyond its cache and its index and filters, with the PS's trim of
+# freed memory (memory_trim.py; bench/RESULTS.md, "against a Redis PS", 2026-11-29): 217 MiB
+# (the higher of two runs at 10^7 rows) less the 64 MiB cache and 16 MiB of index and filters
+# is 137 MiB, of which memtables 42; at 10^8 rows with a 648 MiB cache and its pool full, 946
+# less 648 and ~159: 139 MiB. The rest is the process (76 MiB idle) and buffers in use. Planned
+# with the memtables at their cap (2 x 64 MiB, under pushes), not as measured: 223 MiB.
+DISK_MEMTABLE_BYTES = 2 * 64 * 2**20
+DISK_PS_RSS_BYTES_BEYOND_CACHE = (217 - 64 - 16 - 42) * 2**20 + DISK_MEMTABLE_BYTES
 
 # -- fixed by the design, not measured ------------------------------------------------------
 
@@ -219,7 +222,7 @@ class DiskTier:
     processes_at_hot_pulls: int  # as many, were every pull as fast as the Zipf batches' (cache hit 0.80)
     cache_bytes: int  # all PSes together
     cache_bytes_per_ps: int
-    ps_memory_bytes: int  # one PS: its cache, index and filters, and the rest as measured
+    ps_memory_bytes: int  # one PS: its cache, index and filters, the rest as measured, memtables at their cap
     memory_bytes: int  # all PSes together
     block_reads_per_s_per_disk: float  # by the pulls, at the cold pulls' measured reads a row
     redis_memory_bytes: int  # the Redis tier's RAM to compare: masters, replicas, PS processes
@@ -676,7 +679,8 @@ def format_disk_tier(p: Plan) -> list[str]:
         f"{DISK_MEASURED_CACHE_HIT_RATE:g} on Zipf(1.05) batches,",
         "                ~0.12 on uniform ones; other fractions, and the trainers' misses, were not measured)",
         f"PS memory:      {_bytes(d.memory_bytes)} ({_bytes(d.ps_memory_bytes)} a process: its cache, index and "
-        f"filters, {_bytes(DISK_PS_RSS_BYTES_BEYOND_CACHE)} more as measured)",
+        f"filters, {_bytes(DISK_PS_RSS_BYTES_BEYOND_CACHE)} more: the process as measured, memtables at "
+        "their cap)",
         f"disk reads:     {_count(d.block_reads_per_s_per_disk)} blocks/s a disk for the pulls "
         f"({DISK_BLOCK_READS_PER_COLD_ROW:g} a cold row, measured; the disk's own rate was not)",
     ]

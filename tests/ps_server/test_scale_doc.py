@@ -367,7 +367,7 @@ def test_the_disk_tier_follows_from_the_measured_constants():
     assert d.processes == 64 and d.processes_at_hot_pulls == math.ceil(8e6 / (0.5 * 2 / (1 / 1_620_053 + 1 / 194_187)))
     # the cache: 0.1 of the rows' bytes, spread over the PSes; a PS's memory adds its index and the rest measured
     assert d.cache_bytes == 768 * 10**9 and d.cache_bytes_per_ps == math.ceil(768 * 10**9 / 64)
-    assert d.ps_memory_bytes == math.ceil(d.cache_bytes_per_ps + 16 * 2**20 / 10**7 * 10**10 / 64 + 245 * 2**20)
+    assert d.ps_memory_bytes == math.ceil(d.cache_bytes_per_ps + 16 * 2**20 / 10**7 * 10**10 / 64 + 223 * 2**20)
     assert d.memory_bytes == 64 * d.ps_memory_bytes
     assert d.block_reads_per_s_per_disk == pytest.approx(4e6 / 64 * 0.85)
     # against Redis: masters and replicas hold the rows in RAM, the PS processes beside them
