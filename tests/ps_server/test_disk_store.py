@@ -6,6 +6,8 @@ in test_embedded_store.py, kill -9 under pushes in test_ps_drain.py)."""
 from __future__ import annotations
 
 import re
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -122,6 +124,32 @@ def test_a_dropped_table_is_purged_and_its_name_starts_empty(tmp_path):
         assert store._tables["t"].number != old  # a number is never reused
         assert store.num_rows("t") == 0 and not store.pull("t", np.arange(5000))[1].any()
         wait_until_purged(store, old, 5000, "the purge of the dropped table's rows")
+    finally:
+        store.close()
+
+
+def test_a_drop_waiting_on_a_long_write_leaves_other_tables_free(tmp_path):
+    """A drop waits for its table's write in flight (a bulk load holds the lock for a minute at
+    10^8 rows), but not holding the store's lock meanwhile: other tables are made and dropped."""
+    store = DiskStore(f"disk://{tmp_path}/db?cache_bytes=4MiB&sync=100")
+    try:
+        store.create_table(SCHEMA)
+        store.create_table(TableSchema("other", 3, 1, "fp32"))
+        t = store._tables["t"]
+        dropped: list[int | None] = []
+        with t.lock:  # a long write into t
+            dropper = threading.Thread(target=lambda: dropped.append(store.drop_table("t")))
+            dropper.start()
+            time.sleep(0.2)  # the drop now waits on t's lock
+            maker = threading.Thread(
+                target=lambda: (store.create_table(TableSchema("u", 3, 1, "fp32")), store.drop_table("other"))
+            )
+            maker.start()
+            maker.join(timeout=10)
+            assert not maker.is_alive(), "a drop waiting on one table's write held up the others"
+            assert not dropped and "t" in store._tables
+        dropper.join(timeout=10)
+        assert dropped == [0] and sorted(store._tables) == ["u"]
     finally:
         store.close()
 

@@ -182,7 +182,7 @@ class DiskStore(Store):
         self._rd = rd
         self._scatter = native.id_index().scatter
         self._reader = ThreadPoolExecutor(_GET_PARTS - 1, thread_name_prefix="disk-read")
-        self._lock = threading.Lock()  # creates and drops
+        self._lock = threading.Lock()  # creates and drops; taken after a table's lock, never before
         self._closed = False
         self._check_format()
         stored_next = self._db.get(_NEXT_KEY)
@@ -324,12 +324,19 @@ class DiskStore(Store):
 
     def drop_table(self, table: str) -> int | None:
         """See Store.drop_table: the table's number marked dead, its rows and logs deleted by the
-        purge thread by point deletes, a step at a time; the drop is logged (drops())."""
-        with self._lock:
-            t = self._tables.pop(table, None)
+        purge thread by point deletes, a step at a time; the drop is logged (drops()).
+
+        The table's lock is taken before the store's (a write in flight, a bulk load's minute
+        included, ends first), so creates and drops of other tables go on meanwhile."""
+        while True:
+            with self._lock:
+                t = self._tables.get(table)
             if t is None:
                 return None
-            with t.lock:
+            with t.lock, self._lock:
+                if self._tables.get(table) is not t:
+                    continue  # dropped meanwhile (and maybe made again: that one is dropped next)
+                del self._tables[table]
                 t.dropped = True
                 t.pool.close()
                 self._dropped_lookups[0] += t.pool.hits
@@ -343,6 +350,7 @@ class DiskStore(Store):
                 batch.put(_DEAD + table_prefix(t.number), b"")
                 self._drop_log.append(batch, table, time.time())
                 self._write(batch)
+            break
         self._durable()
         self._purge_wake.set()
         return t.count
