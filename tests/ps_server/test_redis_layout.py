@@ -275,6 +275,8 @@ def test_every_cluster_master_gets_the_limits_and_huge_tables_scan_them_all(redi
         # leave, and the log of drops
         left = sorted(k for n in cluster.nodes for k in n.client().keys())
         assert left == sorted([dropped_key("cl"), redis_keys.drops_key("cl")])
+        # the drop's own sweep (nothing due yet) ends first: a create while it runs starts none
+        store._sweeper.join(timeout=60)
         monkeypatch.setattr(redis_keys, "SWEEP_DROPPED_AFTER_S", 0.0)
         store.create_table(TableSchema("next", dim=2))  # sweeps it: by SCAN too, not 2M commands
         store._sweeper.join(timeout=60)  # the sweep runs on a thread of its own
