@@ -156,6 +156,8 @@ class PSServer:
                 options.setdefault("rows_per_bucket", config.redis_rows_per_bucket)
                 options.setdefault("listpack", config.redis_listpack)
                 options.setdefault("durable", Durability.parse(config.redis_durable, config.redis_durable_timeout_ms))
+            else:
+                _warn_of_redis_settings(config)
             store = open_store(config.backend, namespace=config.namespace, **options)
             if config.read_only:
                 store = _read_only(store, config.namespace)
@@ -410,6 +412,30 @@ class PSServer:
     def wait(self) -> None:
         """Block until the server has stopped."""
         self._grpc.wait_for_termination()
+
+
+# ServeConfig's settings that only a Redis backend reads, with their flags
+_REDIS_SETTINGS = {
+    "redis_buckets": "--redis-buckets",
+    "redis_rows_per_bucket": "--redis-rows-per-bucket",
+    "redis_listpack": "--redis-listpack",
+    "redis_durable": "--redis-durable",
+    "redis_durable_timeout_ms": "--redis-durable-timeout-ms",
+}
+
+
+def _warn_of_redis_settings(config: ServeConfig) -> None:
+    """Log the Redis settings given other than their defaults to a PS whose store is not Redis:
+    they change nothing there (a disk PS's durability is its URL's sync=)."""
+    defaults = ServeConfig()
+    given = [flag for name, flag in _REDIS_SETTINGS.items() if getattr(config, name) != getattr(defaults, name)]
+    if given:
+        log.warning(
+            "%s set, but the backend %s is not Redis: ignored%s",
+            ", ".join(given),
+            config.backend or "embedded://",
+            " (the disk store's durability is its URL's sync=ack|<ms>)" if config.backend.startswith("disk") else "",
+        )
 
 
 def _read_only(store: Store, namespace: str) -> Store:

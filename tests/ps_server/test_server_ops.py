@@ -413,3 +413,18 @@ def test_the_ps_listens_on_loopback_unless_told_otherwise(monkeypatch):
     assert args.address == "127.0.0.1:50051" and args.metrics_address == "127.0.0.1"
     monkeypatch.setenv("DYNEMB_PS_ADDRESS", "0.0.0.0:50051")
     assert build_parser().parse_args(["ps", "serve"]).address == "0.0.0.0:50051"
+
+
+def test_redis_settings_given_to_a_disk_ps_are_named_as_ignored(tmp_path, caplog):
+    from dynemb.ps_server.server import PSServer, ServeConfig
+
+    def warnings(**settings) -> list[str]:
+        caplog.clear()
+        config = ServeConfig(address="127.0.0.1:0", metrics_port=None, backend=f"disk://{tmp_path}/db", **settings)
+        with caplog.at_level("WARNING", logger="dynemb.ps"):
+            PSServer(config).store.close()
+        return [r.getMessage() for r in caplog.records if "not Redis" in r.getMessage()]
+
+    assert warnings() == []  # the defaults (as deploy/k8s/base/ps.env sets them) say nothing
+    (said,) = warnings(redis_durable="off", redis_buckets=64)
+    assert "--redis-buckets, --redis-durable" in said and "sync=ack|<ms>" in said
