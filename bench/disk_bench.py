@@ -229,6 +229,17 @@ def main() -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def print_idle_disk_ps_rss(cache: int | str) -> None:
+    """Print the resident memory of a disk PS with this cache_bytes and one empty table: what a
+    PS costs before any row (the baseline its RSS after the work is read against)."""
+    with tempfile.TemporaryDirectory(prefix="disk_bench_empty_") as empty:
+        with LocalPS("--backend", f"disk://{empty}/db?cache_bytes={cache}", "--log-level", "WARNING") as ps:
+            with PSClient(ps.address) as c:
+                c.create_table_from_schema(SCHEMA)
+            time.sleep(1)
+            print(f"an idle disk PS with an empty table: RSS {rss_mib(ps.proc.pid):.0f} MiB")
+
+
 def first_seen(warm: list[np.ndarray], timed: list[np.ndarray]) -> float:
     """The share of the timed batches' draws whose id no earlier batch (warm or timed) drew."""
     seen = np.unique(np.concatenate(warm)) if warm else np.zeros(0, np.int64)
@@ -287,12 +298,7 @@ def disk_ps_only(args) -> None:
     warm = [rank_to_id[draw_rank(rng, args.batch) - 1] for _ in range(args.warm_batches)]
     zipf = [rank_to_id[draw_rank(rng, args.batch) - 1] for _ in range(args.batches)]
     uniform = [ids[rng.integers(0, n, args.batch)] for _ in range(args.batches)]
-    with tempfile.TemporaryDirectory(prefix="disk_bench_empty_") as empty:
-        with LocalPS("--backend", f"disk://{empty}/db?cache_bytes={cache}", "--log-level", "WARNING") as ps:
-            with PSClient(ps.address) as c:
-                c.create_table_from_schema(SCHEMA)
-            time.sleep(1)
-            print(f"an idle disk PS with an empty table: RSS {rss_mib(ps.proc.pid):.0f} MiB")
+    print_idle_disk_ps_rss(cache)
     start = time.perf_counter()
     with LocalPS("--backend", url, "--log-level", "WARNING") as ps, PSClient(ps.address, timeout=600) as c:
         print(
@@ -361,14 +367,7 @@ def import_through_ps(args) -> None:
 def through_ps(args, backend: str, ids: np.ndarray, warm: list, zipf: list, uniform: list) -> None:
     """The same pulls and pushes through a disk PS (reopening the database), an embedded PS and,
     with --redis, a PS over redis-server (both loaded by pushes)."""
-    with tempfile.TemporaryDirectory(prefix="disk_bench_empty_") as empty:
-        with LocalPS(
-            "--backend", f"disk://{empty}/db?cache_bytes={cache_bytes(backend)}", "--log-level", "WARNING"
-        ) as ps:
-            with PSClient(ps.address) as c:
-                c.create_table_from_schema(SCHEMA)
-            time.sleep(1)
-            print(f"an idle disk PS with an empty table: RSS {rss_mib(ps.proc.pid):.0f} MiB")
+    print_idle_disk_ps_rss(cache_bytes(backend))
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
         disk_ps = stack.enter_context(LocalPS("--backend", backend, "--log-level", "WARNING"))
