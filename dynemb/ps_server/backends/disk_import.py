@@ -100,7 +100,7 @@ def _empty(store: DiskStore, t: _DiskTable) -> bool:
     """Whether t may be loaded in bulk now: no rows, no change log (fill_empty checks again)."""
     with t.lock:
         store._live(t)
-        return not t.count and not t.change_log
+        return disk_load.fillable(t)
 
 
 def _push(store: DiskStore, table: str, chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> int:

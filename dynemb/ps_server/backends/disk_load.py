@@ -67,6 +67,12 @@ def load_sorted(
     return total
 
 
+def fillable(t: _DiskTable) -> bool:
+    """Whether t may be filled in bulk (under its lock): no rows, and no change log (the rows
+    would go unlogged)."""
+    return not t.count and not t.change_log
+
+
 def fill_empty(
     store: DiskStore, t: _DiskTable, chunks: Iterable[tuple[np.ndarray, np.ndarray]], folder: Path, rows_per_file: int
 ) -> int | None:
@@ -94,7 +100,7 @@ def fill_empty(
     """
     with t.lock:
         store._live(t)
-        if t.count or t.change_log:
+        if not fillable(t):
             return None
         batch = store._batch()
         batch.put(marker(t.number), b"")
